@@ -1,0 +1,80 @@
+//! JetStream key-value buckets and streams, configured in one place.
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, kv, stream};
+
+/// How long a claim lives without renewal; a dead host's claims expire after this.
+pub const CLAIM_TTL: Duration = Duration::from_secs(30);
+
+/// Bucket of claims: key `run-{exec}` or `cpu-{session}`, value = host id.
+/// Hosts claim with an atomic create; exactly one create succeeds.
+pub fn claims_bucket(prefix: &str) -> String {
+    format!("{}_claims", sanitize(prefix))
+}
+
+/// Bucket of planner state: key = session id, value = the session's definition
+/// history, so a restarted or second planner loses nothing.
+pub fn planner_bucket(prefix: &str) -> String {
+    format!("{}_planner", sanitize(prefix))
+}
+
+/// Key of a run claim.
+pub fn run_claim_key(exec: uuid::Uuid) -> String {
+    format!("run-{exec}")
+}
+
+/// Key of a session's persistent CPU worker claim.
+pub fn cpu_claim_key(session: uuid::Uuid) -> String {
+    format!("cpu-{session}")
+}
+
+fn sanitize(prefix: &str) -> String {
+    prefix.replace(['.', '*', '>', ' '], "_")
+}
+
+/// Get or create the claims bucket.
+pub async fn claims(js: &jetstream::Context, prefix: &str) -> Result<kv::Store, String> {
+    ensure_bucket(js, kv::Config {
+        bucket: claims_bucket(prefix),
+        history: 1,
+        max_age: CLAIM_TTL,
+        ..Default::default()
+    })
+    .await
+}
+
+/// Get or create the planner bucket.
+pub async fn planner(js: &jetstream::Context, prefix: &str) -> Result<kv::Store, String> {
+    ensure_bucket(js, kv::Config { bucket: planner_bucket(prefix), history: 1, ..Default::default() }).await
+}
+
+async fn ensure_bucket(js: &jetstream::Context, config: kv::Config) -> Result<kv::Store, String> {
+    let name = config.bucket.clone();
+    match js.get_key_value(&name).await {
+        Ok(store) => Ok(store),
+        Err(_) => match js.create_key_value(config).await {
+            Ok(store) => Ok(store),
+            // another service created it between our get and create
+            Err(create_err) => js
+                .get_key_value(&name)
+                .await
+                .map_err(|e| format!("bucket {name}: create failed ({create_err}), get failed ({e})")),
+        },
+    }
+}
+
+/// Get or create the stream that keeps session events for replay.
+pub async fn events_stream(
+    js: &jetstream::Context,
+    subjects: &crate::Subjects,
+) -> Result<stream::Stream, String> {
+    js.get_or_create_stream(stream::Config {
+        name: subjects.events_stream(),
+        subjects: vec![subjects.all_events()],
+        max_age: Duration::from_secs(24 * 3600),
+        ..Default::default()
+    })
+    .await
+    .map_err(|e| format!("stream {}: {e}", subjects.events_stream()))
+}

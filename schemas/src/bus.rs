@@ -1,0 +1,272 @@
+//! A typed client over async-nats: publish, request and subscribe-and-decode, with
+//! the message type and version in headers and W3C trace context on every message.
+//!
+//! A payload that does not decode is yielded as an error by [`Subscription::next`];
+//! services log it and keep serving (CONVENTIONS.md 14).
+
+use std::marker::PhantomData;
+use std::time::Duration;
+
+use async_nats::{Client, HeaderMap, Message};
+use futures::StreamExt;
+
+use crate::codec::{self, CodecError, WireMessage};
+use crate::messages::{ErrorCode, Reply};
+use crate::subjects::Subjects;
+use crate::telemetry;
+
+/// Why a bus operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum BusError {
+    /// Could not connect to NATS.
+    #[error("cannot connect to NATS at {url}: {reason}")]
+    Connect {
+        /// The server URL.
+        url: String,
+        /// What the client said.
+        reason: String,
+    },
+    /// A publish failed.
+    #[error("publish to {subject} failed: {reason}")]
+    Publish {
+        /// The subject.
+        subject: String,
+        /// What the client said.
+        reason: String,
+    },
+    /// A request got no reply in time, or no responder.
+    #[error("request to {subject} failed: {reason}")]
+    Request {
+        /// The subject.
+        subject: String,
+        /// What the client said.
+        reason: String,
+    },
+    /// A subscribe failed.
+    #[error("subscribe to {subject} failed: {reason}")]
+    Subscribe {
+        /// The subject.
+        subject: String,
+        /// What the client said.
+        reason: String,
+    },
+    /// A message did not encode or decode.
+    #[error("{subject}: {source}")]
+    Codec {
+        /// The subject.
+        subject: String,
+        /// The codec error.
+        source: CodecError,
+    },
+    /// The responder answered with a typed error.
+    #[error("{subject} answered {code:?}: {message}")]
+    Remote {
+        /// The subject.
+        subject: String,
+        /// The error code.
+        code: ErrorCode,
+        /// Its message.
+        message: String,
+    },
+}
+
+/// The typed bus of one service.
+#[derive(Clone, Debug)]
+pub struct Bus {
+    client: Client,
+    subjects: Subjects,
+}
+
+/// A decoded message with what came with it.
+#[derive(Debug)]
+pub struct Envelope<M> {
+    /// The subject it arrived on.
+    pub subject: String,
+    /// Where to send the reply, for requests.
+    pub reply: Option<String>,
+    /// Its headers (trace context).
+    pub headers: Option<HeaderMap>,
+    /// The message.
+    pub msg: M,
+}
+
+impl<M> Envelope<M> {
+    /// A span for handling this message, continuing the sender's trace.
+    pub fn span(&self, name: &'static str) -> tracing::Span {
+        let span = tracing::info_span!(
+            "handle",
+            otel.name = name,
+            messaging.system = "nats",
+            messaging.destination.name = %self.subject,
+            messaging.operation = "process",
+        );
+        telemetry::continue_trace(&span, self.headers.as_ref());
+        span
+    }
+}
+
+impl Bus {
+    /// Connect to `url` as `name`, with subjects under `prefix`.
+    pub async fn connect(url: &str, prefix: &str, name: &str) -> Result<Self, BusError> {
+        let client = async_nats::ConnectOptions::new()
+            .name(name)
+            .connection_timeout(Duration::from_secs(5))
+            .connect(url)
+            .await
+            .map_err(|e| BusError::Connect { url: url.to_string(), reason: e.to_string() })?;
+        Ok(Self { client, subjects: Subjects::new(prefix) })
+    }
+
+    /// Wrap an existing client.
+    pub fn from_client(client: Client, prefix: &str) -> Self {
+        Self { client, subjects: Subjects::new(prefix) }
+    }
+
+    /// The subjects of this bus's prefix.
+    pub fn subjects(&self) -> &Subjects {
+        &self.subjects
+    }
+
+    /// The raw client (JetStream, service API).
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// A JetStream context on this connection.
+    pub fn jetstream(&self) -> async_nats::jetstream::Context {
+        async_nats::jetstream::new(self.client.clone())
+    }
+
+    fn encode<M: WireMessage>(subject: &str, msg: &M) -> Result<(HeaderMap, Vec<u8>), BusError> {
+        let (mut headers, payload) =
+            codec::encode(msg).map_err(|source| BusError::Codec { subject: subject.to_string(), source })?;
+        telemetry::inject_current(&mut headers);
+        Ok((headers, payload))
+    }
+
+    /// Publish a message.
+    pub async fn publish<M: WireMessage>(&self, subject: String, msg: &M) -> Result<(), BusError> {
+        let (headers, payload) = Self::encode(&subject, msg)?;
+        self.client
+            .publish_with_headers(subject.clone(), headers, payload.into())
+            .await
+            .map_err(|e| BusError::Publish { subject, reason: e.to_string() })
+    }
+
+    /// Send a request and decode the reply envelope; a remote error becomes
+    /// [`BusError::Remote`].
+    pub async fn request<Req: WireMessage, Resp: WireMessage>(
+        &self,
+        subject: String,
+        msg: &Req,
+        timeout: Duration,
+    ) -> Result<Resp, BusError> {
+        let (headers, payload) = Self::encode(&subject, msg)?;
+        let request = async_nats::Request::new().headers(headers).payload(payload.into()).timeout(Some(timeout));
+        let reply = self
+            .client
+            .send_request(subject.clone(), request)
+            .await
+            .map_err(|e| BusError::Request { subject: subject.clone(), reason: e.to_string() })?;
+        let reply: Reply<Resp> = codec::decode(reply.headers.as_ref(), &reply.payload)
+            .map_err(|source| BusError::Codec { subject: subject.clone(), source })?;
+        match reply {
+            Reply::Ok(v) => Ok(v),
+            Reply::Err { code, message } => Err(BusError::Remote { subject, code, message }),
+        }
+    }
+
+    /// Answer a request with a reply envelope.
+    pub async fn respond<T: WireMessage>(&self, reply_to: Option<String>, reply: &Reply<T>) -> Result<(), BusError> {
+        match reply_to {
+            Some(subject) => self.publish(subject, reply).await,
+            None => Ok(()),
+        }
+    }
+
+    /// Subscribe and decode each message as `M`.
+    pub async fn subscribe<M: WireMessage>(&self, subject: String) -> Result<Subscription<M>, BusError> {
+        let inner = self
+            .client
+            .subscribe(subject.clone())
+            .await
+            .map_err(|e| BusError::Subscribe { subject, reason: e.to_string() })?;
+        Ok(Subscription { inner, _m: PhantomData })
+    }
+
+    /// Subscribe in a queue group (work any replica may take) and decode as `M`.
+    pub async fn queue_subscribe<M: WireMessage>(
+        &self,
+        subject: String,
+        group: &str,
+    ) -> Result<Subscription<M>, BusError> {
+        let inner = self
+            .client
+            .queue_subscribe(subject.clone(), group.to_string())
+            .await
+            .map_err(|e| BusError::Subscribe { subject, reason: e.to_string() })?;
+        Ok(Subscription { inner, _m: PhantomData })
+    }
+
+    /// Flush what was published.
+    pub async fn flush(&self) -> Result<(), BusError> {
+        self.client
+            .flush()
+            .await
+            .map_err(|e| BusError::Publish { subject: "<flush>".into(), reason: e.to_string() })
+    }
+}
+
+/// A subscription that decodes each message.
+#[derive(Debug)]
+pub struct Subscription<M> {
+    inner: async_nats::Subscriber,
+    _m: PhantomData<fn() -> M>,
+}
+
+/// A message that did not decode; the service logs it and goes on.
+#[derive(Debug)]
+pub struct Rejected {
+    /// The subject it arrived on.
+    pub subject: String,
+    /// Where the sender waits for a reply, if it was a request.
+    pub reply: Option<String>,
+    /// Why it was rejected.
+    pub error: CodecError,
+}
+
+impl<M: WireMessage> Subscription<M> {
+    /// The next message; `None` when the subscription ends.
+    pub async fn next(&mut self) -> Option<Result<Envelope<M>, Rejected>> {
+        let message = self.inner.next().await?;
+        Some(decode_message(message))
+    }
+
+    /// The decoding stream, for `ctx.add_stream` in actors.
+    pub fn into_stream(self) -> impl futures::Stream<Item = Result<Envelope<M>, Rejected>> {
+        self.inner.map(decode_message)
+    }
+}
+
+/// Decode a raw NATS message as `M`.
+pub fn decode_message<M: WireMessage>(message: Message) -> Result<Envelope<M>, Rejected> {
+    let subject = message.subject.to_string();
+    let reply = message.reply.as_ref().map(|r| r.to_string());
+    match codec::decode::<M>(message.headers.as_ref(), &message.payload) {
+        Ok(msg) => Ok(Envelope { subject, reply, headers: message.headers, msg }),
+        Err(error) => {
+            tracing::error!(%subject, %error, "rejected a message that does not decode");
+            Err(Rejected { subject, reply, error })
+        }
+    }
+}
+
+impl Rejected {
+    /// Tell a requester its request was bad; plain publishes are only logged.
+    pub async fn answer<T: WireMessage>(&self, bus: &Bus) {
+        let reply: Reply<T> = Reply::Err { code: ErrorCode::BadRequest, message: self.error.to_string() };
+        if let Err(e) = bus.respond(self.reply.clone(), &reply).await {
+            tracing::warn!(error = %e, "could not answer a rejected request");
+        }
+    }
+}

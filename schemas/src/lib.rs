@@ -1,0 +1,33 @@
+//! The bus contract of LooseLeaf: every message type, every subject, the checkpoint
+//! format shared by the store and the hosts, the codec and a typed bus client.
+//!
+//! No service depends on another service's crate; they all depend on this one
+//! (DESIGN.md section 3, CONVENTIONS.md "The bus").
+//!
+//! - [`subjects`]: subject functions, each with its grammar.
+//! - [`codec`]: bincode 2 with the message type and version in NATS headers.
+//! - [`bus`]: publish / request / subscribe-and-decode with W3C trace context.
+//! - [`messages`]: the v1 messages for every arrow in DESIGN.md section 3.
+//! - [`checkpoint`]: manifests, deltas, chunks and the object-store layout.
+//! - [`buckets`]: JetStream KV buckets and streams.
+//! - [`telemetry`]: tracing setup and trace-context propagation.
+
+pub mod buckets;
+pub mod bus;
+pub mod checkpoint;
+pub mod codec;
+pub mod messages;
+pub mod subjects;
+pub mod telemetry;
+
+pub use bus::{Bus, BusError, Envelope};
+pub use codec::{CodecError, WireMessage};
+pub use subjects::Subjects;
+
+/// Milliseconds since the Unix epoch, the clock that events and reports share.
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}

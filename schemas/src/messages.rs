@@ -1,0 +1,472 @@
+//! The v1 messages, one per arrow in DESIGN.md section 3.
+//!
+//! Each struct is frozen once shipped: a change is a new `…V2` struct, a new
+//! `VERSION`, and an upgrade from V1 in `decode_version`. Never use serde's
+//! `skip_serializing_if` here: bincode cannot skip fields.
+
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use crate::checkpoint::{Delta, Manifest};
+use crate::codec::WireMessage;
+
+macro_rules! wire {
+    ($ty:ty, $name:literal, $version:literal) => {
+        impl WireMessage for $ty {
+            const TYPE: &'static str = $name;
+            const VERSION: u16 = $version;
+        }
+    };
+}
+
+/// Where a cell runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Device {
+    /// On the session's persistent CPU worker.
+    Cpu,
+    /// On a freshly prepared worker bound to one GPU slot.
+    Gpu,
+}
+
+impl Device {
+    /// "cpu" or "gpu", as reports spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Device::Cpu => "cpu",
+            Device::Gpu => "gpu",
+        }
+    }
+}
+
+/// frontend -> planner: the code of a cell changed (`session.{sid}.edit`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EditV1 {
+    /// The session.
+    pub session: Uuid,
+    /// The notebook's id for the cell.
+    pub cell_id: String,
+    /// The cell's full code after the edit.
+    pub code: String,
+    /// Per-cell edit sequence number; older edits are dropped.
+    pub seq: u64,
+}
+wire!(EditV1, "edit", 1);
+
+/// Session options a run carries, so every service sees the same ones.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SessionOptions {
+    /// Working directory of the session's cells (the notebook's folder).
+    pub cwd: String,
+    /// Treat every code cell as a GPU cell.
+    pub all_gpu: bool,
+}
+
+/// frontend -> planner: run a cell now (`session.{sid}.run`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RunV1 {
+    /// The session.
+    pub session: Uuid,
+    /// This execution.
+    pub exec_id: Uuid,
+    /// The notebook's id for the cell.
+    pub cell_id: String,
+    /// The code submitted with Run.
+    pub code: String,
+    /// When the frontend received Run (unix ms).
+    pub run_unix_ms: u64,
+    /// Manifest revision committed by the session's previous cell; the planner
+    /// resolves the closure against at least this revision.
+    pub after_revision: u64,
+    /// Session options.
+    pub options: SessionOptions,
+}
+wire!(RunV1, "run", 1);
+
+/// Why a recipe was published.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RecipeKind {
+    /// Derived from an edit; hosts may prepare a worker for it.
+    Speculative,
+    /// Derived from Run; exactly one host must run it.
+    Run,
+}
+
+/// One variable of a state closure, at the version the cell needs.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClosureVar {
+    /// The variable's name.
+    pub name: String,
+    /// The execution that last defined it.
+    pub version: Uuid,
+}
+
+/// A worker that holds variables which cannot be saved; cells needing them run there.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PinnedWorker {
+    /// The host that keeps the worker.
+    pub host: String,
+    /// The worker's id on that host.
+    pub worker: String,
+    /// The unsavable names the cell needs from it.
+    pub names: Vec<String>,
+}
+
+/// planner -> all hosts: what a cell needs (`session.{sid}.recipe`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RecipeV1 {
+    /// The session.
+    pub session: Uuid,
+    /// The cell.
+    pub cell_id: String,
+    /// Speculative (from an edit) or run.
+    pub kind: RecipeKind,
+    /// For a run recipe, the execution; for a speculative one, nil.
+    pub exec_id: Uuid,
+    /// Per-cell recipe revision (increases whenever the recipe changes).
+    pub revision: u64,
+    /// The code (run recipes execute it; preparation never does).
+    pub code: String,
+    /// Hash of the code the recipe was derived from.
+    pub code_hash: u64,
+    /// The state closure, with versions.
+    pub closure: Vec<ClosureVar>,
+    /// The import closure: modules to import before restoring.
+    pub imports: Vec<String>,
+    /// Where the cell runs.
+    pub device: Device,
+    /// Why that device.
+    pub device_reason: String,
+    /// Set when the closure is the whole namespace, with the reason.
+    pub conservative: Option<String>,
+    /// Set when the cell needs unsavable variables held by one worker.
+    pub pinned: Option<PinnedWorker>,
+    /// Manifest revision the closure was resolved against.
+    pub manifest_revision: u64,
+    /// When the frontend received Run (unix ms; 0 for speculative).
+    pub run_unix_ms: u64,
+    /// Session options.
+    pub options: SessionOptions,
+}
+wire!(RecipeV1, "recipe", 1);
+
+/// How the worker that ran a cell was prepared.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Prepare {
+    /// Prepared while the user edited.
+    Speculative,
+    /// Prepared after Run.
+    Cold,
+    /// The session's persistent CPU worker.
+    Persistent,
+    /// The worker that holds unsavable variables the cell needs.
+    Pinned,
+}
+
+impl Prepare {
+    /// As reports spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Prepare::Speculative => "speculative",
+            Prepare::Cold => "cold",
+            Prepare::Persistent => "persistent",
+            Prepare::Pinned => "pinned",
+        }
+    }
+}
+
+/// The outcome of a cell.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CellStatus {
+    /// Ran to the end.
+    Ok,
+    /// Raised (the error output says what), or could not run.
+    Error,
+}
+
+/// What happened to a session, for clients (`session.{sid}.event`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SessionEventV1 {
+    /// The session.
+    pub session: Uuid,
+    /// The execution it is about (nil for session-wide events).
+    pub exec_id: Uuid,
+    /// When it happened (unix ms).
+    pub unix_ms: u64,
+    /// What happened.
+    pub kind: EventKind,
+}
+wire!(SessionEventV1, "session-event", 1);
+
+/// The kinds of session events.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum EventKind {
+    /// The planner derived the recipe for a run.
+    Planned {
+        /// Cell id.
+        cell_id: String,
+        /// Closure variable names.
+        closure: Vec<String>,
+        /// Import closure.
+        imports: Vec<String>,
+        /// Device label.
+        device: Device,
+        /// Why.
+        device_reason: String,
+        /// Conservative reason, if any.
+        conservative: Option<String>,
+        /// Unsavable variables the cell needs, held by a pinned worker.
+        pinned: Vec<String>,
+    },
+    /// A host won the claim and is preparing the worker.
+    Claimed {
+        /// Host id.
+        host: String,
+        /// GPU slot index, if a GPU cell.
+        slot: Option<u32>,
+        /// How the worker is prepared.
+        prepare: Prepare,
+    },
+    /// The cell's first line is about to run.
+    Started {
+        /// Host id.
+        host: String,
+        /// GPU slot, if any.
+        slot: Option<u32>,
+        /// Worker id.
+        worker: String,
+        /// Device label.
+        device: Device,
+        /// How the worker was prepared.
+        prepare: Prepare,
+        /// The cell's execution count.
+        execution_count: u32,
+        /// Bytes restored for this cell.
+        restored_bytes: u64,
+        /// Preparation time on the host (claim to ready).
+        prepare_ms: f64,
+    },
+    /// The cell finished running (outputs are complete).
+    Finished {
+        /// Ok or error.
+        status: CellStatus,
+        /// `ename: evalue` of the error, if any.
+        error: Option<String>,
+        /// The cell's execution count.
+        execution_count: u32,
+        /// Time spent running the cell.
+        run_ms: f64,
+    },
+    /// The cell's state was committed; the slot is released.
+    Saved {
+        /// New manifest revision.
+        revision: u64,
+        /// Time spent saving.
+        save_ms: f64,
+        /// Bytes of all chunks written by the save.
+        saved_bytes: u64,
+        /// Chunks the store lacked and got.
+        chunks_written: u64,
+        /// Names now unsavable and held by this cell's worker.
+        unsavable: Vec<String>,
+        /// Whether the GPU slot (if any) was released.
+        slot_released: bool,
+    },
+    /// The execution failed outside the cell (worker died, restore failed, …).
+    Failed {
+        /// What went wrong, naming what was lost.
+        error: String,
+    },
+    /// A GPU slot was released (or a held worker lost); counts slot time.
+    SlotReleased {
+        /// Host id.
+        host: String,
+        /// Slot index.
+        slot: u32,
+        /// How long the slot was bound to the worker.
+        held_ms: f64,
+        /// Why the slot was held this long ("cell", "unsavable state").
+        reason: String,
+    },
+}
+
+/// worker's host -> frontend: one cell output (`output.{sid}.{exec}`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct OutputV1 {
+    /// The session.
+    pub session: Uuid,
+    /// The execution.
+    pub exec_id: Uuid,
+    /// Order within the execution.
+    pub seq: u64,
+    /// One nbformat v4 output, as JSON.
+    pub output_json: String,
+}
+wire!(OutputV1, "output", 1);
+
+/// frontend -> everyone: the session was deleted.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SessionCloseV1 {
+    /// The session.
+    pub session: Uuid,
+}
+wire!(SessionCloseV1, "session-close", 1);
+
+/// One GPU slot as a host reports it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SlotStatus {
+    /// Slot index on the host.
+    pub index: u32,
+    /// Device name ("virtual" for CPU-backed slots).
+    pub name: String,
+    /// Device memory in bytes (0 if virtual).
+    pub memory_bytes: u64,
+    /// The execution holding the slot, if any.
+    pub exec_id: Option<Uuid>,
+    /// The session holding the slot, if any.
+    pub session: Option<Uuid>,
+    /// Why the slot is held ("cell", "unsavable state").
+    pub held_for: Option<String>,
+}
+
+/// One zygote of the host's import cache.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ZygoteStatus {
+    /// Zygote id.
+    pub id: String,
+    /// Packages it imported.
+    pub packages: Vec<String>,
+    /// Packages found to initialise CUDA, never imported in a zygote.
+    pub cuda_unsafe: Vec<String>,
+    /// Process id.
+    pub pid: u32,
+}
+
+/// host -> anyone: a host's state (`host.{hid}.status`), on every change and periodically.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct HostStatusV1 {
+    /// Host id.
+    pub host: String,
+    /// GPU slots.
+    pub slots: Vec<SlotStatus>,
+    /// Whether the slots are real GPUs found with cudarc.
+    pub real_gpus: bool,
+    /// Zygotes.
+    pub zygotes: Vec<ZygoteStatus>,
+    /// Sessions whose persistent CPU worker lives here.
+    pub cpu_sessions: Vec<Uuid>,
+    /// Live worker processes.
+    pub workers: u32,
+    /// Bytes in the host's chunk cache.
+    pub cache_bytes: u64,
+    /// When (unix ms).
+    pub unix_ms: u64,
+}
+wire!(HostStatusV1, "host-status", 1);
+
+/// planner -> host: stop every worker of a session on this host.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EvictV1 {
+    /// The session.
+    pub session: Uuid,
+}
+wire!(EvictV1, "evict", 1);
+
+/// A typed error in a reply.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ErrorCode {
+    /// The request did not decode or was invalid.
+    BadRequest,
+    /// The thing asked for does not exist.
+    NotFound,
+    /// Someone else committed first (optimistic concurrency).
+    Conflict,
+    /// A quota would be exceeded.
+    QuotaExceeded,
+    /// Storage failed.
+    Storage,
+    /// Anything else.
+    Internal,
+}
+
+/// The one reply envelope for request/reply.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Reply<T> {
+    /// Success.
+    Ok(T),
+    /// A typed error.
+    Err {
+        /// What kind of error.
+        code: ErrorCode,
+        /// Human-readable detail.
+        message: String,
+    },
+}
+
+impl<T: WireMessage> WireMessage for Reply<T> {
+    const TYPE: &'static str = "reply";
+    const VERSION: u16 = T::VERSION;
+}
+
+/// -> store: the latest manifest of a session.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ManifestGetV1 {
+    /// The session.
+    pub session: Uuid,
+}
+wire!(ManifestGetV1, "manifest-get", 1);
+
+/// store ->: a session's manifest (revision 0 and empty if it never saved).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ManifestV1 {
+    /// The manifest.
+    pub manifest: Manifest,
+}
+wire!(ManifestV1, "manifest", 1);
+
+/// host -> store: commit a worker's save as revision `base_revision + 1`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CommitV1 {
+    /// The session.
+    pub session: Uuid,
+    /// The revision the worker's state was based on.
+    pub base_revision: u64,
+    /// The execution whose results these are.
+    pub exec_id: Uuid,
+    /// The host that holds the worker.
+    pub host: String,
+    /// The worker (kept if it holds unsavable variables).
+    pub worker: String,
+    /// The cell id (named in errors about unsavable variables).
+    pub cell_id: String,
+    /// What changed.
+    pub delta: Delta,
+}
+wire!(CommitV1, "commit", 1);
+
+/// store -> host: the commit's outcome.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CommittedV1 {
+    /// The new revision.
+    pub revision: u64,
+    /// Versions of every name the worker holds, after the commit.
+    pub versions: Vec<(String, Uuid)>,
+    /// Names whose version is now this execution.
+    pub changed: Vec<String>,
+}
+wire!(CommittedV1, "committed", 1);
+
+/// -> store: delete a session's state.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SessionDeleteV1 {
+    /// The session.
+    pub session: Uuid,
+}
+wire!(SessionDeleteV1, "session-delete", 1);
+
+/// An empty successful reply.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DoneV1 {}
+wire!(DoneV1, "done", 1);
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,107 @@
+use proptest::prelude::*;
+use uuid::Uuid;
+
+use super::*;
+use crate::checkpoint::{Blob, DeltaVar, ObjectEntry, Payload};
+use crate::codec::{self, CodecError};
+
+fn uuid() -> impl Strategy<Value = Uuid> {
+    any::<u128>().prop_map(Uuid::from_u128)
+}
+
+fn options() -> impl Strategy<Value = SessionOptions> {
+    (".{0,40}", any::<bool>()).prop_map(|(cwd, all_gpu)| SessionOptions { cwd, all_gpu })
+}
+
+fn roundtrip<M: WireMessage + PartialEq + std::fmt::Debug>(msg: &M) {
+    let (headers, payload) = codec::encode(msg).unwrap();
+    let back: M = codec::decode(Some(&headers), &payload).unwrap();
+    assert_eq!(&back, msg);
+}
+
+proptest! {
+    #[test]
+    fn edit_roundtrips(session in uuid(), cell_id in ".{0,20}", code in ".{0,200}", seq in any::<u64>()) {
+        roundtrip(&EditV1 { session, cell_id, code, seq });
+    }
+
+    #[test]
+    fn run_roundtrips(session in uuid(), exec_id in uuid(), code in ".{0,200}", t in any::<u64>(), rev in any::<u64>(), options in options()) {
+        roundtrip(&RunV1 { session, exec_id, cell_id: "c".into(), code, run_unix_ms: t, after_revision: rev, options });
+    }
+
+    #[test]
+    fn recipe_roundtrips(session in uuid(), names in proptest::collection::vec(("[a-z_]{1,8}", uuid()), 0..8),
+                         imports in proptest::collection::vec("[a-z.]{1,10}", 0..5), gpu in any::<bool>(),
+                         conservative in proptest::option::of(".{0,30}"), options in options()) {
+        roundtrip(&RecipeV1 {
+            session, cell_id: "c".into(), kind: RecipeKind::Run, exec_id: session, revision: 3,
+            code: "x".into(), code_hash: 7,
+            closure: names.into_iter().map(|(name, version)| ClosureVar { name, version }).collect(),
+            imports, device: if gpu { Device::Gpu } else { Device::Cpu }, device_reason: "r".into(),
+            conservative, pinned: Some(PinnedWorker { host: "h".into(), worker: "w".into(), names: vec!["g".into()] }),
+            manifest_revision: 1, run_unix_ms: 2, options,
+        });
+    }
+
+    #[test]
+    fn event_roundtrips(session in uuid(), exec_id in uuid(), ms in any::<u64>(), run_ms in any::<f64>().prop_filter("nan", |f| !f.is_nan())) {
+        for kind in [
+            EventKind::Finished { status: CellStatus::Error, error: Some("ValueError: x".into()), execution_count: 3, run_ms },
+            EventKind::Started { host: "h".into(), slot: Some(1), worker: "w".into(), device: Device::Gpu, prepare: Prepare::Cold, execution_count: 1, restored_bytes: 5, prepare_ms: run_ms },
+            EventKind::Failed { error: "worker died".into() },
+        ] {
+            roundtrip(&SessionEventV1 { session, exec_id, unix_ms: ms, kind });
+        }
+    }
+
+    #[test]
+    fn commit_roundtrips(session in uuid(), names in proptest::collection::btree_map("[a-z]{1,6}", "[0-9a-f]{8}", 0..6), chunk in "[0-9a-f]{32}") {
+        let mut delta = crate::checkpoint::Delta::default();
+        for (name, oid) in &names {
+            delta.variables.insert(name.clone(), DeltaVar { oid: Some(oid.clone()), module: None });
+            delta.objects.insert(oid.clone(), ObjectEntry {
+                record: Blob { len: 3, chunks: vec![chunk.clone()] },
+                refs: vec![], payloads: vec![Payload { len: 9, chunks: vec![chunk.clone()], dtype: "f8".into(), shape: vec![3, 3], device: "cpu".into() }],
+                modules: vec!["numpy".into()], on_gpu: false,
+            });
+        }
+        roundtrip(&CommitV1 { session, base_revision: 4, exec_id: session, host: "h".into(), worker: "w".into(), cell_id: "c".into(), delta });
+    }
+
+    #[test]
+    fn arbitrary_bytes_are_rejected_not_panicking(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+        let (headers, _) = codec::encode(&EditV1 { session: Uuid::nil(), cell_id: String::new(), code: String::new(), seq: 0 }).unwrap();
+        // Whatever the bytes are, decoding either fails cleanly or yields a message
+        // that re-encodes to the same bytes (it really was a valid payload).
+        match codec::decode::<RecipeV1>(Some(&headers), &bytes) {
+            Err(CodecError::WrongType { .. }) => {}
+            other => prop_assert!(false, "expected WrongType, got {other:?}"),
+        }
+        match codec::decode::<EditV1>(Some(&headers), &bytes) {
+            Err(_) => {}
+            Ok(m) => prop_assert_eq!(codec::encode_bincode(&m).unwrap(), bytes),
+        }
+    }
+}
+
+#[test]
+fn missing_headers_and_unknown_versions_are_rejected() {
+    let msg = EditV1 { session: Uuid::nil(), cell_id: "c".into(), code: "x".into(), seq: 1 };
+    let (mut headers, payload) = codec::encode(&msg).unwrap();
+    assert!(matches!(codec::decode::<EditV1>(None, &payload), Err(CodecError::MissingHeaders)));
+    headers.insert(codec::VERSION_HEADER, "99");
+    assert!(matches!(
+        codec::decode::<EditV1>(Some(&headers), &payload),
+        Err(CodecError::UnsupportedVersion { version: 99, .. })
+    ));
+    headers.insert(codec::VERSION_HEADER, "one");
+    assert!(matches!(codec::decode::<EditV1>(Some(&headers), &payload), Err(CodecError::BadVersion(_))));
+}
+
+#[test]
+fn reply_envelope_carries_typed_errors() {
+    let err: Reply<DoneV1> = Reply::Err { code: ErrorCode::Conflict, message: "revision 3 exists".into() };
+    roundtrip(&err);
+    roundtrip(&Reply::Ok(DoneV1 {}));
+}

@@ -1,0 +1,196 @@
+//! Every NATS subject LooseLeaf uses, built from a prefix so that tests and tenants
+//! are isolated. Grammar: `{prefix}.v1.<noun>[.<id>].<verb>`; the default prefix is `ll`.
+//!
+//! Services never `format!` a subject; they call these functions, and route incoming
+//! messages by [`parse_session_subject`] rather than string comparisons.
+
+use uuid::Uuid;
+
+/// The default subject prefix.
+pub const DEFAULT_PREFIX: &str = "ll";
+
+/// Builds subjects under one prefix.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Subjects {
+    prefix: String,
+}
+
+impl Subjects {
+    /// Subjects under `prefix` (e.g. `ll`, or a random one per test).
+    pub fn new(prefix: impl Into<String>) -> Self {
+        Self { prefix: prefix.into() }
+    }
+
+    /// The prefix these subjects live under.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// `{prefix}.v1.session.{sid}.edit` — frontend to planner: a cell's code changed.
+    pub fn edit(&self, sid: Uuid) -> String {
+        format!("{}.v1.session.{sid}.edit", self.prefix)
+    }
+
+    /// `{prefix}.v1.session.*.edit` — every session's edits (planner subscription).
+    pub fn all_edits(&self) -> String {
+        format!("{}.v1.session.*.edit", self.prefix)
+    }
+
+    /// `{prefix}.v1.session.{sid}.run` — frontend to planner: run a cell now.
+    pub fn run(&self, sid: Uuid) -> String {
+        format!("{}.v1.session.{sid}.run", self.prefix)
+    }
+
+    /// `{prefix}.v1.session.*.run` — every session's runs (planner subscription).
+    pub fn all_runs(&self) -> String {
+        format!("{}.v1.session.*.run", self.prefix)
+    }
+
+    /// `{prefix}.v1.session.{sid}.recipe` — planner to every host (fan-out).
+    pub fn recipe(&self, sid: Uuid) -> String {
+        format!("{}.v1.session.{sid}.recipe", self.prefix)
+    }
+
+    /// `{prefix}.v1.session.*.recipe` — every session's recipes (host subscription).
+    pub fn all_recipes(&self) -> String {
+        format!("{}.v1.session.*.recipe", self.prefix)
+    }
+
+    /// `{prefix}.v1.session.{sid}.event` — hosts and planner to frontend: small
+    /// lifecycle events (ready, started, saved, failed). Also captured by the
+    /// session-events stream so a reconnecting client can replay.
+    pub fn event(&self, sid: Uuid) -> String {
+        format!("{}.v1.session.{sid}.event", self.prefix)
+    }
+
+    /// `{prefix}.v1.session.*.event` — every session's events.
+    pub fn all_events(&self) -> String {
+        format!("{}.v1.session.*.event", self.prefix)
+    }
+
+    /// `{prefix}.v1.session.{sid}.close` — frontend to everyone: the session is gone;
+    /// hosts stop its workers, the planner forgets it.
+    pub fn close(&self, sid: Uuid) -> String {
+        format!("{}.v1.session.{sid}.close", self.prefix)
+    }
+
+    /// `{prefix}.v1.session.*.close` — every session's close.
+    pub fn all_closes(&self) -> String {
+        format!("{}.v1.session.*.close", self.prefix)
+    }
+
+    /// `{prefix}.v1.output.{sid}.{exec}` — a cell's outputs; high volume, own root.
+    pub fn output(&self, sid: Uuid, exec: Uuid) -> String {
+        format!("{}.v1.output.{sid}.{exec}", self.prefix)
+    }
+
+    /// `{prefix}.v1.output.{sid}.*` — every output of one session.
+    pub fn session_outputs(&self, sid: Uuid) -> String {
+        format!("{}.v1.output.{sid}.*", self.prefix)
+    }
+
+    /// `{prefix}.v1.host.{hid}.status` — a host's slots, zygotes and cache.
+    pub fn host_status(&self, hid: &str) -> String {
+        format!("{}.v1.host.{hid}.status", self.prefix)
+    }
+
+    /// `{prefix}.v1.host.*.status` — every host's status.
+    pub fn all_host_status(&self) -> String {
+        format!("{}.v1.host.*.status", self.prefix)
+    }
+
+    /// `{prefix}.v1.host.{hid}.{verb}` — a command to one host (evict, cancel).
+    pub fn host_command(&self, hid: &str, verb: HostVerb) -> String {
+        format!("{}.v1.host.{hid}.{}", self.prefix, verb.as_str())
+    }
+
+    /// `{prefix}.v1.store.{verb}` — requests to the store gateway (queue group).
+    pub fn store(&self, verb: StoreVerb) -> String {
+        format!("{}.v1.store.{}", self.prefix, verb.as_str())
+    }
+
+    /// Name of the JetStream stream that keeps session events for replay.
+    pub fn events_stream(&self) -> String {
+        format!("{}_session_events", self.prefix.replace(['.', '*', '>'], "_"))
+    }
+}
+
+/// Commands addressed to one host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HostVerb {
+    /// Stop a session's workers on this host.
+    Evict,
+    /// Cancel a preparation whose recipe was superseded.
+    Cancel,
+}
+
+impl HostVerb {
+    fn as_str(self) -> &'static str {
+        match self {
+            HostVerb::Evict => "evict",
+            HostVerb::Cancel => "cancel",
+        }
+    }
+}
+
+/// Requests the store gateway answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreVerb {
+    /// Fetch a session's latest manifest.
+    ManifestGet,
+    /// Commit a save as the next manifest revision.
+    Commit,
+    /// Delete a session's manifests (its chunks are collected later).
+    SessionDelete,
+    /// Collect chunks no manifest references.
+    Gc,
+}
+
+impl StoreVerb {
+    /// The verb as it appears in the subject.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StoreVerb::ManifestGet => "manifest.get",
+            StoreVerb::Commit => "commit",
+            StoreVerb::SessionDelete => "session.delete",
+            StoreVerb::Gc => "gc",
+        }
+    }
+}
+
+/// The session id and verb of a `{prefix}.v1.session.{sid}.{verb}` subject.
+pub fn parse_session_subject(subject: &str) -> Option<(Uuid, &str)> {
+    let mut parts = subject.rsplitn(3, '.');
+    let verb = parts.next()?;
+    let sid = parts.next()?;
+    let rest = parts.next()?;
+    if !rest.ends_with(".v1.session") {
+        return None;
+    }
+    Some((Uuid::parse_str(sid).ok()?, verb))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn session_subjects_parse_back() {
+        let s = Subjects::new("t1");
+        let sid = Uuid::now_v7();
+        assert_eq!(parse_session_subject(&s.run(sid)), Some((sid, "run")));
+        assert_eq!(parse_session_subject(&s.edit(sid)), Some((sid, "edit")));
+        assert_eq!(parse_session_subject("t1.v1.host.x.status"), None);
+        assert_eq!(parse_session_subject("t1.v1.session.notauuid.run"), None);
+    }
+
+    #[test]
+    fn prefix_isolates() {
+        let a = Subjects::new("a");
+        let b = Subjects::new("b");
+        let sid = Uuid::now_v7();
+        assert_ne!(a.recipe(sid), b.recipe(sid));
+        assert!(a.store(StoreVerb::Commit).starts_with("a.v1.store."));
+        assert_eq!(a.events_stream(), "a_session_events");
+    }
+}
