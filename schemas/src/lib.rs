@@ -31,3 +31,6 @@ pub fn unix_ms() -> u64 {
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
 }
+
+#[cfg(feature = "object-store")]
+pub mod objects;

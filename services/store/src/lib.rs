@@ -1,1 +1,54 @@
+//! The checkpoint-store gateway: session manifests and atomic commits over
+//! `object_store` (DESIGN.md section 6).
+//!
+//! Speaks (queue group `store`): `{prefix}.v1.store.manifest.get`,
+//! `{prefix}.v1.store.commit`, `{prefix}.v1.store.session.delete`. Bulk bytes never
+//! pass through it: hosts read and write chunks in the object store directly.
+//!
+//! Actors: one [`gateway::Gateway`], fed by three subscriptions.
 
+pub mod gateway;
+pub mod manifests;
+
+use std::future::Future;
+use std::sync::Arc;
+
+use actix::prelude::*;
+use anyhow::Context as _;
+use schemas::messages::{CommitV1, ManifestGetV1, SessionDeleteV1};
+use schemas::subjects::StoreVerb;
+use schemas::Bus;
+
+/// What the store gateway needs.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// NATS server URL.
+    pub nats_url: String,
+    /// Subject prefix.
+    pub prefix: String,
+    /// Object store: `file:///dir` or a directory path.
+    pub store_url: String,
+}
+
+/// Run the gateway until `shutdown` resolves. Must be called inside an actix system.
+pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+    let bus = Bus::connect(&config.nats_url, &config.prefix, "looseleaf-store").await?;
+    let objects = schemas::objects::open(&config.store_url).context("while opening the object store")?;
+    let manifests = Arc::new(manifests::Manifests::new(objects));
+    let s = bus.subjects().clone();
+    let gets = bus.queue_subscribe::<ManifestGetV1>(s.store(StoreVerb::ManifestGet), "store").await?;
+    let commits = bus.queue_subscribe::<CommitV1>(s.store(StoreVerb::Commit), "store").await?;
+    let deletes = bus.queue_subscribe::<SessionDeleteV1>(s.store(StoreVerb::SessionDelete), "store").await?;
+    let gw_bus = bus.clone();
+    let addr = gateway::Gateway::create(move |ctx| {
+        ctx.add_stream(gets.into_stream());
+        ctx.add_stream(commits.into_stream());
+        ctx.add_stream(deletes.into_stream());
+        gateway::Gateway::new(gw_bus, manifests)
+    });
+    tracing::info!(store = %config.store_url, prefix = %config.prefix, "store gateway serving");
+    shutdown.await;
+    drop(addr);
+    bus.flush().await?;
+    Ok(())
+}

@@ -1,0 +1,13 @@
+"""LooseLeaf's Python cell runtime, supervised by the Rust gpu-host.
+
+Map (one concern per module):
+  protocol    frames (4-byte big-endian length + JSON) and the contract in
+              services/gpu-host/protocol/worker-protocol.json, checked both ways
+  zygote      imports packages once (CUDA-clean only), forks workers on demand
+  worker      the per-worker loop: restore / run / save / committed / shutdown
+  shell       an IPython shell whose outputs equal ipykernel's
+  checkpoint  object records, payloads, 2 MiB xxh3-128 chunks; save and restore
+  ambient     session state that is not a variable (RNGs, rcParams, cwd, ...)
+
+Tests: cd services/gpu-host/python && python -m pytest -q tests
+"""

@@ -1,0 +1,455 @@
+"""The checkpoint format (DESIGN.md section 6) on the worker side.
+
+A save turns the user namespace into object records: one per variable root and
+one per object shared between roots, each a protocol-5 cloudpickle whose
+persistent ids name other records (("root", oid) / ("obj", oid)) or the user
+namespace itself (("ns", "") so that notebook functions keep the live globals).
+Large buffers (>= 64 KiB PickleBuffers: numpy arrays, pandas blocks, tensors)
+leave the pickle as payloads. Every blob is cut into 2 MiB chunks named by
+xxh3-128, so a store that already has a chunk is never sent it again.
+
+Reference cycles between records cannot be unpickled one record at a time (an
+object would be needed before its own pickle finishes), so the save merges each
+cycle (a strongly connected component of the record graph) into one group
+record that every member oid points at; identical bytes mean one set of chunks.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import io
+import mmap
+import pickle
+import sys
+import types
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import cloudpickle
+import xxhash
+
+from .protocol import CHUNK_SIZE
+
+OOB_MIN_BYTES = 64 * 1024
+
+# IPython's own names, never user state (In history is ambient state; `_`,
+# `__`, `___` and `_N` are ordinary variables).
+_IPY_NAMES = {"In", "Out", "_ih", "_oh", "_dh", "_i", "_ii", "_iii", "_i00"}
+
+
+def is_user_name(name: str, value: Any, hidden: dict) -> bool:
+    if name in ("_", "__", "___") or (name[:1] == "_" and name[1:].isdigit()):
+        return True  # output history: the displayhook marks them hidden, but
+        # for the closure analysis they are ordinary variables
+    if name.startswith("__") or name in _IPY_NAMES:
+        return False
+    if name.startswith("_i") and name[2:].isdigit():
+        return False  # input history: ambient state
+    if name in hidden and hidden[name] is value:
+        return False
+    return True
+
+
+# ------------------------------------------------------------------ chunking
+
+def chunk_blob(data, chunks: dict[str, memoryview]) -> dict:
+    """Cut ``data`` into CHUNK_SIZE pieces; register each by hash; return a Blob."""
+    mv = memoryview(data).cast("B")
+    names = []
+    for off in range(0, len(mv), CHUNK_SIZE):
+        piece = mv[off:off + CHUNK_SIZE]
+        h = xxhash.xxh3_128_hexdigest(piece)
+        chunks.setdefault(h, piece)
+        names.append(h)
+    return {"len": len(mv), "chunks": names}
+
+
+# ------------------------------------------------------------------- pickling
+
+def _is_atomic(obj: Any) -> bool:
+    """Objects whose identity does not matter or that pickle by reference:
+    they never get their own record."""
+    if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes, tuple,
+                                       frozenset, range, slice, enum.Enum,
+                                       types.ModuleType, types.BuiltinFunctionType,
+                                       types.CodeType, pickle.PickleBuffer)):
+        return True
+    if isinstance(obj, (type, types.FunctionType)):
+        return cloudpickle.cloudpickle._should_pickle_by_reference(obj)
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(obj, np.dtype):
+        return True
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, (torch.dtype, torch.device)):
+        return True
+    return False
+
+
+class _Null(io.RawIOBase):
+    def writable(self):
+        return True
+
+    def write(self, b):
+        return len(b)
+
+
+def _rebuild_tensor(arr, dtype: str, requires_grad: bool, device: str, is_param: bool):
+    import torch
+    t = torch.from_numpy(arr)
+    if dtype == "bfloat16":
+        t = t.view(torch.bfloat16)
+    if device.startswith("cuda") and torch.cuda.is_available():
+        t = t.to(device)
+    if is_param:
+        return torch.nn.Parameter(t, requires_grad=requires_grad)
+    return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+class _Group:
+    """A record holding a reference cycle of several oids (see module doc)."""
+
+    def __init__(self, oids, objs):
+        self.oids = oids
+        self.objs = objs
+
+
+class RecordPickler(cloudpickle.Pickler):
+    """cloudpickle (by-value notebook functions/classes) + persistent ids to other
+    records + out-of-band payloads + a tensor reducer."""
+
+    def __init__(self, file, ns: dict, own: set[int], refs: dict[int, tuple],
+                 buffer_callback, *, stop_all: bool = False):
+        super().__init__(file, protocol=5, buffer_callback=buffer_callback)
+        self.ns = ns
+        self.own = own            # ids pickled inline in this record
+        self.refs = refs          # id -> (kind, oid) of other records
+        self.used: list[str] = [] # oids referenced, in order
+        self.modules: set[str] = set()
+        self.on_gpu = False
+        self.devices: dict[int, str] = {}  # id(numpy view of a tensor) -> device
+        self.seen: list[Any] | None = None  # pre-pass: every non-atomic object
+
+    def persistent_id(self, obj):
+        if obj is self.ns:
+            return ("ns", "")
+        oid = id(obj)
+        if oid in self.own:
+            return None
+        if self.seen is not None and not _is_atomic(obj):
+            self.seen.append(obj)  # pre-pass: count units reached through stops too
+        ref = self.refs.get(oid)
+        if ref is not None:
+            if ref[1] not in self.used:
+                self.used.append(ref[1])
+            return ref
+        return None
+
+    def reducer_override(self, obj):
+        t = type(obj)
+        mod = getattr(t, "__module__", None) or ""
+        if mod and mod not in ("builtins", "__main__"):
+            self.modules.add(mod.split(".")[0])
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor):
+            return self._reduce_tensor(torch, obj)
+        return super().reducer_override(obj)
+
+    def _reduce_tensor(self, torch, t):
+        if self.seen is not None:
+            return (int, ())  # pre-pass: identity only; never copy GPU data for it
+        device = str(t.device)
+        if t.device.type != "cpu":
+            self.on_gpu = True
+        d = t.detach()
+        dtype = str(d.dtype).replace("torch.", "")
+        if d.dtype == torch.bfloat16:
+            d = d.view(torch.int16)
+        arr = d.cpu().contiguous().numpy()
+        self.devices[id(arr)] = device
+        is_param = isinstance(t, torch.nn.Parameter)
+        self.modules.add("torch")
+        return (_rebuild_tensor, (arr, dtype, bool(t.requires_grad), device, is_param))
+
+    def _dynamic_function_reduce(self, func):
+        # Notebook functions keep the user namespace as their globals, looked up
+        # at call time as in a kernel; cloudpickle would copy the globals it reads.
+        red = super()._dynamic_function_reduce(func)
+        if func.__globals__ is not self.ns:
+            return red
+        fn, newargs, (state, slotstate), a, b, setter = red
+        code, _, name, defaults, closure = newargs
+        slotstate = dict(slotstate, __globals__={})
+        return (fn, (code, self.ns, name, defaults, closure), (state, slotstate), a, b, setter)
+
+
+@dataclass
+class Record:
+    oids: list[str]
+    data: bytes = b""
+    buffers: list[Any] = field(default_factory=list)
+    payload_meta: list[dict] = field(default_factory=list)
+    refs: list[str] = field(default_factory=list)
+    modules: set[str] = field(default_factory=set)
+    on_gpu: bool = False
+    error: str | None = None
+
+
+def _pickle_record(objs: list[Any], oids: list[str], ns: dict, refs: dict) -> Record:
+    rec = Record(oids=oids)
+    own = {id(o) for o in objs}
+    buf = io.BytesIO()
+
+    def on_buffer(pb: pickle.PickleBuffer):
+        raw = pb.raw()
+        if raw.nbytes < OOB_MIN_BYTES:
+            return True  # small: in-band
+        owner = raw.obj
+        meta = {"dtype": "bytes", "shape": [raw.nbytes], "device": "cpu"}
+        np = sys.modules.get("numpy")
+        if np is not None and isinstance(owner, np.ndarray):
+            meta = {"dtype": str(owner.dtype), "shape": list(owner.shape),
+                    "device": p.devices.get(id(owner), "cpu")}
+        rec.buffers.append(raw)
+        rec.payload_meta.append(meta)
+        return False
+
+    p = RecordPickler(buf, ns, own, refs, on_buffer)
+    try:
+        p.dump(objs[0] if len(objs) == 1 else _Group(oids, objs))
+    except BaseException as e:  # noqa: BLE001 - any failure means unsavable
+        rec.error = f"{type(e).__name__}: {e}"
+        return rec
+    rec.data = buf.getvalue()
+    rec.refs = [o for o in p.used if o not in oids]
+    rec.modules = p.modules
+    rec.on_gpu = p.on_gpu
+    return rec
+
+
+def _find_shared(roots: list[Any], ns: dict, keep: list) -> list[Any]:
+    """Objects (not roots) reached from more than one unit, where units are the
+    roots plus the shared objects themselves; iterate so that the insides of a
+    shared object are not all split into records of their own."""
+    root_ids = {id(r) for r in roots}
+    shared: dict[int, Any] = {}
+    for _ in range(5):
+        units = list(roots) + list(shared.values())
+        unit_refs = {id(u): ("stop", "") for u in units}
+        reach: dict[int, set[int]] = {}
+        objs: dict[int, Any] = {}
+        for u in units:
+            p = RecordPickler(_Null(), ns, {id(u)}, unit_refs, lambda b: False)
+            p.seen = []
+            try:
+                p.dump(u)
+            except BaseException:  # noqa: BLE001 - unsavable; handled in the real pass
+                pass
+            keep.append(p.seen)  # keep ids unique for the whole save
+            for o in p.seen:
+                reach.setdefault(id(o), set()).add(id(u))
+                objs[id(o)] = o
+        new = {i: objs[i] for i, rs in reach.items() if len(rs) > 1 and i not in root_ids}
+        if new.keys() == shared.keys():
+            break
+        shared = new
+    return list(shared.values())
+
+
+def _sccs(nodes: list[str], edges: dict[str, list[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components, iterative."""
+    index, low, on, stack, out, counter = {}, {}, set(), [], [], [0]
+    for start in nodes:
+        if start in index:
+            continue
+        work = [(start, iter(edges.get(start, [])))]
+        index[start] = low[start] = counter[0]; counter[0] += 1
+        stack.append(start); on.add(start)
+        while work:
+            v, it = work[-1]
+            nxt = next(it, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = counter[0]; counter[0] += 1
+                    stack.append(nxt); on.add(nxt)
+                    work.append((nxt, iter(edges.get(nxt, []))))
+                elif nxt in on:
+                    low[v] = min(low[v], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop(); on.discard(w); comp.append(w)
+                    if w == v:
+                        break
+                out.append(comp)
+    return out
+
+
+@dataclass
+class SaveResult:
+    delta: dict
+    chunks: dict[str, memoryview]
+    oid_objects: dict[int, tuple[str, Any]]
+
+
+def build_delta(ns: dict, names: list[str], oid_of: dict[int, tuple[str, Any]],
+                held_before: set[str], ambient_blob: bytes | None) -> SaveResult:
+    """Records, chunks and the Delta for the given user names."""
+    chunks: dict[str, memoryview] = {}
+    keep: list = []
+    variables: dict[str, dict] = {}
+    roots: dict[int, Any] = {}
+    for name in names:
+        v = ns[name]
+        if isinstance(v, types.ModuleType):
+            variables[name] = {"oid": None, "module": v.__name__}
+        else:
+            roots.setdefault(id(v), v)
+
+    def oid_for(obj) -> str:
+        hit = oid_of.get(id(obj))
+        if hit is not None and hit[1] is obj:
+            return hit[0]
+        return uuid.uuid4().hex
+
+    shared = _find_shared(list(roots.values()), ns, keep)
+    units = {id(o): o for o in list(roots.values()) + shared}
+    oids = {i: oid_for(o) for i, o in units.items()}
+    refs = {i: (("root" if i in roots else "obj"), oids[i]) for i in units}
+    by_oid = {oids[i]: o for i, o in units.items()}
+
+    records = {oids[i]: _pickle_record([o], [oids[i]], ns, refs) for i, o in units.items()}
+    # merge reference cycles across records into group records
+    edges = {k: r.refs for k, r in records.items()}
+    for comp in _sccs(list(records), edges):
+        if len(comp) > 1:
+            comp.sort()
+            g = _pickle_record([by_oid[k] for k in comp], comp, ns, refs)
+            for k in comp:
+                records[k] = g
+    # an object whose graph reaches an unsavable record is unsavable too
+    changed = True
+    while changed:
+        changed = False
+        for k, r in records.items():
+            if r.error is None:
+                bad = next((x for x in r.refs if records[x].error), None)
+                if bad is not None:
+                    r.error = records[bad].error
+                    changed = True
+
+    unsavable: dict[str, str] = {}
+    objects: dict[str, dict] = {}
+    for name in names:
+        v = ns[name]
+        if isinstance(v, types.ModuleType):
+            continue
+        oid = oids[id(v)]
+        rec = records[oid]
+        if rec.error:
+            unsavable[name] = rec.error
+            continue
+        variables[name] = {"oid": oid, "module": None}
+    live = [k for k, r in records.items() if r.error is None]
+    for k in live:
+        r = records[k]
+        objects[k] = {
+            "record": chunk_blob(r.data, chunks),
+            "refs": list(r.refs),
+            "payloads": [dict(chunk_blob(b, chunks), **m) for b, m in zip(r.buffers, r.payload_meta)],
+            "modules": sorted(r.modules),
+            "on_gpu": r.on_gpu,
+        }
+    delta = {
+        "variables": variables,
+        "deleted": sorted(held_before - set(names)),
+        "objects": objects,
+        "unsavable": unsavable,
+        "ambient": chunk_blob(ambient_blob, chunks) if ambient_blob is not None else None,
+    }
+    new_oid_of = {i: (oids[i], units[i]) for i in units if records[oids[i]].error is None}
+    del keep
+    return SaveResult(delta, chunks, new_oid_of)
+
+
+# ------------------------------------------------------------------- restore
+
+class RestoreError(Exception):
+    """A restore that cannot complete (missing record, bad pickle)."""
+
+
+class _Loader:
+    def __init__(self, mm, objects: dict, ns: dict):
+        self.mm = memoryview(mm)
+        self.objects = objects
+        self.ns = ns
+        self.cache: dict[str, Any] = {}
+        self.loading: set[str] = set()
+        self.bytes = 0
+
+    def region(self, r):
+        off, n = r
+        self.bytes += n
+        return self.mm[off:off + n]
+
+    def load(self, oid: str) -> Any:
+        if oid in self.cache:
+            return self.cache[oid]
+        spec = self.objects.get(oid)
+        if spec is None:
+            raise RestoreError(f"object {oid} is not in the restore file")
+        if oid in self.loading:
+            raise RestoreError(f"reference cycle through object {oid} across records")
+        self.loading.add(oid)
+        bufs = [self.region(r) for r in spec["payloads"]]
+        up = pickle.Unpickler(io.BytesIO(self.region(spec["record"])), buffers=bufs)
+        up.persistent_load = self._pload
+        obj = up.load()
+        self.loading.discard(oid)
+        if isinstance(obj, _Group):
+            for k, o in zip(obj.oids, obj.objs):
+                self.cache[k] = o
+            return self.cache[oid]
+        self.cache[oid] = obj
+        return obj
+
+    def _pload(self, pid):
+        kind, oid = pid
+        if kind == "ns":
+            return self.ns
+        return self.load(oid)
+
+
+def restore(ns: dict, shm_path: str | None, variables: dict, objects: dict,
+            oid_of: dict[int, tuple[str, Any]]) -> tuple[int, dict[str, str]]:
+    """Bind ``variables`` in ``ns``; returns (restored_bytes, errors by name)."""
+    errors: dict[str, str] = {}
+    mm = None
+    if shm_path:
+        with open(shm_path, "rb") as f:
+            # private copy-on-write: restored arrays are writable, no copy up front
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    loader = _Loader(mm if mm is not None else b"", objects, ns)
+    builtins_before = ns.get("__builtins__")
+    for name, spec in variables.items():
+        try:
+            if spec.get("module"):
+                ns[name] = importlib.import_module(spec["module"])
+                continue
+            if spec.get("oid") is None:
+                raise RestoreError("neither an oid nor a module")
+            obj = loader.load(spec["oid"])
+            ns[name] = obj
+            oid_of[id(obj)] = (spec["oid"], obj)
+        except BaseException as e:  # noqa: BLE001 - reported per name
+            errors[name] = f"{type(e).__name__}: {e} (restoring '{name}')"
+    for oid, obj in loader.cache.items():
+        oid_of[id(obj)] = (oid, obj)
+    if builtins_before is not None:
+        ns["__builtins__"] = builtins_before  # cloudpickle's setstate rebinds it
+    return loader.bytes, errors

@@ -1,0 +1,193 @@
+"""An IPython shell whose outputs equal a Jupyter kernel's.
+
+InteractiveShell is made to behave like ipykernel's ZMQInteractiveShell: rich
+displays and execute results go out as nbformat outputs, stdout/stderr become
+stream outputs, tracebacks become error outputs. Only the transport differs:
+``emit(output_dict)`` is called for every output, and the worker frames it.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import time
+from typing import Callable
+
+# ipykernel sets this before the shell exists so that pyplot picks the inline
+# backend, which registers its flush-at-cell-end hook on the live shell.
+os.environ["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
+
+from IPython.core.displayhook import DisplayHook  # noqa: E402
+from IPython.core.displaypub import DisplayPublisher  # noqa: E402
+from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
+
+Emit = Callable[[dict], None]
+
+
+class OutputStream(io.TextIOBase):
+    """sys.stdout/sys.stderr replacement: coalesces small writes into one stream
+    output and flushes on size, on age, before other outputs and at cell end."""
+
+    FLUSH_CHARS = 8192
+    FLUSH_SECONDS = 0.2
+
+    def __init__(self, name: str, shell: "WorkerShell"):
+        self.name = name
+        self._shell = shell
+        self._buf: list[str] = []
+        self._size = 0
+        self._since = 0.0
+
+    @property
+    def encoding(self):  # libraries (pexpect, tqdm) ask for it
+        return "utf-8"
+
+    def writable(self):
+        return True
+
+    def isatty(self):
+        return False
+
+    def fileno(self):
+        # Some libraries want a real fd (faulthandler, subprocess); give the
+        # process's own. Output written there is not captured, as in ipykernel
+        # without its fd capture.
+        return 1 if self.name == "stdout" else 2
+
+    def write(self, s):
+        if not isinstance(s, str):
+            raise TypeError(f"write() argument must be str, not {type(s).__name__}")
+        if not s:
+            return 0
+        other = self._shell.stream("stderr" if self.name == "stdout" else "stdout")
+        if other is not None and other._buf:
+            other.flush()  # keep stdout/stderr interleaving in order
+        if not self._buf:
+            self._since = time.monotonic()
+        self._buf.append(s)
+        self._size += len(s)
+        if self._size >= self.FLUSH_CHARS or time.monotonic() - self._since > self.FLUSH_SECONDS:
+            self.flush()
+        return len(s)
+
+    def flush(self):
+        if not self._buf:
+            return
+        text = "".join(self._buf)
+        self._buf, self._size = [], 0
+        self._shell.emit({"output_type": "stream", "name": self.name, "text": text})
+
+
+class WorkerDisplayPublisher(DisplayPublisher):
+    """Like ipykernel's ZMQDisplayPublisher: display() -> display_data output."""
+
+    def publish(self, data, metadata=None, source=None, *, transient=None, update=False, **kw):
+        self.shell.flush_streams()
+        self.shell.emit({"output_type": "display_data", "data": _jsonable(data),
+                         "metadata": _jsonable(metadata or {})})
+
+    def clear_output(self, wait=False):
+        self.shell.flush_streams()
+
+
+class WorkerDisplayHook(DisplayHook):
+    """Like ipykernel's ZMQShellDisplayHook: the last expression's value becomes an
+    execute_result with the cell's execution_count."""
+
+    def start_displayhook(self):
+        self._msg = {"output_type": "execute_result", "data": {}, "metadata": {},
+                     "execution_count": self.shell.execution_count}
+
+    def write_output_prompt(self):
+        self._msg["execution_count"] = self.prompt_count
+
+    def write_format_data(self, format_dict, md_dict=None):
+        self._msg["data"] = _jsonable(format_dict)
+        self._msg["metadata"] = _jsonable(md_dict or {})
+
+    def finish_displayhook(self):
+        self.shell.flush_streams()
+        if self._msg["data"]:
+            self.shell.emit(self._msg)
+        self._msg = None
+
+
+def _jsonable(d: dict) -> dict:
+    # Mime bundles may carry bytes (image/png before base64 in old formatters).
+    import base64
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, bytes):
+            v = base64.b64encode(v).decode("ascii")
+        elif isinstance(v, dict):
+            v = _jsonable(v)
+        out[k] = v
+    return out
+
+
+class WorkerShell(InteractiveShell):
+    """The cell runtime. ``emit`` receives each nbformat output dict."""
+
+    display_pub_class = WorkerDisplayPublisher
+    displayhook_class = WorkerDisplayHook
+
+    def __init__(self, emit: Emit, **kw):
+        self._emit = emit
+        self._streams: dict[str, OutputStream] = {}
+        self.last_error: dict | None = None
+        super().__init__(**kw)
+        self._streams = {"stdout": OutputStream("stdout", self),
+                         "stderr": OutputStream("stderr", self)}
+        sys.stdout = self._streams["stdout"]
+        sys.stderr = self._streams["stderr"]
+
+    def init_history(self):
+        # History lives in memory: ambient state carries it between workers,
+        # and a sqlite file per worker would only cost time.
+        self.config.HistoryManager.hist_file = ":memory:"
+        super().init_history()
+
+    def emit(self, output: dict) -> None:
+        self._emit(output)
+
+    def stream(self, name):
+        return self._streams.get(name)
+
+    def flush_streams(self):
+        for s in self._streams.values():
+            s.flush()
+
+    def _showtraceback(self, etype, evalue, stb):
+        # ipykernel publishes an 'error' output instead of printing.
+        self.flush_streams()
+        err = {"ename": str(etype.__name__), "evalue": str(evalue),
+               "traceback": [str(x) for x in stb]}
+        self.last_error = err
+        self.emit({"output_type": "error", **err})
+
+    def enable_gui(self, gui=None):
+        # `%matplotlib inline` asks for no GUI loop; a worker has no other.
+        if gui not in (None, "inline"):
+            raise NotImplementedError(f"no GUI event loop '{gui}' in a LooseLeaf worker")
+
+    def ask_exit(self):
+        # `exit`/`quit` in a cell must not end the worker.
+        self.exit_now = False
+
+    def run(self, code: str):
+        """Run one cell as a kernel would; returns (ExecutionResult, error info)."""
+        self.last_error = None
+        try:
+            result = self.run_cell(code, store_history=True, silent=False)
+        finally:
+            self.flush_streams()
+        err = None
+        if not result.success:
+            err = self.last_error or _error_from(result)
+        return result, err
+
+
+def _error_from(result) -> dict:
+    e = result.error_in_exec or result.error_before_exec
+    return {"ename": type(e).__name__, "evalue": str(e), "traceback": []}

@@ -1,0 +1,206 @@
+"""The worker: serves restore/run/save/committed/shutdown over one socket.
+
+A worker is forked from a zygote (or started directly in tests) and may serve
+several cells. It tracks the version of every name it holds, so that the host
+can tell it which names are stale (``restore.drop``) and so that a save lists
+what it holds and what it deleted.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+import traceback
+
+from . import ambient, checkpoint, protocol
+from .shell import WorkerShell
+
+
+def _cuda_used() -> bool:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    try:
+        return bool(torch.cuda.is_initialized())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+class Worker:
+    def __init__(self, sock: socket.socket, worker_id: str):
+        self.sock = sock
+        self.id = worker_id
+        self.exec_id: str | None = None
+        self.versions: dict[str, str] = {}   # names held -> store version
+        self.oid_of: dict[int, tuple] = {}   # id(obj) -> (oid, obj), kept alive
+        self.save_seq = 0
+        self.shell = WorkerShell.instance(emit=self._emit_output)
+        # after the shell: its own env/warnings setup is not a cell's doing
+        self.base = ambient.Baseline()
+
+    # ------------------------------------------------------------- transport
+    def send(self, msg: dict) -> None:
+        protocol.send(self.sock, msg)
+
+    def _emit_output(self, output: dict) -> None:
+        if self.exec_id is None:
+            # Output outside a cell (e.g. a __setstate__ that prints): log it.
+            os.write(2, (str(output.get("text") or output) + "\n").encode())
+            return
+        self.send({"type": "output", "exec_id": self.exec_id, "output": output})
+
+    def expect(self, mtype: str) -> dict:
+        msg = protocol.recv(self.sock)
+        if msg is None:
+            raise EOFError("host closed the socket")
+        if msg["type"] != mtype:
+            raise protocol.ProtocolError(f"expected {mtype}, got {msg['type']}")
+        return msg
+
+    # ------------------------------------------------------------- main loop
+    def serve(self) -> None:
+        handlers = {"restore": self.on_restore, "run": self.on_run, "save": self.on_save,
+                    "committed": self.on_committed}
+        while True:
+            try:
+                msg = protocol.recv(self.sock)
+            except protocol.ProtocolError as e:
+                self.send({"type": "error", "message": f"bad frame: {e}"})
+                return  # the stream is out of step; the host restarts us
+            if msg is None or msg["type"] == "shutdown":
+                return
+            handler = handlers.get(msg["type"])
+            try:
+                if handler is None:
+                    raise protocol.ProtocolError(f"a worker does not handle {msg['type']}")
+                handler(msg)
+            except (EOFError, BrokenPipeError, ConnectionError):
+                return
+            except BaseException as e:  # noqa: BLE001 - keep serving
+                self.exec_id = None
+                self.send({"type": "error",
+                           "message": f"{msg['type']}: {type(e).__name__}: {e}\n"
+                                      + traceback.format_exc(limit=8)})
+
+    def user_names(self) -> list[str]:
+        ns, hidden = self.shell.user_ns, self.shell.user_ns_hidden
+        return sorted(n for n, v in list(ns.items()) if checkpoint.is_user_name(n, v, hidden))
+
+    # ------------------------------------------------------------- handlers
+    def on_restore(self, msg: dict) -> None:
+        t0 = time.perf_counter()
+        ns = self.shell.user_ns
+        for name in msg["drop"]:
+            ns.pop(name, None)
+            self.versions.pop(name, None)
+        errors: dict[str, str] = {}
+        for mod in msg["imports"]:
+            try:
+                __import__(mod)
+            except BaseException as e:  # noqa: BLE001
+                errors[f"import {mod}"] = f"{type(e).__name__}: {e}"
+        nbytes, errs = checkpoint.restore(ns, msg["shm_path"], msg["variables"],
+                                          msg["objects"], self.oid_of)
+        errors.update(errs)
+        for name, spec in msg["variables"].items():
+            if name not in errs:
+                self.versions[name] = spec["version"]
+        if msg["ambient"] is not None and msg["shm_path"]:
+            off, n = msg["ambient"]
+            with open(msg["shm_path"], "rb") as f:
+                f.seek(off)
+                blob = f.read(n)
+            nbytes += n
+            try:
+                ambient.loads_apply(self.shell, blob, self.base)
+            except BaseException as e:  # noqa: BLE001
+                errors["ambient"] = f"{type(e).__name__}: {e}"
+        self._sync_displayhook()
+        self.send({"type": "restored", "ok": not errors, "restored_bytes": nbytes,
+                   "ms": (time.perf_counter() - t0) * 1000, "errors": errors})
+
+    def _sync_displayhook(self) -> None:
+        # The displayhook keeps its own copies of _, __, ___ and rotates them.
+        dh, ns = self.shell.displayhook, self.shell.user_ns
+        for attr in ("_", "__", "___"):
+            if attr in ns:
+                setattr(dh, attr, ns[attr])
+
+    def on_run(self, msg: dict) -> None:
+        self.exec_id = msg["exec_id"]
+        count = self.shell.execution_count
+        self.send({"type": "started", "exec_id": self.exec_id,
+                   "unix_ms": int(time.time() * 1000), "execution_count": count})
+        t0 = time.perf_counter()
+        try:
+            result, err = self.shell.run(msg["code"])
+        finally:
+            run_ms = (time.perf_counter() - t0) * 1000
+            exec_id, self.exec_id = self.exec_id, None
+        fin = {"type": "finished", "exec_id": exec_id, "status": "error" if err else "ok",
+               "execution_count": count, "run_ms": run_ms, "cuda_used": _cuda_used()}
+        if err:
+            fin["error"] = err
+        self.send(fin)
+
+    def on_save(self, msg: dict) -> None:
+        t0 = time.perf_counter()
+        exec_id = msg["exec_id"]
+        names = self.user_names()
+        blob = ambient.dumps(self.shell, self.base)
+        res = checkpoint.build_delta(self.shell.user_ns, names, self.oid_of,
+                                     set(self.versions), blob)
+        self.send({"type": "save_plan", "exec_id": exec_id, "chunks": list(res.chunks)})
+        missing = self.expect("save_missing")["missing"]
+        regions: dict[str, list[int]] = {}
+        path = None
+        if missing:
+            self.save_seq += 1
+            path = f"/dev/shm/looseleaf-save-{self.id}-{os.getpid()}-{self.save_seq}"
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            try:
+                off = 0
+                for h in dict.fromkeys(missing):
+                    piece = res.chunks.get(h)
+                    if piece is None:
+                        raise protocol.ProtocolError(f"host asked for unknown chunk {h}")
+                    view = memoryview(piece)
+                    while view:
+                        view = view[os.write(fd, view):]
+                    regions[h] = [off, len(piece)]
+                    off += len(piece)
+            finally:
+                os.close(fd)
+        self.send({"type": "save_ready", "exec_id": exec_id, "shm_path": path,
+                   "chunks": regions, "delta": res.delta,
+                   "save_ms": (time.perf_counter() - t0) * 1000})
+        com = self.expect("committed")
+        self.oid_of = res.oid_objects
+        # names that could not be saved stay held (this worker has them)
+        self._apply_commit(com, set(names))
+
+    def on_committed(self, msg: dict) -> None:
+        self._apply_commit(msg, None)
+
+    def _apply_commit(self, msg: dict, names: set[str] | None) -> None:
+        if not msg["ok"]:
+            return
+        if names is not None:
+            self.versions = {n: v for n, v in self.versions.items() if n in names}
+        self.versions.update(msg["versions"])
+
+
+def main(sock: socket.socket, worker_id: str, zygote_id: str | None = None) -> None:
+    hello = {"type": "hello", "role": "worker", "id": worker_id, "pid": os.getpid()}
+    if zygote_id is not None:
+        hello["zygote_id"] = zygote_id
+    protocol.send(sock, hello)
+    Worker(sock, worker_id).serve()
+
+
+if __name__ == "__main__":  # direct start: python -m looseleaf_worker.worker SOCK ID
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(sys.argv[1])
+    main(s, sys.argv[2])

@@ -1,0 +1,1 @@
+raise ImportError("this test package never imports")

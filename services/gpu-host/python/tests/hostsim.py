@@ -1,0 +1,287 @@
+"""A tiny fake gpu-host for tests: the host side of the worker protocol.
+
+It listens on Unix sockets, starts a real zygote process, forks real workers,
+keeps a content-addressed chunk dict as the "store", merges save deltas into a
+manifest with versions (a name keeps its version while its object graph's bytes
+do not change), and writes restore files into /dev/shm like the Rust host.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+import xxhash
+
+from looseleaf_worker import protocol
+
+PYDIR = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+TIMEOUT = 90
+
+
+class HostError(Exception):
+    pass
+
+
+class Conn:
+    """One socket to a zygote or worker; records every message it receives."""
+
+    def __init__(self, sock: socket.socket, log: list):
+        self.sock = sock
+        self.log = log
+
+    def send(self, msg: dict) -> None:
+        protocol.send(self.sock, msg)
+
+    def recv(self) -> dict:
+        msg = protocol.recv(self.sock)
+        if msg is None:
+            raise HostError("peer closed the socket")
+        self.log.append(msg)
+        return msg
+
+    def expect(self, mtype: str) -> dict:
+        msg = self.recv()
+        if msg["type"] != mtype:
+            raise HostError(f"expected {mtype}, got {msg}")
+        return msg
+
+
+class Zygote:
+    def __init__(self, host: "HostSim", zid: str, packages: list[str], env: dict | None):
+        self.host = host
+        self.id = zid
+        lsock = host.listener(f"z-{zid}")
+        full_env = dict(os.environ)
+        full_env["PYTHONPATH"] = os.pathsep.join([str(PYDIR), str(TESTS / "fakepkgs")])
+        full_env.update(env or {})
+        self.stderr = open(Path(host.dir) / f"zygote-{zid}.log", "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "looseleaf_worker.zygote", "--socket", lsock.getsockname(),
+             "--id", zid, "--packages", ",".join(packages)],
+            cwd=str(PYDIR), env=full_env, stdout=self.stderr, stderr=self.stderr)
+        try:
+            s, _ = lsock.accept()
+        except socket.timeout:
+            raise HostError(f"zygote did not connect; log: {self.log_text()}") from None
+        finally:
+            lsock.close()
+        s.settimeout(TIMEOUT)
+        self.conn = Conn(s, host.received)
+        self.hello = self.conn.expect("hello")
+
+    def log_text(self) -> str:
+        self.stderr.flush()
+        return (Path(self.host.dir) / f"zygote-{self.id}.log").read_text(errors="replace")
+
+    def fork(self, env: dict | None = None, cwd: str | None = None) -> "Worker":
+        wid = f"w{next(self.host.seq)}"
+        lsock = self.host.listener(wid)
+        self.conn.send({"type": "fork", "worker_id": wid, "env": env or {},
+                        "cwd": cwd or self.host.dir, "socket": lsock.getsockname()})
+        forked = self.conn.recv()
+        if forked["type"] != "forked":
+            raise HostError(f"fork failed: {forked}")
+        try:
+            s, _ = lsock.accept()
+        except socket.timeout:
+            raise HostError(f"worker did not connect; log: {self.log_text()}") from None
+        finally:
+            lsock.close()
+        s.settimeout(TIMEOUT)
+        w = Worker(self.host, wid, Conn(s, self.host.received), forked["pid"])
+        w.hello = w.conn.expect("hello")
+        self.host.workers.append(w)
+        return w
+
+    def close(self) -> None:
+        try:
+            self.conn.send({"type": "shutdown"})
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.conn.sock.close()
+        self.stderr.close()
+
+
+class Worker:
+    def __init__(self, host: "HostSim", wid: str, conn: Conn, pid: int):
+        self.host, self.id, self.conn, self.pid = host, wid, conn, pid
+        self.hello: dict = {}
+
+    def run(self, code: str) -> dict:
+        exec_id = uuid.uuid4().hex
+        self.conn.send({"type": "run", "exec_id": exec_id, "cell_id": "c", "code": code})
+        started = self.conn.expect("started")
+        outputs = []
+        while True:
+            msg = self.conn.recv()
+            if msg["type"] == "output":
+                outputs.append(msg["output"])
+            elif msg["type"] == "finished":
+                return {"started": started, "outputs": outputs, "finished": msg,
+                        "exec_id": exec_id}
+            else:
+                raise HostError(f"unexpected during run: {msg}")
+
+    def save(self) -> dict:
+        exec_id = uuid.uuid4().hex
+        self.conn.send({"type": "save", "exec_id": exec_id})
+        plan = self.conn.expect("save_plan")
+        missing = [h for h in dict.fromkeys(plan["chunks"]) if h not in self.host.store]
+        self.conn.send({"type": "save_missing", "exec_id": exec_id, "missing": missing})
+        ready = self.conn.expect("save_ready")
+        committed = self.host.commit(exec_id, ready)
+        self.conn.send(committed)
+        return {"plan": plan, "missing": missing, "ready": ready, "committed": committed}
+
+    def restore(self, names: list[str], drop: list[str] | None = None,
+                imports: list[str] | None = None, ambient: bool = True) -> dict:
+        msg = self.host.restore_msg(names, ambient)
+        msg["drop"] = drop or []
+        msg["imports"] = imports or []
+        self.conn.send(msg)
+        try:
+            return self.conn.expect("restored")
+        finally:
+            if msg["shm_path"]:
+                os.unlink(msg["shm_path"])
+
+    def close(self) -> None:
+        try:
+            self.conn.send({"type": "shutdown"})
+        except OSError:
+            pass
+        self.conn.sock.close()
+
+
+class HostSim:
+    def __init__(self):
+        self.dir = tempfile.mkdtemp(prefix="llh", dir="/tmp")  # short: sun_path limit
+        self.seq = itertools.count(1)
+        self.received: list[dict] = []
+        self.store: dict[str, bytes] = {}
+        self.objects: dict[str, dict] = {}
+        self.manifest: dict[str, dict] = {}   # name -> {oid, module, version, sig}
+        self.unsavable: dict[str, str] = {}
+        self.ambient: dict | None = None
+        self.revision = 0
+        self.workers: list[Worker] = []
+        self.zygotes: list[Zygote] = []
+
+    def listener(self, name: str) -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(os.path.join(self.dir, name + ".sock"))
+        s.listen(1)
+        s.settimeout(TIMEOUT)
+        return s
+
+    def zygote(self, packages: list[str], env: dict | None = None) -> Zygote:
+        z = Zygote(self, f"z{next(self.seq)}", packages, env)
+        self.zygotes.append(z)
+        return z
+
+    # ---------------------------------------------------------------- store
+    def blob(self, b: dict) -> bytes:
+        data = b"".join(self.store[h] for h in b["chunks"])
+        assert len(data) == b["len"], "blob length does not match its chunks"
+        return data
+
+    def _sig(self, oid: str, seen: set) -> str:
+        if oid in seen:
+            return oid
+        seen.add(oid)
+        o = self.objects[oid]
+        parts = [",".join(o["record"]["chunks"])]
+        parts += [",".join(p["chunks"]) for p in o["payloads"]]
+        parts += [self._sig(r, seen) for r in o["refs"]]
+        return xxhash.xxh3_128_hexdigest("|".join(parts).encode())
+
+    def commit(self, exec_id: str, ready: dict) -> dict:
+        if ready["shm_path"]:
+            with open(ready["shm_path"], "rb") as f:
+                data = f.read()
+            for h, (off, n) in ready["chunks"].items():
+                piece = data[off:off + n]
+                if xxhash.xxh3_128_hexdigest(piece) != h:
+                    raise HostError(f"chunk {h} does not match its hash")
+                self.store[h] = piece
+            os.unlink(ready["shm_path"])
+        delta = ready["delta"]
+        for oid, o in delta["objects"].items():
+            for h in o["record"]["chunks"] + [c for p in o["payloads"] for c in p["chunks"]]:
+                if h not in self.store:
+                    raise HostError(f"delta names chunk {h} the store lacks")
+            self.objects[oid] = o
+        self.revision += 1
+        versions = {}
+        for name, var in delta["variables"].items():
+            sig = var["module"] if var["oid"] is None else "oid:" + var["oid"] + self._sig(var["oid"], set())
+            old = self.manifest.get(name)
+            version = old["version"] if old and old["sig"] == sig else f"v{self.revision}"
+            self.manifest[name] = {"oid": var["oid"], "module": var["module"],
+                                   "version": version, "sig": sig}
+            versions[name] = version
+        for name in delta["deleted"]:
+            self.manifest.pop(name, None)
+        # a save through one alias changes every name bound to that oid
+        for name, m in self.manifest.items():
+            if m["oid"] and name not in delta["variables"] and m["oid"] in self.objects:
+                sig = "oid:" + m["oid"] + self._sig(m["oid"], set())
+                if sig != m["sig"]:
+                    m["sig"], m["version"] = sig, f"v{self.revision}"
+        self.unsavable.update(delta["unsavable"])
+        if delta["ambient"] is not None:
+            self.ambient = delta["ambient"]
+        return {"type": "committed", "exec_id": exec_id, "ok": True,
+                "revision": self.revision, "versions": versions}
+
+    def closure(self, names: list[str]) -> list[str]:
+        todo = [self.manifest[n]["oid"] for n in names if self.manifest[n]["oid"]]
+        out: list[str] = []
+        while todo:
+            oid = todo.pop()
+            if oid in out:
+                continue
+            out.append(oid)
+            todo.extend(self.objects[oid]["refs"])
+        return out
+
+    def restore_msg(self, names: list[str], ambient: bool) -> dict:
+        path = f"/dev/shm/looseleaf-restore-test-{uuid.uuid4().hex}"
+        objects, off = {}, 0
+        with open(path, "wb") as f:
+            def put(data: bytes):
+                nonlocal off
+                f.write(data)
+                region = [off, len(data)]
+                off += len(data)
+                return region
+            for oid in self.closure(names):
+                o = self.objects[oid]
+                objects[oid] = {"record": put(self.blob(o["record"])),
+                                "payloads": [put(self.blob(p)) for p in o["payloads"]]}
+            amb = put(self.blob(self.ambient)) if ambient and self.ambient else None
+        variables = {n: {k: self.manifest[n][k] for k in ("oid", "version", "module")}
+                     for n in names}
+        return {"type": "restore", "shm_path": path, "variables": variables,
+                "objects": objects, "ambient": amb}
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+        for z in self.zygotes:
+            z.close()
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -1,0 +1,160 @@
+import pytest
+
+from helpers import ok, result_text, stream_text
+
+
+def test_alias_closure_and_mutation_across_workers(host, zygote):
+    w1 = zygote.fork()
+    ok(w1.run("a = [1, 2]; b = a; d = {'k': a}"))
+    s = w1.save()
+    v = s["ready"]["delta"]["variables"]
+    assert v["a"]["oid"] == v["b"]["oid"] != v["d"]["oid"]
+    assert s["ready"]["delta"]["objects"][v["d"]["oid"]]["refs"] == [v["a"]["oid"]]
+    w2 = zygote.fork()
+    assert w2.restore(["b"])["ok"]
+    ok(w2.run("b.append(3)"))
+    w2.save()
+    w3 = zygote.fork()
+    assert w3.restore(["a", "d"])["ok"]
+    assert stream_text(ok(w3.run("print(d['k'] is a, a)"))).strip() == "True [1, 2, 3]"
+
+
+def test_shared_subobjects_and_cycles(host, zygote):
+    w1 = zygote.fork()
+    ok(w1.run("s = {'n': 1}\nx = [s, s]\ny = {'s': s}\n"
+              "c = []; c.append(c)\n"
+              "p = []; q = [p]; p.append(q)\n"
+              "t = (s,)"))
+    delta = w1.save()["ready"]["delta"]
+    # the cycle p <-> q across two variables is merged into one record (same bytes)
+    objs = delta["objects"]
+    assert objs[delta["variables"]["p"]["oid"]]["record"] == objs[delta["variables"]["q"]["oid"]]["record"]
+    w2 = zygote.fork()
+    assert w2.restore(["x", "y", "c", "p", "t"])["ok"]
+    r = ok(w2.run("print(x[0] is x[1] is y['s'] is t[0], c[0] is c, p[0][0] is p)"))
+    assert stream_text(r).split() == ["True", "True", "True"]
+    assert "q" not in w2.run("print(sorted(k for k in dir() if len(k)==1))")["outputs"][0]["text"]
+
+
+def test_numpy_payloads_writable(host, zygote):
+    w1 = zygote.fork()
+    ok(w1.run("import numpy as np\nbig = np.arange(1_000_000, dtype=np.float64)\nsmall = np.ones(3)\n"
+              "view = big"))
+    delta = w1.save()["ready"]["delta"]
+    rec = delta["objects"][delta["variables"]["big"]["oid"]]
+    assert len(rec["payloads"]) == 1
+    p = rec["payloads"][0]
+    assert p["dtype"] == "float64" and p["shape"] == [1_000_000] and p["len"] == 8_000_000
+    assert len(p["chunks"]) == 4  # 2 MiB chunks
+    assert delta["objects"][delta["variables"]["small"]["oid"]]["payloads"] == []
+    assert delta["variables"]["np"] == {"oid": None, "module": "numpy"}
+    w2 = zygote.fork()
+    assert w2.restore(["big", "small", "np", "view"])["ok"]
+    r = ok(w2.run("big[0] = 42.0\nprint(big.flags.writeable, big[:2], big.sum() == 42 + 999999*1000000/2,"
+                  " view is big, small)"))
+    assert stream_text(r).split()[:2] == ["True", "[42."]
+    assert "True True [1. 1. 1.]" in stream_text(r)
+
+
+def test_pandas_and_modules(host, zygote):
+    w1 = zygote.fork()
+    ok(w1.run("import pandas as pd, numpy as np\nimport matplotlib.pyplot as plt\n"
+              "df = pd.DataFrame({'a': np.arange(100_000), 'b': ['x'] * 100_000})\ncol = df['a']"))
+    w1.save()
+    w2 = zygote.fork()
+    assert w2.restore(["df", "plt", "pd"])["ok"]
+    r = ok(w2.run("print(df.shape, df['a'].sum(), df['b'][5], plt.__name__, pd.__name__)"))
+    assert stream_text(r).split() == ["(100000,", "2)", "4999950000", "x", "matplotlib.pyplot", "pandas"]
+
+
+def test_notebook_functions_and_classes(host, zygote):
+    w1 = zygote.fork()
+    ok(w1.run("factor = 3\n"
+              "def scale(v):\n    return v * factor\n"
+              "class Point:\n    def __init__(self, x): self.x = x\n"
+              "    def double(self): return Point(scale(self.x))\n"
+              "pt = Point(2)"))
+    w1.save()
+    w2 = zygote.fork()
+    assert w2.restore(["scale", "Point", "pt", "factor"])["ok"]
+    r = ok(w2.run("print(type(pt) is Point, pt.double().x)\nfactor = 10\nprint(scale(1))"))
+    # the function reads the live namespace, as in a kernel
+    assert stream_text(r).split() == ["True", "6", "10"]
+
+
+def test_unsavable_generator(host, zygote):
+    w1 = zygote.fork()
+    ok(w1.run("gen = (i for i in range(3))\nholder = [gen]\nkeep = {'v': 1}\nimport threading\nlk = threading.Lock()"))
+    delta = w1.save()["ready"]["delta"]
+    assert set(delta["unsavable"]) == {"gen", "holder", "lk"}
+    assert "generator" in delta["unsavable"]["gen"]
+    assert "generator" in delta["unsavable"]["holder"]
+    assert "keep" in delta["variables"] and "gen" not in delta["variables"]
+    w2 = zygote.fork()
+    assert w2.restore(["keep"])["ok"]
+    assert result_text(w2.run("keep")) == "{'v': 1}"
+
+
+def test_incremental_save_only_changed_chunks(fresh_host):
+    z = fresh_host.zygote(["numpy"])
+    w = z.fork()
+    ok(w.run("import numpy as np\narrs = [np.random.default_rng(i).random(600_000) for i in range(10)]\n"
+             "for i, a in enumerate(arrs): globals()[f'a{i}'] = a"))
+    first = w.save()
+    assert first["missing"]
+    ok(w.run("a3[7] = -1.0"))
+    second = w.save()
+    assert len(second["plan"]["chunks"]) == len(first["plan"]["chunks"])
+    d = second["ready"]["delta"]
+    a3 = d["objects"][d["variables"]["a3"]["oid"]]
+    changed = {c for p in a3["payloads"] for c in p["chunks"]}
+    ambient = set(d["ambient"]["chunks"])
+    assert changed and set(second["missing"]) - ambient <= changed
+    assert set(second["missing"]) & changed
+    # oids are stable across saves, and versions bump only for what changed
+    v1, v2 = first["committed"]["versions"], second["committed"]["versions"]
+    assert v1["a0"] == v2["a0"] and v1["a3"] != v2["a3"]
+    assert d["variables"]["a0"]["oid"] == first["ready"]["delta"]["variables"]["a0"]["oid"]
+
+
+def test_restore_drop_and_missing(host, zygote):
+    w = zygote.fork()
+    ok(w.run("old = 1\nkeepme = 2"))
+    host.manifest["ghost"] = {"oid": "feedbeef", "module": None, "version": "v0", "sig": ""}
+    host.objects.setdefault("feedbeef", None)
+    msg = {"type": "restore", "shm_path": None, "objects": {}, "ambient": None,
+           "variables": {"ghost": {"oid": "feedbeef", "version": "v0", "module": None}},
+           "imports": ["json"], "drop": ["old"]}
+    w.conn.send(msg)
+    res = w.conn.expect("restored")
+    assert not res["ok"] and "ghost" in res["errors"]["ghost"]
+    r = ok(w.run("print('old' in dir(), keepme, 'json' in __import__('sys').modules)"))
+    assert stream_text(r).split() == ["False", "2", "True"]
+    del host.manifest["ghost"]
+    host.objects.pop("feedbeef")
+    delta = w.save()["ready"]["delta"]
+    assert "old" not in delta["variables"]
+
+
+torch = pytest.importorskip("torch")
+
+
+def test_torch_tensors_modules_optimizers(host, zygote):
+    w1 = zygote.fork()
+    ok(w1.run("import torch\ntorch.manual_seed(0)\n"
+              "model = torch.nn.Linear(200, 100)\n"
+              "opt = torch.optim.Adam(model.parameters(), lr=0.01)\n"
+              "loss = model(torch.randn(4, 200)).sum(); loss.backward(); opt.step()\n"
+              "t = torch.arange(10, dtype=torch.float32).requires_grad_()\n"
+              "bf = torch.ones(3, dtype=torch.bfloat16)\n"
+              "ref = model.weight.detach().clone()"))
+    delta = w1.save()["ready"]["delta"]
+    assert "model" in delta["variables"] and not delta["unsavable"]
+    w2 = zygote.fork()
+    assert w2.restore(["model", "opt", "t", "bf", "ref", "torch"])["ok"]
+    r = ok(w2.run(
+        "print(isinstance(model.weight, torch.nn.Parameter), opt.param_groups[0]['params'][0] is model.weight,"
+        " torch.equal(model.weight, ref), t.requires_grad, bf.dtype, len(opt.state))\n"
+        "loss = model(torch.randn(4, 200)).sum(); loss.backward(); opt.step()\n"
+        "print(not torch.equal(model.weight, ref))"))
+    assert stream_text(r).split() == ["True", "True", "True", "True", "torch.bfloat16", "2", "True"]

@@ -1,0 +1,84 @@
+import pytest
+
+from helpers import of_type, ok, result_text, stream_text
+
+
+@pytest.fixture(scope="module")
+def w(zygote):
+    return zygote.fork()
+
+
+def test_print_is_stream(w):
+    r = ok(w.run("print('a'); print('b')"))
+    assert of_type(r, "stream") == [{"output_type": "stream", "name": "stdout", "text": "a\nb\n"}]
+
+
+def test_stderr_and_warnings(w):
+    r = ok(w.run("import sys, warnings\nsys.stderr.write('oops\\n')\nwarnings.warn('careful')"))
+    err = stream_text(r, "stderr")
+    assert "oops" in err and "UserWarning: careful" in err
+
+
+def test_expression_is_execute_result(w):
+    r = w.run("6 * 7")
+    res = of_type(ok(r), "execute_result")[0]
+    assert res["data"] == {"text/plain": "42"}
+    assert res["execution_count"] == r["started"]["execution_count"] == r["finished"]["execution_count"]
+
+
+def test_dataframe_html(w):
+    r = ok(w.run("import pandas as pd\npd.DataFrame({'x': [1, 2]})"))
+    data = of_type(r, "execute_result")[0]["data"]
+    assert "<table" in data["text/html"] and "x" in data["text/plain"]
+
+
+def test_matplotlib_png(w):
+    r = ok(w.run("import matplotlib.pyplot as plt\nplt.plot([1, 2, 3]);"))
+    disp = of_type(r, "display_data")
+    assert len(disp) == 1 and disp[0]["data"]["image/png"].startswith("iVBOR")
+    r = ok(w.run("%matplotlib inline\nplt.figure(); plt.plot([3, 1]);"))
+    assert len(of_type(r, "display_data")) == 1
+
+
+def test_display_call(w):
+    r = ok(w.run("from IPython.display import display, HTML\ndisplay(HTML('<b>x</b>'))"))
+    assert of_type(r, "display_data")[0]["data"]["text/html"] == "<b>x</b>"
+
+
+def test_shell_commands(w):
+    r = ok(w.run("!echo hi"))
+    assert stream_text(r).strip() == "hi"
+    assert result_text(w.run("x = !echo yo\nx")) == "['yo']"
+
+
+def test_error_output_and_finished(w):
+    r = w.run("print('before')\n1/0")
+    assert stream_text(r) == "before\n"
+    err = of_type(r, "error")[0]
+    assert err["ename"] == "ZeroDivisionError" and err["evalue"] == "division by zero"
+    assert any("ZeroDivisionError" in line for line in err["traceback"])
+    f = r["finished"]
+    assert f["status"] == "error" and f["error"]["ename"] == "ZeroDivisionError"
+    assert result_text(w.run("'still alive'")) == "'still alive'"
+
+
+def test_syntax_error(w):
+    r = w.run("def (")
+    assert of_type(r, "error")[0]["ename"] == "SyntaxError"
+    assert r["finished"]["status"] == "error"
+
+
+def test_system_exit_does_not_kill_worker(w):
+    for code in ["raise SystemExit(1)", "raise KeyboardInterrupt", "exit()"]:
+        w.run(code)
+    assert result_text(w.run("1 + 1")) == "2"
+
+
+def test_execution_counts(zygote):
+    w = zygote.fork()
+    counts = [w.run(c)["finished"]["execution_count"] for c in ["1", "1/0", "def (", "2"]]
+    assert counts == [1, 2, 3, 4]
+    r = w.run("_1 + _4, In[2]")
+    assert result_text(r) == "(3, '1/0')"
+    assert r["started"]["unix_ms"] > 1_600_000_000_000
+    assert r["finished"]["run_ms"] >= 0 and r["finished"]["cuda_used"] is False

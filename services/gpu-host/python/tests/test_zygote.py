@@ -1,0 +1,68 @@
+import os
+
+from helpers import ok, stream_text
+
+
+def test_hello_lists_packages(zygote):
+    h = zygote.hello
+    assert h["role"] == "zygote" and h["id"] == zygote.id
+    assert h["packages"] == ["numpy", "pandas"]
+    assert h["cuda_unsafe"] == []
+    assert h["pid"] == zygote.proc.pid
+    assert h["import_ms"] > 0
+
+
+def test_fork_gives_worker_with_env_and_cwd(host, zygote, tmp_path):
+    w = zygote.fork(env={"LL_TEST_VAR": "hello-env"}, cwd=str(tmp_path))
+    assert w.hello["role"] == "worker" and w.hello["id"] == w.id
+    assert w.hello["zygote_id"] == zygote.id
+    assert w.hello["pid"] == w.pid != zygote.proc.pid
+    r = ok(w.run("import os, sys\nprint(os.environ['LL_TEST_VAR'], os.getcwd(), os.getsid(0) == os.getpid(),"
+                 " 'numpy' in sys.modules)"))
+    assert stream_text(r).split() == ["hello-env", str(tmp_path), "True", "True"]
+    # the zygote is unaffected by the child's env
+    w2 = zygote.fork()
+    assert stream_text(w2.run("import os; print(os.environ.get('LL_TEST_VAR'))")).strip() == "None"
+
+
+def test_subprocesses_work_in_worker(zygote):
+    # the zygote ignores SIGCHLD; a worker must not, or return codes break
+    w = zygote.fork()
+    r = ok(w.run("import subprocess\nprint(subprocess.run(['sh', '-c', 'exit 3']).returncode)"))
+    assert stream_text(r).strip() == "3"
+
+
+def test_cuda_probe_marks_package_unsafe(host):
+    z = host.zygote(["json", "ll_fake_cuda", "ll_fake_broken", "csv"],
+                    env={"LOOSELEAF_CUDA_PROBE": "ll_probe:probe"})
+    h = z.hello
+    assert h["cuda_unsafe"] == ["ll_fake_cuda"]
+    assert h["packages"] == ["json", "csv"]
+    assert "ll_fake_broken" in h["import_errors"]
+    assert h["pid"] == z.proc.pid  # restarted in place, same process
+    assert "initialises CUDA" in z.log_text()
+    w = z.fork()
+    r = ok(w.run("import sys; print('ll_fake_cuda' in sys.modules, 'csv' in sys.modules)"))
+    assert stream_text(r).split() == ["False", "True"]
+    z.close()
+    assert z.proc.returncode == 0
+
+
+def test_default_probe_is_clean_without_cuda():
+    from looseleaf_worker import zygote as zmod
+    assert zmod.default_probe() is False  # no CUDA context and no /dev/nvidia* fds here
+
+
+def test_protocol_file_override(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from hostsim import PYDIR
+    contract = json.loads((PYDIR.parent / "protocol" / "worker-protocol.json").read_text())
+    contract["max_frame_bytes"] = 1234
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(contract))
+    out = subprocess.run([sys.executable, "-c", "from looseleaf_worker import protocol; print(protocol.MAX_FRAME_BYTES)"],
+                         cwd=str(PYDIR), env={**os.environ, "LOOSELEAF_PROTOCOL_FILE": str(f)},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "1234"

@@ -1,0 +1,106 @@
+//! The store gateway actor: answers manifest gets, commits and session deletes on
+//! `{prefix}.v1.store.*` (queue group `store`, so replicas share the work).
+
+use std::sync::Arc;
+
+use actix::prelude::*;
+use schemas::bus::Rejected;
+use schemas::messages::{
+    CommitV1, CommittedV1, DoneV1, ErrorCode, ManifestGetV1, ManifestV1, Reply, SessionDeleteV1,
+};
+use schemas::{Bus, Envelope, WireMessage};
+use tracing::Instrument;
+
+use crate::manifests::{ManifestError, Manifests};
+
+/// Serves store requests from the bus.
+pub struct Gateway {
+    bus: Bus,
+    manifests: Arc<Manifests>,
+}
+
+impl Gateway {
+    /// A gateway answering on `bus` from `manifests`.
+    pub fn new(bus: Bus, manifests: Arc<Manifests>) -> Self {
+        Self { bus, manifests }
+    }
+}
+
+impl Actor for Gateway {
+    type Context = Context<Self>;
+}
+
+fn error_reply<T>(e: &ManifestError) -> Reply<T> {
+    let code = match e {
+        ManifestError::Stale { .. } | ManifestError::Lost { .. } => ErrorCode::Conflict,
+        ManifestError::BadDelta { .. } | ManifestError::MissingChunks { .. } => ErrorCode::BadRequest,
+        ManifestError::Storage(_) | ManifestError::Corrupt { .. } => ErrorCode::Storage,
+    };
+    Reply::Err { code, message: e.to_string() }
+}
+
+/// Handle one decoded request on the actor's context, replying with the envelope.
+fn serve<Req, Resp, F, Fut>(
+    gw: &Gateway,
+    ctx: &mut Context<Gateway>,
+    item: Result<Envelope<Req>, Rejected>,
+    name: &'static str,
+    f: F,
+) where
+    Req: WireMessage,
+    Resp: WireMessage,
+    F: FnOnce(Arc<Manifests>, Req) -> Fut + 'static,
+    Fut: std::future::Future<Output = Result<Resp, ManifestError>> + 'static,
+{
+    let bus = gw.bus.clone();
+    match item {
+        Err(rejected) => {
+            ctx.spawn(async move { rejected.answer::<Resp>(&bus).await }.into_actor(gw));
+        }
+        Ok(env) => {
+            let span = env.span(name);
+            let manifests = gw.manifests.clone();
+            let fut = async move {
+                let reply = match f(manifests, env.msg).await {
+                    Ok(v) => Reply::Ok(v),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "store request failed");
+                        error_reply(&e)
+                    }
+                };
+                if let Err(e) = bus.respond(env.reply, &reply).await {
+                    tracing::error!(error = %e, "could not send store reply");
+                }
+            };
+            ctx.spawn(fut.instrument(span).into_actor(gw));
+        }
+    }
+}
+
+impl StreamHandler<Result<Envelope<ManifestGetV1>, Rejected>> for Gateway {
+    fn handle(&mut self, item: Result<Envelope<ManifestGetV1>, Rejected>, ctx: &mut Self::Context) {
+        serve(self, ctx, item, "store.manifest.get", |m, req: ManifestGetV1| async move {
+            Ok(ManifestV1 { manifest: (*m.latest(req.session).await?).clone() })
+        });
+    }
+}
+
+impl StreamHandler<Result<Envelope<CommitV1>, Rejected>> for Gateway {
+    fn handle(&mut self, item: Result<Envelope<CommitV1>, Rejected>, ctx: &mut Self::Context) {
+        serve(self, ctx, item, "store.commit", |m, req: CommitV1| async move {
+            let done: CommittedV1 = m.commit(&req).await?;
+            tracing::info!(session = %req.session, revision = done.revision, changed = done.changed.len(), "committed");
+            Ok(done)
+        });
+    }
+}
+
+impl StreamHandler<Result<Envelope<SessionDeleteV1>, Rejected>> for Gateway {
+    fn handle(&mut self, item: Result<Envelope<SessionDeleteV1>, Rejected>, ctx: &mut Self::Context) {
+        serve(self, ctx, item, "store.session.delete", |m, req: SessionDeleteV1| async move {
+            let n = m.delete(req.session).await?;
+            tracing::info!(session = %req.session, manifests = n, "session deleted");
+            Ok(DoneV1 {})
+        });
+    }
+}

@@ -1,0 +1,229 @@
+//! Session manifests over `object_store`: find the latest revision, commit the next
+//! one with a create-only put (atomic on every backend), delete a session.
+//!
+//! Two writers racing for revision N+1 cannot both win: the loser's create fails with
+//! `AlreadyExists` and it gets a conflict. A crash before the create leaves revision N
+//! as the session's state.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use futures::{StreamExt, TryStreamExt};
+use object_store::path::Path;
+use object_store::{ObjectStore, PutMode, PutOptions};
+use schemas::checkpoint::{self, Manifest, SaveOrigin};
+use schemas::messages::{CommitV1, CommittedV1};
+use uuid::Uuid;
+
+/// Why a manifest operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ManifestError {
+    /// The object store failed.
+    #[error("object store: {0}")]
+    Storage(#[from] object_store::Error),
+    /// A stored manifest is not valid JSON of the format.
+    #[error("manifest {key} is corrupt: {reason}")]
+    Corrupt {
+        /// Its key.
+        key: String,
+        /// Why.
+        reason: String,
+    },
+    /// The commit was based on an older revision than the latest.
+    #[error("session {session}: commit based on revision {base} but revision {latest} is committed")]
+    Stale {
+        /// Session.
+        session: Uuid,
+        /// The commit's base.
+        base: u64,
+        /// The latest revision.
+        latest: u64,
+    },
+    /// Another writer created the same revision first.
+    #[error("session {session}: revision {revision} was committed by another writer")]
+    Lost {
+        /// Session.
+        session: Uuid,
+        /// The contested revision.
+        revision: u64,
+    },
+    /// The delta is inconsistent.
+    #[error("session {session}: {source}")]
+    BadDelta {
+        /// Session.
+        session: Uuid,
+        /// What is wrong.
+        source: checkpoint::DeltaError,
+    },
+    /// The save references chunks the store does not have.
+    #[error("session {session}: the save references {count} chunk(s) missing from the store, e.g. {example}")]
+    MissingChunks {
+        /// Session.
+        session: Uuid,
+        /// How many.
+        count: usize,
+        /// One of them.
+        example: String,
+    },
+}
+
+/// Manifests of every session, with a cache of each session's latest revision.
+pub struct Manifests {
+    objects: Arc<dyn ObjectStore>,
+    latest: Mutex<HashMap<Uuid, Arc<Manifest>>>,
+}
+
+impl Manifests {
+    /// Manifests in `objects`.
+    pub fn new(objects: Arc<dyn ObjectStore>) -> Self {
+        Self { objects, latest: Mutex::new(HashMap::new()) }
+    }
+
+    fn cached(&self, session: Uuid) -> Option<Arc<Manifest>> {
+        self.latest.lock().ok().and_then(|m| m.get(&session).cloned())
+    }
+
+    fn remember(&self, manifest: Arc<Manifest>) {
+        if let Ok(mut m) = self.latest.lock() {
+            m.insert(manifest.session, manifest);
+        }
+    }
+
+    async fn read(&self, session: Uuid, revision: u64) -> Result<Option<Manifest>, ManifestError> {
+        let key = checkpoint::manifest_key(session, revision);
+        let bytes = match self.objects.get(&Path::from(key.as_str())).await {
+            Ok(r) => r.bytes().await?,
+            Err(object_store::Error::NotFound { .. }) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        let manifest: Manifest = serde_json::from_slice(&bytes)
+            .map_err(|e| ManifestError::Corrupt { key: key.clone(), reason: e.to_string() })?;
+        if manifest.revision != revision || manifest.session != session {
+            return Err(ManifestError::Corrupt { key, reason: "revision or session does not match its key".into() });
+        }
+        Ok(Some(manifest))
+    }
+
+    /// The session's latest manifest (an empty revision 0 if it never saved).
+    pub async fn latest(&self, session: Uuid) -> Result<Arc<Manifest>, ManifestError> {
+        // Start from the cached revision, or the highest listed one, then step forward
+        // past revisions other gateways committed meanwhile.
+        let mut current = match self.cached(session) {
+            Some(m) => m,
+            None => {
+                let prefix = Path::from(checkpoint::manifests_dir(session).as_str());
+                let keys: Vec<_> = self.objects.list(Some(&prefix)).try_collect().await?;
+                let top = keys.iter().filter_map(|m| checkpoint::revision_of_key(m.location.as_ref())).max();
+                match top {
+                    Some(rev) => Arc::new(self.read(session, rev).await?.unwrap_or_else(|| Manifest::empty(session))),
+                    None => Arc::new(Manifest::empty(session)),
+                }
+            }
+        };
+        while let Some(next) = self.read(session, current.revision + 1).await? {
+            current = Arc::new(next);
+        }
+        self.remember(current.clone());
+        Ok(current)
+    }
+
+    /// Commit a worker's save as the next revision.
+    pub async fn commit(&self, commit: &CommitV1) -> Result<CommittedV1, ManifestError> {
+        let session = commit.session;
+        let base = self.latest(session).await?;
+        if base.revision != commit.base_revision {
+            return Err(ManifestError::Stale { session, base: commit.base_revision, latest: base.revision });
+        }
+        let origin = SaveOrigin {
+            exec_id: commit.exec_id,
+            host: &commit.host,
+            worker: &commit.worker,
+            cell_id: &commit.cell_id,
+        };
+        let next = base.apply(&commit.delta, &origin).map_err(|source| ManifestError::BadDelta { session, source })?;
+        self.check_chunks(commit).await?;
+
+        let key = checkpoint::manifest_key(session, next.revision);
+        let body = serde_json::to_vec(&next)
+            .map_err(|e| ManifestError::Corrupt { key: key.clone(), reason: e.to_string() })?;
+        let opts = PutOptions { mode: PutMode::Create, ..Default::default() };
+        match self.objects.put_opts(&Path::from(key.as_str()), body.into(), opts).await {
+            Ok(_) => {}
+            Err(object_store::Error::AlreadyExists { .. }) => {
+                return Err(ManifestError::Lost { session, revision: next.revision })
+            }
+            Err(e) => return Err(e.into()),
+        }
+        let names = commit.delta.variables.keys().chain(commit.delta.unsavable.keys());
+        let versions = names
+            .filter_map(|n| {
+                let v = next.variables.get(n).map(|v| v.version).or_else(|| next.unsavable.get(n).map(|u| u.version));
+                v.map(|v| (n.clone(), v))
+            })
+            .collect();
+        let changed = next
+            .variables
+            .iter()
+            .filter(|(_, v)| v.version == commit.exec_id)
+            .map(|(n, _)| n.clone())
+            .chain(next.unsavable.iter().filter(|(_, u)| u.version == commit.exec_id).map(|(n, _)| n.clone()))
+            .collect();
+        let revision = next.revision;
+        self.remember(Arc::new(next));
+        Ok(CommittedV1 { revision, versions, changed })
+    }
+
+    /// Every chunk a commit's objects reference must already be in the store, so a
+    /// manifest never points at bytes that are not there.
+    async fn check_chunks(&self, commit: &CommitV1) -> Result<(), ManifestError> {
+        let mut wanted: Vec<&String> = commit.delta.objects.values().flat_map(|o| o.chunks()).collect();
+        if let Some(a) = &commit.delta.ambient {
+            wanted.extend(a.chunks.iter());
+        }
+        wanted.sort();
+        wanted.dedup();
+        let objects = self.objects.clone();
+        let missing: Vec<String> = futures::stream::iter(wanted)
+            .map(|hash| {
+                let objects = objects.clone();
+                async move {
+                    match objects.head(&Path::from(checkpoint::chunk_key(hash).as_str())).await {
+                        Ok(_) => Ok(None),
+                        Err(object_store::Error::NotFound { .. }) => Ok(Some(hash.clone())),
+                        Err(e) => Err(e),
+                    }
+                }
+            })
+            .buffer_unordered(32)
+            .try_filter_map(|m| async move { Ok(m) })
+            .try_collect()
+            .await?;
+        match missing.first() {
+            None => Ok(()),
+            Some(example) => Err(ManifestError::MissingChunks {
+                session: commit.session,
+                count: missing.len(),
+                example: example.clone(),
+            }),
+        }
+    }
+
+    /// Delete every manifest of a session. Its chunks become garbage for the collector.
+    pub async fn delete(&self, session: Uuid) -> Result<usize, ManifestError> {
+        let prefix = Path::from(checkpoint::manifests_dir(session).as_str());
+        let keys: Vec<_> = self.objects.list(Some(&prefix)).try_collect().await?;
+        for meta in &keys {
+            match self.objects.delete(&meta.location).await {
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        if let Ok(mut m) = self.latest.lock() {
+            m.remove(&session);
+        }
+        Ok(keys.len())
+    }
+}
+
+#[cfg(test)]
+mod tests;
