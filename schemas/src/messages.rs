@@ -255,6 +255,8 @@ pub enum EventKind {
         execution_count: u32,
         /// Time spent running the cell.
         run_ms: f64,
+        /// How many outputs were published for the execution (clients wait for them).
+        outputs: u64,
     },
     /// The cell's state was committed; the slot is released.
     Saved {

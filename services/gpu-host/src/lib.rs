@@ -1,1 +1,124 @@
+//! The gpu-host: one per machine. It finds GPU slots (cudarc, or `--virtual-gpus`),
+//! keeps a zygote that imported the head packages, competes with other hosts for
+//! recipes, forks a worker per GPU cell, restores its closure through shared memory,
+//! runs the cell, saves what changed and releases the slot. It also runs sessions'
+//! persistent CPU workers and keeps workers that hold unsavable variables.
+//!
+//! Speaks: subscribes `{prefix}.v1.session.*.recipe`, `….event`, `….close`;
+//! publishes `….event`, `{prefix}.v1.output.{sid}.{exec}`, `{prefix}.v1.host.{hid}.status`;
+//! requests `{prefix}.v1.store.manifest.get` and `….commit`; claims in the KV bucket
+//! `{prefix}_claims`. Reads and writes chunks in the object store directly.
+//!
+//! Modules: [`host`] (the actor), [`exec`] (one execution), [`worker`] and
+//! [`zygotes`] (processes and their protocol, [`protocol`]), [`chunks`] (the byte
+//! path), [`gpus`] (slots).
 
+pub mod chunks;
+pub mod exec;
+pub mod gpus;
+pub mod host;
+pub mod protocol;
+pub mod worker;
+pub mod zygotes;
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::prelude::*;
+use anyhow::Context as _;
+use schemas::messages::{RecipeV1, SessionCloseV1, SessionEventV1};
+use schemas::{buckets, Bus};
+
+/// What a gpu-host needs.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// NATS server URL.
+    pub nats_url: String,
+    /// Subject prefix.
+    pub prefix: String,
+    /// Object store URL (file:///dir or a directory).
+    pub store_url: String,
+    /// This host's id (unique among hosts).
+    pub host_id: String,
+    /// Number of CPU-backed GPU slots to create instead of probing real GPUs.
+    pub virtual_gpus: Option<u32>,
+    /// Python interpreter for zygotes and workers.
+    pub python: PathBuf,
+    /// Directory holding the `looseleaf_worker` package (put on PYTHONPATH).
+    pub worker_path: PathBuf,
+    /// Packages the base zygote imports.
+    pub base_packages: Vec<String>,
+    /// Directory for this host's Unix sockets.
+    pub runtime_dir: PathBuf,
+    /// Bytes the per-host chunk cache may hold.
+    pub cache_bytes: u64,
+}
+
+/// Run the host until `shutdown` resolves. Must be called inside an actix system.
+pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+    let bus = Bus::connect(&config.nats_url, &config.prefix, &format!("looseleaf-gpu-host-{}", config.host_id)).await?;
+    let objects = schemas::objects::open(&config.store_url).context("while opening the object store")?;
+    std::fs::create_dir_all(&config.runtime_dir)
+        .with_context(|| format!("while creating {}", config.runtime_dir.display()))?;
+    let shm_dir = if std::path::Path::new("/dev/shm").is_dir() { PathBuf::from("/dev/shm") } else { std::env::temp_dir() };
+    let listener = zygotes::Listener::bind(&socket_path(&config)).context("while binding the host socket")?;
+    let (slots, real_gpus) = gpus::slots(config.virtual_gpus);
+    tracing::info!(host = %config.host_id, slots = slots.len(), real_gpus, "gpu-host starting");
+
+    let js = bus.jetstream();
+    let claims = buckets::claims(&js, &config.prefix).await.map_err(anyhow::Error::msg)?;
+    let zygote_spec = zygotes::ZygoteSpec {
+        python: config.python.clone(),
+        worker_path: config.worker_path.clone(),
+        packages: config.base_packages.clone(),
+    };
+    // Start the base zygote now so the first cell does not pay for its imports.
+    let zygote = zygotes::Zygote::start(&zygote_spec, &format!("z-{}-base", config.host_id), &listener)
+        .await
+        .context("while starting the base zygote")?;
+    let env = exec::ExecEnv {
+        bus: bus.clone(),
+        host_id: config.host_id.clone(),
+        chunks: chunks::Chunks::new(objects, config.cache_bytes, shm_dir),
+        listener,
+        zygote: Arc::new(tokio::sync::Mutex::new(Some(zygote))),
+        zygote_spec,
+        cell_timeout: Duration::from_secs(24 * 3600),
+        real_gpus,
+    };
+    let s = bus.subjects().clone();
+    let recipes = bus.subscribe::<RecipeV1>(s.all_recipes()).await?;
+    let events = bus.subscribe::<SessionEventV1>(s.all_events()).await?;
+    let closes = bus.subscribe::<SessionCloseV1>(s.all_closes()).await?;
+    let zygote_handle = env.zygote.clone();
+    let addr = host::Host::create(move |ctx| {
+        ctx.add_stream(recipes.into_stream());
+        ctx.add_stream(events.into_stream());
+        ctx.add_stream(closes.into_stream());
+        host::Host::new(env, claims, slots, real_gpus)
+    });
+    shutdown.await;
+    tracing::info!(host = %config.host_id, "gpu-host stopping");
+    if let Err(e) = addr.send(host::Stop).await {
+        tracing::warn!(error = %e, "host actor already stopped");
+    }
+    if let Some(z) = zygote_handle.lock().await.take() {
+        z.shutdown().await;
+    }
+    let _ = std::fs::remove_file(socket_path(&config));
+    bus.flush().await?;
+    Ok(())
+}
+
+/// The host's Unix socket: in the runtime directory when the path is short enough
+/// for a socket address (108 bytes), else under /tmp.
+fn socket_path(config: &Config) -> PathBuf {
+    let p = config.runtime_dir.join("host.sock");
+    if p.as_os_str().len() < 100 {
+        p
+    } else {
+        std::env::temp_dir().join(format!("looseleaf-{}-{}.sock", config.host_id, std::process::id()))
+    }
+}

@@ -1,1 +1,53 @@
+//! The planner: turns each session's edit stream and runs into recipes
+//! (DESIGN.md section 4, step 2).
+//!
+//! Speaks: subscribes `{prefix}.v1.session.*.edit`, `….run`, `….close` (queue group
+//! `planner`, so replicas share the work); requests `{prefix}.v1.store.manifest.get`;
+//! publishes `{prefix}.v1.session.{sid}.recipe` and `Planned` events; keeps
+//! per-session state in the JetStream KV bucket `{prefix}_planner`.
+//!
+//! Modules: [`analysis`] (reads, writes, imports, device signs of a cell),
+//! [`recipe`] (closure, imports, label against the manifest), [`state`] (what the
+//! planner remembers), [`planner`] (the actor).
 
+pub mod analysis;
+pub mod planner;
+pub mod recipe;
+pub mod state;
+
+use std::future::Future;
+
+use actix::prelude::*;
+use schemas::messages::{EditV1, RunV1, SessionCloseV1};
+use schemas::{buckets, Bus};
+
+/// What the planner needs.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// NATS server URL.
+    pub nats_url: String,
+    /// Subject prefix.
+    pub prefix: String,
+}
+
+/// Run the planner until `shutdown` resolves. Must be called inside an actix system.
+pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+    let bus = Bus::connect(&config.nats_url, &config.prefix, "looseleaf-planner").await?;
+    let kv = buckets::planner(&bus.jetstream(), &config.prefix).await.map_err(anyhow::Error::msg)?;
+    let s = bus.subjects().clone();
+    let runs = bus.queue_subscribe::<RunV1>(s.all_runs(), "planner").await?;
+    let edits = bus.queue_subscribe::<EditV1>(s.all_edits(), "planner").await?;
+    let closes = bus.queue_subscribe::<SessionCloseV1>(s.all_closes(), "planner").await?;
+    let actor_bus = bus.clone();
+    let addr = planner::Planner::create(move |ctx| {
+        ctx.add_stream(runs.into_stream());
+        ctx.add_stream(edits.into_stream());
+        ctx.add_stream(closes.into_stream());
+        planner::Planner::new(actor_bus, kv)
+    });
+    tracing::info!(prefix = %config.prefix, "planner serving");
+    shutdown.await;
+    drop(addr);
+    bus.flush().await?;
+    Ok(())
+}

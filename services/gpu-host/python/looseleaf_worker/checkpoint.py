@@ -384,10 +384,13 @@ class RestoreError(Exception):
 
 
 class _Loader:
-    def __init__(self, mm, objects: dict, ns: dict):
+    def __init__(self, mm, objects: dict, ns: dict, held: dict | None = None):
         self.mm = memoryview(mm)
         self.objects = objects
         self.ns = ns
+        # objects this worker already holds at their current version (a reused
+        # worker): records not in the restore file resolve to them
+        self.held = held or {}
         self.cache: dict[str, Any] = {}
         self.loading: set[str] = set()
         self.bytes = 0
@@ -401,6 +404,8 @@ class _Loader:
         if oid in self.cache:
             return self.cache[oid]
         spec = self.objects.get(oid)
+        if spec is None and oid in self.held:
+            return self.held[oid]
         if spec is None:
             raise RestoreError(f"object {oid} is not in the restore file")
         if oid in self.loading:
@@ -434,7 +439,12 @@ def restore(ns: dict, shm_path: str | None, variables: dict, objects: dict,
         with open(shm_path, "rb") as f:
             # private copy-on-write: restored arrays are writable, no copy up front
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    loader = _Loader(mm if mm is not None else b"", objects, ns)
+    # Objects in the restore file replace what this worker held under their oid
+    # (their content changed); every other held object stays and is shared.
+    for key in [k for k, (oid, _) in oid_of.items() if oid in objects]:
+        del oid_of[key]
+    held = {oid: obj for oid, obj in oid_of.values()}
+    loader = _Loader(mm if mm is not None else b"", objects, ns, held)
     builtins_before = ns.get("__builtins__")
     for name, spec in variables.items():
         try:

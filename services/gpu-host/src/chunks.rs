@@ -1,0 +1,351 @@
+//! The byte path on a host (DESIGN.md "The byte path"): chunks move between the
+//! object store and shared-memory files that workers map, through a bounded
+//! per-host chunk cache. Every chunk read is verified against its hash.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::os::unix::fs::FileExt;
+use std::path::{Path as FsPath, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use futures::{StreamExt, TryStreamExt};
+use object_store::path::Path;
+use object_store::ObjectStore;
+use schemas::checkpoint::{chunk_hash, chunk_key, Manifest};
+
+use crate::protocol::{ObjRestore, Region};
+
+/// How many chunk transfers a host runs at once.
+const PARALLEL: usize = 16;
+
+/// Why moving chunks failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ChunkError {
+    /// The object store failed.
+    #[error("object store: {0}")]
+    Storage(#[from] object_store::Error),
+    /// A chunk's bytes do not hash to its name.
+    #[error("chunk {hash} is corrupt (its bytes hash to {actual}){}", .variable.as_ref().map(|v| format!(", needed by variable '{v}'")).unwrap_or_default())]
+    Corrupt {
+        /// The chunk.
+        hash: String,
+        /// What its bytes hash to.
+        actual: String,
+        /// A variable that needs it, when known.
+        variable: Option<String>,
+    },
+    /// The manifest lacks an object a variable needs.
+    #[error("object {oid} needed by '{variable}' is not in the manifest")]
+    MissingObject {
+        /// The oid.
+        oid: String,
+        /// The variable.
+        variable: String,
+    },
+    /// A worker's save region lies outside its file.
+    #[error("chunk {0} lies outside the worker's save file")]
+    BadRegion(String),
+    /// Shared-memory file I/O failed.
+    #[error("shared memory file {path}: {source}")]
+    Shm {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+/// A bounded LRU of chunk bytes plus the set of hashes known to be in the store.
+struct Cache {
+    max_bytes: u64,
+    bytes: u64,
+    map: HashMap<String, Bytes>,
+    order: VecDeque<String>,
+    present: HashSet<String>,
+}
+
+impl Cache {
+    fn get(&mut self, hash: &str) -> Option<Bytes> {
+        self.map.get(hash).cloned()
+    }
+
+    fn put(&mut self, hash: &str, data: Bytes) {
+        if data.len() as u64 > self.max_bytes || self.map.contains_key(hash) {
+            return;
+        }
+        self.bytes += data.len() as u64;
+        self.map.insert(hash.to_string(), data);
+        self.order.push_back(hash.to_string());
+        while self.bytes > self.max_bytes {
+            let Some(old) = self.order.pop_front() else { break };
+            if let Some(d) = self.map.remove(&old) {
+                self.bytes -= d.len() as u64;
+            }
+        }
+        self.mark_present(hash);
+    }
+
+    fn mark_present(&mut self, hash: &str) {
+        // a hash set of 32-char names; bounded so a long-lived host does not grow forever
+        if self.present.len() > 4_000_000 {
+            self.present.clear();
+        }
+        self.present.insert(hash.to_string());
+    }
+}
+
+/// Chunks of the object store, through this host's cache.
+#[derive(Clone)]
+pub struct Chunks {
+    objects: Arc<dyn ObjectStore>,
+    cache: Arc<Mutex<Cache>>,
+    shm_dir: PathBuf,
+}
+
+/// A restore file written for a worker: the message fields that point into it.
+#[derive(Debug)]
+pub struct RestoreFile {
+    /// The file (None when nothing needed bytes).
+    pub path: Option<PathBuf>,
+    /// Objects and where they are.
+    pub objects: BTreeMap<String, ObjRestore>,
+    /// The ambient blob, if any.
+    pub ambient: Option<Region>,
+    /// Bytes in the file.
+    pub bytes: u64,
+}
+
+impl Chunks {
+    /// Chunks in `objects`, cached up to `cache_bytes`, restore files in `shm_dir`.
+    pub fn new(objects: Arc<dyn ObjectStore>, cache_bytes: u64, shm_dir: PathBuf) -> Self {
+        let cache = Cache {
+            max_bytes: cache_bytes,
+            bytes: 0,
+            map: HashMap::new(),
+            order: VecDeque::new(),
+            present: HashSet::new(),
+        };
+        Self { objects, cache: Arc::new(Mutex::new(cache)), shm_dir }
+    }
+
+    /// Bytes held in the cache.
+    pub fn cached_bytes(&self) -> u64 {
+        self.cache.lock().map(|c| c.bytes).unwrap_or(0)
+    }
+
+    /// Does the cache hold this chunk (used to score hosts)?
+    pub fn is_cached(&self, hash: &str) -> bool {
+        self.cache.lock().map(|c| c.map.contains_key(hash)).unwrap_or(false)
+    }
+
+    /// One chunk, from the cache or the store, verified.
+    pub async fn get(&self, hash: &str) -> Result<Bytes, ChunkError> {
+        if let Some(b) = self.cache.lock().ok().and_then(|mut c| c.get(hash)) {
+            return Ok(b);
+        }
+        let data = self.objects.get(&Path::from(chunk_key(hash).as_str())).await?.bytes().await?;
+        let actual = chunk_hash(&data);
+        if actual != hash {
+            return Err(ChunkError::Corrupt { hash: hash.to_string(), actual, variable: None });
+        }
+        if let Ok(mut c) = self.cache.lock() {
+            c.put(hash, data.clone());
+        }
+        Ok(data)
+    }
+
+    /// The hashes of `plan` that the store lacks.
+    pub async fn missing(&self, plan: &[String]) -> Result<Vec<String>, ChunkError> {
+        let unknown: Vec<String> = {
+            let c = self.cache.lock().map_err(|_| poisoned())?;
+            plan.iter().filter(|h| !c.present.contains(*h)).cloned().collect()
+        };
+        let objects = self.objects.clone();
+        let checked: Vec<(String, bool)> = futures::stream::iter(unknown)
+            .map(|hash| {
+                let objects = objects.clone();
+                async move {
+                    match objects.head(&Path::from(chunk_key(&hash).as_str())).await {
+                        Ok(_) => Ok((hash, true)),
+                        Err(object_store::Error::NotFound { .. }) => Ok((hash, false)),
+                        Err(e) => Err(ChunkError::Storage(e)),
+                    }
+                }
+            })
+            .buffer_unordered(PARALLEL)
+            .try_collect()
+            .await?;
+        let mut c = self.cache.lock().map_err(|_| poisoned())?;
+        let mut missing = Vec::new();
+        for (hash, present) in checked {
+            if present {
+                c.mark_present(&hash);
+            } else {
+                missing.push(hash);
+            }
+        }
+        Ok(missing)
+    }
+
+    /// Upload the chunks a worker placed in its save file; returns bytes written.
+    pub async fn upload(&self, file: &FsPath, regions: &BTreeMap<String, Region>) -> Result<u64, ChunkError> {
+        let shm = |source| ChunkError::Shm { path: file.display().to_string(), source };
+        let f = Arc::new(std::fs::File::open(file).map_err(shm)?);
+        let size = f.metadata().map_err(shm)?.len();
+        let objects = self.objects.clone();
+        let cache = self.cache.clone();
+        let written: Vec<u64> = futures::stream::iter(regions.iter())
+            .map(|(hash, [off, len])| {
+                let f = f.clone();
+                let objects = objects.clone();
+                let cache = cache.clone();
+                let (hash, off, len) = (hash.clone(), *off, *len);
+                async move {
+                    if off.checked_add(len).is_none_or(|end| end > size) {
+                        return Err(ChunkError::BadRegion(hash));
+                    }
+                    let data = tokio::task::spawn_blocking(move || {
+                        let mut buf = vec![0u8; len as usize];
+                        f.read_exact_at(&mut buf, off).map(|_| buf)
+                    })
+                    .await
+                    .map_err(|e| ChunkError::Shm { path: "save file".into(), source: std::io::Error::other(e) })?
+                    .map_err(|source| ChunkError::Shm { path: "save file".into(), source })?;
+                    let actual = chunk_hash(&data);
+                    if actual != hash {
+                        return Err(ChunkError::Corrupt { hash, actual, variable: None });
+                    }
+                    let data = Bytes::from(data);
+                    objects.put(&Path::from(chunk_key(&hash).as_str()), data.clone().into()).await?;
+                    if let Ok(mut c) = cache.lock() {
+                        c.put(&hash, data);
+                    }
+                    Ok(len)
+                }
+            })
+            .buffer_unordered(PARALLEL)
+            .try_collect()
+            .await?;
+        Ok(written.iter().sum())
+    }
+
+    /// Write the records and payloads of `oids` (and the ambient blob) into one new
+    /// shared-memory file for a worker to map, each blob contiguous.
+    pub async fn write_restore_file(
+        &self,
+        manifest: &Manifest,
+        oids: &[(String, String)],
+        name: &str,
+    ) -> Result<RestoreFile, ChunkError> {
+        // Lay out every blob: (offset, chunk hashes); chunks are fetched once each.
+        let mut placements: Vec<(u64, String, Option<String>)> = Vec::new(); // (offset, hash, variable)
+        let mut objects = BTreeMap::new();
+        let mut offset = 0u64;
+        let mut place = |chunks: &[String], len: u64, variable: &str, placements: &mut Vec<_>| -> Region {
+            let start = offset;
+            let mut at = offset;
+            for h in chunks {
+                placements.push((at, h.clone(), Some(variable.to_string())));
+                at += schemas::checkpoint::CHUNK_BYTES as u64;
+            }
+            offset += len;
+            [start, len]
+        };
+        for (oid, variable) in oids {
+            let obj = manifest
+                .objects
+                .get(oid)
+                .ok_or_else(|| ChunkError::MissingObject { oid: oid.clone(), variable: variable.clone() })?;
+            let record = place(&obj.record.chunks, obj.record.len, variable, &mut placements);
+            let payloads = obj.payloads.iter().map(|p| place(&p.chunks, p.len, variable, &mut placements)).collect();
+            objects.insert(oid.clone(), ObjRestore { record, payloads });
+        }
+        let ambient = manifest.ambient.as_ref().map(|a| place(&a.chunks, a.len, "<ambient state>", &mut placements));
+        let total = offset;
+        if placements.is_empty() {
+            return Ok(RestoreFile { path: None, objects, ambient, bytes: 0 });
+        }
+        let path = self.shm_dir.join(format!("looseleaf-restore-{name}"));
+        let shm = |source| ChunkError::Shm { path: path.display().to_string(), source };
+        let file = std::fs::OpenOptions::new().create_new(true).write(true).open(&path).map_err(shm)?;
+        file.set_len(total).map_err(shm)?;
+        let file = Arc::new(file);
+        let result: Result<Vec<()>, ChunkError> = futures::stream::iter(placements)
+            .map(|(at, hash, variable)| {
+                let file = file.clone();
+                async move {
+                    let data = self.get(&hash).await.map_err(|e| match e {
+                        ChunkError::Corrupt { hash, actual, .. } => ChunkError::Corrupt { hash, actual, variable },
+                        other => other,
+                    })?;
+                    tokio::task::spawn_blocking(move || file.write_all_at(&data, at))
+                        .await
+                        .map_err(|e| ChunkError::Shm { path: "restore file".into(), source: std::io::Error::other(e) })?
+                        .map_err(|source| ChunkError::Shm { path: "restore file".into(), source })
+                }
+            })
+            .buffer_unordered(PARALLEL)
+            .try_collect()
+            .await;
+        if let Err(e) = result {
+            let _ = std::fs::remove_file(&path);
+            return Err(e);
+        }
+        Ok(RestoreFile { path: Some(path), objects, ambient, bytes: total })
+    }
+}
+
+fn poisoned() -> ChunkError {
+    ChunkError::Shm { path: "<cache>".into(), source: std::io::Error::other("chunk cache lock poisoned") }
+}
+
+#[cfg(test)]
+mod tests {
+    use object_store::memory::InMemory;
+    use schemas::checkpoint::{Blob, ObjectEntry};
+
+    use super::*;
+
+    #[tokio::test]
+    async fn corrupt_chunk_names_the_variable() {
+        let objects: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+        let good = b"hello".to_vec();
+        let hash = chunk_hash(&good);
+        objects.put(&Path::from(chunk_key(&hash).as_str()), b"HELLO".to_vec().into()).await.unwrap();
+        let mut m = Manifest::default();
+        m.objects.insert("o1".into(), ObjectEntry { record: Blob { len: 5, chunks: vec![hash.clone()] }, ..Default::default() });
+        let dir = tempfile::tempdir().unwrap();
+        let chunks = Chunks::new(objects, 1 << 20, dir.path().to_path_buf());
+        let err = chunks.write_restore_file(&m, &[("o1".into(), "df".into())], "t1").await.unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains("corrupt") && text.contains("'df'"), "{text}");
+        assert!(std::fs::read_dir(dir.path()).unwrap().next().is_none(), "no half-written file left");
+    }
+
+    #[tokio::test]
+    async fn upload_then_restore_roundtrips_and_skips_present() {
+        let objects: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+        let dir = tempfile::tempdir().unwrap();
+        let chunks = Chunks::new(objects.clone(), 1 << 20, dir.path().to_path_buf());
+        let a = b"aaaa".to_vec();
+        let b = b"bb".to_vec();
+        let (ha, hb) = (chunk_hash(&a), chunk_hash(&b));
+        let save = dir.path().join("save");
+        std::fs::write(&save, [a.clone(), b.clone()].concat()).unwrap();
+        let plan = vec![ha.clone(), hb.clone()];
+        assert_eq!(chunks.missing(&plan).await.unwrap().len(), 2);
+        let regions = BTreeMap::from([(ha.clone(), [0, 4]), (hb.clone(), [4, 2])]);
+        assert_eq!(chunks.upload(&save, &regions).await.unwrap(), 6);
+        assert!(chunks.missing(&plan).await.unwrap().is_empty());
+        // a region outside the file is refused
+        let bad = BTreeMap::from([(ha.clone(), [4, 100])]);
+        assert!(matches!(chunks.upload(&save, &bad).await, Err(ChunkError::BadRegion(_))));
+
+        let mut m = Manifest::default();
+        m.objects.insert("o".into(), ObjectEntry { record: Blob { len: 6, chunks: vec![ha, hb] }, ..Default::default() });
+        // two chunks of one blob: the second starts CHUNK_BYTES in, so use a tiny layout check
+        let rf = chunks.write_restore_file(&m, &[("o".into(), "x".into())], "t2").await.unwrap();
+        assert_eq!(rf.objects["o"].record, [0, 6]);
+        assert!(rf.path.is_some());
+    }
+}

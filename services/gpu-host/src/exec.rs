@@ -1,0 +1,378 @@
+//! One cell execution on a host, from claim to save (DESIGN.md section 4, steps
+//! 3-5): get a worker (fork, or the session's persistent/pinned one), bring it to
+//! the committed state, restore the closure, run, save, and report each step as a
+//! session event.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use schemas::checkpoint::Manifest;
+use schemas::messages::{
+    CellStatus, CommitV1, CommittedV1, EventKind, ManifestGetV1, ManifestV1, OutputV1, Prepare, RecipeV1,
+    SessionEventV1,
+};
+use schemas::subjects::StoreVerb;
+use schemas::{unix_ms, Bus};
+use tokio::sync::Mutex;
+use uuid::Uuid;
+
+use crate::chunks::Chunks;
+use crate::protocol::{Frame, VarRestore};
+use crate::worker::{RunEvent, WorkerError, WorkerProc};
+use crate::zygotes::{Listener, Zygote, ZygoteSpec};
+
+/// How long store requests may take.
+const STORE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// What every execution on this host shares.
+#[derive(Clone)]
+pub struct ExecEnv {
+    /// The bus.
+    pub bus: Bus,
+    /// This host.
+    pub host_id: String,
+    /// The byte path.
+    pub chunks: Chunks,
+    /// Where zygotes and workers connect.
+    pub listener: Listener,
+    /// The base zygote (restarted when it dies).
+    pub zygote: Arc<Mutex<Option<Zygote>>>,
+    /// How to start it.
+    pub zygote_spec: ZygoteSpec,
+    /// Longest a cell may run before its worker counts as hung.
+    pub cell_timeout: Duration,
+    /// Whether slots are real GPUs (then workers see only their device).
+    pub real_gpus: bool,
+}
+
+/// Which worker runs the cell.
+pub enum Target {
+    /// A new worker forked for this cell (holding `slot`, if a GPU cell).
+    Fresh {
+        /// The GPU slot.
+        slot: Option<u32>,
+    },
+    /// A worker that lives on: the session's CPU worker, or a pinned one.
+    Existing {
+        /// The worker.
+        worker: Arc<Mutex<WorkerProc>>,
+        /// Persistent or pinned.
+        prepare: Prepare,
+        /// Its GPU slot, if it holds one.
+        slot: Option<u32>,
+    },
+}
+
+/// How an execution ended, for the host actor's bookkeeping.
+pub struct Outcome {
+    /// The worker, if it is still usable (the host decides to keep or stop it).
+    pub worker: Option<Arc<Mutex<WorkerProc>>>,
+    /// Names it holds that could not be saved (keep it for them).
+    pub unsavable: Vec<String>,
+}
+
+impl ExecEnv {
+    async fn event(&self, session: Uuid, exec_id: Uuid, kind: EventKind) {
+        let ev = SessionEventV1 { session, exec_id, unix_ms: unix_ms(), kind };
+        if let Err(e) = self.bus.publish(self.bus.subjects().event(session), &ev).await {
+            tracing::error!(error = %e, %session, "could not publish a session event");
+        }
+    }
+
+    /// The session's latest committed manifest.
+    pub async fn manifest(&self, session: Uuid) -> Result<Manifest, String> {
+        let subject = self.bus.subjects().store(StoreVerb::ManifestGet);
+        self.bus
+            .request::<_, ManifestV1>(subject, &ManifestGetV1 { session }, STORE_TIMEOUT)
+            .await
+            .map(|m| m.manifest)
+            .map_err(|e| format!("could not read the session's manifest: {e}"))
+    }
+
+    /// Fork a worker from the base zygote, starting (or restarting) the zygote if needed.
+    pub async fn fork(&self, session: Uuid, slot: Option<u32>, cwd: &str) -> Result<WorkerProc, String> {
+        let mut env = BTreeMap::new();
+        env.insert(
+            "CUDA_VISIBLE_DEVICES".to_string(),
+            match (slot, self.real_gpus) {
+                (Some(s), true) => s.to_string(),
+                _ => String::new(),
+            },
+        );
+        env.insert("LOOSELEAF_SESSION".to_string(), session.to_string());
+        let worker_id = format!("w{}", Uuid::now_v7().simple());
+        let mut guard = self.zygote.lock().await;
+        for attempt in 0..2 {
+            if guard.is_none() {
+                let zid = format!("z{}", Uuid::now_v7().simple());
+                match Zygote::start(&self.zygote_spec, &zid, &self.listener).await {
+                    Ok(z) => *guard = Some(z),
+                    Err(e) => return Err(format!("no zygote: {e}")),
+                }
+            }
+            let Some(z) = guard.as_mut() else { continue };
+            match z.fork(&self.listener, &worker_id, env.clone(), cwd).await {
+                Ok(forked) => return Ok(WorkerProc::new(forked, session)),
+                Err(e) if attempt == 0 => {
+                    tracing::warn!(error = %e, "zygote failed to fork; restarting it");
+                    *guard = None;
+                }
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+        Err("zygote could not fork".into())
+    }
+
+    /// Run one recipe to the end. Never panics; every failure becomes a `Failed` event.
+    pub async fn execute(&self, recipe: RecipeV1, target: Target) -> Outcome {
+        let (session, exec_id) = (recipe.session, recipe.exec_id);
+        let claimed_at = Instant::now();
+        let (slot, prepare) = match &target {
+            Target::Fresh { slot } => (*slot, Prepare::Cold),
+            Target::Existing { prepare, slot, .. } => (*slot, *prepare),
+        };
+        self.event(session, exec_id, EventKind::Claimed { host: self.host_id.clone(), slot, prepare }).await;
+
+        let worker = match target {
+            Target::Fresh { slot } => match self.fork(session, slot, &recipe.options.cwd).await {
+                Ok(w) => Arc::new(Mutex::new(w)),
+                Err(e) => {
+                    self.event(session, exec_id, EventKind::Failed { error: format!("could not start a worker: {e}") }).await;
+                    return Outcome { worker: None, unsavable: vec![] };
+                }
+            },
+            Target::Existing { worker, .. } => worker,
+        };
+        let mut w = worker.lock().await;
+        let result = self.drive(&recipe, &mut w, slot, prepare, claimed_at).await;
+        let broken = w.is_broken();
+        drop(w);
+        match result {
+            Ok(unsavable) => Outcome { worker: Some(worker), unsavable },
+            Err(e) => {
+                self.event(session, exec_id, EventKind::Failed { error: e }).await;
+                if broken {
+                    worker.lock().await.kill_now();
+                    Outcome { worker: None, unsavable: vec![] }
+                } else {
+                    Outcome { worker: Some(worker), unsavable: vec![] }
+                }
+            }
+        }
+    }
+
+    async fn drive(
+        &self,
+        recipe: &RecipeV1,
+        w: &mut WorkerProc,
+        slot: Option<u32>,
+        prepare: Prepare,
+        claimed_at: Instant,
+    ) -> Result<Vec<String>, String> {
+        let (session, exec_id) = (recipe.session, recipe.exec_id);
+        let manifest = self.manifest(session).await?;
+        let restore = self.plan_restore(recipe, w, &manifest)?;
+        let file = self
+            .chunks
+            .write_restore_file(&manifest, &restore.objects, &w.id)
+            .await
+            .map_err(|e| format!("could not restore the cell's state: {e}"))?;
+        let frame = Frame::Restore {
+            shm_path: file.path.as_ref().map(|p| p.display().to_string()),
+            variables: restore.variables.clone(),
+            objects: file.objects.clone(),
+            ambient: file.ambient,
+            imports: recipe.imports.clone(),
+            drop: restore.drop.clone(),
+        };
+        let restored = w.restore(frame).await;
+        if let Some(p) = &file.path {
+            let _ = std::fs::remove_file(p);
+        }
+        let (restored_bytes, _ms, errors) = restored.map_err(describe)?;
+        let fatal: Vec<String> =
+            errors.iter().filter(|(k, _)| !k.starts_with("import ")).map(|(k, v)| format!("{k}: {v}")).collect();
+        if !fatal.is_empty() {
+            return Err(format!("restoring the cell's state failed: {}", fatal.join("; ")));
+        }
+        for name in &restore.drop {
+            w.held.remove(name);
+        }
+        for (name, var) in &restore.variables {
+            if let Ok(v) = Uuid::parse_str(&var.version) {
+                w.held.insert(name.clone(), v);
+            }
+        }
+        w.revision = manifest.revision;
+
+        let prepare_ms = claimed_at.elapsed().as_secs_f64() * 1000.0;
+        // Outputs stream to clients while the cell runs, in order, through one
+        // forwarding task.
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Pending>();
+        let bus = self.bus.clone();
+        let forwarder = tokio::spawn(async move {
+            while let Some(p) = rx.recv().await {
+                let r = match p {
+                    Pending::Event(ev) => bus.publish(bus.subjects().event(ev.session), &ev).await,
+                    Pending::Output(out) => bus.publish(bus.subjects().output(out.session, out.exec_id), &out).await,
+                };
+                if let Err(e) = r {
+                    tracing::error!(error = %e, "could not forward a cell event");
+                }
+            }
+        });
+        let mut seq = 0u64;
+        let host = self.host_id.clone();
+        let worker_id = w.id.clone();
+        let device = recipe.device;
+        let finished = w
+            .run(exec_id, &recipe.cell_id, &recipe.code, self.cell_timeout, |ev| {
+                let p = match ev {
+                    RunEvent::Started { unix_ms, execution_count } => Pending::Event(SessionEventV1 {
+                        session,
+                        exec_id,
+                        unix_ms,
+                        kind: EventKind::Started {
+                            host: host.clone(),
+                            slot,
+                            worker: worker_id.clone(),
+                            device,
+                            prepare,
+                            execution_count,
+                            restored_bytes,
+                            prepare_ms,
+                        },
+                    }),
+                    RunEvent::Output(output) => {
+                        seq += 1;
+                        Pending::Output(OutputV1 { session, exec_id, seq, output_json: output.to_string() })
+                    }
+                };
+                // the receiver lives until we drop tx below
+                let _ = tx.send(p);
+            })
+            .await;
+        drop(tx);
+        if let Err(e) = forwarder.await {
+            tracing::error!(error = %e, "output forwarder failed");
+        }
+        let finished = finished.map_err(describe)?;
+        let error = finished.error.as_ref().map(|e| format!("{}: {}", e.ename, e.evalue));
+        let status = if finished.status == "ok" { CellStatus::Ok } else { CellStatus::Error };
+        self.event(session, exec_id, EventKind::Finished {
+            status,
+            error,
+            execution_count: finished.execution_count,
+            run_ms: finished.run_ms,
+            outputs: finished.outputs,
+        })
+        .await;
+
+        let base_revision = manifest.revision;
+        let worker_name = w.id.clone();
+        let commit = |delta| {
+            let bus = self.bus.clone();
+            let msg = CommitV1 {
+                session,
+                base_revision,
+                exec_id,
+                host: self.host_id.clone(),
+                worker: worker_name.clone(),
+                cell_id: recipe.cell_id.clone(),
+                delta,
+            };
+            async move {
+                bus.request::<_, CommittedV1>(bus.subjects().store(StoreVerb::Commit), &msg, STORE_TIMEOUT)
+                    .await
+                    .map(|c| (c.revision, c.versions))
+                    .map_err(|e| e.to_string())
+            }
+        };
+        let saved = w.save(exec_id, &self.chunks, commit).await.map_err(describe)?;
+        self.event(session, exec_id, EventKind::Saved {
+            revision: saved.revision,
+            save_ms: saved.save_ms,
+            saved_bytes: saved.saved_bytes,
+            chunks_written: saved.chunks_written,
+            unsavable: saved.unsavable.clone(),
+            slot_released: slot.is_some() && saved.unsavable.is_empty(),
+        })
+        .await;
+        Ok(saved.unsavable)
+    }
+
+    /// Which names to drop (stale), which to restore, and which records to send.
+    fn plan_restore(&self, recipe: &RecipeV1, w: &WorkerProc, manifest: &Manifest) -> Result<RestorePlan, String> {
+        let mut drop = Vec::new();
+        let mut current: BTreeSet<&str> = BTreeSet::new();
+        for (name, held) in &w.held {
+            let up_to_date = match (manifest.variables.get(name), manifest.unsavable.get(name)) {
+                (Some(v), _) => v.version == *held,
+                (None, Some(u)) => u.worker == w.id,
+                (None, None) => false,
+            };
+            if up_to_date {
+                current.insert(name);
+            } else {
+                drop.push(name.clone());
+            }
+        }
+        let mut variables = BTreeMap::new();
+        let mut roots = Vec::new();
+        for var in &recipe.closure {
+            if current.contains(var.name.as_str()) {
+                continue;
+            }
+            if let Some(u) = manifest.unsavable.get(&var.name) {
+                return Err(format!(
+                    "variable '{}' could not be saved ({}) and lived only in worker {} on host {} (defined by cell {}); that worker is gone, so this cell cannot run",
+                    var.name, u.reason, u.worker, u.host, u.cell_id
+                ));
+            }
+            let Some(entry) = manifest.variables.get(&var.name) else {
+                // deleted since the recipe was made: the cell sees it undefined, as in a kernel
+                continue;
+            };
+            if let Some(oid) = &entry.oid {
+                roots.push((oid.clone(), var.name.clone()));
+            }
+            variables.insert(
+                var.name.clone(),
+                VarRestore { oid: entry.oid.clone(), version: entry.version.to_string(), module: entry.module.clone() },
+            );
+        }
+        // Records the worker already holds at their current version are not sent again.
+        let held_oids = manifest.reachable(
+            current.iter().filter_map(|n| manifest.variables.get(*n).and_then(|v| v.oid.as_deref())),
+        );
+        let mut objects = Vec::new();
+        let mut seen = BTreeSet::new();
+        for (oid, name) in &roots {
+            for o in manifest.reachable([oid.as_str()]) {
+                if !held_oids.contains(&o) && seen.insert(o.clone()) {
+                    objects.push((o, name.clone()));
+                }
+            }
+        }
+        Ok(RestorePlan { drop, variables, objects })
+    }
+}
+
+enum Pending {
+    Event(SessionEventV1),
+    Output(OutputV1),
+}
+
+struct RestorePlan {
+    drop: Vec<String>,
+    variables: BTreeMap<String, VarRestore>,
+    objects: Vec<(String, String)>,
+}
+
+fn describe(e: WorkerError) -> String {
+    match &e {
+        WorkerError::Conn { .. } => format!("{e}; the worker was lost, the session's committed state is intact"),
+        _ => e.to_string(),
+    }
+}

@@ -1,0 +1,59 @@
+use std::path::PathBuf;
+
+use clap::Parser;
+
+/// LooseLeaf gpu-host: GPU slots, zygotes and workers for one machine.
+#[derive(Parser, Debug)]
+struct Args {
+    /// NATS server URL.
+    #[arg(long, env = "LOOSELEAF_NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    nats_url: String,
+    /// Subject prefix (isolates tenants and tests).
+    #[arg(long, env = "LOOSELEAF_PREFIX", default_value = "ll")]
+    prefix: String,
+    /// Object store URL: file:///dir or a directory (shared by every host and the store).
+    #[arg(long, env = "LOOSELEAF_STORE_URL", default_value = ".looseleaf/store")]
+    store_url: String,
+    /// This host's id, unique among hosts.
+    #[arg(long, env = "LOOSELEAF_HOST_ID")]
+    host_id: String,
+    /// Make N CPU-backed GPU slots instead of probing real GPUs.
+    #[arg(long, env = "LOOSELEAF_VIRTUAL_GPUS")]
+    virtual_gpus: Option<u32>,
+    /// Python interpreter for zygotes and workers.
+    #[arg(long, env = "LOOSELEAF_PYTHON", default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../../.venv/bin/python"))]
+    python: PathBuf,
+    /// Directory holding the looseleaf_worker package.
+    #[arg(long, env = "LOOSELEAF_WORKER_PATH", default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/python"))]
+    worker_path: PathBuf,
+    /// Packages the base zygote imports, comma-separated.
+    #[arg(long, env = "LOOSELEAF_BASE_PACKAGES", default_value = "IPython,numpy,pandas", value_delimiter = ',')]
+    base_packages: Vec<String>,
+    /// Directory for this host's sockets.
+    #[arg(long, env = "LOOSELEAF_RUNTIME_DIR", default_value = ".looseleaf/run")]
+    runtime_dir: PathBuf,
+    /// Bytes the chunk cache may hold.
+    #[arg(long, env = "LOOSELEAF_CACHE_BYTES", default_value_t = 1 << 30)]
+    cache_bytes: u64,
+    /// Log filter.
+    #[arg(long, env = "LOOSELEAF_LOG", default_value = "info")]
+    log: String,
+}
+
+fn main() -> anyhow::Result<()> {
+    let a = Args::parse();
+    schemas::telemetry::init("looseleaf-gpu-host", &a.log);
+    let config = looseleaf_gpu_host::Config {
+        nats_url: a.nats_url,
+        prefix: a.prefix,
+        store_url: a.store_url,
+        host_id: a.host_id,
+        virtual_gpus: a.virtual_gpus,
+        python: a.python,
+        worker_path: a.worker_path,
+        base_packages: a.base_packages,
+        runtime_dir: a.runtime_dir,
+        cache_bytes: a.cache_bytes,
+    };
+    actix_rt::System::new().block_on(looseleaf_gpu_host::run(config, schemas::telemetry::shutdown_signal()))
+}

@@ -1,0 +1,284 @@
+//! One live worker process and the conversations the host has with it: restore,
+//! run, save. Each step has a deadline; a worker that dies shows up as a closed
+//! socket, one that hangs as a timeout, and either fails the step with a clear error.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use schemas::checkpoint::Delta;
+use uuid::Uuid;
+
+use crate::chunks::{ChunkError, Chunks};
+use crate::protocol::{Conn, ConnError, ErrorInfo, Frame};
+use crate::zygotes::Forked;
+
+/// Deadline for a restore or a save step.
+pub const STEP: Duration = Duration::from_secs(600);
+
+/// Why a step with a worker failed.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// The conversation broke: the worker died, hung or sent garbage.
+    #[error("worker {worker} (pid {pid}) {step}: {source}")]
+    Conn {
+        /// Worker id.
+        worker: String,
+        /// Its pid.
+        pid: u32,
+        /// What the host was doing.
+        step: &'static str,
+        /// What broke.
+        source: ConnError,
+    },
+    /// The worker answered with an error or an unexpected message.
+    #[error("worker {worker} {step}: {message}")]
+    Protocol {
+        /// Worker id.
+        worker: String,
+        /// What the host was doing.
+        step: &'static str,
+        /// What it said.
+        message: String,
+    },
+    /// Moving chunks failed.
+    #[error("{0}")]
+    Chunks(#[from] ChunkError),
+    /// The store refused the commit.
+    #[error("commit failed: {0}")]
+    Commit(String),
+}
+
+/// What a finished cell reported.
+#[derive(Debug)]
+pub struct Finished {
+    /// "ok" or "error".
+    pub status: String,
+    /// The error output's fields.
+    pub error: Option<ErrorInfo>,
+    /// Execution count.
+    pub execution_count: u32,
+    /// Run time.
+    pub run_ms: f64,
+    /// Whether the cell touched CUDA.
+    pub cuda_used: bool,
+    /// Outputs forwarded.
+    pub outputs: u64,
+}
+
+/// What a save did.
+#[derive(Debug)]
+pub struct Saved {
+    /// New revision.
+    pub revision: u64,
+    /// Worker + upload time.
+    pub save_ms: f64,
+    /// Bytes uploaded.
+    pub saved_bytes: u64,
+    /// Chunks uploaded.
+    pub chunks_written: u64,
+    /// Names the worker could not save (it keeps them).
+    pub unsavable: Vec<String>,
+}
+
+/// Events during a run, as they happen.
+pub enum RunEvent {
+    /// First line about to run.
+    Started {
+        /// When.
+        unix_ms: u64,
+        /// Execution count.
+        execution_count: u32,
+    },
+    /// One output (nbformat JSON).
+    Output(serde_json::Value),
+}
+
+/// A worker process bound to one session.
+pub struct WorkerProc {
+    /// Worker id.
+    pub id: String,
+    /// Pid.
+    pub pid: u32,
+    /// The session it serves.
+    pub session: Uuid,
+    /// Names it holds, at the versions it holds them.
+    pub held: BTreeMap<String, Uuid>,
+    /// Manifest revision its state corresponds to.
+    pub revision: u64,
+    conn: Conn,
+    broken: bool,
+}
+
+impl WorkerProc {
+    /// A freshly forked worker for `session`.
+    pub fn new(forked: Forked, session: Uuid) -> Self {
+        Self {
+            id: forked.id,
+            pid: forked.pid,
+            session,
+            held: BTreeMap::new(),
+            revision: 0,
+            conn: forked.conn,
+            broken: false,
+        }
+    }
+
+    /// Whether a step failed in a way that leaves the worker unusable.
+    pub fn is_broken(&self) -> bool {
+        self.broken
+    }
+
+    fn conn_err(&mut self, step: &'static str, source: ConnError) -> WorkerError {
+        self.broken = true;
+        WorkerError::Conn { worker: self.id.clone(), pid: self.pid, step, source }
+    }
+
+    fn unexpected(&mut self, step: &'static str, frame: Frame) -> WorkerError {
+        self.broken = !matches!(frame, Frame::Error { .. });
+        let message = match frame {
+            Frame::Error { message } => message,
+            other => format!("unexpected {} message", other.kind()),
+        };
+        WorkerError::Protocol { worker: self.id.clone(), step, message }
+    }
+
+    async fn send(&mut self, step: &'static str, frame: &Frame) -> Result<(), WorkerError> {
+        match self.conn.send(frame).await {
+            Ok(()) => Ok(()),
+            Err(e) => Err(self.conn_err(step, e)),
+        }
+    }
+
+    async fn recv(&mut self, step: &'static str, timeout: Duration) -> Result<Frame, WorkerError> {
+        match self.conn.recv(timeout).await {
+            Ok(f) => Ok(f),
+            Err(e) => Err(self.conn_err(step, e)),
+        }
+    }
+
+    /// Send a restore and wait for `restored`; returns (bytes, ms, errors).
+    pub async fn restore(&mut self, frame: Frame) -> Result<(u64, f64, BTreeMap<String, String>), WorkerError> {
+        self.send("restoring", &frame).await?;
+        match self.recv("restoring", STEP).await? {
+            Frame::Restored { restored_bytes, ms, errors, .. } => Ok((restored_bytes, ms, errors)),
+            other => Err(self.unexpected("restoring", other)),
+        }
+    }
+
+    /// Run a cell, reporting start and outputs through `on_event` as they come.
+    pub async fn run(
+        &mut self,
+        exec_id: Uuid,
+        cell_id: &str,
+        code: &str,
+        timeout: Duration,
+        mut on_event: impl FnMut(RunEvent),
+    ) -> Result<Finished, WorkerError> {
+        let exec = exec_id.to_string();
+        self.send("running", &Frame::Run { exec_id: exec.clone(), cell_id: cell_id.into(), code: code.into() }).await?;
+        let mut outputs = 0u64;
+        loop {
+            match self.recv("running", timeout).await? {
+                Frame::Started { unix_ms, execution_count, .. } => on_event(RunEvent::Started { unix_ms, execution_count }),
+                Frame::Output { output, exec_id } if exec_id == exec => {
+                    outputs += 1;
+                    on_event(RunEvent::Output(output));
+                }
+                Frame::Finished { status, error, execution_count, run_ms, cuda_used, .. } => {
+                    return Ok(Finished { status, error, execution_count, run_ms, cuda_used, outputs })
+                }
+                other => return Err(self.unexpected("running", other)),
+            }
+        }
+    }
+
+    /// Save: plan, upload what the store lacks, commit through `commit`, tell the
+    /// worker the versions. `commit` gets the delta and returns (revision, versions).
+    pub async fn save<F, Fut>(&mut self, exec_id: Uuid, chunks: &Chunks, commit: F) -> Result<Saved, WorkerError>
+    where
+        F: FnOnce(Delta) -> Fut,
+        Fut: std::future::Future<Output = Result<(u64, Vec<(String, Uuid)>), String>>,
+    {
+        let started = std::time::Instant::now();
+        let exec = exec_id.to_string();
+        self.send("saving", &Frame::Save { exec_id: exec.clone() }).await?;
+        let plan = match self.recv("saving", STEP).await? {
+            Frame::SavePlan { chunks, .. } => chunks,
+            other => return Err(self.unexpected("saving", other)),
+        };
+        let missing = chunks.missing(&plan).await?;
+        self.send("saving", &Frame::SaveMissing { exec_id: exec.clone(), missing }).await?;
+        let (shm_path, regions, delta) = match self.recv("saving", STEP).await? {
+            Frame::SaveReady { shm_path, chunks, delta, .. } => (shm_path, chunks, delta),
+            other => return Err(self.unexpected("saving", other)),
+        };
+        let upload = match &shm_path {
+            Some(p) => {
+                let path = PathBuf::from(p);
+                let r = chunks.upload(&path, &regions).await;
+                let _ = std::fs::remove_file(&path);
+                r
+            }
+            None => Ok(0),
+        };
+        let saved_bytes = match upload {
+            Ok(n) => n,
+            Err(e) => {
+                let _ = self.send("saving", &Frame::Committed { exec_id: exec, ok: false, revision: 0, versions: BTreeMap::new(), error: Some(e.to_string()) }).await;
+                return Err(e.into());
+            }
+        };
+        let unsavable: Vec<String> = delta.unsavable.keys().cloned().collect();
+        match commit(delta).await {
+            Ok((revision, versions)) => {
+                let frame = Frame::Committed {
+                    exec_id: exec,
+                    ok: true,
+                    revision,
+                    versions: versions.iter().map(|(n, v)| (n.clone(), v.to_string())).collect(),
+                    error: None,
+                };
+                self.send("saving", &frame).await?;
+                self.held = versions.into_iter().collect();
+                self.revision = revision;
+                Ok(Saved {
+                    revision,
+                    save_ms: started.elapsed().as_secs_f64() * 1000.0,
+                    saved_bytes,
+                    chunks_written: regions.len() as u64,
+                    unsavable,
+                })
+            }
+            Err(e) => {
+                let frame = Frame::Committed { exec_id: exec, ok: false, revision: 0, versions: BTreeMap::new(), error: Some(e.clone()) };
+                let _ = self.send("saving", &frame).await;
+                // the worker's state no longer matches any revision
+                self.broken = true;
+                Err(WorkerError::Commit(e))
+            }
+        }
+    }
+
+    /// Stop the worker: ask politely, then make sure.
+    pub async fn stop(mut self) {
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.conn.send(&Frame::Shutdown {})).await;
+        kill(self.pid);
+    }
+
+    /// Kill the process now (a hung or superseded worker).
+    pub fn kill_now(&self) {
+        kill(self.pid);
+    }
+}
+
+/// SIGKILL a worker by pid. Workers are grandchildren (forked by a zygote that
+/// ignores SIGCHLD, so the kernel reaps them); a pid that is gone is fine.
+pub fn kill(pid: u32) {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+    let Ok(raw) = i32::try_from(pid) else { return };
+    if raw > 1 {
+        let _ = kill(Pid::from_raw(raw), Signal::SIGKILL);
+    }
+}

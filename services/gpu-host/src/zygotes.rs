@@ -1,0 +1,260 @@
+//! The import cache: zygote processes that imported the head packages once and
+//! fork workers on request (DESIGN.md section 7). This first version keeps the base
+//! zygote only and restarts it if it dies; child zygotes for tail packages come
+//! with the import-cache work.
+//!
+//! Zygotes and workers connect back to the host's Unix socket and introduce
+//! themselves with `hello`; [`Listener`] routes each connection to whoever waits
+//! for it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::net::UnixListener;
+use tokio::sync::oneshot;
+
+use crate::protocol::{Conn, ConnError, Frame};
+
+/// How long a zygote may take to import its packages and say hello.
+const ZYGOTE_START: Duration = Duration::from_secs(180);
+/// How long a fork and the worker's hello may take.
+const FORK: Duration = Duration::from_secs(60);
+
+/// Why a worker could not be had.
+#[derive(Debug, thiserror::Error)]
+pub enum ZygoteError {
+    /// The zygote process could not be started.
+    #[error("cannot start zygote ({python}): {reason}")]
+    Spawn {
+        /// The interpreter.
+        python: String,
+        /// Why.
+        reason: String,
+    },
+    /// Talking to the zygote failed.
+    #[error("zygote {id}: {source}")]
+    Conn {
+        /// Zygote id.
+        id: String,
+        /// What failed.
+        source: ConnError,
+    },
+    /// The zygote could not fork.
+    #[error("zygote could not fork worker {worker}: {reason}")]
+    Fork {
+        /// Worker id.
+        worker: String,
+        /// Why.
+        reason: String,
+    },
+    /// The zygote or worker never connected.
+    #[error("{what} did not connect within {timeout:?}")]
+    NoHello {
+        /// What we waited for.
+        what: String,
+        /// How long.
+        timeout: Duration,
+    },
+}
+
+/// A process that connected and said hello.
+pub struct Hello {
+    /// Its connection.
+    pub conn: Conn,
+    /// Its hello frame.
+    pub frame: Frame,
+}
+
+/// Accepts zygote and worker connections on the host's socket.
+#[derive(Clone)]
+pub struct Listener {
+    path: PathBuf,
+    waiting: Arc<Mutex<HashMap<String, oneshot::Sender<Hello>>>>,
+}
+
+impl Listener {
+    /// Bind `path` and start accepting; connections whose hello nobody waits for are
+    /// closed with a log line.
+    pub fn bind(path: &Path) -> std::io::Result<Self> {
+        let _ = std::fs::remove_file(path);
+        let listener = UnixListener::bind(path)?;
+        let me = Self { path: path.to_path_buf(), waiting: Arc::new(Mutex::new(HashMap::new())) };
+        let waiting = me.waiting.clone();
+        tokio::spawn(async move {
+            loop {
+                let stream = match listener.accept().await {
+                    Ok((s, _)) => s,
+                    Err(e) => {
+                        tracing::error!(error = %e, "host socket accept failed");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                };
+                let waiting = waiting.clone();
+                tokio::spawn(async move {
+                    let mut conn = Conn::new(stream);
+                    match conn.recv(Duration::from_secs(30)).await {
+                        Ok(frame @ Frame::Hello { .. }) => {
+                            let Frame::Hello { id, .. } = &frame else { return };
+                            let tx = waiting.lock().ok().and_then(|mut w| w.remove(id));
+                            match tx {
+                                Some(tx) => {
+                                    let _ = tx.send(Hello { conn, frame });
+                                }
+                                None => tracing::warn!(%id, "unexpected hello; closing the connection"),
+                            }
+                        }
+                        Ok(other) => tracing::warn!(kind = other.kind(), "first frame was not hello"),
+                        Err(e) => tracing::warn!(error = %e, "connection without hello"),
+                    }
+                });
+            }
+        });
+        Ok(me)
+    }
+
+    /// The socket path processes connect to.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Wait for the process with this id to connect.
+    pub fn expect(&self, id: &str) -> oneshot::Receiver<Hello> {
+        let (tx, rx) = oneshot::channel();
+        if let Ok(mut w) = self.waiting.lock() {
+            w.insert(id.to_string(), tx);
+        }
+        rx
+    }
+
+    fn forget(&self, id: &str) {
+        if let Ok(mut w) = self.waiting.lock() {
+            w.remove(id);
+        }
+    }
+
+    /// Wait for `id`'s hello, at most `timeout`.
+    pub async fn wait(&self, id: &str, rx: oneshot::Receiver<Hello>, timeout: Duration) -> Result<Hello, ZygoteError> {
+        match tokio::time::timeout(timeout, rx).await {
+            Ok(Ok(h)) => Ok(h),
+            _ => {
+                self.forget(id);
+                Err(ZygoteError::NoHello { what: id.to_string(), timeout })
+            }
+        }
+    }
+}
+
+/// How zygote processes are started.
+#[derive(Clone, Debug)]
+pub struct ZygoteSpec {
+    /// Interpreter.
+    pub python: PathBuf,
+    /// Directory holding `looseleaf_worker`.
+    pub worker_path: PathBuf,
+    /// Packages the base zygote imports.
+    pub packages: Vec<String>,
+}
+
+/// A live zygote.
+pub struct Zygote {
+    /// Its id.
+    pub id: String,
+    /// Its pid.
+    pub pid: u32,
+    /// Packages it imported.
+    pub packages: Vec<String>,
+    /// Packages found to initialise CUDA.
+    pub cuda_unsafe: Vec<String>,
+    conn: Conn,
+    _child: tokio::process::Child,
+}
+
+/// A freshly forked worker's connection.
+pub struct Forked {
+    /// Worker id.
+    pub id: String,
+    /// Its pid.
+    pub pid: u32,
+    /// Its connection.
+    pub conn: Conn,
+}
+
+impl Zygote {
+    /// Start a zygote and wait for its hello.
+    pub async fn start(spec: &ZygoteSpec, id: &str, listener: &Listener) -> Result<Self, ZygoteError> {
+        let rx = listener.expect(id);
+        let mut pythonpath = spec.worker_path.clone().into_os_string();
+        if let Some(existing) = std::env::var_os("PYTHONPATH") {
+            pythonpath.push(":");
+            pythonpath.push(existing);
+        }
+        let child = tokio::process::Command::new(&spec.python)
+            .args(["-m", "looseleaf_worker.zygote", "--socket"])
+            .arg(listener.path())
+            .args(["--id", id, "--packages", &spec.packages.join(",")])
+            .env("PYTHONPATH", pythonpath)
+            // a zygote never touches a GPU; workers get their device at fork
+            .env("CUDA_VISIBLE_DEVICES", "")
+            .stdin(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| ZygoteError::Spawn { python: spec.python.display().to_string(), reason: e.to_string() })?;
+        let hello = listener.wait(id, rx, ZYGOTE_START).await?;
+        let Frame::Hello { pid, packages, cuda_unsafe, import_ms, import_errors, .. } = hello.frame else {
+            return Err(ZygoteError::NoHello { what: id.into(), timeout: ZYGOTE_START });
+        };
+        tracing::info!(zygote = id, pid, ?packages, ?cuda_unsafe, ?import_errors, import_ms, "zygote ready");
+        Ok(Self { id: id.to_string(), pid, packages, cuda_unsafe, conn: hello.conn, _child: child })
+    }
+
+    /// Fork a worker with `env` in `cwd`, and wait for it to connect.
+    pub async fn fork(
+        &mut self,
+        listener: &Listener,
+        worker_id: &str,
+        env: BTreeMap<String, String>,
+        cwd: &str,
+    ) -> Result<Forked, ZygoteError> {
+        let rx = listener.expect(worker_id);
+        let conn_err = |source| ZygoteError::Conn { id: self.id.clone(), source };
+        let fork = Frame::Fork {
+            worker_id: worker_id.to_string(),
+            env,
+            cwd: cwd.to_string(),
+            socket: listener.path().display().to_string(),
+        };
+        if let Err(e) = self.conn.send(&fork).await {
+            listener.forget(worker_id);
+            return Err(conn_err(e));
+        }
+        match self.conn.recv(FORK).await {
+            Ok(Frame::Forked { .. }) => {}
+            Ok(Frame::ForkFailed { error, .. }) => {
+                listener.forget(worker_id);
+                return Err(ZygoteError::Fork { worker: worker_id.into(), reason: error });
+            }
+            Ok(other) => {
+                listener.forget(worker_id);
+                return Err(ZygoteError::Fork { worker: worker_id.into(), reason: format!("zygote answered {}", other.kind()) });
+            }
+            Err(e) => {
+                listener.forget(worker_id);
+                return Err(conn_err(e));
+            }
+        }
+        let hello = listener.wait(worker_id, rx, FORK).await?;
+        let Frame::Hello { pid, .. } = hello.frame else {
+            return Err(ZygoteError::NoHello { what: worker_id.into(), timeout: FORK });
+        };
+        Ok(Forked { id: worker_id.to_string(), pid, conn: hello.conn })
+    }
+
+    /// Ask the zygote to exit.
+    pub async fn shutdown(mut self) {
+        let _ = self.conn.send(&Frame::Shutdown {}).await;
+    }
+}

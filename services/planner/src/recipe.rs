@@ -1,0 +1,234 @@
+//! From a cell's analysis and the session's committed manifest to a recipe: the
+//! state closure with versions, the import closure, the device label and, for cells
+//! that need unsavable variables, the worker that holds them.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::hash::{Hash, Hasher};
+
+use schemas::checkpoint::Manifest;
+use schemas::messages::{ClosureVar, Device, PinnedWorker};
+
+use crate::analysis::{self, CellAnalysis, History, NameInfo};
+use crate::state::{NameMeta, SessionState};
+
+/// What the planner derives for one cell.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Derived {
+    /// State closure with versions.
+    pub closure: Vec<ClosureVar>,
+    /// Import closure.
+    pub imports: Vec<String>,
+    /// Device label.
+    pub device: Device,
+    /// Why.
+    pub device_reason: String,
+    /// Why the closure is the whole namespace, if it is.
+    pub conservative: Option<String>,
+    /// The worker holding unsavable variables the cell needs.
+    pub pinned: Option<PinnedWorker>,
+    /// Names whose metadata this cell updates when it runs.
+    pub writes: BTreeMap<String, NameMeta>,
+}
+
+impl Derived {
+    /// A hash of what hosts act on (to publish only recipes that changed).
+    pub fn fingerprint(&self) -> u64 {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        for v in &self.closure {
+            v.name.hash(&mut h);
+            v.version.hash(&mut h);
+        }
+        self.imports.hash(&mut h);
+        self.device.as_str().hash(&mut h);
+        self.pinned.as_ref().map(|p| (&p.host, &p.worker)).hash(&mut h);
+        h.finish()
+    }
+}
+
+/// The session's live names as the resolver sees them.
+pub fn history(manifest: &Manifest, state: &SessionState) -> History {
+    let mut history = History::new();
+    for (name, var) in &manifest.variables {
+        let meta = state.names.get(name);
+        let on_gpu = meta.is_some_and(|m| m.on_gpu)
+            || var.oid.as_ref().is_some_and(|o| manifest.reachable([o.as_str()]).iter().any(|x| manifest.objects.get(x).is_some_and(|e| e.on_gpu)));
+        history.insert(
+            name.clone(),
+            NameInfo { version: var.version, def: meta.and_then(|m| m.def.clone()), on_gpu, is_module: var.module.is_some() },
+        );
+    }
+    for (name, u) in &manifest.unsavable {
+        let meta = state.names.get(name);
+        history.insert(
+            name.clone(),
+            NameInfo { version: u.version, def: meta.and_then(|m| m.def.clone()), on_gpu: meta.is_some_and(|m| m.on_gpu), is_module: false },
+        );
+    }
+    history
+}
+
+/// Names a GPU cell moves to the device: receivers of `.to(` and `.cuda(` calls.
+fn moved_names(code: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    for pat in [".to(", ".cuda("] {
+        let mut rest = code;
+        while let Some(i) = rest.find(pat) {
+            let before = &rest[..i];
+            let name: String = before.chars().rev().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
+            let name: String = name.chars().rev().collect();
+            if !name.is_empty() {
+                out.insert(name);
+            }
+            rest = &rest[i + pat.len()..];
+        }
+    }
+    out
+}
+
+/// Derive the recipe of `code` (already analysed) against `manifest`.
+pub fn derive(analysis: &CellAnalysis, code: &str, manifest: &Manifest, state: &SessionState, all_gpu: bool, exec_id: uuid::Uuid) -> Derived {
+    let history = history(manifest, state);
+    let closure = analysis::resolve(analysis, &history);
+
+    let (device, device_reason) = match (&analysis.device, all_gpu) {
+        (Some(h), _) if h.reason.starts_with("override") => (to_device(h.label), h.reason.clone()),
+        (_, true) => (Device::Gpu, "--all-gpu".to_string()),
+        (Some(h), false) => (to_device(h.label), h.reason.clone()),
+        (None, false) => match analysis::closure_device(&closure, &history) {
+            Some(h) => (to_device(h.label), h.reason),
+            None => (Device::Cpu, "no GPU sign in the cell or its closure".to_string()),
+        },
+    };
+
+    let mut imports: BTreeSet<String> = analysis.imports.iter().filter(|m| !m.starts_with('.')).cloned().collect();
+    for name in closure.names.keys() {
+        if let Some(var) = manifest.variables.get(name) {
+            if let Some(m) = &var.module {
+                imports.insert(m.clone());
+            }
+            if let Some(oid) = &var.oid {
+                for o in manifest.reachable([oid.as_str()]) {
+                    if let Some(obj) = manifest.objects.get(&o) {
+                        imports.extend(obj.modules.iter().filter(|m| !matches!(m.as_str(), "__main__" | "builtins")).cloned());
+                    }
+                }
+            }
+        }
+    }
+
+    let mut pinned: Option<PinnedWorker> = None;
+    for name in closure.names.keys() {
+        if let Some(u) = manifest.unsavable.get(name) {
+            match &mut pinned {
+                Some(p) if p.worker == u.worker => p.names.push(name.clone()),
+                Some(_) => {} // needs two pinned workers: the host reports the missing one
+                None => pinned = Some(PinnedWorker { host: u.host.clone(), worker: u.worker.clone(), names: vec![name.clone()] }),
+            }
+        }
+    }
+
+    // What this cell's run teaches us about the names it writes.
+    let gpu_cell = device == Device::Gpu && !device_reason.starts_with("--all-gpu")
+        || analysis.device.as_ref().is_some_and(|h| h.label == analysis::Device::Gpu);
+    let moved = if gpu_cell { moved_names(code) } else { BTreeSet::new() };
+    let mut writes = BTreeMap::new();
+    for name in analysis::cell_writes(analysis, &history).into_iter().chain(moved.into_iter().filter(|n| history.contains_key(n))) {
+        let def = analysis.defs.get(&name).cloned().or_else(|| {
+            // rebinding without a def keeps no summary; a def elsewhere keeps its own
+            None
+        });
+        writes.insert(name, NameMeta { exec_id, def, on_gpu: gpu_cell });
+    }
+
+    Derived {
+        closure: closure.names.into_iter().map(|(name, version)| ClosureVar { name, version }).collect(),
+        imports: imports.into_iter().collect(),
+        device,
+        device_reason,
+        conservative: closure.conservative,
+        pinned,
+        writes,
+    }
+}
+
+fn to_device(d: analysis::Device) -> Device {
+    match d {
+        analysis::Device::Gpu => Device::Gpu,
+        analysis::Device::Cpu => Device::Cpu,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use schemas::checkpoint::{Unsavable, VarEntry};
+    use uuid::Uuid;
+
+    use super::*;
+
+    fn manifest(names: &[&str]) -> Manifest {
+        let mut m = Manifest::default();
+        for n in names {
+            m.variables.insert(n.to_string(), VarEntry { version: Uuid::now_v7(), oid: Some(format!("o{n}")), module: None });
+        }
+        m
+    }
+
+    #[test]
+    fn closure_follows_function_globals_and_versions() {
+        let m = manifest(&["a", "b", "f", "unused"]);
+        let mut state = SessionState::default();
+        let def_cell = analysis::analyze("def f():\n    return a + 1\n");
+        state.names.insert("f".into(), NameMeta { exec_id: Uuid::nil(), def: def_cell.defs.get("f").cloned(), on_gpu: false });
+        let code = "x = f() + b";
+        let d = derive(&analysis::analyze(code), code, &m, &state, false, Uuid::now_v7());
+        let names: Vec<&str> = d.closure.iter().map(|v| v.name.as_str()).collect();
+        assert_eq!(names, vec!["a", "b", "f"]);
+        assert_eq!(d.closure[0].version, m.variables["a"].version);
+        assert_eq!(d.device, Device::Cpu);
+        assert!(d.writes.contains_key("x"));
+    }
+
+    #[test]
+    fn gpu_moves_taint_later_readers() {
+        let m = manifest(&["model", "device", "X"]);
+        let code = "model.to(device)\nX_gpu = X.to(device)";
+        let a = analysis::analyze(code);
+        let d = derive(&a, code, &m, &SessionState::default(), false, Uuid::now_v7());
+        assert_eq!(d.device, Device::Gpu, "{}", d.device_reason);
+        assert!(d.writes["model"].on_gpu && d.writes["X_gpu"].on_gpu);
+        assert!(!d.writes.contains_key("device"));
+
+        let mut state = SessionState::default();
+        state.names.extend(d.writes);
+        let code2 = "for _ in range(3):\n    loss = model(X)\n";
+        let d2 = derive(&analysis::analyze(code2), code2, &m, &state, false, Uuid::now_v7());
+        assert_eq!(d2.device, Device::Gpu);
+        assert!(d2.device_reason.contains("on a GPU"), "{}", d2.device_reason);
+        let code3 = "print(device)";
+        let d3 = derive(&analysis::analyze(code3), code3, &m, &state, false, Uuid::now_v7());
+        assert_eq!(d3.device, Device::Cpu);
+    }
+
+    #[test]
+    fn unsavable_names_pin_the_cell_to_their_worker() {
+        let mut m = manifest(&["x"]);
+        m.unsavable.insert("gen".into(), Unsavable { version: Uuid::now_v7(), reason: "generator".into(), host: "h1".into(), worker: "w9".into(), cell_id: "c0".into() });
+        let code = "y = next(gen) + x";
+        let d = derive(&analysis::analyze(code), code, &m, &SessionState::default(), true, Uuid::now_v7());
+        let p = d.pinned.expect("pinned");
+        assert_eq!((p.host.as_str(), p.worker.as_str(), p.names.clone()), ("h1", "w9", vec!["gen".to_string()]));
+        assert_eq!(d.device, Device::Gpu);
+    }
+
+    #[test]
+    fn overrides_and_conservative_cells() {
+        let m = manifest(&["a", "b"]);
+        let code = "%%cpu\nz = a";
+        let d = derive(&analysis::analyze(code), code, &m, &SessionState::default(), true, Uuid::now_v7());
+        assert_eq!(d.device, Device::Cpu);
+        let code = "exec('c = a')";
+        let d = derive(&analysis::analyze(code), code, &m, &SessionState::default(), false, Uuid::now_v7());
+        assert!(d.conservative.is_some());
+        assert_eq!(d.closure.len(), 2, "whole namespace");
+    }
+}

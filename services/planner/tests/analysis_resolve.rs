@@ -1,0 +1,137 @@
+//! Resolving a cell's reads against the session history into its state closure.
+
+use std::collections::BTreeSet;
+
+use looseleaf_planner::analysis::{
+    analyze, cell_writes, closure_device, resolve, DefKind, DefSummary, Device, History, NameInfo,
+};
+use uuid::Uuid;
+
+fn set(names: &[&str]) -> BTreeSet<String> {
+    names.iter().map(|s| s.to_string()).collect()
+}
+
+fn var(history: &mut History, name: &str) -> Uuid {
+    let version = Uuid::new_v4();
+    history.insert(
+        name.to_string(),
+        NameInfo {
+            version,
+            def: None,
+            on_gpu: false,
+            is_module: false,
+        },
+    );
+    version
+}
+
+fn func(history: &mut History, name: &str, reads: &[&str], writes: &[&str]) -> Uuid {
+    let version = Uuid::new_v4();
+    let def = DefSummary {
+        kind: DefKind::Function,
+        global_reads: set(reads),
+        global_writes: set(writes),
+    };
+    history.insert(
+        name.to_string(),
+        NameInfo {
+            version,
+            def: Some(def),
+            on_gpu: false,
+            is_module: false,
+        },
+    );
+    version
+}
+
+fn names(c: &looseleaf_planner::analysis::Closure) -> BTreeSet<String> {
+    c.names.keys().cloned().collect()
+}
+
+#[test]
+fn reads_intersect_history() {
+    let mut h = History::new();
+    let x = var(&mut h, "x");
+    var(&mut h, "unused");
+    let c = resolve(&analyze("y = x + not_defined_anywhere"), &h);
+    assert_eq!(names(&c), set(&["x"]));
+    assert_eq!(c.names["x"], x);
+    assert_eq!(c.conservative, None);
+}
+
+#[test]
+fn functions_pull_in_their_globals_transitively() {
+    let mut h = History::new();
+    func(&mut h, "train", &["model", "helper", "lr"], &[]);
+    func(&mut h, "helper", &["scale"], &[]);
+    var(&mut h, "model");
+    var(&mut h, "lr");
+    var(&mut h, "scale");
+    var(&mut h, "other");
+    let c = resolve(&analyze("loss = train(batch)"), &h);
+    assert_eq!(names(&c), set(&["helper", "lr", "model", "scale", "train"]));
+}
+
+#[test]
+fn functions_defined_in_the_cell_contribute_their_reads() {
+    let mut h = History::new();
+    func(&mut h, "helper", &["scale"], &[]);
+    var(&mut h, "scale");
+    var(&mut h, "w");
+    let c = resolve(
+        &analyze("def g(v):\n    return helper(v) * w\nout = g(1)"),
+        &h,
+    );
+    assert_eq!(names(&c), set(&["helper", "scale", "w"]));
+}
+
+#[test]
+fn shadowed_builtins_are_found() {
+    let mut h = History::new();
+    var(&mut h, "input");
+    let c = resolve(&analyze("out = model(input)"), &h);
+    assert_eq!(names(&c), set(&["input"]));
+}
+
+#[test]
+fn conservative_cells_take_the_whole_history() {
+    let mut h = History::new();
+    var(&mut h, "a");
+    var(&mut h, "b");
+    let c = resolve(&analyze("exec(src)"), &h);
+    assert_eq!(names(&c), set(&["a", "b"]));
+    assert_eq!(c.conservative.as_deref(), Some("exec() at line 1"));
+}
+
+#[test]
+fn cell_writes_follow_global_writes_of_called_functions() {
+    let mut h = History::new();
+    func(&mut h, "bump", &["counter", "log_it"], &["counter"]);
+    func(&mut h, "log_it", &[], &["last_log"]);
+    func(&mut h, "never_called", &[], &["zzz"]);
+    let a = analyze("r = bump()");
+    assert_eq!(cell_writes(&a, &h), set(&["counter", "last_log", "r"]));
+    // a function defined and called in the same cell
+    let a = analyze("def reset():\n    global state\n    state = None\nreset()");
+    assert_eq!(cell_writes(&a, &h), set(&["reset", "state"]));
+}
+
+#[test]
+fn gpu_closure_variables_hint_the_device() {
+    let mut h = History::new();
+    var(&mut h, "x");
+    h.insert(
+        "model".into(),
+        NameInfo {
+            version: Uuid::new_v4(),
+            def: None,
+            on_gpu: true,
+            is_module: false,
+        },
+    );
+    let c = resolve(&analyze("y = model(x)"), &h);
+    let hint = closure_device(&c, &h);
+    assert_eq!(hint.as_ref().map(|d| d.label), Some(Device::Gpu));
+    let c = resolve(&analyze("y = x + 1"), &h);
+    assert_eq!(closure_device(&c, &h), None);
+}
