@@ -1,1 +1,143 @@
-fn main() {}
+//! `looseleaf`: the embedded cluster (`up`), notebook runs (`run`) and a status view.
+
+mod client;
+mod cluster;
+mod notebook;
+mod report;
+mod run;
+mod status;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+
+use crate::cluster::{Cluster, ClusterOptions};
+
+/// LooseLeaf: serverless GPUs for notebooks.
+#[derive(Parser, Debug)]
+#[command(version)]
+struct Cli {
+    /// Log filter for this process and the services it embeds.
+    #[arg(long, global = true, env = "LOOSELEAF_LOG", default_value = "warn")]
+    log: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// Where the embedded cluster finds its pieces.
+#[derive(Args, Debug, Clone)]
+struct EmbedArgs {
+    /// The nats-server binary (default: <repo>/.venv/bin/nats-server, else PATH).
+    #[arg(long, env = "LOOSELEAF_NATS_SERVER")]
+    nats_server: Option<PathBuf>,
+    /// Python interpreter for zygotes and workers (default: <repo>/.venv/bin/python).
+    #[arg(long, env = "LOOSELEAF_PYTHON")]
+    python: Option<PathBuf>,
+    /// The LooseLeaf repository (worker runtime, default venv).
+    #[arg(long, env = "LOOSELEAF_REPO", default_value = env!("CARGO_MANIFEST_DIR"))]
+    repo: PathBuf,
+    /// Number of gpu-hosts to run.
+    #[arg(long, env = "LOOSELEAF_HOSTS", default_value_t = 1)]
+    hosts: u32,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run NATS, the store, the planner, gpu-hosts and the frontend until Ctrl-C.
+    Up {
+        /// CPU-backed GPU slots per host instead of probing real GPUs.
+        #[arg(long, env = "LOOSELEAF_VIRTUAL_GPUS")]
+        virtual_gpus: Option<u32>,
+        /// Frontend HTTP port on 127.0.0.1 (0: a free one).
+        #[arg(long, env = "LOOSELEAF_PORT", default_value_t = 8470)]
+        port: u16,
+        /// Directory for NATS data, the object store and host sockets.
+        #[arg(long, env = "LOOSELEAF_DATA_DIR", default_value = ".looseleaf")]
+        data_dir: PathBuf,
+        #[command(flatten)]
+        embed: EmbedArgs,
+    },
+    /// Run a notebook's code cells in order and write the executed notebook and a report.
+    Run {
+        /// The notebook to run (nbformat 4).
+        notebook: PathBuf,
+        /// Where to write the executed notebook.
+        #[arg(long, env = "LOOSELEAF_OUTPUT")]
+        output: PathBuf,
+        /// Where to write the per-cell report (JSON).
+        #[arg(long, env = "LOOSELEAF_REPORT")]
+        report: PathBuf,
+        /// Treat every code cell as a GPU cell.
+        #[arg(long, env = "LOOSELEAF_ALL_GPU")]
+        all_gpu: bool,
+        /// Use this frontend (e.g. http://127.0.0.1:8470) instead of an embedded cluster.
+        #[arg(long, env = "LOOSELEAF_FRONTEND")]
+        frontend: Option<String>,
+        /// CPU-backed GPU slots per host of the embedded cluster.
+        #[arg(long, env = "LOOSELEAF_VIRTUAL_GPUS", default_value_t = 2)]
+        virtual_gpus: u32,
+        #[command(flatten)]
+        embed: EmbedArgs,
+    },
+    /// Show hosts (slots, zygotes, CPU sessions, cache) and the services that answer.
+    Status {
+        /// NATS server URL.
+        #[arg(long, env = "LOOSELEAF_NATS_URL", default_value = "nats://127.0.0.1:4222")]
+        nats_url: String,
+        /// Subject prefix.
+        #[arg(long, env = "LOOSELEAF_PREFIX", default_value = "ll")]
+        prefix: String,
+        /// How long to listen for host statuses and service replies (ms).
+        #[arg(long, env = "LOOSELEAF_WAIT_MS", default_value_t = 1500)]
+        wait_ms: u64,
+    },
+}
+
+fn options(embed: EmbedArgs, data_dir: PathBuf, virtual_gpus: Option<u32>, port: u16) -> ClusterOptions {
+    ClusterOptions {
+        repo: embed.repo,
+        data_dir,
+        nats_server: embed.nats_server,
+        python: embed.python,
+        virtual_gpus,
+        hosts: embed.hosts,
+        port,
+    }
+}
+
+async fn up(opts: ClusterOptions) -> anyhow::Result<()> {
+    let mut cluster = Cluster::start(&opts).await?;
+    println!("LooseLeaf is up: frontend {} (NATS {}); Ctrl-C stops it", cluster.frontend_url, cluster.nats_url);
+    let res = tokio::select! {
+        () = schemas::telemetry::shutdown_signal() => Ok(()),
+        (name, res) = cluster.any_exit() => match res {
+            Ok(()) => Err(anyhow::anyhow!("{name} stopped by itself")),
+            Err(e) => Err(e.context(format!("{name} failed"))),
+        },
+    };
+    eprintln!("stopping");
+    cluster.stop().await;
+    res
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    schemas::telemetry::init("looseleaf", &cli.log);
+    let system = actix_rt::System::new();
+    match cli.command {
+        Command::Up { virtual_gpus, port, data_dir, embed } => {
+            system.block_on(up(options(embed, data_dir, virtual_gpus, port)))
+        }
+        Command::Run { notebook, output, report, all_gpu, frontend, virtual_gpus, embed } => {
+            let tmp = tempfile::Builder::new().prefix("looseleaf-run-").tempdir().context("while making a temp dir")?;
+            let opts = options(embed, tmp.path().to_path_buf(), Some(virtual_gpus), 0);
+            let req = run::RunRequest { notebook, output, report, all_gpu, frontend };
+            system.block_on(run::run(req, opts))
+        }
+        Command::Status { nats_url, prefix, wait_ms } => {
+            system.block_on(status::status(&nats_url, &prefix, Duration::from_millis(wait_ms)))
+        }
+    }
+}

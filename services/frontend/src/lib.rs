@@ -1,1 +1,137 @@
+//! The frontend: sessions and cells for people and programs (DESIGN.md section 3).
+//!
+//! HTTP API (JSON, axum on a tokio task):
+//! - `POST /v1/sessions` `{cwd, all_gpu}` -> `{session_id}`
+//! - `PUT /v1/sessions/{sid}/cells/{cell}` `{code}` -> 202, publishes an edit
+//! - `POST /v1/sessions/{sid}/cells/{cell}/run` `{code}` -> `{exec_id, position}`
+//! - `GET /v1/sessions/{sid}/events` -> Server-Sent Events, each data line one
+//!   [`api::StreamItem`]; what happened before the client connected is replayed
+//! - `GET /v1/sessions/{sid}` (summary), `DELETE /v1/sessions/{sid}`, `GET /v1/health`
+//!
+//! Speaks: publishes `{prefix}.v1.session.{sid}.edit|run|close`, requests
+//! `{prefix}.v1.store.session.delete`; subscribes `{prefix}.v1.session.{sid}.event`
+//! and `{prefix}.v1.output.{sid}.*` per session. Creates the session-events stream.
+//!
+//! Actors (flat): one [`session::SessionActor`] per session, fed by that session's
+//! two subscriptions and by messages from the HTTP handlers. It holds the run queue:
+//! one cell at a time, the next run published only when the previous execution is
+//! complete (Saved or Failed, and all its announced outputs delivered).
 
+pub mod api;
+pub mod http;
+pub mod session;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use schemas::Bus;
+use tokio_util::sync::CancellationToken;
+
+/// Deadlines of the run queue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Timeouts {
+    /// A run with no Planned/Claimed event within this fails ("no host took the cell").
+    pub claim: Duration,
+    /// A run with no Saved/Failed within this fails.
+    pub execution: Duration,
+    /// After Saved/Failed, how long to wait for announced outputs that are missing.
+    pub output_grace: Duration,
+    /// After a delete, how long late events (slot releases) are still relayed.
+    pub close_grace: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Self {
+            claim: Duration::from_secs(60),
+            execution: Duration::from_secs(3600),
+            output_grace: Duration::from_secs(5),
+            close_grace: Duration::from_secs(2),
+        }
+    }
+}
+
+/// What the frontend needs.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// NATS server URL.
+    pub nats_url: String,
+    /// Subject prefix.
+    pub prefix: String,
+    /// Address to serve HTTP on; port 0 picks a free one.
+    pub listen: SocketAddr,
+    /// Run-queue deadlines.
+    pub timeouts: Timeouts,
+}
+
+impl Config {
+    /// A config with the default deadlines.
+    pub fn new(nats_url: impl Into<String>, prefix: impl Into<String>, listen: SocketAddr) -> Self {
+        Self { nats_url: nats_url.into(), prefix: prefix.into(), listen, timeouts: Timeouts::default() }
+    }
+}
+
+/// Run the frontend until `shutdown` resolves. Must be called inside an actix system.
+pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+    run_with_bound(config, shutdown, |_| {}).await
+}
+
+/// [`run`], telling `on_bound` the address HTTP is served on once it listens.
+pub async fn run_with_bound(
+    config: Config,
+    shutdown: impl Future<Output = ()>,
+    on_bound: impl FnOnce(SocketAddr),
+) -> anyhow::Result<()> {
+    let bus = Bus::connect(&config.nats_url, &config.prefix, "looseleaf-frontend").await?;
+    schemas::buckets::events_stream(&bus.jetstream(), bus.subjects())
+        .await
+        .map_err(|e| anyhow::anyhow!(e))
+        .context("while creating the session-events stream (is JetStream enabled?)")?;
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("while binding {}", config.listen))?;
+    let bound = listener.local_addr().context("while reading the bound address")?;
+    let token = CancellationToken::new();
+    let state = http::AppState {
+        bus: bus.clone(),
+        arbiter: actix::Arbiter::current(),
+        sessions: Arc::new(RwLock::new(HashMap::new())),
+        timeouts: config.timeouts,
+        shutdown: token.clone(),
+    };
+    let app = http::router(state.clone());
+    let server_token = token.clone();
+    let mut server = tokio::spawn(async move {
+        axum::serve(listener, app).with_graceful_shutdown(server_token.cancelled_owned()).await
+    });
+    tracing::info!(addr = %bound, prefix = %config.prefix, "frontend serving on http://{bound}");
+    on_bound(bound);
+    tokio::select! {
+        () = shutdown => {}
+        res = &mut server => {
+            let res = res.context("the HTTP server task failed")?;
+            res.context("the HTTP server stopped")?;
+            anyhow::bail!("the HTTP server stopped unexpectedly");
+        }
+    }
+    tracing::info!("frontend shutting down");
+    token.cancel();
+    for addr in state.drain() {
+        addr.do_send(session::Close { grace: Duration::ZERO });
+    }
+    match tokio::time::timeout(Duration::from_secs(5), &mut server).await {
+        Ok(Ok(Ok(()))) => {}
+        Ok(Ok(Err(e))) => tracing::warn!(error = %e, "HTTP server ended with an error"),
+        Ok(Err(e)) => tracing::warn!(error = %e, "HTTP server task failed"),
+        Err(_) => {
+            tracing::warn!("HTTP connections did not close in 5 s; aborting them");
+            server.abort();
+        }
+    }
+    bus.flush().await?;
+    Ok(())
+}

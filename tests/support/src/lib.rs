@@ -1,1 +1,121 @@
+//! Shared test harness: a real nats-server per test (free port, own JetStream
+//! directory, killed on drop), random prefixes, and polling helpers. Tests never
+//! sleep to wait; they poll a condition with a deadline.
+//!
+//! `LOOSELEAF_TEST_NATS_URL` points tests at an external server instead.
 
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+
+/// The repository root (where Cargo.toml of the workspace is).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().unwrap_or_else(|_| PathBuf::from("."))
+}
+
+/// The project's Python environment's interpreter (made by scripts/setup).
+pub fn venv_python() -> PathBuf {
+    std::env::var_os("LOOSELEAF_PYTHON").map(PathBuf::from).unwrap_or_else(|| repo_root().join(".venv/bin/python"))
+}
+
+/// The nats-server binary: `LOOSELEAF_NATS_SERVER`, the venv's, or PATH's.
+pub fn nats_server_binary() -> PathBuf {
+    if let Some(p) = std::env::var_os("LOOSELEAF_NATS_SERVER") {
+        return PathBuf::from(p);
+    }
+    let venv = repo_root().join(".venv/bin/nats-server");
+    if venv.exists() {
+        return venv;
+    }
+    PathBuf::from("nats-server")
+}
+
+/// A free TCP port on loopback.
+pub fn free_port() -> anyhow::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// A random subject prefix, so concurrent tests never hear each other.
+pub fn random_prefix() -> String {
+    format!("t{}", uuid::Uuid::new_v4().simple())
+}
+
+/// A nats-server with JetStream for one test; killed on drop.
+pub struct NatsServer {
+    child: Option<Child>,
+    url: String,
+    _dir: tempfile::TempDir,
+}
+
+impl NatsServer {
+    /// Start one (or use `LOOSELEAF_TEST_NATS_URL`), and wait until it accepts connections.
+    pub fn start() -> anyhow::Result<Self> {
+        let dir = tempfile::tempdir()?;
+        if let Ok(url) = std::env::var("LOOSELEAF_TEST_NATS_URL") {
+            return Ok(Self { child: None, url, _dir: dir });
+        }
+        let port = free_port()?;
+        let bin = nats_server_binary();
+        let child = Command::new(&bin)
+            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+            .arg(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .with_context(|| format!("while starting {} (run scripts/setup first)", bin.display()))?;
+        let server = Self { child: Some(child), url: format!("nats://127.0.0.1:{port}"), _dir: dir };
+        wait_for(Duration::from_secs(15), || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok())
+            .context("nats-server did not start listening")?;
+        Ok(server)
+    }
+
+    /// Its URL.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// Kill it now (to test what services do when NATS goes away).
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Poll `cond` until it holds or `timeout` passes.
+pub fn wait_for(timeout: Duration, mut cond: impl FnMut() -> bool) -> anyhow::Result<()> {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if cond() {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    bail!("condition not met within {timeout:?}")
+}
+
+/// Async version of [`wait_for`] for conditions that need the runtime.
+pub async fn wait_for_async<F, Fut>(timeout: Duration, mut cond: F) -> anyhow::Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if cond().await {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    bail!("condition not met within {timeout:?}")
+}

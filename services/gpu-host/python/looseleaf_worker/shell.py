@@ -178,6 +178,7 @@ class WorkerShell(InteractiveShell):
     def run(self, code: str):
         """Run one cell as a kernel would; returns (ExecutionResult, error info)."""
         self.last_error = None
+        code = strip_placement(code)
         try:
             result = self.run_cell(code, store_history=True, silent=False)
         finally:
@@ -186,6 +187,15 @@ class WorkerShell(InteractiveShell):
         if not result.success:
             err = self.last_error or _error_from(result)
         return result, err
+
+
+def strip_placement(code: str) -> str:
+    """Drop a first-line ``%%gpu`` / ``%%cpu``: LooseLeaf's placement override, which
+    the planner has already read; the cell body is ordinary code."""
+    first, sep, rest = code.partition("\n")
+    if first.strip() in ("%%gpu", "%%cpu"):
+        return rest
+    return code
 
 
 def _error_from(result) -> dict:

@@ -82,3 +82,11 @@ def test_execution_counts(zygote):
     assert result_text(r) == "(3, '1/0')"
     assert r["started"]["unix_ms"] > 1_600_000_000_000
     assert r["finished"]["run_ms"] >= 0 and r["finished"]["cuda_used"] is False
+
+
+def test_placement_override_line_is_not_run():
+    from looseleaf_worker.shell import strip_placement
+    assert strip_placement("%%gpu\nx = 1") == "x = 1"
+    assert strip_placement("%%cpu\n") == ""
+    assert strip_placement("%%time\nx = 1") == "%%time\nx = 1"
+    assert strip_placement("x = 1  # %%gpu") == "x = 1  # %%gpu"

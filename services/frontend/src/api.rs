@@ -1,0 +1,167 @@
+//! The JSON of the frontend's HTTP API, shared by the server, the `looseleaf` CLI and
+//! tests, plus a small parser for its Server-Sent Events stream.
+
+use schemas::messages::EventKind;
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+/// `POST /v1/sessions` body.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CreateSession {
+    /// Working directory of the session's cells.
+    pub cwd: String,
+    /// Treat every code cell as a GPU cell.
+    #[serde(default)]
+    pub all_gpu: bool,
+}
+
+/// `POST /v1/sessions` answer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SessionCreated {
+    /// The new session.
+    pub session_id: Uuid,
+}
+
+/// Body of `PUT …/cells/{cell}` and `POST …/cells/{cell}/run`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CellCode {
+    /// The cell's full code.
+    pub code: String,
+}
+
+/// `POST …/cells/{cell}/run` answer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RunAccepted {
+    /// The execution.
+    pub exec_id: Uuid,
+    /// Executions ahead of this one (0: it is sent to the planner now).
+    pub position: usize,
+}
+
+/// Outcome of an execution as the frontend reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExecStatus {
+    /// Waiting behind another execution.
+    Queued,
+    /// Sent to the planner, not complete yet.
+    Running,
+    /// Ran to the end.
+    Ok,
+    /// The cell raised, or it could not run.
+    Error,
+}
+
+/// One `data:` line of `GET /v1/sessions/{sid}/events`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum StreamItem {
+    /// A run was accepted and queued.
+    Queued {
+        /// The execution.
+        exec_id: Uuid,
+        /// The cell.
+        cell_id: String,
+        /// When the frontend received Run (unix ms).
+        run_unix_ms: u64,
+    },
+    /// A session event from the planner or a host.
+    Event {
+        /// The execution (nil for session-wide events).
+        exec_id: Uuid,
+        /// When it happened (unix ms).
+        unix_ms: u64,
+        /// What happened.
+        kind: EventKind,
+    },
+    /// One nbformat v4 output of an execution.
+    Output {
+        /// The execution.
+        exec_id: Uuid,
+        /// Order within the execution.
+        seq: u64,
+        /// The output.
+        output: serde_json::Value,
+    },
+    /// The execution is complete: its state is saved (or it failed) and every output
+    /// was delivered before this item.
+    Done {
+        /// The execution.
+        exec_id: Uuid,
+        /// Ok or error.
+        status: ExecStatus,
+        /// The session's manifest revision after it.
+        after_revision: u64,
+        /// When it completed (unix ms of its Saved/Failed event, or the frontend's clock).
+        unix_ms: u64,
+        /// What went wrong, if anything.
+        error: Option<String>,
+    },
+}
+
+/// Splits a Server-Sent Events byte stream into the `data` of each event.
+///
+/// Feed it chunks as they arrive; it returns every complete event's data (multi-line
+/// data joined with `\n`). Comments (`:` lines, keep-alives) and other fields are
+/// ignored.
+#[derive(Debug, Default)]
+pub struct SseParser {
+    buf: Vec<u8>,
+    data: Vec<String>,
+}
+
+impl SseParser {
+    /// An empty parser.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Add bytes; returns the data of each event they completed.
+    pub fn push(&mut self, bytes: &[u8]) -> Vec<String> {
+        self.buf.extend_from_slice(bytes);
+        let mut events = Vec::new();
+        while let Some(pos) = self.buf.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = self.buf.drain(..=pos).collect();
+            let line = String::from_utf8_lossy(&line);
+            let line = line.trim_end_matches(['\n', '\r']);
+            if line.is_empty() {
+                if !self.data.is_empty() {
+                    events.push(self.data.join("\n"));
+                    self.data.clear();
+                }
+            } else if let Some(rest) = line.strip_prefix("data:") {
+                self.data.push(rest.strip_prefix(' ').unwrap_or(rest).to_string());
+            }
+        }
+        events
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sse_parser_splits_events_across_chunks() {
+        let mut p = SseParser::new();
+        assert!(p.push(b"data: {\"a\"").is_empty());
+        assert_eq!(p.push(b":1}\n\n: keep-alive\n\ndata: x\r\ndata: y\n\n"), vec!["{\"a\":1}", "x\ny"]);
+    }
+
+    #[test]
+    fn stream_items_round_trip_through_json() {
+        let item = StreamItem::Event {
+            exec_id: Uuid::now_v7(),
+            unix_ms: 5,
+            kind: EventKind::Failed { error: "boom".into() },
+        };
+        let json = serde_json::to_string(&item).unwrap_or_default();
+        assert!(json.contains("\"type\":\"event\""));
+        let back: StreamItem = serde_json::from_str(&json).unwrap_or(StreamItem::Queued {
+            exec_id: Uuid::nil(),
+            cell_id: String::new(),
+            run_unix_ms: 0,
+        });
+        assert_eq!(back, item);
+    }
+}

@@ -1,0 +1,224 @@
+//! The HTTP API (axum): sessions, edits, runs, the SSE event stream, summaries.
+//!
+//! Handlers run on tokio tasks; they reach session actors through their addresses and
+//! start new ones on the service's arbiter.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use actix::prelude::*;
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post, put};
+use axum::{Json, Router};
+use futures::StreamExt;
+use schemas::messages::{DoneV1, OutputV1, SessionCloseV1, SessionDeleteV1, SessionEventV1, SessionOptions};
+use schemas::subjects::StoreVerb;
+use schemas::Bus;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::api::{CellCode, CreateSession, RunAccepted, SessionCreated};
+use crate::session::{self, SessionActor};
+use crate::Timeouts;
+
+/// What every handler shares.
+#[derive(Clone)]
+pub struct AppState {
+    /// The service's bus.
+    pub bus: Bus,
+    /// The arbiter session actors run on.
+    pub arbiter: actix::ArbiterHandle,
+    /// Live sessions.
+    pub sessions: Arc<RwLock<HashMap<Uuid, Addr<SessionActor>>>>,
+    /// Timeouts for session actors.
+    pub timeouts: Timeouts,
+    /// Cancelled at shutdown; ends SSE streams.
+    pub shutdown: CancellationToken,
+}
+
+impl AppState {
+    fn session(&self, sid: Uuid) -> Option<Addr<SessionActor>> {
+        self.sessions.read().unwrap_or_else(|e| e.into_inner()).get(&sid).cloned()
+    }
+
+    fn insert(&self, sid: Uuid, addr: Addr<SessionActor>) {
+        self.sessions.write().unwrap_or_else(|e| e.into_inner()).insert(sid, addr);
+    }
+
+    fn remove(&self, sid: Uuid) -> Option<Addr<SessionActor>> {
+        self.sessions.write().unwrap_or_else(|e| e.into_inner()).remove(&sid)
+    }
+
+    /// Every session's address (for shutdown).
+    pub fn drain(&self) -> Vec<Addr<SessionActor>> {
+        self.sessions.write().unwrap_or_else(|e| e.into_inner()).drain().map(|(_, a)| a).collect()
+    }
+}
+
+/// An API error: a status and a JSON `{"error": ...}` body.
+#[derive(Debug)]
+pub struct ApiError(StatusCode, String);
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.0, Json(serde_json::json!({ "error": self.1 }))).into_response()
+    }
+}
+
+fn bad_request(msg: impl Into<String>) -> ApiError {
+    ApiError(StatusCode::BAD_REQUEST, msg.into())
+}
+
+fn internal(msg: impl Into<String>) -> ApiError {
+    ApiError(StatusCode::INTERNAL_SERVER_ERROR, msg.into())
+}
+
+fn json_body<T>(body: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
+    body.map(|Json(v)| v).map_err(|e| {
+        // a body that is not the JSON we expect is a bad request; only a missing
+        // content type keeps its own status (415)
+        let status = if e.status() == StatusCode::UNSUPPORTED_MEDIA_TYPE { e.status() } else { StatusCode::BAD_REQUEST };
+        ApiError(status, format!("bad request body: {}", e.body_text()))
+    })
+}
+
+fn parse_sid(raw: &str) -> Result<Uuid, ApiError> {
+    Uuid::parse_str(raw).map_err(|e| bad_request(format!("session id {raw:?} is not a uuid: {e}")))
+}
+
+fn lookup(state: &AppState, raw: &str) -> Result<(Uuid, Addr<SessionActor>), ApiError> {
+    let sid = parse_sid(raw)?;
+    let addr = state.session(sid).ok_or_else(|| ApiError(StatusCode::NOT_FOUND, format!("no session {sid}")))?;
+    Ok((sid, addr))
+}
+
+fn mailbox(e: MailboxError) -> ApiError {
+    ApiError(StatusCode::GONE, format!("the session is closing: {e}"))
+}
+
+/// The router of the API.
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/v1/health", get(health))
+        .route("/v1/sessions", post(create_session))
+        .route("/v1/sessions/{sid}", get(summary).delete(delete_session))
+        .route("/v1/sessions/{sid}/events", get(events))
+        .route("/v1/sessions/{sid}/cells/{cell_id}", put(edit))
+        .route("/v1/sessions/{sid}/cells/{cell_id}/run", post(run))
+        .fallback(|| async { ApiError(StatusCode::NOT_FOUND, "no such route".into()) })
+        .with_state(state)
+}
+
+async fn health(State(state): State<AppState>) -> Json<serde_json::Value> {
+    let n = state.sessions.read().unwrap_or_else(|e| e.into_inner()).len();
+    Json(serde_json::json!({ "status": "ok", "sessions": n }))
+}
+
+async fn create_session(
+    State(state): State<AppState>,
+    body: Result<Json<CreateSession>, JsonRejection>,
+) -> Result<Json<SessionCreated>, ApiError> {
+    let req = json_body(body)?;
+    let sid = Uuid::now_v7();
+    let s = state.bus.subjects().clone();
+    let events = state
+        .bus
+        .subscribe::<SessionEventV1>(s.event(sid))
+        .await
+        .map_err(|e| internal(format!("cannot subscribe to the session's events: {e}")))?;
+    let outputs = state
+        .bus
+        .subscribe::<OutputV1>(s.session_outputs(sid))
+        .await
+        .map_err(|e| internal(format!("cannot subscribe to the session's outputs: {e}")))?;
+    let (bus, timeouts) = (state.bus.clone(), state.timeouts);
+    let options = SessionOptions { cwd: req.cwd, all_gpu: req.all_gpu };
+    let addr = SessionActor::start_in_arbiter(&state.arbiter, move |ctx| {
+        ctx.add_stream(events.into_stream());
+        ctx.add_stream(outputs.into_stream());
+        SessionActor::new(sid, bus, options, timeouts)
+    });
+    state.insert(sid, addr);
+    tracing::info!(session = %sid, "session created");
+    Ok(Json(SessionCreated { session_id: sid }))
+}
+
+async fn edit(
+    State(state): State<AppState>,
+    Path((sid, cell_id)): Path<(String, String)>,
+    body: Result<Json<CellCode>, JsonRejection>,
+) -> Result<StatusCode, ApiError> {
+    let (sid, addr) = lookup(&state, &sid)?;
+    let req = json_body(body)?;
+    let msg = addr.send(session::Edit { cell_id, code: req.code }).await.map_err(mailbox)?;
+    state
+        .bus
+        .publish(state.bus.subjects().edit(sid), &msg)
+        .await
+        .map_err(|e| internal(format!("could not publish the edit: {e}")))?;
+    Ok(StatusCode::ACCEPTED)
+}
+
+async fn run(
+    State(state): State<AppState>,
+    Path((sid, cell_id)): Path<(String, String)>,
+    body: Result<Json<CellCode>, JsonRejection>,
+) -> Result<Json<RunAccepted>, ApiError> {
+    // Run is the moment the request arrived (DESIGN.md section 10)
+    let run_unix_ms = schemas::unix_ms();
+    let (_sid, addr) = lookup(&state, &sid)?;
+    let req = json_body(body)?;
+    let (exec_id, position) =
+        addr.send(session::Run { cell_id, code: req.code, run_unix_ms }).await.map_err(mailbox)?;
+    Ok(Json(RunAccepted { exec_id, position }))
+}
+
+async fn summary(State(state): State<AppState>, Path(sid): Path<String>) -> Result<Json<serde_json::Value>, ApiError> {
+    let (_sid, addr) = lookup(&state, &sid)?;
+    Ok(Json(addr.send(session::Summary).await.map_err(mailbox)?))
+}
+
+async fn events(State(state): State<AppState>, Path(sid): Path<String>) -> Result<Response, ApiError> {
+    let (_sid, addr) = lookup(&state, &sid)?;
+    let (replay, rx) = addr.send(session::Attach).await.map_err(mailbox)?;
+    let live = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|line| (line, rx)) });
+    let stream = futures::stream::iter(replay)
+        .chain(live)
+        .map(|line| Ok::<_, Infallible>(Event::default().data(line)))
+        .take_until(state.shutdown.clone().cancelled_owned());
+    Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))).into_response())
+}
+
+async fn delete_session(
+    State(state): State<AppState>,
+    Path(sid): Path<String>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let (sid, addr) = lookup(&state, &sid)?;
+    state.remove(sid);
+    addr.do_send(session::Close { grace: state.timeouts.close_grace });
+    let s = state.bus.subjects().clone();
+    state
+        .bus
+        .publish(s.close(sid), &SessionCloseV1 { session: sid })
+        .await
+        .map_err(|e| internal(format!("could not publish the close: {e}")))?;
+    let store = state
+        .bus
+        .request::<SessionDeleteV1, DoneV1>(s.store(StoreVerb::SessionDelete), &SessionDeleteV1 { session: sid }, Duration::from_secs(10))
+        .await;
+    let store_error = match store {
+        Ok(DoneV1 {}) => None,
+        Err(e) => {
+            tracing::warn!(session = %sid, error = %e, "store did not delete the session's state");
+            Some(e.to_string())
+        }
+    };
+    tracing::info!(session = %sid, "session deleted");
+    Ok(Json(serde_json::json!({ "session_id": sid, "deleted": true, "store_error": store_error })))
+}

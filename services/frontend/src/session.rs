@@ -1,0 +1,403 @@
+//! One actor per session: the run queue (one cell at a time, in submission order), the
+//! relay of the session's events and outputs to SSE clients, and the replay log.
+//!
+//! Fed by two subscriptions made before it starts: `{prefix}.v1.session.{sid}.event`
+//! and `{prefix}.v1.output.{sid}.*`. Publishes `{prefix}.v1.session.{sid}.run`.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::time::Duration;
+
+use actix::prelude::*;
+use schemas::bus::Rejected;
+use schemas::messages::{CellStatus, EditV1, EventKind, OutputV1, RunV1, SessionEventV1, SessionOptions};
+use schemas::{Bus, Envelope};
+use tokio::sync::mpsc;
+use uuid::Uuid;
+
+use crate::api::{ExecStatus, StreamItem};
+use crate::Timeouts;
+
+/// A run waiting for its turn.
+#[derive(Clone, Debug)]
+struct Pending {
+    exec_id: Uuid,
+    cell_id: String,
+    code: String,
+    run_unix_ms: u64,
+}
+
+/// The execution that was sent to the planner and is not complete yet.
+#[derive(Debug)]
+struct Current {
+    exec_id: Uuid,
+    /// A Planned or Claimed event arrived.
+    taken: bool,
+    /// The cell's status from Finished, if it arrived.
+    finished: Option<(CellStatus, Option<String>)>,
+    /// How many outputs Finished announced.
+    expected_outputs: Option<u64>,
+    /// Output seqs received.
+    outputs: HashSet<u64>,
+    /// Saved/Failed arrived: (status, revision after, error, unix ms).
+    terminal: Option<(ExecStatus, u64, Option<String>, u64)>,
+}
+
+/// What the summary shows for one execution.
+#[derive(Clone, Debug, serde::Serialize)]
+struct ExecRecord {
+    exec_id: Uuid,
+    cell_id: String,
+    run_unix_ms: u64,
+    status: ExecStatus,
+    after_revision: Option<u64>,
+    error: Option<String>,
+}
+
+/// The per-session actor.
+pub struct SessionActor {
+    sid: Uuid,
+    bus: Bus,
+    options: SessionOptions,
+    timeouts: Timeouts,
+    queue: VecDeque<Pending>,
+    current: Option<Current>,
+    /// Revision committed by the last Saved (0 at start).
+    revision: u64,
+    edit_seq: HashMap<String, u64>,
+    executions: Vec<ExecRecord>,
+    /// Every stream item so far, for clients that connect later.
+    log: Vec<String>,
+    clients: Vec<mpsc::UnboundedSender<String>>,
+    closing: bool,
+}
+
+impl SessionActor {
+    /// A session actor with everything it needs; add its two subscriptions as
+    /// streams when starting it.
+    pub fn new(sid: Uuid, bus: Bus, options: SessionOptions, timeouts: Timeouts) -> Self {
+        Self {
+            sid,
+            bus,
+            options,
+            timeouts,
+            queue: VecDeque::new(),
+            current: None,
+            revision: 0,
+            edit_seq: HashMap::new(),
+            executions: Vec::new(),
+            log: Vec::new(),
+            clients: Vec::new(),
+            closing: false,
+        }
+    }
+
+    fn emit(&mut self, item: &StreamItem) {
+        let line = match serde_json::to_string(item) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot encode a stream item");
+                return;
+            }
+        };
+        self.clients.retain(|c| c.send(line.clone()).is_ok());
+        self.log.push(line);
+    }
+
+    fn record(&mut self, exec_id: Uuid) -> Option<&mut ExecRecord> {
+        self.executions.iter_mut().rev().find(|r| r.exec_id == exec_id)
+    }
+
+    /// Send the next queued run to the planner if nothing is running.
+    fn start_next(&mut self, ctx: &mut Context<Self>) {
+        if self.current.is_some() || self.closing {
+            return;
+        }
+        let Some(p) = self.queue.pop_front() else { return };
+        let run = RunV1 {
+            session: self.sid,
+            exec_id: p.exec_id,
+            cell_id: p.cell_id.clone(),
+            code: p.code,
+            run_unix_ms: p.run_unix_ms,
+            after_revision: self.revision,
+            options: self.options.clone(),
+        };
+        self.current = Some(Current {
+            exec_id: p.exec_id,
+            taken: false,
+            finished: None,
+            expected_outputs: None,
+            outputs: HashSet::new(),
+            terminal: None,
+        });
+        if let Some(r) = self.record(p.exec_id) {
+            r.status = ExecStatus::Running;
+        }
+        let exec_id = p.exec_id;
+        let bus = self.bus.clone();
+        let subject = bus.subjects().run(self.sid);
+        tracing::info!(session = %self.sid, exec = %exec_id, cell = %p.cell_id, after_revision = self.revision, "run sent");
+        ctx.spawn(async move { bus.publish(subject, &run).await }.into_actor(self).map(move |res, act, ctx| {
+            if let Err(e) = res {
+                tracing::error!(error = %e, exec = %exec_id, "could not publish the run");
+                act.fail_current(ctx, exec_id, format!("could not send the run to the planner: {e}"));
+            }
+        }));
+        let claim_timeout = self.timeouts.claim;
+        ctx.run_later(claim_timeout, move |act, ctx| {
+            if act.current.as_ref().is_some_and(|c| c.exec_id == exec_id && !c.taken) {
+                tracing::warn!(exec = %exec_id, "no Planned/Claimed in time");
+                act.fail_current(ctx, exec_id, format!("no host took the cell within {claim_timeout:?}"));
+            }
+        });
+        let deadline = self.timeouts.execution;
+        ctx.run_later(deadline, move |act, ctx| {
+            if act.current.as_ref().is_some_and(|c| c.exec_id == exec_id && c.terminal.is_none()) {
+                tracing::warn!(exec = %exec_id, "execution deadline passed");
+                act.fail_current(ctx, exec_id, format!("no host took the cell: no Saved/Failed within {deadline:?}"));
+            }
+        });
+    }
+
+    /// Give up on the current execution (if it is `exec_id`) and move on.
+    fn fail_current(&mut self, ctx: &mut Context<Self>, exec_id: Uuid, error: String) {
+        if self.current.as_ref().is_some_and(|c| c.exec_id == exec_id) {
+            self.complete(ctx, ExecStatus::Error, self.revision, Some(error), schemas::unix_ms());
+        }
+    }
+
+    /// The current execution is complete: emit done, start the next one.
+    fn complete(&mut self, ctx: &mut Context<Self>, status: ExecStatus, revision: u64, error: Option<String>, unix_ms: u64) {
+        let Some(cur) = self.current.take() else { return };
+        self.revision = revision;
+        if let Some(r) = self.record(cur.exec_id) {
+            r.status = status;
+            r.after_revision = Some(revision);
+            r.error = error.clone();
+        }
+        self.emit(&StreamItem::Done { exec_id: cur.exec_id, status, after_revision: revision, unix_ms, error });
+        self.start_next(ctx);
+    }
+
+    /// Complete the current execution if its end arrived and all its outputs did.
+    fn maybe_complete(&mut self, ctx: &mut Context<Self>) {
+        let Some(cur) = &self.current else { return };
+        let Some((status, revision, error, unix_ms)) = cur.terminal.clone() else { return };
+        let missing = cur.expected_outputs.unwrap_or(0).saturating_sub(cur.outputs.len() as u64);
+        if missing == 0 {
+            self.complete(ctx, status, revision, error, unix_ms);
+        }
+    }
+
+    fn on_event(&mut self, ctx: &mut Context<Self>, ev: SessionEventV1) {
+        tracing::debug!(session = %self.sid, exec = %ev.exec_id, kind = ?ev.kind, "event");
+        self.emit(&StreamItem::Event { exec_id: ev.exec_id, unix_ms: ev.unix_ms, kind: ev.kind.clone() });
+        let Some(cur) = self.current.as_mut().filter(|c| c.exec_id == ev.exec_id) else { return };
+        if cur.terminal.is_some() {
+            return;
+        }
+        let terminal = match ev.kind {
+            EventKind::Planned { .. } | EventKind::Claimed { .. } | EventKind::Started { .. } => {
+                cur.taken = true;
+                None
+            }
+            EventKind::Finished { status, error, outputs, .. } => {
+                cur.taken = true;
+                cur.finished = Some((status, error));
+                cur.expected_outputs = Some(outputs);
+                None
+            }
+            EventKind::Saved { revision, .. } => {
+                let (status, error) = match &cur.finished {
+                    Some((CellStatus::Error, e)) => (ExecStatus::Error, e.clone()),
+                    _ => (ExecStatus::Ok, None),
+                };
+                Some((status, revision, error))
+            }
+            EventKind::Failed { error } => Some((ExecStatus::Error, self.revision, Some(error))),
+            EventKind::SlotReleased { .. } => None,
+        };
+        let Some((status, revision, error)) = terminal else { return };
+        let exec_id = cur.exec_id;
+        cur.terminal = Some((status, revision, error, ev.unix_ms));
+        self.maybe_complete(ctx);
+        if self.current.as_ref().is_some_and(|c| c.exec_id == exec_id) {
+            let grace = self.timeouts.output_grace;
+            ctx.run_later(grace, move |act, ctx| {
+                if let Some(c) = act.current.as_ref().filter(|c| c.exec_id == exec_id) {
+                    tracing::warn!(
+                        exec = %exec_id,
+                        expected = c.expected_outputs.unwrap_or(0),
+                        received = c.outputs.len(),
+                        "outputs missing {grace:?} after the execution ended; completing anyway"
+                    );
+                    if let Some((status, revision, error, unix_ms)) = c.terminal.clone() {
+                        act.complete(ctx, status, revision, error, unix_ms);
+                    }
+                }
+            });
+        }
+    }
+
+    fn on_output(&mut self, ctx: &mut Context<Self>, out: OutputV1) {
+        match serde_json::from_str::<serde_json::Value>(&out.output_json) {
+            Ok(output) => self.emit(&StreamItem::Output { exec_id: out.exec_id, seq: out.seq, output }),
+            Err(e) => tracing::error!(exec = %out.exec_id, seq = out.seq, error = %e, "output is not JSON; dropped"),
+        }
+        if let Some(cur) = self.current.as_mut().filter(|c| c.exec_id == out.exec_id) {
+            cur.outputs.insert(out.seq);
+            self.maybe_complete(ctx);
+        }
+    }
+}
+
+impl Actor for SessionActor {
+    type Context = Context<Self>;
+}
+
+impl StreamHandler<Result<Envelope<SessionEventV1>, Rejected>> for SessionActor {
+    fn handle(&mut self, item: Result<Envelope<SessionEventV1>, Rejected>, ctx: &mut Self::Context) {
+        // a rejected message was already logged by the bus; keep serving
+        if let Ok(env) = item {
+            if env.msg.session != self.sid {
+                tracing::error!(subject = %env.subject, "event names another session; dropped");
+                return;
+            }
+            let _entered = env.span("frontend.event").entered();
+            self.on_event(ctx, env.msg);
+        }
+    }
+
+    fn finished(&mut self, _ctx: &mut Self::Context) {
+        tracing::warn!(session = %self.sid, "event subscription ended");
+    }
+}
+
+impl StreamHandler<Result<Envelope<OutputV1>, Rejected>> for SessionActor {
+    fn handle(&mut self, item: Result<Envelope<OutputV1>, Rejected>, ctx: &mut Self::Context) {
+        if let Ok(env) = item {
+            if env.msg.session != self.sid {
+                tracing::error!(subject = %env.subject, "output names another session; dropped");
+                return;
+            }
+            self.on_output(ctx, env.msg);
+        }
+    }
+
+    fn finished(&mut self, _ctx: &mut Self::Context) {
+        tracing::warn!(session = %self.sid, "output subscription ended");
+    }
+}
+
+/// Assign the next edit sequence number of a cell; the caller publishes the edit.
+#[derive(Message)]
+#[rtype(result = "EditV1")]
+pub struct Edit {
+    /// The cell.
+    pub cell_id: String,
+    /// Its full code.
+    pub code: String,
+}
+
+impl Handler<Edit> for SessionActor {
+    type Result = MessageResult<Edit>;
+
+    fn handle(&mut self, msg: Edit, _ctx: &mut Self::Context) -> Self::Result {
+        let seq = self.edit_seq.entry(msg.cell_id.clone()).or_insert(0);
+        *seq += 1;
+        MessageResult(EditV1 { session: self.sid, cell_id: msg.cell_id, code: msg.code, seq: *seq })
+    }
+}
+
+/// Queue a run; answers the exec id and the queue position.
+#[derive(Message)]
+#[rtype(result = "(Uuid, usize)")]
+pub struct Run {
+    /// The cell.
+    pub cell_id: String,
+    /// The code submitted with Run.
+    pub code: String,
+    /// When the request was received (unix ms).
+    pub run_unix_ms: u64,
+}
+
+impl Handler<Run> for SessionActor {
+    type Result = MessageResult<Run>;
+
+    fn handle(&mut self, msg: Run, ctx: &mut Self::Context) -> Self::Result {
+        let exec_id = Uuid::now_v7();
+        let position = self.queue.len() + usize::from(self.current.is_some());
+        self.executions.push(ExecRecord {
+            exec_id,
+            cell_id: msg.cell_id.clone(),
+            run_unix_ms: msg.run_unix_ms,
+            status: ExecStatus::Queued,
+            after_revision: None,
+            error: None,
+        });
+        self.emit(&StreamItem::Queued { exec_id, cell_id: msg.cell_id.clone(), run_unix_ms: msg.run_unix_ms });
+        self.queue.push_back(Pending { exec_id, cell_id: msg.cell_id, code: msg.code, run_unix_ms: msg.run_unix_ms });
+        self.start_next(ctx);
+        MessageResult((exec_id, position))
+    }
+}
+
+/// Attach an SSE client: every item so far, then a channel of the items to come.
+#[derive(Message)]
+#[rtype(result = "(Vec<String>, mpsc::UnboundedReceiver<String>)")]
+pub struct Attach;
+
+impl Handler<Attach> for SessionActor {
+    type Result = MessageResult<Attach>;
+
+    fn handle(&mut self, _msg: Attach, _ctx: &mut Self::Context) -> Self::Result {
+        let (tx, rx) = mpsc::unbounded_channel();
+        if !self.closing {
+            self.clients.push(tx);
+        }
+        MessageResult((self.log.clone(), rx))
+    }
+}
+
+/// The session's summary as JSON.
+#[derive(Message)]
+#[rtype(result = "serde_json::Value")]
+pub struct Summary;
+
+impl Handler<Summary> for SessionActor {
+    type Result = MessageResult<Summary>;
+
+    fn handle(&mut self, _msg: Summary, _ctx: &mut Self::Context) -> Self::Result {
+        MessageResult(serde_json::json!({
+            "session_id": self.sid,
+            "cwd": self.options.cwd,
+            "all_gpu": self.options.all_gpu,
+            "revision": self.revision,
+            "current": self.current.as_ref().map(|c| c.exec_id),
+            "queue": self.queue.iter().map(|p| p.exec_id).collect::<Vec<_>>(),
+            "executions": self.executions,
+        }))
+    }
+}
+
+/// The session is being deleted: stop running, relay late events for `grace`
+/// (slot releases at close), then end every client stream and stop.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Close {
+    /// How long to keep relaying.
+    pub grace: Duration,
+}
+
+impl Handler<Close> for SessionActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Close, ctx: &mut Self::Context) {
+        self.closing = true;
+        self.queue.clear();
+        ctx.run_later(msg.grace, |act, ctx| {
+            act.clients.clear();
+            ctx.stop();
+        });
+    }
+}

@@ -1,0 +1,363 @@
+//! The frontend against a real nats-server, with the test playing planner and host.
+
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use futures::StreamExt;
+use looseleaf_frontend::api::{ExecStatus, RunAccepted, SessionCreated, SseParser, StreamItem};
+use looseleaf_frontend::{Config, Timeouts};
+use looseleaf_test_support::{random_prefix, NatsServer};
+use schemas::messages::{
+    CellStatus, Device, EditV1, EventKind, OutputV1, Prepare, RunV1, SessionEventV1,
+};
+use schemas::Bus;
+use tokio::sync::{mpsc, oneshot};
+use uuid::Uuid;
+
+const WAIT: Duration = Duration::from_secs(10);
+
+struct Frontend {
+    base: String,
+    _stop: oneshot::Sender<()>,
+}
+
+async fn start_frontend(nats: &NatsServer, prefix: &str, timeouts: Timeouts) -> anyhow::Result<Frontend> {
+    let mut config = Config::new(nats.url(), prefix, "127.0.0.1:0".parse()?);
+    config.timeouts = timeouts;
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let (bound_tx, bound_rx) = oneshot::channel();
+    actix_rt::spawn(async move {
+        let res = looseleaf_frontend::run_with_bound(
+            config,
+            async move {
+                let _ = stop_rx.await;
+            },
+            move |addr| {
+                let _ = bound_tx.send(addr);
+            },
+        )
+        .await;
+        if let Err(e) = res {
+            eprintln!("frontend failed: {e:#}");
+        }
+    });
+    let addr = tokio::time::timeout(WAIT, bound_rx).await.context("frontend did not bind")??;
+    Ok(Frontend { base: format!("http://{addr}"), _stop: stop_tx })
+}
+
+/// Open the SSE stream of a session; items arrive on the channel.
+async fn open_events(base: &str, sid: Uuid) -> anyhow::Result<mpsc::UnboundedReceiver<StreamItem>> {
+    let resp = reqwest::get(format!("{base}/v1/sessions/{sid}/events")).await?.error_for_status()?;
+    let (tx, rx) = mpsc::unbounded_channel();
+    let mut body = resp.bytes_stream();
+    tokio::spawn(async move {
+        let mut parser = SseParser::new();
+        while let Some(Ok(chunk)) = body.next().await {
+            for data in parser.push(&chunk) {
+                match serde_json::from_str::<StreamItem>(&data) {
+                    Ok(item) => {
+                        if tx.send(item).is_err() {
+                            return;
+                        }
+                    }
+                    Err(e) => eprintln!("bad stream item {data}: {e}"),
+                }
+            }
+        }
+    });
+    Ok(rx)
+}
+
+async fn next_item(rx: &mut mpsc::UnboundedReceiver<StreamItem>) -> anyhow::Result<StreamItem> {
+    match tokio::time::timeout(WAIT, rx.recv()).await {
+        Ok(Some(item)) => Ok(item),
+        Ok(None) => bail!("event stream ended"),
+        Err(_) => bail!("no stream item within {WAIT:?}"),
+    }
+}
+
+/// Items until (and including) the one `stop` accepts.
+async fn items_until(
+    rx: &mut mpsc::UnboundedReceiver<StreamItem>,
+    stop: impl Fn(&StreamItem) -> bool,
+) -> anyhow::Result<Vec<StreamItem>> {
+    let mut seen = Vec::new();
+    loop {
+        let item = next_item(rx).await?;
+        let done = stop(&item);
+        seen.push(item);
+        if done {
+            return Ok(seen);
+        }
+    }
+}
+
+fn is_done(exec: Uuid) -> impl Fn(&StreamItem) -> bool {
+    move |i| matches!(i, StreamItem::Done { exec_id, .. } if *exec_id == exec)
+}
+
+async fn create_session(http: &reqwest::Client, base: &str) -> anyhow::Result<Uuid> {
+    let created: SessionCreated = http
+        .post(format!("{base}/v1/sessions"))
+        .json(&serde_json::json!({"cwd": "/tmp", "all_gpu": true}))
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?;
+    Ok(created.session_id)
+}
+
+async fn run_cell(http: &reqwest::Client, base: &str, sid: Uuid, cell: &str, code: &str) -> anyhow::Result<RunAccepted> {
+    Ok(http
+        .post(format!("{base}/v1/sessions/{sid}/cells/{cell}/run"))
+        .json(&serde_json::json!({ "code": code }))
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?)
+}
+
+async fn event(bus: &Bus, sid: Uuid, exec: Uuid, kind: EventKind) -> anyhow::Result<()> {
+    let ev = SessionEventV1 { session: sid, exec_id: exec, unix_ms: schemas::unix_ms(), kind };
+    bus.publish(bus.subjects().event(sid), &ev).await?;
+    bus.flush().await?;
+    Ok(())
+}
+
+async fn output(bus: &Bus, sid: Uuid, exec: Uuid, seq: u64, text: &str) -> anyhow::Result<()> {
+    let json = serde_json::json!({"output_type": "stream", "name": "stdout", "text": text}).to_string();
+    bus.publish(bus.subjects().output(sid, exec), &OutputV1 { session: sid, exec_id: exec, seq, output_json: json })
+        .await?;
+    bus.flush().await?;
+    Ok(())
+}
+
+fn planned(cell: &str) -> EventKind {
+    EventKind::Planned {
+        cell_id: cell.into(),
+        closure: vec![],
+        imports: vec![],
+        device: Device::Gpu,
+        device_reason: "test".into(),
+        conservative: None,
+        pinned: vec![],
+    }
+}
+
+fn started() -> EventKind {
+    EventKind::Started {
+        host: "fake".into(),
+        slot: Some(0),
+        worker: "w1".into(),
+        device: Device::Gpu,
+        prepare: Prepare::Cold,
+        execution_count: 1,
+        restored_bytes: 0,
+        prepare_ms: 1.0,
+    }
+}
+
+fn finished(outputs: u64) -> EventKind {
+    EventKind::Finished { status: CellStatus::Ok, error: None, execution_count: 1, run_ms: 2.0, outputs }
+}
+
+fn saved(revision: u64) -> EventKind {
+    EventKind::Saved { revision, save_ms: 1.0, saved_bytes: 10, chunks_written: 1, unsavable: vec![], slot_released: true }
+}
+
+async fn next_run(runs: &mut schemas::bus::Subscription<RunV1>) -> anyhow::Result<RunV1> {
+    match tokio::time::timeout(WAIT, runs.next()).await {
+        Ok(Some(Ok(env))) => Ok(env.msg),
+        Ok(Some(Err(r))) => bail!("run did not decode: {}", r.error),
+        Ok(None) => bail!("run subscription ended"),
+        Err(_) => bail!("no run within {WAIT:?}"),
+    }
+}
+
+#[actix_rt::test]
+async fn run_queue_waits_for_saved_and_relays_outputs_before_done() -> anyhow::Result<()> {
+    let nats = NatsServer::start()?;
+    let prefix = random_prefix();
+    let fe = start_frontend(&nats, &prefix, Timeouts::default()).await?;
+    let http = reqwest::Client::new();
+    let host = Bus::connect(nats.url(), &prefix, "fake-host").await?;
+    let sid = create_session(&http, &fe.base).await?;
+    let mut runs = host.subscribe::<RunV1>(host.subjects().run(sid)).await?;
+    let mut edits = host.subscribe::<EditV1>(host.subjects().edit(sid)).await?;
+    let mut sse = open_events(&fe.base, sid).await?;
+
+    // an edit is published with a per-cell sequence number
+    for code in ["x = 1", "x = 2"] {
+        let resp = http
+            .put(format!("{}/v1/sessions/{sid}/cells/a", fe.base))
+            .json(&serde_json::json!({ "code": code }))
+            .send()
+            .await?;
+        assert_eq!(resp.status(), reqwest::StatusCode::ACCEPTED);
+    }
+    let mut seqs = Vec::new();
+    for _ in 0..2 {
+        match tokio::time::timeout(WAIT, edits.next()).await {
+            Ok(Some(Ok(env))) => seqs.push((env.msg.cell_id, env.msg.seq, env.msg.code)),
+            other => bail!("no edit: {other:?}"),
+        }
+    }
+    assert_eq!(seqs, vec![("a".into(), 1, "x = 1".into()), ("a".into(), 2, "x = 2".into())]);
+
+    let first = run_cell(&http, &fe.base, sid, "a", "x = 2").await?;
+    let second = run_cell(&http, &fe.base, sid, "b", "print(x)").await?;
+    assert_eq!((first.position, second.position), (0, 1));
+
+    let run1 = next_run(&mut runs).await?;
+    assert_eq!((run1.exec_id, run1.cell_id.as_str(), run1.after_revision), (first.exec_id, "a", 0));
+    assert!(run1.options.all_gpu);
+    assert_eq!(run1.options.cwd, "/tmp");
+
+    // garbage on the events subject does not stop the service
+    host.client().publish(host.subjects().event(sid), "not bincode".into()).await?;
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(schemas::codec::TYPE_HEADER, "session-event");
+    headers.insert(schemas::codec::VERSION_HEADER, "1");
+    host.client().publish_with_headers(host.subjects().event(sid), headers, vec![0xff; 7].into()).await?;
+
+    event(&host, sid, first.exec_id, planned("a")).await?;
+    event(&host, sid, first.exec_id, started()).await?;
+    output(&host, sid, first.exec_id, 0, "hello\n").await?;
+    event(&host, sid, first.exec_id, finished(1)).await?;
+    // the frontend saw Finished (it relays events in order) ...
+    let mut seen = items_until(&mut sse, |i| matches!(i, StreamItem::Event { kind: EventKind::Finished { .. }, .. }))
+        .await?;
+    assert!(matches!(seen.first(), Some(StreamItem::Queued { exec_id, .. }) if *exec_id == first.exec_id));
+    // ... and still holds the second run back until Saved
+    let summary: serde_json::Value =
+        http.get(format!("{}/v1/sessions/{sid}", fe.base)).send().await?.error_for_status()?.json().await?;
+    assert_eq!(summary["current"], serde_json::json!(first.exec_id));
+    assert_eq!(summary["queue"], serde_json::json!([second.exec_id]));
+    assert!(tokio::time::timeout(Duration::from_millis(300), runs.next()).await.is_err(), "second run sent early");
+
+    event(&host, sid, first.exec_id, saved(7)).await?;
+    seen.extend(items_until(&mut sse, is_done(first.exec_id)).await?);
+    let outs: Vec<_> = seen.iter().filter(|i| matches!(i, StreamItem::Output { .. })).collect();
+    assert!(
+        matches!(outs.as_slice(), [StreamItem::Output { exec_id, seq: 0, output }] if *exec_id == first.exec_id && output["text"] == "hello\n"),
+        "one output expected: {seen:?}"
+    );
+    match seen.last() {
+        Some(StreamItem::Done { status, after_revision, .. }) => {
+            assert_eq!((*status, *after_revision), (ExecStatus::Ok, 7));
+        }
+        other => bail!("expected done, got {other:?}"),
+    }
+
+    // the second run goes out only now, with the first's revision
+    let run2 = next_run(&mut runs).await?;
+    assert_eq!((run2.exec_id, run2.cell_id.as_str(), run2.after_revision), (second.exec_id, "b", 7));
+
+    // an output that arrives after Saved still comes before done
+    event(&host, sid, second.exec_id, planned("b")).await?;
+    event(&host, sid, second.exec_id, finished(1)).await?;
+    event(&host, sid, second.exec_id, saved(8)).await?;
+    output(&host, sid, second.exec_id, 0, "2\n").await?;
+    let seen = items_until(&mut sse, is_done(second.exec_id)).await?;
+    let out = seen.iter().position(|i| matches!(i, StreamItem::Output { exec_id, .. } if *exec_id == second.exec_id));
+    assert_eq!(out, Some(seen.len() - 2), "output must precede done: {seen:?}");
+    assert!(matches!(seen.last(), Some(StreamItem::Done { after_revision: 8, status: ExecStatus::Ok, .. })));
+
+    // a client that connects now gets everything replayed, output before done
+    let mut late = open_events(&fe.base, sid).await?;
+    let replay = items_until(&mut late, is_done(second.exec_id)).await?;
+    let first_out = replay
+        .iter()
+        .position(|i| matches!(i, StreamItem::Output { exec_id, .. } if *exec_id == first.exec_id))
+        .context("first output replayed")?;
+    let first_done = replay.iter().position(is_done(first.exec_id)).context("first done replayed")?;
+    assert!(first_out < first_done);
+
+    // delete: 200, then the session is gone
+    let resp = http.delete(format!("{}/v1/sessions/{sid}", fe.base)).send().await?;
+    assert_eq!(resp.status(), reqwest::StatusCode::OK);
+    let resp = http.get(format!("{}/v1/sessions/{sid}", fe.base)).send().await?;
+    assert_eq!(resp.status(), reqwest::StatusCode::NOT_FOUND);
+    Ok(())
+}
+
+#[actix_rt::test]
+async fn bad_input_gets_4xx_with_a_json_error() -> anyhow::Result<()> {
+    let nats = NatsServer::start()?;
+    let fe = start_frontend(&nats, &random_prefix(), Timeouts::default()).await?;
+    let http = reqwest::Client::new();
+    let base = &fe.base;
+
+    let resp = http
+        .post(format!("{base}/v1/sessions"))
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .await?;
+    assert_eq!(resp.status(), reqwest::StatusCode::BAD_REQUEST);
+    let body: serde_json::Value = resp.json().await?;
+    assert!(body["error"].as_str().is_some_and(|e| !e.is_empty()), "{body}");
+
+    let unknown = Uuid::now_v7();
+    for resp in [
+        http.put(format!("{base}/v1/sessions/{unknown}/cells/a")).json(&serde_json::json!({"code": ""})).send().await?,
+        http.post(format!("{base}/v1/sessions/{unknown}/cells/a/run")).json(&serde_json::json!({"code": ""})).send().await?,
+        http.get(format!("{base}/v1/sessions/{unknown}/events")).send().await?,
+        http.delete(format!("{base}/v1/sessions/{unknown}")).send().await?,
+    ] {
+        assert_eq!(resp.status(), reqwest::StatusCode::NOT_FOUND);
+        let body: serde_json::Value = resp.json().await?;
+        assert!(body["error"].as_str().is_some_and(|e| e.contains(&unknown.to_string())), "{body}");
+    }
+
+    let resp = http.get(format!("{base}/v1/sessions/not-a-uuid")).send().await?;
+    assert_eq!(resp.status(), reqwest::StatusCode::BAD_REQUEST);
+    let body: serde_json::Value = resp.json().await?;
+    assert!(body["error"].as_str().is_some_and(|e| e.contains("not-a-uuid")), "{body}");
+
+    // a known session with a malformed body
+    let sid = create_session(&http, base).await?;
+    let resp = http
+        .post(format!("{base}/v1/sessions/{sid}/cells/a/run"))
+        .header("content-type", "application/json")
+        .body("[1,")
+        .send()
+        .await?;
+    assert_eq!(resp.status(), reqwest::StatusCode::BAD_REQUEST);
+
+    let health: serde_json::Value = http.get(format!("{base}/v1/health")).send().await?.json().await?;
+    assert_eq!(health["status"], "ok");
+    Ok(())
+}
+
+#[actix_rt::test]
+async fn a_run_no_host_takes_fails_and_the_queue_moves_on() -> anyhow::Result<()> {
+    let nats = NatsServer::start()?;
+    let prefix = random_prefix();
+    let timeouts = Timeouts { claim: Duration::from_millis(300), ..Timeouts::default() };
+    let fe = start_frontend(&nats, &prefix, timeouts).await?;
+    let http = reqwest::Client::new();
+    let sid = create_session(&http, &fe.base).await?;
+    let bus = Bus::connect(nats.url(), &prefix, "fake").await?;
+    let mut runs = bus.subscribe::<RunV1>(bus.subjects().run(sid)).await?;
+    let mut sse = open_events(&fe.base, sid).await?;
+    let a = run_cell(&http, &fe.base, sid, "a", "1").await?;
+    let b = run_cell(&http, &fe.base, sid, "b", "2").await?;
+    let seen = items_until(&mut sse, is_done(a.exec_id)).await?;
+    match seen.last() {
+        Some(StreamItem::Done { status: ExecStatus::Error, error: Some(e), after_revision: 0, .. }) => {
+            assert!(e.contains("no host took the cell"), "{e}");
+        }
+        other => bail!("expected a failed done, got {other:?}"),
+    }
+    assert_eq!(next_run(&mut runs).await?.exec_id, a.exec_id);
+    assert_eq!(next_run(&mut runs).await?.exec_id, b.exec_id);
+    // a Failed event also completes an execution, leaving the revision unchanged
+    event(&bus, sid, b.exec_id, planned("b")).await?;
+    event(&bus, sid, b.exec_id, EventKind::Failed { error: "worker died".into() }).await?;
+    let seen = items_until(&mut sse, is_done(b.exec_id)).await?;
+    assert!(matches!(seen.last(), Some(StreamItem::Done { status: ExecStatus::Error, after_revision: 0, .. })));
+    Ok(())
+}

@@ -1,0 +1,213 @@
+//! The embedded cluster of `looseleaf up` and `looseleaf run`: a local nats-server
+//! with JetStream, then the store, the planner, K gpu-hosts and the frontend, all in
+//! this process's actix system, stopped together.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use tokio::process::{Child, Command};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// The subject prefix of the embedded cluster.
+pub const PREFIX: &str = "ll";
+
+/// How to start the embedded cluster.
+#[derive(Clone, Debug)]
+pub struct ClusterOptions {
+    /// The LooseLeaf repository (worker runtime, default venv).
+    pub repo: PathBuf,
+    /// Where NATS, the store and the hosts' sockets live.
+    pub data_dir: PathBuf,
+    /// The nats-server binary, if given.
+    pub nats_server: Option<PathBuf>,
+    /// The Python interpreter, if given.
+    pub python: Option<PathBuf>,
+    /// Virtual GPU slots per host (None: probe real GPUs).
+    pub virtual_gpus: Option<u32>,
+    /// Number of gpu-hosts.
+    pub hosts: u32,
+    /// Frontend port (0: a free one).
+    pub port: u16,
+}
+
+/// A running embedded cluster.
+pub struct Cluster {
+    nats: Child,
+    token: CancellationToken,
+    tasks: Vec<(String, JoinHandle<anyhow::Result<()>>)>,
+    /// The frontend's base URL.
+    pub frontend_url: String,
+    /// The NATS URL.
+    pub nats_url: String,
+}
+
+/// The nats-server binary: the flag/env value, `<repo>/.venv/bin/nats-server`, or PATH's.
+pub fn nats_server_binary(explicit: Option<&Path>, repo: &Path) -> PathBuf {
+    if let Some(p) = explicit {
+        return p.to_path_buf();
+    }
+    let venv = repo.join(".venv/bin/nats-server");
+    if venv.exists() {
+        return venv;
+    }
+    PathBuf::from("nats-server")
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// Whether `python -c "import torch"` works (bounded, so a broken install cannot hang `up`).
+async fn has_torch(python: &Path) -> bool {
+    let child = Command::new(python)
+        .args(["-c", "import torch"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .status();
+    matches!(tokio::time::timeout(Duration::from_secs(30), child).await, Ok(Ok(s)) if s.success())
+}
+
+async fn start_nats(bin: &Path, dir: &Path) -> anyhow::Result<(Child, String)> {
+    let port = free_port()?;
+    let mut child = Command::new(bin)
+        .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+        .arg(dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("while starting {} (set --nats-server or LOOSELEAF_NATS_SERVER)", bin.display()))?;
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        if tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
+            return Ok((child, format!("nats://127.0.0.1:{port}")));
+        }
+        if let Some(status) = child.try_wait()? {
+            bail!("nats-server exited with {status} before it listened");
+        }
+        if Instant::now() > deadline {
+            bail!("nats-server did not listen on port {port} within 15 s");
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+impl Cluster {
+    /// Start everything; returns once the frontend listens. Call inside an actix system.
+    pub async fn start(opts: &ClusterOptions) -> anyhow::Result<Self> {
+        std::fs::create_dir_all(&opts.data_dir)
+            .with_context(|| format!("while creating {}", opts.data_dir.display()))?;
+        let data_dir = opts.data_dir.canonicalize().context("while resolving the data dir")?;
+        let bin = nats_server_binary(opts.nats_server.as_deref(), &opts.repo);
+        let (nats, nats_url) = start_nats(&bin, &data_dir.join("nats")).await?;
+        let token = CancellationToken::new();
+        let mut cluster = Cluster { nats, token: token.clone(), tasks: Vec::new(), frontend_url: String::new(), nats_url };
+        match cluster.start_services(opts, &data_dir).await {
+            Ok(url) => {
+                cluster.frontend_url = url;
+                Ok(cluster)
+            }
+            Err(e) => {
+                cluster.stop().await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn start_services(&mut self, opts: &ClusterOptions, data_dir: &Path) -> anyhow::Result<String> {
+        let nats_url = self.nats_url.clone();
+        let store_url = data_dir.join("store").display().to_string();
+        let store = looseleaf_store::Config { nats_url: nats_url.clone(), prefix: PREFIX.into(), store_url: store_url.clone() };
+        self.spawn("store", |stop| looseleaf_store::run(store, stop));
+        let planner = looseleaf_planner::Config { nats_url: nats_url.clone(), prefix: PREFIX.into() };
+        self.spawn("planner", |stop| looseleaf_planner::run(planner, stop));
+
+        let python = opts.python.clone().unwrap_or_else(|| opts.repo.join(".venv/bin/python"));
+        let mut base_packages: Vec<String> = ["IPython", "numpy", "pandas"].map(String::from).to_vec();
+        if has_torch(&python).await {
+            base_packages.push("torch".into());
+        }
+        for i in 0..opts.hosts {
+            let host_id = format!("host-{i}");
+            let runtime_dir = data_dir.join("run").join(&host_id);
+            std::fs::create_dir_all(&runtime_dir)
+                .with_context(|| format!("while creating {}", runtime_dir.display()))?;
+            let config = looseleaf_gpu_host::Config {
+                nats_url: nats_url.clone(),
+                prefix: PREFIX.into(),
+                store_url: store_url.clone(),
+                host_id: host_id.clone(),
+                virtual_gpus: opts.virtual_gpus,
+                python: python.clone(),
+                worker_path: opts.repo.join("services/gpu-host/python"),
+                base_packages: base_packages.clone(),
+                runtime_dir,
+                cache_bytes: 1 << 30,
+            };
+            self.spawn(&host_id, |stop| looseleaf_gpu_host::run(config, stop));
+        }
+
+        let listen = SocketAddr::from(([127, 0, 0, 1], opts.port));
+        let config = looseleaf_frontend::Config::new(nats_url, PREFIX, listen);
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.spawn("frontend", move |stop| {
+            looseleaf_frontend::run_with_bound(config, stop, move |addr| {
+                if tx.send(addr).is_err() {
+                    tracing::warn!("nobody waits for the frontend address");
+                }
+            })
+        });
+        match tokio::time::timeout(Duration::from_secs(60), rx).await {
+            Ok(Ok(addr)) => Ok(format!("http://{addr}")),
+            Ok(Err(_)) => {
+                let (_, handle) = self.tasks.pop().context("frontend task missing")?;
+                match handle.await {
+                    Ok(Err(e)) => Err(e.context("the frontend failed to start")),
+                    _ => bail!("the frontend stopped before it listened"),
+                }
+            }
+            Err(_) => bail!("the frontend did not listen within 60 s"),
+        }
+    }
+
+    fn spawn<F, Fut>(&mut self, name: &str, f: F)
+    where
+        F: FnOnce(tokio_util::sync::WaitForCancellationFutureOwned) -> Fut,
+        Fut: std::future::Future<Output = anyhow::Result<()>> + 'static,
+    {
+        let fut = f(self.token.clone().cancelled_owned());
+        self.tasks.push((name.to_string(), actix_rt::spawn(fut)));
+    }
+
+    /// Resolves when any service stops by itself (an error, usually), naming it.
+    pub async fn any_exit(&mut self) -> (String, anyhow::Result<()>) {
+        if self.tasks.is_empty() {
+            return futures::future::pending().await;
+        }
+        let (res, i, _) = futures::future::select_all(self.tasks.iter_mut().map(|(_, h)| h)).await;
+        let (name, _) = self.tasks.remove(i);
+        let res = res.unwrap_or_else(|e| Err(anyhow::anyhow!("task panicked or was cancelled: {e}")));
+        (name, res)
+    }
+
+    /// Stop every service (10 s each at most), then nats-server.
+    pub async fn stop(mut self) {
+        self.token.cancel();
+        for (name, handle) in self.tasks.drain(..) {
+            match tokio::time::timeout(Duration::from_secs(10), handle).await {
+                Ok(Ok(Ok(()))) => {}
+                Ok(Ok(Err(e))) => tracing::warn!(service = %name, error = format!("{e:#}"), "service stopped with an error"),
+                Ok(Err(e)) => tracing::warn!(service = %name, error = %e, "service task failed"),
+                Err(_) => tracing::warn!(service = %name, "service did not stop within 10 s"),
+            }
+        }
+        if let Err(e) = self.nats.kill().await {
+            tracing::warn!(error = %e, "could not kill nats-server");
+        }
+    }
+}

@@ -1,0 +1,167 @@
+//! Reading and writing nbformat v4 notebooks as JSON values, so that everything the
+//! notebook holds (metadata, markdown, attachments, unknown fields) survives untouched.
+
+use std::path::Path;
+
+use anyhow::{bail, Context};
+use serde_json::Value;
+
+/// A code cell to run: its position in `cells`, id and source.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CodeCell {
+    /// Index in the notebook's `cells`.
+    pub index: usize,
+    /// The cell's `id`, or `cell-{index}`.
+    pub cell_id: String,
+    /// The source, joined.
+    pub source: String,
+}
+
+/// Parse a notebook, checking it is nbformat 4.
+pub fn parse(text: &str) -> anyhow::Result<Value> {
+    let nb: Value = serde_json::from_str(text).context("while parsing the notebook JSON")?;
+    match nb.get("nbformat").and_then(Value::as_u64) {
+        Some(4) => {}
+        other => bail!("only nbformat 4 notebooks are supported (nbformat is {other:?})"),
+    }
+    if !nb.get("cells").is_some_and(Value::is_array) {
+        bail!("the notebook has no cells array");
+    }
+    Ok(nb)
+}
+
+/// Read a notebook file.
+pub fn load(path: &Path) -> anyhow::Result<Value> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("while reading {}", path.display()))?;
+    parse(&text).with_context(|| format!("in {}", path.display()))
+}
+
+fn source_text(v: Option<&Value>) -> String {
+    match v {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(lines)) => lines.iter().filter_map(Value::as_str).collect(),
+        _ => String::new(),
+    }
+}
+
+/// The code cells with non-blank source, in order (blank cells are not executed,
+/// as in nbclient).
+pub fn code_cells(nb: &Value) -> Vec<CodeCell> {
+    let cells = nb.get("cells").and_then(Value::as_array).map(Vec::as_slice).unwrap_or(&[]);
+    cells
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.get("cell_type").and_then(Value::as_str) == Some("code"))
+        .map(|(index, c)| CodeCell {
+            index,
+            cell_id: c.get("id").and_then(Value::as_str).map_or_else(|| format!("cell-{index}"), String::from),
+            source: source_text(c.get("source")),
+        })
+        .filter(|c| !c.source.trim().is_empty())
+        .collect()
+}
+
+/// Put an execution's outputs and count into the cell at `index`; an
+/// `execute_result` without a count gets the cell's.
+pub fn set_outputs(nb: &mut Value, index: usize, mut outputs: Vec<Value>, execution_count: Option<u32>) -> anyhow::Result<()> {
+    let cell = nb
+        .get_mut("cells")
+        .and_then(Value::as_array_mut)
+        .and_then(|cells| cells.get_mut(index))
+        .and_then(Value::as_object_mut)
+        .with_context(|| format!("notebook has no cell {index}"))?;
+    let count = execution_count.map_or(Value::Null, Value::from);
+    for out in &mut outputs {
+        if let Some(o) = out.as_object_mut() {
+            if o.get("output_type").and_then(Value::as_str) == Some("execute_result")
+                && o.get("execution_count").is_none_or(Value::is_null)
+            {
+                o.insert("execution_count".into(), count.clone());
+            }
+        }
+    }
+    cell.insert("outputs".into(), Value::Array(outputs));
+    cell.insert("execution_count".into(), count);
+    Ok(())
+}
+
+/// An nbformat error output for a failure outside the cell (no host, worker lost).
+pub fn error_output(ename: &str, evalue: &str) -> Value {
+    serde_json::json!({ "output_type": "error", "ename": ename, "evalue": evalue, "traceback": [format!("{ename}: {evalue}")] })
+}
+
+/// Serialize as nbformat does (one-space indent, trailing newline).
+pub fn to_string(nb: &Value) -> anyhow::Result<String> {
+    use serde::Serialize;
+    let mut buf = Vec::new();
+    let mut ser = serde_json::Serializer::with_formatter(&mut buf, serde_json::ser::PrettyFormatter::with_indent(b" "));
+    nb.serialize(&mut ser).context("while serializing the notebook")?;
+    let mut s = String::from_utf8(buf).context("notebook JSON is not UTF-8")?;
+    s.push('\n');
+    Ok(s)
+}
+
+/// Write a notebook file.
+pub fn save(path: &Path, nb: &Value) -> anyhow::Result<()> {
+    std::fs::write(path, to_string(nb)?).with_context(|| format!("while writing {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NB: &str = r##"{
+ "cells": [
+  {"cell_type": "markdown", "id": "md1", "metadata": {"tags": ["intro"]}, "source": ["# Title\n", "text"]},
+  {"cell_type": "code", "id": "c1", "metadata": {}, "source": ["x = 1\n", "x"], "outputs": [], "execution_count": null},
+  {"cell_type": "code", "metadata": {}, "source": "   \n", "outputs": [], "execution_count": null},
+  {"cell_type": "code", "metadata": {"collapsed": true}, "source": "print(x)", "outputs": [], "execution_count": null}
+ ],
+ "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3"}},
+ "nbformat": 4,
+ "nbformat_minor": 5
+}"##;
+
+    #[test]
+    fn code_cells_use_ids_or_positions_and_skip_blank_ones() -> anyhow::Result<()> {
+        let nb = parse(NB)?;
+        let cells = code_cells(&nb);
+        assert_eq!(
+            cells,
+            vec![
+                CodeCell { index: 1, cell_id: "c1".into(), source: "x = 1\nx".into() },
+                CodeCell { index: 3, cell_id: "cell-3".into(), source: "print(x)".into() },
+            ]
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn outputs_and_counts_land_in_their_cells_and_markdown_is_untouched() -> anyhow::Result<()> {
+        let mut nb = parse(NB)?;
+        let before = nb.clone();
+        let result = serde_json::json!({"output_type": "execute_result", "data": {"text/plain": "1"}, "metadata": {}});
+        set_outputs(&mut nb, 1, vec![result], Some(1))?;
+        let stream = serde_json::json!({"output_type": "stream", "name": "stdout", "text": "1\n"});
+        set_outputs(&mut nb, 3, vec![stream.clone()], Some(2))?;
+        let back = parse(&to_string(&nb)?)?;
+        assert_eq!(back["cells"][0], before["cells"][0]);
+        assert_eq!(back["cells"][2], before["cells"][2]);
+        assert_eq!(back["metadata"], before["metadata"]);
+        assert_eq!(back["nbformat_minor"], 5);
+        assert_eq!(back["cells"][1]["execution_count"], 1);
+        assert_eq!(back["cells"][1]["outputs"][0]["execution_count"], 1);
+        assert_eq!(back["cells"][1]["source"], before["cells"][1]["source"]);
+        assert_eq!(back["cells"][3]["execution_count"], 2);
+        assert_eq!(back["cells"][3]["outputs"], serde_json::json!([stream]));
+        assert_eq!(back["cells"][3]["metadata"], serde_json::json!({"collapsed": true}));
+        assert!(set_outputs(&mut nb, 9, vec![], None).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn non_v4_notebooks_are_refused() {
+        assert!(parse(r#"{"nbformat": 3, "cells": []}"#).is_err());
+        assert!(parse("not json").is_err());
+    }
+}

@@ -1,0 +1,211 @@
+//! The per-cell report of `looseleaf run` (DESIGN.md section 10): what each cell
+//! needed, where and how it ran, how long it waited, and the session's totals.
+
+use looseleaf_frontend::api::{ExecStatus, StreamItem};
+use schemas::messages::{CellStatus, EventKind};
+use serde::Serialize;
+use uuid::Uuid;
+
+/// Everything the event stream said about one execution.
+#[derive(Clone, Debug, Default)]
+pub struct Trace {
+    /// Notebook cell index.
+    pub index: usize,
+    /// The cell id.
+    pub cell_id: String,
+    /// The execution.
+    pub exec_id: Uuid,
+    /// When the frontend received Run.
+    pub run_unix_ms: u64,
+    /// Session events of this execution, in order: (unix ms, kind).
+    pub events: Vec<(u64, EventKind)>,
+    /// Outputs, in arrival order: (seq, output).
+    pub outputs: Vec<(u64, serde_json::Value)>,
+    /// The done item: (status, unix ms, error).
+    pub done: Option<(ExecStatus, u64, Option<String>)>,
+}
+
+impl Trace {
+    /// Record one stream item of this execution.
+    pub fn push(&mut self, item: StreamItem) {
+        match item {
+            StreamItem::Queued { run_unix_ms, .. } => self.run_unix_ms = run_unix_ms,
+            StreamItem::Event { unix_ms, kind, .. } => self.events.push((unix_ms, kind)),
+            StreamItem::Output { seq, output, .. } => self.outputs.push((seq, output)),
+            StreamItem::Done { status, unix_ms, error, .. } => self.done = Some((status, unix_ms, error)),
+        }
+    }
+
+    /// The cell's execution count (Finished, else Started).
+    pub fn execution_count(&self) -> Option<u32> {
+        let mut count = None;
+        for (_, k) in &self.events {
+            match k {
+                EventKind::Finished { execution_count, .. } => return Some(*execution_count),
+                EventKind::Started { execution_count, .. } => count = Some(*execution_count),
+                _ => {}
+            }
+        }
+        count
+    }
+
+    /// Outputs ordered by seq.
+    pub fn sorted_outputs(&self) -> Vec<serde_json::Value> {
+        let mut outs = self.outputs.clone();
+        outs.sort_by_key(|(seq, _)| *seq);
+        outs.into_iter().map(|(_, o)| o).collect()
+    }
+}
+
+/// One code cell of the report.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct CellReport {
+    pub index: usize,
+    pub exec_id: Uuid,
+    pub cell_id: String,
+    pub device: Option<String>,
+    pub host: Option<String>,
+    pub slot: Option<u32>,
+    pub worker: Option<String>,
+    pub closure: Vec<String>,
+    pub imports: Vec<String>,
+    pub conservative: bool,
+    pub conservative_reason: Option<String>,
+    pub pinned: Vec<String>,
+    pub prepare: Option<String>,
+    pub start_delay_ms: Option<u64>,
+    pub run_ms: Option<f64>,
+    pub save_ms: Option<f64>,
+    pub restored_bytes: Option<u64>,
+    pub saved_bytes: Option<u64>,
+    pub chunks_written: Option<u64>,
+    pub slot_released: Option<bool>,
+    pub status: String,
+    pub error: Option<String>,
+    /// When the cell completed (unix ms), for the next cell's start delay.
+    #[serde(skip)]
+    pub done_unix_ms: Option<u64>,
+}
+
+impl CellReport {
+    /// The report of one execution; `prev_done_unix_ms` is when the session's
+    /// previous cell completed.
+    pub fn from_trace(t: &Trace, prev_done_unix_ms: Option<u64>) -> Self {
+        let mut r = CellReport { index: t.index, exec_id: t.exec_id, cell_id: t.cell_id.clone(), ..Default::default() };
+        let mut cell_error = None;
+        for (unix_ms, kind) in &t.events {
+            match kind {
+                EventKind::Planned { closure, imports, device, conservative, pinned, .. } => {
+                    r.closure = closure.clone();
+                    r.imports = imports.clone();
+                    r.device = Some(device.as_str().into());
+                    r.conservative = conservative.is_some();
+                    r.conservative_reason = conservative.clone();
+                    r.pinned = pinned.clone();
+                }
+                EventKind::Claimed { host, slot, prepare } => {
+                    r.host = Some(host.clone());
+                    r.slot = *slot;
+                    r.prepare = Some(prepare.as_str().into());
+                }
+                EventKind::Started { host, slot, worker, device, prepare, restored_bytes, .. } => {
+                    r.host = Some(host.clone());
+                    r.slot = *slot;
+                    r.worker = Some(worker.clone());
+                    r.device = Some(device.as_str().into());
+                    r.prepare = Some(prepare.as_str().into());
+                    r.restored_bytes = Some(*restored_bytes);
+                    let from = prev_done_unix_ms.map_or(t.run_unix_ms, |p| p.max(t.run_unix_ms));
+                    r.start_delay_ms = Some(unix_ms.saturating_sub(from));
+                }
+                EventKind::Finished { status, error, run_ms, .. } => {
+                    r.run_ms = Some(*run_ms);
+                    if *status == CellStatus::Error {
+                        cell_error = Some(error.clone().unwrap_or_else(|| "the cell raised".into()));
+                    }
+                }
+                EventKind::Saved { save_ms, saved_bytes, chunks_written, slot_released, .. } => {
+                    r.save_ms = Some(*save_ms);
+                    r.saved_bytes = Some(*saved_bytes);
+                    r.chunks_written = Some(*chunks_written);
+                    r.slot_released = Some(*slot_released);
+                }
+                EventKind::Failed { error } => cell_error = Some(error.clone()),
+                EventKind::SlotReleased { .. } => {}
+            }
+        }
+        let (status, done_ms, done_error) = match &t.done {
+            Some((s, ms, e)) => (*s, Some(*ms), e.clone()),
+            None => (ExecStatus::Error, None, Some("the execution never completed".into())),
+        };
+        r.done_unix_ms = done_ms;
+        r.error = cell_error.or(done_error);
+        r.status = if status == ExecStatus::Ok && r.error.is_none() { "ok" } else { "error" }.into();
+        r
+    }
+}
+
+/// The report's totals.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Totals {
+    pub cells: usize,
+    pub ok: usize,
+    pub errors: usize,
+    pub gpu_cells: usize,
+    pub cpu_cells: usize,
+    /// Sum of every SlotReleased of the session (any reason), in seconds.
+    pub gpu_slot_seconds: f64,
+    /// The part of it held for unsavable state.
+    pub pinned_seconds: f64,
+    pub wall_seconds: f64,
+    pub median_start_delay_ms: Option<f64>,
+}
+
+/// REPORT.json.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Report {
+    pub notebook: String,
+    pub cells: Vec<CellReport>,
+    pub totals: Totals,
+}
+
+/// Median of a list (mean of the middle two for even lengths); None if empty.
+pub fn median(values: &[u64]) -> Option<f64> {
+    let mut v = values.to_vec();
+    v.sort_unstable();
+    let n = v.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(v[n / 2] as f64),
+        _ => Some((v[n / 2 - 1] + v[n / 2]) as f64 / 2.0),
+    }
+}
+
+/// Build the report from the executions in order and every SlotReleased of the session
+/// (`held_ms`, `reason`).
+pub fn build(notebook: &str, traces: &[Trace], slot_releases: &[(f64, String)], wall_seconds: f64) -> Report {
+    let mut cells = Vec::with_capacity(traces.len());
+    let mut prev_done = None;
+    for t in traces {
+        let cell = CellReport::from_trace(t, prev_done);
+        prev_done = cell.done_unix_ms.or(prev_done);
+        cells.push(cell);
+    }
+    let delays: Vec<u64> = cells.iter().filter_map(|c| c.start_delay_ms).collect();
+    let totals = Totals {
+        cells: cells.len(),
+        ok: cells.iter().filter(|c| c.status == "ok").count(),
+        errors: cells.iter().filter(|c| c.status != "ok").count(),
+        gpu_cells: cells.iter().filter(|c| c.device.as_deref() == Some("gpu")).count(),
+        cpu_cells: cells.iter().filter(|c| c.device.as_deref() == Some("cpu")).count(),
+        gpu_slot_seconds: slot_releases.iter().map(|(ms, _)| ms / 1000.0).sum(),
+        pinned_seconds: slot_releases.iter().filter(|(_, why)| why.contains("unsavable")).map(|(ms, _)| ms / 1000.0).sum(),
+        wall_seconds,
+        median_start_delay_ms: median(&delays),
+    };
+    Report { notebook: notebook.to_string(), cells, totals }
+}
+
+#[cfg(test)]
+#[path = "report_tests.rs"]
+mod tests;

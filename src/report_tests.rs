@@ -1,0 +1,93 @@
+use super::*;
+use schemas::messages::{Device, Prepare};
+
+fn started(at: u64, device: Device) -> (u64, EventKind) {
+    (
+        at,
+        EventKind::Started {
+            host: "host-0".into(),
+            slot: Some(1),
+            worker: "w".into(),
+            device,
+            prepare: Prepare::Speculative,
+            execution_count: 1,
+            restored_bytes: 10,
+            prepare_ms: 1.0,
+        },
+    )
+}
+
+fn trace(index: usize, run: u64, start: u64, done: u64, device: Device) -> Trace {
+    Trace {
+        index,
+        cell_id: format!("cell-{index}"),
+        exec_id: Uuid::now_v7(),
+        run_unix_ms: run,
+        events: vec![started(start, device)],
+        outputs: vec![],
+        done: Some((ExecStatus::Ok, done, None)),
+    }
+}
+
+#[test]
+fn start_delay_counts_from_run_or_the_previous_cells_end_whichever_is_later() {
+    // cell 0: run at 1000, starts 1200 -> 200 ms
+    // cell 1: run at 1500 but cell 0 ends at 3000; starts 3100 -> 100 ms, not 1600
+    // cell 2: run at 5000, after cell 1 ended at 4000; starts 5050 -> 50 ms
+    let traces = vec![
+        trace(0, 1000, 1200, 3000, Device::Gpu),
+        trace(2, 1500, 3100, 4000, Device::Cpu),
+        trace(3, 5000, 5050, 6000, Device::Gpu),
+    ];
+    let r = build("nb.ipynb", &traces, &[(1500.0, "cell".into()), (2500.0, "unsavable state".into())], 7.5);
+    let delays: Vec<_> = r.cells.iter().map(|c| c.start_delay_ms).collect();
+    assert_eq!(delays, vec![Some(200), Some(100), Some(50)]);
+    assert_eq!(r.totals.median_start_delay_ms, Some(100.0));
+    assert_eq!((r.totals.cells, r.totals.ok, r.totals.errors), (3, 3, 0));
+    assert_eq!((r.totals.gpu_cells, r.totals.cpu_cells), (2, 1));
+    assert!((r.totals.gpu_slot_seconds - 4.0).abs() < 1e-9);
+    assert!((r.totals.pinned_seconds - 2.5).abs() < 1e-9);
+    assert_eq!(r.cells[1].prepare.as_deref(), Some("speculative"));
+    assert_eq!((r.cells[0].host.as_deref(), r.cells[0].slot), (Some("host-0"), Some(1)));
+}
+
+#[test]
+fn a_start_before_run_never_underflows_and_failed_cells_count_as_errors() {
+    let mut t = trace(0, 1000, 900, 2000, Device::Gpu);
+    t.events.push((1950, EventKind::Failed { error: "worker died".into() }));
+    t.done = Some((ExecStatus::Error, 2000, Some("worker died".into())));
+    let never = Trace { index: 1, exec_id: Uuid::now_v7(), run_unix_ms: 2100, ..Default::default() };
+    let r = build("nb", &[t, never], &[], 1.0);
+    assert_eq!(r.cells[0].start_delay_ms, Some(0));
+    assert_eq!(r.cells[0].status, "error");
+    assert_eq!(r.cells[0].error.as_deref(), Some("worker died"));
+    assert_eq!(r.cells[1].status, "error");
+    assert_eq!(r.cells[1].start_delay_ms, None);
+    assert_eq!((r.totals.ok, r.totals.errors), (0, 2));
+    assert_eq!(r.totals.median_start_delay_ms, Some(0.0));
+}
+
+#[test]
+fn a_cell_that_raised_reports_the_error() {
+    let mut t = trace(0, 0, 10, 20, Device::Cpu);
+    t.events.push((
+        15,
+        EventKind::Finished {
+            status: CellStatus::Error,
+            error: Some("ZeroDivisionError: division by zero".into()),
+            execution_count: 3,
+            run_ms: 4.0,
+            outputs: 1,
+        },
+    ));
+    let c = CellReport::from_trace(&t, None);
+    assert_eq!(c.status, "error");
+    assert_eq!(c.run_ms, Some(4.0));
+    assert_eq!(t.execution_count(), Some(3));
+}
+
+#[test]
+fn median_of_even_and_empty_lists() {
+    assert_eq!(median(&[]), None);
+    assert_eq!(median(&[4, 1, 3, 2]), Some(2.5));
+}

@@ -1,0 +1,154 @@
+//! Every notebook of ../shared/corpus runs through LooseLeaf, with and without
+//! `--all-gpu`, and gives the same outputs as a plain IPython kernel
+//! (../shared/tools/nbequiv.py, reference signatures cached so each reference runs
+//! once). Without `--all-gpu`, torch cells that move models or tensors to `device`
+//! run on GPU slots and the rest on the session's CPU worker.
+//!
+//! Each notebook runs in a copy of its folder at a fixed path (the notebooks write
+//! files, and one prints absolute paths), shared by the reference and LooseLeaf.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use looseleaf_test_support::{free_port, repo_root, venv_python, wait_for};
+
+fn corpus() -> PathBuf {
+    std::env::var_os("LOOSELEAF_CORPUS").map(PathBuf::from).unwrap_or_else(|| repo_root().join("../shared/corpus"))
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), &target).unwrap();
+        }
+    }
+}
+
+struct Cluster(Child);
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        // SIGINT lets `looseleaf up` stop its services and nats-server
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.0.id() as i32), nix::sys::signal::Signal::SIGINT);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while std::time::Instant::now() < deadline {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn notebooks() -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for dir in [corpus(), corpus().join("torch")] {
+        for e in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("corpus at {}: {e}", dir.display())) {
+            let p = e.unwrap().path();
+            if p.extension().is_some_and(|x| x == "ipynb") {
+                out.push(p);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn corpus_matches_a_pinned_kernel() {
+    let work = repo_root().join("target/corpus-run");
+    let cache = repo_root().join("target/nbequiv-cache");
+    let port = free_port().unwrap();
+    let data = tempfile::tempdir().unwrap();
+    let up = Command::new(env!("CARGO_BIN_EXE_looseleaf"))
+        .args(["up", "--virtual-gpus", "2", "--port", &port.to_string(), "--data-dir"])
+        .arg(data.path())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let _cluster = Cluster(up);
+    wait_for(Duration::from_secs(180), || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()).expect("looseleaf up");
+    let frontend = format!("http://127.0.0.1:{port}");
+
+    let mut failures = Vec::new();
+    let nbequiv = repo_root().join("../shared/tools/nbequiv.py");
+    let nbequiv = if nbequiv.exists() { nbequiv } else { corpus().join("../tools/nbequiv.py") };
+    for nb in notebooks() {
+        let rel = nb.strip_prefix(corpus()).unwrap().to_path_buf();
+        for all_gpu in [false, true] {
+            let copy = work.join("corpus");
+            let _ = std::fs::remove_dir_all(&copy);
+            copy_dir(&corpus(), &copy);
+            let source = copy.join(&rel);
+            let mode = if all_gpu { "all-gpu" } else { "mixed" };
+            let stem = rel.file_stem().unwrap().to_string_lossy().to_string();
+            let out = work.join(format!("{stem}.{mode}.ipynb"));
+            let report = work.join(format!("{stem}.{mode}.report.json"));
+            let mut run = Command::new(env!("CARGO_BIN_EXE_looseleaf"));
+            run.args(["run"]).arg(&source).arg("--output").arg(&out).arg("--report").arg(&report).args(["--frontend", &frontend]);
+            if all_gpu {
+                run.arg("--all-gpu");
+            }
+            let status = run.status().unwrap();
+            if !status.success() {
+                failures.push(format!("{} ({mode}): looseleaf run failed", rel.display()));
+                continue;
+            }
+            let check = Command::new(venv_python())
+                .arg(&nbequiv)
+                .arg(&source)
+                .arg(&out)
+                .arg("--reference-cache")
+                .arg(&cache)
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&check.stdout);
+            eprint!("{text}");
+            if !check.status.success() {
+                failures.push(format!("{} ({mode}): {}", rel.display(), text.lines().last().unwrap_or("nbequiv failed")));
+            }
+            let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+            let cells = r["cells"].as_array().unwrap();
+            if all_gpu {
+                if let Some(c) = cells.iter().find(|c| c["device"] != "gpu") {
+                    failures.push(format!("{} (all-gpu): cell {} ran on {}", rel.display(), c["index"], c["device"]));
+                }
+            } else if rel.starts_with("torch") {
+                // cells that move models or tensors to `device` run on GPU slots, the rest on the CPU worker
+                let code = |i: usize| -> String {
+                    let nbj: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&source).unwrap()).unwrap();
+                    let cs: Vec<&serde_json::Value> = nbj["cells"].as_array().unwrap().iter().filter(|c| c["cell_type"] == "code").collect();
+                    match &cs[i]["source"] {
+                        serde_json::Value::Array(lines) => lines.iter().filter_map(|l| l.as_str()).collect(),
+                        other => other.as_str().unwrap_or("").to_string(),
+                    }
+                };
+                for c in cells {
+                    let i = c["index"].as_u64().unwrap() as usize;
+                    let src = code(i);
+                    let moves = src.contains(".to(device)") || src.contains(".cuda(");
+                    if moves && c["device"] != "gpu" {
+                        failures.push(format!("{}: cell {i} moves to device but ran on {}", rel.display(), c["device"]));
+                    }
+                    if c["device"] == "gpu" && c["prepare"] == "persistent" {
+                        failures.push(format!("{}: GPU cell {i} ran on the CPU worker", rel.display()));
+                    }
+                }
+                let cpu = cells.iter().filter(|c| c["device"] == "cpu").count();
+                if cpu == 0 {
+                    failures.push(format!("{}: no cell ran on the CPU worker", rel.display()));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "corpus failures:\n{}", failures.join("\n"));
+}

@@ -1,0 +1,164 @@
+//! Whole-system test: the four services as separate processes (store, planner,
+//! frontend, two gpu-hosts with one virtual GPU slot each) on a real nats-server,
+//! driven by `looseleaf run --frontend` like any client.
+//!
+//! It checks that GPU cells ran on both hosts' slots, that each slot was released
+//! after its save (on the hosts' status subjects, not only in the report), that CPU
+//! cells ran on the session's persistent CPU worker, that aliases keep sharing across
+//! GPU cells, that an unsavable generator stays in its worker and keeps its values,
+//! and that an error in a cell does not end the session.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use futures::StreamExt;
+use looseleaf_test_support::{free_port, random_prefix, repo_root, venv_python, wait_for, NatsServer};
+use schemas::messages::HostStatusV1;
+
+struct Service(Child);
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn bin(name: &str) -> PathBuf {
+    // service binaries are built next to this package's binary
+    Path::new(env!("CARGO_BIN_EXE_looseleaf")).with_file_name(name)
+}
+
+fn spawn(name: &str, args: &[&str], envs: &[(&str, String)]) -> Service {
+    let mut cmd = Command::new(bin(name));
+    cmd.args(args).stdin(Stdio::null());
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    Service(cmd.spawn().unwrap_or_else(|e| panic!("start {name}: {e} (build the workspace first)")))
+}
+
+#[test]
+fn four_services_two_hosts() {
+    let nats = NatsServer::start().expect("nats-server");
+    let prefix = random_prefix();
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    let common = vec![
+        ("LOOSELEAF_NATS_URL", nats.url().to_string()),
+        ("LOOSELEAF_PREFIX", prefix.clone()),
+        ("LOOSELEAF_STORE_URL", store.display().to_string()),
+        ("LOOSELEAF_PYTHON", venv_python().display().to_string()),
+        ("LOOSELEAF_LOG", "warn".to_string()),
+    ];
+
+    // Watch host status from the start.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let statuses = rt.block_on(async {
+        let client = async_nats::connect(nats.url()).await.unwrap();
+        let sub = client.subscribe(format!("{prefix}.v1.host.*.status")).await.unwrap();
+        (client, sub)
+    });
+    let (_client, mut sub) = statuses;
+    let collected = std::sync::Arc::new(std::sync::Mutex::new(Vec::<HostStatusV1>::new()));
+    let sink = collected.clone();
+    rt.spawn(async move {
+        while let Some(m) = sub.next().await {
+            if let Ok(s) = schemas::codec::decode::<HostStatusV1>(m.headers.as_ref(), &m.payload) {
+                sink.lock().unwrap().push(s);
+            }
+        }
+    });
+
+    let _store = spawn("looseleaf-store", &[], &common);
+    let _planner = spawn("looseleaf-planner", &[], &common);
+    let mut hosts = Vec::new();
+    for h in ["host-a", "host-b"] {
+        let rt_dir = dir.path().join(h);
+        hosts.push(spawn(
+            "looseleaf-gpu-host",
+            &["--host-id", h, "--virtual-gpus", "1", "--runtime-dir", rt_dir.to_str().unwrap()],
+            &common,
+        ));
+    }
+    let port = free_port().unwrap();
+    let _frontend = spawn("looseleaf-frontend", &["--listen", &format!("127.0.0.1:{port}")], &common);
+    wait_for(Duration::from_secs(30), || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()).expect("frontend up");
+    // both hosts ready (their base zygotes imported) before the first cell
+    wait_for(Duration::from_secs(120), || {
+        let seen: BTreeSet<String> =
+            collected.lock().unwrap().iter().filter(|s| !s.zygotes.is_empty()).map(|s| s.host.clone()).collect();
+        seen.len() == 2
+    })
+    .expect("both hosts report a zygote");
+
+    let nb = repo_root().join("tests/notebooks/system.ipynb");
+    let out = dir.path().join("out.ipynb");
+    let report_path = dir.path().join("report.json");
+    let status = Command::new(env!("CARGO_BIN_EXE_looseleaf"))
+        .args(["run", nb.to_str().unwrap(), "--output", out.to_str().unwrap(), "--report", report_path.to_str().unwrap()])
+        .args(["--frontend", &format!("http://127.0.0.1:{port}")])
+        .status()
+        .unwrap();
+    assert!(status.success(), "looseleaf run failed");
+
+    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report_path).unwrap()).unwrap();
+    let cells = report["cells"].as_array().unwrap();
+    let executed: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let text = |i: usize| -> String {
+        let code: Vec<&serde_json::Value> =
+            executed["cells"].as_array().unwrap().iter().filter(|c| c["cell_type"] == "code").collect();
+        code[i]["outputs"].to_string()
+    };
+
+    // CPU cells on the persistent CPU worker; GPU cells on fresh or pinned workers.
+    for (i, c) in cells.iter().enumerate() {
+        let is_gpu = i != 0 && i != 6;
+        assert_eq!(c["device"], if is_gpu { "gpu" } else { "cpu" }, "cell {i}: {c}");
+        if !is_gpu {
+            assert_eq!(c["prepare"], "persistent", "cell {i}");
+        }
+    }
+    assert_eq!(cells[0]["worker"], cells[6]["worker"], "one CPU worker for the session");
+    // aliases survive: b.append on one worker is seen through a and d['k'] on another
+    assert!(text(2).contains("[1, 2, 3] True True"), "{}", text(2));
+    assert!(text(7).contains("[1, 2, 3, 4] True [1, 2, 3, 4] 30"), "{}", text(7));
+    // the generator stayed in its worker and kept its position
+    assert!(text(3).contains('0'));
+    assert!(text(5).contains("1 4"), "{}", text(5));
+    assert_eq!(cells[5]["prepare"], "pinned");
+    assert_eq!(cells[5]["worker"], cells[3]["worker"]);
+    assert!(text(9).contains("after the error 9"), "{}", text(9));
+    // the error is reported like IPython's and the session goes on
+    assert_eq!(cells[8]["status"], "error");
+    assert!(text(8).contains("ZeroDivisionError"));
+    assert_eq!(cells[9]["status"], "ok");
+
+    // GPU cells used both hosts: the generator pins one host's only slot.
+    let gpu_hosts: BTreeSet<&str> =
+        cells.iter().filter(|c| c["device"] == "gpu").filter_map(|c| c["host"].as_str()).collect();
+    assert_eq!(gpu_hosts.len(), 2, "GPU cells ran on {gpu_hosts:?}");
+
+    // On the status subjects: every execution seen holding a slot was later seen
+    // with that slot free (or held for unsavable state), on both hosts.
+    wait_for(Duration::from_secs(10), || {
+        let all = collected.lock().unwrap();
+        let mut busy: BTreeMap<(String, u32), bool> = BTreeMap::new();
+        for s in all.iter() {
+            for slot in &s.slots {
+                let key = (s.host.clone(), slot.index);
+                let held = slot.held_for.as_deref() == Some("cell");
+                if held {
+                    busy.insert(key, true);
+                } else if slot.exec_id.is_none() {
+                    busy.entry(key).and_modify(|b| *b = false);
+                }
+            }
+        }
+        busy.len() == 2 && busy.values().all(|b| !b)
+    })
+    .expect("both hosts' slots were busy with cells and released after them");
+    drop(hosts);
+}
