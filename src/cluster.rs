@@ -184,6 +184,32 @@ impl Cluster {
         self.tasks.push((name.to_string(), actix_rt::spawn(fut)));
     }
 
+    /// Wait until `hosts` gpu-hosts report a ready zygote on their status subjects, so
+    /// the first cell does not pay for the base imports.
+    pub async fn wait_ready(&self, hosts: u32, timeout: Duration) -> anyhow::Result<()> {
+        use futures::StreamExt;
+        let client = async_nats::connect(&self.nats_url).await.context("while watching host status")?;
+        let subjects = schemas::Subjects::new(PREFIX);
+        let mut sub = client.subscribe(subjects.all_host_status()).await?;
+        let mut ready = std::collections::BTreeSet::new();
+        let deadline = tokio::time::Instant::now() + timeout;
+        while (ready.len() as u32) < hosts {
+            let msg = match tokio::time::timeout_at(deadline, sub.next()).await {
+                Ok(Some(m)) => m,
+                Ok(None) => bail!("status subscription ended"),
+                Err(_) => bail!("only {} of {hosts} gpu-hosts were ready within {timeout:?}", ready.len()),
+            };
+            match schemas::codec::decode::<schemas::messages::HostStatusV1>(msg.headers.as_ref(), &msg.payload) {
+                Ok(s) if !s.zygotes.is_empty() => {
+                    ready.insert(s.host);
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "undecodable host status"),
+            }
+        }
+        Ok(())
+    }
+
     /// Resolves when any service stops by itself (an error, usually), naming it.
     pub async fn any_exit(&mut self) -> (String, anyhow::Result<()>) {
         if self.tasks.is_empty() {

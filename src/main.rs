@@ -109,6 +109,7 @@ fn options(embed: EmbedArgs, data_dir: PathBuf, virtual_gpus: Option<u32>, port:
 
 async fn up(opts: ClusterOptions) -> anyhow::Result<()> {
     let mut cluster = Cluster::start(&opts).await?;
+    cluster.wait_ready(opts.hosts, std::time::Duration::from_secs(180)).await?;
     println!("LooseLeaf is up: frontend {} (NATS {}); Ctrl-C stops it", cluster.frontend_url, cluster.nats_url);
     let res = tokio::select! {
         () = schemas::telemetry::shutdown_signal() => Ok(()),

@@ -74,16 +74,26 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         worker_path: config.worker_path.clone(),
         packages: config.base_packages.clone(),
     };
-    // Start the base zygote now so the first cell does not pay for its imports.
-    let zygote = zygotes::Zygote::start(&zygote_spec, &format!("z-{}-base", config.host_id), &listener)
-        .await
-        .context("while starting the base zygote")?;
+    // Start the base zygote in the background: the host serves at once, and the first
+    // fork waits for the zygote's imports instead of the host's subscriptions.
+    let zygote = Arc::new(tokio::sync::Mutex::new(None));
+    {
+        let (zygote, spec, listener, id) =
+            (zygote.clone(), zygote_spec.clone(), listener.clone(), format!("z-{}-base", config.host_id));
+        let mut guard = zygote.lock_owned().await;
+        tokio::spawn(async move {
+            match zygotes::Zygote::start(&spec, &id, &listener).await {
+                Ok(z) => *guard = Some(z),
+                Err(e) => tracing::error!(error = %e, "base zygote failed to start; the next fork retries"),
+            }
+        });
+    }
     let env = exec::ExecEnv {
         bus: bus.clone(),
         host_id: config.host_id.clone(),
         chunks: chunks::Chunks::new(objects, config.cache_bytes, shm_dir),
         listener,
-        zygote: Arc::new(tokio::sync::Mutex::new(Some(zygote))),
+        zygote,
         zygote_spec,
         cell_timeout: Duration::from_secs(24 * 3600),
         real_gpus,

@@ -128,8 +128,10 @@ pub fn derive(analysis: &CellAnalysis, code: &str, manifest: &Manifest, state: &
     }
 
     // What this cell's run teaches us about the names it writes.
-    let gpu_cell = device == Device::Gpu && !device_reason.starts_with("--all-gpu")
-        || analysis.device.as_ref().is_some_and(|h| h.label == analysis::Device::Gpu);
+    // Only a static sign (a move to the device) makes values GPU-resident; a
+    // placement override or --all-gpu says where the cell runs, not where its values live.
+    let gpu_cell = analysis.device.as_ref().is_some_and(|h| h.label == analysis::Device::Gpu && !h.reason.starts_with("override"))
+        || device_reason.contains("on a GPU");
     let moved = if gpu_cell { moved_names(code) } else { BTreeSet::new() };
     let mut writes = BTreeMap::new();
     for name in analysis::cell_writes(analysis, &history).into_iter().chain(moved.into_iter().filter(|n| history.contains_key(n))) {

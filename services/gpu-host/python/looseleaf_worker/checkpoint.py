@@ -107,6 +107,58 @@ def _rebuild_tensor(arr, dtype: str, requires_grad: bool, device: str, is_param:
     return t.requires_grad_(requires_grad) if requires_grad else t
 
 
+def _owner(np, arr):
+    """The ndarray that owns the memory ``arr`` views (walking .base)."""
+    base = arr
+    while isinstance(base.base, np.ndarray):
+        base = base.base
+    return base
+
+
+def _reduce_view(np, arr):
+    """A numpy view pickles as (its owner, where it looks), so that it is restored
+    as a view of the restored owner and writes through one are seen through the
+    other, as in a kernel. Owners that are not contiguous pickle as copies."""
+    owner = _owner(np, arr)
+    if owner is arr or not (owner.flags.c_contiguous or owner.flags.f_contiguous) or arr.dtype.hasobject:
+        return None
+    offset = arr.__array_interface__["data"][0] - owner.__array_interface__["data"][0]
+    if offset < 0 or offset > owner.nbytes:
+        return None
+    return (_rebuild_view, (owner, offset, arr.shape, arr.strides, arr.dtype,
+                            bool(arr.flags.writeable)))
+
+
+def _reduce_owner(arr):
+    """An array that owns its memory pickles as one buffer (out of band when large)
+    and is rebuilt directly on it, so the restored object is the memory's owner and
+    views restored later point at it (numpy's own reduce adds a reshape in between)."""
+    order = "C" if arr.flags.c_contiguous else "F"
+    return (_rebuild_owner, (pickle.PickleBuffer(arr), arr.dtype, arr.shape, order,
+                             bool(arr.flags.writeable)))
+
+
+def _rebuild_owner(buf, dtype, shape, order, writeable):
+    import numpy as np
+    mv = memoryview(buf)
+    if mv.readonly and writeable:
+        mv = memoryview(bytearray(mv))  # pickled in band: a private writable copy
+    arr = np.ndarray(shape, dtype=dtype, buffer=mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv, order=order)
+    if not writeable:
+        arr.flags.writeable = False
+    return arr
+
+
+def _rebuild_view(owner, offset, shape, strides, dtype, writeable):
+    import numpy as np
+    # a flat view in memory order exports a plain buffer whatever the owner's order
+    buf = owner if owner.flags.c_contiguous else owner.reshape(-1, order="A")
+    view = np.ndarray(shape, dtype=dtype, buffer=buf, offset=offset, strides=strides)
+    if not writeable:
+        view.flags.writeable = False
+    return view
+
+
 class _Group:
     """A record holding a reference cycle of several oids (see module doc)."""
 
@@ -151,6 +203,14 @@ class RecordPickler(cloudpickle.Pickler):
         mod = getattr(t, "__module__", None) or ""
         if mod and mod not in ("builtins", "__main__"):
             self.modules.add(mod.split(".")[0])
+        np = sys.modules.get("numpy")
+        if np is not None and t is np.ndarray and not obj.dtype.hasobject:
+            if isinstance(obj.base, np.ndarray):
+                view = _reduce_view(np, obj)
+                if view is not None:
+                    return view
+            elif self.seen is None and (obj.flags.c_contiguous or obj.flags.f_contiguous):
+                return _reduce_owner(obj)
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(obj, torch.Tensor):
             return self._reduce_tensor(torch, obj)
@@ -228,10 +288,14 @@ def _pickle_record(objs: list[Any], oids: list[str], ns: dict, refs: dict) -> Re
     return rec
 
 
-def _find_shared(roots: list[Any], ns: dict, keep: list) -> list[Any]:
+def _find_shared(roots: list[Any], ns: dict, keep: list,
+                 known: dict[int, tuple[str, Any]] | None = None) -> list[Any]:
     """Objects (not roots) reached from more than one unit, where units are the
     roots plus the shared objects themselves; iterate so that the insides of a
-    shared object are not all split into records of their own."""
+    shared object are not all split into records of their own. Objects restored
+    as records of their own (``known``) stay records: other variables that this
+    worker does not hold may share them."""
+    known = known or {}
     root_ids = {id(r) for r in roots}
     shared: dict[int, Any] = {}
     for _ in range(5):
@@ -250,7 +314,8 @@ def _find_shared(roots: list[Any], ns: dict, keep: list) -> list[Any]:
             for o in p.seen:
                 reach.setdefault(id(o), set()).add(id(u))
                 objs[id(o)] = o
-        new = {i: objs[i] for i, rs in reach.items() if len(rs) > 1 and i not in root_ids}
+        new = {i: objs[i] for i, rs in reach.items()
+               if i not in root_ids and (len(rs) > 1 or (i in known and known[i][1] is objs[i]))}
         if new.keys() == shared.keys():
             break
         shared = new
@@ -317,7 +382,7 @@ def build_delta(ns: dict, names: list[str], oid_of: dict[int, tuple[str, Any]],
             return hit[0]
         return uuid.uuid4().hex
 
-    shared = _find_shared(list(roots.values()), ns, keep)
+    shared = _find_shared(list(roots.values()), ns, keep, oid_of)
     units = {id(o): o for o in list(roots.values()) + shared}
     oids = {i: oid_for(o) for i, o in units.items()}
     refs = {i: (("root" if i in roots else "obj"), oids[i]) for i in units}

@@ -158,3 +158,27 @@ def test_torch_tensors_modules_optimizers(host, zygote):
         "loss = model(torch.randn(4, 200)).sum(); loss.backward(); opt.step()\n"
         "print(not torch.equal(model.weight, ref))"))
     assert stream_text(r).split() == ["True", "True", "True", "True", "torch.bfloat16", "2", "True"]
+
+
+def test_numpy_view_restores_as_view_of_its_base(host, zygote):
+    """x2_sub = x2[:2, :2]; writes through the view reach the base on a later worker."""
+    w1 = zygote.fork()
+    ok(w1.run("import numpy as np\nx2 = np.arange(120000).reshape(3, 40000)\n"
+              "x2_sub = x2[:2, :2]\nrow = x2[1]\nro = x2[2]; ro.flags.writeable = False"))
+    w1.save()
+    w2 = zygote.fork()
+    assert w2.restore(["x2_sub"])["ok"]
+    ok(w2.run("x2_sub[0, 0] = 99"))
+    w2.save()
+    w3 = zygote.fork()
+    assert w3.restore(["x2", "x2_sub", "row", "ro"])["ok"]
+    r = ok(w3.run("print(x2[0, 0], x2_sub.base is x2.base, row.base is x2.base, x2_sub.flags.writeable, ro.flags.writeable)"))
+    assert stream_text(r).split() == ["99", "True", "True", "True", "False"]
+def test_array_layouts_roundtrip_writable_and_views_of_fortran_owners(host, zygote):
+    w1 = zygote.fork()
+    ok(w1.run("import numpy as np\nf = np.asfortranarray(np.arange(200000.).reshape(400, 500))\nz = np.array(3.5)\ne = np.zeros((0, 3))\nsmall = np.arange(5)\nbig_f = f.T\ns = np.zeros(3, dtype=[('a', 'i4'), ('b', 'f8')])\ns['a'] = 7"))
+    w1.save()
+    w2 = zygote.fork()
+    assert w2.restore(["f", "z", "e", "small", "big_f", "s"])["ok"]
+    r = ok(w2.run("small[0] = 9; f[0,1] = -1\nprint(f.flags.f_contiguous, f[0,1], big_f[1,0], z, e.shape, small, s['a'], s.dtype.names)"))
+    assert stream_text(r).strip() == "True -1.0 -1.0 3.5 (0, 3) [9 1 2 3 4] [7 7 7] ('a', 'b')", stream_text(r)
