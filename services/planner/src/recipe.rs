@@ -88,7 +88,20 @@ fn moved_names(code: &str) -> BTreeSet<String> {
 /// Derive the recipe of `code` (already analysed) against `manifest`.
 pub fn derive(analysis: &CellAnalysis, code: &str, manifest: &Manifest, state: &SessionState, all_gpu: bool, exec_id: uuid::Uuid) -> Derived {
     let history = history(manifest, state);
-    let closure = analysis::resolve(analysis, &history);
+    // Notebook-defined classes always come along: pickle, torch.load and friends
+    // look them up in __main__ by name, which no static read shows.
+    let classes: Vec<String> = history
+        .iter()
+        .filter(|(n, i)| i.def.as_ref().is_some_and(|d| d.kind == analysis::DefKind::Class) && !analysis.reads.contains(*n))
+        .map(|(n, _)| n.clone())
+        .collect();
+    let closure = if classes.is_empty() {
+        analysis::resolve(analysis, &history)
+    } else {
+        let mut with_classes = analysis.clone();
+        with_classes.reads.extend(classes);
+        analysis::resolve(&with_classes, &history)
+    };
 
     let (device, device_reason) = match (&analysis.device, all_gpu) {
         (Some(h), _) if h.reason.starts_with("override") => (to_device(h.label), h.reason.clone()),
@@ -220,6 +233,18 @@ mod tests {
         let p = d.pinned.expect("pinned");
         assert_eq!((p.host.as_str(), p.worker.as_str(), p.names.clone()), ("h1", "w9", vec!["gen".to_string()]));
         assert_eq!(d.device, Device::Gpu);
+    }
+
+    #[test]
+    fn notebook_classes_always_come_along() {
+        let m = manifest(&["Model", "path", "other"]);
+        let mut state = SessionState::default();
+        let def = analysis::analyze("class Model:\n    pass\n");
+        state.names.insert("Model".into(), NameMeta { exec_id: Uuid::nil(), def: def.defs.get("Model").cloned(), on_gpu: false });
+        let code = "import torch\nmodel_new = torch.load(path)";
+        let d = derive(&analysis::analyze(code), code, &m, &state, false, Uuid::now_v7());
+        let names: Vec<&str> = d.closure.iter().map(|v| v.name.as_str()).collect();
+        assert_eq!(names, vec!["Model", "path"]);
     }
 
     #[test]

@@ -189,7 +189,11 @@ class RecordPickler(cloudpickle.Pickler):
         oid = id(obj)
         if oid in self.own:
             return None
-        if self.seen is not None and not _is_atomic(obj):
+        if _is_atomic(obj):
+            # identity of atoms does not matter: never a reference, even when the
+            # same object (say '' or None) is also some variable's value
+            return None
+        if self.seen is not None:
             self.seen.append(obj)  # pre-pass: count units reached through stops too
         ref = self.refs.get(oid)
         if ref is not None:

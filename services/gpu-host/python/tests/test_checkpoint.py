@@ -182,3 +182,17 @@ def test_array_layouts_roundtrip_writable_and_views_of_fortran_owners(host, zygo
     assert w2.restore(["f", "z", "e", "small", "big_f", "s"])["ok"]
     r = ok(w2.run("small[0] = 9; f[0,1] = -1\nprint(f.flags.f_contiguous, f[0,1], big_f[1,0], z, e.shape, small, s['a'], s.dtype.names)"))
     assert stream_text(r).strip() == "True -1.0 -1.0 3.5 (0, 3) [9 1 2 3 4] [7 7 7] ('a', 'b')", stream_text(r)
+
+
+def test_optimizer_keeps_sharing_parameters_with_a_restored_model(host, zygote):
+    w1 = zygote.fork()
+    ok(w1.run("import torch\nfrom torch import nn\nclass M(nn.Module):\n    def __init__(self):\n        super().__init__()\n        self.w = nn.Parameter(torch.ones(1))\n    def forward(self, x):\n        return self.w * x\nm = M()"))
+    w1.save()
+    w2 = zygote.fork()
+    assert w2.restore(["m", "nn", "torch"])["ok"]
+    ok(w2.run("opt = torch.optim.SGD(params=m.parameters(), lr=0.1)"))
+    w2.save()
+    w3 = zygote.fork()
+    assert w3.restore(["m", "opt", "torch"])["ok"]
+    r = ok(w3.run("opt.step(); print(opt.param_groups[0]['params'][0] is m.w)"))
+    assert stream_text(r).strip() == "True"
