@@ -68,8 +68,23 @@ class OutputStream(io.TextIOBase):
         self._buf.append(s)
         self._size += len(s)
         if self._size >= self.FLUSH_CHARS or time.monotonic() - self._since > self.FLUSH_SECONDS:
-            self.flush()
+            self._flush_lines()
         return len(s)
+
+    def _flush_lines(self):
+        """Flush whole lines only, so a print's text and its newline (two writes)
+        never land in two outputs; a long line without a newline goes anyway."""
+        text = "".join(self._buf)
+        cut = text.rfind("\n") + 1
+        if cut == 0 and len(text) < self.FLUSH_CHARS:
+            return
+        if cut == 0:
+            cut = len(text)
+        head, rest = text[:cut], text[cut:]
+        self._buf = [rest] if rest else []
+        self._size = len(rest)
+        self._since = time.monotonic()
+        self._shell.emit({"output_type": "stream", "name": self.name, "text": head})
 
     def flush(self):
         if not self._buf:

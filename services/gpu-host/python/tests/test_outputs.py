@@ -90,3 +90,13 @@ def test_placement_override_line_is_not_run():
     assert strip_placement("%%cpu\n") == ""
     assert strip_placement("%%time\nx = 1") == "%%time\nx = 1"
     assert strip_placement("x = 1  # %%gpu") == "x = 1  # %%gpu"
+
+
+def test_streams_split_only_at_line_ends(host, zygote):
+    """A slow loop of prints spans several stream outputs; none ends mid-line."""
+    w = zygote.fork()
+    r = w.run("import time\nfor i in range(6):\n    print('line', i)\n    time.sleep(0.09)")
+    texts = [o["text"] for o in r["outputs"] if o["output_type"] == "stream"]
+    assert len(texts) > 1
+    assert all(t.endswith("\n") for t in texts), texts
+    assert "".join(texts) == "".join(f"line {i}\n" for i in range(6))
