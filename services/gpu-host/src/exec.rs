@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use schemas::checkpoint::Manifest;
 use schemas::messages::{
-    CellStatus, CommitV1, CommittedV1, EventKind, ManifestGetV1, ManifestV1, OutputV1, Prepare, RecipeV1,
+    CellStatus, CommitV1, Device, CommittedV1, EventKind, ManifestGetV1, ManifestV1, OutputV1, Prepare, RecipeV1,
     SessionEventV1,
 };
 use schemas::subjects::StoreVerb;
@@ -129,6 +129,8 @@ impl ExecEnv {
         let (session, exec_id) = (recipe.session, recipe.exec_id);
         let claimed_at = Instant::now();
         let (slot, prepare) = match &target {
+            // a fresh worker for a CPU cell becomes the session's persistent one
+            Target::Fresh { slot: None } if recipe.device == Device::Cpu && recipe.pinned.is_none() => (None, Prepare::Persistent),
             Target::Fresh { slot } => (*slot, Prepare::Cold),
             Target::Existing { prepare, slot, .. } => (*slot, *prepare),
         };
