@@ -257,9 +257,13 @@ impl Manifest {
         }
         for (name, reason) in &delta.unsavable {
             next.variables.remove(name);
-            let version = match self.unsavable.get(name) {
-                Some(u) if u.worker == origin.worker => u.version,
-                _ => origin.exec_id,
+            // Still held by the same worker: it is the same value, defined by the same cell
+            // (a later cell on that worker may have used it, but did not rebind it).
+            let (version, cell_id) = match self.unsavable.get(name) {
+                Some(u) if u.worker == origin.worker => {
+                    (u.version, u.cell_id.clone())
+                }
+                _ => (origin.exec_id, origin.cell_id.to_string()),
             };
             next.unsavable.insert(
                 name.clone(),
@@ -268,7 +272,7 @@ impl Manifest {
                     reason: reason.clone(),
                     host: origin.host.to_string(),
                     worker: origin.worker.to_string(),
-                    cell_id: origin.cell_id.to_string(),
+                    cell_id,
                 },
             );
         }
@@ -426,10 +430,14 @@ mod tests {
         let m1 = Manifest::empty(Uuid::now_v7()).apply(&d, &origin(e1)).unwrap();
         let mut d2 = Delta::default();
         d2.unsavable.insert("g".into(), "TypeError: cannot pickle 'generator' object".into());
-        let m2 = m1.apply(&d2, &origin(Uuid::now_v7())).unwrap();
+        let e2 = Uuid::now_v7();
+        let m2 = m1.apply(&d2, &SaveOrigin { exec_id: e2, host: "h", worker: "w", cell_id: "c2" }).unwrap();
         assert!(!m2.variables.contains_key("g"));
         assert_eq!(m2.unsavable["g"].worker, "w");
         assert!(m2.live_names().any(|n| n == "g"));
+        // a later cell on the same worker that uses it keeps its defining cell
+        let m3 = m2.apply(&d2, &SaveOrigin { exec_id: Uuid::now_v7(), host: "h", worker: "w", cell_id: "c5" }).unwrap();
+        assert_eq!((m3.unsavable["g"].cell_id.as_str(), m3.unsavable["g"].version), ("c2", e2));
     }
 
     #[test]

@@ -155,29 +155,3 @@ fn every_corpus_notebook_is_precise() {
         }
     }
 }
-
-/// Prints the median analysis time per corpus cell (run with `--ignored --nocapture`,
-/// ideally with `--release`; the target is under 1 ms).
-#[test]
-#[ignore]
-fn corpus_timing() {
-    let mut cells = corpus_cells("mrdbourke_01_pytorch_workflow.ipynb");
-    cells.extend(corpus_cells("rasbt_ch12_part2.ipynb"));
-    let mut times: Vec<std::time::Duration> = cells
-        .iter()
-        .map(|c| {
-            let start = std::time::Instant::now();
-            for _ in 0..20 {
-                std::hint::black_box(analyze(c));
-            }
-            start.elapsed() / 20
-        })
-        .collect();
-    times.sort();
-    println!(
-        "cells: {}, median: {:?}, max: {:?}",
-        times.len(),
-        times[times.len() / 2],
-        times[times.len() - 1]
-    );
-}
