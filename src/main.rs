@@ -90,7 +90,7 @@ enum Command {
         #[arg(long, env = "LOOSELEAF_PREFIX", default_value = "ll")]
         prefix: String,
         /// How long to listen for host statuses and service replies (ms).
-        #[arg(long, env = "LOOSELEAF_WAIT_MS", default_value_t = 1500)]
+        #[arg(long, env = "LOOSELEAF_WAIT_MS", default_value_t = 2500)]
         wait_ms: u64,
     },
 }

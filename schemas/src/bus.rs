@@ -208,6 +208,19 @@ impl Bus {
         Ok(Subscription { inner, _m: PhantomData })
     }
 
+    /// Register with the NATS service API (`$SRV`), so `nats micro ls`, `nats micro
+    /// stats` and `looseleaf status` see this service. Keep the returned handle for
+    /// as long as the service runs.
+    pub async fn register_service(&self, name: &str, description: &str) -> Result<async_nats::service::Service, BusError> {
+        use async_nats::service::ServiceExt;
+        self.client
+            .service_builder()
+            .description(description)
+            .start(name, env!("CARGO_PKG_VERSION"))
+            .await
+            .map_err(|e| BusError::Subscribe { subject: format!("$SRV ({name})"), reason: e.to_string() })
+    }
+
     /// Flush what was published.
     pub async fn flush(&self) -> Result<(), BusError> {
         self.client

@@ -87,6 +87,7 @@ pub async fn run_with_bound(
     on_bound: impl FnOnce(SocketAddr),
 ) -> anyhow::Result<()> {
     let bus = Bus::connect(&config.nats_url, &config.prefix, "looseleaf-frontend").await?;
+    let _service = bus.register_service("looseleaf-frontend", "HTTP API, session events and run queues").await?;
     schemas::buckets::events_stream(&bus.jetstream(), bus.subjects())
         .await
         .map_err(|e| anyhow::anyhow!(e))

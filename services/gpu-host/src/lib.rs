@@ -98,6 +98,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         cell_timeout: Duration::from_secs(24 * 3600),
         real_gpus,
     };
+    let _service = bus.register_service("looseleaf-gpu-host", "GPU slots, zygotes and workers").await?;
     let s = bus.subjects().clone();
     let recipes = bus.subscribe::<RecipeV1>(s.all_recipes()).await?;
     let events = bus.subscribe::<SessionEventV1>(s.all_events()).await?;

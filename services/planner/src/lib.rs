@@ -34,6 +34,7 @@ pub struct Config {
 pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
     let bus = Bus::connect(&config.nats_url, &config.prefix, "looseleaf-planner").await?;
     let kv = buckets::planner(&bus.jetstream(), &config.prefix).await.map_err(anyhow::Error::msg)?;
+    let _service = bus.register_service("looseleaf-planner", "cell analysis and recipes").await?;
     let s = bus.subjects().clone();
     let runs = bus.queue_subscribe::<RunV1>(s.all_runs(), "planner").await?;
     let edits = bus.queue_subscribe::<EditV1>(s.all_edits(), "planner").await?;
