@@ -56,7 +56,7 @@ pub fn inject_current(headers: &mut HeaderMap) {
 pub fn continue_trace(span: &tracing::Span, headers: Option<&HeaderMap>) {
     if let Some(h) = headers {
         let cx = TraceContextPropagator::new().extract(&HeaderExtractor(h));
-        let _ = span.set_parent(cx);
+        span.set_parent(cx);
     }
 }
 

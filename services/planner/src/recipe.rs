@@ -148,10 +148,8 @@ pub fn derive(analysis: &CellAnalysis, code: &str, manifest: &Manifest, state: &
     let moved = if gpu_cell { moved_names(code) } else { BTreeSet::new() };
     let mut writes = BTreeMap::new();
     for name in analysis::cell_writes(analysis, &history).into_iter().chain(moved.into_iter().filter(|n| history.contains_key(n))) {
-        let def = analysis.defs.get(&name).cloned().or_else(|| {
-            // rebinding without a def keeps no summary; a def elsewhere keeps its own
-            None
-        });
+        // rebinding without a def keeps no summary
+        let def = analysis.defs.get(&name).cloned();
         writes.insert(name, NameMeta { exec_id, def, on_gpu: gpu_cell });
     }
 
