@@ -48,17 +48,26 @@ impl Drop for Cluster {
     }
 }
 
+/// Our own notebooks that probe notebook semantics (lambdas reading globals,
+/// closures from factories, Out/_N history, magics, views); they run like corpus
+/// notebooks. (tests/notebooks/system.ipynb uses %%gpu, which a plain kernel lacks.)
+fn own_notebooks() -> Vec<PathBuf> {
+    vec![repo_root().join("tests/notebooks/semantics.ipynb")]
+}
+
+/// Corpus notebooks relative to the corpus folder, then ours (copied to its root).
 fn notebooks() -> Vec<PathBuf> {
     let mut out = Vec::new();
     for dir in [corpus(), corpus().join("torch")] {
         for e in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("corpus at {}: {e}", dir.display())) {
             let p = e.unwrap().path();
             if p.extension().is_some_and(|x| x == "ipynb") {
-                out.push(p);
+                out.push(p.strip_prefix(corpus()).unwrap().to_path_buf());
             }
         }
     }
     out.sort();
+    out.extend(own_notebooks().iter().map(|p| PathBuf::from(p.file_name().unwrap())));
     out
 }
 
@@ -105,12 +114,14 @@ fn corpus_matches_a_pinned_kernel() {
     let mut failures = Vec::new();
     let nbequiv = repo_root().join("../shared/tools/nbequiv.py");
     let nbequiv = if nbequiv.exists() { nbequiv } else { corpus().join("../tools/nbequiv.py") };
-    for nb in notebooks() {
-        let rel = nb.strip_prefix(corpus()).unwrap().to_path_buf();
+    for rel in notebooks() {
         for all_gpu in [false, true] {
             let copy = work.join("corpus");
             let _ = std::fs::remove_dir_all(&copy);
             copy_dir(&corpus(), &copy);
+            for own in own_notebooks() {
+                std::fs::copy(&own, copy.join(own.file_name().unwrap())).unwrap();
+            }
             let source = copy.join(&rel);
             let mode = if all_gpu { "all-gpu" } else { "mixed" };
             let stem = rel.file_stem().unwrap().to_string_lossy().to_string();

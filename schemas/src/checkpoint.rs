@@ -75,6 +75,10 @@ pub struct VarEntry {
     pub oid: Option<String>,
     /// For a module reference, the module's name (restore = import).
     pub module: Option<String>,
+    /// For a callable made at run time (lambda, closure, partial): the globals it
+    /// may read when called, as the worker found them.
+    #[serde(default)]
+    pub global_reads: Vec<String>,
 }
 
 /// A name whose value could not be saved; it lives only in the worker that holds it.
@@ -118,6 +122,9 @@ pub struct DeltaVar {
     pub oid: Option<String>,
     /// Module name for a module reference.
     pub module: Option<String>,
+    /// Globals a callable made at run time may read.
+    #[serde(default)]
+    pub global_reads: Vec<String>,
 }
 
 /// What a worker's save changes (the worker-protocol `Delta`).
@@ -252,7 +259,7 @@ impl Manifest {
             next.unsavable.remove(name);
             next.variables.insert(
                 name.clone(),
-                VarEntry { version, oid: var.oid.clone(), module: var.module.clone() },
+                VarEntry { version, oid: var.oid.clone(), module: var.module.clone(), global_reads: var.global_reads.clone() },
             );
         }
         for (name, reason) in &delta.unsavable {
@@ -354,7 +361,7 @@ mod tests {
     }
 
     fn var(oid: &str) -> DeltaVar {
-        DeltaVar { oid: Some(oid.to_string()), module: None }
+        DeltaVar { oid: Some(oid.to_string()), module: None, global_reads: vec![] }
     }
 
     fn origin(exec_id: Uuid) -> SaveOrigin<'static> {

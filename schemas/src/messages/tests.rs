@@ -59,7 +59,7 @@ proptest! {
     fn commit_roundtrips(session in uuid(), names in proptest::collection::btree_map("[a-z]{1,6}", "[0-9a-f]{8}", 0..6), chunk in "[0-9a-f]{32}") {
         let mut delta = crate::checkpoint::Delta::default();
         for (name, oid) in &names {
-            delta.variables.insert(name.clone(), DeltaVar { oid: Some(oid.clone()), module: None });
+            delta.variables.insert(name.clone(), DeltaVar { oid: Some(oid.clone()), module: None, global_reads: vec![] });
             delta.objects.insert(oid.clone(), ObjectEntry {
                 record: Blob { len: 3, chunks: vec![chunk.clone()] },
                 refs: vec![], payloads: vec![Payload { len: 9, chunks: vec![chunk.clone()], dtype: "f8".into(), shape: vec![3, 3], device: "cpu".into() }],

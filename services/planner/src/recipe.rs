@@ -8,7 +8,7 @@ use std::hash::{Hash, Hasher};
 use schemas::checkpoint::Manifest;
 use schemas::messages::{ClosureVar, Device, PinnedWorker};
 
-use crate::analysis::{self, CellAnalysis, History, NameInfo};
+use crate::analysis::{self, CellAnalysis, DefKind, DefSummary, History, NameInfo};
 use crate::state::{NameMeta, SessionState};
 
 /// What the planner derives for one cell.
@@ -52,10 +52,16 @@ pub fn history(manifest: &Manifest, state: &SessionState) -> History {
         let meta = state.names.get(name);
         let on_gpu = meta.is_some_and(|m| m.on_gpu)
             || var.oid.as_ref().is_some_and(|o| manifest.reachable([o.as_str()]).iter().any(|x| manifest.objects.get(x).is_some_and(|e| e.on_gpu)));
-        history.insert(
-            name.clone(),
-            NameInfo { version: var.version, def: meta.and_then(|m| m.def.clone()), on_gpu, is_module: var.module.is_some() },
-        );
+        // A def/class summary from the planner's analysis; else what the worker saw
+        // a run-time callable (lambda, closure, partial) read.
+        let def = meta.and_then(|m| m.def.clone()).or_else(|| {
+            (!var.global_reads.is_empty()).then(|| DefSummary {
+                kind: DefKind::Function,
+                global_reads: var.global_reads.iter().cloned().collect(),
+                global_writes: Default::default(),
+            })
+        });
+        history.insert(name.clone(), NameInfo { version: var.version, def, on_gpu, is_module: var.module.is_some() });
     }
     for (name, u) in &manifest.unsavable {
         let meta = state.names.get(name);
@@ -90,16 +96,20 @@ pub fn derive(analysis: &CellAnalysis, code: &str, manifest: &Manifest, state: &
     let history = history(manifest, state);
     // Notebook-defined classes always come along: pickle, torch.load and friends
     // look them up in __main__ by name, which no static read shows.
-    let classes: Vec<String> = history
+    let mut extra: Vec<String> = history
         .iter()
-        .filter(|(n, i)| i.def.as_ref().is_some_and(|d| d.kind == analysis::DefKind::Class) && !analysis.reads.contains(*n))
+        .filter(|(n, i)| i.def.as_ref().is_some_and(|d| d.kind == DefKind::Class) && !analysis.reads.contains(*n))
         .map(|(n, _)| n.clone())
         .collect();
-    let closure = if classes.is_empty() {
+    // `Out[N]` is `_N`: a cell that reads the output history needs those names.
+    if analysis.reads.contains("Out") || analysis.builtin_reads.contains("Out") {
+        extra.extend(history.keys().filter(|n| n.len() > 1 && n.starts_with('_') && n[1..].bytes().all(|b| b.is_ascii_digit())).cloned());
+    }
+    let closure = if extra.is_empty() {
         analysis::resolve(analysis, &history)
     } else {
         let mut with_classes = analysis.clone();
-        with_classes.reads.extend(classes);
+        with_classes.reads.extend(extra);
         analysis::resolve(&with_classes, &history)
     };
 
@@ -181,7 +191,7 @@ mod tests {
     fn manifest(names: &[&str]) -> Manifest {
         let mut m = Manifest::default();
         for n in names {
-            m.variables.insert(n.to_string(), VarEntry { version: Uuid::now_v7(), oid: Some(format!("o{n}")), module: None });
+            m.variables.insert(n.to_string(), VarEntry { version: Uuid::now_v7(), oid: Some(format!("o{n}")), module: None, global_reads: vec![] });
         }
         m
     }
@@ -231,6 +241,27 @@ mod tests {
         let p = d.pinned.expect("pinned");
         assert_eq!((p.host.as_str(), p.worker.as_str(), p.names.clone()), ("h1", "w9", vec!["gen".to_string()]));
         assert_eq!(d.device, Device::Gpu);
+    }
+
+    #[test]
+    fn run_time_callables_bring_the_globals_they_read() {
+        let mut m = manifest(&["f", "k", "other"]);
+        if let Some(f) = m.variables.get_mut("f") {
+            f.global_reads = vec!["k".into()];
+        }
+        let code = "print(f(1))";
+        let d = derive(&analysis::analyze(code), code, &m, &SessionState::default(), false, Uuid::now_v7());
+        let names: Vec<&str> = d.closure.iter().map(|v| v.name.as_str()).collect();
+        assert_eq!(names, vec!["f", "k"]);
+    }
+
+    #[test]
+    fn output_history_reads_bring_the_numbered_outputs() {
+        let m = manifest(&["_3", "_7", "x"]);
+        let code = "print(Out[3])";
+        let d = derive(&analysis::analyze(code), code, &m, &SessionState::default(), false, Uuid::now_v7());
+        let names: Vec<&str> = d.closure.iter().map(|v| v.name.as_str()).collect();
+        assert_eq!(names, vec!["_3", "_7"]);
     }
 
     #[test]

@@ -52,6 +52,45 @@ def is_user_name(name: str, value: Any, hidden: dict) -> bool:
     return True
 
 
+# --------------------------------------------------- what notebook code reads
+
+def function_global_reads(value: Any, ns: dict) -> list[str]:
+    """Global names a notebook-made callable may read when called: lambdas, nested
+    functions returned by factories, partials. (``def`` and ``class`` statements
+    are summarised statically by the planner; values made at run time are not,
+    so the worker reports them.)"""
+    names: set[str] = set()
+    seen: set[int] = set()
+
+    def code_names(code) -> None:
+        names.update(code.co_names)
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                code_names(const)
+
+    def visit(obj, depth: int) -> None:
+        if depth > 4 or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, types.FunctionType):
+            if obj.__globals__ is ns:
+                code_names(obj.__code__)
+            for cell in obj.__closure__ or ():
+                try:
+                    visit(cell.cell_contents, depth + 1)
+                except ValueError:  # empty cell
+                    pass
+        elif isinstance(obj, types.MethodType):
+            visit(obj.__func__, depth + 1)
+        else:
+            inner = getattr(obj, "func", None)  # functools.partial
+            if inner is not None and callable(inner):
+                visit(inner, depth + 1)
+
+    visit(value, 0)
+    return sorted(n for n in names if n in ns and not n.startswith("__"))
+
+
 # ------------------------------------------------------------------ chunking
 
 def chunk_blob(data, chunks: dict[str, memoryview]) -> dict:
@@ -376,7 +415,7 @@ def build_delta(ns: dict, names: list[str], oid_of: dict[int, tuple[str, Any]],
     for name in names:
         v = ns[name]
         if isinstance(v, types.ModuleType):
-            variables[name] = {"oid": None, "module": v.__name__}
+            variables[name] = {"oid": None, "module": v.__name__, "global_reads": []}
         else:
             roots.setdefault(id(v), v)
 
@@ -423,7 +462,7 @@ def build_delta(ns: dict, names: list[str], oid_of: dict[int, tuple[str, Any]],
         if rec.error:
             unsavable[name] = rec.error
             continue
-        variables[name] = {"oid": oid, "module": None}
+        variables[name] = {"oid": oid, "module": None, "global_reads": function_global_reads(v, ns)}
     live = [k for k, r in records.items() if r.error is None]
     for k in live:
         r = records[k]

@@ -127,6 +127,12 @@ class Worker:
         for attr in ("_", "__", "___"):
             if attr in ns:
                 setattr(dh, attr, ns[attr])
+        # Out[N] is the same object as _N: rebuild the output history from them
+        out = ns.get("Out")
+        if isinstance(out, dict):
+            for name, value in list(ns.items()):
+                if name[:1] == "_" and name[1:].isdigit():
+                    out[int(name[1:])] = value
 
     def on_run(self, msg: dict) -> None:
         self.exec_id = msg["exec_id"]

@@ -47,7 +47,7 @@ def test_numpy_payloads_writable(host, zygote):
     assert p["dtype"] == "float64" and p["shape"] == [1_000_000] and p["len"] == 8_000_000
     assert len(p["chunks"]) == 4  # 2 MiB chunks
     assert delta["objects"][delta["variables"]["small"]["oid"]]["payloads"] == []
-    assert delta["variables"]["np"] == {"oid": None, "module": "numpy"}
+    assert delta["variables"]["np"] == {"oid": None, "module": "numpy", "global_reads": []}
     w2 = zygote.fork()
     assert w2.restore(["big", "small", "np", "view"])["ok"]
     r = ok(w2.run("big[0] = 42.0\nprint(big.flags.writeable, big[:2], big.sum() == 42 + 999999*1000000/2,"
@@ -196,3 +196,15 @@ def test_optimizer_keeps_sharing_parameters_with_a_restored_model(host, zygote):
     assert w3.restore(["m", "opt", "torch"])["ok"]
     r = ok(w3.run("opt.step(); print(opt.param_groups[0]['params'][0] is m.w)"))
     assert stream_text(r).strip() == "True"
+
+
+def test_run_time_callables_report_the_globals_they_read(host, zygote):
+    w1 = zygote.fork()
+    ok(w1.run("import functools\nk = 10\nf = lambda x: x + k\n"
+              "def make(n):\n    def inner(x):\n        return x * n + base\n    return inner\n"
+              "base = 1\ng = make(3)\np = functools.partial(make(2), 5)\nplain = [1]"))
+    v = w1.save()["ready"]["delta"]["variables"]
+    assert v["f"]["global_reads"] == ["k"]
+    assert v["g"]["global_reads"] == ["base"]
+    assert v["p"]["global_reads"] == ["base"]
+    assert v["plain"]["global_reads"] == []

@@ -65,7 +65,7 @@ def test_optional_and_nested_types_checked():
     protocol.validate({"type": "hello", "role": "worker", "id": "w", "pid": 1, "zygote_id": "z"})
     with pytest.raises(ProtocolError):
         protocol.validate({"type": "hello", "role": "worker", "id": "w", "pid": 1, "cuda_unsafe": "x"})
-    delta = {"variables": {"a": {"oid": "o", "module": None}}, "deleted": [], "objects": {
+    delta = {"variables": {"a": {"oid": "o", "module": None, "global_reads": []}}, "deleted": [], "objects": {
         "o": {"record": {"len": 3, "chunks": ["h"]}, "refs": [], "payloads": [], "modules": [], "on_gpu": False}},
         "unsavable": {}, "ambient": None}
     msg = {"type": "save_ready", "exec_id": "e", "shm_path": None, "chunks": {"h": [0, 3]},
