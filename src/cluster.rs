@@ -122,7 +122,7 @@ impl Cluster {
     async fn start_services(&mut self, opts: &ClusterOptions, data_dir: &Path) -> anyhow::Result<String> {
         let nats_url = self.nats_url.clone();
         let store_url = data_dir.join("store").display().to_string();
-        let store = looseleaf_store::Config { nats_url: nats_url.clone(), prefix: PREFIX.into(), store_url: store_url.clone() };
+        let store = looseleaf_store::Config { nats_url: nats_url.clone(), prefix: PREFIX.into(), store_url: store_url.clone(), session_quota_bytes: None };
         self.spawn("store", |stop| looseleaf_store::run(store, stop));
         let planner = looseleaf_planner::Config { nats_url: nats_url.clone(), prefix: PREFIX.into() };
         self.spawn("planner", |stop| looseleaf_planner::run(planner, stop));

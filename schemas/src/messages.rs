@@ -465,6 +465,33 @@ pub struct SessionDeleteV1 {
 }
 wire!(SessionDeleteV1, "session-delete", 1);
 
+/// -> store: collect garbage: manifest revisions older than the newest
+/// `keep_revisions` of each session, then chunks no kept revision references and
+/// that are older than `grace_secs` (a save in flight uploads its chunks before it
+/// commits, so young chunks are left alone).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GcV1 {
+    /// Revisions kept per session (at least 1).
+    pub keep_revisions: u64,
+    /// Chunks younger than this are never collected.
+    pub grace_secs: u64,
+}
+wire!(GcV1, "gc", 1);
+
+/// store ->: what a collection removed.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct GcDoneV1 {
+    /// Old manifest revisions deleted.
+    pub manifests_deleted: u64,
+    /// Chunks deleted.
+    pub chunks_deleted: u64,
+    /// Bytes of the chunks deleted.
+    pub bytes_freed: u64,
+    /// Chunks still referenced (or too young).
+    pub chunks_kept: u64,
+}
+wire!(GcDoneV1, "gc-done", 1);
+
 /// An empty successful reply.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct DoneV1 {}

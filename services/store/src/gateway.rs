@@ -6,7 +6,7 @@ use std::sync::Arc;
 use actix::prelude::*;
 use schemas::bus::Rejected;
 use schemas::messages::{
-    CommitV1, CommittedV1, DoneV1, ErrorCode, ManifestGetV1, ManifestV1, Reply, SessionDeleteV1,
+    CommitV1, CommittedV1, DoneV1, ErrorCode, GcDoneV1, GcV1, ManifestGetV1, ManifestV1, Reply, SessionDeleteV1,
 };
 use schemas::{Bus, Envelope, WireMessage};
 use tracing::Instrument;
@@ -34,6 +34,7 @@ fn error_reply<T>(e: &ManifestError) -> Reply<T> {
     let code = match e {
         ManifestError::Stale { .. } | ManifestError::Lost { .. } => ErrorCode::Conflict,
         ManifestError::BadDelta { .. } | ManifestError::MissingChunks { .. } => ErrorCode::BadRequest,
+        ManifestError::QuotaExceeded { .. } => ErrorCode::QuotaExceeded,
         ManifestError::Storage(_) | ManifestError::Corrupt { .. } => ErrorCode::Storage,
     };
     Reply::Err { code, message: e.to_string() }
@@ -90,6 +91,16 @@ impl StreamHandler<Result<Envelope<CommitV1>, Rejected>> for Gateway {
         serve(self, ctx, item, "store.commit", |m, req: CommitV1| async move {
             let done: CommittedV1 = m.commit(&req).await?;
             tracing::info!(session = %req.session, revision = done.revision, changed = done.changed.len(), "committed");
+            Ok(done)
+        });
+    }
+}
+
+impl StreamHandler<Result<Envelope<GcV1>, Rejected>> for Gateway {
+    fn handle(&mut self, item: Result<Envelope<GcV1>, Rejected>, ctx: &mut Self::Context) {
+        serve(self, ctx, item, "store.gc", |m, req: GcV1| async move {
+            let done: GcDoneV1 = crate::gc::collect(&m, req.keep_revisions, std::time::Duration::from_secs(req.grace_secs)).await?;
+            tracing::info!(?done, "garbage collected");
             Ok(done)
         });
     }

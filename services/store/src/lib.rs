@@ -2,12 +2,13 @@
 //! `object_store` (DESIGN.md section 6).
 //!
 //! Speaks (queue group `store`): `{prefix}.v1.store.manifest.get`,
-//! `{prefix}.v1.store.commit`, `{prefix}.v1.store.session.delete`. Bulk bytes never
+//! `{prefix}.v1.store.commit`, `{prefix}.v1.store.session.delete`, `{prefix}.v1.store.gc`. Bulk bytes never
 //! pass through it: hosts read and write chunks in the object store directly.
 //!
 //! Actors: one [`gateway::Gateway`], fed by three subscriptions.
 
 pub mod gateway;
+pub mod gc;
 pub mod manifests;
 
 use std::future::Future;
@@ -15,7 +16,7 @@ use std::sync::Arc;
 
 use actix::prelude::*;
 use anyhow::Context as _;
-use schemas::messages::{CommitV1, ManifestGetV1, SessionDeleteV1};
+use schemas::messages::{CommitV1, GcV1, ManifestGetV1, SessionDeleteV1};
 use schemas::subjects::StoreVerb;
 use schemas::Bus;
 
@@ -28,6 +29,8 @@ pub struct Config {
     pub prefix: String,
     /// Object store: `file:///dir` or a directory path.
     pub store_url: String,
+    /// Largest state a session may hold, in bytes (None: unlimited).
+    pub session_quota_bytes: Option<u64>,
 }
 
 /// Run the gateway until `shutdown` resolves. Must be called inside an actix system.
@@ -35,16 +38,18 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     let bus = Bus::connect(&config.nats_url, &config.prefix, "looseleaf-store").await?;
     let objects = schemas::objects::open(&config.store_url).context("while opening the object store")?;
     let _service = bus.register_service("looseleaf-store", "checkpoint-store gateway: manifests and atomic commits").await?;
-    let manifests = Arc::new(manifests::Manifests::new(objects));
+    let manifests = Arc::new(manifests::Manifests::new(objects).with_quota(config.session_quota_bytes));
     let s = bus.subjects().clone();
     let gets = bus.queue_subscribe::<ManifestGetV1>(s.store(StoreVerb::ManifestGet), "store").await?;
     let commits = bus.queue_subscribe::<CommitV1>(s.store(StoreVerb::Commit), "store").await?;
     let deletes = bus.queue_subscribe::<SessionDeleteV1>(s.store(StoreVerb::SessionDelete), "store").await?;
+    let gcs = bus.queue_subscribe::<GcV1>(s.store(StoreVerb::Gc), "store").await?;
     let gw_bus = bus.clone();
     let addr = gateway::Gateway::create(move |ctx| {
         ctx.add_stream(gets.into_stream());
         ctx.add_stream(commits.into_stream());
         ctx.add_stream(deletes.into_stream());
+        ctx.add_stream(gcs.into_stream());
         gateway::Gateway::new(gw_bus, manifests)
     });
     tracing::info!(store = %config.store_url, prefix = %config.prefix, "store gateway serving");

@@ -55,6 +55,16 @@ pub enum ManifestError {
         /// What is wrong.
         source: checkpoint::DeltaError,
     },
+    /// The session would hold more bytes than its quota.
+    #[error("session {session}: this save would make the session hold {bytes} bytes, over its quota of {quota} bytes; delete variables or raise the quota")]
+    QuotaExceeded {
+        /// Session.
+        session: Uuid,
+        /// Bytes after the save.
+        bytes: u64,
+        /// The quota.
+        quota: u64,
+    },
     /// The save references chunks the store does not have.
     #[error("session {session}: the save references {count} chunk(s) missing from the store, e.g. {example}")]
     MissingChunks {
@@ -71,12 +81,24 @@ pub enum ManifestError {
 pub struct Manifests {
     objects: Arc<dyn ObjectStore>,
     latest: Mutex<HashMap<Uuid, Arc<Manifest>>>,
+    quota_bytes: Option<u64>,
 }
 
 impl Manifests {
     /// Manifests in `objects`.
     pub fn new(objects: Arc<dyn ObjectStore>) -> Self {
-        Self { objects, latest: Mutex::new(HashMap::new()) }
+        Self { objects, latest: Mutex::new(HashMap::new()), quota_bytes: None }
+    }
+
+    /// Limit each session's state to `bytes` (records, payloads and ambient state).
+    pub fn with_quota(mut self, bytes: Option<u64>) -> Self {
+        self.quota_bytes = bytes;
+        self
+    }
+
+    /// The store these manifests live in.
+    pub fn objects(&self) -> &Arc<dyn ObjectStore> {
+        &self.objects
     }
 
     fn cached(&self, session: Uuid) -> Option<Arc<Manifest>> {
@@ -141,6 +163,12 @@ impl Manifests {
             cell_id: &commit.cell_id,
         };
         let next = base.apply(&commit.delta, &origin).map_err(|source| ManifestError::BadDelta { session, source })?;
+        if let Some(quota) = self.quota_bytes {
+            let bytes = next.objects.values().map(|o| o.bytes()).sum::<u64>() + next.ambient.as_ref().map_or(0, |a| a.len);
+            if bytes > quota {
+                return Err(ManifestError::QuotaExceeded { session, bytes, quota });
+            }
+        }
         self.check_chunks(commit).await?;
 
         let key = checkpoint::manifest_key(session, next.revision);
