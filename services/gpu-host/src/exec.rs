@@ -20,7 +20,8 @@ use uuid::Uuid;
 use crate::chunks::Chunks;
 use crate::protocol::{Frame, VarRestore};
 use crate::worker::{RunEvent, WorkerError, WorkerProc};
-use crate::zygotes::{Listener, Zygote, ZygoteSpec};
+use crate::import_cache::ImportCache;
+use crate::zygotes::{Listener, Zygote};
 
 /// How long store requests may take.
 const STORE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -36,10 +37,8 @@ pub struct ExecEnv {
     pub chunks: Chunks,
     /// Where zygotes and workers connect.
     pub listener: Listener,
-    /// The base zygote (restarted when it dies).
-    pub zygote: Arc<Mutex<Option<Zygote>>>,
-    /// How to start it.
-    pub zygote_spec: ZygoteSpec,
+    /// The zygote tree (the base is restarted when it dies).
+    pub zygotes: Arc<Mutex<ImportCache>>,
     /// Longest a cell may run before its worker counts as hung.
     pub cell_timeout: Duration,
     /// Whether slots are real GPUs (then workers see only their device).
@@ -90,8 +89,10 @@ impl ExecEnv {
             .map_err(|e| format!("could not read the session's manifest: {e}"))
     }
 
-    /// Fork a worker from the base zygote, starting (or restarting) the zygote if needed.
-    pub async fn fork(&self, session: Uuid, slot: Option<u32>, cwd: &str) -> Result<WorkerProc, String> {
+    /// Fork a worker from the deepest zygote that fits the import closure, starting
+    /// (or restarting) the base zygote if needed, and build a child zygote in the
+    /// background when a tail keeps being asked for.
+    pub async fn fork(&self, session: Uuid, slot: Option<u32>, cwd: &str, imports: &[String]) -> Result<WorkerProc, String> {
         let mut env = BTreeMap::new();
         env.insert(
             "CUDA_VISIBLE_DEVICES".to_string(),
@@ -102,26 +103,59 @@ impl ExecEnv {
         );
         env.insert("LOOSELEAF_SESSION".to_string(), session.to_string());
         let worker_id = format!("w{}", Uuid::now_v7().simple());
-        let mut guard = self.zygote.lock().await;
+        let mut cache = self.zygotes.lock().await;
         for attempt in 0..2 {
-            if guard.is_none() {
-                let zid = format!("z{}", Uuid::now_v7().simple());
-                match Zygote::start(&self.zygote_spec, &zid, &self.listener).await {
-                    Ok(z) => *guard = Some(z),
-                    Err(e) => return Err(format!("no zygote: {e}")),
-                }
+            let base_id = format!("z-{}-{}", self.host_id, Uuid::now_v7().simple());
+            if let Err(e) = cache.ensure_base(&self.listener, &base_id).await {
+                return Err(format!("no zygote: {e}"));
             }
-            let Some(z) = guard.as_mut() else { continue };
+            let tail = cache.tail(imports);
+            let choice = cache.choose(&tail);
+            if let Some(tail) = choice.spawn.clone() {
+                self.spawn_child_zygote(&mut cache, tail).await;
+            }
+            let Some(z) = cache.zygote(&choice) else { continue };
             match z.fork(&self.listener, &worker_id, env.clone(), cwd).await {
                 Ok(forked) => return Ok(WorkerProc::new(forked, session)),
                 Err(e) if attempt == 0 => {
-                    tracing::warn!(error = %e, "zygote failed to fork; restarting it");
-                    *guard = None;
+                    tracing::warn!(error = %e, zygote = %z.id, "zygote failed to fork; dropping it");
+                    if choice_is_base(&choice) {
+                        cache.drop_base();
+                    } else {
+                        cache.drop_child(&choice);
+                    }
                 }
                 Err(e) => return Err(e.to_string()),
             }
         }
         Err("zygote could not fork".into())
+    }
+
+    /// Ask the base zygote for a child with `tail` imported; its hello is awaited in
+    /// the background so this fork does not wait for the tail's imports.
+    async fn spawn_child_zygote(&self, cache: &mut ImportCache, tail: std::collections::BTreeSet<String>) {
+        let id = format!("z-{}-{}", self.host_id, Uuid::now_v7().simple());
+        let modules = cache.modules_of(&tail);
+        let Some(base) = cache.base() else { return };
+        match base.spawn_child(&self.listener, &id, modules).await {
+            Ok(rx) => {
+                let (listener, zygotes) = (self.listener.clone(), self.zygotes.clone());
+                let modules = cache.modules_of(&tail);
+                tokio::spawn(async move {
+                    match Zygote::child_ready(&listener, &id, rx).await {
+                        Ok(z) => zygotes.lock().await.add_child(tail, modules, z),
+                        Err(e) => {
+                            tracing::warn!(error = %e, ?tail, "child zygote not ready");
+                            zygotes.lock().await.child_failed(&tail);
+                        }
+                    }
+                });
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "could not ask for a child zygote");
+                cache.child_failed(&tail);
+            }
+        }
     }
 
     /// Run one recipe to the end. Never panics; every failure becomes a `Failed` event.
@@ -137,7 +171,7 @@ impl ExecEnv {
         self.event(session, exec_id, EventKind::Claimed { host: self.host_id.clone(), slot, prepare }).await;
 
         let worker = match target {
-            Target::Fresh { slot } => match self.fork(session, slot, &recipe.options.cwd).await {
+            Target::Fresh { slot } => match self.fork(session, slot, &recipe.options.cwd, &recipe.imports).await {
                 Ok(w) => Arc::new(Mutex::new(w)),
                 Err(e) => {
                     self.event(session, exec_id, EventKind::Failed { error: format!("could not start a worker: {e}") }).await;
@@ -359,6 +393,10 @@ impl ExecEnv {
         }
         Ok(RestorePlan { drop, variables, objects })
     }
+}
+
+fn choice_is_base(choice: &crate::import_cache::Choice) -> bool {
+    choice.is_base()
 }
 
 enum Pending {

@@ -65,13 +65,15 @@ pub struct Host {
     kept: HashMap<String, Kept>,
     cpu: HashMap<Uuid, String>,
     pending: VecDeque<RecipeV1>,
+    /// Zygotes as last seen (the cache is locked while a fork is under way).
+    last_zygotes: Vec<ZygoteStatus>,
 }
 
 impl Host {
     /// A host with `slots` (real GPUs or virtual ones), claiming through `claims`.
     pub fn new(env: ExecEnv, claims: kv::Store, slots: Vec<Gpu>, real_gpus: bool) -> Self {
         let slots = slots.into_iter().map(|gpu| Slot { gpu, state: SlotState::Free, since: Instant::now() }).collect();
-        Self { env, claims, slots, real_gpus, kept: HashMap::new(), cpu: HashMap::new(), pending: VecDeque::new() }
+        Self { env, claims, slots, real_gpus, kept: HashMap::new(), cpu: HashMap::new(), pending: VecDeque::new(), last_zygotes: Vec::new() }
     }
 
     fn free_slot(&self) -> Option<usize> {
@@ -100,12 +102,12 @@ impl Host {
                 SlotStatus { index: s.gpu.index, name: s.gpu.name.clone(), memory_bytes: s.gpu.memory_bytes, exec_id, session, held_for }
             })
             .collect();
-        let zygotes = match self.env.zygote.try_lock() {
-            Ok(z) => z
-                .iter()
+        let zygotes = match self.env.zygotes.try_lock() {
+            Ok(cache) => cache
+                .zygotes()
                 .map(|z| ZygoteStatus { id: z.id.clone(), packages: z.packages.clone(), cuda_unsafe: z.cuda_unsafe.clone(), pid: z.pid })
                 .collect(),
-            Err(_) => vec![],
+            Err(_) => self.last_zygotes.clone(),
         };
         HostStatusV1 {
             host: self.env.host_id.clone(),
@@ -119,9 +121,10 @@ impl Host {
         }
     }
 
-    fn publish_status(&self, ctx: &mut Context<Self>) {
+    fn publish_status(&mut self, ctx: &mut Context<Self>) {
         let bus = self.env.bus.clone();
         let status = self.status();
+        self.last_zygotes = status.zygotes.clone();
         ctx.spawn(
             async move {
                 if let Err(e) = bus.publish(bus.subjects().host_status(&status.host), &status).await {

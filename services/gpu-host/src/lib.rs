@@ -10,13 +10,15 @@
 //! `{prefix}_claims`. Reads and writes chunks in the object store directly.
 //!
 //! Modules: [`host`] (the actor), [`exec`] (one execution), [`worker`] and
-//! [`zygotes`] (processes and their protocol, [`protocol`]), [`chunks`] (the byte
+//! [`zygotes`] (processes and their protocol, [`protocol`]), [`import_cache`] (the
+//! zygote tree), [`chunks`] (the byte
 //! path), [`gpus`] (slots).
 
 pub mod chunks;
 pub mod exec;
 pub mod gpus;
 pub mod host;
+pub mod import_cache;
 pub mod protocol;
 pub mod worker;
 pub mod zygotes;
@@ -30,6 +32,9 @@ use actix::prelude::*;
 use anyhow::Context as _;
 use schemas::messages::{RecipeV1, SessionCloseV1, SessionEventV1};
 use schemas::{buckets, Bus};
+
+/// Child zygotes kept per host (the base zygote always stays).
+const MAX_CHILD_ZYGOTES: usize = 4;
 
 /// What a gpu-host needs.
 #[derive(Clone, Debug)]
@@ -76,15 +81,13 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     };
     // Start the base zygote in the background: the host serves at once, and the first
     // fork waits for the zygote's imports instead of the host's subscriptions.
-    let zygote = Arc::new(tokio::sync::Mutex::new(None));
+    let zygotes = Arc::new(tokio::sync::Mutex::new(import_cache::ImportCache::new(zygote_spec, MAX_CHILD_ZYGOTES)));
     {
-        let (zygote, spec, listener, id) =
-            (zygote.clone(), zygote_spec.clone(), listener.clone(), format!("z-{}-base", config.host_id));
-        let mut guard = zygote.lock_owned().await;
+        let (listener, id) = (listener.clone(), format!("z-{}-base", config.host_id));
+        let mut cache = zygotes.clone().lock_owned().await;
         tokio::spawn(async move {
-            match zygotes::Zygote::start(&spec, &id, &listener).await {
-                Ok(z) => *guard = Some(z),
-                Err(e) => tracing::error!(error = %e, "base zygote failed to start; the next fork retries"),
+            if let Err(e) = cache.ensure_base(&listener, &id).await {
+                tracing::error!(error = %e, "base zygote failed to start; the next fork retries");
             }
         });
     }
@@ -93,8 +96,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         host_id: config.host_id.clone(),
         chunks: chunks::Chunks::new(objects, config.cache_bytes, shm_dir),
         listener,
-        zygote,
-        zygote_spec,
+        zygotes,
         cell_timeout: Duration::from_secs(24 * 3600),
         real_gpus,
     };
@@ -103,7 +105,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     let recipes = bus.subscribe::<RecipeV1>(s.all_recipes()).await?;
     let events = bus.subscribe::<SessionEventV1>(s.all_events()).await?;
     let closes = bus.subscribe::<SessionCloseV1>(s.all_closes()).await?;
-    let zygote_handle = env.zygote.clone();
+    let zygote_handle = env.zygotes.clone();
     let addr = host::Host::create(move |ctx| {
         ctx.add_stream(recipes.into_stream());
         ctx.add_stream(events.into_stream());
@@ -115,9 +117,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     if let Err(e) = addr.send(host::Stop).await {
         tracing::warn!(error = %e, "host actor already stopped");
     }
-    if let Some(z) = zygote_handle.lock().await.take() {
-        z.shutdown().await;
-    }
+    zygote_handle.lock().await.shutdown().await;
     let _ = std::fs::remove_file(socket_path(&config));
     bus.flush().await?;
     Ok(())

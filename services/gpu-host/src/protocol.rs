@@ -74,6 +74,9 @@ pub enum Frame {
         /// Zygote: packages that failed to import.
         #[serde(default)]
         import_errors: BTreeMap<String, String>,
+        /// Zygote: the interpreter's standard-library module names.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        stdlib: Vec<String>,
         /// Worker: the zygote it was forked from.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         zygote_id: Option<String>,
@@ -88,6 +91,13 @@ pub enum Frame {
         cwd: String,
         /// Socket the child connects to.
         socket: String,
+    },
+    /// host -> zygote: fork a child zygote that adds tail packages.
+    SpawnZygote {
+        /// The child's id.
+        zygote_id: String,
+        /// Packages it imports on top of its parent's.
+        packages: Vec<String>,
     },
     /// zygote -> host: forked.
     Forked {
@@ -231,6 +241,7 @@ impl Frame {
         match self {
             Frame::Hello { .. } => "hello",
             Frame::Fork { .. } => "fork",
+            Frame::SpawnZygote { .. } => "spawn_zygote",
             Frame::Forked { .. } => "forked",
             Frame::ForkFailed { .. } => "fork_failed",
             Frame::Restore { .. } => "restore",
@@ -351,7 +362,8 @@ mod tests {
 
     fn samples() -> Vec<Frame> {
         vec![
-            Frame::Hello { role: "worker".into(), id: "w".into(), pid: 1, packages: vec![], import_ms: 0.0, cuda_unsafe: vec![], import_errors: BTreeMap::new(), zygote_id: None },
+            Frame::Hello { role: "worker".into(), id: "w".into(), pid: 1, packages: vec![], import_ms: 0.0, cuda_unsafe: vec![], import_errors: BTreeMap::new(), stdlib: vec![], zygote_id: None },
+            Frame::SpawnZygote { zygote_id: "z".into(), packages: vec!["sklearn".into()] },
             Frame::Fork { worker_id: "w".into(), env: BTreeMap::new(), cwd: "/".into(), socket: "/s".into() },
             Frame::Forked { worker_id: "w".into(), pid: 2 },
             Frame::ForkFailed { worker_id: "w".into(), error: "e".into() },

@@ -1,7 +1,6 @@
-//! The import cache: zygote processes that imported the head packages once and
-//! fork workers on request (DESIGN.md section 7). This first version keeps the base
-//! zygote only and restarts it if it dies; child zygotes for tail packages come
-//! with the import-cache work.
+//! Zygote processes: Python interpreters that imported packages once and fork
+//! workers on request (DESIGN.md section 7). [`crate::import_cache`] decides which
+//! zygotes exist.
 //!
 //! Zygotes and workers connect back to the host's Unix socket and introduce
 //! themselves with `hello`; [`Listener`] routes each connection to whoever waits
@@ -169,8 +168,20 @@ pub struct Zygote {
     pub packages: Vec<String>,
     /// Packages found to initialise CUDA.
     pub cuda_unsafe: Vec<String>,
+    /// The interpreter's standard-library module names.
+    pub stdlib: Vec<String>,
     conn: Conn,
-    _child: tokio::process::Child,
+    /// The process handle, for zygotes this host started (children of a zygote
+    /// are not the host's children: they are killed by pid).
+    process: Option<tokio::process::Child>,
+}
+
+impl Drop for Zygote {
+    fn drop(&mut self) {
+        if self.process.is_none() {
+            crate::worker::kill(self.pid);
+        }
+    }
 }
 
 /// A freshly forked worker's connection.
@@ -204,11 +215,38 @@ impl Zygote {
             .spawn()
             .map_err(|e| ZygoteError::Spawn { python: spec.python.display().to_string(), reason: e.to_string() })?;
         let hello = listener.wait(id, rx, ZYGOTE_START).await?;
-        let Frame::Hello { pid, packages, cuda_unsafe, import_ms, import_errors, .. } = hello.frame else {
+        Self::from_hello(id, hello, Some(child))
+    }
+
+    fn from_hello(id: &str, hello: Hello, process: Option<tokio::process::Child>) -> Result<Self, ZygoteError> {
+        let Frame::Hello { pid, packages, cuda_unsafe, import_ms, import_errors, stdlib, .. } = hello.frame else {
             return Err(ZygoteError::NoHello { what: id.into(), timeout: ZYGOTE_START });
         };
         tracing::info!(zygote = id, pid, ?packages, ?cuda_unsafe, ?import_errors, import_ms, "zygote ready");
-        Ok(Self { id: id.to_string(), pid, packages, cuda_unsafe, conn: hello.conn, _child: child })
+        Ok(Self { id: id.to_string(), pid, packages, cuda_unsafe, stdlib, conn: hello.conn, process })
+    }
+
+    /// Ask this zygote to fork a child zygote that also imports `packages`; returns
+    /// what to await for the child's hello (see [`Zygote::child_ready`]).
+    pub async fn spawn_child(
+        &mut self,
+        listener: &Listener,
+        child_id: &str,
+        packages: Vec<String>,
+    ) -> Result<oneshot::Receiver<Hello>, ZygoteError> {
+        let rx = listener.expect(child_id);
+        let frame = Frame::SpawnZygote { zygote_id: child_id.to_string(), packages };
+        if let Err(source) = self.conn.send(&frame).await {
+            listener.forget(child_id);
+            return Err(ZygoteError::Conn { id: self.id.clone(), source });
+        }
+        Ok(rx)
+    }
+
+    /// Wait for a child zygote's hello (its tail imports may take seconds).
+    pub async fn child_ready(listener: &Listener, child_id: &str, rx: oneshot::Receiver<Hello>) -> Result<Self, ZygoteError> {
+        let hello = listener.wait(child_id, rx, ZYGOTE_START).await?;
+        Self::from_hello(child_id, hello, None)
     }
 
     /// Fork a worker with `env` in `cwd`, and wait for it to connect.

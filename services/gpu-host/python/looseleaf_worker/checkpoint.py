@@ -245,7 +245,12 @@ class RecordPickler(cloudpickle.Pickler):
         t = type(obj)
         mod = getattr(t, "__module__", None) or ""
         if mod and mod not in ("builtins", "__main__"):
-            self.modules.add(mod.split(".")[0])
+            self.modules.add(mod)  # dotted: importing the package alone may not load it
+        if isinstance(obj, (type, types.FunctionType, types.BuiltinFunctionType)):
+            # classes and functions pickled by reference load by importing their module
+            own = getattr(obj, "__module__", None)
+            if isinstance(own, str) and own not in ("builtins", "__main__"):
+                self.modules.add(own)
         np = sys.modules.get("numpy")
         if np is not None and t is np.ndarray and not obj.dtype.hasobject:
             if isinstance(obj.base, np.ndarray):

@@ -163,6 +163,11 @@ class WorkerShell(InteractiveShell):
         self.config.HistoryManager.hist_file = ":memory:"
         super().init_history()
 
+    def bind(self, emit: Emit) -> None:
+        """Send outputs to ``emit`` from now on (a zygote makes the shell before it
+        forks; each worker binds it to its own socket)."""
+        self._emit = emit
+
     def emit(self, output: dict) -> None:
         self._emit(output)
 

@@ -36,7 +36,9 @@ class Worker:
         self.versions: dict[str, str] = {}   # names held -> store version
         self.oid_of: dict[int, tuple] = {}   # id(obj) -> (oid, obj), kept alive
         self.save_seq = 0
+        # made by the zygote before the fork when there is one (it costs ~15 ms)
         self.shell = WorkerShell.instance(emit=self._emit_output)
+        self.shell.bind(self._emit_output)
         # after the shell: its own env/warnings setup is not a cell's doing
         self.base = ambient.Baseline()
 

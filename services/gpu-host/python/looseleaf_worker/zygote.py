@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import signal
 import socket
+import struct
 import sys
 import time
 
@@ -55,6 +57,10 @@ def load_probe():
     return getattr(importlib.import_module(mod), fn)
 
 
+def _output_before_fork(output: dict) -> None:
+    _log(f"output before any worker: {output.get('text') or output}")
+
+
 def _log(msg: str) -> None:
     os.write(2, f"looseleaf zygote: {msg}\n".encode())
 
@@ -88,22 +94,53 @@ def _reexec_without(args, unsafe: str) -> None:
     os.execv(sys.executable, argv)
 
 
-def _fork_worker(conn: socket.socket, msg: dict, zygote_id: str) -> None:
-    wid = msg["worker_id"]
-    try:
+class Spare:
+    """One child forked ahead of need. Forking a zygote that imported torch costs
+    ~10 ms of page-table copying; a spare pays it before Run. The spare is generic
+    (no session, no device, no cwd) until ``fork`` hands it its parameters through
+    a pipe, and it touches nothing (CUDA least of all) before that."""
+
+    def __init__(self, conn: socket.socket, zygote_id: str):
+        r, w = os.pipe()
         pid = os.fork()
-    except OSError as e:
-        protocol.send(conn, {"type": "fork_failed", "worker_id": wid, "error": str(e)})
-        return
-    if pid:
-        protocol.send(conn, {"type": "forked", "worker_id": wid, "pid": pid})
-        return
-    # child: never return into the zygote loop
+        if pid == 0:
+            os.close(w)
+            _become_worker(conn, zygote_id, lambda: _read_params(r))
+        os.close(r)
+        self.pid, self.pipe = pid, w
+
+    def hand(self, msg: dict) -> bool:
+        """Give the spare its worker parameters; False if it is gone."""
+        body = json.dumps(msg).encode()
+        try:
+            os.write(self.pipe, struct.pack(">I", len(body)) + body)
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(self.pipe)
+
+
+def _read_params(fd: int) -> dict:
+    with os.fdopen(fd, "rb") as f:
+        head = f.read(4)
+        if len(head) < 4:
+            raise EOFError("zygote went away before handing parameters")
+        (n,) = struct.unpack(">I", head)
+        return json.loads(f.read(n))
+
+
+def _become_worker(conn: socket.socket, zygote_id: str, params) -> None:
+    """In a forked child: wait for parameters, then serve as a worker; never
+    returns into the zygote loop."""
     code = 0
+    wid = "?"
     try:
         conn.close()
         os.setsid()
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # cells need waitpid
+        msg = params()
+        wid = msg["worker_id"]
         os.environ.update(msg["env"])
         os.chdir(msg["cwd"])
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -111,10 +148,33 @@ def _fork_worker(conn: socket.socket, msg: dict, zygote_id: str) -> None:
         from . import worker
         worker.main(sock, wid, zygote_id)
     except BaseException as e:  # noqa: BLE001
-        _log(f"worker {wid} failed: {type(e).__name__}: {e}")
+        if not isinstance(e, EOFError):
+            _log(f"worker {wid} failed: {type(e).__name__}: {e}")
         code = 1
     finally:
         os._exit(code)
+
+
+def _fork_worker(conn: socket.socket, msg: dict, zygote_id: str, spare: "Spare | None") -> "Spare | None":
+    """Serve one ``fork``: hand it to the spare if there is a live one, else fork
+    now; then fork the next spare. Returns the new spare."""
+    wid = msg["worker_id"]
+    if spare is not None and spare.hand(msg):
+        protocol.send(conn, {"type": "forked", "worker_id": wid, "pid": spare.pid})
+    else:
+        try:
+            pid = os.fork()
+        except OSError as e:
+            protocol.send(conn, {"type": "fork_failed", "worker_id": wid, "error": str(e)})
+            return None
+        if pid == 0:
+            _become_worker(conn, zygote_id, lambda: msg)
+        protocol.send(conn, {"type": "forked", "worker_id": wid, "pid": pid})
+    try:
+        return Spare(conn, zygote_id)
+    except OSError as e:
+        _log(f"could not fork a spare: {e}")
+        return None
 
 
 def main(argv=None) -> int:
@@ -137,14 +197,27 @@ def main(argv=None) -> int:
     if unsafe is not None:
         _reexec_without(args, unsafe)
 
+    # Build the IPython shell once here, so every worker forks with it ready.
+    # (Its history is in memory: no saving thread, so the zygote stays thread-free.)
+    from .shell import WorkerShell
+    WorkerShell.instance(emit=_output_before_fork)
+
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    return serve(args.socket, args.id, imported, ms, args.cuda_unsafe, errors)
+
+
+def serve(sock_path: str, zid: str, packages: list[str], import_ms: float,
+          cuda_unsafe: list[str], errors: dict[str, str]) -> int:
+    """Say hello to the host and serve forks until shutdown."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn.connect(args.socket)
-    hello = {"type": "hello", "role": "zygote", "id": args.id, "pid": os.getpid(),
-             "packages": imported, "import_ms": ms, "cuda_unsafe": args.cuda_unsafe}
+    conn.connect(sock_path)
+    hello = {"type": "hello", "role": "zygote", "id": zid, "pid": os.getpid(),
+             "packages": packages, "import_ms": import_ms, "cuda_unsafe": cuda_unsafe,
+             "stdlib": sorted(sys.stdlib_module_names)}
     if errors:
         hello["import_errors"] = errors
     protocol.send(conn, hello)
+    spare = Spare(conn, zid)
     while True:
         try:
             msg = protocol.recv(conn)
@@ -154,10 +227,50 @@ def main(argv=None) -> int:
         if msg is None or msg["type"] == "shutdown":
             return 0
         if msg["type"] == "fork":
-            _fork_worker(conn, msg, args.id)
+            spare = _fork_worker(conn, msg, zid, spare)
+        elif msg["type"] == "spawn_zygote":
+            _spawn_child(conn, msg, sock_path, packages, cuda_unsafe)
         else:
             protocol.send(conn, {"type": "error",
                                  "message": f"a zygote does not handle {msg['type']}"})
+
+
+def _spawn_child(conn: socket.socket, msg: dict, sock_path: str, packages: list[str],
+                 cuda_unsafe: list[str]) -> None:
+    """Fork a child zygote that adds tail packages to ours (DESIGN.md section 7).
+    It introduces itself to the host with its own hello; a tail package that
+    initialises CUDA is reported and the child keeps serving only if none did."""
+    try:
+        pid = os.fork()
+    except OSError as e:
+        _log(f"could not fork child zygote {msg['zygote_id']}: {e}")
+        return
+    if pid:
+        return
+    code = 0
+    try:
+        conn.close()
+        os.setsid()
+        probe = load_probe()
+        tail = [p for p in msg["packages"] if p not in packages and p not in cuda_unsafe]
+        imported, ms, errors, unsafe = import_packages(tail, probe)
+        if unsafe is not None:
+            # this process touched CUDA: say so and leave; never fork from it
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            c.connect(sock_path)
+            protocol.send(c, {"type": "hello", "role": "zygote", "id": msg["zygote_id"],
+                              "pid": os.getpid(), "packages": [], "import_ms": ms,
+                              "cuda_unsafe": cuda_unsafe + [unsafe]})
+            c.close()
+            code = 3
+        else:
+            code = serve(sock_path, msg["zygote_id"], packages + imported, ms,
+                         cuda_unsafe, errors)
+    except BaseException as e:  # noqa: BLE001
+        _log(f"child zygote {msg['zygote_id']} failed: {type(e).__name__}: {e}")
+        code = 1
+    finally:
+        os._exit(code)
 
 
 if __name__ == "__main__":

@@ -66,3 +66,30 @@ def test_protocol_file_override(tmp_path):
                          cwd=str(PYDIR), env={**os.environ, "LOOSELEAF_PROTOCOL_FILE": str(f)},
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "1234"
+
+
+def test_child_zygote_adds_tail_packages_and_forks_workers(host, zygote):
+    """spawn_zygote forks a child of the base that imports more packages, says
+    hello as a zygote of its own, and forks workers that have them imported."""
+    import os
+
+    from hostsim import Conn, Zygote
+
+    path = os.path.join(host.dir, f"z-{zygote.id}.sock")
+    os.unlink(path)  # the base's listener was closed after its hello; listen again
+    lsock = host.listener(f"z-{zygote.id}")
+    zygote.conn.send({"type": "spawn_zygote", "zygote_id": "z-child", "packages": ["json", "csv"]})
+    s, _ = lsock.accept()
+    lsock.close()
+    s.settimeout(60)
+    child = Zygote.__new__(Zygote)
+    child.host, child.id, child.conn = host, "z-child", Conn(s, host.received)
+    child.stderr = zygote.stderr
+    hello = child.conn.expect("hello")
+    assert hello["id"] == "z-child" and hello["pid"] != zygote.hello["pid"]
+    assert "json" in hello["packages"] and "csv" in hello["packages"]
+    assert "sys" in hello["stdlib"]
+    w = child.fork()
+    r = w.run("import sys\nprint('csv' in sys.modules)")
+    assert r["outputs"][0]["text"].strip() == "True"
+    child.conn.send({"type": "shutdown"})
