@@ -1,5 +1,6 @@
 //! `looseleaf`: the embedded cluster (`up`), notebook runs (`run`) and a status view.
 
+mod analyze;
 mod client;
 mod cluster;
 mod notebook;
@@ -81,6 +82,33 @@ enum Command {
         #[command(flatten)]
         embed: EmbedArgs,
     },
+    /// Print each code cell's static state closure, as the planner derives it.
+    Analyze {
+        /// The notebook (nbformat 4).
+        notebook: PathBuf,
+        /// Write the per-cell report as JSON here instead of printing.
+        #[arg(long)]
+        json: Option<PathBuf>,
+        /// Also time the analysis of each cell (median µs).
+        #[arg(long)]
+        time: bool,
+    },
+    /// Measure edit events per second through a running planner (bench/analysis).
+    #[command(hide = true)]
+    BenchEdits {
+        /// NATS server URL.
+        #[arg(long, env = "LOOSELEAF_NATS_URL")]
+        nats_url: String,
+        /// Subject prefix of the planner.
+        #[arg(long, env = "LOOSELEAF_PREFIX")]
+        prefix: String,
+        /// Edits to publish.
+        #[arg(long, default_value_t = 20000)]
+        events: u64,
+        /// Write the result as JSON here.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// Show hosts (slots, zygotes, CPU sessions, cache) and the services that answer.
     Status {
         /// NATS server URL.
@@ -136,6 +164,10 @@ fn main() -> anyhow::Result<()> {
             let opts = options(embed, tmp.path().to_path_buf(), Some(virtual_gpus), 0);
             let req = run::RunRequest { notebook, output, report, all_gpu, frontend };
             system.block_on(run::run(req, opts))
+        }
+        Command::Analyze { notebook, json, time } => analyze::analyze_command(&notebook, json.as_ref(), time),
+        Command::BenchEdits { nats_url, prefix, events, json } => {
+            system.block_on(analyze::bench_edits(&nats_url, &prefix, events, json.as_ref()))
         }
         Command::Status { nats_url, prefix, wait_ms } => {
             system.block_on(status::status(&nats_url, &prefix, Duration::from_millis(wait_ms)))

@@ -29,8 +29,9 @@ use crate::state;
 pub struct Planner {
     bus: Bus,
     kv: kv::Store,
-    /// Latest manifest seen per session, for edits (runs always fetch).
-    manifests: HashMap<Uuid, Arc<Manifest>>,
+    /// Latest manifest and planner state seen per session, for edits (runs always
+    /// fetch both).
+    manifests: HashMap<Uuid, (Arc<Manifest>, Arc<state::SessionState>)>,
     /// Per (session, cell): recipe revision and fingerprint of the last speculative recipe.
     speculative: HashMap<(Uuid, String), (u64, u64)>,
 }
@@ -59,15 +60,26 @@ async fn fetch_manifest(bus: &Bus, session: Uuid) -> Result<Manifest, String> {
         .map_err(|e| format!("planner could not read the session's state: {e}"))
 }
 
-fn recipe(session: Uuid, cell_id: String, kind: RecipeKind, exec_id: Uuid, revision: u64, code: String, d: &Derived, manifest_revision: u64, run_unix_ms: u64, options: SessionOptions) -> RecipeV1 {
+/// What a recipe is for: the cell, the execution (nil while editing) and the code.
+struct For {
+    session: Uuid,
+    cell_id: String,
+    kind: RecipeKind,
+    exec_id: Uuid,
+    code: String,
+    run_unix_ms: u64,
+    options: SessionOptions,
+}
+
+fn recipe(f: For, revision: u64, manifest_revision: u64, d: &Derived) -> RecipeV1 {
     RecipeV1 {
-        session,
-        cell_id,
-        kind,
-        exec_id,
+        session: f.session,
+        cell_id: f.cell_id,
+        kind: f.kind,
+        exec_id: f.exec_id,
         revision,
-        code_hash: code_hash(&code),
-        code,
+        code_hash: code_hash(&f.code),
+        code: f.code,
         closure: d.closure.clone(),
         imports: d.imports.clone(),
         device: d.device,
@@ -75,12 +87,12 @@ fn recipe(session: Uuid, cell_id: String, kind: RecipeKind, exec_id: Uuid, revis
         conservative: d.conservative.clone(),
         pinned: d.pinned.clone(),
         manifest_revision,
-        run_unix_ms,
-        options,
+        run_unix_ms: f.run_unix_ms,
+        options: f.options,
     }
 }
 
-async fn plan_run(bus: Bus, kv: kv::Store, run: RunV1) -> Result<Manifest, String> {
+async fn plan_run(bus: Bus, kv: kv::Store, run: RunV1) -> Result<(Manifest, state::SessionState), String> {
     let analysis = analysis::analyze(&run.code);
     let manifest = fetch_manifest(&bus, run.session).await?;
     if manifest.revision < run.after_revision {
@@ -111,9 +123,18 @@ async fn plan_run(bus: Bus, kv: kv::Store, run: RunV1) -> Result<Manifest, Strin
         },
     };
     bus.publish(bus.subjects().event(run.session), &planned).await.map_err(|e| e.to_string())?;
-    let r = recipe(run.session, run.cell_id, RecipeKind::Run, run.exec_id, revision, run.code, &d, manifest.revision, run.run_unix_ms, run.options);
+    let target = For {
+        session: run.session,
+        cell_id: run.cell_id,
+        kind: RecipeKind::Run,
+        exec_id: run.exec_id,
+        code: run.code,
+        run_unix_ms: run.run_unix_ms,
+        options: run.options,
+    };
+    let r = recipe(target, revision, manifest.revision, &d);
     bus.publish(bus.subjects().recipe(run.session), &r).await.map_err(|e| e.to_string())?;
-    Ok(manifest)
+    Ok((manifest, st))
 }
 
 impl StreamHandler<Result<Envelope<RunV1>, Rejected>> for Planner {
@@ -134,9 +155,9 @@ impl StreamHandler<Result<Envelope<RunV1>, Rejected>> for Planner {
             result.ok()
         }
         .instrument(span);
-        ctx.spawn(fut.into_actor(self).map(move |manifest, act, _| {
-            if let Some(m) = manifest {
-                act.manifests.insert(session, Arc::new(m));
+        ctx.spawn(fut.into_actor(self).map(move |planned, act, _| {
+            if let Some((m, st)) = planned {
+                act.manifests.insert(session, (Arc::new(m), Arc::new(st)));
             }
         }));
     }
@@ -146,10 +167,14 @@ impl StreamHandler<Result<Envelope<EditV1>, Rejected>> for Planner {
     fn handle(&mut self, item: Result<Envelope<EditV1>, Rejected>, ctx: &mut Self::Context) {
         let Ok(env) = item else { return };
         let edit = env.msg;
-        let manifest = self.manifests.get(&edit.session).cloned().unwrap_or_else(|| Arc::new(Manifest::empty(edit.session)));
+        let (manifest, st) = self
+            .manifests
+            .get(&edit.session)
+            .cloned()
+            .unwrap_or_else(|| (Arc::new(Manifest::empty(edit.session)), Arc::new(state::SessionState::default())));
         let analysis = analysis::analyze(&edit.code);
-        // Edits refine nothing in the stored state; the speculator decides what to prepare.
-        let d = derive(&analysis, &edit.code, &manifest, &state::SessionState::default(), false, Uuid::nil());
+        // What the last run knew (function summaries included); edits change nothing stored.
+        let d = derive(&analysis, &edit.code, &manifest, &st, false, Uuid::nil());
         let key = (edit.session, edit.cell_id.clone());
         let fp = d.fingerprint();
         let revision = match self.speculative.get(&key) {
@@ -158,7 +183,16 @@ impl StreamHandler<Result<Envelope<EditV1>, Rejected>> for Planner {
             None => 1,
         };
         self.speculative.insert(key, (revision, fp));
-        let r = recipe(edit.session, edit.cell_id, RecipeKind::Speculative, Uuid::nil(), revision, edit.code, &d, manifest.revision, 0, SessionOptions { cwd: String::new(), all_gpu: false });
+        let target = For {
+            session: edit.session,
+            cell_id: edit.cell_id,
+            kind: RecipeKind::Speculative,
+            exec_id: Uuid::nil(),
+            code: edit.code,
+            run_unix_ms: 0,
+            options: SessionOptions { cwd: String::new(), all_gpu: false },
+        };
+        let r = recipe(target, revision, manifest.revision, &d);
         let bus = self.bus.clone();
         ctx.spawn(
             async move {

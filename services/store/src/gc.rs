@@ -30,7 +30,7 @@ pub async fn collect(manifests: &Manifests, keep_revisions: u64, grace: Duration
             .try_filter_map(|m| async move { Ok(checkpoint::revision_of_key(m.location.as_ref()).map(|r| (r, m.location))) })
             .try_collect()
             .await?;
-        keys.sort_by(|a, b| b.0.cmp(&a.0));
+        keys.sort_by_key(|k| std::cmp::Reverse(k.0));
         for (i, (_, key)) in keys.iter().enumerate() {
             if i < keep {
                 let bytes = objects.get(key).await?.bytes().await?;
