@@ -1,0 +1,193 @@
+"""Helpers shared by the benchmarks under bench/: paths, the release build, a
+scratch copy of the corpus, a local LooseLeaf cluster, notebook runs, statistics.
+
+Only the standard library; every bench runs with the repository's .venv python.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "bench"
+WORK = BENCH / "work"          # gitignored scratch space
+RESULTS = BENCH / "results"
+RELEASE = REPO / "target" / "release"
+LOOSELEAF = RELEASE / "looseleaf"
+PYTHON = REPO / ".venv" / "bin" / "python"
+CORPUS = (REPO / ".." / "shared" / "corpus").resolve()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def ensure_release() -> None:
+    """Build the release binaries once if any is missing."""
+    bins = ["looseleaf", "looseleaf-frontend", "looseleaf-planner", "looseleaf-gpu-host", "looseleaf-store"]
+    if all((RELEASE / b).exists() for b in bins):
+        return
+    log("release binaries missing: cargo build --release --workspace --bins")
+    subprocess.run(["cargo", "build", "--release", "--workspace", "--bins"], cwd=REPO, check=True)
+
+
+def scratch(name: str) -> Path:
+    """A fresh scratch folder bench/work/NAME."""
+    d = WORK / name
+    if d.exists():
+        shutil.rmtree(d)
+    d.mkdir(parents=True)
+    return d
+
+
+def copy_corpus(dest: Path) -> Path:
+    """Copy the corpus (read-only in shared/) to DEST/corpus, writable."""
+    out = dest / "corpus"
+    shutil.copytree(CORPUS, out)
+    for root, dirs, files in os.walk(out):
+        for n in dirs + files:
+            p = Path(root) / n
+            p.chmod(p.stat().st_mode | 0o200)
+    return out
+
+
+def code_cells(nb_path: Path) -> list[tuple[int, str]]:
+    """(index among all cells, source) of the code cells `looseleaf run` executes:
+    code cells whose source is not blank (src/notebook.rs)."""
+    nb = json.loads(nb_path.read_text())
+    out = []
+    for i, c in enumerate(nb.get("cells", [])):
+        if c.get("cell_type") != "code":
+            continue
+        src = c.get("source", "")
+        src = "".join(src) if isinstance(src, list) else src
+        if src.strip():
+            out.append((i, src))
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    """`looseleaf up` in the background, stopped with SIGINT (its Ctrl-C path)."""
+
+    def __init__(self, data_dir: Path, virtual_gpus: int = 2):
+        self.port = free_port()
+        self.data_dir = data_dir
+        self.log_path = data_dir.parent / "up.log"
+        data_dir.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [str(LOOSELEAF), "up", "--virtual-gpus", str(virtual_gpus), "--port", str(self.port),
+             "--data-dir", str(data_dir)],
+            cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.nats_url = None
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        """Until `up` says the hosts are ready (it prints that after their first status)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.log_path.read_text()
+            m = re.search(r"LooseLeaf is up: frontend (\S+) \(NATS (\S+)\)", text)
+            if m:
+                self.url, self.nats_url = m.group(1), m.group(2)
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"looseleaf up exited ({self.proc.returncode}):\n{text}")
+            time.sleep(0.2)
+        raise TimeoutError(f"looseleaf up not ready after {timeout} s:\n{self.log_path.read_text()}")
+
+    def descendants(self) -> list[int]:
+        """Pids of every process under `looseleaf up` (from /proc ppid links)."""
+        children: dict[int, list[int]] = {}
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit():
+                continue
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(d.name))
+        out, todo = [], [self.proc.pid]
+        while todo:
+            p = todo.pop()
+            for c in children.get(p, []):
+                out.append(c)
+                todo.append(c)
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(2)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def run_notebook(nb: Path, frontend: str, out_dir: Path, all_gpu: bool = True, timeout: float = 300) -> dict:
+    """`looseleaf run NB --all-gpu --frontend URL`; returns the report."""
+    stem = nb.stem
+    report = out_dir / f"{stem}.report.json"
+    args = [str(LOOSELEAF), "run", str(nb), "--output", str(out_dir / f"{stem}.out.ipynb"),
+            "--report", str(report), "--frontend", frontend]
+    if all_gpu:
+        args.append("--all-gpu")
+    with open(out_dir / f"{stem}.run.log", "w") as logf:
+        subprocess.run(args, cwd=REPO, stdout=logf, stderr=subprocess.STDOUT, check=True, timeout=timeout)
+    return json.loads(report.read_text())
+
+
+def proc_memory(pid: int) -> dict:
+    """VmRSS and Pss of a process, in bytes."""
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            out["rss_bytes"] = int(line.split()[1]) * 1024
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                out["pss_bytes"] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+
+
+def median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def percentile(xs, q: float):
+    if not xs:
+        return None
+    v = sorted(xs)
+    k = (len(v) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def write_result(name: str, data: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    return path
