@@ -83,11 +83,11 @@ pub fn analyze_notebook(path: &Path, time: bool) -> anyhow::Result<NotebookRepor
     for cell in notebook::code_cells(&nb) {
         let exec_id = Uuid::now_v7();
         let a = analysis::analyze(&cell.source);
-        let d = derive(&a, &cell.source, &manifest, &state, false, exec_id);
+        let d = derive(&a, &cell.source, &manifest, &state, false, exec_id, &cell.cell_id);
         let time_us = time.then(|| {
             time_us(|| {
                 let a = analysis::analyze(&cell.source);
-                std::hint::black_box(derive(&a, &cell.source, &manifest, &state, false, exec_id));
+                std::hint::black_box(derive(&a, &cell.source, &manifest, &state, false, exec_id, &cell.cell_id));
             })
         });
         cells.push(CellReport {

@@ -78,6 +78,7 @@ fn a_cell_that_raised_reports_the_error() {
             execution_count: 3,
             run_ms: 4.0,
             outputs: 1,
+            cuda_used: false,
         },
     ));
     let c = CellReport::from_trace(&t, None);

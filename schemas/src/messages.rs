@@ -257,6 +257,8 @@ pub enum EventKind {
         run_ms: f64,
         /// How many outputs were published for the execution (clients wait for them).
         outputs: u64,
+        /// Whether the cell initialised CUDA (the planner labels the cell GPU next time).
+        cuda_used: bool,
     },
     /// The cell's state was committed; the slot is released.
     Saved {

@@ -302,6 +302,7 @@ impl ExecEnv {
             execution_count: finished.execution_count,
             run_ms: finished.run_ms,
             outputs: finished.outputs,
+            cuda_used: finished.cuda_used,
         })
         .await;
 

@@ -18,7 +18,7 @@ pub mod state;
 use std::future::Future;
 
 use actix::prelude::*;
-use schemas::messages::{EditV1, RunV1, SessionCloseV1};
+use schemas::messages::{EditV1, RunV1, SessionCloseV1, SessionEventV1};
 use schemas::{buckets, Bus};
 
 /// What the planner needs.
@@ -39,11 +39,13 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     let runs = bus.queue_subscribe::<RunV1>(s.all_runs(), "planner").await?;
     let edits = bus.queue_subscribe::<EditV1>(s.all_edits(), "planner").await?;
     let closes = bus.queue_subscribe::<SessionCloseV1>(s.all_closes(), "planner").await?;
+    let events = bus.queue_subscribe::<SessionEventV1>(s.all_events(), "planner").await?;
     let actor_bus = bus.clone();
     let addr = planner::Planner::create(move |ctx| {
         ctx.add_stream(runs.into_stream());
         ctx.add_stream(edits.into_stream());
         ctx.add_stream(closes.into_stream());
+        ctx.add_stream(events.into_stream());
         planner::Planner::new(actor_bus, kv)
     });
     tracing::info!(prefix = %config.prefix, "planner serving");

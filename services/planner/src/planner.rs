@@ -98,15 +98,20 @@ async fn plan_run(bus: Bus, kv: kv::Store, run: RunV1) -> Result<(Manifest, stat
     if manifest.revision < run.after_revision {
         tracing::warn!(session = %run.session, have = manifest.revision, want = run.after_revision, "manifest older than the run expects");
     }
-    let mut st = state::load(&kv, run.session).await.map_err(|e| e.to_string())?;
-    let d = derive(&analysis, &run.code, &manifest, &st, run.options.all_gpu, run.exec_id);
-    let revision = st.recipes.get(&run.cell_id).map(|r| r.0 + 1).unwrap_or(1);
-    st.recipes.insert(run.cell_id.clone(), (revision, d.fingerprint()));
-    st.names.extend(d.writes.clone());
-    for name in &analysis.deletes {
-        st.names.remove(name);
-    }
-    state::save(&kv, run.session, &st).await.map_err(|e| e.to_string())?;
+    let cell_id = run.cell_id.clone();
+    let (d, revision, st) = state::modify(&kv, run.session, |st| {
+        let d = derive(&analysis, &run.code, &manifest, st, run.options.all_gpu, run.exec_id, &cell_id);
+        let revision = st.recipes.get(&cell_id).map(|r| r.0 + 1).unwrap_or(1);
+        st.recipes.insert(cell_id.clone(), (revision, d.fingerprint()));
+        st.names.extend(d.writes.clone());
+        st.running.insert(run.exec_id, cell_id.clone());
+        for name in &analysis.deletes {
+            st.names.remove(name);
+        }
+        (d, revision, st.clone())
+    })
+    .await
+    .map_err(|e| e.to_string())?;
 
     let planned = SessionEventV1 {
         session: run.session,
@@ -174,7 +179,7 @@ impl StreamHandler<Result<Envelope<EditV1>, Rejected>> for Planner {
             .unwrap_or_else(|| (Arc::new(Manifest::empty(edit.session)), Arc::new(state::SessionState::default())));
         let analysis = analysis::analyze(&edit.code);
         // What the last run knew (function summaries included); edits change nothing stored.
-        let d = derive(&analysis, &edit.code, &manifest, &st, false, Uuid::nil());
+        let d = derive(&analysis, &edit.code, &manifest, &st, false, Uuid::nil(), &edit.cell_id);
         let key = (edit.session, edit.cell_id.clone());
         let fp = d.fingerprint();
         let revision = match self.speculative.get(&key) {
@@ -198,6 +203,37 @@ impl StreamHandler<Result<Envelope<EditV1>, Rejected>> for Planner {
             async move {
                 if let Err(e) = bus.publish(bus.subjects().recipe(r.session), &r).await {
                     tracing::warn!(error = %e, "could not publish a speculative recipe");
+                }
+            }
+            .into_actor(self),
+        );
+    }
+}
+
+/// Learn from a finished cell: if its worker saw CUDA used, label the cell GPU
+/// next time (DESIGN.md section 4; the "what the worker reported").
+async fn learn(kv: kv::Store, session: Uuid, exec_id: Uuid, cuda_used: bool) -> Result<(), state::StateError> {
+    state::modify(&kv, session, |st| {
+        if let Some(cell_id) = st.running.remove(&exec_id) {
+            if cuda_used {
+                st.cuda_cells.insert(cell_id);
+            } else {
+                st.cuda_cells.remove(&cell_id);
+            }
+        }
+    })
+    .await
+}
+
+impl StreamHandler<Result<Envelope<SessionEventV1>, Rejected>> for Planner {
+    fn handle(&mut self, item: Result<Envelope<SessionEventV1>, Rejected>, ctx: &mut Self::Context) {
+        let Ok(env) = item else { return };
+        let EventKind::Finished { cuda_used, .. } = env.msg.kind else { return };
+        let (kv, session, exec_id) = (self.kv.clone(), env.msg.session, env.msg.exec_id);
+        ctx.spawn(
+            async move {
+                if let Err(e) = learn(kv, session, exec_id, cuda_used).await {
+                    tracing::warn!(error = %e, "could not record a cell's CUDA use");
                 }
             }
             .into_actor(self),

@@ -92,7 +92,7 @@ fn moved_names(code: &str) -> BTreeSet<String> {
 }
 
 /// Derive the recipe of `code` (already analysed) against `manifest`.
-pub fn derive(analysis: &CellAnalysis, code: &str, manifest: &Manifest, state: &SessionState, all_gpu: bool, exec_id: uuid::Uuid) -> Derived {
+pub fn derive(analysis: &CellAnalysis, code: &str, manifest: &Manifest, state: &SessionState, all_gpu: bool, exec_id: uuid::Uuid, cell_id: &str) -> Derived {
     let history = history(manifest, state);
     // Notebook-defined classes always come along: pickle, torch.load and friends
     // look them up in __main__ by name, which no static read shows.
@@ -119,6 +119,9 @@ pub fn derive(analysis: &CellAnalysis, code: &str, manifest: &Manifest, state: &
         (Some(h), false) => (to_device(h.label), h.reason.clone()),
         (None, false) => match analysis::closure_device(&closure, &history) {
             Some(h) => (to_device(h.label), h.reason),
+            None if state.cuda_cells.contains(cell_id) => {
+                (Device::Gpu, "the worker saw CUDA used the last time this cell ran".to_string())
+            }
             None => (Device::Cpu, "no GPU sign in the cell or its closure".to_string()),
         },
     };
@@ -203,7 +206,7 @@ mod tests {
         let def_cell = analysis::analyze("def f():\n    return a + 1\n");
         state.names.insert("f".into(), NameMeta { exec_id: Uuid::nil(), def: def_cell.defs.get("f").cloned(), on_gpu: false });
         let code = "x = f() + b";
-        let d = derive(&analysis::analyze(code), code, &m, &state, false, Uuid::now_v7());
+        let d = derive(&analysis::analyze(code), code, &m, &state, false, Uuid::now_v7(), "c");
         let names: Vec<&str> = d.closure.iter().map(|v| v.name.as_str()).collect();
         assert_eq!(names, vec!["a", "b", "f"]);
         assert_eq!(d.closure[0].version, m.variables["a"].version);
@@ -216,7 +219,7 @@ mod tests {
         let m = manifest(&["model", "device", "X"]);
         let code = "model.to(device)\nX_gpu = X.to(device)";
         let a = analysis::analyze(code);
-        let d = derive(&a, code, &m, &SessionState::default(), false, Uuid::now_v7());
+        let d = derive(&a, code, &m, &SessionState::default(), false, Uuid::now_v7(), "c");
         assert_eq!(d.device, Device::Gpu, "{}", d.device_reason);
         assert!(d.writes["model"].on_gpu && d.writes["X_gpu"].on_gpu);
         assert!(!d.writes.contains_key("device"));
@@ -224,11 +227,11 @@ mod tests {
         let mut state = SessionState::default();
         state.names.extend(d.writes);
         let code2 = "for _ in range(3):\n    loss = model(X)\n";
-        let d2 = derive(&analysis::analyze(code2), code2, &m, &state, false, Uuid::now_v7());
+        let d2 = derive(&analysis::analyze(code2), code2, &m, &state, false, Uuid::now_v7(), "c");
         assert_eq!(d2.device, Device::Gpu);
         assert!(d2.device_reason.contains("on a GPU"), "{}", d2.device_reason);
         let code3 = "print(device)";
-        let d3 = derive(&analysis::analyze(code3), code3, &m, &state, false, Uuid::now_v7());
+        let d3 = derive(&analysis::analyze(code3), code3, &m, &state, false, Uuid::now_v7(), "c");
         assert_eq!(d3.device, Device::Cpu);
     }
 
@@ -237,7 +240,7 @@ mod tests {
         let mut m = manifest(&["x"]);
         m.unsavable.insert("gen".into(), Unsavable { version: Uuid::now_v7(), reason: "generator".into(), host: "h1".into(), worker: "w9".into(), cell_id: "c0".into() });
         let code = "y = next(gen) + x";
-        let d = derive(&analysis::analyze(code), code, &m, &SessionState::default(), true, Uuid::now_v7());
+        let d = derive(&analysis::analyze(code), code, &m, &SessionState::default(), true, Uuid::now_v7(), "c");
         let p = d.pinned.expect("pinned");
         assert_eq!((p.host.as_str(), p.worker.as_str(), p.names.clone()), ("h1", "w9", vec!["gen".to_string()]));
         assert_eq!(d.device, Device::Gpu);
@@ -250,7 +253,7 @@ mod tests {
             f.global_reads = vec!["k".into()];
         }
         let code = "print(f(1))";
-        let d = derive(&analysis::analyze(code), code, &m, &SessionState::default(), false, Uuid::now_v7());
+        let d = derive(&analysis::analyze(code), code, &m, &SessionState::default(), false, Uuid::now_v7(), "c");
         let names: Vec<&str> = d.closure.iter().map(|v| v.name.as_str()).collect();
         assert_eq!(names, vec!["f", "k"]);
     }
@@ -259,7 +262,7 @@ mod tests {
     fn output_history_reads_bring_the_numbered_outputs() {
         let m = manifest(&["_3", "_7", "x"]);
         let code = "print(Out[3])";
-        let d = derive(&analysis::analyze(code), code, &m, &SessionState::default(), false, Uuid::now_v7());
+        let d = derive(&analysis::analyze(code), code, &m, &SessionState::default(), false, Uuid::now_v7(), "c");
         let names: Vec<&str> = d.closure.iter().map(|v| v.name.as_str()).collect();
         assert_eq!(names, vec!["_3", "_7"]);
     }
@@ -271,19 +274,32 @@ mod tests {
         let def = analysis::analyze("class Model:\n    pass\n");
         state.names.insert("Model".into(), NameMeta { exec_id: Uuid::nil(), def: def.defs.get("Model").cloned(), on_gpu: false });
         let code = "import torch\nmodel_new = torch.load(path)";
-        let d = derive(&analysis::analyze(code), code, &m, &state, false, Uuid::now_v7());
+        let d = derive(&analysis::analyze(code), code, &m, &state, false, Uuid::now_v7(), "c");
         let names: Vec<&str> = d.closure.iter().map(|v| v.name.as_str()).collect();
         assert_eq!(names, vec!["Model", "path"]);
+    }
+
+    #[test]
+    fn a_cell_that_used_cuda_last_time_is_a_gpu_cell() {
+        let m = manifest(&["x"]);
+        let mut state = SessionState::default();
+        state.cuda_cells.insert("c7".into());
+        let code = "y = some_library_call(x)";
+        let a = analysis::analyze(code);
+        let d = derive(&a, code, &m, &state, false, Uuid::now_v7(), "c7");
+        assert_eq!(d.device, Device::Gpu);
+        assert!(d.device_reason.contains("CUDA"), "{}", d.device_reason);
+        assert_eq!(derive(&a, code, &m, &state, false, Uuid::now_v7(), "c8").device, Device::Cpu);
     }
 
     #[test]
     fn overrides_and_conservative_cells() {
         let m = manifest(&["a", "b"]);
         let code = "%%cpu\nz = a";
-        let d = derive(&analysis::analyze(code), code, &m, &SessionState::default(), true, Uuid::now_v7());
+        let d = derive(&analysis::analyze(code), code, &m, &SessionState::default(), true, Uuid::now_v7(), "c");
         assert_eq!(d.device, Device::Cpu);
         let code = "exec('c = a')";
-        let d = derive(&analysis::analyze(code), code, &m, &SessionState::default(), false, Uuid::now_v7());
+        let d = derive(&analysis::analyze(code), code, &m, &SessionState::default(), false, Uuid::now_v7(), "c");
         assert!(d.conservative.is_some());
         assert_eq!(d.closure.len(), 2, "whole namespace");
     }

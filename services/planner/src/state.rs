@@ -32,6 +32,12 @@ pub struct SessionState {
     pub names: BTreeMap<String, NameMeta>,
     /// Per-cell recipe revision and the hash of its last published recipe.
     pub recipes: BTreeMap<String, (u64, u64)>,
+    /// Cells whose worker reported CUDA use the last time they ran.
+    #[serde(default)]
+    pub cuda_cells: std::collections::BTreeSet<String>,
+    /// The cell of each execution planned, until it finishes.
+    #[serde(default)]
+    pub running: BTreeMap<Uuid, String>,
 }
 
 /// Why the state could not be read or written.
@@ -47,29 +53,32 @@ pub enum StateError {
     },
 }
 
-/// Load a session's state (empty if none). A corrupt entry is logged and replaced:
-/// the state only refines closures, the manifest stays the authority.
-pub async fn load(kv: &kv::Store, session: Uuid) -> Result<SessionState, StateError> {
-    match kv.get(session.to_string()).await {
-        Ok(Some(bytes)) => match serde_json::from_slice(&bytes) {
-            Ok(s) => Ok(s),
-            Err(e) => {
-                tracing::error!(%session, error = %e, "corrupt planner state; starting afresh");
-                Ok(SessionState::default())
+/// Change a session's state with `f`, atomically: a revision-checked update that
+/// retries when another planner (or another handler of this one) wrote meanwhile.
+pub async fn modify<T>(kv: &kv::Store, session: Uuid, mut f: impl FnMut(&mut SessionState) -> T) -> Result<T, StateError> {
+    let key = session.to_string();
+    let kv_err = |reason: String| StateError::Kv { session, reason };
+    for _ in 0..16 {
+        let entry = kv.entry(key.clone()).await.map_err(|e| kv_err(e.to_string()))?;
+        let (mut state, revision) = match &entry {
+            Some(e) if e.operation == kv::Operation::Put => {
+                (serde_json::from_slice(&e.value).unwrap_or_default(), Some(e.revision))
             }
-        },
-        Ok(None) => Ok(SessionState::default()),
-        Err(e) => Err(StateError::Kv { session, reason: e.to_string() }),
+            Some(e) => (SessionState::default(), Some(e.revision)),
+            None => (SessionState::default(), None),
+        };
+        let out = f(&mut state);
+        let bytes = serde_json::to_vec(&state).map_err(|e| kv_err(e.to_string()))?;
+        let written = match revision {
+            Some(r) => kv.update(key.clone(), bytes.into(), r).await.map(|_| ()).map_err(|e| e.to_string()),
+            None => kv.create(key.clone(), bytes.into()).await.map(|_| ()).map_err(|e| e.to_string()),
+        };
+        match written {
+            Ok(()) => return Ok(out),
+            Err(e) => tracing::debug!(%session, error = %e, "planner state changed meanwhile; retrying"),
+        }
     }
-}
-
-/// Store a session's state.
-pub async fn save(kv: &kv::Store, session: Uuid, state: &SessionState) -> Result<(), StateError> {
-    let bytes = serde_json::to_vec(state).map_err(|e| StateError::Kv { session, reason: e.to_string() })?;
-    kv.put(session.to_string(), bytes.into())
-        .await
-        .map(|_| ())
-        .map_err(|e| StateError::Kv { session, reason: e.to_string() })
+    Err(kv_err("too many concurrent updates".into()))
 }
 
 /// Forget a session.
