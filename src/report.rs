@@ -77,6 +77,8 @@ pub struct CellReport {
     pub run_ms: Option<f64>,
     pub save_ms: Option<f64>,
     pub restored_bytes: Option<u64>,
+    /// The worker's zygote had already imported the whole import closure.
+    pub import_cache_hit: Option<bool>,
     pub saved_bytes: Option<u64>,
     pub chunks_written: Option<u64>,
     pub slot_released: Option<bool>,
@@ -108,7 +110,8 @@ impl CellReport {
                     r.slot = *slot;
                     r.prepare = Some(prepare.as_str().into());
                 }
-                EventKind::Started { host, slot, worker, device, prepare, restored_bytes, .. } => {
+                EventKind::Started { host, slot, worker, device, prepare, restored_bytes, import_hit, .. } => {
+                    r.import_cache_hit = Some(*import_hit);
                     r.host = Some(host.clone());
                     r.slot = *slot;
                     r.worker = Some(worker.clone());

@@ -13,6 +13,7 @@ fn started(at: u64, device: Device) -> (u64, EventKind) {
             execution_count: 1,
             restored_bytes: 10,
             prepare_ms: 1.0,
+            import_hit: true,
         },
     )
 }

@@ -244,6 +244,9 @@ pub enum EventKind {
         restored_bytes: u64,
         /// Preparation time on the host (claim to ready).
         prepare_ms: f64,
+        /// Whether the worker came from a zygote that had already imported the whole
+        /// import closure (true for workers that lived on).
+        import_hit: bool,
     },
     /// The cell finished running (outputs are complete).
     Finished {

@@ -48,7 +48,7 @@ proptest! {
     fn event_roundtrips(session in uuid(), exec_id in uuid(), ms in any::<u64>(), run_ms in any::<f64>().prop_filter("nan", |f| !f.is_nan())) {
         for kind in [
             EventKind::Finished { status: CellStatus::Error, error: Some("ValueError: x".into()), execution_count: 3, run_ms, outputs: 2, cuda_used: true },
-            EventKind::Started { host: "h".into(), slot: Some(1), worker: "w".into(), device: Device::Gpu, prepare: Prepare::Cold, execution_count: 1, restored_bytes: 5, prepare_ms: run_ms },
+            EventKind::Started { host: "h".into(), slot: Some(1), worker: "w".into(), device: Device::Gpu, prepare: Prepare::Cold, execution_count: 1, restored_bytes: 5, prepare_ms: run_ms, import_hit: true },
             EventKind::Failed { error: "worker died".into() },
         ] {
             roundtrip(&SessionEventV1 { session, exec_id, unix_ms: ms, kind });

@@ -92,7 +92,7 @@ impl ExecEnv {
     /// Fork a worker from the deepest zygote that fits the import closure, starting
     /// (or restarting) the base zygote if needed, and build a child zygote in the
     /// background when a tail keeps being asked for.
-    pub async fn fork(&self, session: Uuid, slot: Option<u32>, cwd: &str, imports: &[String]) -> Result<WorkerProc, String> {
+    pub async fn fork(&self, session: Uuid, slot: Option<u32>, cwd: &str, imports: &[String]) -> Result<(WorkerProc, bool), String> {
         let mut env = BTreeMap::new();
         env.insert(
             "CUDA_VISIBLE_DEVICES".to_string(),
@@ -111,12 +111,13 @@ impl ExecEnv {
             }
             let tail = cache.tail(imports);
             let choice = cache.choose(&tail);
+            let hit = choice.covered;
             if let Some(tail) = choice.spawn.clone() {
                 self.spawn_child_zygote(&mut cache, tail).await;
             }
             let Some(z) = cache.zygote(&choice) else { continue };
             match z.fork(&self.listener, &worker_id, env.clone(), cwd).await {
-                Ok(forked) => return Ok(WorkerProc::new(forked, session)),
+                Ok(forked) => return Ok((WorkerProc::new(forked, session), hit)),
                 Err(e) if attempt == 0 => {
                     tracing::warn!(error = %e, zygote = %z.id, "zygote failed to fork; dropping it");
                     if choice_is_base(&choice) {
@@ -170,18 +171,18 @@ impl ExecEnv {
         };
         self.event(session, exec_id, EventKind::Claimed { host: self.host_id.clone(), slot, prepare }).await;
 
-        let worker = match target {
+        let (worker, import_hit) = match target {
             Target::Fresh { slot } => match self.fork(session, slot, &recipe.options.cwd, &recipe.imports).await {
-                Ok(w) => Arc::new(Mutex::new(w)),
+                Ok((w, hit)) => (Arc::new(Mutex::new(w)), hit),
                 Err(e) => {
                     self.event(session, exec_id, EventKind::Failed { error: format!("could not start a worker: {e}") }).await;
                     return Outcome { worker: None, unsavable: vec![] };
                 }
             },
-            Target::Existing { worker, .. } => worker,
+            Target::Existing { worker, .. } => (worker, true),
         };
         let mut w = worker.lock().await;
-        let result = self.drive(&recipe, &mut w, slot, prepare, claimed_at).await;
+        let result = self.drive(&recipe, &mut w, slot, prepare, claimed_at, import_hit).await;
         let broken = w.is_broken();
         drop(w);
         match result {
@@ -205,6 +206,7 @@ impl ExecEnv {
         slot: Option<u32>,
         prepare: Prepare,
         claimed_at: Instant,
+        import_hit: bool,
     ) -> Result<Vec<String>, String> {
         let (session, exec_id) = (recipe.session, recipe.exec_id);
         let manifest = self.manifest(session).await?;
@@ -278,6 +280,7 @@ impl ExecEnv {
                             execution_count,
                             restored_bytes,
                             prepare_ms,
+                            import_hit,
                         },
                     }),
                     RunEvent::Output(output) => {

@@ -47,6 +47,8 @@ pub struct ImportCache {
 pub struct Choice {
     /// Index into children, or None for the base.
     child: Option<usize>,
+    /// The chosen zygote had already imported the whole tail.
+    pub covered: bool,
     /// A tail worth a child zygote of its own.
     pub spawn: Option<BTreeSet<String>>,
 }
@@ -102,6 +104,7 @@ impl ImportCache {
             if let Some(b) = &self.base {
                 k.extend(b.packages.iter().cloned());
                 k.extend(b.stdlib.iter().cloned());
+                k.extend(b.loaded.iter().cloned());
             }
             k
         };
@@ -151,7 +154,7 @@ impl ImportCache {
         if let Some(t) = &spawn {
             self.spawning.insert(t.clone());
         }
-        Choice { child: best, spawn }
+        Choice { child: best, covered, spawn }
     }
 
     /// The zygote a choice names (the base if the child went away meanwhile).

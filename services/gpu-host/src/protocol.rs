@@ -77,6 +77,9 @@ pub enum Frame {
         /// Zygote: the interpreter's standard-library module names.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         stdlib: Vec<String>,
+        /// Zygote: top-level modules loaded in it.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        loaded: Vec<String>,
         /// Worker: the zygote it was forked from.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         zygote_id: Option<String>,
@@ -362,7 +365,7 @@ mod tests {
 
     fn samples() -> Vec<Frame> {
         vec![
-            Frame::Hello { role: "worker".into(), id: "w".into(), pid: 1, packages: vec![], import_ms: 0.0, cuda_unsafe: vec![], import_errors: BTreeMap::new(), stdlib: vec![], zygote_id: None },
+            Frame::Hello { role: "worker".into(), id: "w".into(), pid: 1, packages: vec![], import_ms: 0.0, cuda_unsafe: vec![], import_errors: BTreeMap::new(), stdlib: vec![], loaded: vec![], zygote_id: None },
             Frame::SpawnZygote { zygote_id: "z".into(), packages: vec!["sklearn".into()] },
             Frame::Fork { worker_id: "w".into(), env: BTreeMap::new(), cwd: "/".into(), socket: "/s".into() },
             Frame::Forked { worker_id: "w".into(), pid: 2 },

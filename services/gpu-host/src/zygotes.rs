@@ -170,6 +170,9 @@ pub struct Zygote {
     pub cuda_unsafe: Vec<String>,
     /// The interpreter's standard-library module names.
     pub stdlib: Vec<String>,
+    /// Top-level modules already loaded in the zygote (its packages' dependencies
+    /// and the worker runtime): never a reason for a child zygote.
+    pub loaded: Vec<String>,
     conn: Conn,
     /// The process handle, for zygotes this host started (children of a zygote
     /// are not the host's children: they are killed by pid).
@@ -219,11 +222,11 @@ impl Zygote {
     }
 
     fn from_hello(id: &str, hello: Hello, process: Option<tokio::process::Child>) -> Result<Self, ZygoteError> {
-        let Frame::Hello { pid, packages, cuda_unsafe, import_ms, import_errors, stdlib, .. } = hello.frame else {
+        let Frame::Hello { pid, packages, cuda_unsafe, import_ms, import_errors, stdlib, loaded, .. } = hello.frame else {
             return Err(ZygoteError::NoHello { what: id.into(), timeout: ZYGOTE_START });
         };
         tracing::info!(zygote = id, pid, ?packages, ?cuda_unsafe, ?import_errors, import_ms, "zygote ready");
-        Ok(Self { id: id.to_string(), pid, packages, cuda_unsafe, stdlib, conn: hello.conn, process })
+        Ok(Self { id: id.to_string(), pid, packages, cuda_unsafe, stdlib, loaded, conn: hello.conn, process })
     }
 
     /// Ask this zygote to fork a child zygote that also imports `packages`; returns

@@ -34,6 +34,9 @@ from .protocol import CHUNK_SIZE
 
 OOB_MIN_BYTES = 64 * 1024
 
+# The worker runtime's own modules (reducers live there): every worker has them.
+_RUNTIME = ("looseleaf_worker", "cloudpickle", "copyreg", "pickle")
+
 # IPython's own names, never user state (In history is ambient state; `_`,
 # `__`, `___` and `_N` are ordinary variables).
 _IPY_NAMES = {"In", "Out", "_ih", "_oh", "_dh", "_i", "_ii", "_iii", "_i00"}
@@ -244,12 +247,12 @@ class RecordPickler(cloudpickle.Pickler):
     def reducer_override(self, obj):
         t = type(obj)
         mod = getattr(t, "__module__", None) or ""
-        if mod and mod not in ("builtins", "__main__"):
+        if mod and mod not in ("builtins", "__main__") and not mod.startswith(_RUNTIME):
             self.modules.add(mod)  # dotted: importing the package alone may not load it
         if isinstance(obj, (type, types.FunctionType, types.BuiltinFunctionType)):
             # classes and functions pickled by reference load by importing their module
             own = getattr(obj, "__module__", None)
-            if isinstance(own, str) and own not in ("builtins", "__main__"):
+            if isinstance(own, str) and own not in ("builtins", "__main__") and not own.startswith(_RUNTIME):
                 self.modules.add(own)
         np = sys.modules.get("numpy")
         if np is not None and t is np.ndarray and not obj.dtype.hasobject:

@@ -213,7 +213,8 @@ def serve(sock_path: str, zid: str, packages: list[str], import_ms: float,
     conn.connect(sock_path)
     hello = {"type": "hello", "role": "zygote", "id": zid, "pid": os.getpid(),
              "packages": packages, "import_ms": import_ms, "cuda_unsafe": cuda_unsafe,
-             "stdlib": sorted(sys.stdlib_module_names)}
+             "stdlib": sorted(sys.stdlib_module_names),
+             "loaded": sorted({m.split(".")[0] for m in sys.modules if not m.startswith("_")})}
     if errors:
         hello["import_errors"] = errors
     protocol.send(conn, hello)
