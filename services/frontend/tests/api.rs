@@ -156,6 +156,7 @@ fn started() -> EventKind {
         execution_count: 1,
         restored_bytes: 0,
         prepare_ms: 1.0,
+        import_hit: true,
     }
 }
 
