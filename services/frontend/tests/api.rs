@@ -343,6 +343,8 @@ async fn a_run_no_host_takes_fails_and_the_queue_moves_on() -> anyhow::Result<()
     let sid = create_session(&http, &fe.base).await?;
     let bus = Bus::connect(nats.url(), &prefix, "fake").await?;
     let mut runs = bus.subscribe::<RunV1>(bus.subjects().run(sid)).await?;
+    // the server must know the subscription before the first run is published
+    bus.flush().await?;
     let mut sse = open_events(&fe.base, sid).await?;
     let a = run_cell(&http, &fe.base, sid, "a", "1").await?;
     let b = run_cell(&http, &fe.base, sid, "b", "2").await?;
