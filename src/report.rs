@@ -201,8 +201,13 @@ pub fn build(notebook: &str, traces: &[Trace], slot_releases: &[(f64, String)], 
         errors: cells.iter().filter(|c| c.status != "ok").count(),
         gpu_cells: cells.iter().filter(|c| c.device.as_deref() == Some("gpu")).count(),
         cpu_cells: cells.iter().filter(|c| c.device.as_deref() == Some("cpu")).count(),
-        gpu_slot_seconds: slot_releases.iter().map(|(ms, _)| ms / 1000.0).sum(),
-        pinned_seconds: slot_releases.iter().filter(|(_, why)| why.contains("unsavable")).map(|(ms, _)| ms / 1000.0).sum(),
+        // fold from +0.0: an empty f64 sum is -0.0, which prints as "-0.0 s"
+        gpu_slot_seconds: slot_releases.iter().map(|(ms, _)| ms / 1000.0).fold(0.0, |a, b| a + b),
+        pinned_seconds: slot_releases
+            .iter()
+            .filter(|(_, why)| why.contains("unsavable"))
+            .map(|(ms, _)| ms / 1000.0)
+            .fold(0.0, |a, b| a + b),
         wall_seconds,
         median_start_delay_ms: median(&delays),
     };

@@ -120,7 +120,7 @@ impl ExecEnv {
                 Ok(forked) => return Ok((WorkerProc::new(forked, session), hit)),
                 Err(e) if attempt == 0 => {
                     tracing::warn!(error = %e, zygote = %z.id, "zygote failed to fork; dropping it");
-                    if choice_is_base(&choice) {
+                    if choice.is_base() {
                         cache.drop_base();
                     } else {
                         cache.drop_child(&choice);
@@ -397,10 +397,6 @@ impl ExecEnv {
         }
         Ok(RestorePlan { drop, variables, objects })
     }
-}
-
-fn choice_is_base(choice: &crate::import_cache::Choice) -> bool {
-    choice.is_base()
 }
 
 enum Pending {
