@@ -221,12 +221,19 @@ impl Bus {
             .map_err(|e| BusError::Subscribe { subject: format!("$SRV ({name})"), reason: e.to_string() })
     }
 
-    /// Flush what was published.
+    /// Round trip through the server: when this returns, the server has
+    /// processed everything sent before it, subscriptions included.
+    /// (async-nats' own `flush` only writes the buffer to the socket, so a
+    /// subscription could still miss a message another connection publishes
+    /// right after.) The round trip is a request nobody answers; the server
+    /// replies "no responders" once it got there.
     pub async fn flush(&self) -> Result<(), BusError> {
-        self.client
-            .flush()
-            .await
-            .map_err(|e| BusError::Publish { subject: "<flush>".into(), reason: e.to_string() })
+        let subject = format!("_LL_SYNC.{}", uuid::Uuid::now_v7().simple());
+        match self.client.request(subject.clone(), bytes::Bytes::new()).await {
+            Ok(_) => Ok(()),
+            Err(e) if e.kind() == async_nats::RequestErrorKind::NoResponders => Ok(()),
+            Err(e) => Err(BusError::Publish { subject, reason: format!("round trip to the server failed: {e}") }),
+        }
     }
 }
 
