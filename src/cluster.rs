@@ -32,6 +32,8 @@ pub struct ClusterOptions {
     pub hosts: u32,
     /// Frontend port (0: a free one).
     pub port: u16,
+    /// Checkpoint store URL (None: a directory in the data dir).
+    pub store_url: Option<String>,
 }
 
 /// A running embedded cluster.
@@ -121,7 +123,7 @@ impl Cluster {
 
     async fn start_services(&mut self, opts: &ClusterOptions, data_dir: &Path) -> anyhow::Result<String> {
         let nats_url = self.nats_url.clone();
-        let store_url = data_dir.join("store").display().to_string();
+        let store_url = opts.store_url.clone().unwrap_or_else(|| data_dir.join("store").display().to_string());
         let store = looseleaf_store::Config { nats_url: nats_url.clone(), prefix: PREFIX.into(), store_url: store_url.clone(), session_quota_bytes: None };
         self.spawn("store", |stop| looseleaf_store::run(store, stop));
         let planner = looseleaf_planner::Config { nats_url: nats_url.clone(), prefix: PREFIX.into() };

@@ -42,6 +42,10 @@ struct EmbedArgs {
     /// Number of gpu-hosts to run.
     #[arg(long, env = "LOOSELEAF_HOSTS", default_value_t = 1)]
     hosts: u32,
+    /// Checkpoint object store: s3://bucket[/prefix] (AWS_* variables give the
+    /// endpoint and credentials) or a directory (default: <data dir>/store).
+    #[arg(long, env = "LOOSELEAF_STORE_URL")]
+    store_url: Option<String>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -131,6 +135,7 @@ fn options(embed: EmbedArgs, data_dir: PathBuf, virtual_gpus: Option<u32>, port:
         python: embed.python,
         virtual_gpus,
         hosts: embed.hosts,
+        store_url: embed.store_url,
         port,
     }
 }

@@ -14,7 +14,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use futures::StreamExt;
-use looseleaf_test_support::{free_port, random_prefix, repo_root, venv_python, wait_for, NatsServer};
+use looseleaf_test_support::{free_port, random_prefix, repo_root, venv_python, wait_for, NatsServer, S3Server};
 use schemas::messages::HostStatusV1;
 
 struct Service(Child);
@@ -42,17 +42,32 @@ fn spawn(name: &str, args: &[&str], envs: &[(&str, String)]) -> Service {
 
 #[test]
 fn four_services_two_hosts() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    four_services_two_hosts_on(vec![("LOOSELEAF_STORE_URL", store.display().to_string())]);
+}
+
+/// The same notebook with checkpoints in S3 (a local moto server): the store
+/// gateway and both hosts use the bucket directly.
+#[test]
+fn four_services_two_hosts_on_s3() {
+    let s3 = S3Server::start().expect("S3 server");
+    let mut env = s3.env();
+    env.push(("LOOSELEAF_STORE_URL", s3.url()));
+    four_services_two_hosts_on(env);
+}
+
+fn four_services_two_hosts_on(store_env: Vec<(&'static str, String)>) {
     let nats = NatsServer::start().expect("nats-server");
     let prefix = random_prefix();
     let dir = tempfile::tempdir().unwrap();
-    let store = dir.path().join("store");
-    let common = vec![
+    let mut common = vec![
         ("LOOSELEAF_NATS_URL", nats.url().to_string()),
         ("LOOSELEAF_PREFIX", prefix.clone()),
-        ("LOOSELEAF_STORE_URL", store.display().to_string()),
         ("LOOSELEAF_PYTHON", venv_python().display().to_string()),
         ("LOOSELEAF_LOG", "warn".to_string()),
     ];
+    common.extend(store_env);
 
     // Watch host status from the start.
     let rt = tokio::runtime::Runtime::new().unwrap();

@@ -324,7 +324,18 @@ mod tests {
 
     #[tokio::test]
     async fn upload_then_restore_roundtrips_and_skips_present() {
-        let objects: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+        upload_then_restore(Arc::new(InMemory::new())).await;
+    }
+
+    #[tokio::test]
+    async fn upload_then_restore_on_s3() {
+        let s3 = looseleaf_test_support::S3Server::start().unwrap();
+        let settings = s3.settings();
+        let settings: Vec<(&str, &str)> = settings.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        upload_then_restore(schemas::objects::open_with(&s3.url(), &settings).unwrap()).await;
+    }
+
+    async fn upload_then_restore(objects: Arc<dyn ObjectStore>) {
         let dir = tempfile::tempdir().unwrap();
         let chunks = Chunks::new(objects.clone(), 1 << 20, dir.path().to_path_buf());
         let a = b"aaaa".to_vec();

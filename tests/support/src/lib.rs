@@ -92,6 +92,75 @@ impl Drop for NatsServer {
     }
 }
 
+/// A local S3 server (moto, installed in the venv by scripts/setup) with one bucket,
+/// for one test; killed on drop.
+pub struct S3Server {
+    child: Child,
+    /// Its endpoint URL (http://127.0.0.1:PORT).
+    pub endpoint: String,
+    /// The bucket the test may use.
+    pub bucket: String,
+}
+
+impl S3Server {
+    /// Start moto on a free port and create a bucket.
+    pub fn start() -> anyhow::Result<Self> {
+        let port = free_port()?;
+        let bin = repo_root().join(".venv/bin/moto_server");
+        let child = Command::new(&bin)
+            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .with_context(|| format!("while starting {} (run scripts/setup first)", bin.display()))?;
+        let bucket = format!("ll-{}", uuid::Uuid::new_v4().simple());
+        let server = Self { child, endpoint: format!("http://127.0.0.1:{port}"), bucket };
+        wait_for(Duration::from_secs(30), || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok())
+            .context("the S3 server did not start listening")?;
+        server.create_bucket(port)?;
+        Ok(server)
+    }
+
+    /// moto accepts unsigned requests, so one plain HTTP PUT makes the bucket.
+    fn create_bucket(&self, port: u16) -> anyhow::Result<()> {
+        use std::io::{Read, Write};
+        let mut conn = std::net::TcpStream::connect(("127.0.0.1", port))?;
+        write!(conn, "PUT /{} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n", self.bucket)?;
+        let mut reply = String::new();
+        conn.read_to_string(&mut reply)?;
+        anyhow::ensure!(reply.starts_with("HTTP/1.1 200"), "creating bucket {}: {}", self.bucket, reply.lines().next().unwrap_or(""));
+        Ok(())
+    }
+
+    /// The store URL for the bucket.
+    pub fn url(&self) -> String {
+        format!("s3://{}", self.bucket)
+    }
+
+    /// The `AWS_*` variables a service needs to use this server.
+    pub fn env(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("AWS_ENDPOINT_URL", self.endpoint.clone()),
+            ("AWS_ALLOW_HTTP", "true".into()),
+            ("AWS_ACCESS_KEY_ID", "looseleaf-test".into()),
+            ("AWS_SECRET_ACCESS_KEY", "looseleaf-test".into()),
+            ("AWS_REGION", "us-east-1".into()),
+        ]
+    }
+
+    /// The same, as settings for `schemas::objects::open_with` (lower-case keys).
+    pub fn settings(&self) -> Vec<(String, String)> {
+        self.env().into_iter().map(|(k, v)| (k.to_lowercase(), v)).collect()
+    }
+}
+
+impl Drop for S3Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// Poll `cond` until it holds or `timeout` passes.
 pub fn wait_for(timeout: Duration, mut cond: impl FnMut() -> bool) -> anyhow::Result<()> {
     let deadline = Instant::now() + timeout;

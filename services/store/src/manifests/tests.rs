@@ -9,6 +9,41 @@ use uuid::Uuid;
 
 use super::{ManifestError, Manifests};
 
+/// Each check runs on every backend: in memory, a local directory (the embedded
+/// default) and S3 (a moto server started for the test).
+macro_rules! on_every_backend {
+    ($check:ident) => {
+        mod $check {
+            use super::*;
+
+            #[tokio::test]
+            async fn in_memory() {
+                super::$check(Arc::new(InMemory::new())).await;
+            }
+
+            #[tokio::test]
+            async fn local_directory() {
+                let dir = tempfile::tempdir().unwrap();
+                super::$check(schemas::objects::open(dir.path().to_str().unwrap()).unwrap()).await;
+            }
+
+            #[tokio::test]
+            async fn s3() {
+                let s3 = looseleaf_test_support::S3Server::start().unwrap();
+                let settings = s3.settings();
+                let settings: Vec<(&str, &str)> = settings.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+                super::$check(schemas::objects::open_with(&s3.url(), &settings).unwrap()).await;
+            }
+        }
+    };
+}
+
+on_every_backend!(commits_advance_revisions_and_survive_a_restart);
+on_every_backend!(racing_commits_cannot_both_win);
+on_every_backend!(stale_base_and_missing_chunks_are_rejected_and_change_nothing);
+on_every_backend!(corrupt_manifest_is_an_error_not_a_panic);
+on_every_backend!(delete_removes_the_session);
+
 async fn put_chunk(objects: &Arc<dyn ObjectStore>, hash: &str) {
     objects.put(&Path::from(chunk_key(hash).as_str()), vec![1u8, 2, 3].into()).await.unwrap();
 }
@@ -31,9 +66,7 @@ fn commit(session: Uuid, base: u64, name: &str, chunk: &str) -> CommitV1 {
     }
 }
 
-#[tokio::test]
-async fn commits_advance_revisions_and_survive_a_restart() {
-    let objects: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+async fn commits_advance_revisions_and_survive_a_restart(objects: Arc<dyn ObjectStore>) {
     put_chunk(&objects, "aa").await;
     let sid = Uuid::now_v7();
     let m = Manifests::new(objects.clone());
@@ -51,9 +84,7 @@ async fn commits_advance_revisions_and_survive_a_restart() {
     assert!(latest.variables.contains_key("x") && latest.variables.contains_key("y"));
 }
 
-#[tokio::test]
-async fn racing_commits_cannot_both_win() {
-    let objects: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+async fn racing_commits_cannot_both_win(objects: Arc<dyn ObjectStore>) {
     put_chunk(&objects, "aa").await;
     let sid = Uuid::now_v7();
     // two gateways with their own caches, both at revision 0
@@ -70,9 +101,7 @@ async fn racing_commits_cannot_both_win() {
     assert_eq!(Manifests::new(objects).latest(sid).await.unwrap().revision, 1);
 }
 
-#[tokio::test]
-async fn stale_base_and_missing_chunks_are_rejected_and_change_nothing() {
-    let objects: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+async fn stale_base_and_missing_chunks_are_rejected_and_change_nothing(objects: Arc<dyn ObjectStore>) {
     put_chunk(&objects, "aa").await;
     let sid = Uuid::now_v7();
     let m = Manifests::new(objects.clone());
@@ -85,9 +114,7 @@ async fn stale_base_and_missing_chunks_are_rejected_and_change_nothing() {
     assert!(!latest.variables.contains_key("y"));
 }
 
-#[tokio::test]
-async fn corrupt_manifest_is_an_error_not_a_panic() {
-    let objects: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+async fn corrupt_manifest_is_an_error_not_a_panic(objects: Arc<dyn ObjectStore>) {
     let sid = Uuid::now_v7();
     let key = schemas::checkpoint::manifest_key(sid, 1);
     objects.put(&Path::from(key.as_str()), b"{not json".to_vec().into()).await.unwrap();
@@ -95,9 +122,7 @@ async fn corrupt_manifest_is_an_error_not_a_panic() {
     assert!(matches!(err, ManifestError::Corrupt { .. }), "{err}");
 }
 
-#[tokio::test]
-async fn delete_removes_the_session() {
-    let objects: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+async fn delete_removes_the_session(objects: Arc<dyn ObjectStore>) {
     put_chunk(&objects, "aa").await;
     let sid = Uuid::now_v7();
     let m = Manifests::new(objects.clone());
