@@ -83,16 +83,19 @@ def free_port() -> int:
 class Cluster:
     """`looseleaf up` in the background, stopped with SIGINT (its Ctrl-C path)."""
 
-    def __init__(self, data_dir: Path, virtual_gpus: int = 2):
+    def __init__(self, data_dir: Path, virtual_gpus: int = 2, store_url: str | None = None,
+                 env: dict | None = None):
         self.port = free_port()
         self.data_dir = data_dir
         self.log_path = data_dir.parent / "up.log"
         data_dir.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [str(LOOSELEAF), "up", "--virtual-gpus", str(virtual_gpus), "--port", str(self.port),
-             "--data-dir", str(data_dir)],
-            cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT)
+        args = [str(LOOSELEAF), "up", "--virtual-gpus", str(virtual_gpus), "--port", str(self.port),
+                "--data-dir", str(data_dir)]
+        if store_url:
+            args += ["--store-url", store_url]
+        self.proc = subprocess.Popen(args, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
         self.url = f"http://127.0.0.1:{self.port}"
         self.nats_url = None
 
@@ -191,3 +194,44 @@ def write_result(name: str, data: dict) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
     return path
+
+
+class S3Server:
+    """A local S3 server (moto, from the venv) with one bucket; stop() ends it."""
+
+    def __init__(self, log_dir: Path):
+        import urllib.request
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.bucket = "looseleaf-bench"
+        self._log = open(log_dir / "moto.log", "w")
+        self.proc = subprocess.Popen([str(REPO / ".venv" / "bin" / "moto_server"), "-H", "127.0.0.1",
+                                      "-p", str(self.port)], stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        # moto accepts unsigned requests: one PUT makes the bucket
+        req = urllib.request.Request(f"{self.endpoint}/{self.bucket}", method="PUT", data=b"")
+        urllib.request.urlopen(req, timeout=10).close()
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.bucket}"
+
+    def env(self) -> dict:
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ALLOW_HTTP": "true",
+                "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1"}
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._log.close()

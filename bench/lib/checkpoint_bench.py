@@ -1,0 +1,189 @@
+"""bench/checkpoint: LooseLeaf's incremental save and closure-only restore against
+dill's whole-session save/load and Kishu's checkout, and save/restore throughput
+against a plain memory copy, on the local-directory and S3 backends (issue 4).
+
+One run, every baseline measured in it:
+1. baselines (bench/lib/checkpoint_baselines.py, fresh processes): dill.dump_session
+   of the 1 GiB session after the 1% change (time, bytes), dill.load_session of it,
+   Kishu's checkout of the same state, memcpy bandwidth;
+2. per backend (`local`: a directory; `s3`: a local moto server), `looseleaf up
+   --store-url ...` and one generated notebook run with `looseleaf run --all-gpu`, so
+   every cell runs on a fresh GPU worker that restores only its closure:
+   - `make`: 100 float64 arrays of 10 MiB (1 GiB), saved in full (save throughput);
+   - `change`: `aNNN += 1.0`, one array = 1% of the bytes (incremental save);
+   - `restore one`: `rNNN = float(aNNN.sum())`, a worker that restores one 10 MiB
+     variable (restore time: the host fetching chunks into shared memory plus the
+     worker loading them, the report's `restore_ms`);
+   - `restore all`: a cell reading all 100 arrays (restore throughput).
+Writes bench/results/checkpoint.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib as B  # noqa: E402
+
+LIB = Path(__file__).resolve().parent
+TARGETS = {"incremental_bytes_ratio_vs_dill": 20.0, "incremental_speedup_vs_dill": 10.0,
+           "restore_one_speedup_vs_dill": 50.0, "restore_one_speedup_vs_kishu": 1.0,
+           "save_vs_memcpy": 0.3, "restore_vs_memcpy": 0.3}
+
+
+def notebook(path: Path, arrays: int, array_bytes: int, changes: int, restores: int) -> dict:
+    """Write the bench notebook; returns {role: [code cell index, ...]}."""
+    elems = array_bytes // 8
+    names = [f"a{i:03d}" for i in range(arrays)]
+    cells, roles = [], {"make": [], "change": [], "restore_one": [], "restore_all": []}
+
+    def add(role: str, src: str) -> None:
+        roles[role].append(len(cells))
+        cells.append(src)
+
+    add("make", "import numpy as np\n" + "\n".join(
+        f"{n} = np.random.default_rng({i}).random({elems})" for i, n in enumerate(names)))
+    for k in range(changes):
+        add("change", f"{names[(arrays // 2 + k) % arrays]} += 1.0")
+    for k in range(restores):
+        n = names[(k * 7 + 3) % arrays]
+        add("restore_one", f"r{n} = float({n}.sum())")
+    for _ in range(2):
+        add("restore_all", "total = sum(float(x.sum()) for x in (" + ", ".join(names) + ",))")
+    nb = {"nbformat": 4, "nbformat_minor": 5,
+          "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+          "cells": [{"cell_type": "code", "id": f"c{i}", "metadata": {}, "execution_count": None,
+                     "outputs": [], "source": src} for i, src in enumerate(cells)]}
+    path.write_text(json.dumps(nb, indent=1))
+    return roles
+
+
+def baselines(work: Path, args) -> dict:
+    B.log("baselines: dill dump/load_session, Kishu checkout, memcpy")
+    out = subprocess.run([str(B.PYTHON), str(LIB / "checkpoint_baselines.py"), "--work", str(work),
+                          "--arrays", str(args.arrays), "--array-bytes", str(args.array_bytes),
+                          "--reps", str(args.baseline_reps)],
+                         check=True, capture_output=True, text=True, cwd=B.REPO)
+    sys.stderr.write(out.stderr[-4000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_backend(name: str, work: Path, args, store_url: str | None, env: dict | None) -> dict:
+    B.log(f"{name}: looseleaf up --store-url {store_url or '<data dir>/store'}")
+    cluster = B.Cluster(work / "data", virtual_gpus=2, store_url=store_url, env=env)
+    try:
+        cluster.wait_ready()
+        nb = work / "checkpoint.ipynb"
+        roles = notebook(nb, args.arrays, args.array_bytes, args.changes, args.restores)
+        B.log(f"{name}: running {sum(len(v) for v in roles.values())} cells")
+        report = B.run_notebook(nb, cluster.url, work, all_gpu=True, timeout=900)
+    finally:
+        cluster.stop()
+    cells = report["cells"]
+    bad = [c for c in cells if c["status"] != "ok"]
+    if bad:
+        raise RuntimeError(f"{name}: cells failed: {[(c['cell_id'], c['error']) for c in bad]}")
+    pick = {role: [cells[i] for i in idx] for role, idx in roles.items()}
+    fields = ("cell_id", "prepare", "start_delay_ms", "prepare_ms", "restore_ms", "restored_bytes",
+              "save_ms", "saved_bytes", "chunks_written")
+    return {role: [{k: c.get(k) for k in fields} for c in cs] for role, cs in pick.items()}
+
+
+def directory_write_bytes_per_s(d: Path, total: int = 1 << 30, piece: int = 2 << 20) -> float:
+    """What the local-directory backend can do at best on this disk: write `total`
+    bytes as 2 MiB files (as chunks are stored), as a rate."""
+    d.mkdir(parents=True, exist_ok=True)
+    data = os.urandom(piece)
+    t = time.perf_counter()
+    for i in range(total // piece):
+        (d / f"probe-{i}").write_bytes(data)
+    rate = total / (time.perf_counter() - t)
+    shutil.rmtree(d)
+    return rate
+
+
+def figures(raw: dict, base: dict) -> dict:
+    med = B.median
+    memcpy = base["memcpy_bytes_per_s"]["median"]
+    kishu = base.get("kishu_checkout_s", {}).get("median")
+    change_bytes = med([c["saved_bytes"] for c in raw["change"]])
+    change_s = med([c["save_ms"] for c in raw["change"]]) / 1000
+    one_s = med([c["restore_ms"] for c in raw["restore_one"]]) / 1000
+    make = raw["make"][0]
+    save_bps = make["saved_bytes"] / (make["save_ms"] / 1000)
+    restore_bps = med([c["restored_bytes"] / (c["restore_ms"] / 1000) for c in raw["restore_all"]])
+    out = {
+        "incremental_bytes_ratio_vs_dill": base["dill_full_save_bytes"] / change_bytes,
+        "incremental_speedup_vs_dill": base["dill_full_save_s"]["median"] / change_s,
+        "restore_one_speedup_vs_dill": base["dill_load_session_s"]["median"] / one_s,
+        "restore_one_speedup_vs_kishu": kishu / one_s if kishu else None,
+        "save_vs_memcpy": save_bps / memcpy,
+        "restore_vs_memcpy": restore_bps / memcpy,
+        "raw": {
+            "incremental_saved_bytes_median": change_bytes,
+            "incremental_save_s_median": change_s,
+            "restore_one_s_median": one_s,
+            "restore_one_bytes_median": med([c["restored_bytes"] for c in raw["restore_one"]]),
+            "restore_one_start_delay_ms_median": med([c["start_delay_ms"] for c in raw["restore_one"]]),
+            "full_save_bytes": make["saved_bytes"],
+            "full_save_s": make["save_ms"] / 1000,
+            "save_bytes_per_s": save_bps,
+            "restore_all_bytes_per_s": restore_bps,
+            "memcpy_bytes_per_s": memcpy,
+            "cells": raw,
+        },
+    }
+    out["met"] = {k: (out[k] is not None and out[k] >= t) for k, t in TARGETS.items()}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arrays", type=int, default=100)
+    ap.add_argument("--array-bytes", type=int, default=(1 << 30) // 100)
+    ap.add_argument("--changes", type=int, default=7, help="incremental-save cells")
+    ap.add_argument("--restores", type=int, default=7, help="restore-one cells")
+    ap.add_argument("--baseline-reps", type=int, default=3)
+    ap.add_argument("--backends", default="local,s3")
+    args = ap.parse_args()
+    B.ensure_release()
+    work = B.scratch("checkpoint")
+    base = baselines(work / "baselines", args)
+    result = {"bench": "checkpoint", "machine": {"python": platform.python_version(),
+                                                  "cpus": __import__("os").cpu_count()},
+              "session": {"arrays": args.arrays, "array_bytes": args.array_bytes,
+                          "total_bytes": args.arrays * args.array_bytes,
+                          "change": "one array (1% of the bytes): aNNN += 1.0"},
+              "targets": TARGETS, "baselines": base}
+    for name in args.backends.split(","):
+        d = work / name
+        d.mkdir(parents=True)
+        if name == "local":
+            raw = run_backend(name, d, args, None, None)
+            write_rate = directory_write_bytes_per_s(d / "write-probe")
+        elif name == "s3":
+            s3 = B.S3Server(d)
+            try:
+                raw = run_backend(name, d, args, s3.url, s3.env())
+            finally:
+                s3.stop()
+            write_rate = None
+        else:
+            raise SystemExit(f"unknown backend {name!r}: use local and/or s3")
+        result[name] = figures(raw, base)
+        result[name]["raw"]["store_dir_write_bytes_per_s"] = write_rate
+        B.log(f"{name}: " + ", ".join(f"{k}={result[name][k]:.3g}" for k in TARGETS
+                                      if result[name][k] is not None))
+    path = B.write_result("checkpoint", result)
+    B.log(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
