@@ -19,7 +19,7 @@ use looseleaf_planner::analysis;
 use looseleaf_planner::recipe::derive;
 use looseleaf_planner::state::SessionState;
 use schemas::checkpoint::{Manifest, VarEntry};
-use schemas::messages::{EditV1, RecipeV1};
+use schemas::messages::{EditV1, RecipeV1, SessionOptions};
 use schemas::Bus;
 use serde::Serialize;
 use uuid::Uuid;
@@ -153,6 +153,8 @@ pub async fn bench_edits(nats_url: &str, prefix: &str, events: u64, json: Option
     let session = Uuid::now_v7();
     let mut recipes = bus.subscribe::<RecipeV1>(bus.subjects().recipe(session)).await?.into_stream();
     bus.flush().await?;
+    // Edits of different cells, so the planner's per-cell debounce merges none of them.
+    let options = SessionOptions { cwd: String::new(), all_gpu: false, speculate: false };
     // A realistic cell body (a training step) plus a changing import.
     let body = "for epoch in range(epochs):\n    model.train()\n    y_pred = model(X_train)\n    loss = loss_fn(y_pred, y_train)\n    optimizer.zero_grad()\n    loss.backward()\n    optimizer.step()\n    if epoch % 10 == 0:\n        print(f\"Epoch: {epoch} | Loss: {loss}\")\n";
     // Wait until the planner answers (it may still be subscribing): one warm-up edit
@@ -160,7 +162,7 @@ pub async fn bench_edits(nats_url: &str, prefix: &str, events: u64, json: Option
     let deadline = Instant::now() + Duration::from_secs(30);
     for attempt in 0u64.. {
         anyhow::ensure!(Instant::now() < deadline, "the planner sent no recipe within 30 s");
-        let warm = EditV1 { session, cell_id: "warm".into(), code: format!("import warm_{attempt}"), seq: attempt };
+        let warm = EditV1 { session, cell_id: "warm".into(), code: format!("import warm_{attempt}"), seq: attempt, options: options.clone() };
         bus.publish(bus.subjects().edit(session), &warm).await?;
         if let Ok(Some(_)) = tokio::time::timeout(Duration::from_millis(100), recipes.next()).await {
             break;
@@ -172,9 +174,10 @@ pub async fn bench_edits(nats_url: &str, prefix: &str, events: u64, json: Option
     let publisher = {
         let bus = bus.clone();
         tokio::spawn(async move {
+            let options = options.clone();
             for i in 0..events {
                 let code = format!("import mod_{i}\n{body}");
-                let e = EditV1 { session, cell_id: "c1".into(), code, seq: i + 1 };
+                let e = EditV1 { session, cell_id: format!("c{i}"), code, seq: i + 1, options: options.clone() };
                 bus.publish(bus.subjects().edit(session), &e).await?;
             }
             bus.flush().await?;

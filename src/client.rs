@@ -29,8 +29,8 @@ impl Frontend {
     }
 
     /// Create a session.
-    pub async fn create_session(&self, cwd: &str, all_gpu: bool) -> anyhow::Result<Uuid> {
-        let req = CreateSession { cwd: cwd.to_string(), all_gpu };
+    pub async fn create_session(&self, cwd: &str, all_gpu: bool, speculate: bool) -> anyhow::Result<Uuid> {
+        let req = CreateSession { cwd: cwd.to_string(), all_gpu, speculate };
         let resp = self.http.post(format!("{}/v1/sessions", self.base)).json(&req).send().await;
         let resp = resp.with_context(|| format!("while connecting to the frontend at {}", self.base))?;
         let created: SessionCreated = check(resp, "create session").await?.json().await?;

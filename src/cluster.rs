@@ -126,7 +126,12 @@ impl Cluster {
         let store_url = opts.store_url.clone().unwrap_or_else(|| data_dir.join("store").display().to_string());
         let store = looseleaf_store::Config { nats_url: nats_url.clone(), prefix: PREFIX.into(), store_url: store_url.clone(), session_quota_bytes: None };
         self.spawn("store", |stop| looseleaf_store::run(store, stop));
-        let planner = looseleaf_planner::Config { nats_url: nats_url.clone(), prefix: PREFIX.into() };
+        let planner = looseleaf_planner::Config {
+            nats_url: nats_url.clone(),
+            prefix: PREFIX.into(),
+            debounce: Duration::from_millis(looseleaf_planner::DEFAULT_DEBOUNCE_MS),
+            budget: looseleaf_planner::DEFAULT_BUDGET,
+        };
         self.spawn("planner", |stop| looseleaf_planner::run(planner, stop));
 
         let python = opts.python.clone().unwrap_or_else(|| opts.repo.join(".venv/bin/python"));

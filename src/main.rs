@@ -83,6 +83,13 @@ enum Command {
         /// CPU-backed GPU slots per host of the embedded cluster.
         #[arg(long, env = "LOOSELEAF_VIRTUAL_GPUS", default_value_t = 2)]
         virtual_gpus: u32,
+        /// Replay each cell as typed at this many characters a second (edits as the
+        /// text grows, then Run), so speculation has the editing time it would get.
+        #[arg(long, env = "LOOSELEAF_TYPING_CPS")]
+        typing_cps: Option<f64>,
+        /// Do not prepare workers while cells are edited (for comparison).
+        #[arg(long, env = "LOOSELEAF_NO_SPECULATION")]
+        no_speculation: bool,
         #[command(flatten)]
         embed: EmbedArgs,
     },
@@ -164,10 +171,13 @@ fn main() -> anyhow::Result<()> {
         Command::Up { virtual_gpus, port, data_dir, embed } => {
             system.block_on(up(options(embed, data_dir, virtual_gpus, port)))
         }
-        Command::Run { notebook, output, report, all_gpu, frontend, virtual_gpus, embed } => {
+        Command::Run { notebook, output, report, all_gpu, frontend, virtual_gpus, typing_cps, no_speculation, embed } => {
+            if let Some(cps) = typing_cps {
+                anyhow::ensure!(cps.is_finite() && cps > 0.0, "--typing-cps must be a positive number of characters a second, not {cps}");
+            }
             let tmp = tempfile::Builder::new().prefix("looseleaf-run-").tempdir().context("while making a temp dir")?;
             let opts = options(embed, tmp.path().to_path_buf(), Some(virtual_gpus), 0);
-            let req = run::RunRequest { notebook, output, report, all_gpu, frontend };
+            let req = run::RunRequest { notebook, output, report, all_gpu, frontend, typing_cps, speculate: !no_speculation };
             system.block_on(run::run(req, opts))
         }
         Command::Analyze { notebook, json, time } => analyze::analyze_command(&notebook, json.as_ref(), time),

@@ -2,7 +2,7 @@
 //! needed, where and how it ran, how long it waited, and the session's totals.
 
 use looseleaf_frontend::api::{ExecStatus, StreamItem};
-use schemas::messages::{CellStatus, EventKind};
+use schemas::messages::{CellStatus, EventKind, PreparedClass};
 use serde::Serialize;
 use uuid::Uuid;
 
@@ -77,6 +77,13 @@ pub struct CellReport {
     pub run_ms: Option<f64>,
     pub save_ms: Option<f64>,
     pub restored_bytes: Option<u64>,
+    /// Host time from claim to a ready worker (fork, imports, restore).
+    pub prepare_ms: Option<f64>,
+    /// Of that, fetching and loading the closure.
+    pub restore_ms: Option<f64>,
+    /// Closure variables restored or dropped after Run (0 on a prepared worker:
+    /// a clean speculation hit).
+    pub refreshed: Option<u32>,
     /// The worker's zygote had already imported the whole import closure.
     pub import_cache_hit: Option<bool>,
     pub saved_bytes: Option<u64>,
@@ -110,8 +117,11 @@ impl CellReport {
                     r.slot = *slot;
                     r.prepare = Some(prepare.as_str().into());
                 }
-                EventKind::Started { host, slot, worker, device, prepare, restored_bytes, import_hit, .. } => {
+                EventKind::Started { host, slot, worker, device, prepare, restored_bytes, import_hit, prepare_ms, restore_ms, refreshed, .. } => {
                     r.import_cache_hit = Some(*import_hit);
+                    r.prepare_ms = Some(*prepare_ms);
+                    r.restore_ms = Some(*restore_ms);
+                    r.refreshed = Some(*refreshed);
                     r.host = Some(host.clone());
                     r.slot = *slot;
                     r.worker = Some(worker.clone());
@@ -134,7 +144,7 @@ impl CellReport {
                     r.slot_released = Some(*slot_released);
                 }
                 EventKind::Failed { error } => cell_error = Some(error.clone()),
-                EventKind::SlotReleased { .. } => {}
+                EventKind::SlotReleased { .. } | EventKind::Ready { .. } | EventKind::PreparedEnded { .. } => {}
             }
         }
         let (status, done_ms, done_error) = match &t.done {
@@ -162,6 +172,51 @@ pub struct Totals {
     pub pinned_seconds: f64,
     pub wall_seconds: f64,
     pub median_start_delay_ms: Option<f64>,
+    pub speculation: Speculation,
+}
+
+/// What speculation did for the session.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Speculation {
+    /// Ready events: workers prepared or updated in place.
+    pub ready_events: u64,
+    /// Cells that ran on a prepared worker.
+    pub prepared_cells: usize,
+    /// Of those, the ones that needed no refresh at Run.
+    pub clean_hits: usize,
+    /// clean_hits / GPU cells.
+    pub hit_rate: Option<f64>,
+    /// Prepared workers that ended unused (evicted, lost, session closed).
+    pub unused: usize,
+    /// Slot seconds speculative workers spent ready but idle (used or not).
+    pub speculative_idle_seconds: f64,
+    /// The same for workers kept warm after their cell.
+    pub warm_idle_seconds: f64,
+}
+
+/// Session-wide events of a run, besides each execution's own.
+#[derive(Clone, Debug, Default)]
+pub struct SessionLog {
+    /// Every SlotReleased: (`held_ms`, `reason`).
+    pub slot_releases: Vec<(f64, String)>,
+    /// Every PreparedEnded: (class, `idle_ms`, outcome).
+    pub prepared_ended: Vec<(PreparedClass, f64, String)>,
+    /// Ready events seen.
+    pub ready: u64,
+}
+
+impl SessionLog {
+    /// Record a session event (those of executions go to their traces).
+    pub fn absorb(&mut self, kind: &EventKind) {
+        match kind {
+            EventKind::SlotReleased { held_ms, reason, .. } => self.slot_releases.push((*held_ms, reason.clone())),
+            EventKind::PreparedEnded { class, idle_ms, outcome, .. } => {
+                self.prepared_ended.push((*class, *idle_ms, outcome.clone()));
+            }
+            EventKind::Ready { .. } => self.ready += 1,
+            _ => {}
+        }
+    }
 }
 
 /// REPORT.json.
@@ -186,7 +241,8 @@ pub fn median(values: &[u64]) -> Option<f64> {
 
 /// Build the report from the executions in order and every SlotReleased of the session
 /// (`held_ms`, `reason`).
-pub fn build(notebook: &str, traces: &[Trace], slot_releases: &[(f64, String)], wall_seconds: f64) -> Report {
+pub fn build(notebook: &str, traces: &[Trace], log: &SessionLog, wall_seconds: f64) -> Report {
+    let slot_releases = &log.slot_releases;
     let mut cells = Vec::with_capacity(traces.len());
     let mut prev_done = None;
     for t in traces {
@@ -210,8 +266,27 @@ pub fn build(notebook: &str, traces: &[Trace], slot_releases: &[(f64, String)], 
             .fold(0.0, |a, b| a + b),
         wall_seconds,
         median_start_delay_ms: median(&delays),
+        speculation: speculation(&cells, log),
     };
     Report { notebook: notebook.to_string(), cells, totals }
+}
+
+fn speculation(cells: &[CellReport], log: &SessionLog) -> Speculation {
+    let gpu_cells = cells.iter().filter(|c| c.device.as_deref() == Some("gpu")).count();
+    let prepared: Vec<&CellReport> = cells.iter().filter(|c| c.prepare.as_deref() == Some("speculative")).collect();
+    let clean_hits = prepared.iter().filter(|c| c.refreshed == Some(0)).count();
+    let idle = |class: PreparedClass| {
+        log.prepared_ended.iter().filter(|(c, _, _)| *c == class).map(|(_, ms, _)| ms / 1000.0).fold(0.0, |a, b| a + b)
+    };
+    Speculation {
+        ready_events: log.ready,
+        prepared_cells: prepared.len(),
+        clean_hits,
+        hit_rate: (gpu_cells > 0).then(|| clean_hits as f64 / gpu_cells as f64),
+        unused: log.prepared_ended.iter().filter(|(_, _, o)| o != "used").count(),
+        speculative_idle_seconds: idle(PreparedClass::Speculative),
+        warm_idle_seconds: idle(PreparedClass::Warm),
+    }
 }
 
 #[cfg(test)]

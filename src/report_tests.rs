@@ -13,6 +13,8 @@ fn started(at: u64, device: Device) -> (u64, EventKind) {
             execution_count: 1,
             restored_bytes: 10,
             prepare_ms: 1.0,
+            restore_ms: 0.5,
+            refreshed: 0,
             import_hit: true,
         },
     )
@@ -40,7 +42,11 @@ fn start_delay_counts_from_run_or_the_previous_cells_end_whichever_is_later() {
         trace(2, 1500, 3100, 4000, Device::Cpu),
         trace(3, 5000, 5050, 6000, Device::Gpu),
     ];
-    let r = build("nb.ipynb", &traces, &[(1500.0, "cell".into()), (2500.0, "unsavable state".into())], 7.5);
+    let mut log = SessionLog::default();
+    for (held_ms, reason) in [(1500.0, "cell"), (2500.0, "unsavable state")] {
+        log.absorb(&EventKind::SlotReleased { host: "h".into(), slot: 0, held_ms, reason: reason.into() });
+    }
+    let r = build("nb.ipynb", &traces, &log, 7.5);
     let delays: Vec<_> = r.cells.iter().map(|c| c.start_delay_ms).collect();
     assert_eq!(delays, vec![Some(200), Some(100), Some(50)]);
     assert_eq!(r.totals.median_start_delay_ms, Some(100.0));
@@ -58,7 +64,7 @@ fn a_start_before_run_never_underflows_and_failed_cells_count_as_errors() {
     t.events.push((1950, EventKind::Failed { error: "worker died".into() }));
     t.done = Some((ExecStatus::Error, 2000, Some("worker died".into())));
     let never = Trace { index: 1, exec_id: Uuid::now_v7(), run_unix_ms: 2100, ..Default::default() };
-    let r = build("nb", &[t, never], &[], 1.0);
+    let r = build("nb", &[t, never], &SessionLog::default(), 1.0);
     assert_eq!(r.cells[0].start_delay_ms, Some(0));
     assert_eq!(r.cells[0].status, "error");
     assert_eq!(r.cells[0].error.as_deref(), Some("worker died"));
@@ -92,4 +98,46 @@ fn a_cell_that_raised_reports_the_error() {
 fn median_of_even_and_empty_lists() {
     assert_eq!(median(&[]), None);
     assert_eq!(median(&[4, 1, 3, 2]), Some(2.5));
+}
+
+#[test]
+fn speculation_totals_count_clean_hits_and_idle_time_by_class() {
+    let mut hit = trace(0, 1000, 1010, 2000, Device::Gpu);
+    let mut refreshed = trace(1, 3000, 3010, 4000, Device::Gpu);
+    if let EventKind::Started { refreshed: r, .. } = &mut refreshed.events[0].1 {
+        *r = 2;
+    }
+    let mut cold = trace(2, 5000, 5100, 6000, Device::Gpu);
+    if let EventKind::Started { prepare, .. } = &mut cold.events[0].1 {
+        *prepare = Prepare::Cold;
+    }
+    hit.cell_id = "a".into();
+    let mut log = SessionLog::default();
+    let ended = |class, idle_ms, outcome: &str| EventKind::PreparedEnded {
+        host: "h".into(),
+        worker: "w".into(),
+        cell_id: "a".into(),
+        class,
+        idle_ms,
+        outcome: outcome.into(),
+    };
+    log.absorb(&EventKind::Ready {
+        host: "h".into(),
+        slot: Some(0),
+        worker: "w".into(),
+        cell_id: "a".into(),
+        revision: 1,
+        class: PreparedClass::Speculative,
+        prepare_ms: 30.0,
+    });
+    log.absorb(&ended(PreparedClass::Speculative, 1500.0, "used"));
+    log.absorb(&ended(PreparedClass::Speculative, 500.0, "evicted"));
+    log.absorb(&ended(PreparedClass::Warm, 250.0, "evicted"));
+    let r = build("nb", &[hit, refreshed, cold], &log, 1.0);
+    let s = &r.totals.speculation;
+    assert_eq!((s.ready_events, s.prepared_cells, s.clean_hits, s.unused), (1, 2, 1, 2));
+    assert_eq!(s.hit_rate, Some(1.0 / 3.0));
+    assert!((s.speculative_idle_seconds - 2.0).abs() < 1e-9);
+    assert!((s.warm_idle_seconds - 0.25).abs() < 1e-9);
+    assert_eq!(r.cells[1].refreshed, Some(2));
 }

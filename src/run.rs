@@ -7,14 +7,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use looseleaf_frontend::api::{ExecStatus, StreamItem};
-use schemas::messages::EventKind;
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
 use crate::client::Frontend;
 use crate::cluster::{Cluster, ClusterOptions};
 use crate::notebook;
-use crate::report::{self, Trace};
+use crate::report::{self, SessionLog, Trace};
 
 /// What `looseleaf run` was asked to do.
 #[derive(Clone, Debug)]
@@ -24,6 +23,11 @@ pub struct RunRequest {
     pub report: PathBuf,
     pub all_gpu: bool,
     pub frontend: Option<String>,
+    /// Replay each cell as typed at this many characters a second (edits as the
+    /// text grows, then Run); None: one edit with the whole cell, then Run.
+    pub typing_cps: Option<f64>,
+    /// Let the platform prepare workers while cells are edited.
+    pub speculate: bool,
 }
 
 /// Run the notebook, starting an embedded cluster (from `cluster`) if no frontend is given.
@@ -50,17 +54,11 @@ pub async fn run(req: RunRequest, cluster: ClusterOptions) -> anyhow::Result<()>
 }
 
 /// Record one stream item; returns the exec id if it completed that execution.
-fn absorb(
-    item: StreamItem,
-    traces: &mut HashMap<Uuid, Trace>,
-    slots: &mut Vec<(f64, String)>,
-) -> Option<Uuid> {
+fn absorb(item: StreamItem, traces: &mut HashMap<Uuid, Trace>, log: &mut SessionLog) -> Option<Uuid> {
     let (exec, done) = match &item {
         StreamItem::Queued { exec_id, .. } | StreamItem::Output { exec_id, .. } => (*exec_id, false),
         StreamItem::Event { exec_id, kind, .. } => {
-            if let EventKind::SlotReleased { held_ms, reason, .. } = kind {
-                slots.push((*held_ms, reason.clone()));
-            }
+            log.absorb(kind);
             (*exec_id, false)
         }
         StreamItem::Done { exec_id, .. } => (*exec_id, true),
@@ -102,15 +100,18 @@ async fn drive(req: &RunRequest, fe: &Frontend) -> anyhow::Result<()> {
     let cwd = abs.parent().map(|p| p.display().to_string()).unwrap_or_else(|| "/".into());
     let cells = notebook::code_cells(&nb);
     let total = nb.get("cells").and_then(|c| c.as_array()).map_or(0, Vec::len);
-    let sid = fe.create_session(&cwd, req.all_gpu).await?;
+    let sid = fe.create_session(&cwd, req.all_gpu, req.speculate).await?;
     let mut rx = fe.events(sid).await?;
     let mut traces: HashMap<Uuid, Trace> = HashMap::new();
     let mut order = Vec::new();
-    let mut slots = Vec::new();
+    let mut log = SessionLog::default();
     let mut prev_done = None;
     let res: anyhow::Result<()> = async {
         for cell in &cells {
-            fe.edit(sid, &cell.cell_id, &cell.source).await?;
+            match req.typing_cps {
+                Some(cps) => type_cell(fe, sid, &cell.cell_id, &cell.source, cps).await?,
+                None => fe.edit(sid, &cell.cell_id, &cell.source).await?,
+            }
             let accepted = fe.run(sid, &cell.cell_id, &cell.source).await?;
             traces.insert(
                 accepted.exec_id,
@@ -119,7 +120,7 @@ async fn drive(req: &RunRequest, fe: &Frontend) -> anyhow::Result<()> {
             order.push(accepted.exec_id);
             loop {
                 let Some(item) = rx.recv().await else { bail!("the frontend's event stream ended") };
-                if absorb(item, &mut traces, &mut slots) == Some(accepted.exec_id) {
+                if absorb(item, &mut traces, &mut log) == Some(accepted.exec_id) {
                     break;
                 }
             }
@@ -135,7 +136,7 @@ async fn drive(req: &RunRequest, fe: &Frontend) -> anyhow::Result<()> {
     if let Err(e) = fe.delete(sid).await {
         tracing::warn!(error = format!("{e:#}"), "could not delete the session");
     }
-    drain(&mut rx, &mut traces, &mut slots).await;
+    drain(&mut rx, &mut traces, &mut log).await;
     res?;
 
     let ordered: Vec<Trace> = order.iter().filter_map(|e| traces.get(e).cloned()).collect();
@@ -150,7 +151,7 @@ async fn drive(req: &RunRequest, fe: &Frontend) -> anyhow::Result<()> {
         notebook::set_outputs(&mut nb, t.index, outputs, t.execution_count())?;
     }
     notebook::save(&req.output, &nb)?;
-    let report = report::build(&req.notebook.display().to_string(), &ordered, &slots, started.elapsed().as_secs_f64());
+    let report = report::build(&req.notebook.display().to_string(), &ordered, &log, started.elapsed().as_secs_f64());
     let json = serde_json::to_string_pretty(&report).context("while encoding the report")?;
     std::fs::write(&req.report, json + "\n").with_context(|| format!("while writing {}", req.report.display()))?;
     let t = &report.totals;
@@ -172,9 +173,27 @@ async fn drive(req: &RunRequest, fe: &Frontend) -> anyhow::Result<()> {
 
 /// After the delete, take the late events (slot releases at close) until the
 /// stream ends, for a few seconds at most.
-async fn drain(rx: &mut mpsc::UnboundedReceiver<StreamItem>, traces: &mut HashMap<Uuid, Trace>, slots: &mut Vec<(f64, String)>) {
+async fn drain(rx: &mut mpsc::UnboundedReceiver<StreamItem>, traces: &mut HashMap<Uuid, Trace>, log: &mut SessionLog) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     while let Ok(Some(item)) = tokio::time::timeout_at(deadline, rx.recv()).await {
-        absorb(item, traces, slots);
+        absorb(item, traces, log);
     }
+}
+
+/// Send a cell's code as a person typing it at `cps` characters a second would:
+/// an edit with the text so far every tick (at least 100 ms), the whole text last.
+async fn type_cell(fe: &Frontend, sid: Uuid, cell: &str, code: &str, cps: f64) -> anyhow::Result<()> {
+    let ends: Vec<usize> = code.char_indices().map(|(i, _)| i).skip(1).chain([code.len()]).collect();
+    let tick = Duration::from_secs_f64((1.0 / cps).max(0.1));
+    let per_tick = ((cps * tick.as_secs_f64()).round() as usize).max(1);
+    let start = tokio::time::Instant::now();
+    let mut typed = 0;
+    let mut ticks = 0u32;
+    while typed < ends.len() {
+        typed = (typed + per_tick).min(ends.len());
+        fe.edit(sid, cell, &code[..ends[typed - 1]]).await?;
+        ticks += 1;
+        tokio::time::sleep_until(start + tick * ticks).await;
+    }
+    Ok(())
 }

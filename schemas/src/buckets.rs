@@ -24,6 +24,14 @@ pub fn run_claim_key(exec: uuid::Uuid) -> String {
     format!("run-{exec}")
 }
 
+/// Key of the claim to prepare a worker for one revision of a cell's edit-derived
+/// recipe (exactly one host prepares it).
+pub fn prepare_claim_key(session: uuid::Uuid, cell_id: &str, revision: u64) -> String {
+    // KV keys allow [-/_=.a-zA-Z0-9]; cell ids are arbitrary text
+    let cell: String = cell_id.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
+    format!("prep-{session}-{cell}-{:x}-{revision}", xxhash_rust::xxh3::xxh3_64(cell_id.as_bytes()))
+}
+
 /// Key of a session's persistent CPU worker claim.
 pub fn cpu_claim_key(session: uuid::Uuid) -> String {
     format!("cpu-{session}")

@@ -49,6 +49,8 @@ pub struct EditV1 {
     pub code: String,
     /// Per-cell edit sequence number; older edits are dropped.
     pub seq: u64,
+    /// The session's options (device labelling and speculation follow them).
+    pub options: SessionOptions,
 }
 wire!(EditV1, "edit", 1);
 
@@ -59,6 +61,8 @@ pub struct SessionOptions {
     pub cwd: String,
     /// Treat every code cell as a GPU cell.
     pub all_gpu: bool,
+    /// Prepare workers while cells are edited (DESIGN.md section 4, step 3).
+    pub speculate: bool,
 }
 
 /// frontend -> planner: run a cell now (`session.{sid}.run`).
@@ -111,6 +115,25 @@ pub struct PinnedWorker {
     pub names: Vec<String>,
 }
 
+/// A worker a host prepared for a cell before Run; a run recipe names it so that
+/// its host runs the cell there and the other hosts stand back.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PreparedWorker {
+    /// The host that holds it.
+    pub host: String,
+    /// The worker's id on that host.
+    pub worker: String,
+}
+
+/// Why a prepared worker exists: prepared from an edit, or kept after its cell ran.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PreparedClass {
+    /// Prepared speculatively from an edit.
+    Speculative,
+    /// Kept warm after running its cell (a re-run of the cell may use it).
+    Warm,
+}
+
 /// planner -> all hosts: what a cell needs (`session.{sid}.recipe`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RecipeV1 {
@@ -146,6 +169,11 @@ pub struct RecipeV1 {
     pub run_unix_ms: u64,
     /// Session options.
     pub options: SessionOptions,
+    /// For a run: the worker prepared for this cell, if the planner knows of one.
+    pub prepared: Option<PreparedWorker>,
+    /// For an edit-derived recipe: the speculator admitted it, so a host may prepare
+    /// a worker (or update the one it prepared) for it.
+    pub speculate: bool,
 }
 wire!(RecipeV1, "recipe", 1);
 
@@ -244,6 +272,12 @@ pub enum EventKind {
         restored_bytes: u64,
         /// Preparation time on the host (claim to ready).
         prepare_ms: f64,
+        /// Of that, restoring the closure: fetching its records and chunks into
+        /// shared memory and loading them in the worker.
+        restore_ms: f64,
+        /// Closure variables restored or dropped after Run (for a prepared worker:
+        /// the ones a cell that ran meanwhile changed; 0 is a clean hit).
+        refreshed: u32,
         /// Whether the worker came from a zygote that had already imported the whole
         /// import closure (true for workers that lived on).
         import_hit: bool,
@@ -282,6 +316,40 @@ pub enum EventKind {
     Failed {
         /// What went wrong, naming what was lost.
         error: String,
+    },
+    /// A host prepared (or updated in place) a worker for a cell; nothing of the
+    /// cell ran.
+    Ready {
+        /// Host id.
+        host: String,
+        /// GPU slot index, if any.
+        slot: Option<u32>,
+        /// Worker id.
+        worker: String,
+        /// The cell it is prepared for.
+        cell_id: String,
+        /// The recipe revision it matches.
+        revision: u64,
+        /// Speculative or warm.
+        class: PreparedClass,
+        /// Preparation time (what a run saves by finding it ready).
+        prepare_ms: f64,
+    },
+    /// A prepared worker stopped being prepared: a run used it, or it was evicted
+    /// or replaced. `idle_ms` is the slot time it spent ready but unused.
+    PreparedEnded {
+        /// Host id.
+        host: String,
+        /// Worker id.
+        worker: String,
+        /// The cell it was prepared for.
+        cell_id: String,
+        /// Speculative or warm.
+        class: PreparedClass,
+        /// Slot time spent ready and idle.
+        idle_ms: f64,
+        /// "used", "evicted", "superseded" or "lost".
+        outcome: String,
     },
     /// A GPU slot was released (or a held worker lost); counts slot time.
     SlotReleased {
@@ -370,11 +438,16 @@ pub struct HostStatusV1 {
 }
 wire!(HostStatusV1, "host-status", 1);
 
-/// planner -> host: stop every worker of a session on this host.
+/// planner -> host (`host.{hid}.evict`): stop a prepared worker that is not
+/// running a cell, and free its slot.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct EvictV1 {
     /// The session.
     pub session: Uuid,
+    /// The prepared worker.
+    pub worker: String,
+    /// Why (for logs).
+    pub reason: String,
 }
 wire!(EvictV1, "evict", 1);
 

@@ -10,7 +10,7 @@ fn uuid() -> impl Strategy<Value = Uuid> {
 }
 
 fn options() -> impl Strategy<Value = SessionOptions> {
-    (".{0,40}", any::<bool>()).prop_map(|(cwd, all_gpu)| SessionOptions { cwd, all_gpu })
+    (".{0,40}", any::<bool>(), any::<bool>()).prop_map(|(cwd, all_gpu, speculate)| SessionOptions { cwd, all_gpu, speculate })
 }
 
 fn roundtrip<M: WireMessage + PartialEq + std::fmt::Debug>(msg: &M) {
@@ -21,8 +21,8 @@ fn roundtrip<M: WireMessage + PartialEq + std::fmt::Debug>(msg: &M) {
 
 proptest! {
     #[test]
-    fn edit_roundtrips(session in uuid(), cell_id in ".{0,20}", code in ".{0,200}", seq in any::<u64>()) {
-        roundtrip(&EditV1 { session, cell_id, code, seq });
+    fn edit_roundtrips(session in uuid(), cell_id in ".{0,20}", code in ".{0,200}", seq in any::<u64>(), options in options()) {
+        roundtrip(&EditV1 { session, cell_id, code, seq, options });
     }
 
     #[test]
@@ -41,6 +41,7 @@ proptest! {
             imports, device: if gpu { Device::Gpu } else { Device::Cpu }, device_reason: "r".into(),
             conservative, pinned: Some(PinnedWorker { host: "h".into(), worker: "w".into(), names: vec!["g".into()] }),
             manifest_revision: 1, run_unix_ms: 2, options,
+            prepared: Some(PreparedWorker { host: "h".into(), worker: "w2".into() }), speculate: false,
         });
     }
 
@@ -48,8 +49,10 @@ proptest! {
     fn event_roundtrips(session in uuid(), exec_id in uuid(), ms in any::<u64>(), run_ms in any::<f64>().prop_filter("nan", |f| !f.is_nan())) {
         for kind in [
             EventKind::Finished { status: CellStatus::Error, error: Some("ValueError: x".into()), execution_count: 3, run_ms, outputs: 2, cuda_used: true },
-            EventKind::Started { host: "h".into(), slot: Some(1), worker: "w".into(), device: Device::Gpu, prepare: Prepare::Cold, execution_count: 1, restored_bytes: 5, prepare_ms: run_ms, import_hit: true },
+            EventKind::Started { host: "h".into(), slot: Some(1), worker: "w".into(), device: Device::Gpu, prepare: Prepare::Cold, execution_count: 1, restored_bytes: 5, prepare_ms: run_ms, restore_ms: run_ms, refreshed: 2, import_hit: true },
             EventKind::Failed { error: "worker died".into() },
+            EventKind::Ready { host: "h".into(), slot: Some(0), worker: "w".into(), cell_id: "c".into(), revision: 2, class: PreparedClass::Speculative, prepare_ms: run_ms },
+            EventKind::PreparedEnded { host: "h".into(), worker: "w".into(), cell_id: "c".into(), class: PreparedClass::Warm, idle_ms: run_ms, outcome: "used".into() },
         ] {
             roundtrip(&SessionEventV1 { session, exec_id, unix_ms: ms, kind });
         }
@@ -71,7 +74,7 @@ proptest! {
 
     #[test]
     fn arbitrary_bytes_are_rejected_not_panicking(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
-        let (headers, _) = codec::encode(&EditV1 { session: Uuid::nil(), cell_id: String::new(), code: String::new(), seq: 0 }).unwrap();
+        let (headers, _) = codec::encode(&EditV1 { session: Uuid::nil(), cell_id: String::new(), code: String::new(), seq: 0, options: SessionOptions { cwd: String::new(), all_gpu: false, speculate: true } }).unwrap();
         // Whatever the bytes are, decoding either fails cleanly or yields a message
         // that re-encodes to the same bytes (it really was a valid payload).
         match codec::decode::<RecipeV1>(Some(&headers), &bytes) {
@@ -87,7 +90,7 @@ proptest! {
 
 #[test]
 fn missing_headers_and_unknown_versions_are_rejected() {
-    let msg = EditV1 { session: Uuid::nil(), cell_id: "c".into(), code: "x".into(), seq: 1 };
+    let msg = EditV1 { session: Uuid::nil(), cell_id: "c".into(), code: "x".into(), seq: 1, options: SessionOptions { cwd: String::new(), all_gpu: false, speculate: true } };
     let (mut headers, payload) = codec::encode(&msg).unwrap();
     assert!(matches!(codec::decode::<EditV1>(None, &payload), Err(CodecError::MissingHeaders)));
     headers.insert(codec::VERSION_HEADER, "99");

@@ -13,6 +13,13 @@ pub struct CreateSession {
     /// Treat every code cell as a GPU cell.
     #[serde(default)]
     pub all_gpu: bool,
+    /// Prepare workers while cells are edited (default true).
+    #[serde(default = "yes")]
+    pub speculate: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// `POST /v1/sessions` answer.

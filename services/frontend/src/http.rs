@@ -138,7 +138,7 @@ async fn create_session(
         .await
         .map_err(|e| internal(format!("cannot subscribe to the session's outputs: {e}")))?;
     let (bus, timeouts) = (state.bus.clone(), state.timeouts);
-    let options = SessionOptions { cwd: req.cwd, all_gpu: req.all_gpu };
+    let options = SessionOptions { cwd: req.cwd, all_gpu: req.all_gpu, speculate: req.speculate };
     let addr = SessionActor::start_in_arbiter(&state.arbiter, move |ctx| {
         ctx.add_stream(events.into_stream());
         ctx.add_stream(outputs.into_stream());

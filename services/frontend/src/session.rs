@@ -215,7 +215,7 @@ impl SessionActor {
                 Some((status, revision, error))
             }
             EventKind::Failed { error } => Some((ExecStatus::Error, self.revision, Some(error))),
-            EventKind::SlotReleased { .. } => None,
+            EventKind::SlotReleased { .. } | EventKind::Ready { .. } | EventKind::PreparedEnded { .. } => None,
         };
         let Some((status, revision, error)) = terminal else { return };
         let exec_id = cur.exec_id;
@@ -305,7 +305,7 @@ impl Handler<Edit> for SessionActor {
     fn handle(&mut self, msg: Edit, _ctx: &mut Self::Context) -> Self::Result {
         let seq = self.edit_seq.entry(msg.cell_id.clone()).or_insert(0);
         *seq += 1;
-        MessageResult(EditV1 { session: self.sid, cell_id: msg.cell_id, code: msg.code, seq: *seq })
+        MessageResult(EditV1 { session: self.sid, cell_id: msg.cell_id, code: msg.code, seq: *seq, options: self.options.clone() })
     }
 }
 

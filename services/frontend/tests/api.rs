@@ -156,6 +156,8 @@ fn started() -> EventKind {
         execution_count: 1,
         restored_bytes: 0,
         prepare_ms: 1.0,
+        restore_ms: 0.5,
+        refreshed: 0,
         import_hit: true,
     }
 }

@@ -209,42 +209,12 @@ impl ExecEnv {
         import_hit: bool,
     ) -> Result<Vec<String>, String> {
         let (session, exec_id) = (recipe.session, recipe.exec_id);
-        let manifest = self.manifest(session).await?;
-        let restore = self.plan_restore(recipe, w, &manifest)?;
-        let file = self
-            .chunks
-            .write_restore_file(&manifest, &restore.objects, &w.id)
-            .await
-            .map_err(|e| format!("could not restore the cell's state: {e}"))?;
-        let frame = Frame::Restore {
-            shm_path: file.path.as_ref().map(|p| p.display().to_string()),
-            variables: restore.variables.clone(),
-            objects: file.objects.clone(),
-            ambient: file.ambient,
-            imports: recipe.imports.clone(),
-            drop: restore.drop.clone(),
-        };
-        let restored = w.restore(frame).await;
-        if let Some(p) = &file.path {
-            let _ = std::fs::remove_file(p);
-        }
-        let (restored_bytes, _ms, errors) = restored.map_err(describe)?;
-        let fatal: Vec<String> =
-            errors.iter().filter(|(k, _)| !k.starts_with("import ")).map(|(k, v)| format!("{k}: {v}")).collect();
-        if !fatal.is_empty() {
-            return Err(format!("restoring the cell's state failed: {}", fatal.join("; ")));
-        }
-        for name in &restore.drop {
-            w.held.remove(name);
-        }
-        for (name, var) in &restore.variables {
-            if let Ok(v) = Uuid::parse_str(&var.version) {
-                w.held.insert(name.clone(), v);
-            }
-        }
-        w.revision = manifest.revision;
+        let restore_started = Instant::now();
+        let (manifest, restored) = self.restore_closure(recipe, w).await?;
+        let restored_bytes = restored.bytes;
 
         let prepare_ms = claimed_at.elapsed().as_secs_f64() * 1000.0;
+        let restore_ms = restore_started.elapsed().as_secs_f64() * 1000.0;
         // Outputs stream to clients while the cell runs, in order, through one
         // forwarding task.
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Pending>();
@@ -280,6 +250,8 @@ impl ExecEnv {
                             execution_count,
                             restored_bytes,
                             prepare_ms,
+                            restore_ms,
+                            refreshed: restored.refreshed,
                             import_hit,
                         },
                     }),
@@ -342,6 +314,83 @@ impl ExecEnv {
         Ok(saved.unsavable)
     }
 
+    /// Bring `w` to the session's committed state for `recipe`: drop names that are
+    /// stale, restore the closure's missing or changed variables, import the import
+    /// closure. Nothing of the cell runs. Used at Run and while preparing.
+    async fn restore_closure(&self, recipe: &RecipeV1, w: &mut WorkerProc) -> Result<(Manifest, Restored), String> {
+        let manifest = self.manifest(recipe.session).await?;
+        let restore = self.plan_restore(recipe, w, &manifest)?;
+        let file = self
+            .chunks
+            .write_restore_file(&manifest, &restore.objects, &w.id)
+            .await
+            .map_err(|e| format!("could not restore the cell's state: {e}"))?;
+        let frame = Frame::Restore {
+            shm_path: file.path.as_ref().map(|p| p.display().to_string()),
+            variables: restore.variables.clone(),
+            objects: file.objects.clone(),
+            ambient: file.ambient,
+            imports: recipe.imports.clone(),
+            drop: restore.drop.clone(),
+        };
+        let restored = w.restore(frame).await;
+        if let Some(p) = &file.path {
+            let _ = std::fs::remove_file(p);
+        }
+        let (bytes, _ms, errors) = restored.map_err(describe)?;
+        let fatal: Vec<String> =
+            errors.iter().filter(|(k, _)| !k.starts_with("import ")).map(|(k, v)| format!("{k}: {v}")).collect();
+        if !fatal.is_empty() {
+            return Err(format!("restoring the cell's state failed: {}", fatal.join("; ")));
+        }
+        for name in &restore.drop {
+            w.held.remove(name);
+        }
+        for (name, var) in &restore.variables {
+            if let Ok(v) = Uuid::parse_str(&var.version) {
+                w.held.insert(name.clone(), v);
+            }
+        }
+        w.revision = manifest.revision;
+        let refreshed = (restore.variables.len() + restore.drop.len()) as u32;
+        Ok((manifest, Restored { bytes, refreshed }))
+    }
+
+    /// Prepare a worker for an edit-derived recipe: fork one into `slot` (or take
+    /// `existing`, updating it in place) and restore the closure. The cell does not
+    /// run. On failure the worker (if any) is returned only if still usable.
+    pub async fn prepare(
+        &self,
+        recipe: &RecipeV1,
+        slot: Option<u32>,
+        existing: Option<Arc<Mutex<WorkerProc>>>,
+    ) -> Result<(Arc<Mutex<WorkerProc>>, f64), String> {
+        let started = Instant::now();
+        let worker = match existing {
+            Some(w) => w,
+            None => {
+                let (w, _hit) = self
+                    .fork(recipe.session, slot, &recipe.options.cwd, &recipe.imports)
+                    .await
+                    .map_err(|e| format!("could not start a worker: {e}"))?;
+                Arc::new(Mutex::new(w))
+            }
+        };
+        let mut w = worker.lock().await;
+        let result = self.restore_closure(recipe, &mut w).await;
+        let broken = w.is_broken();
+        drop(w);
+        match result {
+            Ok(_) => Ok((worker, started.elapsed().as_secs_f64() * 1000.0)),
+            Err(e) => {
+                if broken {
+                    worker.lock().await.kill_now();
+                }
+                Err(e)
+            }
+        }
+    }
+
     /// Which names to drop (stale), which to restore, and which records to send.
     fn plan_restore(&self, recipe: &RecipeV1, w: &WorkerProc, manifest: &Manifest) -> Result<RestorePlan, String> {
         let mut drop = Vec::new();
@@ -402,6 +451,13 @@ impl ExecEnv {
 enum Pending {
     Event(SessionEventV1),
     Output(OutputV1),
+}
+
+/// What a restore did.
+struct Restored {
+    bytes: u64,
+    /// Names restored or dropped (for a prepared worker at Run: the refresh).
+    refreshed: u32,
 }
 
 struct RestorePlan {

@@ -1,12 +1,21 @@
-//! The host actor: owns this host's GPU slots, the sessions' persistent CPU workers
-//! and the workers kept for unsavable state; competes for recipes (DESIGN.md
-//! section 5) and hands each won recipe to an execution future ([`crate::exec`]).
+//! The host actor: owns this host's GPU slots, the sessions' persistent CPU workers,
+//! the workers kept for unsavable state and the workers prepared before Run;
+//! competes for recipes (DESIGN.md section 5) and hands each won recipe to an
+//! execution future ([`crate::exec`]).
 //!
 //! ```text
-//!  recipes ──▶ Host ──claim (KV create)──▶ execution future ──▶ ExecDone ──▶ Host
+//!  run recipes ──▶ Host ──claim (KV create)──▶ execution future ──▶ ExecDone ──▶ Host
+//!  edit recipes (admitted) ──▶ Host ──claim──▶ prepare future ──▶ Ready (idle, slot held)
+//!  run recipe for a prepared cell ──▶ its host claims at once, runs on that worker
 //!  events  ──▶ Host (drop pending recipes another host claimed)
-//!  closes  ──▶ Host (stop the session's workers)      tick ──▶ status, claim renewal
+//!  evict   ──▶ Host (stop a prepared worker)     closes ──▶ Host (stop the session's workers)
+//!  tick    ──▶ status, claim renewal
 //! ```
+//!
+//! A prepared worker's life: preparing ─▶ ready ─(newer recipe)▶ preparing (updated
+//! in place) … ─▶ used by the run, or evicted (planner budget, a run needing the
+//! slot, session closed), or lost (it died). A run never waits for a prepared
+//! worker of another session: when no slot is free it evicts an idle one.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -17,8 +26,8 @@ use async_nats::jetstream::kv;
 use schemas::buckets;
 use schemas::bus::Rejected;
 use schemas::messages::{
-    Device, EventKind, HostStatusV1, Prepare, RecipeKind, RecipeV1, SessionCloseV1, SessionEventV1, SlotStatus,
-    ZygoteStatus,
+    Device, EventKind, EvictV1, HostStatusV1, Prepare, PreparedClass, RecipeKind, RecipeV1, SessionCloseV1,
+    SessionEventV1, SlotStatus, ZygoteStatus,
 };
 use schemas::{unix_ms, Envelope};
 use tokio::sync::Mutex;
@@ -31,6 +40,13 @@ use crate::worker::WorkerProc;
 /// How often status is published and claims renewed.
 const TICK: Duration = Duration::from_secs(2);
 
+/// A run whose recipe names another host's prepared worker: that host claims it at
+/// once; the others compete only if it has not after this long (it may be gone).
+const PREPARED_FALLBACK: Duration = Duration::from_secs(2);
+
+/// How long an admitted edit recipe may wait for a slot on this host.
+const SPEC_WAIT: Duration = Duration::from_secs(5);
+
 enum SlotState {
     Free,
     /// Reserved while this host tries to claim `exec`.
@@ -39,6 +55,8 @@ enum SlotState {
     Busy { exec: Uuid, session: Uuid },
     /// Kept with a worker that holds unsavable state.
     Pinned { worker: String, session: Uuid },
+    /// Held by a worker prepared (or being prepared) for a cell before Run.
+    Prepared { session: Uuid, cell_id: String },
 }
 
 struct Slot {
@@ -56,6 +74,29 @@ struct Kept {
     persistent: bool,
 }
 
+/// A worker prepared for a cell before Run.
+struct Prep {
+    /// None while its first preparation forks it.
+    worker: Option<Arc<Mutex<WorkerProc>>>,
+    worker_id: String,
+    /// The GPU slot (index) it holds.
+    slot: u32,
+    /// The recipe revision it was (or is being) prepared for.
+    revision: u64,
+    class: PreparedClass,
+    /// Idle since (None until first ready).
+    ready_since: Option<Instant>,
+    preparing: bool,
+    /// A newer recipe that arrived while preparing: applied next, in place.
+    next: Option<RecipeV1>,
+    /// The run (already claimed by this host) that arrived while preparing.
+    run: Option<RecipeV1>,
+    /// Evicted while preparing: stop once the preparation ends.
+    evict: Option<&'static str>,
+}
+
+type PrepKey = (Uuid, String);
+
 /// The host actor.
 pub struct Host {
     env: ExecEnv,
@@ -65,6 +106,13 @@ pub struct Host {
     kept: HashMap<String, Kept>,
     cpu: HashMap<Uuid, String>,
     pending: VecDeque<RecipeV1>,
+    /// Runs this host claimed that wait for a slot.
+    won: VecDeque<RecipeV1>,
+    /// Workers prepared before Run, per (session, cell).
+    prepared: HashMap<PrepKey, Prep>,
+    /// Admitted edit recipes that found no free slot (the planner's eviction that
+    /// makes room may arrive just after): the newest per cell, tried when a slot frees.
+    spec_waiting: VecDeque<(Instant, RecipeV1)>,
     /// Zygotes as last seen (the cache is locked while a fork is under way).
     last_zygotes: Vec<ZygoteStatus>,
 }
@@ -73,7 +121,19 @@ impl Host {
     /// A host with `slots` (real GPUs or virtual ones), claiming through `claims`.
     pub fn new(env: ExecEnv, claims: kv::Store, slots: Vec<Gpu>, real_gpus: bool) -> Self {
         let slots = slots.into_iter().map(|gpu| Slot { gpu, state: SlotState::Free, since: Instant::now() }).collect();
-        Self { env, claims, slots, real_gpus, kept: HashMap::new(), cpu: HashMap::new(), pending: VecDeque::new(), last_zygotes: Vec::new() }
+        Self {
+            env,
+            claims,
+            slots,
+            real_gpus,
+            kept: HashMap::new(),
+            cpu: HashMap::new(),
+            pending: VecDeque::new(),
+            won: VecDeque::new(),
+            prepared: HashMap::new(),
+            spec_waiting: VecDeque::new(),
+            last_zygotes: Vec::new(),
+        }
     }
 
     fn free_slot(&self) -> Option<usize> {
@@ -98,6 +158,11 @@ impl Host {
                     SlotState::Claiming(e) => (Some(*e), None, Some("claiming".to_string())),
                     SlotState::Busy { exec, session } => (Some(*exec), Some(*session), Some("cell".to_string())),
                     SlotState::Pinned { session, worker } => (None, Some(*session), Some(format!("unsavable state in {worker}"))),
+                    SlotState::Prepared { session, cell_id } => {
+                        let preparing = self.prepared.get(&(*session, cell_id.clone())).is_some_and(|p| p.preparing);
+                        let what = if preparing { "preparing" } else { "prepared" };
+                        (None, Some(*session), Some(format!("{what} for cell {cell_id}")))
+                    }
                 };
                 SlotStatus { index: s.gpu.index, name: s.gpu.name.clone(), memory_bytes: s.gpu.memory_bytes, exec_id, session, held_for }
             })
@@ -115,7 +180,9 @@ impl Host {
             real_gpus: self.real_gpus,
             zygotes,
             cpu_sessions: self.cpu.keys().copied().collect(),
-            workers: (self.kept.len() + self.slots.iter().filter(|s| matches!(s.state, SlotState::Busy { .. })).count()) as u32,
+            workers: (self.kept.len()
+                + self.prepared.len()
+                + self.slots.iter().filter(|s| matches!(s.state, SlotState::Busy { .. })).count()) as u32,
             cache_bytes: self.env.chunks.cached_bytes(),
             unix_ms: unix_ms(),
         }
@@ -137,7 +204,8 @@ impl Host {
 
     fn on_recipe(&mut self, recipe: RecipeV1, ctx: &mut Context<Self>) {
         if recipe.kind != RecipeKind::Run {
-            return; // preparation while editing comes with the speculator
+            self.on_edit_recipe(recipe, ctx);
+            return;
         }
         if let Some(p) = &recipe.pinned {
             if p.host != self.env.host_id {
@@ -161,12 +229,297 @@ impl Host {
                 if self.slots.is_empty() {
                     return;
                 }
+                let key = (recipe.session, recipe.cell_id.clone());
+                self.spec_waiting.retain(|(_, r)| (r.session, &r.cell_id) != (key.0, &key.1));
+                if self.prepared.contains_key(&key) {
+                    self.claim_prepared_run(key, recipe, ctx);
+                    return;
+                }
+                if let Some(p) = &recipe.prepared {
+                    if p.host != self.env.host_id {
+                        let mut r = recipe;
+                        r.prepared = None;
+                        ctx.run_later(PREPARED_FALLBACK, move |act, ctx| act.on_recipe(r, ctx));
+                        return;
+                    }
+                }
                 match self.free_slot() {
                     Some(i) => self.claim_gpu(recipe, i, ctx),
+                    None if self.idle_prepared().is_some() => self.claim_then_evict(recipe, ctx),
                     None => self.pending.push_back(recipe),
                 }
             }
         }
+    }
+
+    // ---------------------------------------------------------------- preparation
+
+    /// An edit-derived recipe: prepare a worker for it if the speculator admitted
+    /// it and a slot is free, or update the worker this host prepared for the cell.
+    fn on_edit_recipe(&mut self, recipe: RecipeV1, ctx: &mut Context<Self>) {
+        if !recipe.speculate || recipe.device != Device::Gpu || recipe.pinned.is_some() || self.slots.is_empty() {
+            return;
+        }
+        let key = (recipe.session, recipe.cell_id.clone());
+        if let Some(p) = self.prepared.get_mut(&key) {
+            if recipe.revision <= p.revision || p.run.is_some() || p.evict.is_some() {
+                return;
+            }
+            if p.preparing {
+                p.next = Some(recipe); // superseded while preparing: applied in place next
+            } else {
+                self.start_prepare(key, recipe, ctx);
+            }
+            return;
+        }
+        let Some(pos) = self.free_slot() else {
+            self.spec_waiting.retain(|(_, r)| (r.session, &r.cell_id) != (key.0, &key.1));
+            self.spec_waiting.push_back((Instant::now(), recipe));
+            return;
+        };
+        self.slots[pos].state = SlotState::Claiming(Uuid::nil());
+        self.slots[pos].since = Instant::now();
+        let delay = self.claim_delay();
+        let claims = self.claims.clone();
+        let claim = buckets::prepare_claim_key(recipe.session, &recipe.cell_id, recipe.revision);
+        let me = self.env.host_id.clone();
+        let fut = async move {
+            tokio::time::sleep(delay).await;
+            claims.create(claim, me.into_bytes().into()).await
+        };
+        ctx.spawn(fut.into_actor(self).map(move |won, act, ctx| {
+            if won.is_err() || act.prepared.contains_key(&key) {
+                act.slots[pos].state = SlotState::Free;
+                if won.is_ok() {
+                    // an older revision of the cell got a worker meanwhile: update that one
+                    act.on_edit_recipe(recipe, ctx);
+                }
+                act.try_pending(ctx);
+                return;
+            }
+            act.slots[pos].state = SlotState::Prepared { session: key.0, cell_id: key.1.clone() };
+            act.slots[pos].since = Instant::now();
+            let prep = Prep {
+                worker: None,
+                worker_id: String::new(),
+                slot: act.slots[pos].gpu.index,
+                revision: recipe.revision,
+                class: PreparedClass::Speculative,
+                ready_since: None,
+                preparing: true,
+                next: None,
+                run: None,
+                evict: None,
+            };
+            act.prepared.insert(key.clone(), prep);
+            act.start_prepare(key, recipe, ctx);
+            act.publish_status(ctx);
+        }));
+    }
+
+    /// Fork (or update in place) the prepared worker of `key` for `recipe`.
+    fn start_prepare(&mut self, key: PrepKey, recipe: RecipeV1, ctx: &mut Context<Self>) {
+        let Some(p) = self.prepared.get_mut(&key) else { return };
+        p.preparing = true;
+        p.revision = recipe.revision;
+        let (env, existing, slot) = (self.env.clone(), p.worker.clone(), p.slot);
+        let span = tracing::info_span!("prepare", session = %key.0, cell = %key.1, revision = recipe.revision);
+        let fut = tracing::Instrument::instrument(async move { env.prepare(&recipe, Some(slot), existing).await }, span);
+        ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| act.prepare_done(key, res, ctx)));
+    }
+
+    fn prepare_done(&mut self, key: PrepKey, res: Result<(Arc<Mutex<WorkerProc>>, f64), String>, ctx: &mut Context<Self>) {
+        let Some(p) = self.prepared.get_mut(&key) else {
+            if let Ok((w, _)) = res {
+                stop_worker(w, ctx, self);
+            }
+            return;
+        };
+        p.preparing = false;
+        let prepare_ms = match res {
+            Ok((w, ms)) => {
+                p.worker_id = worker_id(&w);
+                p.worker = Some(w);
+                p.ready_since.get_or_insert_with(Instant::now);
+                ms
+            }
+            Err(e) => {
+                tracing::warn!(session = %key.0, cell = %key.1, error = %e, "preparation failed");
+                let run = p.run.take();
+                p.worker = None; // a broken worker was killed by prepare
+                self.end_prepared(&key, "lost", ctx);
+                if let Some(run) = run {
+                    self.run_won(run, ctx); // claimed already: run it cold
+                }
+                return;
+            }
+        };
+        if let Some(why) = p.evict {
+            self.end_prepared(&key, why, ctx);
+            return;
+        }
+        if let Some(run) = p.run.take() {
+            self.run_prepared(key, run, ctx);
+            return;
+        }
+        let ev = EventKind::Ready {
+            host: self.env.host_id.clone(),
+            slot: Some(p.slot),
+            worker: p.worker_id.clone(),
+            cell_id: key.1.clone(),
+            revision: p.revision,
+            class: p.class,
+            prepare_ms,
+        };
+        let next = p.next.take();
+        self.session_event(key.0, ev, ctx);
+        if let Some(next) = next {
+            self.start_prepare(key, next, ctx);
+        }
+        self.publish_status(ctx);
+    }
+
+    /// A run for a cell this host prepared: claim it at once (no delay: the
+    /// prepared worker makes this host the best place).
+    fn claim_prepared_run(&mut self, key: PrepKey, recipe: RecipeV1, ctx: &mut Context<Self>) {
+        let claims = self.claims.clone();
+        let claim = buckets::run_claim_key(recipe.exec_id);
+        let me = self.env.host_id.clone();
+        let fut = async move { claims.create(claim, me.into_bytes().into()).await };
+        ctx.spawn(fut.into_actor(self).map(move |won, act, ctx| {
+            if won.is_err() {
+                return; // another host runs it; the planner's budget evicts ours
+            }
+            match act.prepared.get_mut(&key) {
+                Some(p) if p.preparing => {
+                    p.next = None;
+                    p.run = Some(recipe);
+                }
+                Some(_) => act.run_prepared(key, recipe, ctx),
+                None => act.run_won(recipe, ctx),
+            }
+        }));
+    }
+
+    /// Run a claimed recipe on the worker prepared for its cell.
+    fn run_prepared(&mut self, key: PrepKey, recipe: RecipeV1, ctx: &mut Context<Self>) {
+        let Some(p) = self.prepared.remove(&key) else { return self.run_won(recipe, ctx) };
+        let Some(worker) = p.worker.clone() else {
+            // never became ready (cannot happen outside preparation): free its slot, run cold
+            if let Some(pos) = self.slots.iter().position(|s| s.gpu.index == p.slot) {
+                self.slots[pos].state = SlotState::Free;
+            }
+            return self.run_won(recipe, ctx);
+        };
+        if let Some(pos) = self.slots.iter().position(|s| s.gpu.index == p.slot) {
+            self.slots[pos].state = SlotState::Busy { exec: recipe.exec_id, session: recipe.session };
+        }
+        let idle_ms = p.ready_since.map_or(0.0, |t| t.elapsed().as_secs_f64() * 1000.0);
+        self.prepared_ended(key, &p, idle_ms, "used", ctx);
+        let target = Target::Existing { worker, prepare: Prepare::Speculative, slot: Some(p.slot) };
+        self.spawn_exec(recipe, target, ctx);
+    }
+
+    /// A run this host claimed without a prepared worker: a free slot, or an idle
+    /// prepared worker's slot, or wait for one.
+    fn run_won(&mut self, recipe: RecipeV1, ctx: &mut Context<Self>) {
+        let pos = self.free_slot().or_else(|| {
+            let key = self.idle_prepared()?;
+            let slot = self.prepared.get(&key)?.slot;
+            self.end_prepared(&key, "evicted for a run", ctx);
+            self.slots.iter().position(|s| s.gpu.index == slot)
+        });
+        match pos {
+            Some(pos) => {
+                self.slots[pos].state = SlotState::Busy { exec: recipe.exec_id, session: recipe.session };
+                self.slots[pos].since = Instant::now();
+                let index = self.slots[pos].gpu.index;
+                self.spawn_exec(recipe, Target::Fresh { slot: Some(index) }, ctx);
+            }
+            None => self.won.push_back(recipe),
+        }
+        self.publish_status(ctx);
+    }
+
+    /// No slot free, but an idle prepared worker could give one up: claim first
+    /// (with the longest delay, as a full host), evict only if this host won.
+    fn claim_then_evict(&mut self, recipe: RecipeV1, ctx: &mut Context<Self>) {
+        let delay = self.claim_delay();
+        let claims = self.claims.clone();
+        let claim = buckets::run_claim_key(recipe.exec_id);
+        let me = self.env.host_id.clone();
+        let fut = async move {
+            tokio::time::sleep(delay).await;
+            claims.create(claim, me.into_bytes().into()).await
+        };
+        ctx.spawn(fut.into_actor(self).map(move |won, act, ctx| {
+            if won.is_ok() {
+                act.run_won(recipe, ctx);
+            }
+        }));
+    }
+
+    /// The prepared worker to give up first: ready (not preparing, no run waiting),
+    /// warm before speculative, longest idle first.
+    fn idle_prepared(&self) -> Option<PrepKey> {
+        self.prepared
+            .iter()
+            .filter(|(_, p)| !p.preparing && p.run.is_none() && p.worker.is_some())
+            .min_by_key(|(_, p)| (p.class == PreparedClass::Speculative, p.ready_since))
+            .map(|(k, _)| k.clone())
+    }
+
+    /// Stop a prepared worker and free its slot; `outcome` says why.
+    fn end_prepared(&mut self, key: &PrepKey, outcome: &str, ctx: &mut Context<Self>) {
+        let Some(p) = self.prepared.remove(key) else { return };
+        let idle_ms = p.ready_since.map_or(0.0, |t| t.elapsed().as_secs_f64() * 1000.0);
+        if let Some(w) = p.worker.clone() {
+            stop_worker(w, ctx, self);
+        }
+        if let Some(pos) = self.slots.iter().position(|s| s.gpu.index == p.slot) {
+            self.release_slot(pos, key.0, "speculation", ctx);
+        }
+        self.prepared_ended(key.clone(), &p, idle_ms, outcome, ctx);
+        self.try_pending(ctx);
+        self.publish_status(ctx);
+    }
+
+    fn prepared_ended(&mut self, key: PrepKey, p: &Prep, idle_ms: f64, outcome: &str, ctx: &mut Context<Self>) {
+        tracing::info!(session = %key.0, cell = %key.1, worker = %p.worker_id, idle_ms, outcome, "prepared worker ended");
+        let ev = EventKind::PreparedEnded {
+            host: self.env.host_id.clone(),
+            worker: p.worker_id.clone(),
+            cell_id: key.1,
+            class: p.class,
+            idle_ms,
+            outcome: outcome.to_string(),
+        };
+        self.session_event(key.0, ev, ctx);
+    }
+
+    /// The planner (budget) or the session asks to stop a prepared worker.
+    fn evict(&mut self, msg: EvictV1, ctx: &mut Context<Self>) {
+        let key = self.prepared.iter().find(|(_, p)| p.worker_id == msg.worker).map(|(k, _)| k.clone());
+        let Some(key) = key else { return };
+        match self.prepared.get_mut(&key) {
+            Some(p) if p.run.is_some() => {} // a run claimed it: too late
+            Some(p) if p.preparing => p.evict = Some("evicted"),
+            Some(_) => self.end_prepared(&key, "evicted", ctx),
+            None => {}
+        }
+    }
+
+    fn session_event(&mut self, session: Uuid, kind: EventKind, ctx: &mut Context<Self>) {
+        let ev = SessionEventV1 { session, exec_id: Uuid::nil(), unix_ms: unix_ms(), kind };
+        let bus = self.env.bus.clone();
+        ctx.spawn(
+            async move {
+                if let Err(e) = bus.publish(bus.subjects().event(session), &ev).await {
+                    tracing::error!(error = %e, "could not publish a session event");
+                }
+            }
+            .into_actor(self),
+        );
     }
 
     fn claim_gpu(&mut self, recipe: RecipeV1, slot: usize, ctx: &mut Context<Self>) {
@@ -233,6 +586,7 @@ impl Host {
         let env = self.env.clone();
         let kind = match &target {
             Target::Fresh { slot } => ExecKind::Fresh { slot: *slot },
+            Target::Existing { prepare: Prepare::Speculative, slot: Some(slot), .. } => ExecKind::Prepared { slot: *slot },
             Target::Existing { worker, .. } => ExecKind::Existing { worker: worker.clone() },
         };
         let device = recipe.device;
@@ -246,7 +600,9 @@ impl Host {
 
     fn exec_done(&mut self, session: Uuid, device: Device, kind: ExecKind, outcome: Outcome, ctx: &mut Context<Self>) {
         match kind {
-            ExecKind::Fresh { slot: Some(index) } => {
+            // a prepared worker ends like a fresh one: its slot goes free or stays
+            // pinned for unsavable state
+            ExecKind::Fresh { slot: Some(index) } | ExecKind::Prepared { slot: index } => {
                 let pos = self.slots.iter().position(|s| s.gpu.index == index);
                 match (outcome.worker, pos) {
                     (Some(worker), Some(pos)) if !outcome.unsavable.is_empty() => {
@@ -336,14 +692,33 @@ impl Host {
     }
 
     fn try_pending(&mut self, ctx: &mut Context<Self>) {
+        while self.free_slot().is_some() {
+            let Some(recipe) = self.won.pop_front() else { break };
+            self.run_won(recipe, ctx);
+        }
         while let Some(slot) = self.free_slot() {
             let Some(recipe) = self.pending.pop_front() else { break };
             self.claim_gpu(recipe, slot, ctx);
+        }
+        // then preparations that waited briefly for a slot; older ones are stale
+        self.spec_waiting.retain(|(at, _)| at.elapsed() < SPEC_WAIT);
+        while self.free_slot().is_some() {
+            let Some((_, recipe)) = self.spec_waiting.pop_front() else { break };
+            self.on_edit_recipe(recipe, ctx);
         }
     }
 
     fn close_session(&mut self, session: Uuid, ctx: &mut Context<Self>) {
         self.pending.retain(|r| r.session != session);
+        self.spec_waiting.retain(|(_, r)| r.session != session);
+        let preps: Vec<PrepKey> = self.prepared.keys().filter(|(s, _)| *s == session).cloned().collect();
+        for key in preps {
+            match self.prepared.get_mut(&key) {
+                Some(p) if p.preparing => p.evict = Some("session closed"),
+                Some(_) => self.end_prepared(&key, "session closed", ctx),
+                None => {}
+            }
+        }
         self.cpu.remove(&session);
         let ids: Vec<String> = self.kept.iter().filter(|(_, k)| k.session == session).map(|(id, _)| id.clone()).collect();
         for id in ids {
@@ -398,11 +773,17 @@ impl Host {
         for k in kept {
             stop_worker(k.worker, ctx, self);
         }
+        let preps: Vec<Prep> = self.prepared.drain().map(|(_, p)| p).collect();
+        for w in preps.into_iter().filter_map(|p| p.worker) {
+            stop_worker(w, ctx, self);
+        }
     }
 }
 
 enum ExecKind {
     Fresh { slot: Option<u32> },
+    /// A worker prepared before Run, holding GPU slot `slot`.
+    Prepared { slot: u32 },
     Existing { worker: Arc<Mutex<WorkerProc>> },
 }
 
@@ -461,6 +842,15 @@ impl StreamHandler<Result<Envelope<SessionCloseV1>, Rejected>> for Host {
     fn handle(&mut self, item: Result<Envelope<SessionCloseV1>, Rejected>, ctx: &mut Self::Context) {
         if let Ok(env) = item {
             self.close_session(env.msg.session, ctx);
+        }
+    }
+}
+
+impl StreamHandler<Result<Envelope<EvictV1>, Rejected>> for Host {
+    fn handle(&mut self, item: Result<Envelope<EvictV1>, Rejected>, ctx: &mut Self::Context) {
+        if let Ok(env) = item {
+            tracing::debug!(worker = %env.msg.worker, reason = %env.msg.reason, "eviction asked");
+            self.evict(env.msg, ctx);
         }
     }
 }

@@ -30,7 +30,8 @@ use std::time::Duration;
 
 use actix::prelude::*;
 use anyhow::Context as _;
-use schemas::messages::{RecipeV1, SessionCloseV1, SessionEventV1};
+use schemas::messages::{EvictV1, RecipeV1, SessionCloseV1, SessionEventV1};
+use schemas::subjects::HostVerb;
 use schemas::{buckets, Bus};
 
 /// Child zygotes kept per host (the base zygote always stays).
@@ -105,11 +106,13 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     let recipes = bus.subscribe::<RecipeV1>(s.all_recipes()).await?;
     let events = bus.subscribe::<SessionEventV1>(s.all_events()).await?;
     let closes = bus.subscribe::<SessionCloseV1>(s.all_closes()).await?;
+    let evictions = bus.subscribe::<EvictV1>(s.host_command(&config.host_id, HostVerb::Evict)).await?;
     let zygote_handle = env.zygotes.clone();
     let addr = host::Host::create(move |ctx| {
         ctx.add_stream(recipes.into_stream());
         ctx.add_stream(events.into_stream());
         ctx.add_stream(closes.into_stream());
+        ctx.add_stream(evictions.into_stream());
         host::Host::new(env, claims, slots, real_gpus)
     });
     shutdown.await;

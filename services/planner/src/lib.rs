@@ -13,13 +13,21 @@
 pub mod analysis;
 pub mod planner;
 pub mod recipe;
+pub mod speculator;
 pub mod state;
 
 use std::future::Future;
+use std::time::Duration;
 
 use actix::prelude::*;
-use schemas::messages::{EditV1, RunV1, SessionCloseV1, SessionEventV1};
+use schemas::messages::{EditV1, HostStatusV1, RunV1, SessionCloseV1, SessionEventV1};
 use schemas::{buckets, Bus};
+
+/// Default edit debounce (ms): typing yields a recipe at most this often per cell.
+pub const DEFAULT_DEBOUNCE_MS: u64 = 100;
+
+/// Default speculation budget.
+pub const DEFAULT_BUDGET: speculator::Budget = speculator::Budget { prepared_per_host: 1, idle_seconds_per_session: 120.0 };
 
 /// What the planner needs.
 #[derive(Clone, Debug)]
@@ -28,6 +36,10 @@ pub struct Config {
     pub nats_url: String,
     /// Subject prefix.
     pub prefix: String,
+    /// Edits of one cell are planned at most once per this interval.
+    pub debounce: Duration,
+    /// What speculation may cost.
+    pub budget: speculator::Budget,
 }
 
 /// Run the planner until `shutdown` resolves. Must be called inside an actix system.
@@ -40,13 +52,15 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     let edits = bus.queue_subscribe::<EditV1>(s.all_edits(), "planner").await?;
     let closes = bus.queue_subscribe::<SessionCloseV1>(s.all_closes(), "planner").await?;
     let events = bus.queue_subscribe::<SessionEventV1>(s.all_events(), "planner").await?;
+    let hosts = bus.subscribe::<HostStatusV1>(s.all_host_status()).await?;
     let actor_bus = bus.clone();
     let addr = planner::Planner::create(move |ctx| {
         ctx.add_stream(runs.into_stream());
         ctx.add_stream(edits.into_stream());
         ctx.add_stream(closes.into_stream());
         ctx.add_stream(events.into_stream());
-        planner::Planner::new(actor_bus, kv)
+        ctx.add_stream(hosts.into_stream());
+        planner::Planner::new(actor_bus, kv, config.debounce, config.budget)
     });
     tracing::info!(prefix = %config.prefix, "planner serving");
     shutdown.await;

@@ -9,6 +9,15 @@ struct Args {
     /// Subject prefix (isolates tenants and tests).
     #[arg(long, env = "LOOSELEAF_PREFIX", default_value = "ll")]
     prefix: String,
+    /// Edits of one cell are planned at most once per this many milliseconds.
+    #[arg(long, env = "LOOSELEAF_DEBOUNCE_MS", default_value_t = looseleaf_planner::DEFAULT_DEBOUNCE_MS)]
+    debounce_ms: u64,
+    /// Speculation budget: prepared-but-idle workers per host.
+    #[arg(long, env = "LOOSELEAF_PREPARED_PER_HOST", default_value_t = looseleaf_planner::DEFAULT_BUDGET.prepared_per_host)]
+    prepared_per_host: usize,
+    /// Speculation budget: idle GPU-slot seconds one session's prepared workers may spend.
+    #[arg(long, env = "LOOSELEAF_IDLE_GPU_SECONDS", default_value_t = looseleaf_planner::DEFAULT_BUDGET.idle_seconds_per_session)]
+    idle_gpu_seconds_per_session: f64,
     /// Log filter.
     #[arg(long, env = "LOOSELEAF_LOG", default_value = "info")]
     log: String,
@@ -17,6 +26,14 @@ struct Args {
 fn main() -> anyhow::Result<()> {
     let a = Args::parse();
     schemas::telemetry::init("looseleaf-planner", &a.log);
-    let config = looseleaf_planner::Config { nats_url: a.nats_url, prefix: a.prefix };
+    let config = looseleaf_planner::Config {
+        nats_url: a.nats_url,
+        prefix: a.prefix,
+        debounce: std::time::Duration::from_millis(a.debounce_ms),
+        budget: looseleaf_planner::speculator::Budget {
+            prepared_per_host: a.prepared_per_host,
+            idle_seconds_per_session: a.idle_gpu_seconds_per_session,
+        },
+    };
     actix_rt::System::new().block_on(looseleaf_planner::run(config, schemas::telemetry::shutdown_signal()))
 }

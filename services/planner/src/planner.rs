@@ -1,21 +1,24 @@
 //! The planner actor: for every run, derive the recipe against the session's
-//! committed manifest and publish it to all hosts; for every edit, publish a
-//! speculative recipe when it changed. Each message is handled in its own future;
-//! a session's runs arrive one at a time (the frontend's run queue).
+//! committed manifest and publish it to all hosts (naming the worker prepared for
+//! the cell, if any); for edits, debounced per cell, publish an edit-derived recipe
+//! when it changed, marked for preparation if the speculator admits it. Each run is
+//! planned in its own future; a session's runs arrive one at a time (the frontend's
+//! run queue).
 
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use async_nats::jetstream::kv;
 use schemas::bus::Rejected;
 use schemas::checkpoint::Manifest;
 use schemas::messages::{
-    EditV1, EventKind, ManifestGetV1, ManifestV1, RecipeKind, RecipeV1, RunV1, SessionCloseV1, SessionEventV1,
-    SessionOptions,
+    Device, EditV1, EventKind, EvictV1, HostStatusV1, ManifestGetV1, ManifestV1, PreparedWorker, RecipeKind,
+    RecipeV1, RunV1, SessionCloseV1, SessionEventV1, SessionOptions,
 };
+use schemas::subjects::HostVerb;
 use schemas::subjects::StoreVerb;
 use schemas::{unix_ms, Bus, Envelope};
 use tracing::Instrument;
@@ -23,28 +26,139 @@ use uuid::Uuid;
 
 use crate::analysis;
 use crate::recipe::{derive, Derived};
+use crate::speculator::{Budget, Eviction, Speculator};
 use crate::state;
+
+/// How often the speculator's idle budget is enforced.
+const BUDGET_TICK: Duration = Duration::from_secs(1);
 
 /// The planner actor.
 pub struct Planner {
     bus: Bus,
     kv: kv::Store,
     /// Latest manifest and planner state seen per session, for edits (runs always
-    /// fetch both).
+    /// fetch both; a save refreshes the manifest).
     manifests: HashMap<Uuid, (Arc<Manifest>, Arc<state::SessionState>)>,
     /// Per (session, cell): recipe revision and fingerprint of the last speculative recipe.
     speculative: HashMap<(Uuid, String), (u64, u64)>,
+    /// The newest edit per (session, cell) waiting for its debounce timer.
+    pending_edits: HashMap<(Uuid, String), EditV1>,
+    debounce: Duration,
+    speculator: Speculator,
+    clock: Instant,
 }
 
 impl Planner {
-    /// A planner on `bus`, with session state in `kv`.
-    pub fn new(bus: Bus, kv: kv::Store) -> Self {
-        Self { bus, kv, manifests: HashMap::new(), speculative: HashMap::new() }
+    /// A planner on `bus`, with session state in `kv`; edits of a cell are planned
+    /// at most once per `debounce`; speculation stays within `budget`.
+    pub fn new(bus: Bus, kv: kv::Store, debounce: Duration, budget: Budget) -> Self {
+        Self {
+            bus,
+            kv,
+            manifests: HashMap::new(),
+            speculative: HashMap::new(),
+            pending_edits: HashMap::new(),
+            debounce,
+            speculator: Speculator::new(budget),
+            clock: Instant::now(),
+        }
+    }
+
+    fn now(&self) -> f64 {
+        self.clock.elapsed().as_secs_f64()
+    }
+
+    fn send_evictions(&mut self, evictions: Vec<Eviction>, ctx: &mut Context<Self>) {
+        for e in evictions {
+            tracing::info!(session = %e.session, cell = %e.cell_id, host = %e.at.host, worker = %e.at.worker, reason = e.reason, "evicting a prepared worker");
+            let bus = self.bus.clone();
+            let msg = EvictV1 { session: e.session, worker: e.at.worker.clone(), reason: e.reason.to_string() };
+            let subject = bus.subjects().host_command(&e.at.host, HostVerb::Evict);
+            ctx.spawn(
+                async move {
+                    if let Err(err) = bus.publish(subject, &msg).await {
+                        tracing::warn!(error = %err, "could not send an eviction");
+                    }
+                }
+                .into_actor(self),
+            );
+        }
+    }
+
+    /// Plan the newest edit of a cell once its debounce timer fires.
+    fn plan_edit(&mut self, key: (Uuid, String), ctx: &mut Context<Self>) {
+        let Some(edit) = self.pending_edits.remove(&key) else { return };
+        let (manifest, st) = self
+            .manifests
+            .get(&edit.session)
+            .cloned()
+            .unwrap_or_else(|| (Arc::new(Manifest::empty(edit.session)), Arc::new(state::SessionState::default())));
+        let analysis = analysis::analyze(&edit.code);
+        // What the last run knew (function summaries included); edits change nothing stored.
+        let d = derive(&analysis, &edit.code, &manifest, &st, edit.options.all_gpu, Uuid::nil(), &edit.cell_id);
+        let fp = d.fingerprint();
+        let revision = match self.speculative.get(&key) {
+            Some((_, old)) if *old == fp => return,
+            Some((rev, _)) => rev + 1,
+            None => 1,
+        };
+        self.speculative.insert(key, (revision, fp));
+        let speculate = if d.device == Device::Gpu && edit.options.speculate && d.pinned.is_none() {
+            let now = self.now();
+            let admission = self.speculator.admit(edit.session, &edit.cell_id, now);
+            if let Some(why) = admission.refused {
+                tracing::debug!(session = %edit.session, cell = %edit.cell_id, why, "not preparing");
+            }
+            self.send_evictions(admission.evict, ctx);
+            admission.admit
+        } else {
+            false
+        };
+        let target = For {
+            session: edit.session,
+            cell_id: edit.cell_id,
+            kind: RecipeKind::Speculative,
+            exec_id: Uuid::nil(),
+            code: edit.code,
+            run_unix_ms: 0,
+            options: edit.options,
+        };
+        let mut r = recipe(target, revision, manifest.revision, &d, None);
+        r.speculate = speculate;
+        let bus = self.bus.clone();
+        ctx.spawn(
+            async move {
+                if let Err(e) = bus.publish(bus.subjects().recipe(r.session), &r).await {
+                    tracing::warn!(error = %e, "could not publish a speculative recipe");
+                }
+            }
+            .into_actor(self),
+        );
+    }
+
+    /// After a save, edits should see the new versions.
+    fn refresh_manifest(&mut self, session: Uuid, ctx: &mut Context<Self>) {
+        let bus = self.bus.clone();
+        ctx.spawn(async move { fetch_manifest(&bus, session).await }.into_actor(self).map(move |m, act, _| match m {
+            Ok(m) => {
+                let st = act.manifests.get(&session).map(|(_, st)| st.clone()).unwrap_or_default();
+                act.manifests.insert(session, (Arc::new(m), st));
+            }
+            Err(e) => tracing::debug!(error = %e, "could not refresh a manifest"),
+        }));
     }
 }
 
 impl Actor for Planner {
     type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        ctx.run_interval(BUDGET_TICK, |act, ctx| {
+            let now = act.now();
+            let over = act.speculator.over_budget(now);
+            act.send_evictions(over, ctx);
+        });
+    }
 }
 
 fn code_hash(code: &str) -> u64 {
@@ -71,7 +185,7 @@ struct For {
     options: SessionOptions,
 }
 
-fn recipe(f: For, revision: u64, manifest_revision: u64, d: &Derived) -> RecipeV1 {
+fn recipe(f: For, revision: u64, manifest_revision: u64, d: &Derived, prepared: Option<PreparedWorker>) -> RecipeV1 {
     RecipeV1 {
         session: f.session,
         cell_id: f.cell_id,
@@ -89,10 +203,17 @@ fn recipe(f: For, revision: u64, manifest_revision: u64, d: &Derived) -> RecipeV
         manifest_revision,
         run_unix_ms: f.run_unix_ms,
         options: f.options,
+        prepared,
+        speculate: false,
     }
 }
 
-async fn plan_run(bus: Bus, kv: kv::Store, run: RunV1) -> Result<(Manifest, state::SessionState), String> {
+async fn plan_run(
+    bus: Bus,
+    kv: kv::Store,
+    run: RunV1,
+    prepared: Option<PreparedWorker>,
+) -> Result<(Manifest, state::SessionState), String> {
     let analysis = analysis::analyze(&run.code);
     let manifest = fetch_manifest(&bus, run.session).await?;
     if manifest.revision < run.after_revision {
@@ -137,7 +258,7 @@ async fn plan_run(bus: Bus, kv: kv::Store, run: RunV1) -> Result<(Manifest, stat
         run_unix_ms: run.run_unix_ms,
         options: run.options,
     };
-    let r = recipe(target, revision, manifest.revision, &d);
+    let r = recipe(target, revision, manifest.revision, &d, prepared);
     bus.publish(bus.subjects().recipe(run.session), &r).await.map_err(|e| e.to_string())?;
     Ok((manifest, st))
 }
@@ -148,8 +269,11 @@ impl StreamHandler<Result<Envelope<RunV1>, Rejected>> for Planner {
         let span = env.span("planner.run");
         let (bus, kv, run) = (self.bus.clone(), self.kv.clone(), env.msg);
         let (session, exec_id) = (run.session, run.exec_id);
+        // Run supersedes the cell's pending edit; its prepared worker (if any) runs it.
+        self.pending_edits.remove(&(session, run.cell_id.clone()));
+        let prepared = if run.options.speculate { self.speculator.for_run(session, &run.cell_id) } else { None };
         let fut = async move {
-            let result = plan_run(bus.clone(), kv, run).await;
+            let result = plan_run(bus.clone(), kv, run, prepared).await;
             if let Err(error) = &result {
                 tracing::error!(%session, %error, "could not plan a run");
                 let ev = SessionEventV1 { session, exec_id, unix_ms: unix_ms(), kind: EventKind::Failed { error: error.clone() } };
@@ -172,41 +296,15 @@ impl StreamHandler<Result<Envelope<EditV1>, Rejected>> for Planner {
     fn handle(&mut self, item: Result<Envelope<EditV1>, Rejected>, ctx: &mut Self::Context) {
         let Ok(env) = item else { return };
         let edit = env.msg;
-        let (manifest, st) = self
-            .manifests
-            .get(&edit.session)
-            .cloned()
-            .unwrap_or_else(|| (Arc::new(Manifest::empty(edit.session)), Arc::new(state::SessionState::default())));
-        let analysis = analysis::analyze(&edit.code);
-        // What the last run knew (function summaries included); edits change nothing stored.
-        let d = derive(&analysis, &edit.code, &manifest, &st, false, Uuid::nil(), &edit.cell_id);
         let key = (edit.session, edit.cell_id.clone());
-        let fp = d.fingerprint();
-        let revision = match self.speculative.get(&key) {
-            Some((_, old)) if *old == fp => return,
-            Some((rev, _)) => rev + 1,
-            None => 1,
-        };
-        self.speculative.insert(key, (revision, fp));
-        let target = For {
-            session: edit.session,
-            cell_id: edit.cell_id,
-            kind: RecipeKind::Speculative,
-            exec_id: Uuid::nil(),
-            code: edit.code,
-            run_unix_ms: 0,
-            options: SessionOptions { cwd: String::new(), all_gpu: false },
-        };
-        let r = recipe(target, revision, manifest.revision, &d);
-        let bus = self.bus.clone();
-        ctx.spawn(
-            async move {
-                if let Err(e) = bus.publish(bus.subjects().recipe(r.session), &r).await {
-                    tracing::warn!(error = %e, "could not publish a speculative recipe");
-                }
-            }
-            .into_actor(self),
-        );
+        if self.pending_edits.get(&key).is_some_and(|p| p.seq > edit.seq) {
+            return; // arrived out of order
+        }
+        // Trailing-edge debounce: the first edit starts the timer, later ones replace
+        // the text it will plan, so typing yields a recipe at most once per interval.
+        if self.pending_edits.insert(key.clone(), edit).is_none() {
+            ctx.run_later(self.debounce, move |act, ctx| act.plan_edit(key, ctx));
+        }
     }
 }
 
@@ -228,16 +326,38 @@ async fn learn(kv: kv::Store, session: Uuid, exec_id: Uuid, cuda_used: bool) -> 
 impl StreamHandler<Result<Envelope<SessionEventV1>, Rejected>> for Planner {
     fn handle(&mut self, item: Result<Envelope<SessionEventV1>, Rejected>, ctx: &mut Self::Context) {
         let Ok(env) = item else { return };
-        let EventKind::Finished { cuda_used, .. } = env.msg.kind else { return };
-        let (kv, session, exec_id) = (self.kv.clone(), env.msg.session, env.msg.exec_id);
-        ctx.spawn(
-            async move {
-                if let Err(e) = learn(kv, session, exec_id, cuda_used).await {
-                    tracing::warn!(error = %e, "could not record a cell's CUDA use");
-                }
+        let (session, exec_id) = (env.msg.session, env.msg.exec_id);
+        match env.msg.kind {
+            EventKind::Finished { cuda_used, .. } => {
+                let kv = self.kv.clone();
+                ctx.spawn(
+                    async move {
+                        if let Err(e) = learn(kv, session, exec_id, cuda_used).await {
+                            tracing::warn!(error = %e, "could not record a cell's CUDA use");
+                        }
+                    }
+                    .into_actor(self),
+                );
             }
-            .into_actor(self),
-        );
+            EventKind::Saved { .. } => self.refresh_manifest(session, ctx),
+            EventKind::Ready { host, worker, cell_id, class, prepare_ms, .. } => {
+                let now = self.now();
+                self.speculator.ready(session, &cell_id, PreparedWorker { host, worker }, class, prepare_ms, now);
+            }
+            EventKind::PreparedEnded { worker, cell_id, idle_ms, .. } => {
+                self.speculator.ended(session, &cell_id, &worker, idle_ms);
+            }
+            _ => {}
+        }
+    }
+}
+
+impl StreamHandler<Result<Envelope<HostStatusV1>, Rejected>> for Planner {
+    fn handle(&mut self, item: Result<Envelope<HostStatusV1>, Rejected>, _ctx: &mut Self::Context) {
+        if let Ok(env) = item {
+            let now = self.now();
+            self.speculator.host_seen(&env.msg.host, now);
+        }
     }
 }
 
@@ -247,6 +367,8 @@ impl StreamHandler<Result<Envelope<SessionCloseV1>, Rejected>> for Planner {
         let session = env.msg.session;
         self.manifests.remove(&session);
         self.speculative.retain(|(s, _), _| *s != session);
+        self.pending_edits.retain(|(s, _), _| *s != session);
+        self.speculator.close(session);
         let kv = self.kv.clone();
         ctx.spawn(
             async move {

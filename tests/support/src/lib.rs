@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 
+pub mod cluster;
+
 /// The repository root (where Cargo.toml of the workspace is).
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().unwrap_or_else(|_| PathBuf::from("."))

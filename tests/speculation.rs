@@ -1,0 +1,141 @@
+//! Edit-time speculation through the four services (issue 6): workers prepared
+//! from edits, updated in place, refreshed at Run, never running the cell; the
+//! budget and eviction order with more typing sessions than slots.
+
+use std::time::Duration;
+
+use looseleaf_frontend::api::StreamItem;
+use looseleaf_test_support::cluster::{bin_dir_of, Events, Services};
+use schemas::messages::{EventKind, Prepare};
+use uuid::Uuid;
+
+fn services_bin() -> std::path::PathBuf {
+    bin_dir_of(env!("CARGO_BIN_EXE_looseleaf"))
+}
+
+/// Wait for a Ready of `cell` at `revision` or later; returns (worker, revision).
+async fn ready(events: &mut Events, cell: &str, revision: u64) -> anyhow::Result<(String, u64)> {
+    let item = events
+        .until(|i| matches!(i, StreamItem::Event { kind: EventKind::Ready { cell_id, revision: r, .. }, .. } if cell_id == cell && *r >= revision))
+        .await?;
+    match item {
+        StreamItem::Event { kind: EventKind::Ready { worker, revision, .. }, .. } => Ok((worker, revision)),
+        _ => unreachable!("matched above"),
+    }
+}
+
+/// The Started event of `exec` seen so far: (prepare, refreshed, worker).
+fn started(events: &Events, exec: Uuid) -> Option<(Prepare, u32, String)> {
+    events.seen.iter().find_map(|i| match i {
+        StreamItem::Event { exec_id, kind: EventKind::Started { prepare, refreshed, worker, .. }, .. } if *exec_id == exec => {
+            Some((*prepare, *refreshed, worker.clone()))
+        }
+        _ => None,
+    })
+}
+
+/// Outcomes of the PreparedEnded events seen for `cell`.
+fn ended(events: &Events, cell: &str) -> Vec<String> {
+    events
+        .seen
+        .iter()
+        .filter_map(|i| match i {
+            StreamItem::Event { kind: EventKind::PreparedEnded { cell_id, outcome, .. }, .. } if cell_id == cell => Some(outcome.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+#[actix_rt::test]
+async fn prepared_workers_never_run_the_cell_and_follow_the_session() -> anyhow::Result<()> {
+    let services = Services::start(&services_bin(), &[2], &[]).await?;
+    let fe = services.client();
+    let cwd = tempfile::tempdir()?;
+    let sid = fe.session(cwd.path(), false, true).await?;
+    let mut events = fe.events(sid).await?;
+
+    // a large variable makes preparation take a while
+    let r = fe.run(sid, "c0", "%%cpu\nimport numpy as np\nbig = np.ones(25_000_000)\nx = 1").await?;
+    events.done(r.exec_id).await?;
+
+    // A variable redefined by a CPU cell between preparation and Run is refreshed.
+    fe.edit(sid, "c1", "%%gpu\nprint('x is', x)").await?;
+    let (w1, _) = ready(&mut events, "c1", 1).await?;
+    let r2 = fe.run(sid, "c2", "%%cpu\nx = 2").await?;
+    events.done(r2.exec_id).await?;
+    let r1 = fe.run(sid, "c1", "%%gpu\nprint('x is', x)").await?;
+    let out = events.done(r1.exec_id).await?;
+    assert!(out.contains("x is 2"), "{out}");
+    let (prepare, refreshed, worker) = started(&events, r1.exec_id).expect("c1 started");
+    assert_eq!((prepare, worker.as_str()), (Prepare::Speculative, w1.as_str()));
+    assert!(refreshed >= 1, "x changed after preparation, so Run refreshed it");
+
+    // Preparation never executes the cell: prepared again and again while its text
+    // changes, a cell that appends a line leaves exactly one.
+    // (each step changes the closure, so each gives a new recipe)
+    let base = "%%gpu\nwith open('appended.txt', 'a') as f:\n    f.write('one line\\n')";
+    let cell = format!("{base}\nprint(x + 1)");
+    let mut revision = 0;
+    for text in [base.to_string(), format!("{base}\nprint(x, big.shape)"), format!("{base}\nprint(big.size)"), cell.clone()] {
+        fe.edit(sid, "c3", &text).await?;
+        revision = ready(&mut events, "c3", revision + 1).await?.1;
+    }
+    assert_eq!(revision, 4, "the prepared worker followed every edit");
+    assert!(!cwd.path().join("appended.txt").exists(), "preparation ran the cell");
+    let r3 = fe.run(sid, "c3", &cell).await?;
+    let out = events.done(r3.exec_id).await?;
+    assert!(out.contains('3'), "{out}");
+    assert_eq!(started(&events, r3.exec_id).map(|s| s.0), Some(Prepare::Speculative));
+    assert_eq!(std::fs::read_to_string(cwd.path().join("appended.txt"))?, "one line\n");
+
+    // A recipe that changes while its worker prepares: the same worker is updated in
+    // place to the newer recipe, and the run finds it clean.
+    fe.edit(sid, "c4", "%%gpu\ns = big.sum()").await?;
+    tokio::time::sleep(Duration::from_millis(150)).await; // past the planner's debounce
+    fe.edit(sid, "c4", "%%gpu\ns = big.sum() + x\nprint(s)").await?;
+    let (first, _) = ready(&mut events, "c4", 1).await?;
+    let (last, rev) = ready(&mut events, "c4", 2).await?;
+    assert_eq!(first, last, "updated in place, not forked again");
+    assert_eq!(rev, 2);
+    let r4 = fe.run(sid, "c4", "%%gpu\ns = big.sum() + x\nprint(s)").await?;
+    let out = events.done(r4.exec_id).await?;
+    assert!(out.contains("25000002"), "{out}");
+    let (prepare, refreshed, worker) = started(&events, r4.exec_id).expect("c4 started");
+    assert_eq!((prepare, refreshed, worker), (Prepare::Speculative, 0, last));
+    assert_eq!(ended(&events, "c4"), ["used"]);
+    Ok(())
+}
+
+#[actix_rt::test]
+async fn more_typing_sessions_than_slots_stay_within_the_budget() -> anyhow::Result<()> {
+    // one host with one slot; the planner's default budget: one prepared worker per host
+    let services = Services::start(&services_bin(), &[1], &[]).await?;
+    let fe = services.client();
+    let cwd = tempfile::tempdir()?;
+    let mut sessions = Vec::new();
+    for name in ["a", "b", "c"] {
+        let sid = fe.session(cwd.path(), true, true).await?;
+        let events = fe.events(sid).await?;
+        sessions.push((name, sid, events));
+    }
+    // each session types its cell in turn; each new one takes the only prepared slot
+    for (name, sid, events) in sessions.iter_mut() {
+        fe.edit(*sid, "c", &format!("print('{name}')")).await?;
+        ready(events, "c", 1).await?;
+    }
+    // the older sessions' workers were evicted, oldest first, by the planner's budget
+    for (_, _, events) in sessions.iter_mut().take(2) {
+        events.until(|i| matches!(i, StreamItem::Event { kind: EventKind::PreparedEnded { .. }, .. })).await?;
+        assert_eq!(ended(events, "c"), ["evicted"]);
+    }
+    // a run of another session does not wait for c's prepared worker: it takes the slot
+    let (_, sid_a, events_a) = &mut sessions[0];
+    let run = fe.run(*sid_a, "other", "print('ran')").await?;
+    let out = events_a.done(run.exec_id).await?;
+    assert!(out.contains("ran"), "{out}");
+    assert_eq!(started(events_a, run.exec_id).map(|s| s.0), Some(Prepare::Cold));
+    let (_, _, events_c) = &mut sessions[2];
+    events_c.until(|i| matches!(i, StreamItem::Event { kind: EventKind::PreparedEnded { .. }, .. })).await?;
+    assert_eq!(ended(events_c, "c"), ["evicted for a run"]);
+    Ok(())
+}

@@ -1,0 +1,194 @@
+//! The four services as separate processes on a real nats-server, and a small HTTP
+//! client of the frontend, for whole-system tests that drive sessions directly.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use futures::StreamExt;
+use looseleaf_frontend::api::{RunAccepted, SessionCreated, SseParser, StreamItem};
+use schemas::messages::HostStatusV1;
+use tokio::sync::mpsc;
+use uuid::Uuid;
+
+use crate::{free_port, random_prefix, venv_python, wait_for, NatsServer};
+
+/// How long a test waits for one stream item.
+pub const WAIT: Duration = Duration::from_secs(120);
+
+/// Store, planner, frontend and gpu-hosts; every process is killed on drop.
+pub struct Services {
+    children: Vec<Child>,
+    /// The frontend's base URL.
+    pub frontend: String,
+    /// The subject prefix.
+    pub prefix: String,
+    /// The NATS server (kept alive with the services).
+    pub nats: NatsServer,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Services {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Services {
+    /// Start the services from `bin_dir` (where cargo put the binaries) with one
+    /// gpu-host per entry of `host_slots` (its virtual GPU count), `env` added to
+    /// every process; returns once every host reported its base zygote.
+    pub async fn start(bin_dir: &Path, host_slots: &[u32], env: &[(&str, String)]) -> anyhow::Result<Self> {
+        let nats = NatsServer::start()?;
+        let prefix = random_prefix();
+        let dir = tempfile::tempdir()?;
+        let mut common: Vec<(String, String)> = vec![
+            ("LOOSELEAF_NATS_URL".into(), nats.url().to_string()),
+            ("LOOSELEAF_PREFIX".into(), prefix.clone()),
+            ("LOOSELEAF_STORE_URL".into(), dir.path().join("store").display().to_string()),
+            ("LOOSELEAF_PYTHON".into(), venv_python().display().to_string()),
+            ("LOOSELEAF_LOG".into(), "warn".into()),
+        ];
+        common.extend(env.iter().map(|(k, v)| (k.to_string(), v.clone())));
+        let client = async_nats::connect(nats.url()).await?;
+        let mut statuses = client.subscribe(format!("{prefix}.v1.host.*.status")).await?;
+        let port = free_port()?;
+        let mut s = Self { children: Vec::new(), frontend: format!("http://127.0.0.1:{port}"), prefix, nats, _dir: dir };
+        let spawn = |name: &str, args: &[String]| -> anyhow::Result<Child> {
+            let mut cmd = Command::new(bin_dir.join(name));
+            cmd.args(args).stdin(Stdio::null()).envs(common.iter().map(|(k, v)| (k, v)));
+            cmd.spawn().with_context(|| format!("while starting {name} (build the workspace's binaries first)"))
+        };
+        s.children.push(spawn("looseleaf-store", &[])?);
+        s.children.push(spawn("looseleaf-planner", &[])?);
+        for (i, slots) in host_slots.iter().enumerate() {
+            let rt = s._dir.path().join(format!("host-{i}"));
+            let args = ["--host-id".into(), format!("host-{i}"), "--virtual-gpus".into(), slots.to_string()];
+            let mut args = args.to_vec();
+            args.extend(["--runtime-dir".into(), rt.display().to_string()]);
+            s.children.push(spawn("looseleaf-gpu-host", &args)?);
+        }
+        s.children.push(spawn("looseleaf-frontend", &["--listen".into(), format!("127.0.0.1:{port}")])?);
+        wait_for(Duration::from_secs(30), || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok())
+            .context("the frontend did not start listening")?;
+        let mut ready = std::collections::BTreeSet::new();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(180);
+        while ready.len() < host_slots.len() {
+            let Ok(Some(m)) = tokio::time::timeout_at(deadline, statuses.next()).await else {
+                bail!("only {ready:?} of {} hosts reported a zygote", host_slots.len());
+            };
+            if let Ok(st) = schemas::codec::decode::<HostStatusV1>(m.headers.as_ref(), &m.payload) {
+                if !st.zygotes.is_empty() {
+                    ready.insert(st.host);
+                }
+            }
+        }
+        Ok(s)
+    }
+
+    /// A client of the frontend.
+    pub fn client(&self) -> Client {
+        Client { base: self.frontend.clone(), http: reqwest::Client::new() }
+    }
+}
+
+/// The frontend's HTTP API, as tests use it.
+#[derive(Clone)]
+pub struct Client {
+    base: String,
+    http: reqwest::Client,
+}
+
+impl Client {
+    /// Create a session in `cwd` (every cell a GPU cell if `all_gpu`).
+    pub async fn session(&self, cwd: &Path, all_gpu: bool, speculate: bool) -> anyhow::Result<Uuid> {
+        let body = serde_json::json!({"cwd": cwd.display().to_string(), "all_gpu": all_gpu, "speculate": speculate});
+        let created: SessionCreated =
+            self.http.post(format!("{}/v1/sessions", self.base)).json(&body).send().await?.error_for_status()?.json().await?;
+        Ok(created.session_id)
+    }
+
+    /// Put a cell's code (an edit).
+    pub async fn edit(&self, sid: Uuid, cell: &str, code: &str) -> anyhow::Result<()> {
+        let url = format!("{}/v1/sessions/{sid}/cells/{cell}", self.base);
+        self.http.put(url).json(&serde_json::json!({ "code": code })).send().await?.error_for_status()?;
+        Ok(())
+    }
+
+    /// Run a cell.
+    pub async fn run(&self, sid: Uuid, cell: &str, code: &str) -> anyhow::Result<RunAccepted> {
+        let url = format!("{}/v1/sessions/{sid}/cells/{cell}/run", self.base);
+        Ok(self.http.post(url).json(&serde_json::json!({ "code": code })).send().await?.error_for_status()?.json().await?)
+    }
+
+    /// The session's event stream.
+    pub async fn events(&self, sid: Uuid) -> anyhow::Result<Events> {
+        let resp = self.http.get(format!("{}/v1/sessions/{sid}/events", self.base)).send().await?.error_for_status()?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut body = resp.bytes_stream();
+        tokio::spawn(async move {
+            let mut parser = SseParser::new();
+            while let Some(Ok(chunk)) = body.next().await {
+                for data in parser.push(&chunk) {
+                    if let Ok(item) = serde_json::from_str::<StreamItem>(&data) {
+                        if tx.send(item).is_err() {
+                            return;
+                        }
+                    }
+                }
+            }
+        });
+        Ok(Events { rx, seen: Vec::new() })
+    }
+}
+
+/// A session's event stream, keeping everything seen.
+pub struct Events {
+    rx: mpsc::UnboundedReceiver<StreamItem>,
+    /// Every item so far.
+    pub seen: Vec<StreamItem>,
+}
+
+impl Events {
+    /// Read until `stop` holds for an item (which is returned).
+    pub async fn until(&mut self, stop: impl Fn(&StreamItem) -> bool) -> anyhow::Result<StreamItem> {
+        loop {
+            let item = match tokio::time::timeout(WAIT, self.rx.recv()).await {
+                Ok(Some(item)) => item,
+                Ok(None) => bail!("the event stream ended"),
+                Err(_) => bail!("nothing on the event stream for {WAIT:?}"),
+            };
+            self.seen.push(item.clone());
+            if stop(&item) {
+                return Ok(item);
+            }
+        }
+    }
+
+    /// Read until execution `exec` is done; returns its outputs' text joined.
+    pub async fn done(&mut self, exec: Uuid) -> anyhow::Result<String> {
+        self.until(|i| matches!(i, StreamItem::Done { exec_id, .. } if *exec_id == exec)).await?;
+        Ok(self.text(exec))
+    }
+
+    /// The text of `exec`'s outputs (streams, results, errors) so far.
+    pub fn text(&self, exec: Uuid) -> String {
+        self.seen
+            .iter()
+            .filter_map(|i| match i {
+                StreamItem::Output { exec_id, output, .. } if *exec_id == exec => Some(output.to_string()),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+}
+
+/// Where cargo put this test's binaries (next to the test executable's deps dir).
+pub fn bin_dir_of(exe: &str) -> PathBuf {
+    Path::new(exe).parent().map(Path::to_path_buf).unwrap_or_default()
+}
