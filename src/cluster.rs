@@ -34,6 +34,8 @@ pub struct ClusterOptions {
     pub port: u16,
     /// Checkpoint store URL (None: a directory in the data dir).
     pub store_url: Option<String>,
+    /// The planner's speculation budget.
+    pub budget: looseleaf_planner::speculator::Budget,
 }
 
 /// A running embedded cluster.
@@ -130,7 +132,7 @@ impl Cluster {
             nats_url: nats_url.clone(),
             prefix: PREFIX.into(),
             debounce: Duration::from_millis(looseleaf_planner::DEFAULT_DEBOUNCE_MS),
-            budget: looseleaf_planner::DEFAULT_BUDGET,
+            budget: opts.budget,
         };
         self.spawn("planner", |stop| looseleaf_planner::run(planner, stop));
 
@@ -155,6 +157,7 @@ impl Cluster {
                 base_packages: base_packages.clone(),
                 runtime_dir,
                 cache_bytes: 1 << 30,
+                prepare_holds_slot: false,
             };
             self.spawn(&host_id, |stop| looseleaf_gpu_host::run(config, stop));
         }

@@ -46,6 +46,12 @@ struct EmbedArgs {
     /// endpoint and credentials) or a directory (default: <data dir>/store).
     #[arg(long, env = "LOOSELEAF_STORE_URL")]
     store_url: Option<String>,
+    /// Speculation budget: prepared-but-idle workers per host.
+    #[arg(long, env = "LOOSELEAF_PREPARED_PER_HOST", default_value_t = looseleaf_planner::DEFAULT_BUDGET.prepared_per_host)]
+    prepared_per_host: usize,
+    /// Speculation budget: idle GPU-slot seconds one session's prepared workers may spend.
+    #[arg(long, env = "LOOSELEAF_IDLE_GPU_SECONDS", default_value_t = looseleaf_planner::DEFAULT_BUDGET.idle_seconds_per_session)]
+    idle_gpu_seconds_per_session: f64,
 }
 
 #[derive(Subcommand, Debug)]
@@ -143,6 +149,10 @@ fn options(embed: EmbedArgs, data_dir: PathBuf, virtual_gpus: Option<u32>, port:
         virtual_gpus,
         hosts: embed.hosts,
         store_url: embed.store_url,
+        budget: looseleaf_planner::speculator::Budget {
+            prepared_per_host: embed.prepared_per_host,
+            idle_seconds_per_session: embed.idle_gpu_seconds_per_session,
+        },
         port,
     }
 }

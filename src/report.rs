@@ -188,10 +188,13 @@ pub struct Speculation {
     pub hit_rate: Option<f64>,
     /// Prepared workers that ended unused (evicted, lost, session closed).
     pub unused: usize,
-    /// Slot seconds speculative workers spent ready but idle (used or not).
-    pub speculative_idle_seconds: f64,
-    /// The same for workers kept warm after their cell.
-    pub warm_idle_seconds: f64,
+    /// GPU-slot seconds speculative workers spent ready but idle (used or not);
+    /// workers prepared on the CPU (no GPU-resident closure) hold no slot and add 0.
+    pub speculative_idle_slot_seconds: f64,
+    /// Seconds speculative workers spent ready but idle, with or without a slot.
+    pub speculative_idle_worker_seconds: f64,
+    /// GPU-slot seconds workers kept warm after their cell spent idle.
+    pub warm_idle_slot_seconds: f64,
 }
 
 /// Session-wide events of a run, besides each execution's own.
@@ -199,8 +202,8 @@ pub struct Speculation {
 pub struct SessionLog {
     /// Every SlotReleased: (`held_ms`, `reason`).
     pub slot_releases: Vec<(f64, String)>,
-    /// Every PreparedEnded: (class, `idle_ms`, outcome).
-    pub prepared_ended: Vec<(PreparedClass, f64, String)>,
+    /// Every PreparedEnded: (class, `idle_ms`, outcome, whether it held a slot).
+    pub prepared_ended: Vec<(PreparedClass, f64, String, bool)>,
     /// Ready events seen.
     pub ready: u64,
 }
@@ -210,8 +213,8 @@ impl SessionLog {
     pub fn absorb(&mut self, kind: &EventKind) {
         match kind {
             EventKind::SlotReleased { held_ms, reason, .. } => self.slot_releases.push((*held_ms, reason.clone())),
-            EventKind::PreparedEnded { class, idle_ms, outcome, .. } => {
-                self.prepared_ended.push((*class, *idle_ms, outcome.clone()));
+            EventKind::PreparedEnded { class, idle_ms, outcome, slot, .. } => {
+                self.prepared_ended.push((*class, *idle_ms, outcome.clone(), slot.is_some()));
             }
             EventKind::Ready { .. } => self.ready += 1,
             _ => {}
@@ -275,17 +278,22 @@ fn speculation(cells: &[CellReport], log: &SessionLog) -> Speculation {
     let gpu_cells = cells.iter().filter(|c| c.device.as_deref() == Some("gpu")).count();
     let prepared: Vec<&CellReport> = cells.iter().filter(|c| c.prepare.as_deref() == Some("speculative")).collect();
     let clean_hits = prepared.iter().filter(|c| c.refreshed == Some(0)).count();
-    let idle = |class: PreparedClass| {
-        log.prepared_ended.iter().filter(|(c, _, _)| *c == class).map(|(_, ms, _)| ms / 1000.0).fold(0.0, |a, b| a + b)
+    let idle = |class: PreparedClass, slot_only: bool| {
+        log.prepared_ended
+            .iter()
+            .filter(|(c, _, _, held)| *c == class && (*held || !slot_only))
+            .map(|(_, ms, _, _)| ms / 1000.0)
+            .fold(0.0, |a, b| a + b)
     };
     Speculation {
         ready_events: log.ready,
         prepared_cells: prepared.len(),
         clean_hits,
         hit_rate: (gpu_cells > 0).then(|| clean_hits as f64 / gpu_cells as f64),
-        unused: log.prepared_ended.iter().filter(|(_, _, o)| o != "used").count(),
-        speculative_idle_seconds: idle(PreparedClass::Speculative),
-        warm_idle_seconds: idle(PreparedClass::Warm),
+        unused: log.prepared_ended.iter().filter(|(_, _, o, _)| o != "used").count(),
+        speculative_idle_slot_seconds: idle(PreparedClass::Speculative, true),
+        speculative_idle_worker_seconds: idle(PreparedClass::Speculative, false),
+        warm_idle_slot_seconds: idle(PreparedClass::Warm, true),
     }
 }
 

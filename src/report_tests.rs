@@ -113,8 +113,9 @@ fn speculation_totals_count_clean_hits_and_idle_time_by_class() {
     }
     hit.cell_id = "a".into();
     let mut log = SessionLog::default();
-    let ended = |class, idle_ms, outcome: &str| EventKind::PreparedEnded {
+    let ended = |class, idle_ms, outcome: &str, slot| EventKind::PreparedEnded {
         host: "h".into(),
+        slot,
         worker: "w".into(),
         cell_id: "a".into(),
         class,
@@ -125,19 +126,23 @@ fn speculation_totals_count_clean_hits_and_idle_time_by_class() {
         host: "h".into(),
         slot: Some(0),
         worker: "w".into(),
+        pid: 7,
         cell_id: "a".into(),
         revision: 1,
         class: PreparedClass::Speculative,
         prepare_ms: 30.0,
     });
-    log.absorb(&ended(PreparedClass::Speculative, 1500.0, "used"));
-    log.absorb(&ended(PreparedClass::Speculative, 500.0, "evicted"));
-    log.absorb(&ended(PreparedClass::Warm, 250.0, "evicted"));
+    log.absorb(&ended(PreparedClass::Speculative, 1500.0, "used", Some(0)));
+    log.absorb(&ended(PreparedClass::Speculative, 500.0, "evicted", Some(1)));
+    log.absorb(&ended(PreparedClass::Speculative, 4000.0, "used", None));
+    log.absorb(&ended(PreparedClass::Warm, 250.0, "evicted", Some(0)));
     let r = build("nb", &[hit, refreshed, cold], &log, 1.0);
     let s = &r.totals.speculation;
     assert_eq!((s.ready_events, s.prepared_cells, s.clean_hits, s.unused), (1, 2, 1, 2));
     assert_eq!(s.hit_rate, Some(1.0 / 3.0));
-    assert!((s.speculative_idle_seconds - 2.0).abs() < 1e-9);
-    assert!((s.warm_idle_seconds - 0.25).abs() < 1e-9);
+    // a worker prepared on the CPU waited 4 s without costing slot time
+    assert!((s.speculative_idle_slot_seconds - 2.0).abs() < 1e-9);
+    assert!((s.speculative_idle_worker_seconds - 6.0).abs() < 1e-9);
+    assert!((s.warm_idle_slot_seconds - 0.25).abs() < 1e-9);
     assert_eq!(r.cells[1].refreshed, Some(2));
 }

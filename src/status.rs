@@ -27,13 +27,14 @@ pub fn render_hosts(hosts: &BTreeMap<String, HostStatusV1>) -> String {
         let busy = h.slots.iter().filter(|s| s.exec_id.is_some() || s.session.is_some()).count();
         let _ = writeln!(
             out,
-            "{}: {} slots ({} busy, {} free, {}), {} workers, {} zygotes, {} cpu sessions, cache {}",
+            "{}: {} slots ({} busy, {} free, {}), {} workers ({} forked), {} zygotes, {} cpu sessions, cache {}",
             h.host,
             h.slots.len(),
             busy,
             h.slots.len() - busy,
             if h.real_gpus { "real GPUs" } else { "virtual" },
             h.workers,
+            h.forks,
             h.zygotes.len(),
             h.cpu_sessions.len(),
             bytes(h.cache_bytes),
@@ -126,6 +127,7 @@ mod tests {
             cpu_sessions: vec![sid],
             workers: 2,
             cache_bytes: 3 << 20,
+            forks: 5,
             unix_ms: 0,
         };
         let text = render_hosts(&BTreeMap::from([("host-0".to_string(), h)]));
@@ -134,5 +136,6 @@ mod tests {
         assert!(text.contains("slot 1 virtual 0.0 MiB: free"), "{text}");
         assert!(text.contains("zygote base pid 7: numpy"), "{text}");
         assert!(text.contains("cache 3.0 MiB"), "{text}");
+        assert!(text.contains("2 workers (5 forked)"), "{text}");
     }
 }

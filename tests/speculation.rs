@@ -103,13 +103,25 @@ async fn prepared_workers_never_run_the_cell_and_follow_the_session() -> anyhow:
     let (prepare, refreshed, worker) = started(&events, r4.exec_id).expect("c4 started");
     assert_eq!((prepare, refreshed, worker), (Prepare::Speculative, 0, last));
     assert_eq!(ended(&events, "c4"), ["used"]);
+    // no closure here has GPU-resident state: every worker was prepared without a
+    // GPU slot, so typing cost no GPU time
+    let slots: Vec<Option<u32>> = events
+        .seen
+        .iter()
+        .filter_map(|i| match i {
+            StreamItem::Event { kind: EventKind::Ready { slot, .. }, .. } => Some(*slot),
+            _ => None,
+        })
+        .collect();
+    assert!(slots.len() >= 7 && slots.iter().all(Option::is_none), "{slots:?}");
     Ok(())
 }
 
 #[actix_rt::test]
 async fn more_typing_sessions_than_slots_stay_within_the_budget() -> anyhow::Result<()> {
-    // one host with one slot; the planner's default budget: one prepared worker per host
-    let services = Services::start(&services_bin(), &[1], &[]).await?;
+    // one host with one slot; the planner's default budget: one prepared worker per
+    // host; prepared workers hold the slot (as those with GPU-resident state do)
+    let services = Services::start(&services_bin(), &[1], &[("LOOSELEAF_PREPARE_HOLDS_SLOT", "true".into())]).await?;
     let fe = services.client();
     let cwd = tempfile::tempdir()?;
     let mut sessions = Vec::new();
@@ -137,5 +149,32 @@ async fn more_typing_sessions_than_slots_stay_within_the_budget() -> anyhow::Res
     let (_, _, events_c) = &mut sessions[2];
     events_c.until(|i| matches!(i, StreamItem::Event { kind: EventKind::PreparedEnded { .. }, .. })).await?;
     assert_eq!(ended(events_c, "c"), ["evicted for a run"]);
+    Ok(())
+}
+
+#[actix_rt::test]
+async fn a_prepared_worker_that_dies_costs_the_run_nothing() -> anyhow::Result<()> {
+    let services = Services::start(&services_bin(), &[1], &[]).await?;
+    let fe = services.client();
+    let cwd = tempfile::tempdir()?;
+    let sid = fe.session(cwd.path(), true, true).await?;
+    let mut events = fe.events(sid).await?;
+    let r = fe.run(sid, "c0", "x = 40").await?;
+    events.done(r.exec_id).await?;
+    fe.edit(sid, "c1", "print(x + 2)").await?;
+    let item = events
+        .until(|i| matches!(i, StreamItem::Event { kind: EventKind::Ready { cell_id, .. }, .. } if cell_id == "c1"))
+        .await?;
+    let StreamItem::Event { kind: EventKind::Ready { pid, .. }, .. } = item else { unreachable!("matched above") };
+    assert!(pid > 1);
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL)?;
+    let r1 = fe.run(sid, "c1", "print(x + 2)").await?;
+    let out = events.done(r1.exec_id).await?;
+    assert!(out.contains("42"), "{out}");
+    assert_eq!(started(&events, r1.exec_id).map(|s| s.0), Some(Prepare::Cold));
+    // noticed while it waited ("lost"), or when the run tried it ("used", then the
+    // run went to a fresh worker before the cell started)
+    let outcome = ended(&events, "c1");
+    assert!(outcome == ["lost"] || outcome == ["used"], "{outcome:?}");
     Ok(())
 }

@@ -144,14 +144,16 @@ class Cluster:
         self._log.close()
 
 
-def run_notebook(nb: Path, frontend: str, out_dir: Path, all_gpu: bool = True, timeout: float = 300) -> dict:
-    """`looseleaf run NB --all-gpu --frontend URL`; returns the report."""
+def run_notebook(nb: Path, frontend: str, out_dir: Path, all_gpu: bool = True, timeout: float = 300,
+                 extra: list[str] | None = None) -> dict:
+    """`looseleaf run NB --all-gpu --frontend URL [EXTRA...]`; returns the report."""
     stem = nb.stem
     report = out_dir / f"{stem}.report.json"
     args = [str(LOOSELEAF), "run", str(nb), "--output", str(out_dir / f"{stem}.out.ipynb"),
             "--report", str(report), "--frontend", frontend]
     if all_gpu:
         args.append("--all-gpu")
+    args += extra or []
     with open(out_dir / f"{stem}.run.log", "w") as logf:
         subprocess.run(args, cwd=REPO, stdout=logf, stderr=subprocess.STDOUT, check=True, timeout=timeout)
     return json.loads(report.read_text())

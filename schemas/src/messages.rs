@@ -326,6 +326,8 @@ pub enum EventKind {
         slot: Option<u32>,
         /// Worker id.
         worker: String,
+        /// Its process id on the host.
+        pid: u32,
         /// The cell it is prepared for.
         cell_id: String,
         /// The recipe revision it matches.
@@ -336,10 +338,13 @@ pub enum EventKind {
         prepare_ms: f64,
     },
     /// A prepared worker stopped being prepared: a run used it, or it was evicted
-    /// or replaced. `idle_ms` is the slot time it spent ready but unused.
+    /// or lost. `idle_ms` is the time it spent ready but unused.
     PreparedEnded {
         /// Host id.
         host: String,
+        /// The GPU slot it held while waiting (None: prepared on the CPU, its
+        /// idle time cost no GPU time).
+        slot: Option<u32>,
         /// Worker id.
         worker: String,
         /// The cell it was prepared for.
@@ -433,6 +438,8 @@ pub struct HostStatusV1 {
     pub workers: u32,
     /// Bytes in the host's chunk cache.
     pub cache_bytes: u64,
+    /// Workers forked from zygotes since the host started.
+    pub forks: u64,
     /// When (unix ms).
     pub unix_ms: u64,
 }

@@ -3,7 +3,8 @@
 //! the committed state, restore the closure, run, save, and report each step as a
 //! session event.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -43,7 +44,14 @@ pub struct ExecEnv {
     pub cell_timeout: Duration,
     /// Whether slots are real GPUs (then workers see only their device).
     pub real_gpus: bool,
+    /// The last manifest read per session (for placement scores; never for restores).
+    pub recent_manifests: Arc<std::sync::Mutex<HashMap<Uuid, Arc<Manifest>>>>,
+    /// Workers forked so far.
+    pub forks: Arc<AtomicU64>,
 }
+
+/// Sessions whose last manifest a host remembers for scoring.
+const RECENT_MANIFESTS: usize = 256;
 
 /// Which worker runs the cell.
 pub enum Target {
@@ -82,25 +90,63 @@ impl ExecEnv {
     /// The session's latest committed manifest.
     pub async fn manifest(&self, session: Uuid) -> Result<Manifest, String> {
         let subject = self.bus.subjects().store(StoreVerb::ManifestGet);
-        self.bus
+        let manifest = self
+            .bus
             .request::<_, ManifestV1>(subject, &ManifestGetV1 { session }, STORE_TIMEOUT)
             .await
             .map(|m| m.manifest)
-            .map_err(|e| format!("could not read the session's manifest: {e}"))
+            .map_err(|e| format!("could not read the session's manifest: {e}"))?;
+        if let Ok(mut recent) = self.recent_manifests.lock() {
+            if recent.len() >= RECENT_MANIFESTS && !recent.contains_key(&session) {
+                recent.clear(); // crude bound; scores only lose a hint
+            }
+            recent.insert(session, Arc::new(manifest.clone()));
+        }
+        Ok(manifest)
+    }
+
+    /// How well placed this host is for `recipe`, each in 0..=1: how much of its
+    /// import tail the best zygote has imported, and how much of its closure's
+    /// bytes the chunk cache holds (from the session's last manifest seen here;
+    /// 0 if none).
+    pub fn placement(&self, recipe: &RecipeV1) -> (f64, f64) {
+        let coverage = self.zygotes.try_lock().map(|z| z.coverage(&recipe.imports)).unwrap_or(0.0);
+        let manifest = self.recent_manifests.lock().ok().and_then(|r| r.get(&recipe.session).cloned());
+        let Some(m) = manifest else { return (coverage, 0.0) };
+        let roots = recipe.closure.iter().filter_map(|v| m.variables.get(&v.name).and_then(|e| e.oid.as_deref()));
+        let (mut total, mut cached) = (0u64, 0u64);
+        for oid in m.reachable(roots) {
+            let Some(obj) = m.objects.get(&oid) else { continue };
+            let blobs = std::iter::once((&obj.record.chunks, obj.record.len)).chain(obj.payloads.iter().map(|p| (&p.chunks, p.len)));
+            for (chunks, len) in blobs {
+                let mut left = len;
+                for h in chunks {
+                    let n = left.min(schemas::checkpoint::CHUNK_BYTES as u64);
+                    left -= n;
+                    total += n;
+                    if self.chunks.is_cached(h) {
+                        cached += n;
+                    }
+                }
+            }
+        }
+        (coverage, if total == 0 { 1.0 } else { cached as f64 / total as f64 })
+    }
+
+    /// The devices a worker on `slot` may see (none for CPU work and virtual slots).
+    fn device_env(&self, slot: Option<u32>) -> BTreeMap<String, String> {
+        let devices = match (slot, self.real_gpus) {
+            (Some(s), true) => s.to_string(),
+            _ => String::new(),
+        };
+        BTreeMap::from([("CUDA_VISIBLE_DEVICES".to_string(), devices)])
     }
 
     /// Fork a worker from the deepest zygote that fits the import closure, starting
     /// (or restarting) the base zygote if needed, and build a child zygote in the
     /// background when a tail keeps being asked for.
     pub async fn fork(&self, session: Uuid, slot: Option<u32>, cwd: &str, imports: &[String]) -> Result<(WorkerProc, bool), String> {
-        let mut env = BTreeMap::new();
-        env.insert(
-            "CUDA_VISIBLE_DEVICES".to_string(),
-            match (slot, self.real_gpus) {
-                (Some(s), true) => s.to_string(),
-                _ => String::new(),
-            },
-        );
+        let mut env = self.device_env(slot);
         env.insert("LOOSELEAF_SESSION".to_string(), session.to_string());
         let worker_id = format!("w{}", Uuid::now_v7().simple());
         let mut cache = self.zygotes.lock().await;
@@ -117,7 +163,10 @@ impl ExecEnv {
             }
             let Some(z) = cache.zygote(&choice) else { continue };
             match z.fork(&self.listener, &worker_id, env.clone(), cwd).await {
-                Ok(forked) => return Ok((WorkerProc::new(forked, session), hit)),
+                Ok(forked) => {
+                    self.forks.fetch_add(1, Ordering::Relaxed);
+                    return Ok((WorkerProc::new(forked, session), hit));
+                }
                 Err(e) if attempt == 0 => {
                     tracing::warn!(error = %e, zygote = %z.id, "zygote failed to fork; dropping it");
                     if choice.is_base() {
@@ -171,7 +220,7 @@ impl ExecEnv {
         };
         self.event(session, exec_id, EventKind::Claimed { host: self.host_id.clone(), slot, prepare }).await;
 
-        let (worker, import_hit) = match target {
+        let (mut worker, import_hit) = match target {
             Target::Fresh { slot } => match self.fork(session, slot, &recipe.options.cwd, &recipe.imports).await {
                 Ok((w, hit)) => (Arc::new(Mutex::new(w)), hit),
                 Err(e) => {
@@ -182,8 +231,27 @@ impl ExecEnv {
             Target::Existing { worker, .. } => (worker, true),
         };
         let mut w = worker.lock().await;
-        let result = self.drive(&recipe, &mut w, slot, prepare, claimed_at, import_hit).await;
-        let broken = w.is_broken();
+        let mut result = self.drive(&recipe, &mut w, slot, prepare, claimed_at, import_hit).await;
+        let mut broken = w.is_broken();
+        if prepare == Prepare::Speculative && broken && w.runs == 0 {
+            // The prepared worker died before the cell started: the run goes to a
+            // fresh worker on the same slot, and the user sees only a cold start.
+            tracing::warn!(exec = %exec_id, worker = %w.id, error = ?result.as_ref().err(), "prepared worker lost before Run; starting cold");
+            w.kill_now();
+            drop(w);
+            match self.fork(session, slot, &recipe.options.cwd, &recipe.imports).await {
+                Ok((fresh, hit)) => {
+                    worker = Arc::new(Mutex::new(fresh));
+                    w = worker.lock().await;
+                    result = self.drive(&recipe, &mut w, slot, Prepare::Cold, claimed_at, hit).await;
+                    broken = w.is_broken();
+                }
+                Err(e) => {
+                    w = worker.lock().await;
+                    result = Err(format!("the prepared worker was lost and no fresh one could start: {e}"));
+                }
+            }
+        }
         drop(w);
         match result {
             Ok(unsavable) => Outcome { worker: Some(worker), unsavable },
@@ -210,7 +278,9 @@ impl ExecEnv {
     ) -> Result<Vec<String>, String> {
         let (session, exec_id) = (recipe.session, recipe.exec_id);
         let restore_started = Instant::now();
-        let (manifest, restored) = self.restore_closure(recipe, w).await?;
+        // a worker prepared before Run may have been prepared without its slot
+        let env = if prepare == Prepare::Speculative { self.device_env(slot) } else { BTreeMap::new() };
+        let (manifest, restored) = self.restore_closure(recipe, w, env).await?;
         let restored_bytes = restored.bytes;
 
         let prepare_ms = claimed_at.elapsed().as_secs_f64() * 1000.0;
@@ -317,7 +387,12 @@ impl ExecEnv {
     /// Bring `w` to the session's committed state for `recipe`: drop names that are
     /// stale, restore the closure's missing or changed variables, import the import
     /// closure. Nothing of the cell runs. Used at Run and while preparing.
-    async fn restore_closure(&self, recipe: &RecipeV1, w: &mut WorkerProc) -> Result<(Manifest, Restored), String> {
+    async fn restore_closure(
+        &self,
+        recipe: &RecipeV1,
+        w: &mut WorkerProc,
+        env: BTreeMap<String, String>,
+    ) -> Result<(Manifest, Restored), String> {
         let manifest = self.manifest(recipe.session).await?;
         let restore = self.plan_restore(recipe, w, &manifest)?;
         let file = self
@@ -332,6 +407,7 @@ impl ExecEnv {
             ambient: file.ambient,
             imports: recipe.imports.clone(),
             drop: restore.drop.clone(),
+            env,
         };
         let restored = w.restore(frame).await;
         if let Some(p) = &file.path {
@@ -377,7 +453,7 @@ impl ExecEnv {
             }
         };
         let mut w = worker.lock().await;
-        let result = self.restore_closure(recipe, &mut w).await;
+        let result = self.restore_closure(recipe, &mut w, self.device_env(slot)).await;
         let broken = w.is_broken();
         drop(w);
         match result {

@@ -79,8 +79,9 @@ struct Prep {
     /// None while its first preparation forks it.
     worker: Option<Arc<Mutex<WorkerProc>>>,
     worker_id: String,
-    /// The GPU slot (index) it holds.
-    slot: u32,
+    /// The GPU slot (index) it holds: only if its closure has GPU-resident state;
+    /// others get a slot at Run.
+    slot: Option<u32>,
     /// The recipe revision it was (or is being) prepared for.
     revision: u64,
     class: PreparedClass,
@@ -108,18 +109,22 @@ pub struct Host {
     pending: VecDeque<RecipeV1>,
     /// Runs this host claimed that wait for a slot.
     won: VecDeque<RecipeV1>,
+    /// Prepared workers (without a slot) whose run waits for a slot.
+    waiting_prepared: VecDeque<PrepKey>,
     /// Workers prepared before Run, per (session, cell).
     prepared: HashMap<PrepKey, Prep>,
     /// Admitted edit recipes that found no free slot (the planner's eviction that
     /// makes room may arrive just after): the newest per cell, tried when a slot frees.
     spec_waiting: VecDeque<(Instant, RecipeV1)>,
+    /// Prepare every worker with its slot (see `Config::prepare_holds_slot`).
+    prepare_holds_slot: bool,
     /// Zygotes as last seen (the cache is locked while a fork is under way).
     last_zygotes: Vec<ZygoteStatus>,
 }
 
 impl Host {
     /// A host with `slots` (real GPUs or virtual ones), claiming through `claims`.
-    pub fn new(env: ExecEnv, claims: kv::Store, slots: Vec<Gpu>, real_gpus: bool) -> Self {
+    pub fn new(env: ExecEnv, claims: kv::Store, slots: Vec<Gpu>, real_gpus: bool, prepare_holds_slot: bool) -> Self {
         let slots = slots.into_iter().map(|gpu| Slot { gpu, state: SlotState::Free, since: Instant::now() }).collect();
         Self {
             env,
@@ -130,8 +135,10 @@ impl Host {
             cpu: HashMap::new(),
             pending: VecDeque::new(),
             won: VecDeque::new(),
+            waiting_prepared: VecDeque::new(),
             prepared: HashMap::new(),
             spec_waiting: VecDeque::new(),
+            prepare_holds_slot,
             last_zygotes: Vec::new(),
         }
     }
@@ -140,12 +147,17 @@ impl Host {
         self.slots.iter().position(|s| matches!(s.state, SlotState::Free))
     }
 
-    /// Shorter for a better-placed host: more free slots, less load.
-    fn claim_delay(&self) -> Duration {
-        let total = self.slots.len().max(1) as u64;
-        let free = self.slots.iter().filter(|s| matches!(s.state, SlotState::Free)).count() as u64;
+    /// How long to wait before claiming `recipe`: shorter for a better-placed host
+    /// (DESIGN.md section 5). The score weighs free slots (half), the zygote match
+    /// (a quarter: the tail imported already) and the closure's bytes in this
+    /// host's chunk cache (a quarter); up to 3 ms of jitter breaks ties.
+    fn claim_delay(&self, recipe: &RecipeV1) -> Duration {
+        let total = self.slots.len().max(1) as f64;
+        let free = self.slots.iter().filter(|s| matches!(s.state, SlotState::Free)).count() as f64;
+        let (zygote, cached) = self.env.placement(recipe);
+        let score = 0.5 * free / total + 0.25 * zygote + 0.25 * cached;
         let jitter = (Uuid::new_v4().as_u128() % 3000) as u64;
-        Duration::from_micros(2_000 + 10_000 * (total - free) / total + jitter)
+        Duration::from_micros(2_000 + (12_000.0 * (1.0 - score)) as u64 + jitter)
     }
 
     fn status(&self) -> HostStatusV1 {
@@ -184,6 +196,7 @@ impl Host {
                 + self.prepared.len()
                 + self.slots.iter().filter(|s| matches!(s.state, SlotState::Busy { .. })).count()) as u32,
             cache_bytes: self.env.chunks.cached_bytes(),
+            forks: self.env.forks.load(std::sync::atomic::Ordering::Relaxed),
             unix_ms: unix_ms(),
         }
     }
@@ -272,14 +285,44 @@ impl Host {
             }
             return;
         }
-        let Some(pos) = self.free_slot() else {
-            self.spec_waiting.retain(|(_, r)| (r.session, &r.cell_id) != (key.0, &key.1));
-            self.spec_waiting.push_back((Instant::now(), recipe));
-            return;
+        // Does the closure hold GPU-resident state? Only then does preparation need
+        // the slot; otherwise the worker is prepared on the CPU and gets a slot at
+        // Run, so typing time costs no GPU time.
+        let env = self.env.clone();
+        let r = recipe.clone();
+        let always = self.prepare_holds_slot;
+        let fut = async move {
+            if always {
+                return true;
+            }
+            match env.manifest(r.session).await {
+                Ok(m) => closure_on_gpu(&m, &r),
+                Err(_) => true, // unknown: assume it does
+            }
         };
-        self.slots[pos].state = SlotState::Claiming(Uuid::nil());
-        self.slots[pos].since = Instant::now();
-        let delay = self.claim_delay();
+        ctx.spawn(fut.into_actor(self).map(move |needs_slot, act, ctx| act.claim_preparation(recipe, needs_slot, ctx)));
+    }
+
+    /// Claim the preparation of `recipe` (exactly one host prepares a revision),
+    /// holding a free slot meanwhile if the preparation needs one.
+    fn claim_preparation(&mut self, recipe: RecipeV1, needs_slot: bool, ctx: &mut Context<Self>) {
+        let key = (recipe.session, recipe.cell_id.clone());
+        if self.prepared.contains_key(&key) {
+            return self.on_edit_recipe(recipe, ctx); // one got prepared meanwhile: update it
+        }
+        let pos = if needs_slot {
+            let Some(pos) = self.free_slot() else {
+                self.spec_waiting.retain(|(_, r)| (r.session, &r.cell_id) != (key.0, &key.1));
+                self.spec_waiting.push_back((Instant::now(), recipe));
+                return;
+            };
+            self.slots[pos].state = SlotState::Claiming(Uuid::nil());
+            self.slots[pos].since = Instant::now();
+            Some(pos)
+        } else {
+            None
+        };
+        let delay = self.claim_delay(&recipe);
         let claims = self.claims.clone();
         let claim = buckets::prepare_claim_key(recipe.session, &recipe.cell_id, recipe.revision);
         let me = self.env.host_id.clone();
@@ -289,7 +332,9 @@ impl Host {
         };
         ctx.spawn(fut.into_actor(self).map(move |won, act, ctx| {
             if won.is_err() || act.prepared.contains_key(&key) {
-                act.slots[pos].state = SlotState::Free;
+                if let Some(pos) = pos {
+                    act.slots[pos].state = SlotState::Free;
+                }
                 if won.is_ok() {
                     // an older revision of the cell got a worker meanwhile: update that one
                     act.on_edit_recipe(recipe, ctx);
@@ -297,12 +342,14 @@ impl Host {
                 act.try_pending(ctx);
                 return;
             }
-            act.slots[pos].state = SlotState::Prepared { session: key.0, cell_id: key.1.clone() };
-            act.slots[pos].since = Instant::now();
+            if let Some(pos) = pos {
+                act.slots[pos].state = SlotState::Prepared { session: key.0, cell_id: key.1.clone() };
+                act.slots[pos].since = Instant::now();
+            }
             let prep = Prep {
                 worker: None,
                 worker_id: String::new(),
-                slot: act.slots[pos].gpu.index,
+                slot: pos.map(|pos| act.slots[pos].gpu.index),
                 revision: recipe.revision,
                 class: PreparedClass::Speculative,
                 ready_since: None,
@@ -324,7 +371,7 @@ impl Host {
         p.revision = recipe.revision;
         let (env, existing, slot) = (self.env.clone(), p.worker.clone(), p.slot);
         let span = tracing::info_span!("prepare", session = %key.0, cell = %key.1, revision = recipe.revision);
-        let fut = tracing::Instrument::instrument(async move { env.prepare(&recipe, Some(slot), existing).await }, span);
+        let fut = tracing::Instrument::instrument(async move { env.prepare(&recipe, slot, existing).await }, span);
         ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| act.prepare_done(key, res, ctx)));
     }
 
@@ -336,12 +383,13 @@ impl Host {
             return;
         };
         p.preparing = false;
-        let prepare_ms = match res {
+        let (pid, prepare_ms) = match res {
             Ok((w, ms)) => {
                 p.worker_id = worker_id(&w);
+                let pid = w.try_lock().map(|w| w.pid).unwrap_or(0);
                 p.worker = Some(w);
                 p.ready_since.get_or_insert_with(Instant::now);
-                ms
+                (pid, ms)
             }
             Err(e) => {
                 tracing::warn!(session = %key.0, cell = %key.1, error = %e, "preparation failed");
@@ -364,8 +412,9 @@ impl Host {
         }
         let ev = EventKind::Ready {
             host: self.env.host_id.clone(),
-            slot: Some(p.slot),
+            slot: p.slot,
             worker: p.worker_id.clone(),
+            pid,
             cell_id: key.1.clone(),
             revision: p.revision,
             class: p.class,
@@ -401,34 +450,51 @@ impl Host {
         }));
     }
 
-    /// Run a claimed recipe on the worker prepared for its cell.
+    /// Run a claimed recipe on the worker prepared for its cell, binding a slot
+    /// now if it was prepared without one.
     fn run_prepared(&mut self, key: PrepKey, recipe: RecipeV1, ctx: &mut Context<Self>) {
-        let Some(p) = self.prepared.remove(&key) else { return self.run_won(recipe, ctx) };
-        let Some(worker) = p.worker.clone() else {
-            // never became ready (cannot happen outside preparation): free its slot, run cold
-            if let Some(pos) = self.slots.iter().position(|s| s.gpu.index == p.slot) {
-                self.slots[pos].state = SlotState::Free;
-            }
+        let Some(mut p) = self.prepared.remove(&key) else { return self.run_won(recipe, ctx) };
+        let alive = p.worker.as_ref().is_some_and(|w| w.try_lock().is_ok_and(|w| crate::worker::is_alive(w.pid)));
+        let Some(worker) = p.worker.clone().filter(|_| alive) else {
+            // it died while waiting: the run goes to a fresh worker, nothing is lost
+            self.prepared.insert(key.clone(), p);
+            self.end_prepared(&key, "lost", ctx);
             return self.run_won(recipe, ctx);
         };
-        if let Some(pos) = self.slots.iter().position(|s| s.gpu.index == p.slot) {
-            self.slots[pos].state = SlotState::Busy { exec: recipe.exec_id, session: recipe.session };
+        let pos = match p.slot {
+            Some(index) => self.slots.iter().position(|s| s.gpu.index == index),
+            None => self.free_slot().or_else(|| self.evict_for_slot(ctx)),
+        };
+        let Some(pos) = pos else {
+            // every slot runs a cell: wait for one with the worker
+            p.run = Some(recipe);
+            self.prepared.insert(key.clone(), p);
+            self.waiting_prepared.push_back(key);
+            return;
+        };
+        if p.slot.is_none() {
+            self.slots[pos].since = Instant::now();
         }
+        self.slots[pos].state = SlotState::Busy { exec: recipe.exec_id, session: recipe.session };
+        let index = self.slots[pos].gpu.index;
         let idle_ms = p.ready_since.map_or(0.0, |t| t.elapsed().as_secs_f64() * 1000.0);
         self.prepared_ended(key, &p, idle_ms, "used", ctx);
-        let target = Target::Existing { worker, prepare: Prepare::Speculative, slot: Some(p.slot) };
+        let target = Target::Existing { worker, prepare: Prepare::Speculative, slot: Some(index) };
         self.spawn_exec(recipe, target, ctx);
+    }
+
+    /// Free a slot by stopping an idle prepared worker that holds one.
+    fn evict_for_slot(&mut self, ctx: &mut Context<Self>) -> Option<usize> {
+        let key = self.idle_prepared()?;
+        let slot = self.prepared.get(&key)?.slot?;
+        self.end_prepared(&key, "evicted for a run", ctx);
+        self.slots.iter().position(|s| s.gpu.index == slot)
     }
 
     /// A run this host claimed without a prepared worker: a free slot, or an idle
     /// prepared worker's slot, or wait for one.
     fn run_won(&mut self, recipe: RecipeV1, ctx: &mut Context<Self>) {
-        let pos = self.free_slot().or_else(|| {
-            let key = self.idle_prepared()?;
-            let slot = self.prepared.get(&key)?.slot;
-            self.end_prepared(&key, "evicted for a run", ctx);
-            self.slots.iter().position(|s| s.gpu.index == slot)
-        });
+        let pos = self.free_slot().or_else(|| self.evict_for_slot(ctx));
         match pos {
             Some(pos) => {
                 self.slots[pos].state = SlotState::Busy { exec: recipe.exec_id, session: recipe.session };
@@ -444,7 +510,7 @@ impl Host {
     /// No slot free, but an idle prepared worker could give one up: claim first
     /// (with the longest delay, as a full host), evict only if this host won.
     fn claim_then_evict(&mut self, recipe: RecipeV1, ctx: &mut Context<Self>) {
-        let delay = self.claim_delay();
+        let delay = self.claim_delay(&recipe);
         let claims = self.claims.clone();
         let claim = buckets::run_claim_key(recipe.exec_id);
         let me = self.env.host_id.clone();
@@ -459,12 +525,12 @@ impl Host {
         }));
     }
 
-    /// The prepared worker to give up first: ready (not preparing, no run waiting),
-    /// warm before speculative, longest idle first.
+    /// The slot-holding prepared worker to give up first for a run: ready (not
+    /// preparing, no run waiting), warm before speculative, longest idle first.
     fn idle_prepared(&self) -> Option<PrepKey> {
         self.prepared
             .iter()
-            .filter(|(_, p)| !p.preparing && p.run.is_none() && p.worker.is_some())
+            .filter(|(_, p)| !p.preparing && p.run.is_none() && p.worker.is_some() && p.slot.is_some())
             .min_by_key(|(_, p)| (p.class == PreparedClass::Speculative, p.ready_since))
             .map(|(k, _)| k.clone())
     }
@@ -476,7 +542,7 @@ impl Host {
         if let Some(w) = p.worker.clone() {
             stop_worker(w, ctx, self);
         }
-        if let Some(pos) = self.slots.iter().position(|s| s.gpu.index == p.slot) {
+        if let Some(pos) = p.slot.and_then(|index| self.slots.iter().position(|s| s.gpu.index == index)) {
             self.release_slot(pos, key.0, "speculation", ctx);
         }
         self.prepared_ended(key.clone(), &p, idle_ms, outcome, ctx);
@@ -488,6 +554,7 @@ impl Host {
         tracing::info!(session = %key.0, cell = %key.1, worker = %p.worker_id, idle_ms, outcome, "prepared worker ended");
         let ev = EventKind::PreparedEnded {
             host: self.env.host_id.clone(),
+            slot: p.slot,
             worker: p.worker_id.clone(),
             cell_id: key.1,
             class: p.class,
@@ -495,6 +562,21 @@ impl Host {
             outcome: outcome.to_string(),
         };
         self.session_event(key.0, ev, ctx);
+    }
+
+    /// Prepared workers whose process died while waiting free their slot.
+    fn reap_lost_prepared(&mut self, ctx: &mut Context<Self>) {
+        let lost: Vec<PrepKey> = self
+            .prepared
+            .iter()
+            .filter(|(_, p)| !p.preparing && p.run.is_none())
+            .filter(|(_, p)| p.worker.as_ref().is_some_and(|w| w.try_lock().is_ok_and(|w| !crate::worker::is_alive(w.pid))))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in lost {
+            tracing::warn!(session = %key.0, cell = %key.1, "a prepared worker died while waiting");
+            self.end_prepared(&key, "lost", ctx);
+        }
     }
 
     /// The planner (budget) or the session asks to stop a prepared worker.
@@ -525,7 +607,7 @@ impl Host {
     fn claim_gpu(&mut self, recipe: RecipeV1, slot: usize, ctx: &mut Context<Self>) {
         self.slots[slot].state = SlotState::Claiming(recipe.exec_id);
         self.slots[slot].since = Instant::now();
-        let delay = self.claim_delay();
+        let delay = self.claim_delay(&recipe);
         let claims = self.claims.clone();
         let key = buckets::run_claim_key(recipe.exec_id);
         let me = self.env.host_id.clone();
@@ -693,6 +775,13 @@ impl Host {
 
     fn try_pending(&mut self, ctx: &mut Context<Self>) {
         while self.free_slot().is_some() {
+            let Some(key) = self.waiting_prepared.pop_front() else { break };
+            let run = self.prepared.get_mut(&key).and_then(|p| p.run.take());
+            if let Some(run) = run {
+                self.run_prepared(key, run, ctx);
+            }
+        }
+        while self.free_slot().is_some() {
             let Some(recipe) = self.won.pop_front() else { break };
             self.run_won(recipe, ctx);
         }
@@ -780,6 +869,12 @@ impl Host {
     }
 }
 
+/// Whether any object the closure of `recipe` reaches lives on a GPU.
+fn closure_on_gpu(m: &schemas::checkpoint::Manifest, recipe: &RecipeV1) -> bool {
+    let roots = recipe.closure.iter().filter_map(|v| m.variables.get(&v.name).and_then(|e| e.oid.as_deref()));
+    m.reachable(roots).iter().any(|oid| m.objects.get(oid).is_some_and(|o| o.on_gpu))
+}
+
 enum ExecKind {
     Fresh { slot: Option<u32> },
     /// A worker prepared before Run, holding GPU slot `slot`.
@@ -809,6 +904,7 @@ impl Actor for Host {
 
     fn started(&mut self, ctx: &mut Self::Context) {
         ctx.run_interval(TICK, |act, ctx| {
+            act.reap_lost_prepared(ctx);
             act.publish_status(ctx);
             act.renew_claims(ctx);
         });

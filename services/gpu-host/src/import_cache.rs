@@ -99,6 +99,30 @@ impl ImportCache {
     /// The tail of an import closure: top-level packages the base zygote did not
     /// import and that are not in the standard library.
     pub fn tail(&mut self, imports: &[String]) -> BTreeSet<String> {
+        let tail = self.tail_of(imports);
+        for module in imports {
+            let top = module.split('.').next().unwrap_or_default();
+            if tail.contains(top) {
+                self.modules.entry(top.to_string()).or_default().insert(module.clone());
+            }
+        }
+        tail
+    }
+
+    /// How much of an import closure's tail the deepest usable zygote has already
+    /// imported (1.0: nothing left to import after fork). For a host's claim score.
+    pub fn coverage(&self, imports: &[String]) -> f64 {
+        let tail = self.tail_of(imports);
+        if tail.is_empty() {
+            return 1.0;
+        }
+        match deepest(self.children.iter().map(|c| &c.tail), &tail) {
+            Some(i) => self.children[i].tail.len() as f64 / tail.len() as f64,
+            None => 0.0,
+        }
+    }
+
+    fn tail_of(&self, imports: &[String]) -> BTreeSet<String> {
         let known: BTreeSet<String> = {
             let mut k: BTreeSet<String> = self.zygotes().flat_map(|z| z.cuda_unsafe.iter().cloned()).collect();
             if let Some(b) = &self.base {
@@ -115,7 +139,6 @@ impl ImportCache {
                 continue;
             }
             tail.insert(top.to_string());
-            self.modules.entry(top.to_string()).or_default().insert(module.clone());
         }
         tail
     }

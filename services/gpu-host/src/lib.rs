@@ -60,6 +60,10 @@ pub struct Config {
     pub runtime_dir: PathBuf,
     /// Bytes the per-host chunk cache may hold.
     pub cache_bytes: u64,
+    /// Workers prepared before Run hold a GPU slot even when their closure has no
+    /// GPU-resident state (by default such workers are prepared on the CPU and get
+    /// their slot at Run).
+    pub prepare_holds_slot: bool,
 }
 
 /// Run the host until `shutdown` resolves. Must be called inside an actix system.
@@ -100,6 +104,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         zygotes,
         cell_timeout: Duration::from_secs(24 * 3600),
         real_gpus,
+        recent_manifests: Default::default(),
+        forks: Default::default(),
     };
     let _service = bus.register_service("looseleaf-gpu-host", "GPU slots, zygotes and workers").await?;
     let s = bus.subjects().clone();
@@ -113,7 +119,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         ctx.add_stream(events.into_stream());
         ctx.add_stream(closes.into_stream());
         ctx.add_stream(evictions.into_stream());
-        host::Host::new(env, claims, slots, real_gpus)
+        host::Host::new(env, claims, slots, real_gpus, config.prepare_holds_slot)
     });
     shutdown.await;
     tracing::info!(host = %config.host_id, "gpu-host stopping");

@@ -35,6 +35,10 @@ struct Args {
     /// Bytes the chunk cache may hold.
     #[arg(long, env = "LOOSELEAF_CACHE_BYTES", default_value_t = 1 << 30)]
     cache_bytes: u64,
+    /// Prepared workers hold a GPU slot even when their closure has no GPU-resident
+    /// state (default: they get their slot at Run).
+    #[arg(long, env = "LOOSELEAF_PREPARE_HOLDS_SLOT")]
+    prepare_holds_slot: bool,
     /// Log filter.
     #[arg(long, env = "LOOSELEAF_LOG", default_value = "info")]
     log: String,
@@ -54,6 +58,7 @@ fn main() -> anyhow::Result<()> {
         base_packages: a.base_packages,
         runtime_dir: a.runtime_dir,
         cache_bytes: a.cache_bytes,
+        prepare_holds_slot: a.prepare_holds_slot,
     };
     actix_rt::System::new().block_on(looseleaf_gpu_host::run(config, schemas::telemetry::shutdown_signal()))
 }

@@ -130,6 +130,9 @@ pub enum Frame {
         imports: Vec<String>,
         /// Names to drop first.
         drop: Vec<String>,
+        /// Set first, outside the ambient state: the devices of the worker's GPU
+        /// slot (a worker prepared before Run gets its slot at Run).
+        env: BTreeMap<String, String>,
     },
     /// worker -> host: restore done.
     Restored {
@@ -370,7 +373,7 @@ mod tests {
             Frame::Fork { worker_id: "w".into(), env: BTreeMap::new(), cwd: "/".into(), socket: "/s".into() },
             Frame::Forked { worker_id: "w".into(), pid: 2 },
             Frame::ForkFailed { worker_id: "w".into(), error: "e".into() },
-            Frame::Restore { shm_path: None, variables: BTreeMap::new(), objects: BTreeMap::new(), ambient: None, imports: vec![], drop: vec![] },
+            Frame::Restore { shm_path: None, variables: BTreeMap::new(), objects: BTreeMap::new(), ambient: None, imports: vec![], drop: vec![], env: BTreeMap::from([("CUDA_VISIBLE_DEVICES".into(), "0".into())]) },
             Frame::Restored { ok: true, restored_bytes: 0, ms: 0.0, errors: BTreeMap::new() },
             Frame::Run { exec_id: "e".into(), cell_id: "c".into(), code: "1".into() },
             Frame::Started { exec_id: "e".into(), unix_ms: 1, execution_count: 1 },

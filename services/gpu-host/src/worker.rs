@@ -106,6 +106,9 @@ pub struct WorkerProc {
     pub held: BTreeMap<String, Uuid>,
     /// Manifest revision its state corresponds to.
     pub revision: u64,
+    /// Cells it was asked to run (a worker that never ran one can be replaced
+    /// without the user noticing).
+    pub runs: u32,
     conn: Conn,
     broken: bool,
 }
@@ -119,6 +122,7 @@ impl WorkerProc {
             session,
             held: BTreeMap::new(),
             revision: 0,
+            runs: 0,
             conn: forked.conn,
             broken: false,
         }
@@ -176,6 +180,7 @@ impl WorkerProc {
         mut on_event: impl FnMut(RunEvent),
     ) -> Result<Finished, WorkerError> {
         let exec = exec_id.to_string();
+        self.runs += 1;
         self.send("running", &Frame::Run { exec_id: exec.clone(), cell_id: cell_id.into(), code: code.into() }).await?;
         let mut outputs = 0u64;
         loop {
@@ -270,6 +275,13 @@ impl WorkerProc {
     pub fn kill_now(&self) {
         kill(self.pid);
     }
+}
+
+/// Whether the worker process still exists (signal 0). Reaped workers are gone.
+pub fn is_alive(pid: u32) -> bool {
+    use nix::unistd::Pid;
+    let Ok(raw) = i32::try_from(pid) else { return false };
+    raw > 1 && nix::sys::signal::kill(Pid::from_raw(raw), None).is_ok()
 }
 
 /// SIGKILL a worker by pid. Workers are grandchildren (forked by a zygote that

@@ -26,7 +26,7 @@ use uuid::Uuid;
 
 use crate::analysis;
 use crate::recipe::{derive, Derived};
-use crate::speculator::{Budget, Eviction, Speculator};
+use crate::speculator::{Budget, Eviction, Ready, Speculator};
 use crate::state;
 
 /// How often the speculator's idle budget is enforced.
@@ -340,12 +340,13 @@ impl StreamHandler<Result<Envelope<SessionEventV1>, Rejected>> for Planner {
                 );
             }
             EventKind::Saved { .. } => self.refresh_manifest(session, ctx),
-            EventKind::Ready { host, worker, cell_id, class, prepare_ms, .. } => {
+            EventKind::Ready { host, worker, cell_id, class, prepare_ms, slot, .. } => {
                 let now = self.now();
-                self.speculator.ready(session, &cell_id, PreparedWorker { host, worker }, class, prepare_ms, now);
+                let ready = Ready { class, prepare_ms, holds_slot: slot.is_some() };
+                self.speculator.ready(session, &cell_id, PreparedWorker { host, worker }, ready, now);
             }
-            EventKind::PreparedEnded { worker, cell_id, idle_ms, .. } => {
-                self.speculator.ended(session, &cell_id, &worker, idle_ms);
+            EventKind::PreparedEnded { worker, cell_id, idle_ms, slot, .. } => {
+                self.speculator.ended(session, &cell_id, &worker, idle_ms, slot.is_some());
             }
             _ => {}
         }

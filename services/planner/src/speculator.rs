@@ -38,6 +38,20 @@ pub struct Entry {
     pub priority: f64,
     /// When it became ready (seconds on the caller's clock).
     pub ready_at: f64,
+    /// Whether it holds a GPU slot while it waits (only then does its idle time
+    /// count against the session's idle GPU-second budget).
+    pub holds_slot: bool,
+}
+
+/// What a Ready event says about the worker.
+#[derive(Clone, Copy, Debug)]
+pub struct Ready {
+    /// Speculative or warm.
+    pub class: PreparedClass,
+    /// What preparing it took (the value of keeping it).
+    pub prepare_ms: f64,
+    /// Whether it holds a GPU slot while it waits.
+    pub holds_slot: bool,
 }
 
 /// An eviction to send to a host.
@@ -106,7 +120,12 @@ impl Speculator {
 
     /// Idle seconds `session` has spent, counting workers still waiting.
     pub fn idle_seconds(&self, session: Uuid, now: f64) -> f64 {
-        let live: f64 = self.entries.iter().filter(|((s, _), _)| *s == session).map(|(_, e)| (now - e.ready_at).max(0.0)).sum();
+        let live: f64 = self
+            .entries
+            .iter()
+            .filter(|((s, _), e)| *s == session && e.holds_slot)
+            .map(|(_, e)| (now - e.ready_at).max(0.0))
+            .sum();
         self.spent.get(&session).copied().unwrap_or(0.0) + live
     }
 
@@ -158,13 +177,15 @@ impl Speculator {
             class: PreparedClass::Speculative,
             priority: self.inflation,
             ready_at: 0.0,
+            holds_slot: false,
         });
         self.inflation = self.inflation.max(e.priority);
         Eviction { session, cell_id, at: e.at, reason }
     }
 
     /// A host reports a prepared (or updated) worker.
-    pub fn ready(&mut self, session: Uuid, cell_id: &str, at: PreparedWorker, class: PreparedClass, prepare_ms: f64, now: f64) {
+    pub fn ready(&mut self, session: Uuid, cell_id: &str, at: PreparedWorker, ready: Ready, now: f64) {
+        let Ready { class, prepare_ms, holds_slot } = ready;
         let key = (session, cell_id.to_string());
         self.in_flight.remove(&key);
         let ready_at = match self.entries.get(&key) {
@@ -172,16 +193,19 @@ impl Speculator {
             Some(e) if e.at == at => e.ready_at,
             _ => now,
         };
-        self.entries.insert(key, Entry { at, class, priority: self.inflation + prepare_ms, ready_at });
+        self.entries.insert(key, Entry { at, class, priority: self.inflation + prepare_ms, ready_at, holds_slot });
     }
 
-    /// A prepared worker ended (used, evicted, replaced, lost), after `idle_ms` idle.
-    pub fn ended(&mut self, session: Uuid, cell_id: &str, worker: &str, idle_ms: f64) {
+    /// A prepared worker ended (used, evicted, lost) after `idle_ms` idle, holding
+    /// a GPU slot meanwhile or not.
+    pub fn ended(&mut self, session: Uuid, cell_id: &str, worker: &str, idle_ms: f64, held_slot: bool) {
         let key = (session, cell_id.to_string());
         if self.entries.get(&key).is_some_and(|e| e.at.worker == worker) {
             self.entries.remove(&key);
         }
-        *self.spent.entry(session).or_default() += idle_ms / 1000.0;
+        if held_slot {
+            *self.spent.entry(session).or_default() += idle_ms / 1000.0;
+        }
     }
 
     /// The prepared worker for a run of (`session`, `cell_id`), if any.
@@ -232,15 +256,15 @@ mod tests {
         for cell in ["c1", "c2", "c3"] {
             assert!(s.admit(a, cell, 0.0).admit);
         }
-        s.ready(a, "c1", at("h", "w1"), PreparedClass::Speculative, 50.0, 0.0);
-        s.ready(a, "c2", at("h", "w2"), PreparedClass::Speculative, 900.0, 0.0);
-        s.ready(a, "c3", at("h", "w3"), PreparedClass::Warm, 2000.0, 0.0);
+        s.ready(a, "c1", at("h", "w1"), Ready { class: PreparedClass::Speculative, prepare_ms: 50.0, holds_slot: true }, 0.0);
+        s.ready(a, "c2", at("h", "w2"), Ready { class: PreparedClass::Speculative, prepare_ms: 900.0, holds_slot: true }, 0.0);
+        s.ready(a, "c3", at("h", "w3"), Ready { class: PreparedClass::Warm, prepare_ms: 2000.0, holds_slot: true }, 0.0);
         // full: the warm worker goes first although it saves the most
         let first = s.admit(b, "x", 1.0);
         assert!(first.admit);
         assert_eq!(first.evict.len(), 1);
         assert_eq!(first.evict[0].at.worker, "w3");
-        s.ready(b, "x", at("h", "w4"), PreparedClass::Speculative, 10.0, 1.0);
+        s.ready(b, "x", at("h", "w4"), Ready { class: PreparedClass::Speculative, prepare_ms: 10.0, holds_slot: true }, 1.0);
         // then the speculative one with the lowest priority (50 < 900; the new one
         // starts at the inflation 2000 + 10)
         let second = s.admit(b, "y", 2.0);
@@ -254,12 +278,12 @@ mod tests {
         s.host_seen("h", 0.0);
         let sid = Uuid::now_v7();
         s.admit(sid, "old", 0.0);
-        s.ready(sid, "old", at("h", "w1"), PreparedClass::Speculative, 500.0, 0.0);
+        s.ready(sid, "old", at("h", "w1"), Ready { class: PreparedClass::Speculative, prepare_ms: 500.0, holds_slot: true }, 0.0);
         // evicting it raises L to 500, so a cheap newcomer outranks an older worker
         // that was worth more when it was prepared
         let adm = s.admit(sid, "new", 1.0);
         assert_eq!(adm.evict[0].at.worker, "w1");
-        s.ready(sid, "new", at("h", "w2"), PreparedClass::Speculative, 1.0, 1.0);
+        s.ready(sid, "new", at("h", "w2"), Ready { class: PreparedClass::Speculative, prepare_ms: 1.0, holds_slot: true }, 1.0);
         assert_eq!(s.entries[&(sid, "new".to_string())].priority, 501.0);
     }
 
@@ -269,7 +293,7 @@ mod tests {
         s.host_seen("h", 0.0);
         let sid = Uuid::now_v7();
         assert!(s.admit(sid, "c", 0.0).admit);
-        s.ready(sid, "c", at("h", "w1"), PreparedClass::Speculative, 5.0, 0.0);
+        s.ready(sid, "c", at("h", "w1"), Ready { class: PreparedClass::Speculative, prepare_ms: 5.0, holds_slot: true }, 0.0);
         let again = s.admit(sid, "c", 1.0);
         assert!(again.admit && again.evict.is_empty());
     }
@@ -280,22 +304,22 @@ mod tests {
         s.host_seen("h", 0.0);
         let (a, b) = (Uuid::now_v7(), Uuid::now_v7());
         s.admit(a, "c1", 0.0);
-        s.ready(a, "c1", at("h", "w1"), PreparedClass::Speculative, 5.0, 0.0);
+        s.ready(a, "c1", at("h", "w1"), Ready { class: PreparedClass::Speculative, prepare_ms: 5.0, holds_slot: true }, 0.0);
         // 6 s idle: still within 10
         assert!(s.over_budget(6.0).is_empty());
         assert!(s.admit(a, "c2", 6.0).admit);
-        s.ready(a, "c2", at("h", "w2"), PreparedClass::Speculative, 5.0, 6.0);
+        s.ready(a, "c2", at("h", "w2"), Ready { class: PreparedClass::Speculative, prepare_ms: 5.0, holds_slot: true }, 6.0);
         // at 9 s: 9 + 3 = 12 idle seconds: both of a's workers go, b is untouched
         s.admit(b, "c1", 8.0);
-        s.ready(b, "c1", at("h", "w3"), PreparedClass::Speculative, 5.0, 8.0);
+        s.ready(b, "c1", at("h", "w3"), Ready { class: PreparedClass::Speculative, prepare_ms: 5.0, holds_slot: true }, 8.0);
         let ev = s.over_budget(9.0);
         let mut workers: Vec<&str> = ev.iter().map(|e| e.at.worker.as_str()).collect();
         workers.sort();
         assert_eq!(workers, ["w1", "w2"]);
         assert!(s.for_run(b, "c1").is_some());
         // the spent time stays counted: a gets nothing more
-        s.ended(a, "c1", "w1", 9000.0);
-        s.ended(a, "c2", "w2", 3000.0);
+        s.ended(a, "c1", "w1", 9000.0, true);
+        s.ended(a, "c2", "w2", 3000.0, true);
         let refused = s.admit(a, "c3", 9.5);
         assert!(!refused.admit && refused.refused.is_some());
     }
@@ -316,14 +340,26 @@ mod tests {
     }
 
     #[test]
+    fn workers_prepared_without_a_slot_cost_no_idle_budget() {
+        let mut s = Speculator::new(budget(4, 1.0));
+        s.host_seen("h", 0.0);
+        let sid = Uuid::now_v7();
+        s.admit(sid, "c", 0.0);
+        s.ready(sid, "c", at("h", "w"), Ready { class: PreparedClass::Speculative, prepare_ms: 5.0, holds_slot: false }, 0.0);
+        assert!(s.over_budget(100.0).is_empty());
+        s.ended(sid, "c", "w", 100_000.0, false);
+        assert!(s.admit(sid, "d", 100.0).admit);
+    }
+
+    #[test]
     fn a_used_worker_leaves_and_counts_its_idle_time() {
         let mut s = Speculator::new(budget(2, 100.0));
         s.host_seen("h", 0.0);
         let sid = Uuid::now_v7();
         s.admit(sid, "c", 0.0);
-        s.ready(sid, "c", at("h", "w"), PreparedClass::Speculative, 5.0, 0.0);
+        s.ready(sid, "c", at("h", "w"), Ready { class: PreparedClass::Speculative, prepare_ms: 5.0, holds_slot: true }, 0.0);
         assert_eq!(s.for_run(sid, "c"), Some(at("h", "w")));
-        s.ended(sid, "c", "w", 4000.0);
+        s.ended(sid, "c", "w", 4000.0, true);
         assert!(s.for_run(sid, "c").is_none());
         assert!((s.idle_seconds(sid, 10.0) - 4.0).abs() < 1e-9);
     }

@@ -93,6 +93,12 @@ class Worker:
     # ------------------------------------------------------------- handlers
     def on_restore(self, msg: dict) -> None:
         t0 = time.perf_counter()
+        # The devices of the worker's GPU slot, which a worker prepared before Run
+        # gets at Run. CUDA is untouched until the cell runs (zygotes are
+        # CUDA-clean), so the device list still takes effect; the baseline follows,
+        # so the slot never becomes part of the session's ambient state.
+        os.environ.update(msg["env"])
+        self.base.env.update(msg["env"])
         ns = self.shell.user_ns
         for name in msg["drop"]:
             ns.pop(name, None)

@@ -148,10 +148,12 @@ class Worker:
         return {"plan": plan, "missing": missing, "ready": ready, "committed": committed}
 
     def restore(self, names: list[str], drop: list[str] | None = None,
-                imports: list[str] | None = None, ambient: bool = True) -> dict:
+                imports: list[str] | None = None, ambient: bool = True,
+                env: dict[str, str] | None = None) -> dict:
         msg = self.host.restore_msg(names, ambient)
         msg["drop"] = drop or []
         msg["imports"] = imports or []
+        msg["env"] = env or {}
         self.conn.send(msg)
         try:
             return self.conn.expect("restored")

@@ -50,3 +50,18 @@ def test_underscore_names_are_variables(host, zygote):
     assert w2.restore(["_", "_1"])["ok"]
     assert result_text(w2.run("_1 + 1")) == "43"
     assert result_text(w2.run("__")) == "42"  # the displayhook rotated the restored _
+
+
+def test_slot_env_from_restore_is_not_ambient_state(host, zygote):
+    # a worker prepared without a GPU slot gets its devices with the restore at Run
+    w1 = zygote.fork()
+    assert w1.restore([], env={"CUDA_VISIBLE_DEVICES": "3"})["ok"]
+    r = ok(w1.run("import os\nprint(os.environ['CUDA_VISIBLE_DEVICES'])\nos.environ['LL_CELL_SET'] = 'yes'"))
+    assert stream_text(r).strip() == "3"
+    w1.save()
+    # the next worker keeps what the cell set, not the slot of the last worker
+    w2 = zygote.fork()
+    assert w2.restore(["os"])["ok"]
+    r = ok(w2.run("print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')), os.environ.get('LL_CELL_SET'))"))
+    devices, cell_set = stream_text(r).split()
+    assert (devices != "'3'", cell_set) == (True, "yes")

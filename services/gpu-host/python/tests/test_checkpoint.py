@@ -124,7 +124,7 @@ def test_restore_drop_and_missing(host, zygote):
     host.objects.setdefault("feedbeef", None)
     msg = {"type": "restore", "shm_path": None, "objects": {}, "ambient": None,
            "variables": {"ghost": {"oid": "feedbeef", "version": "v0", "module": None}},
-           "imports": ["json"], "drop": ["old"]}
+           "imports": ["json"], "drop": ["old"], "env": {}}
     w.conn.send(msg)
     res = w.conn.expect("restored")
     assert not res["ok"] and "ghost" in res["errors"]["ghost"]

@@ -1,0 +1,156 @@
+"""bench/speculation: how many GPU cells start within a second of Run when workers
+are prepared while the user types, against the same platform with speculation
+off, in the same run (issue 6).
+
+Corpus notebooks run with `looseleaf run --all-gpu --typing-cps 20`: each code cell
+is replayed as typed at 20 characters a second (edits as the text grows), then Run;
+the next cell's typing starts when the previous cell finished. Two clusters run at
+the same time, one per mode (speculation on, `--no-speculation`), so both see the
+same machine load. A third, short run with a tight idle budget shows that the
+budget bounds the idle slot time speculation spends.
+
+Figures (DESIGN.md section 10): a cell's start delay is Run (or the previous cell's
+end, if later) to its first line. `hit_rate`: cells that ran on a prepared worker
+that needed no refresh at Run, over GPU cells. `idle_slot_seconds`: slot time
+speculatively prepared workers spent ready but unused (before their run or their
+eviction). Writes bench/results/speculation.json.
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import threading
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib as B  # noqa: E402
+
+NOTEBOOKS = [
+    "kishu_nbexec_test_case_1.ipynb",
+    "kishu_numpy.ipynb",
+    "kishu_simple.ipynb",
+    "pdsh_02.02-The-Basics-Of-NumPy-Arrays.ipynb",
+    "pdsh_03.02-Data-Indexing-and-Selection.ipynb",
+    "pdsh_03.03-Operations-in-Pandas.ipynb",
+]
+TIGHT_BUDGET_NOTEBOOK = "pdsh_03.03-Operations-in-Pandas.ipynb"
+TIGHT_IDLE_SECONDS = 5.0
+TARGET_WITHIN_1S = 0.98
+TARGET_MEDIAN_MS = 50.0
+
+
+def run_mode(name: str, work: Path, corpus: Path, extra: list[str], notebooks: list[str],
+             env: dict | None, out: dict) -> None:
+    """Every notebook through one cluster of this mode; fills out[name]."""
+    d = work / name
+    d.mkdir(parents=True)
+    cluster = B.Cluster(d / "data", virtual_gpus=2, env=env)
+    reports = []
+    try:
+        cluster.wait_ready()
+        for nb in notebooks:
+            B.log(f"{name}: {nb}")
+            reports.append((nb, B.run_notebook(corpus / nb, cluster.url, d, all_gpu=True, timeout=900,
+                                               extra=extra)))
+    finally:
+        cluster.stop()
+    out[name] = reports
+
+
+def summary(reports: list) -> dict:
+    cells = [c for _, r in reports for c in r["cells"]]
+    gpu = [c for c in cells if c["device"] == "gpu" and c["start_delay_ms"] is not None]
+    delays = [c["start_delay_ms"] for c in gpu]
+    spec = [r["totals"]["speculation"] for _, r in reports]
+    clean = sum(s["clean_hits"] for s in spec)
+    return {
+        "cells": len(cells),
+        "gpu_cells_started": len(gpu),
+        "errors": sum(1 for c in cells if c["status"] != "ok"),
+        "within_1s": sum(1 for d in delays if d <= 1000) / len(delays) if delays else None,
+        "median_start_ms": B.median(delays),
+        "p95_start_ms": B.percentile(delays, 0.95),
+        "max_start_ms": max(delays) if delays else None,
+        "prepared_cells": sum(s["prepared_cells"] for s in spec),
+        "clean_hits": clean,
+        "hit_rate": clean / len(gpu) if gpu else None,
+        "ready_events": sum(s["ready_events"] for s in spec),
+        "unused_prepared": sum(s["unused"] for s in spec),
+        "idle_slot_seconds": sum(s["speculative_idle_slot_seconds"] for s in spec),
+        "idle_worker_seconds": sum(s["speculative_idle_worker_seconds"] for s in spec),
+        "gpu_slot_seconds": sum(r["totals"]["gpu_slot_seconds"] for _, r in reports),
+        "per_notebook": [{"notebook": nb, "cells": r["totals"]["cells"], "errors": r["totals"]["errors"],
+                          "median_start_ms": r["totals"]["median_start_delay_ms"],
+                          "idle_slot_seconds": r["totals"]["speculation"]["speculative_idle_slot_seconds"],
+                          "idle_worker_seconds": r["totals"]["speculation"]["speculative_idle_worker_seconds"],
+                          "wall_s": r["totals"]["wall_seconds"]} for nb, r in reports],
+        "slowest_cells": sorted(({"cell": c["cell_id"], "start_delay_ms": c["start_delay_ms"],
+                                  "prepare": c["prepare"], "refreshed": c.get("refreshed")}
+                                 for c in gpu), key=lambda c: -c["start_delay_ms"])[:5],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--typing-cps", type=float, default=20.0)
+    ap.add_argument("--notebooks", default=",".join(NOTEBOOKS))
+    args = ap.parse_args()
+    B.ensure_release()
+    work = B.scratch("speculation")
+    corpus = B.copy_corpus(work)
+    notebooks = args.notebooks.split(",")
+    typing = ["--typing-cps", str(args.typing_cps)]
+    out: dict = {}
+    modes = [
+        ("speculation", typing, notebooks, None),
+        ("no_speculation", typing + ["--no-speculation"], notebooks, None),
+        ("tight_budget", typing, [TIGHT_BUDGET_NOTEBOOK], {"LOOSELEAF_IDLE_GPU_SECONDS": str(TIGHT_IDLE_SECONDS)}),
+    ]
+    threads = [threading.Thread(target=run_mode, args=(name, work, corpus, extra, nbs, env, out))
+               for name, extra, nbs, env in modes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    missing = [name for name, *_ in modes if name not in out]
+    if missing:
+        raise SystemExit(f"modes failed: {missing} (see bench/work/speculation/*/up.log)")
+    spec, nospec, tight = (summary(out[m]) for m in ("speculation", "no_speculation", "tight_budget"))
+    result = {
+        "bench": "speculation",
+        "within_1s": spec["within_1s"],
+        "median_start_ms": spec["median_start_ms"],
+        "within_1s_no_spec": nospec["within_1s"],
+        "median_start_ms_no_spec": nospec["median_start_ms"],
+        "idle_slot_seconds": spec["idle_slot_seconds"],
+        "hit_rate": spec["hit_rate"],
+        "targets": {"within_1s_at_least": TARGET_WITHIN_1S, "median_start_ms_under": TARGET_MEDIAN_MS,
+                    "within_1s_met": (spec["within_1s"] or 0) >= TARGET_WITHIN_1S,
+                    "median_met": (spec["median_start_ms"] or 1e9) < TARGET_MEDIAN_MS},
+        "budget": {
+            "what": "idle slot seconds of speculative workers per session against the per-session idle budget",
+            "default_idle_seconds_per_session": 120.0,
+            "default_max_session_idle_seconds": max(n["idle_slot_seconds"] for n in spec["per_notebook"]),
+            "tight_idle_seconds_per_session": TIGHT_IDLE_SECONDS,
+            "tight_session_idle_seconds": tight["idle_slot_seconds"],
+            "tight_within_1s": tight["within_1s"],
+            "tight_hit_rate": tight["hit_rate"],
+            "tight_untight_idle_seconds_same_notebook": next(
+                n["idle_slot_seconds"] for n in spec["per_notebook"] if n["notebook"] == TIGHT_BUDGET_NOTEBOOK),
+        },
+        "setup": {"typing_cps": args.typing_cps, "notebooks": notebooks, "virtual_gpus": 2, "hosts": 1,
+                  "python": platform.python_version(),
+                  "start_delay": "Run (or the previous cell's end, if later) to the cell's first line"},
+        "speculation": spec,
+        "no_speculation": nospec,
+        "tight_budget": tight,
+    }
+    path = B.write_result("speculation", result)
+    B.log(f"within_1s {spec['within_1s']:.3f} (no spec {nospec['within_1s']:.3f}), median "
+          f"{spec['median_start_ms']} ms (no spec {nospec['median_start_ms']} ms), hit rate {spec['hit_rate']:.2f}, "
+          f"idle {spec['idle_slot_seconds']:.1f} s; wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
