@@ -1,8 +1,7 @@
 //! An HTTP client of the frontend's API (reqwest), including its SSE event stream.
 
 use anyhow::{bail, Context};
-use futures::StreamExt;
-use looseleaf_frontend::api::{CellCode, CreateSession, RunAccepted, SessionCreated, SseParser, StreamItem};
+use looseleaf_frontend::api::{spawn_item_reader, CellCode, CreateSession, RunAccepted, SessionCreated, StreamItem};
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
@@ -63,31 +62,7 @@ impl Frontend {
     /// when the stream ends.
     pub async fn events(&self, sid: Uuid) -> anyhow::Result<mpsc::UnboundedReceiver<StreamItem>> {
         let resp = self.http.get(format!("{}/v1/sessions/{sid}/events", self.base)).send().await?;
-        let mut body = check(resp, "events").await?.bytes_stream();
-        let (tx, rx) = mpsc::unbounded_channel();
-        tokio::spawn(async move {
-            let mut parser = SseParser::new();
-            while let Some(chunk) = body.next().await {
-                let chunk = match chunk {
-                    Ok(c) => c,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "event stream broke");
-                        return;
-                    }
-                };
-                for data in parser.push(&chunk) {
-                    match serde_json::from_str::<StreamItem>(&data) {
-                        Ok(item) => {
-                            if tx.send(item).is_err() {
-                                return;
-                            }
-                        }
-                        Err(e) => tracing::warn!(error = %e, %data, "unreadable stream item"),
-                    }
-                }
-            }
-        });
-        Ok(rx)
+        Ok(spawn_item_reader(check(resp, "events").await?.bytes_stream()))
     }
 }
 

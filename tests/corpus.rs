@@ -4,6 +4,10 @@
 //! once). Without `--all-gpu`, torch cells that move models or tensors to `device`
 //! run on GPU slots and the rest on the session's CPU worker.
 //!
+//! With `--all-gpu` each cell is also replayed as typed (`--typing-cps 400`: an
+//! edit every 100 ms), so most cells run on workers prepared while "typing", and
+//! the outputs must still match: preparation never runs a cell.
+//!
 //! Each notebook runs in a copy of its folder at a fixed path (the notebooks write
 //! files, and one prints absolute paths), shared by the reference and LooseLeaf.
 
@@ -112,6 +116,7 @@ fn corpus_matches_a_pinned_kernel() {
     let frontend = format!("http://127.0.0.1:{port}");
 
     let mut failures = Vec::new();
+    let (mut typed_cells, mut prepared_cells) = (0usize, 0usize);
     let nbequiv = repo_root().join("../shared/tools/nbequiv.py");
     let nbequiv = if nbequiv.exists() { nbequiv } else { corpus().join("../tools/nbequiv.py") };
     for rel in notebooks() {
@@ -131,7 +136,7 @@ fn corpus_matches_a_pinned_kernel() {
                 let mut run = Command::new(env!("CARGO_BIN_EXE_looseleaf"));
                 run.args(["run"]).arg(&source).arg("--output").arg(&out).arg("--report").arg(&report).args(["--frontend", &frontend]);
                 if all_gpu {
-                    run.arg("--all-gpu");
+                    run.args(["--all-gpu", "--typing-cps", "400"]);
                 }
                 run.status().unwrap().success()
             };
@@ -202,6 +207,19 @@ fn corpus_matches_a_pinned_kernel() {
             let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
             let cells = r["cells"].as_array().unwrap();
             if all_gpu {
+                // cells typed for at least half a second (200 characters at 400 cps)
+                // had time to be prepared before Run
+                let nbj: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&source).unwrap()).unwrap();
+                let long = |c: &&serde_json::Value| {
+                    let i = c["index"].as_u64().unwrap_or(0) as usize;
+                    let len = match &nbj["cells"][i]["source"] {
+                        serde_json::Value::Array(lines) => lines.iter().filter_map(|l| l.as_str()).map(str::len).sum(),
+                        other => other.as_str().map_or(0, str::len),
+                    };
+                    len >= 200
+                };
+                typed_cells += cells.iter().filter(long).count();
+                prepared_cells += cells.iter().filter(long).filter(|c| c["prepare"] == "speculative").count();
                 if let Some(c) = cells.iter().find(|c| c["device"] != "gpu") {
                     failures.push(format!("{} (all-gpu): cell {} ran on {}", rel.display(), c["index"], c["device"]));
                 }
@@ -238,4 +256,7 @@ fn corpus_matches_a_pinned_kernel() {
         }
     }
     assert!(failures.is_empty(), "corpus failures:\n{}", failures.join("\n"));
+    // cells typed long enough found a worker prepared for them
+    assert!(typed_cells > 0);
+    assert!(prepared_cells * 10 >= typed_cells * 9, "only {prepared_cells} of {typed_cells} cells typed for 0.5 s or more ran on prepared workers");
 }

@@ -144,6 +144,41 @@ impl SseParser {
     }
 }
 
+/// Read a session's event stream (the body of `GET …/events`, as byte chunks) on a
+/// task; items arrive on the channel, which closes when the stream ends or breaks.
+/// An item that does not parse is logged and skipped.
+pub fn spawn_item_reader<B, E>(mut body: impl futures::Stream<Item = Result<B, E>> + Send + Unpin + 'static) -> tokio::sync::mpsc::UnboundedReceiver<StreamItem>
+where
+    B: AsRef<[u8]> + Send,
+    E: std::fmt::Display + Send,
+{
+    use futures::StreamExt as _;
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut parser = SseParser::new();
+        while let Some(chunk) = body.next().await {
+            let chunk = match chunk {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(error = %e, "event stream broke");
+                    return;
+                }
+            };
+            for data in parser.push(chunk.as_ref()) {
+                match serde_json::from_str::<StreamItem>(&data) {
+                    Ok(item) => {
+                        if tx.send(item).is_err() {
+                            return;
+                        }
+                    }
+                    Err(e) => tracing::warn!(error = %e, %data, "unreadable stream item"),
+                }
+            }
+        }
+    });
+    rx
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use futures::StreamExt;
-use looseleaf_frontend::api::{ExecStatus, RunAccepted, SessionCreated, SseParser, StreamItem};
+use looseleaf_frontend::api::{spawn_item_reader, ExecStatus, RunAccepted, SessionCreated, StreamItem};
 use looseleaf_frontend::{Config, Timeouts};
 use looseleaf_test_support::{random_prefix, NatsServer};
 use schemas::messages::{
@@ -48,24 +48,7 @@ async fn start_frontend(nats: &NatsServer, prefix: &str, timeouts: Timeouts) -> 
 /// Open the SSE stream of a session; items arrive on the channel.
 async fn open_events(base: &str, sid: Uuid) -> anyhow::Result<mpsc::UnboundedReceiver<StreamItem>> {
     let resp = reqwest::get(format!("{base}/v1/sessions/{sid}/events")).await?.error_for_status()?;
-    let (tx, rx) = mpsc::unbounded_channel();
-    let mut body = resp.bytes_stream();
-    tokio::spawn(async move {
-        let mut parser = SseParser::new();
-        while let Some(Ok(chunk)) = body.next().await {
-            for data in parser.push(&chunk) {
-                match serde_json::from_str::<StreamItem>(&data) {
-                    Ok(item) => {
-                        if tx.send(item).is_err() {
-                            return;
-                        }
-                    }
-                    Err(e) => eprintln!("bad stream item {data}: {e}"),
-                }
-            }
-        }
-    });
-    Ok(rx)
+    Ok(spawn_item_reader(resp.bytes_stream()))
 }
 
 async fn next_item(rx: &mut mpsc::UnboundedReceiver<StreamItem>) -> anyhow::Result<StreamItem> {

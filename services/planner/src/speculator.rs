@@ -200,6 +200,8 @@ impl Speculator {
     /// a GPU slot meanwhile or not.
     pub fn ended(&mut self, session: Uuid, cell_id: &str, worker: &str, idle_ms: f64, held_slot: bool) {
         let key = (session, cell_id.to_string());
+        // a run may take a worker before it ever reported ready
+        self.in_flight.remove(&key);
         if self.entries.get(&key).is_some_and(|e| e.at.worker == worker) {
             self.entries.remove(&key);
         }
@@ -208,9 +210,13 @@ impl Speculator {
         }
     }
 
-    /// The prepared worker for a run of (`session`, `cell_id`), if any.
-    pub fn for_run(&self, session: Uuid, cell_id: &str) -> Option<PreparedWorker> {
-        self.entries.get(&(session, cell_id.to_string())).map(|e| e.at.clone())
+    /// The cell runs: its prepared worker, if one is ready. An admission still in
+    /// flight no longer holds budget (the host either hands that worker to the run
+    /// or never prepares it).
+    pub fn for_run(&mut self, session: Uuid, cell_id: &str) -> Option<PreparedWorker> {
+        let key = (session, cell_id.to_string());
+        self.in_flight.remove(&key);
+        self.entries.get(&key).map(|e| e.at.clone())
     }
 
     /// Sessions over their idle budget lose their waiting workers.
@@ -337,6 +343,21 @@ mod tests {
         assert!(!third.admit);
         // an admission that never became ready is forgotten after a while
         assert!(s.admit(sid, "c3", IN_FLIGHT_SECONDS + 1.0).admit);
+    }
+
+    #[test]
+    fn a_run_releases_an_admission_that_never_became_ready() {
+        let mut s = Speculator::new(budget(1, 1e9));
+        s.host_seen("h", 0.0);
+        let sid = Uuid::now_v7();
+        assert!(s.admit(sid, "a", 0.0).admit);
+        // the run came before the worker was ready: nothing to hand over
+        assert_eq!(s.for_run(sid, "a"), None);
+        // the next cell is not refused for a budget the first no longer uses
+        assert!(s.admit(sid, "b", 1.0).admit);
+        // a worker used before it reported ready frees its admission too
+        s.ended(sid, "b", "w", 0.0, false);
+        assert!(s.admit(sid, "c", 2.0).admit);
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use futures::StreamExt;
-use looseleaf_frontend::api::{RunAccepted, SessionCreated, SseParser, StreamItem};
+use looseleaf_frontend::api::{spawn_item_reader, RunAccepted, SessionCreated, StreamItem};
 use schemas::messages::HostStatusV1;
 use tokio::sync::mpsc;
 use uuid::Uuid;
@@ -128,21 +128,7 @@ impl Client {
     /// The session's event stream.
     pub async fn events(&self, sid: Uuid) -> anyhow::Result<Events> {
         let resp = self.http.get(format!("{}/v1/sessions/{sid}/events", self.base)).send().await?.error_for_status()?;
-        let (tx, rx) = mpsc::unbounded_channel();
-        let mut body = resp.bytes_stream();
-        tokio::spawn(async move {
-            let mut parser = SseParser::new();
-            while let Some(Ok(chunk)) = body.next().await {
-                for data in parser.push(&chunk) {
-                    if let Ok(item) = serde_json::from_str::<StreamItem>(&data) {
-                        if tx.send(item).is_err() {
-                            return;
-                        }
-                    }
-                }
-            }
-        });
-        Ok(Events { rx, seen: Vec::new() })
+        Ok(Events { rx: spawn_item_reader(resp.bytes_stream()), seen: Vec::new() })
     }
 }
 
