@@ -5,7 +5,6 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
-use futures::StreamExt;
 use looseleaf_test_support::cluster::{bin_dir_of, Services};
 use schemas::messages::{
     Device, EventKind, HostStatusV1, RecipeKind, RecipeV1, SessionEventV1, SessionOptions,

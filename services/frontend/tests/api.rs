@@ -3,7 +3,6 @@
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use futures::StreamExt;
 use looseleaf_frontend::api::{spawn_item_reader, ExecStatus, RunAccepted, SessionCreated, StreamItem};
 use looseleaf_frontend::{Config, Timeouts};
 use looseleaf_test_support::{random_prefix, NatsServer};
