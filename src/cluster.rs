@@ -36,6 +36,8 @@ pub struct ClusterOptions {
     pub store_url: Option<String>,
     /// The planner's speculation budget.
     pub budget: looseleaf_planner::speculator::Budget,
+    /// Hosts prepare every worker on a GPU slot.
+    pub prepare_holds_slot: bool,
 }
 
 /// A running embedded cluster.
@@ -157,7 +159,8 @@ impl Cluster {
                 base_packages: base_packages.clone(),
                 runtime_dir,
                 cache_bytes: 1 << 30,
-                prepare_holds_slot: false,
+                prepare_holds_slot: opts.prepare_holds_slot,
+                keep_warm: false,
             };
             self.spawn(&host_id, |stop| looseleaf_gpu_host::run(config, stop));
         }

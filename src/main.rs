@@ -52,6 +52,9 @@ struct EmbedArgs {
     /// Speculation budget: idle GPU-slot seconds one session's prepared workers may spend.
     #[arg(long, env = "LOOSELEAF_IDLE_GPU_SECONDS", default_value_t = looseleaf_planner::DEFAULT_BUDGET.idle_seconds_per_session)]
     idle_gpu_seconds_per_session: f64,
+    /// Prepared workers hold a GPU slot even when their closure has no GPU-resident state.
+    #[arg(long, env = "LOOSELEAF_PREPARE_HOLDS_SLOT")]
+    prepare_holds_slot: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -153,6 +156,7 @@ fn options(embed: EmbedArgs, data_dir: PathBuf, virtual_gpus: Option<u32>, port:
             prepared_per_host: embed.prepared_per_host,
             idle_seconds_per_session: embed.idle_gpu_seconds_per_session,
         },
+        prepare_holds_slot: embed.prepare_holds_slot,
         port,
     }
 }

@@ -178,3 +178,33 @@ async fn a_prepared_worker_that_dies_costs_the_run_nothing() -> anyhow::Result<(
     assert!(outcome == ["lost"] || outcome == ["used"], "{outcome:?}");
     Ok(())
 }
+
+#[actix_rt::test]
+async fn warm_workers_serve_a_rerun_and_are_evicted_before_speculative_ones() -> anyhow::Result<()> {
+    // one host, two slots, GPU workers kept warm after their cell; the planner's
+    // default budget: one prepared worker per host
+    let services = Services::start(&services_bin(), &[2], &[("LOOSELEAF_KEEP_WARM", "true".into())]).await?;
+    let fe = services.client();
+    let cwd = tempfile::tempdir()?;
+    let sid = fe.session(cwd.path(), true, true).await?;
+    let mut events = fe.events(sid).await?;
+    let warm_ready = |i: &StreamItem| {
+        matches!(i, StreamItem::Event { kind: EventKind::Ready { cell_id, class: schemas::messages::PreparedClass::Warm, .. }, .. } if cell_id == "a")
+    };
+    let code = "n = globals().get('n', 0) + 1\nprint('run', n)";
+    let r1 = fe.run(sid, "a", code).await?;
+    assert!(events.done(r1.exec_id).await?.contains("run 1"));
+    events.until(warm_ready).await?;
+    // a re-run of the cell finds its worker warm, brought to the committed state
+    let r2 = fe.run(sid, "a", code).await?;
+    assert!(events.done(r2.exec_id).await?.contains("run 2"));
+    let (prepare, _, _) = started(&events, r2.exec_id).expect("a started again");
+    assert_eq!(prepare, Prepare::Warm);
+    events.until(warm_ready).await?;
+    // typing another cell needs the only prepared place: the warm worker goes first
+    fe.edit(sid, "b", "print('b', n)").await?;
+    ready(&mut events, "b", 1).await?;
+    let outcomes = ended(&events, "a");
+    assert_eq!(outcomes.last().map(String::as_str), Some("evicted"), "{outcomes:?}");
+    Ok(())
+}

@@ -188,6 +188,8 @@ pub enum Prepare {
     Persistent,
     /// The worker that holds unsavable variables the cell needs.
     Pinned,
+    /// The worker kept warm after this cell ran before (a re-run).
+    Warm,
 }
 
 impl Prepare {
@@ -198,6 +200,7 @@ impl Prepare {
             Prepare::Cold => "cold",
             Prepare::Persistent => "persistent",
             Prepare::Pinned => "pinned",
+            Prepare::Warm => "warm",
         }
     }
 }

@@ -231,11 +231,12 @@ impl ExecEnv {
             Target::Existing { worker, .. } => (worker, true),
         };
         let mut w = worker.lock().await;
+        let runs_before = w.runs;
         let mut result = self.drive(&recipe, &mut w, slot, prepare, claimed_at, import_hit).await;
         let mut broken = w.is_broken();
-        if prepare == Prepare::Speculative && broken && w.runs == 0 {
-            // The prepared worker died before the cell started: the run goes to a
-            // fresh worker on the same slot, and the user sees only a cold start.
+        if matches!(prepare, Prepare::Speculative | Prepare::Warm) && broken && w.runs == runs_before {
+            // The prepared (or warm) worker died before the cell started: the run
+            // goes to a fresh worker on the same slot; the user sees a cold start.
             tracing::warn!(exec = %exec_id, worker = %w.id, error = ?result.as_ref().err(), "prepared worker lost before Run; starting cold");
             w.kill_now();
             drop(w);
@@ -279,7 +280,7 @@ impl ExecEnv {
         let (session, exec_id) = (recipe.session, recipe.exec_id);
         let restore_started = Instant::now();
         // a worker prepared before Run may have been prepared without its slot
-        let env = if prepare == Prepare::Speculative { self.device_env(slot) } else { BTreeMap::new() };
+        let env = if matches!(prepare, Prepare::Speculative | Prepare::Warm) { self.device_env(slot) } else { BTreeMap::new() };
         let (manifest, restored) = self.restore_closure(recipe, w, env).await?;
         let restored_bytes = restored.bytes;
 

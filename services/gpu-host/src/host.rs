@@ -118,13 +118,16 @@ pub struct Host {
     spec_waiting: VecDeque<(Instant, RecipeV1)>,
     /// Prepare every worker with its slot (see `Config::prepare_holds_slot`).
     prepare_holds_slot: bool,
+    /// Keep a GPU worker warm (with its slot) after its cell, for a re-run of
+    /// the cell, until the planner's budget evicts it (see `Config::keep_warm`).
+    keep_warm: bool,
     /// Zygotes as last seen (the cache is locked while a fork is under way).
     last_zygotes: Vec<ZygoteStatus>,
 }
 
 impl Host {
     /// A host with `slots` (real GPUs or virtual ones), claiming through `claims`.
-    pub fn new(env: ExecEnv, claims: kv::Store, slots: Vec<Gpu>, real_gpus: bool, prepare_holds_slot: bool) -> Self {
+    pub fn new(env: ExecEnv, claims: kv::Store, slots: Vec<Gpu>, real_gpus: bool, prepare_holds_slot: bool, keep_warm: bool) -> Self {
         let slots = slots.into_iter().map(|gpu| Slot { gpu, state: SlotState::Free, since: Instant::now() }).collect();
         Self {
             env,
@@ -139,6 +142,7 @@ impl Host {
             prepared: HashMap::new(),
             spec_waiting: VecDeque::new(),
             prepare_holds_slot,
+            keep_warm,
             last_zygotes: Vec::new(),
         }
     }
@@ -369,6 +373,7 @@ impl Host {
         let Some(p) = self.prepared.get_mut(&key) else { return };
         p.preparing = true;
         p.revision = recipe.revision;
+        p.class = PreparedClass::Speculative; // a warm worker now prepared for an edit
         let (env, existing, slot) = (self.env.clone(), p.worker.clone(), p.slot);
         let span = tracing::info_span!("prepare", session = %key.0, cell = %key.1, revision = recipe.revision);
         let fut = tracing::Instrument::instrument(async move { env.prepare(&recipe, slot, existing).await }, span);
@@ -479,8 +484,46 @@ impl Host {
         let index = self.slots[pos].gpu.index;
         let idle_ms = p.ready_since.map_or(0.0, |t| t.elapsed().as_secs_f64() * 1000.0);
         self.prepared_ended(key, &p, idle_ms, "used", ctx);
-        let target = Target::Existing { worker, prepare: Prepare::Speculative, slot: Some(index) };
+        let prepare = if p.class == PreparedClass::Warm { Prepare::Warm } else { Prepare::Speculative };
+        let target = Target::Existing { worker, prepare, slot: Some(index) };
         self.spawn_exec(recipe, target, ctx);
+    }
+
+    /// Keep the worker that just ran `cell_id` warm, with its slot (it may hold a
+    /// CUDA context): a re-run of the cell finds it ready. The slot time of the cell
+    /// ends here; waiting counts as the warm worker's idle time.
+    fn keep_warm_worker(&mut self, session: Uuid, cell_id: &str, worker: Arc<Mutex<WorkerProc>>, pos: usize, ctx: &mut Context<Self>) {
+        self.release_slot(pos, session, "cell", ctx);
+        let index = self.slots[pos].gpu.index;
+        self.slots[pos].state = SlotState::Prepared { session, cell_id: cell_id.to_string() };
+        self.slots[pos].since = Instant::now();
+        let worker_id = worker_id(&worker);
+        let pid = worker.try_lock().map(|w| w.pid).unwrap_or(0);
+        let key = (session, cell_id.to_string());
+        let prep = Prep {
+            worker: Some(worker),
+            worker_id: worker_id.clone(),
+            slot: Some(index),
+            revision: 0,
+            class: PreparedClass::Warm,
+            ready_since: Some(Instant::now()),
+            preparing: false,
+            next: None,
+            run: None,
+            evict: None,
+        };
+        self.prepared.insert(key, prep);
+        let ev = EventKind::Ready {
+            host: self.env.host_id.clone(),
+            slot: Some(index),
+            worker: worker_id,
+            pid,
+            cell_id: cell_id.to_string(),
+            revision: 0,
+            class: PreparedClass::Warm,
+            prepare_ms: 0.0,
+        };
+        self.session_event(session, ev, ctx);
     }
 
     /// Free a slot by stopping an idle prepared worker that holds one.
@@ -668,19 +711,20 @@ impl Host {
         let env = self.env.clone();
         let kind = match &target {
             Target::Fresh { slot } => ExecKind::Fresh { slot: *slot },
-            Target::Existing { prepare: Prepare::Speculative, slot: Some(slot), .. } => ExecKind::Prepared { slot: *slot },
+            Target::Existing { prepare: Prepare::Speculative | Prepare::Warm, slot: Some(slot), .. } => ExecKind::Prepared { slot: *slot },
             Target::Existing { worker, .. } => ExecKind::Existing { worker: worker.clone() },
         };
         let device = recipe.device;
         let session = recipe.session;
+        let cell_id = recipe.cell_id.clone();
         let span = tracing::info_span!("execute", exec = %recipe.exec_id, %session, cell = %recipe.cell_id);
         let fut = tracing::Instrument::instrument(async move { env.execute(recipe, target).await }, span);
         ctx.spawn(fut.into_actor(self).map(move |outcome, act, ctx| {
-            act.exec_done(session, device, kind, outcome, ctx);
+            act.exec_done(session, &cell_id, device, kind, outcome, ctx);
         }));
     }
 
-    fn exec_done(&mut self, session: Uuid, device: Device, kind: ExecKind, outcome: Outcome, ctx: &mut Context<Self>) {
+    fn exec_done(&mut self, session: Uuid, cell_id: &str, device: Device, kind: ExecKind, outcome: Outcome, ctx: &mut Context<Self>) {
         match kind {
             // a prepared worker ends like a fresh one: its slot goes free or stays
             // pinned for unsavable state
@@ -692,6 +736,9 @@ impl Host {
                         tracing::info!(worker = %id, unsavable = ?outcome.unsavable, "keeping the worker for unsavable state");
                         self.slots[pos].state = SlotState::Pinned { worker: id.clone(), session };
                         self.kept.insert(id, Kept { worker, session, slot: Some(index), persistent: false });
+                    }
+                    (Some(worker), Some(pos)) if self.keep_warm && !self.prepared.contains_key(&(session, cell_id.to_string())) => {
+                        self.keep_warm_worker(session, cell_id, worker, pos, ctx);
                     }
                     (worker, pos) => {
                         if let Some(w) = worker {

@@ -26,6 +26,38 @@ fn deepest<'a>(children: impl Iterator<Item = &'a BTreeSet<String>>, tail: &BTre
     children.enumerate().filter(|(_, t)| t.is_subset(tail)).max_by_key(|(_, t)| t.len()).map(|(i, _)| i)
 }
 
+/// Which children to evict (indices) so that at most `max_count` remain and their
+/// private memory fits `max_bytes`: least recently used first; the newest (last)
+/// child always stays. `children` is (last used, private bytes).
+fn evictions(children: &[(Instant, u64)], max_count: usize, max_bytes: u64) -> Vec<usize> {
+    let Some(newest) = children.len().checked_sub(1) else { return vec![] };
+    let mut order: Vec<usize> = (0..newest).collect();
+    order.sort_by_key(|&i| children[i].0);
+    let mut count = children.len();
+    let mut bytes: u64 = children.iter().map(|c| c.1).sum();
+    let mut out = Vec::new();
+    for i in order {
+        if count <= max_count && bytes <= max_bytes {
+            break;
+        }
+        out.push(i);
+        count -= 1;
+        bytes -= children[i].1;
+    }
+    out
+}
+
+/// Memory a process does not share with others (its private pages), from
+/// /proc; 0 if unreadable.
+fn private_bytes(pid: u32) -> u64 {
+    let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")) else { return 0 };
+    text.lines()
+        .filter(|l| l.starts_with("Private_Clean:") || l.starts_with("Private_Dirty:"))
+        .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .sum::<u64>()
+        * 1024
+}
+
 /// The zygote tree of one host.
 pub struct ImportCache {
     spec: ZygoteSpec,
@@ -37,6 +69,8 @@ pub struct ImportCache {
     modules: HashMap<String, BTreeSet<String>>,
     spawning: BTreeSet<BTreeSet<String>>,
     max_children: usize,
+    /// Private memory (bytes not shared with the base) all children may use.
+    max_child_bytes: u64,
     /// Forks whose whole tail was already imported by the zygote they came from.
     pub hits: u64,
     /// Forks that had to import some tail package after the fork.
@@ -62,8 +96,8 @@ impl Choice {
 
 impl ImportCache {
     /// A cache that starts its base zygote with `spec` and keeps up to
-    /// `max_children` child zygotes.
-    pub fn new(spec: ZygoteSpec, max_children: usize) -> Self {
+    /// `max_children` child zygotes, within `max_child_bytes` of private memory.
+    pub fn new(spec: ZygoteSpec, max_children: usize, max_child_bytes: u64) -> Self {
         Self {
             spec,
             base: None,
@@ -72,6 +106,7 @@ impl ImportCache {
             modules: HashMap::new(),
             spawning: BTreeSet::new(),
             max_children,
+            max_child_bytes,
             hits: 0,
             misses: 0,
         }
@@ -210,13 +245,14 @@ impl ImportCache {
         }
         // a fresher child for the same tail replaces the old one
         self.children.retain(|c| c.tail != tail);
-        if self.children.len() >= self.max_children {
-            if let Some(lru) = self.children.iter().enumerate().min_by_key(|(_, c)| c.last_used).map(|(i, _)| i) {
-                let old = self.children.remove(lru);
-                tracing::info!(zygote = %old.zygote.id, tail = ?old.tail, "evicting child zygote");
-            }
-        }
         self.children.push(ChildZygote { zygote, tail, modules: modules.into_iter().collect(), last_used: Instant::now() });
+        let sizes: Vec<(Instant, u64)> = self.children.iter().map(|c| (c.last_used, private_bytes(c.zygote.pid))).collect();
+        let mut evict = evictions(&sizes, self.max_children, self.max_child_bytes);
+        evict.sort_unstable_by(|a, b| b.cmp(a));
+        for i in evict {
+            let old = self.children.remove(i);
+            tracing::info!(zygote = %old.zygote.id, tail = ?old.tail, bytes = sizes[i].1, "evicting child zygote");
+        }
     }
 
     /// A child zygote could not be built; allow trying again later.
@@ -261,9 +297,24 @@ mod tests {
     }
 
     #[test]
+    fn the_tree_is_bounded_by_count_and_memory_least_recently_used_first() {
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + std::time::Duration::from_secs(s);
+        // (last used, private bytes); the last is the child just added
+        let kids = [(at(5), 100), (at(1), 300), (at(3), 200), (at(9), 50)];
+        assert!(evictions(&kids, 4, 1000).is_empty());
+        assert_eq!(evictions(&kids, 3, 1000), vec![1], "over the count: the least recently used goes");
+        assert_eq!(evictions(&kids, 4, 400), vec![1], "over memory: LRU until it fits (650 - 300)");
+        assert_eq!(evictions(&kids, 4, 300), vec![1, 2]);
+        assert_eq!(evictions(&kids, 4, 10), vec![1, 2, 0], "the newest child always stays");
+        assert!(evictions(&[], 0, 0).is_empty());
+        assert!(private_bytes(std::process::id()) > 0, "reads this process's private memory");
+    }
+
+    #[test]
     fn a_tail_asked_for_twice_gets_one_child_zygote() {
         let spec = ZygoteSpec { python: "python3".into(), worker_path: ".".into(), packages: vec![] };
-        let mut cache = ImportCache::new(spec, 2);
+        let mut cache = ImportCache::new(spec, 2, 1 << 30);
         let tail = set(&["sklearn"]);
         assert!(cache.choose(&tail).spawn.is_none());
         assert_eq!(cache.choose(&tail).spawn, Some(tail.clone()));

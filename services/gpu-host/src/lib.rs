@@ -37,6 +37,10 @@ use schemas::{buckets, Bus};
 /// Child zygotes kept per host (the base zygote always stays).
 const MAX_CHILD_ZYGOTES: usize = 4;
 
+/// Private memory all child zygotes together may hold (what their tail imports
+/// added on top of the base, which they share).
+const MAX_CHILD_ZYGOTE_BYTES: u64 = 4 << 30;
+
 /// What a gpu-host needs.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -64,6 +68,9 @@ pub struct Config {
     /// GPU-resident state (by default such workers are prepared on the CPU and get
     /// their slot at Run).
     pub prepare_holds_slot: bool,
+    /// Keep a GPU worker warm with its slot after its cell (a re-run of the cell
+    /// finds it ready) until the planner's budget evicts it.
+    pub keep_warm: bool,
 }
 
 /// Run the host until `shutdown` resolves. Must be called inside an actix system.
@@ -86,7 +93,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     };
     // Start the base zygote in the background: the host serves at once, and the first
     // fork waits for the zygote's imports instead of the host's subscriptions.
-    let zygotes = Arc::new(tokio::sync::Mutex::new(import_cache::ImportCache::new(zygote_spec, MAX_CHILD_ZYGOTES)));
+    let zygotes = Arc::new(tokio::sync::Mutex::new(import_cache::ImportCache::new(zygote_spec, MAX_CHILD_ZYGOTES, MAX_CHILD_ZYGOTE_BYTES)));
     {
         let (listener, id) = (listener.clone(), format!("z-{}-base", config.host_id));
         let mut cache = zygotes.clone().lock_owned().await;
@@ -119,7 +126,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         ctx.add_stream(events.into_stream());
         ctx.add_stream(closes.into_stream());
         ctx.add_stream(evictions.into_stream());
-        host::Host::new(env, claims, slots, real_gpus, config.prepare_holds_slot)
+        host::Host::new(env, claims, slots, real_gpus, config.prepare_holds_slot, config.keep_warm)
     });
     shutdown.await;
     tracing::info!(host = %config.host_id, "gpu-host stopping");

@@ -39,6 +39,10 @@ struct Args {
     /// state (default: they get their slot at Run).
     #[arg(long, env = "LOOSELEAF_PREPARE_HOLDS_SLOT")]
     prepare_holds_slot: bool,
+    /// Keep a GPU worker warm with its slot after its cell until the planner's
+    /// budget evicts it (a re-run of the cell starts at once; costs idle slot time).
+    #[arg(long, env = "LOOSELEAF_KEEP_WARM")]
+    keep_warm: bool,
     /// Log filter.
     #[arg(long, env = "LOOSELEAF_LOG", default_value = "info")]
     log: String,
@@ -59,6 +63,7 @@ fn main() -> anyhow::Result<()> {
         runtime_dir: a.runtime_dir,
         cache_bytes: a.cache_bytes,
         prepare_holds_slot: a.prepare_holds_slot,
+        keep_warm: a.keep_warm,
     };
     actix_rt::System::new().block_on(looseleaf_gpu_host::run(config, schemas::telemetry::shutdown_signal()))
 }

@@ -373,6 +373,57 @@ def _find_shared(roots: list[Any], ns: dict, keep: list,
     return list(shared.values())
 
 
+# How far to follow references when looking for objects an unsavable variable
+# shares with others (a bound, not a correctness limit: past it, sharing is missed).
+_SHARE_SCAN_LIMIT = 200_000
+
+
+def _referents(start: Any, ns: dict, limit: int) -> set[int]:
+    """Ids of the mutable objects reachable from ``start`` through the garbage
+    collector's references, not crossing module globals, modules, classes or code:
+    what a generator, a thread or an open file really holds on to. Immutable
+    atoms (numbers, strings, tuples themselves) are walked through but not
+    returned: sharing them splits no alias."""
+    import gc
+    stop = (types.ModuleType, type, types.CodeType, types.FunctionType, types.BuiltinFunctionType)
+    seen: set[int] = set()
+    mutable: set[int] = set()
+    todo = [start]
+    while todo and len(seen) < limit:
+        o = todo.pop()
+        if id(o) in seen or o is ns or isinstance(o, stop):
+            continue
+        seen.add(id(o))
+        if not _is_atomic(o):
+            mutable.add(id(o))
+        if isinstance(o, types.FrameType):
+            # a frame's globals are the whole namespace: follow its locals only
+            todo.extend(o.f_locals.values())
+            continue
+        todo.extend(gc.get_referents(o))
+    return mutable
+
+
+def _keep_sharers(ns: dict, names: list[str], unsavable: dict[str, str], variables: dict) -> None:
+    """A variable that shares an object with an unsavable one stays unsavable too,
+    so both live in the worker that keeps them and an alias between them is never
+    split into a restored copy and the original (DESIGN.md section 6)."""
+    if not unsavable:
+        return
+    held: dict[int, str] = {}
+    for bad in list(unsavable):
+        for i in _referents(ns[bad], ns, _SHARE_SCAN_LIMIT):
+            held.setdefault(i, bad)
+    for name in list(variables):
+        v = ns.get(name)
+        if variables[name].get("oid") is None or v is None:
+            continue  # modules
+        hit = next((held[i] for i in _referents(v, ns, _SHARE_SCAN_LIMIT) if i in held), None)
+        if hit is not None:
+            unsavable[name] = f"shares an object with {hit!r}, which cannot be saved ({unsavable[hit]})"
+            del variables[name]
+
+
 def _sccs(nodes: list[str], edges: dict[str, list[str]]) -> list[list[str]]:
     """Tarjan's strongly connected components, iterative."""
     index, low, on, stack, out, counter = {}, {}, set(), [], [], [0]
@@ -471,6 +522,7 @@ def build_delta(ns: dict, names: list[str], oid_of: dict[int, tuple[str, Any]],
             unsavable[name] = rec.error
             continue
         variables[name] = {"oid": oid, "module": None, "global_reads": function_global_reads(v, ns)}
+    _keep_sharers(ns, names, unsavable, variables)
     live = [k for k, r in records.items() if r.error is None]
     for k in live:
         r = records[k]

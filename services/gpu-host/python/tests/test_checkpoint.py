@@ -208,3 +208,33 @@ def test_run_time_callables_report_the_globals_they_read(host, zygote):
     assert v["g"]["global_reads"] == ["base"]
     assert v["p"]["global_reads"] == ["base"]
     assert v["plain"]["global_reads"] == []
+
+
+def test_a_variable_sharing_an_object_with_an_unsavable_one_stays_with_it(host, zygote):
+    w1 = zygote.fork()
+    ok(w1.run("def walk(xs):\n    for x in xs:\n        yield x\n"
+              "shared = [1, 2, 3]\ngen = walk(shared)\nfirst = next(gen)\n"
+              "d = {'k': shared}\nother = [9]\nsame = list(shared)"))
+    delta = w1.save()["ready"]["delta"]
+    # the generator holds `shared`; `d` holds it too: all three stay in the worker
+    assert set(delta["unsavable"]) == {"gen", "shared", "d"}
+    assert "'gen'" in delta["unsavable"]["shared"] and "generator" in delta["unsavable"]["shared"]
+    # a copy and an unrelated list are saved as usual
+    assert {"other", "same", "walk", "first"} <= set(delta["variables"])
+    # in the worker that keeps them, the alias still works
+    r = ok(w1.run("shared.append(4)\nprint(list(gen), d['k'] is shared)"))
+    assert stream_text(r).split() == ["[2,", "3,", "4]", "True"]
+
+
+def test_scipy_sparse_matrices_round_trip(host, zygote):
+    w1 = zygote.fork()
+    ok(w1.run("import numpy as np\nfrom scipy import sparse\n"
+              "m = sparse.random(300, 200, density=0.05, format='csr', random_state=1)\n"
+              "c = m.tocsc()\ncoo = sparse.coo_matrix(([1.0, 2.0], ([0, 5], [3, 7])), shape=(10, 10))\n"
+              "dense_sum = float(m.sum())"))
+    w1.save()
+    w2 = zygote.fork()
+    assert w2.restore(["m", "c", "coo", "dense_sum", "np", "sparse"])["ok"]
+    r = ok(w2.run("print(type(m).__name__, type(c).__name__, m.nnz, abs(float(m.sum()) - dense_sum) < 1e-9,"
+                  " (m != c).nnz, coo.toarray()[5, 7], sparse.issparse(coo))"))
+    assert stream_text(r).split() == ["csr_matrix", "csc_matrix", "3000", "True", "0", "2.0", "True"]
