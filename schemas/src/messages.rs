@@ -381,10 +381,43 @@ pub struct OutputV1 {
     pub exec_id: Uuid,
     /// Order within the execution.
     pub seq: u64,
-    /// One nbformat v4 output, as JSON.
+    /// One nbformat v4 output, as JSON (or piece `part` of it).
     pub output_json: String,
+    /// An output larger than one NATS message (1 MiB by default) travels as
+    /// `parts` pieces of its JSON text, in order; this is piece `part` (0-based).
+    pub part: u32,
+    /// How many pieces the output has (1 for most).
+    pub parts: u32,
 }
 wire!(OutputV1, "output", 1);
+
+/// Largest piece of an output's JSON per message, well under NATS' default 1 MiB.
+pub const OUTPUT_PART_BYTES: usize = 512 * 1024;
+
+impl OutputV1 {
+    /// The messages that carry one output: one, or pieces of at most `max` bytes
+    /// cut at character boundaries.
+    pub fn pieces(session: Uuid, exec_id: Uuid, seq: u64, json: String, max: usize) -> Vec<OutputV1> {
+        if json.len() <= max {
+            return vec![OutputV1 { session, exec_id, seq, output_json: json, part: 0, parts: 1 }];
+        }
+        let mut cuts = Vec::new();
+        let mut start = 0;
+        while start < json.len() {
+            let mut end = (start + max.max(4)).min(json.len());
+            while !json.is_char_boundary(end) {
+                end -= 1;
+            }
+            cuts.push(json[start..end].to_string());
+            start = end;
+        }
+        let parts = cuts.len() as u32;
+        cuts.into_iter()
+            .enumerate()
+            .map(|(i, piece)| OutputV1 { session, exec_id, seq, output_json: piece, part: i as u32, parts })
+            .collect()
+    }
+}
 
 /// frontend -> everyone: the session was deleted.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -108,3 +108,15 @@ fn reply_envelope_carries_typed_errors() {
     roundtrip(&err);
     roundtrip(&Reply::Ok(DoneV1 {}));
 }
+
+proptest! {
+    #[test]
+    fn output_pieces_reassemble_to_the_output(text in ".{0,300}", max in 4usize..64) {
+        let json = serde_json::json!({"output_type": "stream", "name": "stdout", "text": text}).to_string();
+        let pieces = OutputV1::pieces(Uuid::nil(), Uuid::nil(), 3, json.clone(), max);
+        prop_assert!(pieces.iter().all(|p| p.output_json.len() <= max.max(4) && p.parts as usize == pieces.len() && p.seq == 3));
+        prop_assert!(pieces.iter().enumerate().all(|(i, p)| p.part as usize == i));
+        let joined: String = pieces.into_iter().map(|p| p.output_json).collect();
+        prop_assert_eq!(joined, json);
+    }
+}

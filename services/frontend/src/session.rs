@@ -61,6 +61,8 @@ pub struct SessionActor {
     timeouts: Timeouts,
     queue: VecDeque<Pending>,
     current: Option<Current>,
+    /// Pieces of outputs too large for one message, per (execution, seq).
+    pieces: HashMap<(Uuid, u64), Vec<Option<String>>>,
     /// Revision committed by the last Saved (0 at start).
     revision: u64,
     edit_seq: HashMap<String, u64>,
@@ -82,6 +84,7 @@ impl SessionActor {
             timeouts,
             queue: VecDeque::new(),
             current: None,
+            pieces: HashMap::new(),
             revision: 0,
             edit_seq: HashMap::new(),
             executions: Vec::new(),
@@ -239,7 +242,19 @@ impl SessionActor {
         }
     }
 
-    fn on_output(&mut self, ctx: &mut Context<Self>, out: OutputV1) {
+    fn on_output(&mut self, ctx: &mut Context<Self>, mut out: OutputV1) {
+        if out.parts > 1 {
+            // an output too large for one message: gather its pieces first
+            let key = (out.exec_id, out.seq);
+            let pieces = self.pieces.entry(key).or_insert_with(|| vec![None; out.parts as usize]);
+            if let Some(slot) = pieces.get_mut(out.part as usize) {
+                *slot = Some(std::mem::take(&mut out.output_json));
+            }
+            if pieces.iter().any(Option::is_none) {
+                return;
+            }
+            out.output_json = self.pieces.remove(&key).unwrap_or_default().into_iter().flatten().collect();
+        }
         match serde_json::from_str::<serde_json::Value>(&out.output_json) {
             Ok(output) => self.emit(&StreamItem::Output { exec_id: out.exec_id, seq: out.seq, output }),
             Err(e) => tracing::error!(exec = %out.exec_id, seq = out.seq, error = %e, "output is not JSON; dropped"),

@@ -110,8 +110,10 @@ async fn event(bus: &Bus, sid: Uuid, exec: Uuid, kind: EventKind) -> anyhow::Res
 
 async fn output(bus: &Bus, sid: Uuid, exec: Uuid, seq: u64, text: &str) -> anyhow::Result<()> {
     let json = serde_json::json!({"output_type": "stream", "name": "stdout", "text": text}).to_string();
-    bus.publish(bus.subjects().output(sid, exec), &OutputV1 { session: sid, exec_id: exec, seq, output_json: json })
-        .await?;
+    // in small pieces, as a host sends an output too large for one message
+    for piece in OutputV1::pieces(sid, exec, seq, json, 16) {
+        bus.publish(bus.subjects().output(sid, exec), &piece).await?;
+    }
     bus.flush().await?;
     Ok(())
 }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use schemas::checkpoint::Manifest;
 use schemas::messages::{
-    CellStatus, CommitV1, Device, CommittedV1, EventKind, ManifestGetV1, ManifestV1, OutputV1, Prepare, RecipeV1,
+    CellStatus, CommitV1, Device, CommittedV1, EventKind, ManifestGetV1, ManifestV1, OutputV1, Prepare, RecipeV1, OUTPUT_PART_BYTES,
     SessionEventV1,
 };
 use schemas::subjects::StoreVerb;
@@ -294,7 +294,14 @@ impl ExecEnv {
             while let Some(p) = rx.recv().await {
                 let r = match p {
                     Pending::Event(ev) => bus.publish(bus.subjects().event(ev.session), &ev).await,
-                    Pending::Output(out) => bus.publish(bus.subjects().output(out.session, out.exec_id), &out).await,
+                    Pending::Output(out) => {
+                        let subject = bus.subjects().output(out.session, out.exec_id);
+                        let mut sent = Ok(());
+                        for piece in OutputV1::pieces(out.session, out.exec_id, out.seq, out.output_json, OUTPUT_PART_BYTES) {
+                            sent = sent.and(bus.publish(subject.clone(), &piece).await);
+                        }
+                        sent
+                    }
                 };
                 if let Err(e) = r {
                     tracing::error!(error = %e, "could not forward a cell event");
@@ -328,7 +335,7 @@ impl ExecEnv {
                     }),
                     RunEvent::Output(output) => {
                         seq += 1;
-                        Pending::Output(OutputV1 { session, exec_id, seq, output_json: output.to_string() })
+                        Pending::Output(OutputV1 { session, exec_id, seq, output_json: output.to_string(), part: 0, parts: 1 })
                     }
                 };
                 // the receiver lives until we drop tx below

@@ -35,6 +35,18 @@ pub fn nats_server_binary() -> PathBuf {
     PathBuf::from("nats-server")
 }
 
+/// The `server_name` a NATS server on `port` announces in its INFO line, if one
+/// answers there.
+fn server_name_on(port: u16) -> Option<String> {
+    use std::io::{BufRead, BufReader};
+    let conn = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    conn.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    let mut line = String::new();
+    BufReader::new(conn).read_line(&mut line).ok()?;
+    let info: serde_json::Value = serde_json::from_str(line.strip_prefix("INFO ")?.trim()).ok()?;
+    info["server_name"].as_str().map(str::to_string)
+}
+
 /// A free TCP port on loopback.
 pub fn free_port() -> anyhow::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
@@ -59,19 +71,33 @@ impl NatsServer {
         if let Ok(url) = std::env::var("LOOSELEAF_TEST_NATS_URL") {
             return Ok(Self { child: None, url, _dir: dir });
         }
-        let port = free_port()?;
         let bin = nats_server_binary();
-        let child = Command::new(&bin)
-            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
-            .arg(dir.path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .with_context(|| format!("while starting {} (run scripts/setup first)", bin.display()))?;
-        let server = Self { child: Some(child), url: format!("nats://127.0.0.1:{port}"), _dir: dir };
-        wait_for(Duration::from_secs(15), || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok())
+        // A free port can be taken by a parallel test before the server binds it:
+        // then the server exits, and another port is tried.
+        // Its name tells this server from whatever else answers on the port.
+        let name = random_prefix();
+        for _ in 0..5 {
+            let port = free_port()?;
+            let mut child = Command::new(&bin)
+                .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-n", &name, "-js", "-sd"])
+                .arg(dir.path())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .with_context(|| format!("while starting {} (run scripts/setup first)", bin.display()))?;
+            let mut ours = false;
+            wait_for(Duration::from_secs(15), || {
+                ours = server_name_on(port).is_some_and(|n| n == name);
+                ours || matches!(child.try_wait(), Ok(Some(_)))
+            })
             .context("nats-server did not start listening")?;
-        Ok(server)
+            if ours {
+                return Ok(Self { child: Some(child), url: format!("nats://127.0.0.1:{port}"), _dir: dir });
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        bail!("nats-server could not bind a free port in 5 tries")
     }
 
     /// Its URL.
