@@ -173,6 +173,8 @@ async fn run_queue_waits_for_saved_and_relays_outputs_before_done() -> anyhow::R
     let sid = create_session(&http, &fe.base).await?;
     let mut runs = host.subscribe::<RunV1>(host.subjects().run(sid)).await?;
     let mut edits = host.subscribe::<EditV1>(host.subjects().edit(sid)).await?;
+    // the server must know both subscriptions before the frontend publishes
+    host.flush().await?;
     let mut sse = open_events(&fe.base, sid).await?;
 
     // an edit is published with a per-cell sequence number
