@@ -228,7 +228,7 @@ impl Bus {
     /// right after.) The round trip is a request nobody answers; the server
     /// replies "no responders" once it got there.
     pub async fn flush(&self) -> Result<(), BusError> {
-        let subject = format!("_LL_SYNC.{}", uuid::Uuid::now_v7().simple());
+        let subject = self.subjects().round_trip_probe();
         match self.client.request(subject.clone(), bytes::Bytes::new()).await {
             Ok(_) => Ok(()),
             Err(e) if e.kind() == async_nats::RequestErrorKind::NoResponders => Ok(()),

@@ -109,26 +109,30 @@ impl Subjects {
         format!("{}.v1.store.{}", self.prefix, verb.as_str())
     }
 
+    /// `{prefix}.v1.sync.{unique}` — a request nobody answers, for a round trip
+    /// through the server (see `Bus::flush`).
+    pub fn round_trip_probe(&self) -> String {
+        format!("{}.v1.sync.{}", self.prefix, uuid::Uuid::now_v7().simple())
+    }
+
     /// Name of the JetStream stream that keeps session events for replay.
     pub fn events_stream(&self) -> String {
         format!("{}_session_events", self.prefix.replace(['.', '*', '>'], "_"))
     }
 }
 
-/// Commands addressed to one host.
+/// Commands addressed to one host. (A superseded recipe needs no command: the
+/// host updates the worker it prepared in place.)
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HostVerb {
-    /// Stop a session's workers on this host.
+    /// Stop a prepared worker that is not running a cell (the speculator's budget).
     Evict,
-    /// Cancel a preparation whose recipe was superseded.
-    Cancel,
 }
 
 impl HostVerb {
     fn as_str(self) -> &'static str {
         match self {
             HostVerb::Evict => "evict",
-            HostVerb::Cancel => "cancel",
         }
     }
 }

@@ -301,7 +301,10 @@ impl Host {
             }
             match env.manifest(r.session).await {
                 Ok(m) => closure_on_gpu(&m, &r),
-                Err(_) => true, // unknown: assume it does
+                Err(e) => {
+                    tracing::warn!(session = %r.session, error = %e, "preparing on a slot: the closure's devices are unknown");
+                    true
+                }
             }
         };
         ctx.spawn(fut.into_actor(self).map(move |needs_slot, act, ctx| act.claim_preparation(recipe, needs_slot, ctx)));

@@ -18,6 +18,7 @@ from typing import Callable
 # backend, which registers its flush-at-cell-end hook on the live shell.
 os.environ["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
 
+from IPython.core.error import UsageError  # noqa: E402
 from IPython.core.displayhook import DisplayHook  # noqa: E402
 from IPython.core.displaypub import DisplayPublisher  # noqa: E402
 from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
@@ -189,7 +190,9 @@ class WorkerShell(InteractiveShell):
     def enable_gui(self, gui=None):
         # `%matplotlib inline` asks for no GUI loop; a worker has no other.
         if gui not in (None, "inline"):
-            raise NotImplementedError(f"no GUI event loop '{gui}' in a LooseLeaf worker")
+            # a usage error, shown as such (like a bad magic argument), not a crash
+            raise UsageError(f"no GUI event loop '{gui}' in a LooseLeaf worker: "
+                             "outputs render in the notebook (use %matplotlib inline)")
 
     def ask_exit(self):
         # `exit`/`quit` in a cell must not end the worker.

@@ -100,3 +100,12 @@ def test_streams_split_only_at_line_ends(host, zygote):
     assert len(texts) > 1
     assert all(t.endswith("\n") for t in texts), texts
     assert "".join(texts) == "".join(f"line {i}\n" for i in range(6))
+
+
+def test_a_gui_event_loop_is_a_usage_error_and_the_worker_goes_on(host, zygote):
+    w = zygote.fork()
+    r = w.run("%gui qt")
+    text = str(r["outputs"]) + str(r["finished"].get("error"))
+    assert "no GUI event loop 'qt'" in text and "%matplotlib inline" in text, r
+    assert "NotImplementedError" not in text
+    assert stream_text(ok(w.run("print('still here')"))).strip() == "still here"
