@@ -614,7 +614,10 @@ def restore(ns: dict, shm_path: str | None, variables: dict, objects: dict,
     held = {oid: obj for oid, obj in oid_of.values()}
     loader = _Loader(mm if mm is not None else b"", objects, ns, held)
     builtins_before = ns.get("__builtins__")
-    for name, spec in variables.items():
+    # Modules first: unpickling runs notebook code (a class's __setstate__,
+    # a __reduce__) that may read them, as it would in the original kernel.
+    by_module = sorted(variables.items(), key=lambda item: not item[1].get("module"))
+    for name, spec in by_module:
         try:
             if spec.get("module"):
                 ns[name] = importlib.import_module(spec["module"])

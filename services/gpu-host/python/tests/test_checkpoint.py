@@ -67,6 +67,20 @@ def test_pandas_and_modules(host, zygote):
     assert stream_text(r).split() == ["(100000,", "2)", "4999950000", "x", "matplotlib.pyplot", "pandas"]
 
 
+def test_modules_are_bound_before_objects_whose_restore_reads_them(host, zygote):
+    # unpickling runs notebook code: a __setstate__ reading a module global
+    w1 = zygote.fork()
+    ok(w1.run("import math\nclass Angle:\n    def __setstate__(self, st):\n"
+              "        self.__dict__.update(st)\n        self.cos = math.cos(self.rad)\n"
+              "a = Angle()\na.rad = 0.0"))
+    w1.save()
+    w2 = zygote.fork()
+    # the object is listed before the module it needs
+    restored = w2.restore(["a", "Angle", "math"])
+    assert restored["ok"], restored
+    assert stream_text(ok(w2.run("print(a.cos)"))).strip() == "1.0"
+
+
 def test_notebook_functions_and_classes(host, zygote):
     w1 = zygote.fork()
     ok(w1.run("factor = 3\n"
