@@ -33,7 +33,7 @@ pub fn render_hosts(hosts: &BTreeMap<String, HostStatusV1>) -> String {
             busy,
             h.slots.len() - busy,
             if h.real_gpus { "real GPUs" } else { "virtual" },
-            h.workers,
+            h.workers.len(),
             h.forks,
             h.zygotes.len(),
             h.cpu_sessions.len(),
@@ -52,6 +52,9 @@ pub fn render_hosts(hosts: &BTreeMap<String, HostStatusV1>) -> String {
         }
         for sid in &h.cpu_sessions {
             let _ = writeln!(out, "  cpu session {sid}");
+        }
+        for w in &h.workers {
+            let _ = writeln!(out, "  worker {} pid {} session {}: {:?} for {} ms", w.id, w.pid, w.session, w.state, w.for_ms);
         }
     }
     out
@@ -106,7 +109,7 @@ pub async fn status(nats_url: &str, prefix: &str, wait: Duration) -> anyhow::Res
 #[cfg(test)]
 mod tests {
     use super::*;
-    use schemas::messages::{SlotStatus, ZygoteStatus};
+    use schemas::messages::{SlotStatus, WorkerState, WorkerStatus, ZygoteStatus};
 
     #[test]
     fn renders_busy_and_free_slots() {
@@ -125,7 +128,10 @@ mod tests {
             real_gpus: false,
             zygotes: vec![ZygoteStatus { id: "base".into(), packages: vec!["numpy".into()], cuda_unsafe: vec![], pid: 7 }],
             cpu_sessions: vec![sid],
-            workers: 2,
+            workers: vec![
+                WorkerStatus { id: "w1".into(), pid: 11, session: sid, state: WorkerState::Kept, for_ms: 5 },
+                WorkerStatus { id: "w2".into(), pid: 12, session: sid, state: WorkerState::Running, for_ms: 1 },
+            ],
             cache_bytes: 3 << 20,
             forks: 5,
             unix_ms: 0,
@@ -137,5 +143,6 @@ mod tests {
         assert!(text.contains("zygote base pid 7: numpy"), "{text}");
         assert!(text.contains("cache 3.0 MiB"), "{text}");
         assert!(text.contains("2 workers (5 forked)"), "{text}");
+        assert!(text.contains(&format!("worker w2 pid 12 session {sid}: Running")), "{text}");
     }
 }

@@ -5,8 +5,9 @@
 use std::time::Duration;
 
 use looseleaf_frontend::api::StreamItem;
-use looseleaf_test_support::cluster::{bin_dir_of, Events, Services};
-use schemas::messages::{EventKind, Prepare};
+use looseleaf_test_support::cluster::{bin_dir_of, Events, Services, WAIT};
+use schemas::messages::{EventKind, HostStatusV1, Prepare, WorkerState, WorkerStatus};
+use schemas::Bus;
 use uuid::Uuid;
 
 fn services_bin() -> std::path::PathBuf {
@@ -44,6 +45,26 @@ fn ended(events: &Events, cell: &str) -> Vec<String> {
             _ => None,
         })
         .collect()
+}
+
+/// Wait until a host reports a worker of `sid` for which `pred` holds.
+async fn worker_where(services: &Services, sid: Uuid, pred: impl Fn(&WorkerStatus) -> bool) -> anyhow::Result<WorkerStatus> {
+    let bus = Bus::connect(services.nats.url(), &services.prefix, "lifecycle-test").await?;
+    let mut statuses = bus.subscribe::<HostStatusV1>(bus.subjects().all_host_status()).await?;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let Ok(Some(item)) = tokio::time::timeout_at(deadline, statuses.next()).await else {
+            anyhow::bail!("no host reported the worker of session {sid} that the test waits for");
+        };
+        if let Some(w) = item.ok().and_then(|env| env.msg.workers.into_iter().find(|w| w.session == sid && pred(w))) {
+            return Ok(w);
+        }
+    }
+}
+
+fn sigkill(pid: u32) -> anyhow::Result<()> {
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL)?;
+    Ok(())
 }
 
 #[actix_rt::test]
@@ -206,5 +227,75 @@ async fn warm_workers_serve_a_rerun_and_are_evicted_before_speculative_ones() ->
     ready(&mut events, "b", 1).await?;
     let outcomes = ended(&events, "a");
     assert_eq!(outcomes.last().map(String::as_str), Some("evicted"), "{outcomes:?}");
+    Ok(())
+}
+
+#[actix_rt::test]
+async fn a_worker_killed_while_preparing_fails_nothing() -> anyhow::Result<()> {
+    let services = Services::start(&services_bin(), &[1], &[]).await?;
+    let fe = services.client();
+    let cwd = tempfile::tempdir()?;
+    let sid = fe.session(cwd.path(), true, true).await?;
+    let mut events = fe.events(sid).await?;
+    // restoring `slow` takes a while (its state setter sleeps): a worker prepared
+    // for a cell that needs it stays in Preparing long enough to be killed there
+    let slow = "import time\nclass Slow:\n    def __setstate__(self, state):\n        time.sleep(6)\n        self.__dict__.update(state)\nslow = Slow()\nslow.v = 41\nx = 1";
+    let r = fe.run(sid, "c0", slow).await?;
+    events.done(r.exec_id).await?;
+
+    let code = "print(slow.v + x)";
+    fe.edit(sid, "c1", code).await?;
+    let preparing = worker_where(&services, sid, |w| w.state == WorkerState::Preparing).await?;
+    sigkill(preparing.pid)?;
+    events.until(|i| matches!(i, StreamItem::Event { kind: EventKind::PreparedEnded { .. }, .. })).await?;
+    assert_eq!(ended(&events, "c1"), ["lost"]);
+    assert!(events.seen.iter().all(|i| !matches!(i, StreamItem::Event { kind: EventKind::Ready { cell_id, .. }, .. } if cell_id == "c1")));
+
+    // the run starts cold on a fresh worker; the committed state is intact
+    let r1 = fe.run(sid, "c1", code).await?;
+    let out = events.done(r1.exec_id).await?;
+    assert!(out.contains("42"), "{out}");
+    let (prepare, _, worker) = started(&events, r1.exec_id).expect("c1 started");
+    assert_eq!(prepare, Prepare::Cold);
+    assert_ne!(worker, preparing.id);
+    // and the next cell runs
+    let r2 = fe.run(sid, "c2", "print(x * 7)").await?;
+    assert!(events.done(r2.exec_id).await?.contains('7'));
+    Ok(())
+}
+
+#[actix_rt::test]
+async fn a_warm_worker_killed_while_waiting_costs_the_rerun_nothing() -> anyhow::Result<()> {
+    let services = Services::start(&services_bin(), &[1], &[("LOOSELEAF_KEEP_WARM", "true".into())]).await?;
+    let fe = services.client();
+    let cwd = tempfile::tempdir()?;
+    let sid = fe.session(cwd.path(), true, true).await?;
+    let mut events = fe.events(sid).await?;
+    let code = "n = globals().get('n', 0) + 1\nprint('run', n)";
+    let r1 = fe.run(sid, "a", code).await?;
+    assert!(events.done(r1.exec_id).await?.contains("run 1"));
+    let item = events
+        .until(|i| matches!(i, StreamItem::Event { kind: EventKind::Ready { class: schemas::messages::PreparedClass::Warm, .. }, .. }))
+        .await?;
+    let StreamItem::Event { kind: EventKind::Ready { worker, .. }, .. } = item else { unreachable!("matched above") };
+    let warm = worker_where(&services, sid, |w| w.id == worker).await?;
+    assert_eq!(warm.state, WorkerState::Warm);
+    sigkill(warm.pid)?;
+
+    // the re-run finds the committed state (n = 1) on a fresh worker, on the slot
+    // the dead worker held
+    let r2 = fe.run(sid, "a", code).await?;
+    let out = events.done(r2.exec_id).await?;
+    assert!(out.contains("run 2"), "{out}");
+    let (prepare, _, worker) = started(&events, r2.exec_id).expect("a started again");
+    assert_eq!(prepare, Prepare::Cold);
+    assert_ne!(worker, warm.id);
+    // noticed while it waited ("lost"), or when the run tried it ("used", then a
+    // fresh worker before the cell started)
+    let outcome = ended(&events, "a");
+    assert!(outcome == ["lost"] || outcome == ["used"], "{outcome:?}");
+    // the new worker is warm in its turn: the lifecycle went on
+    let next = worker_where(&services, sid, |w| w.state == WorkerState::Warm).await?;
+    assert_eq!(next.id, worker);
     Ok(())
 }

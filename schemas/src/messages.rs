@@ -457,6 +457,44 @@ pub struct ZygoteStatus {
     pub pid: u32,
 }
 
+/// Where a worker process is in its life on a host (DESIGN.md section 7). The
+/// allowed transitions are the gpu-host's `lifecycle` table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum WorkerState {
+    /// Forked, or being brought to the session's state (restore, imports).
+    Preparing,
+    /// Prepared before Run, waiting for it.
+    Ready,
+    /// Running a cell.
+    Running,
+    /// Saving what the cell changed.
+    Saving,
+    /// Kept after its cell (with its slot) for a re-run of the cell.
+    Warm,
+    /// Kept after its cell between cells: the session's CPU worker, or one holding
+    /// unsavable state.
+    Kept,
+    /// Stopped by the host (end, budget, superseded, session closed).
+    Evicted,
+    /// Died or hung; killed.
+    Lost,
+}
+
+/// One live worker process of a host.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WorkerStatus {
+    /// Worker id.
+    pub id: String,
+    /// Process id.
+    pub pid: u32,
+    /// The session it serves.
+    pub session: Uuid,
+    /// Where it is.
+    pub state: WorkerState,
+    /// How long it has been there.
+    pub for_ms: u64,
+}
+
 /// host -> anyone: a host's state (`host.{hid}.status`), on every change and periodically.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct HostStatusV1 {
@@ -470,8 +508,8 @@ pub struct HostStatusV1 {
     pub zygotes: Vec<ZygoteStatus>,
     /// Sessions whose persistent CPU worker lives here.
     pub cpu_sessions: Vec<Uuid>,
-    /// Live worker processes.
-    pub workers: u32,
+    /// Live worker processes and their states.
+    pub workers: Vec<WorkerStatus>,
     /// Bytes in the host's chunk cache.
     pub cache_bytes: u64,
     /// Workers forked from zygotes since the host started.

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use schemas::checkpoint::Manifest;
 use schemas::messages::{
     CellStatus, CommitV1, Device, CommittedV1, EventKind, ManifestGetV1, ManifestV1, OutputV1, Prepare, RecipeV1, OUTPUT_PART_BYTES,
-    SessionEventV1,
+    SessionEventV1, WorkerState,
 };
 use schemas::subjects::StoreVerb;
 use schemas::{unix_ms, Bus};
@@ -48,6 +48,8 @@ pub struct ExecEnv {
     pub recent_manifests: Arc<std::sync::Mutex<HashMap<Uuid, Arc<Manifest>>>>,
     /// Workers forked so far.
     pub forks: Arc<AtomicU64>,
+    /// Every live worker's state.
+    pub lifecycle: crate::lifecycle::Lifecycle,
 }
 
 /// Sessions whose last manifest a host remembers for scoring.
@@ -165,7 +167,7 @@ impl ExecEnv {
             match z.fork(&self.listener, &worker_id, env.clone(), cwd).await {
                 Ok(forked) => {
                     self.forks.fetch_add(1, Ordering::Relaxed);
-                    return Ok((WorkerProc::new(forked, session), hit));
+                    return Ok((WorkerProc::new(forked, session, self.lifecycle.clone()), hit));
                 }
                 Err(e) if attempt == 0 => {
                     tracing::warn!(error = %e, zygote = %z.id, "zygote failed to fork; dropping it");
@@ -463,6 +465,9 @@ impl ExecEnv {
         let mut w = worker.lock().await;
         let result = self.restore_closure(recipe, &mut w, self.device_env(slot)).await;
         let broken = w.is_broken();
+        if result.is_ok() {
+            w.enter(WorkerState::Ready);
+        }
         drop(w);
         match result {
             Ok(_) => Ok((worker, started.elapsed().as_secs_f64() * 1000.0)),

@@ -27,7 +27,7 @@ use schemas::buckets;
 use schemas::bus::Rejected;
 use schemas::messages::{
     Device, EventKind, EvictV1, HostStatusV1, Prepare, PreparedClass, RecipeKind, RecipeV1, SessionCloseV1,
-    SessionEventV1, SlotStatus, ZygoteStatus,
+    SessionEventV1, SlotStatus, WorkerState, ZygoteStatus,
 };
 use schemas::{unix_ms, Envelope};
 use tokio::sync::Mutex;
@@ -196,9 +196,7 @@ impl Host {
             real_gpus: self.real_gpus,
             zygotes,
             cpu_sessions: self.cpu.keys().copied().collect(),
-            workers: (self.kept.len()
-                + self.prepared.len()
-                + self.slots.iter().filter(|s| matches!(s.state, SlotState::Busy { .. })).count()) as u32,
+            workers: self.env.lifecycle.snapshot(),
             cache_bytes: self.env.chunks.cached_bytes(),
             forks: self.env.forks.load(std::sync::atomic::Ordering::Relaxed),
             unix_ms: unix_ms(),
@@ -501,6 +499,7 @@ impl Host {
         self.slots[pos].state = SlotState::Prepared { session, cell_id: cell_id.to_string() };
         self.slots[pos].since = Instant::now();
         let worker_id = worker_id(&worker);
+        self.enter(&worker_id, WorkerState::Warm);
         let pid = worker.try_lock().map(|w| w.pid).unwrap_or(0);
         let key = (session, cell_id.to_string());
         let prep = Prep {
@@ -637,6 +636,13 @@ impl Host {
         }
     }
 
+    /// Move a worker this host holds (idle, so its id is known) to `to`.
+    fn enter(&self, worker: &str, to: WorkerState) {
+        if let Err(e) = self.env.lifecycle.enter(worker, to) {
+            tracing::error!(error = %e, "worker lifecycle");
+        }
+    }
+
     fn session_event(&mut self, session: Uuid, kind: EventKind, ctx: &mut Context<Self>) {
         let ev = SessionEventV1 { session, exec_id: Uuid::nil(), unix_ms: unix_ms(), kind };
         let bus = self.env.bus.clone();
@@ -737,6 +743,7 @@ impl Host {
                     (Some(worker), Some(pos)) if !outcome.unsavable.is_empty() => {
                         let id = worker_id(&worker);
                         tracing::info!(worker = %id, unsavable = ?outcome.unsavable, "keeping the worker for unsavable state");
+                        self.enter(&id, WorkerState::Kept);
                         self.slots[pos].state = SlotState::Pinned { worker: id.clone(), session };
                         self.kept.insert(id, Kept { worker, session, slot: Some(index), persistent: false });
                     }
@@ -761,6 +768,7 @@ impl Host {
                         self.cpu.insert(session, id.clone());
                     }
                     if persistent || !outcome.unsavable.is_empty() {
+                        self.enter(&id, WorkerState::Kept);
                         self.kept.insert(id, Kept { worker, session, slot: None, persistent });
                     } else {
                         stop_worker(worker, ctx, self);
@@ -783,6 +791,7 @@ impl Host {
                     }
                     Some(w) => {
                         let persistent = self.kept.get(&id).is_some_and(|k| k.persistent);
+                        self.enter(&id, WorkerState::Kept);
                         if !persistent && outcome.unsavable.is_empty() {
                             // nothing left that only this worker has
                             if let Some(k) = self.kept.remove(&id) {

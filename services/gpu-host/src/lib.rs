@@ -9,7 +9,8 @@
 //! requests `{prefix}.v1.store.manifest.get` and `….commit`; claims in the KV bucket
 //! `{prefix}_claims`. Reads and writes chunks in the object store directly.
 //!
-//! Modules: [`host`] (the actor), [`exec`] (one execution), [`worker`] and
+//! Modules: [`host`] (the actor), [`exec`] (one execution), [`lifecycle`] (the
+//! worker state machine), [`worker`] and
 //! [`zygotes`] (processes and their protocol, [`protocol`]), [`import_cache`] (the
 //! zygote tree), [`chunks`] (the byte
 //! path), [`gpus`] (slots).
@@ -19,6 +20,7 @@ pub mod exec;
 pub mod gpus;
 pub mod host;
 pub mod import_cache;
+pub mod lifecycle;
 pub mod protocol;
 pub mod worker;
 pub mod zygotes;
@@ -113,6 +115,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         real_gpus,
         recent_manifests: Default::default(),
         forks: Default::default(),
+        lifecycle: Default::default(),
     };
     let _service = bus.register_service("looseleaf-gpu-host", "GPU slots, zygotes and workers").await?;
     let s = bus.subjects().clone();

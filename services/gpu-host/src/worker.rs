@@ -4,12 +4,15 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use schemas::checkpoint::Delta;
+use schemas::messages::WorkerState;
 use uuid::Uuid;
 
 use crate::chunks::{ChunkError, Chunks};
+use crate::lifecycle::{is_terminal, Lifecycle};
 use crate::protocol::{Conn, ConnError, ErrorInfo, Frame};
 use crate::zygotes::Forked;
 
@@ -111,11 +114,14 @@ pub struct WorkerProc {
     pub runs: u32,
     conn: Conn,
     broken: bool,
+    lifecycle: Lifecycle,
+    killed: AtomicBool,
 }
 
 impl WorkerProc {
-    /// A freshly forked worker for `session`.
-    pub fn new(forked: Forked, session: Uuid) -> Self {
+    /// A freshly forked worker for `session`, Preparing in `lifecycle`.
+    pub fn new(forked: Forked, session: Uuid, lifecycle: Lifecycle) -> Self {
+        lifecycle.born(&forked.id, forked.pid, session);
         Self {
             id: forked.id,
             pid: forked.pid,
@@ -125,7 +131,24 @@ impl WorkerProc {
             runs: 0,
             conn: forked.conn,
             broken: false,
+            lifecycle,
+            killed: AtomicBool::new(false),
         }
+    }
+
+    /// Move to `to` in the lifecycle; a transition the table refuses is a host bug,
+    /// logged (ending a worker that already ended is not).
+    pub fn enter(&self, to: WorkerState) {
+        if let Err(e) = self.lifecycle.enter(&self.id, to) {
+            if e.from.is_some() || !is_terminal(to) {
+                tracing::error!(error = %e, "worker lifecycle");
+            }
+        }
+    }
+
+    /// Where the worker is (None once it ended).
+    pub fn state(&self) -> Option<WorkerState> {
+        self.lifecycle.state(&self.id)
     }
 
     /// Whether a step failed in a way that leaves the worker unusable.
@@ -135,6 +158,7 @@ impl WorkerProc {
 
     fn conn_err(&mut self, step: &'static str, source: ConnError) -> WorkerError {
         self.broken = true;
+        self.enter(WorkerState::Lost); // died or hung: the caller kills it
         WorkerError::Conn { worker: self.id.clone(), pid: self.pid, step, source }
     }
 
@@ -163,6 +187,7 @@ impl WorkerProc {
 
     /// Send a restore and wait for `restored`; returns (bytes, ms, errors).
     pub async fn restore(&mut self, frame: Frame) -> Result<(u64, f64, BTreeMap<String, String>), WorkerError> {
+        self.enter(WorkerState::Preparing);
         self.send("restoring", &frame).await?;
         match self.recv("restoring", STEP).await? {
             Frame::Restored { restored_bytes, ms, errors, .. } => Ok((restored_bytes, ms, errors)),
@@ -181,6 +206,7 @@ impl WorkerProc {
     ) -> Result<Finished, WorkerError> {
         let exec = exec_id.to_string();
         self.runs += 1;
+        self.enter(WorkerState::Running);
         self.send("running", &Frame::Run { exec_id: exec.clone(), cell_id: cell_id.into(), code: code.into() }).await?;
         let mut outputs = 0u64;
         loop {
@@ -207,6 +233,7 @@ impl WorkerProc {
     {
         let started = std::time::Instant::now();
         let exec = exec_id.to_string();
+        self.enter(WorkerState::Saving);
         self.send("saving", &Frame::Save { exec_id: exec.clone() }).await?;
         let plan = match self.recv("saving", STEP).await? {
             Frame::SavePlan { chunks, .. } => chunks,
@@ -267,13 +294,24 @@ impl WorkerProc {
 
     /// Stop the worker: ask politely, then make sure.
     pub async fn stop(mut self) {
+        self.enter(WorkerState::Evicted);
         let _ = tokio::time::timeout(Duration::from_secs(2), self.conn.send(&Frame::Shutdown {})).await;
-        kill(self.pid);
+        self.kill_now();
     }
 
-    /// Kill the process now (a hung or superseded worker).
+    /// Kill the process now (a hung, broken or superseded worker).
     pub fn kill_now(&self) {
-        kill(self.pid);
+        self.enter(WorkerState::Evicted);
+        if !self.killed.swap(true, Ordering::Relaxed) {
+            kill(self.pid);
+        }
+    }
+}
+
+impl Drop for WorkerProc {
+    /// A worker nobody holds any more cannot be talked to: end it rather than leak it.
+    fn drop(&mut self) {
+        self.kill_now();
     }
 }
 
