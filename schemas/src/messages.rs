@@ -519,6 +519,23 @@ pub struct HostStatusV1 {
 }
 wire!(HostStatusV1, "host-status", 1);
 
+/// host -> anyone (`host.{hid}.bid`): a host's score for a run recipe it tried to
+/// claim (DESIGN.md section 5), published once the claim settled.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BidV1 {
+    /// The run.
+    pub exec_id: Uuid,
+    /// Host id.
+    pub host: String,
+    /// Its score, 0..=1: free slots 1/2, zygote match 1/4, cached closure bytes 1/4.
+    pub score: f64,
+    /// The delay it waited before claiming.
+    pub delay_ms: f64,
+    /// Whether its claim won.
+    pub won: bool,
+}
+wire!(BidV1, "bid", 1);
+
 /// planner -> host (`host.{hid}.evict`): stop a prepared worker that is not
 /// running a cell, and free its slot.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -99,6 +99,17 @@ impl Subjects {
         format!("{}.v1.host.*.status", self.prefix)
     }
 
+    /// `{prefix}.v1.host.{hid}.bid` — how a host scored itself for a run it tried
+    /// to claim, and whether it won (placement quality; nobody needs to listen).
+    pub fn host_bid(&self, hid: &str) -> String {
+        format!("{}.v1.host.{hid}.bid", self.prefix)
+    }
+
+    /// `{prefix}.v1.host.*.bid` — every host's bids.
+    pub fn all_host_bids(&self) -> String {
+        format!("{}.v1.host.*.bid", self.prefix)
+    }
+
     /// `{prefix}.v1.host.{hid}.{verb}` — a command to one host (evict, cancel).
     pub fn host_command(&self, hid: &str, verb: HostVerb) -> String {
         format!("{}.v1.host.{hid}.{}", self.prefix, verb.as_str())

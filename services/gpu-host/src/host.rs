@@ -26,7 +26,7 @@ use async_nats::jetstream::kv;
 use schemas::buckets;
 use schemas::bus::Rejected;
 use schemas::messages::{
-    Device, EventKind, EvictV1, HostStatusV1, Prepare, PreparedClass, RecipeKind, RecipeV1, SessionCloseV1,
+    BidV1, Device, EventKind, EvictV1, HostStatusV1, Prepare, PreparedClass, RecipeKind, RecipeV1, SessionCloseV1,
     SessionEventV1, SlotStatus, WorkerState, ZygoteStatus,
 };
 use schemas::{unix_ms, Envelope};
@@ -151,17 +151,32 @@ impl Host {
         self.slots.iter().position(|s| matches!(s.state, SlotState::Free))
     }
 
-    /// How long to wait before claiming `recipe`: shorter for a better-placed host
-    /// (DESIGN.md section 5). The score weighs free slots (half), the zygote match
-    /// (a quarter: the tail imported already) and the closure's bytes in this
-    /// host's chunk cache (a quarter); up to 3 ms of jitter breaks ties.
-    fn claim_delay(&self, recipe: &RecipeV1) -> Duration {
+    /// How long to wait before claiming `recipe`, and the score it comes from: a
+    /// better-placed host waits less (DESIGN.md section 5). The score weighs free
+    /// slots (half), the zygote match (a quarter: the tail imported already) and
+    /// the closure's bytes in this host's chunk cache (a quarter); up to 3 ms of
+    /// jitter breaks ties.
+    fn claim_delay(&self, recipe: &RecipeV1) -> (Duration, f64) {
         let total = self.slots.len().max(1) as f64;
         let free = self.slots.iter().filter(|s| matches!(s.state, SlotState::Free)).count() as f64;
         let (zygote, cached) = self.env.placement(recipe);
         let score = 0.5 * free / total + 0.25 * zygote + 0.25 * cached;
         let jitter = (Uuid::new_v4().as_u128() % 3000) as u64;
-        Duration::from_micros(2_000 + (12_000.0 * (1.0 - score)) as u64 + jitter)
+        (Duration::from_micros(2_000 + (12_000.0 * (1.0 - score)) as u64 + jitter), score)
+    }
+
+    /// Say how this host scored itself for a run and whether it won.
+    fn publish_bid(&self, exec_id: Uuid, score: f64, delay: Duration, won: bool, ctx: &mut Context<Self>) {
+        let bus = self.env.bus.clone();
+        let bid = BidV1 { exec_id, host: self.env.host_id.clone(), score, delay_ms: delay.as_secs_f64() * 1000.0, won };
+        ctx.spawn(
+            async move {
+                if let Err(e) = bus.publish(bus.subjects().host_bid(&bid.host), &bid).await {
+                    tracing::debug!(error = %e, "could not publish a bid");
+                }
+            }
+            .into_actor(self),
+        );
     }
 
     fn status(&self) -> HostStatusV1 {
@@ -327,7 +342,7 @@ impl Host {
         } else {
             None
         };
-        let delay = self.claim_delay(&recipe);
+        let (delay, _) = self.claim_delay(&recipe);
         let claims = self.claims.clone();
         let claim = buckets::prepare_claim_key(recipe.session, &recipe.cell_id, recipe.revision);
         let me = self.env.host_id.clone();
@@ -555,7 +570,7 @@ impl Host {
     /// No slot free, but an idle prepared worker could give one up: claim first
     /// (with the longest delay, as a full host), evict only if this host won.
     fn claim_then_evict(&mut self, recipe: RecipeV1, ctx: &mut Context<Self>) {
-        let delay = self.claim_delay(&recipe);
+        let (delay, score) = self.claim_delay(&recipe);
         let claims = self.claims.clone();
         let claim = buckets::run_claim_key(recipe.exec_id);
         let me = self.env.host_id.clone();
@@ -564,6 +579,7 @@ impl Host {
             claims.create(claim, me.into_bytes().into()).await
         };
         ctx.spawn(fut.into_actor(self).map(move |won, act, ctx| {
+            act.publish_bid(recipe.exec_id, score, delay, won.is_ok(), ctx);
             if won.is_ok() {
                 act.run_won(recipe, ctx);
             }
@@ -657,9 +673,10 @@ impl Host {
     }
 
     fn claim_gpu(&mut self, recipe: RecipeV1, slot: usize, ctx: &mut Context<Self>) {
+        // scored before the slot is reserved: a free slot is what this host offers
+        let (delay, score) = self.claim_delay(&recipe);
         self.slots[slot].state = SlotState::Claiming(recipe.exec_id);
         self.slots[slot].since = Instant::now();
-        let delay = self.claim_delay(&recipe);
         let claims = self.claims.clone();
         let key = buckets::run_claim_key(recipe.exec_id);
         let me = self.env.host_id.clone();
@@ -668,6 +685,7 @@ impl Host {
             claims.create(key, me.into_bytes().into()).await
         };
         ctx.spawn(fut.into_actor(self).map(move |won, act, ctx| {
+            act.publish_bid(recipe.exec_id, score, delay, won.is_ok(), ctx);
             match won {
                 Ok(_) => {
                     act.slots[slot].state = SlotState::Busy { exec: recipe.exec_id, session: recipe.session };

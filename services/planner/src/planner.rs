@@ -226,6 +226,7 @@ async fn plan_run(
         st.recipes.insert(cell_id.clone(), (revision, d.fingerprint()));
         st.names.extend(d.writes.clone());
         st.running.insert(run.exec_id, cell_id.clone());
+        st.submodules.extend(analysis.imports.iter().filter(|m| m.contains('.') && !m.starts_with('.')).cloned());
         for name in &analysis.deletes {
             st.names.remove(name);
         }

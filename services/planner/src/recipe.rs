@@ -131,6 +131,8 @@ pub fn derive(analysis: &CellAnalysis, code: &str, manifest: &Manifest, state: &
         if let Some(var) = manifest.variables.get(name) {
             if let Some(m) = &var.module {
                 imports.insert(m.clone());
+                let prefix = format!("{m}.");
+                imports.extend(state.submodules.iter().filter(|s| s.starts_with(&prefix)).cloned());
             }
             if let Some(oid) = &var.oid {
                 for o in manifest.reachable([oid.as_str()]) {
@@ -277,6 +279,17 @@ mod tests {
         let d = derive(&analysis::analyze(code), code, &m, &state, false, Uuid::now_v7(), "c");
         let names: Vec<&str> = d.closure.iter().map(|v| v.name.as_str()).collect();
         assert_eq!(names, vec!["Model", "path"]);
+    }
+
+    #[test]
+    fn a_restored_module_brings_the_submodules_the_session_imported() {
+        let mut m = manifest(&["x"]);
+        m.variables.insert("sk".into(), VarEntry { version: Uuid::now_v7(), oid: None, module: Some("sklearn".into()), global_reads: vec![] });
+        let mut state = SessionState::default();
+        state.submodules.extend(["sklearn.linear_model".to_string(), "sklearnx.other".to_string(), "os.path".to_string()]);
+        let code = "print(sk.linear_model.__name__, x)";
+        let d = derive(&analysis::analyze(code), code, &m, &state, false, Uuid::now_v7(), "c");
+        assert_eq!(d.imports, vec!["sklearn".to_string(), "sklearn.linear_model".to_string()]);
     }
 
     #[test]

@@ -38,6 +38,11 @@ pub struct SessionState {
     /// The cell of each execution planned, until it finishes.
     #[serde(default)]
     pub running: BTreeMap<Uuid, String>,
+    /// Submodules the session's cells imported by dotted name (`import a.b`): in
+    /// the original kernel `a.b` is then an attribute of `a`, so a worker that
+    /// restores the module `a` imports them too.
+    #[serde(default)]
+    pub submodules: std::collections::BTreeSet<String>,
 }
 
 /// Why the state could not be read or written.
