@@ -593,6 +593,25 @@ pub struct ManifestGetV1 {
 }
 wire!(ManifestGetV1, "manifest-get", 1);
 
+/// host -> store: which of these chunks (content hashes) does the store lack? Asked
+/// during a save, so the worker places only those in shared memory.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ChunkPlanV1 {
+    /// The saving session (its latest revision's chunks are known to be stored).
+    pub session: Uuid,
+    /// Chunk hashes the host does not know to be stored.
+    pub hashes: Vec<String>,
+}
+wire!(ChunkPlanV1, "chunk-plan", 1);
+
+/// store ->: the chunks of a plan the store lacks.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ChunkPlannedV1 {
+    /// Hashes to upload.
+    pub missing: Vec<String>,
+}
+wire!(ChunkPlannedV1, "chunk-planned", 1);
+
 /// store ->: a session's manifest (revision 0 and empty if it never saved).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ManifestV1 {

@@ -153,6 +153,8 @@ impl HostVerb {
 pub enum StoreVerb {
     /// Fetch a session's latest manifest.
     ManifestGet,
+    /// Which chunks of a save the store lacks.
+    ChunkPlan,
     /// Commit a save as the next manifest revision.
     Commit,
     /// Delete a session's manifests (its chunks are collected later).
@@ -166,6 +168,7 @@ impl StoreVerb {
     pub fn as_str(self) -> &'static str {
         match self {
             StoreVerb::ManifestGet => "manifest.get",
+            StoreVerb::ChunkPlan => "chunk.plan",
             StoreVerb::Commit => "commit",
             StoreVerb::SessionDelete => "session.delete",
             StoreVerb::Gc => "gc",

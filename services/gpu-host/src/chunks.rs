@@ -154,37 +154,20 @@ impl Chunks {
         Ok(data)
     }
 
-    /// The hashes of `plan` that the store lacks.
-    pub async fn missing(&self, plan: &[String]) -> Result<Vec<String>, ChunkError> {
-        let unknown: Vec<String> = {
-            let c = self.cache.lock().map_err(|_| poisoned())?;
-            plan.iter().filter(|h| !c.present.contains(*h)).cloned().collect()
-        };
-        let objects = self.objects.clone();
-        let checked: Vec<(String, bool)> = futures::stream::iter(unknown)
-            .map(|hash| {
-                let objects = objects.clone();
-                async move {
-                    match objects.head(&Path::from(chunk_key(&hash).as_str())).await {
-                        Ok(_) => Ok((hash, true)),
-                        Err(object_store::Error::NotFound { .. }) => Ok((hash, false)),
-                        Err(e) => Err(ChunkError::Storage(e)),
-                    }
-                }
-            })
-            .buffer_unordered(PARALLEL)
-            .try_collect()
-            .await?;
+    /// The hashes of a save plan this host does not know to be stored (it uploaded
+    /// them, read them or was told so); the store gateway answers for the rest.
+    pub fn unknown(&self, plan: &[String]) -> Result<Vec<String>, ChunkError> {
+        let c = self.cache.lock().map_err(|_| poisoned())?;
+        Ok(plan.iter().filter(|h| !c.present.contains(*h)).cloned().collect())
+    }
+
+    /// Remember that `hashes` are stored.
+    pub fn mark_present<'a>(&self, hashes: impl IntoIterator<Item = &'a String>) -> Result<(), ChunkError> {
         let mut c = self.cache.lock().map_err(|_| poisoned())?;
-        let mut missing = Vec::new();
-        for (hash, present) in checked {
-            if present {
-                c.mark_present(&hash);
-            } else {
-                missing.push(hash);
-            }
+        for h in hashes {
+            c.mark_present(h);
         }
-        Ok(missing)
+        Ok(())
     }
 
     /// Upload the chunks a worker placed in its save file; returns bytes written.
@@ -344,10 +327,12 @@ mod tests {
         let save = dir.path().join("save");
         std::fs::write(&save, [a.clone(), b.clone()].concat()).unwrap();
         let plan = vec![ha.clone(), hb.clone()];
-        assert_eq!(chunks.missing(&plan).await.unwrap().len(), 2);
+        assert_eq!(chunks.unknown(&plan).unwrap().len(), 2);
         let regions = BTreeMap::from([(ha.clone(), [0, 4]), (hb.clone(), [4, 2])]);
         assert_eq!(chunks.upload(&save, &regions).await.unwrap(), 6);
-        assert!(chunks.missing(&plan).await.unwrap().is_empty());
+        assert!(chunks.unknown(&plan).unwrap().is_empty(), "uploaded chunks are known stored");
+        chunks.mark_present([&"cc".to_string()]).unwrap();
+        assert!(chunks.unknown(&["cc".to_string()]).unwrap().is_empty());
         // a region outside the file is refused
         let bad = BTreeMap::from([(ha.clone(), [4, 100])]);
         assert!(matches!(chunks.upload(&save, &bad).await, Err(ChunkError::BadRegion(_))));

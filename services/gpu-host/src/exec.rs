@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use schemas::checkpoint::Manifest;
 use schemas::messages::{
-    CellStatus, CommitV1, Device, CommittedV1, EventKind, ManifestGetV1, ManifestV1, OutputV1, Prepare, RecipeV1, OUTPUT_PART_BYTES,
+    CellStatus, ChunkPlanV1, ChunkPlannedV1, CommitV1, Device, CommittedV1, EventKind, ManifestGetV1, ManifestV1, OutputV1, Prepare, RecipeV1, OUTPUT_PART_BYTES,
     SessionEventV1, WorkerState,
 };
 use schemas::subjects::StoreVerb;
@@ -381,7 +381,16 @@ impl ExecEnv {
                     .map_err(|e| e.to_string())
             }
         };
-        let saved = w.save(exec_id, &self.chunks, commit).await.map_err(describe)?;
+        let ask_missing = |hashes| {
+            let bus = self.bus.clone();
+            async move {
+                bus.request::<_, ChunkPlannedV1>(bus.subjects().store(StoreVerb::ChunkPlan), &ChunkPlanV1 { session, hashes }, STORE_TIMEOUT)
+                    .await
+                    .map(|p| p.missing)
+                    .map_err(|e| e.to_string())
+            }
+        };
+        let saved = w.save(exec_id, &self.chunks, ask_missing, commit).await.map_err(describe)?;
         self.event(session, exec_id, EventKind::Saved {
             revision: saved.revision,
             save_ms: saved.save_ms,

@@ -50,6 +50,9 @@ pub enum WorkerError {
     /// The store refused the commit.
     #[error("commit failed: {0}")]
     Commit(String),
+    /// The store could not say which chunks it lacks.
+    #[error("chunk plan failed: {0}")]
+    Plan(String),
 }
 
 /// What a finished cell reported.
@@ -225,9 +228,13 @@ impl WorkerProc {
     }
 
     /// Save: plan, upload what the store lacks, commit through `commit`, tell the
-    /// worker the versions. `commit` gets the delta and returns (revision, versions).
-    pub async fn save<F, Fut>(&mut self, exec_id: Uuid, chunks: &Chunks, commit: F) -> Result<Saved, WorkerError>
+    /// worker the versions. `ask_missing` gets the hashes this host does not know to
+    /// be stored and returns those the store lacks (the gateway's chunk plan);
+    /// `commit` gets the delta and returns (revision, versions).
+    pub async fn save<P, PFut, F, Fut>(&mut self, exec_id: Uuid, chunks: &Chunks, ask_missing: P, commit: F) -> Result<Saved, WorkerError>
     where
+        P: FnOnce(Vec<String>) -> PFut,
+        PFut: std::future::Future<Output = Result<Vec<String>, String>>,
         F: FnOnce(Delta) -> Fut,
         Fut: std::future::Future<Output = Result<(u64, Vec<(String, Uuid)>), String>>,
     {
@@ -239,7 +246,23 @@ impl WorkerProc {
             Frame::SavePlan { chunks, .. } => chunks,
             other => return Err(self.unexpected("saving", other)),
         };
-        let missing = chunks.missing(&plan).await?;
+        let planned = started.elapsed();
+        let unknown = chunks.unknown(&plan)?;
+        let missing = if unknown.is_empty() {
+            Vec::new()
+        } else {
+            match ask_missing(unknown.clone()).await {
+                Ok(m) => m,
+                Err(e) => {
+                    // the worker waits mid-save for an answer it will not get
+                    self.broken = true;
+                    return Err(WorkerError::Plan(e));
+                }
+            }
+        };
+        let lacking: std::collections::HashSet<&String> = missing.iter().collect();
+        chunks.mark_present(unknown.iter().filter(|h| !lacking.contains(h)))?;
+        let checked = started.elapsed();
         self.send("saving", &Frame::SaveMissing { exec_id: exec.clone(), missing }).await?;
         let (shm_path, regions, delta) = match self.recv("saving", STEP).await? {
             Frame::SaveReady { shm_path, chunks, delta, .. } => (shm_path, chunks, delta),
@@ -262,7 +285,10 @@ impl WorkerProc {
             }
         };
         let unsavable: Vec<String> = delta.unsavable.keys().cloned().collect();
-        match commit(delta).await {
+        let uploaded = started.elapsed();
+        let result = commit(delta).await;
+        tracing::debug!(worker = %self.id, ?planned, ?checked, ?uploaded, committed = ?started.elapsed(), chunks = regions.len(), "save phases");
+        match result {
             Ok((revision, versions)) => {
                 let frame = Frame::Committed {
                     exec_id: exec,

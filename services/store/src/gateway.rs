@@ -1,4 +1,4 @@
-//! The store gateway actor: answers manifest gets, commits and session deletes on
+//! The store gateway actor: answers manifest gets, chunk plans, commits and session deletes on
 //! `{prefix}.v1.store.*` (queue group `store`, so replicas share the work).
 
 use std::sync::Arc;
@@ -6,7 +6,7 @@ use std::sync::Arc;
 use actix::prelude::*;
 use schemas::bus::Rejected;
 use schemas::messages::{
-    CommitV1, CommittedV1, DoneV1, ErrorCode, GcDoneV1, GcV1, ManifestGetV1, ManifestV1, Reply, SessionDeleteV1,
+    ChunkPlanV1, ChunkPlannedV1, CommitV1, CommittedV1, DoneV1, ErrorCode, GcDoneV1, GcV1, ManifestGetV1, ManifestV1, Reply, SessionDeleteV1,
 };
 use schemas::{Bus, Envelope, WireMessage};
 use tracing::Instrument;
@@ -82,6 +82,14 @@ impl StreamHandler<Result<Envelope<ManifestGetV1>, Rejected>> for Gateway {
     fn handle(&mut self, item: Result<Envelope<ManifestGetV1>, Rejected>, ctx: &mut Self::Context) {
         serve(self, ctx, item, "store.manifest.get", |m, req: ManifestGetV1| async move {
             Ok(ManifestV1 { manifest: (*m.latest(req.session).await?).clone() })
+        });
+    }
+}
+
+impl StreamHandler<Result<Envelope<ChunkPlanV1>, Rejected>> for Gateway {
+    fn handle(&mut self, item: Result<Envelope<ChunkPlanV1>, Rejected>, ctx: &mut Self::Context) {
+        serve(self, ctx, item, "store.chunk.plan", |m, req: ChunkPlanV1| async move {
+            Ok(ChunkPlannedV1 { missing: m.missing_chunks(req.session, &req.hashes).await? })
         });
     }
 }

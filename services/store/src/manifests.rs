@@ -5,7 +5,7 @@
 //! `AlreadyExists` and it gets a conflict. A crash before the create leaves revision N
 //! as the session's state.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use futures::{StreamExt, TryStreamExt};
@@ -152,7 +152,13 @@ impl Manifests {
     /// Commit a worker's save as the next revision.
     pub async fn commit(&self, commit: &CommitV1) -> Result<CommittedV1, ManifestError> {
         let session = commit.session;
-        let base = self.latest(session).await?;
+        // The revision this gateway committed or read last is the base when the
+        // commit names it: if another gateway created the next revision meanwhile,
+        // the create-only put below fails, so no probe for it is needed first.
+        let base = match self.cached(session) {
+            Some(m) if m.revision == commit.base_revision => m,
+            _ => self.latest(session).await?,
+        };
         if base.revision != commit.base_revision {
             return Err(ManifestError::Stale { session, base: commit.base_revision, latest: base.revision });
         }
@@ -169,7 +175,7 @@ impl Manifests {
                 return Err(ManifestError::QuotaExceeded { session, bytes, quota });
             }
         }
-        self.check_chunks(commit).await?;
+        self.check_chunks(commit, &base).await?;
 
         let key = checkpoint::manifest_key(session, next.revision);
         let body = serde_json::to_vec(&next)
@@ -203,11 +209,41 @@ impl Manifests {
 
     /// Every chunk a commit's objects reference must already be in the store, so a
     /// manifest never points at bytes that are not there.
-    async fn check_chunks(&self, commit: &CommitV1) -> Result<(), ManifestError> {
+    async fn check_chunks(&self, commit: &CommitV1, base: &Manifest) -> Result<(), ManifestError> {
         let mut wanted: Vec<&String> = commit.delta.objects.values().flat_map(|o| o.chunks()).collect();
         if let Some(a) = &commit.delta.ambient {
             wanted.extend(a.chunks.iter());
         }
+        let missing = self.missing_in(base, wanted).await?;
+        match missing.first() {
+            None => Ok(()),
+            Some(example) => Err(ManifestError::MissingChunks {
+                session: commit.session,
+                count: missing.len(),
+                example: example.clone(),
+            }),
+        }
+    }
+
+    /// Which of `hashes` the store lacks (a save's chunk plan). Chunks of the
+    /// session's latest revision are known to be stored; the rest are looked up.
+    pub async fn missing_chunks(&self, session: Uuid, hashes: &[String]) -> Result<Vec<String>, ManifestError> {
+        // the revision remembered here may lag another gateway's commits; that only
+        // makes the plan ask for more (the commit's own check is authoritative)
+        let base = match self.cached(session) {
+            Some(m) => m,
+            None => self.latest(session).await?,
+        };
+        self.missing_in(&base, hashes.iter().collect()).await
+    }
+
+    /// Which of `wanted` are not stored. Chunks `base` references are there already
+    /// (checked when it was committed, and the collector keeps what a live
+    /// revision references), so only the others cost a request each.
+    async fn missing_in(&self, base: &Manifest, mut wanted: Vec<&String>) -> Result<Vec<String>, ManifestError> {
+        let known: HashSet<&String> =
+            base.objects.values().flat_map(|o| o.chunks()).chain(base.ambient.iter().flat_map(|a| a.chunks.iter())).collect();
+        wanted.retain(|h| !known.contains(h));
         wanted.sort();
         wanted.dedup();
         let objects = self.objects.clone();
@@ -226,14 +262,7 @@ impl Manifests {
             .try_filter_map(|m| async move { Ok(m) })
             .try_collect()
             .await?;
-        match missing.first() {
-            None => Ok(()),
-            Some(example) => Err(ManifestError::MissingChunks {
-                session: commit.session,
-                count: missing.len(),
-                example: example.clone(),
-            }),
-        }
+        Ok(missing)
     }
 
     /// Delete every manifest of a session. Its chunks become garbage for the collector.
