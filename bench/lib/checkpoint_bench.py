@@ -109,6 +109,37 @@ def directory_write_bytes_per_s(d: Path, total: int = 1 << 30, piece: int = 2 <<
     return rate
 
 
+def s3_server_bytes_per_s(endpoint: str, bucket: str, total: int = 256 << 20, piece: int = 2 << 20,
+                          parallel: int = 16) -> dict:
+    """What the S3 server itself can do: PUT then GET `total` bytes as 2 MiB objects
+    over `parallel` keep-alive connections (the host's parallelism), unsigned (the
+    local server accepts that), as rates. A ceiling for any client of this server."""
+    import http.client
+    from concurrent.futures import ThreadPoolExecutor
+    from urllib.parse import urlparse
+    u = urlparse(endpoint)
+    data = os.urandom(piece)
+    keys = [f"/{bucket}/probe/{i}" for i in range(total // piece)]
+
+    def run(method: str) -> float:
+        def worker(ks):
+            c = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+            for k in ks:
+                c.request(method, k, body=data if method == "PUT" else None)
+                c.getresponse().read()
+            c.close()
+        groups = [keys[i::parallel] for i in range(parallel)]
+        t = time.perf_counter()
+        with ThreadPoolExecutor(parallel) as ex:
+            list(ex.map(worker, groups))
+        return total / (time.perf_counter() - t)
+
+    put = run("PUT")
+    get = run("GET")
+    run("DELETE")
+    return {"put_bytes_per_s": put, "get_bytes_per_s": get, "parallel": parallel, "bytes": total}
+
+
 def figures(raw: dict, base: dict) -> dict:
     med = B.median
     # The plain memory copy: a copy of the same bytes into new memory (a.copy()),
@@ -179,6 +210,7 @@ def main() -> None:
             s3 = B.S3Server(d)
             try:
                 raw = run_backend(name, d, args, s3.url, s3.env())
+                server = s3_server_bytes_per_s(s3.endpoint, s3.bucket)
             finally:
                 s3.stop()
             write_rate = None
@@ -186,6 +218,12 @@ def main() -> None:
             raise SystemExit(f"unknown backend {name!r}: use local and/or s3")
         result[name] = figures(raw, base)
         result[name]["raw"]["store_dir_write_bytes_per_s"] = write_rate
+        if name == "s3":
+            # the S3 server cannot take or give bytes faster than this
+            r = result[name]["raw"]
+            r["s3_server"] = server
+            r["save_vs_s3_server_put"] = r["save_bytes_per_s"] / server["put_bytes_per_s"]
+            r["restore_vs_s3_server_get"] = r["restore_all_bytes_per_s"] / server["get_bytes_per_s"]
         if write_rate:
             # the local backend cannot save faster than this disk takes 2 MiB files
             result[name]["raw"]["save_vs_store_dir_write"] = result[name]["raw"]["save_bytes_per_s"] / write_rate
