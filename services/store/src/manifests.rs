@@ -247,7 +247,7 @@ impl Manifests {
         wanted.sort();
         wanted.dedup();
         let objects = self.objects.clone();
-        let missing: Vec<String> = futures::stream::iter(wanted)
+        let mut missing: Vec<String> = futures::stream::iter(wanted)
             .map(|hash| {
                 let objects = objects.clone();
                 async move {
@@ -262,6 +262,7 @@ impl Manifests {
             .try_filter_map(|m| async move { Ok(m) })
             .try_collect()
             .await?;
+        missing.sort(); // answers arrive in any order
         Ok(missing)
     }
 
