@@ -62,6 +62,16 @@ async fn worker_where(services: &Services, sid: Uuid, pred: impl Fn(&WorkerStatu
     }
 }
 
+/// The live workers in the next host status published (one host).
+async fn workers_now(services: &Services) -> anyhow::Result<Vec<WorkerStatus>> {
+    let bus = Bus::connect(services.nats.url(), &services.prefix, "lifecycle-test").await?;
+    let mut statuses = bus.subscribe::<HostStatusV1>(bus.subjects().all_host_status()).await?;
+    match tokio::time::timeout(WAIT, statuses.next()).await {
+        Ok(Some(Ok(env))) => Ok(env.msg.workers),
+        _ => anyhow::bail!("no host status"),
+    }
+}
+
 fn sigkill(pid: u32) -> anyhow::Result<()> {
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL)?;
     Ok(())
@@ -297,5 +307,26 @@ async fn a_warm_worker_killed_while_waiting_costs_the_rerun_nothing() -> anyhow:
     // the new worker is warm in its turn: the lifecycle went on
     let next = worker_where(&services, sid, |w| w.state == WorkerState::Warm).await?;
     assert_eq!(next.id, worker);
+    Ok(())
+}
+
+#[actix_rt::test]
+async fn a_cell_that_stops_being_a_gpu_cell_cancels_its_prepared_worker() -> anyhow::Result<()> {
+    let services = Services::start(&services_bin(), &[1], &[]).await?;
+    let fe = services.client();
+    let cwd = tempfile::tempdir()?;
+    let sid = fe.session(cwd.path(), false, true).await?;
+    let mut events = fe.events(sid).await?;
+    let r = fe.run(sid, "c0", "x = 20").await?;
+    events.done(r.exec_id).await?;
+    fe.edit(sid, "c1", "%%gpu\nprint(x + 1)").await?;
+    let (worker, _) = ready(&mut events, "c1", 1).await?;
+    // the user turns it into a CPU cell: the GPU worker prepared for it is of no use
+    fe.edit(sid, "c1", "%%cpu\nprint(x * 2)").await?;
+    events.until(|i| matches!(i, StreamItem::Event { kind: EventKind::PreparedEnded { .. }, .. })).await?;
+    assert_eq!(ended(&events, "c1"), ["superseded"]);
+    assert!(workers_now(&services).await?.iter().all(|w| w.id != worker), "the cancelled worker was stopped");
+    let r1 = fe.run(sid, "c1", "%%cpu\nprint(x * 2)").await?;
+    assert!(events.done(r1.exec_id).await?.contains("40"));
     Ok(())
 }

@@ -287,10 +287,19 @@ impl Host {
     /// An edit-derived recipe: prepare a worker for it if the speculator admitted
     /// it and a slot is free, or update the worker this host prepared for the cell.
     fn on_edit_recipe(&mut self, recipe: RecipeV1, ctx: &mut Context<Self>) {
-        if !recipe.speculate || recipe.device != Device::Gpu || recipe.pinned.is_some() || self.slots.is_empty() {
+        let key = (recipe.session, recipe.cell_id.clone());
+        if recipe.device != Device::Gpu || recipe.pinned.is_some() {
+            // The cell no longer runs on a fresh GPU worker (now a CPU cell, or it
+            // needs the worker that holds unsavable state): the worker prepared for
+            // it is cancelled. (A GPU recipe the budget did not admit keeps it: the
+            // run refreshes whatever changed.)
+            self.spec_waiting.retain(|(_, r)| (r.session, &r.cell_id) != (key.0, &key.1));
+            self.cancel_prepared(&key, recipe.revision, ctx);
             return;
         }
-        let key = (recipe.session, recipe.cell_id.clone());
+        if !recipe.speculate || self.slots.is_empty() {
+            return;
+        }
         if let Some(p) = self.prepared.get_mut(&key) {
             if recipe.revision <= p.revision || p.run.is_some() || p.evict.is_some() {
                 return;
@@ -321,6 +330,20 @@ impl Host {
             }
         };
         ctx.spawn(fut.into_actor(self).map(move |needs_slot, act, ctx| act.claim_preparation(recipe, needs_slot, ctx)));
+    }
+
+    /// Stop the worker prepared for `key` because recipe `revision` superseded it,
+    /// unless a run already claimed it.
+    fn cancel_prepared(&mut self, key: &PrepKey, revision: u64, ctx: &mut Context<Self>) {
+        match self.prepared.get_mut(key) {
+            Some(p) if p.run.is_some() || (p.class == PreparedClass::Speculative && revision <= p.revision) => {}
+            Some(p) if p.preparing => {
+                p.next = None;
+                p.evict = Some("superseded");
+            }
+            Some(_) => self.end_prepared(key, "superseded", ctx),
+            None => {}
+        }
     }
 
     /// Claim the preparation of `recipe` (exactly one host prepares a revision),
