@@ -212,7 +212,7 @@ impl Cluster {
                 Ok(None) => bail!("status subscription ended"),
                 Err(_) => bail!("only {} of {hosts} gpu-hosts were ready within {timeout:?}", ready.len()),
             };
-            match schemas::codec::decode::<schemas::messages::HostStatusV1>(msg.headers.as_ref(), &msg.payload) {
+            match schemas::codec::decode::<schemas::messages::HostStatusV2>(msg.headers.as_ref(), &msg.payload) {
                 Ok(s) if !s.zygotes.is_empty() => {
                     ready.insert(s.host);
                 }

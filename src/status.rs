@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use futures::StreamExt;
-use schemas::messages::HostStatusV1;
+use schemas::messages::HostStatusV2;
 use schemas::Bus;
 
 /// The NATS service API's discovery subject (NATS protocol, not a LooseLeaf subject).
@@ -18,7 +18,7 @@ fn bytes(n: u64) -> String {
 }
 
 /// Human-readable lines for the hosts' latest statuses.
-pub fn render_hosts(hosts: &BTreeMap<String, HostStatusV1>) -> String {
+pub fn render_hosts(hosts: &BTreeMap<String, HostStatusV2>) -> String {
     let mut out = String::new();
     if hosts.is_empty() {
         out.push_str("no host status heard\n");
@@ -63,7 +63,7 @@ pub fn render_hosts(hosts: &BTreeMap<String, HostStatusV1>) -> String {
 /// Listen for `wait` and print hosts and services.
 pub async fn status(nats_url: &str, prefix: &str, wait: Duration) -> anyhow::Result<()> {
     let bus = Bus::connect(nats_url, prefix, "looseleaf-status").await?;
-    let mut hosts_sub = bus.subscribe::<HostStatusV1>(bus.subjects().all_host_status()).await?;
+    let mut hosts_sub = bus.subscribe::<HostStatusV2>(bus.subjects().all_host_status()).await?;
     let client = bus.client().clone();
     let inbox = client.new_inbox();
     let mut replies = client.subscribe(inbox.clone()).await.context("while subscribing for $SRV replies")?;
@@ -122,7 +122,7 @@ mod tests {
             session,
             held_for: session.map(|_| "unsavable state".to_string()),
         };
-        let h = HostStatusV1 {
+        let h = HostStatusV2 {
             host: "host-0".into(),
             slots: vec![slot(0, Some(sid)), slot(1, None)],
             real_gpus: false,

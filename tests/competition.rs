@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use looseleaf_test_support::cluster::{bin_dir_of, Services};
 use schemas::messages::{
-    Device, EventKind, HostStatusV1, RecipeKind, RecipeV1, SessionEventV1, SessionOptions,
+    Device, EventKind, HostStatusV2, RecipeKind, RecipeV1, SessionEventV1, SessionOptions,
 };
 use schemas::Bus;
 use uuid::Uuid;
@@ -51,7 +51,7 @@ async fn three_hosts_prepare_each_of_a_thousand_recipes_exactly_once() -> anyhow
     let services = Services::start(&bin_dir_of(env!("CARGO_BIN_EXE_looseleaf")), &[2, 2, 2], &[]).await?;
     let bus = Bus::connect(services.nats.url(), &services.prefix, "competition-test").await?;
     let mut events = bus.subscribe::<SessionEventV1>(bus.subjects().all_events()).await?;
-    let mut statuses = bus.subscribe::<HostStatusV1>(bus.subjects().all_host_status()).await?;
+    let mut statuses = bus.subscribe::<HostStatusV2>(bus.subjects().all_host_status()).await?;
     bus.flush().await?;
     let cwd = tempfile::tempdir()?;
     let recipes: Vec<RecipeV1> = (0..RECIPES).map(|_| recipe(&cwd.path().display().to_string())).collect();
@@ -108,7 +108,7 @@ async fn three_hosts_prepare_each_of_a_thousand_recipes_exactly_once() -> anyhow
 }
 
 /// Forks the hosts report before the test's recipes (0 on fresh hosts).
-async fn latest_forks(statuses: &mut schemas::bus::Subscription<HostStatusV1>, wait: Duration) -> u64 {
+async fn latest_forks(statuses: &mut schemas::bus::Subscription<HostStatusV2>, wait: Duration) -> u64 {
     let mut forks: BTreeMap<String, u64> = BTreeMap::new();
     let deadline = tokio::time::Instant::now() + wait;
     while forks.len() < 3 {

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use looseleaf_frontend::api::StreamItem;
 use looseleaf_test_support::cluster::{bin_dir_of, Events, Services, WAIT};
-use schemas::messages::{EventKind, HostStatusV1, Prepare, WorkerState, WorkerStatus};
+use schemas::messages::{EventKind, HostStatusV2, Prepare, WorkerState, WorkerStatus};
 use schemas::Bus;
 use uuid::Uuid;
 
@@ -50,7 +50,7 @@ fn ended(events: &Events, cell: &str) -> Vec<String> {
 /// Wait until a host reports a worker of `sid` for which `pred` holds.
 async fn worker_where(services: &Services, sid: Uuid, pred: impl Fn(&WorkerStatus) -> bool) -> anyhow::Result<WorkerStatus> {
     let bus = Bus::connect(services.nats.url(), &services.prefix, "lifecycle-test").await?;
-    let mut statuses = bus.subscribe::<HostStatusV1>(bus.subjects().all_host_status()).await?;
+    let mut statuses = bus.subscribe::<HostStatusV2>(bus.subjects().all_host_status()).await?;
     let deadline = tokio::time::Instant::now() + WAIT;
     loop {
         let Ok(Some(item)) = tokio::time::timeout_at(deadline, statuses.next()).await else {
@@ -65,7 +65,7 @@ async fn worker_where(services: &Services, sid: Uuid, pred: impl Fn(&WorkerStatu
 /// The live workers in the next host status published (one host).
 async fn workers_now(services: &Services) -> anyhow::Result<Vec<WorkerStatus>> {
     let bus = Bus::connect(services.nats.url(), &services.prefix, "lifecycle-test").await?;
-    let mut statuses = bus.subscribe::<HostStatusV1>(bus.subjects().all_host_status()).await?;
+    let mut statuses = bus.subscribe::<HostStatusV2>(bus.subjects().all_host_status()).await?;
     match tokio::time::timeout(WAIT, statuses.next()).await {
         Ok(Some(Ok(env))) => Ok(env.msg.workers),
         _ => anyhow::bail!("no host status"),

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use looseleaf_test_support::{free_port, random_prefix, repo_root, venv_python, wait_for, NatsServer, S3Server};
-use schemas::messages::HostStatusV1;
+use schemas::messages::HostStatusV2;
 
 struct Service(Child);
 
@@ -77,11 +77,11 @@ fn four_services_two_hosts_on(store_env: Vec<(&'static str, String)>) {
         (client, sub)
     });
     let (_client, mut sub) = statuses;
-    let collected = std::sync::Arc::new(std::sync::Mutex::new(Vec::<HostStatusV1>::new()));
+    let collected = std::sync::Arc::new(std::sync::Mutex::new(Vec::<HostStatusV2>::new()));
     let sink = collected.clone();
     rt.spawn(async move {
         while let Some(m) = sub.next().await {
-            if let Ok(s) = schemas::codec::decode::<HostStatusV1>(m.headers.as_ref(), &m.payload) {
+            if let Ok(s) = schemas::codec::decode::<HostStatusV2>(m.headers.as_ref(), &m.payload) {
                 sink.lock().unwrap().push(s);
             }
         }

@@ -495,9 +495,11 @@ pub struct WorkerStatus {
     pub for_ms: u64,
 }
 
-/// host -> anyone: a host's state (`host.{hid}.status`), on every change and periodically.
+/// host -> anyone: a host's state (`host.{hid}.status`), on every change and
+/// periodically. Version 2: every live worker with its lifecycle state (version 1
+/// had only their count).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct HostStatusV1 {
+pub struct HostStatusV2 {
     /// Host id.
     pub host: String,
     /// GPU slots.
@@ -517,7 +519,59 @@ pub struct HostStatusV1 {
     /// When (unix ms).
     pub unix_ms: u64,
 }
-wire!(HostStatusV1, "host-status", 1);
+
+impl WireMessage for HostStatusV2 {
+    const TYPE: &'static str = "host-status";
+    const VERSION: u16 = 2;
+
+    fn decode_version(version: u16, payload: &[u8]) -> Result<Self, crate::codec::CodecError> {
+        match version {
+            2 => crate::codec::decode_bincode(payload),
+            1 => crate::codec::decode_bincode::<HostStatusV1>(payload).map(HostStatusV1::upgrade),
+            _ => Err(crate::codec::CodecError::UnsupportedVersion { ty: Self::TYPE, version }),
+        }
+    }
+}
+
+/// Version 1 of the host status, frozen: what older hosts still send.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct HostStatusV1 {
+    /// Host id.
+    pub host: String,
+    /// GPU slots.
+    pub slots: Vec<SlotStatus>,
+    /// Whether the slots are real GPUs found with cudarc.
+    pub real_gpus: bool,
+    /// Zygotes.
+    pub zygotes: Vec<ZygoteStatus>,
+    /// Sessions whose persistent CPU worker lives here.
+    pub cpu_sessions: Vec<Uuid>,
+    /// Live worker processes.
+    pub workers: u32,
+    /// Bytes in the host's chunk cache.
+    pub cache_bytes: u64,
+    /// Workers forked from zygotes since the host started.
+    pub forks: u64,
+    /// When (unix ms).
+    pub unix_ms: u64,
+}
+
+impl HostStatusV1 {
+    /// The same status as version 2; a version 1 host named no worker states.
+    pub fn upgrade(self) -> HostStatusV2 {
+        HostStatusV2 {
+            host: self.host,
+            slots: self.slots,
+            real_gpus: self.real_gpus,
+            zygotes: self.zygotes,
+            cpu_sessions: self.cpu_sessions,
+            workers: Vec::new(),
+            cache_bytes: self.cache_bytes,
+            forks: self.forks,
+            unix_ms: self.unix_ms,
+        }
+    }
+}
 
 /// host -> anyone (`host.{hid}.bid`): a host's score for a run recipe it tried to
 /// claim (DESIGN.md section 5), published once the claim settled.

@@ -103,6 +103,35 @@ fn missing_headers_and_unknown_versions_are_rejected() {
 }
 
 #[test]
+fn a_version_1_host_status_is_read_as_version_2() {
+    let sid = Uuid::now_v7();
+    let v1 = HostStatusV1 {
+        host: "old-host".into(),
+        slots: vec![],
+        real_gpus: false,
+        zygotes: vec![],
+        cpu_sessions: vec![sid],
+        workers: 3,
+        cache_bytes: 7,
+        forks: 9,
+        unix_ms: 11,
+    };
+    // what an older host sends: the V1 layout under version 1 of the same type
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(codec::TYPE_HEADER, HostStatusV2::TYPE);
+    headers.insert(codec::VERSION_HEADER, "1");
+    let payload = codec::encode_bincode(&v1).unwrap();
+    let v2: HostStatusV2 = codec::decode(Some(&headers), &payload).unwrap();
+    assert_eq!(v2, v1.clone().upgrade());
+    assert_eq!((v2.host.as_str(), v2.cpu_sessions, v2.forks, v2.workers.len()), ("old-host", vec![sid], 9, 0));
+    // and the current version round-trips with its worker states
+    roundtrip(&HostStatusV2 {
+        workers: vec![WorkerStatus { id: "w".into(), pid: 5, session: sid, state: WorkerState::Saving, for_ms: 2 }],
+        ..v1.upgrade()
+    });
+}
+
+#[test]
 fn reply_envelope_carries_typed_errors() {
     let err: Reply<DoneV1> = Reply::Err { code: ErrorCode::Conflict, message: "revision 3 exists".into() };
     roundtrip(&err);

@@ -26,7 +26,7 @@ use async_nats::jetstream::kv;
 use schemas::buckets;
 use schemas::bus::Rejected;
 use schemas::messages::{
-    BidV1, Device, EventKind, EvictV1, HostStatusV1, Prepare, PreparedClass, RecipeKind, RecipeV1, SessionCloseV1,
+    BidV1, Device, EventKind, EvictV1, HostStatusV2, Prepare, PreparedClass, RecipeKind, RecipeV1, SessionCloseV1,
     SessionEventV1, SlotStatus, WorkerState, ZygoteStatus,
 };
 use schemas::{unix_ms, Envelope};
@@ -179,7 +179,7 @@ impl Host {
         );
     }
 
-    fn status(&self) -> HostStatusV1 {
+    fn status(&self) -> HostStatusV2 {
         let slots = self
             .slots
             .iter()
@@ -205,7 +205,7 @@ impl Host {
                 .collect(),
             Err(_) => self.last_zygotes.clone(),
         };
-        HostStatusV1 {
+        HostStatusV2 {
             host: self.env.host_id.clone(),
             slots,
             real_gpus: self.real_gpus,

@@ -20,7 +20,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use actix::prelude::*;
-use schemas::messages::{EditV1, HostStatusV1, RunV1, SessionCloseV1, SessionEventV1};
+use schemas::messages::{EditV1, HostStatusV2, RunV1, SessionCloseV1, SessionEventV1};
 use schemas::{buckets, Bus};
 
 /// Default edit debounce (ms): typing yields a recipe at most this often per cell.
@@ -52,7 +52,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     let edits = bus.queue_subscribe::<EditV1>(s.all_edits(), "planner").await?;
     let closes = bus.queue_subscribe::<SessionCloseV1>(s.all_closes(), "planner").await?;
     let events = bus.queue_subscribe::<SessionEventV1>(s.all_events(), "planner").await?;
-    let hosts = bus.subscribe::<HostStatusV1>(s.all_host_status()).await?;
+    let hosts = bus.subscribe::<HostStatusV2>(s.all_host_status()).await?;
     let actor_bus = bus.clone();
     let addr = planner::Planner::create(move |ctx| {
         ctx.add_stream(runs.into_stream());

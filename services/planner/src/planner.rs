@@ -15,7 +15,7 @@ use async_nats::jetstream::kv;
 use schemas::bus::Rejected;
 use schemas::checkpoint::Manifest;
 use schemas::messages::{
-    Device, EditV1, EventKind, EvictV1, HostStatusV1, ManifestGetV1, ManifestV1, PreparedWorker, RecipeKind,
+    Device, EditV1, EventKind, EvictV1, HostStatusV2, ManifestGetV1, ManifestV1, PreparedWorker, RecipeKind,
     RecipeV1, RunV1, SessionCloseV1, SessionEventV1, SessionOptions,
 };
 use schemas::subjects::HostVerb;
@@ -354,8 +354,8 @@ impl StreamHandler<Result<Envelope<SessionEventV1>, Rejected>> for Planner {
     }
 }
 
-impl StreamHandler<Result<Envelope<HostStatusV1>, Rejected>> for Planner {
-    fn handle(&mut self, item: Result<Envelope<HostStatusV1>, Rejected>, _ctx: &mut Self::Context) {
+impl StreamHandler<Result<Envelope<HostStatusV2>, Rejected>> for Planner {
+    fn handle(&mut self, item: Result<Envelope<HostStatusV2>, Rejected>, _ctx: &mut Self::Context) {
         if let Ok(env) = item {
             let now = self.now();
             self.speculator.host_seen(&env.msg.host, now);

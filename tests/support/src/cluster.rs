@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use futures::StreamExt;
 use looseleaf_frontend::api::{spawn_item_reader, RunAccepted, SessionCreated, StreamItem};
-use schemas::messages::HostStatusV1;
+use schemas::messages::HostStatusV2;
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
@@ -81,7 +81,7 @@ impl Services {
             let Ok(Some(m)) = tokio::time::timeout_at(deadline, statuses.next()).await else {
                 bail!("only {ready:?} of {} hosts reported a zygote", host_slots.len());
             };
-            if let Ok(st) = schemas::codec::decode::<HostStatusV1>(m.headers.as_ref(), &m.payload) {
+            if let Ok(st) = schemas::codec::decode::<HostStatusV2>(m.headers.as_ref(), &m.payload) {
                 if !st.zygotes.is_empty() {
                     ready.insert(st.host);
                 }
