@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -54,23 +55,23 @@ def measure_limit() -> dict:
 
 
 def zygotes(cluster: B.Cluster) -> list[dict]:
-    """The cluster's zygote processes: packages (from their command line) and memory."""
-    out = []
-    for pid in cluster.descendants():
-        try:
-            args = B.cmdline(pid)
-        except OSError:
+    """The cluster's zygotes as its hosts report them (`looseleaf status`: id, pid,
+    packages), with each one's memory. Forked processes keep the base zygote's
+    command line, so /proc alone cannot tell a child zygote or a worker from it."""
+    out = subprocess.run([str(B.LOOSELEAF), "status", "--nats-url", cluster.nats_url],
+                         capture_output=True, text=True, timeout=60, cwd=B.REPO)
+    zs = []
+    for line in out.stdout.splitlines():
+        m = re.match(r"\s+zygote (\S+) pid (\d+): (.*)$", line)
+        if not m:
             continue
-        if "looseleaf_worker.zygote" not in args:
-            continue
-        pkgs = args[args.index("--packages") + 1].split(",") if "--packages" in args else []
-        zid = args[args.index("--id") + 1] if "--id" in args else None
+        pid = int(m.group(2))
         try:
             mem = B.proc_memory(pid)
         except OSError:
             continue
-        out.append({"pid": pid, "id": zid, "packages": pkgs, **mem})
-    return out
+        zs.append({"pid": pid, "id": m.group(1), "packages": [p for p in m.group(3).split(", ") if p], **mem})
+    return zs
 
 
 def run_looseleaf(corpus: Path, work: Path, rounds: int) -> tuple[list[dict], list[dict], list[dict]]:
@@ -199,7 +200,7 @@ def summarize(limit: dict, ll_cells: list[dict], runs: list[dict], zs: list[dict
     paired = [(c["start_delay_ms"], naive_by_key[(c["notebook"], c["index"])]) for c in cold
               if (c["notebook"], c["index"]) in naive_by_key]
 
-    base = next((z for z in zs if (z["id"] or "").endswith("-base")), zs[0] if zs else None)
+    base = zs[0] if zs else None  # status lists the base zygote first, then its children
     zpkgs = set(base["packages"]) if base else set()
     hits, missed = 0, {}
     mod_total = mod_hits = 0
