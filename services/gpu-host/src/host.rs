@@ -988,6 +988,12 @@ fn worker_id(worker: &Arc<Mutex<WorkerProc>>) -> String {
 }
 
 fn stop_worker(worker: Arc<Mutex<WorkerProc>>, ctx: &mut Context<Host>, host: &Host) {
+    // Evicted from now on, so the status published next no longer lists it; the
+    // process itself is stopped below. (An already-lost worker is already gone.)
+    let id = worker_id(&worker);
+    if host.env.lifecycle.state(&id).is_some() {
+        host.enter(&id, WorkerState::Evicted);
+    }
     ctx.spawn(
         async move {
             match Arc::try_unwrap(worker) {
