@@ -677,9 +677,7 @@ impl Host {
 
     /// Move a worker this host holds (idle, so its id is known) to `to`.
     fn enter(&self, worker: &str, to: WorkerState) {
-        if let Err(e) = self.env.lifecycle.enter(worker, to) {
-            tracing::error!(error = %e, "worker lifecycle");
-        }
+        self.env.lifecycle.advance(worker, to);
     }
 
     fn session_event(&mut self, session: Uuid, kind: EventKind, ctx: &mut Context<Self>) {
@@ -989,11 +987,8 @@ fn worker_id(worker: &Arc<Mutex<WorkerProc>>) -> String {
 
 fn stop_worker(worker: Arc<Mutex<WorkerProc>>, ctx: &mut Context<Host>, host: &Host) {
     // Evicted from now on, so the status published next no longer lists it; the
-    // process itself is stopped below. (An already-lost worker is already gone.)
-    let id = worker_id(&worker);
-    if host.env.lifecycle.state(&id).is_some() {
-        host.enter(&id, WorkerState::Evicted);
-    }
+    // process itself is stopped below.
+    host.enter(&worker_id(&worker), WorkerState::Evicted);
     ctx.spawn(
         async move {
             match Arc::try_unwrap(worker) {

@@ -94,6 +94,18 @@ impl Lifecycle {
         Ok(())
     }
 
+    /// `enter`, logging what the table refuses: a move from a known state is a host
+    /// bug; a worker that already ended (the host stopped it while a step was in
+    /// flight, or it was lost) simply stays ended.
+    pub fn advance(&self, worker: &str, to: WorkerState) {
+        match self.enter(worker, to) {
+            Ok(()) => {}
+            Err(e) if e.from.is_some() => tracing::error!(error = %e, "worker lifecycle"),
+            Err(e) if !is_terminal(to) => tracing::debug!(error = %e, "worker already ended"),
+            Err(_) => {}
+        }
+    }
+
     /// The state of `worker` (None once it is gone).
     pub fn state(&self, worker: &str) -> Option<WorkerState> {
         self.lock().get(worker).map(|e| e.state)

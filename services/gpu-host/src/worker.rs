@@ -12,7 +12,7 @@ use schemas::messages::WorkerState;
 use uuid::Uuid;
 
 use crate::chunks::{ChunkError, Chunks};
-use crate::lifecycle::{is_terminal, Lifecycle};
+use crate::lifecycle::Lifecycle;
 use crate::protocol::{Conn, ConnError, ErrorInfo, Frame};
 use crate::zygotes::Forked;
 
@@ -139,22 +139,9 @@ impl WorkerProc {
         }
     }
 
-    /// Move to `to` in the lifecycle; a transition the table refuses is a host bug,
-    /// logged. A worker the host already ended (a session closed while its step was
-    /// in flight) stays ended: that is no bug.
+    /// Move to `to` in the lifecycle (see [`Lifecycle::advance`]).
     pub fn enter(&self, to: WorkerState) {
-        if let Err(e) = self.lifecycle.enter(&self.id, to) {
-            if e.from.is_some() {
-                tracing::error!(error = %e, "worker lifecycle");
-            } else if !is_terminal(to) {
-                tracing::debug!(error = %e, "worker already ended");
-            }
-        }
-    }
-
-    /// Where the worker is (None once it ended).
-    pub fn state(&self) -> Option<WorkerState> {
-        self.lifecycle.state(&self.id)
+        self.lifecycle.advance(&self.id, to);
     }
 
     /// Whether a step failed in a way that leaves the worker unusable.
