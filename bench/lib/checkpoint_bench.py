@@ -190,6 +190,8 @@ def main() -> None:
     ap.add_argument("--restores", type=int, default=7, help="restore-one cells")
     ap.add_argument("--baseline-reps", type=int, default=3)
     ap.add_argument("--backends", default="local,s3")
+    ap.add_argument("--local-store-dir", type=Path, default=None,
+                    help="where the local backend's store lies (default: the bench's scratch dir)")
     args = ap.parse_args()
     B.ensure_release()
     work = B.scratch("checkpoint")
@@ -204,8 +206,11 @@ def main() -> None:
         d = work / name
         d.mkdir(parents=True)
         if name == "local":
-            raw = run_backend(name, d, args, None, None)
-            write_rate = directory_write_bytes_per_s(d / "write-probe")
+            store = args.local_store_dir / "store" if args.local_store_dir else None
+            raw = run_backend(name, d, args, f"file://{store}" if store else None, None)
+            write_rate = directory_write_bytes_per_s((store or d) / "write-probe")
+            if store:
+                shutil.rmtree(store, ignore_errors=True)
         elif name == "s3":
             s3 = B.S3Server(d)
             try:

@@ -171,34 +171,44 @@ impl Chunks {
     }
 
     /// Upload the chunks a worker placed in its save file; returns bytes written.
+    ///
+    /// The file is unlinked at once and mapped, not copied: each chunk goes to the
+    /// store (and the cache) as a slice of the mapping. The worker closed the file
+    /// before it said so, and after the unlink nothing else can open it, so the
+    /// mapped bytes cannot change under us. The mapping lives until the cache drops
+    /// its last chunk of it (chunks of one save are cached and evicted together).
     pub async fn upload(&self, file: &FsPath, regions: &BTreeMap<String, Region>) -> Result<u64, ChunkError> {
         let shm = |source| ChunkError::Shm { path: file.display().to_string(), source };
-        let f = Arc::new(std::fs::File::open(file).map_err(shm)?);
+        let f = std::fs::File::open(file).map_err(shm)?;
+        std::fs::remove_file(file).map_err(shm)?;
         let size = f.metadata().map_err(shm)?.len();
+        if regions.is_empty() || size == 0 {
+            return match regions.keys().next() {
+                Some(hash) => Err(ChunkError::BadRegion(hash.clone())),
+                None => Ok(0),
+            };
+        }
+        // SAFETY: the file is unlinked and its writer closed it (above), so no one
+        // can change the mapped bytes; they are verified against their hashes below.
+        let map = unsafe { memmap2::MmapOptions::new().populate().map(&f) }.map_err(shm)?;
+        let map = Bytes::from_owner(map);
         let objects = self.objects.clone();
         let cache = self.cache.clone();
-        let written: Vec<u64> = futures::stream::iter(regions.iter())
+        let regions: Vec<(String, Region)> = regions.iter().map(|(h, r)| (h.clone(), *r)).collect();
+        let written: Vec<u64> = futures::stream::iter(regions)
             .map(|(hash, [off, len])| {
-                let f = f.clone();
                 let objects = objects.clone();
                 let cache = cache.clone();
-                let (hash, off, len) = (hash.clone(), *off, *len);
+                let data = match off.checked_add(len).filter(|end| *end <= size) {
+                    Some(end) => Ok(map.slice(off as usize..end as usize)),
+                    None => Err(ChunkError::BadRegion(hash.clone())),
+                };
                 async move {
-                    if off.checked_add(len).is_none_or(|end| end > size) {
-                        return Err(ChunkError::BadRegion(hash));
-                    }
-                    let data = tokio::task::spawn_blocking(move || {
-                        let mut buf = vec![0u8; len as usize];
-                        f.read_exact_at(&mut buf, off).map(|_| buf)
-                    })
-                    .await
-                    .map_err(|e| ChunkError::Shm { path: "save file".into(), source: std::io::Error::other(e) })?
-                    .map_err(|source| ChunkError::Shm { path: "save file".into(), source })?;
+                    let data = data?;
                     let actual = chunk_hash(&data);
                     if actual != hash {
                         return Err(ChunkError::Corrupt { hash, actual, variable: None });
                     }
-                    let data = Bytes::from(data);
                     objects.put(&Path::from(chunk_key(&hash).as_str()), data.clone().into()).await?;
                     if let Ok(mut c) = cache.lock() {
                         c.put(&hash, data);
@@ -330,10 +340,12 @@ mod tests {
         assert_eq!(chunks.unknown(&plan).unwrap().len(), 2);
         let regions = BTreeMap::from([(ha.clone(), [0, 4]), (hb.clone(), [4, 2])]);
         assert_eq!(chunks.upload(&save, &regions).await.unwrap(), 6);
+        assert!(!save.exists(), "the save file is unlinked once read");
         assert!(chunks.unknown(&plan).unwrap().is_empty(), "uploaded chunks are known stored");
         chunks.mark_present([&"cc".to_string()]).unwrap();
         assert!(chunks.unknown(&["cc".to_string()]).unwrap().is_empty());
         // a region outside the file is refused
+        std::fs::write(&save, [a.clone(), b.clone()].concat()).unwrap();
         let bad = BTreeMap::from([(ha.clone(), [4, 100])]);
         assert!(matches!(chunks.upload(&save, &bad).await, Err(ChunkError::BadRegion(_))));
 

@@ -205,6 +205,15 @@ pub enum Frame {
         /// Hashes to place in shared memory.
         missing: Vec<String>,
     },
+    /// worker -> host: one filled save file, to upload while the worker writes the next.
+    SavePart {
+        /// Execution id.
+        exec_id: String,
+        /// File holding these chunks.
+        shm_path: String,
+        /// Where each chunk is.
+        chunks: BTreeMap<String, Region>,
+    },
     /// worker -> host: chunks placed, here is the delta.
     SaveReady {
         /// Execution id.
@@ -259,6 +268,7 @@ impl Frame {
             Frame::Save { .. } => "save",
             Frame::SavePlan { .. } => "save_plan",
             Frame::SaveMissing { .. } => "save_missing",
+            Frame::SavePart { .. } => "save_part",
             Frame::SaveReady { .. } => "save_ready",
             Frame::Committed { .. } => "committed",
             Frame::Error { .. } => "error",
@@ -382,6 +392,7 @@ mod tests {
             Frame::Save { exec_id: "e".into() },
             Frame::SavePlan { exec_id: "e".into(), chunks: vec![] },
             Frame::SaveMissing { exec_id: "e".into(), missing: vec![] },
+            Frame::SavePart { exec_id: "e".into(), shm_path: "/dev/shm/p".into(), chunks: BTreeMap::new() },
             Frame::SaveReady { exec_id: "e".into(), shm_path: None, chunks: BTreeMap::new(), delta: Delta::default(), save_ms: 0.0 },
             Frame::Committed { exec_id: "e".into(), ok: true, revision: 1, versions: BTreeMap::new(), error: None },
             Frame::Error { message: "m".into() },

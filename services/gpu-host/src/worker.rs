@@ -13,7 +13,7 @@ use uuid::Uuid;
 
 use crate::chunks::{ChunkError, Chunks};
 use crate::lifecycle::Lifecycle;
-use crate::protocol::{Conn, ConnError, ErrorInfo, Frame};
+use crate::protocol::{Conn, ConnError, ErrorInfo, Frame, Region};
 use crate::zygotes::Forked;
 
 /// Deadline for a restore or a save step.
@@ -254,19 +254,38 @@ impl WorkerProc {
         chunks.mark_present(unknown.iter().filter(|h| !lacking.contains(h)))?;
         let checked = started.elapsed();
         self.send("saving", &Frame::SaveMissing { exec_id: exec.clone(), missing }).await?;
-        let (shm_path, regions, delta) = match self.recv("saving", STEP).await? {
-            Frame::SaveReady { shm_path, chunks, delta, .. } => (shm_path, chunks, delta),
-            other => return Err(self.unexpected("saving", other)),
+        // Upload each save file as it arrives, while the worker writes the next.
+        let mut parts: Vec<(PathBuf, tokio::task::JoinHandle<Result<u64, ChunkError>>)> = Vec::new();
+        let mut chunks_written = 0u64;
+        let mut upload_part = |path: PathBuf, regions: BTreeMap<String, Region>| {
+            chunks_written += regions.len() as u64;
+            let chunks = chunks.clone();
+            let file = path.clone();
+            parts.push((path, tokio::spawn(async move { chunks.upload(&file, &regions).await })));
         };
-        let upload = match &shm_path {
-            Some(p) => {
-                let path = PathBuf::from(p);
-                let r = chunks.upload(&path, &regions).await;
-                let _ = std::fs::remove_file(&path);
-                r
+        let received = loop {
+            match self.recv("saving", STEP).await {
+                Ok(Frame::SavePart { shm_path, chunks, .. }) => upload_part(PathBuf::from(shm_path), chunks),
+                Ok(Frame::SaveReady { shm_path, chunks, delta, .. }) => {
+                    if let Some(p) = shm_path {
+                        upload_part(PathBuf::from(p), chunks);
+                    }
+                    break Ok(delta);
+                }
+                Ok(other) => break Err(self.unexpected("saving", other)),
+                Err(e) => break Err(e),
             }
-            None => Ok(0),
         };
+        let mut upload: Result<u64, ChunkError> = Ok(0);
+        for (path, task) in parts {
+            let done = task.await.unwrap_or_else(|e| Err(ChunkError::Shm { path: path.display().to_string(), source: std::io::Error::other(e) }));
+            let _ = std::fs::remove_file(&path); // upload unlinks it, unless it failed first
+            upload = match (upload, done) {
+                (Ok(total), Ok(n)) => Ok(total + n),
+                (Err(e), _) | (_, Err(e)) => Err(e),
+            };
+        }
+        let delta = received?;
         let saved_bytes = match upload {
             Ok(n) => n,
             Err(e) => {
@@ -277,7 +296,7 @@ impl WorkerProc {
         let unsavable: Vec<String> = delta.unsavable.keys().cloned().collect();
         let uploaded = started.elapsed();
         let result = commit(delta).await;
-        tracing::debug!(worker = %self.id, ?planned, ?checked, ?uploaded, committed = ?started.elapsed(), chunks = regions.len(), "save phases");
+        tracing::debug!(worker = %self.id, ?planned, ?checked, ?uploaded, committed = ?started.elapsed(), chunks = chunks_written, "save phases");
         match result {
             Ok((revision, versions)) => {
                 let frame = Frame::Committed {
@@ -294,7 +313,7 @@ impl WorkerProc {
                     revision,
                     save_ms: started.elapsed().as_secs_f64() * 1000.0,
                     saved_bytes,
-                    chunks_written: regions.len() as u64,
+                    chunks_written,
                     unsavable,
                 })
             }

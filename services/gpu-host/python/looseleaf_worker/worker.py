@@ -28,6 +28,10 @@ def _cuda_used() -> bool:
         return False
 
 
+# How many bytes of chunks go in one save file before it is handed to the host.
+SAVE_PART_BYTES = 64 << 20
+
+
 class Worker:
     def __init__(self, sock: socket.socket, worker_id: str):
         self.sock = sock
@@ -168,25 +172,7 @@ class Worker:
                                      set(self.versions), blob)
         self.send({"type": "save_plan", "exec_id": exec_id, "chunks": list(res.chunks)})
         missing = self.expect("save_missing")["missing"]
-        regions: dict[str, list[int]] = {}
-        path = None
-        if missing:
-            self.save_seq += 1
-            path = f"/dev/shm/looseleaf-save-{self.id}-{os.getpid()}-{self.save_seq}"
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-            try:
-                off = 0
-                for h in dict.fromkeys(missing):
-                    piece = res.chunks.get(h)
-                    if piece is None:
-                        raise protocol.ProtocolError(f"host asked for unknown chunk {h}")
-                    view = memoryview(piece)
-                    while view:
-                        view = view[os.write(fd, view):]
-                    regions[h] = [off, len(piece)]
-                    off += len(piece)
-            finally:
-                os.close(fd)
+        path, regions = self._place_chunks(exec_id, res.chunks, missing)
         self.send({"type": "save_ready", "exec_id": exec_id, "shm_path": path,
                    "chunks": regions, "delta": res.delta,
                    "save_ms": (time.perf_counter() - t0) * 1000})
@@ -194,6 +180,36 @@ class Worker:
         self.oid_of = res.oid_objects
         # names that could not be saved stay held (this worker has them)
         self._apply_commit(com, set(names))
+
+    def _place_chunks(self, exec_id: str, chunks: dict, missing: list[str]) -> tuple[str | None, dict]:
+        """Copy the missing chunks into shared-memory files for the host. Every
+        SAVE_PART_BYTES a file is closed and handed over in a save_part, so the host
+        uploads it while the next is written; the last file goes with save_ready.
+        Returns (that last file or None, its regions)."""
+        path, fd, regions, off = None, -1, {}, 0
+        try:
+            for h in dict.fromkeys(missing):
+                piece = chunks.get(h)
+                if piece is None:
+                    raise protocol.ProtocolError(f"host asked for unknown chunk {h}")
+                if fd < 0:
+                    self.save_seq += 1
+                    path = f"/dev/shm/looseleaf-save-{self.id}-{os.getpid()}-{self.save_seq}"
+                    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+                view = memoryview(piece)
+                while view:
+                    view = view[os.write(fd, view):]
+                regions[h] = [off, len(piece)]
+                off += len(piece)
+                if off >= SAVE_PART_BYTES:
+                    os.close(fd)
+                    fd = -1
+                    self.send({"type": "save_part", "exec_id": exec_id, "shm_path": path, "chunks": regions})
+                    path, regions, off = None, {}, 0
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        return path, regions
 
     def on_committed(self, msg: dict) -> None:
         self._apply_commit(msg, None)

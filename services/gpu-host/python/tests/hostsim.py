@@ -142,10 +142,16 @@ class Worker:
         plan = self.conn.expect("save_plan")
         missing = [h for h in dict.fromkeys(plan["chunks"]) if h not in self.host.store]
         self.conn.send({"type": "save_missing", "exec_id": exec_id, "missing": missing})
-        ready = self.conn.expect("save_ready")
+        parts = []
+        while (msg := self.conn.recv())["type"] == "save_part":
+            self.host.take_chunks(msg)
+            parts.append(msg)
+        if msg["type"] != "save_ready":
+            raise HostError(f"unexpected during save: {msg}")
+        ready = msg
         committed = self.host.commit(exec_id, ready)
         self.conn.send(committed)
-        return {"plan": plan, "missing": missing, "ready": ready, "committed": committed}
+        return {"plan": plan, "missing": missing, "parts": parts, "ready": ready, "committed": committed}
 
     def restore(self, names: list[str], drop: list[str] | None = None,
                 imports: list[str] | None = None, ambient: bool = True,
@@ -211,16 +217,21 @@ class HostSim:
         parts += [self._sig(r, seen) for r in o["refs"]]
         return xxhash.xxh3_128_hexdigest("|".join(parts).encode())
 
+    def take_chunks(self, msg: dict) -> None:
+        """Store the chunks of a save_part or save_ready file, verified, and delete it."""
+        if not msg["shm_path"]:
+            return
+        with open(msg["shm_path"], "rb") as f:
+            data = f.read()
+        for h, (off, n) in msg["chunks"].items():
+            piece = data[off:off + n]
+            if xxhash.xxh3_128_hexdigest(piece) != h:
+                raise HostError(f"chunk {h} does not match its hash")
+            self.store[h] = piece
+        os.unlink(msg["shm_path"])
+
     def commit(self, exec_id: str, ready: dict) -> dict:
-        if ready["shm_path"]:
-            with open(ready["shm_path"], "rb") as f:
-                data = f.read()
-            for h, (off, n) in ready["chunks"].items():
-                piece = data[off:off + n]
-                if xxhash.xxh3_128_hexdigest(piece) != h:
-                    raise HostError(f"chunk {h} does not match its hash")
-                self.store[h] = piece
-            os.unlink(ready["shm_path"])
+        self.take_chunks(ready)
         delta = ready["delta"]
         for oid, o in delta["objects"].items():
             for h in o["record"]["chunks"] + [c for p in o["payloads"] for c in p["chunks"]]:

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from helpers import ok, result_text, stream_text
@@ -129,6 +131,23 @@ def test_incremental_save_only_changed_chunks(fresh_host):
     v1, v2 = first["committed"]["versions"], second["committed"]["versions"]
     assert v1["a0"] == v2["a0"] and v1["a3"] != v2["a3"]
     assert d["variables"]["a0"]["oid"] == first["ready"]["delta"]["variables"]["a0"]["oid"]
+
+
+def test_a_large_save_is_handed_over_in_parts(fresh_host):
+    """Over SAVE_PART_BYTES of chunks go in several save files (the host uploads
+    each while the next is written); together they hold every missing chunk once."""
+    z = fresh_host.zygote(["numpy"])
+    w = z.fork()
+    ok(w.run("import numpy as np\nbig = [np.random.default_rng(i).random(5_000_000) for i in range(4)]"))
+    saved = w.save()  # 160 MB of payloads
+    assert len(saved["parts"]) >= 2, "a 160 MB save comes in several files"
+    placed = [h for p in saved["parts"] + [saved["ready"]] for h in p["chunks"]]
+    assert sorted(placed) == sorted(set(saved["missing"])), "each missing chunk placed exactly once"
+    assert all(not os.path.exists(p["shm_path"]) for p in saved["parts"]), "the host deleted each file"
+    w2 = z.fork()
+    assert w2.restore(["big", "np"])["ok"]
+    assert result_text(w2.run("all(float(a.sum()) == float(np.random.default_rng(i).random(5_000_000).sum())"
+                              " for i, a in enumerate(big))")) == "True"
 
 
 def test_restore_drop_and_missing(host, zygote):
