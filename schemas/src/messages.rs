@@ -641,11 +641,42 @@ impl<T: WireMessage> WireMessage for Reply<T> {
 
 /// -> store: the latest manifest of a session.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ManifestGetV2 {
+    /// The session.
+    pub session: Uuid,
+    /// A revision the asker knows is committed (a run's `after_revision`, a
+    /// recipe's `manifest_revision`): a gateway that remembers this revision or a
+    /// newer one answers without asking the store whether another gateway has
+    /// committed a newer one since. None: always ask (ADR 12).
+    pub at_least: Option<u64>,
+}
+
+impl WireMessage for ManifestGetV2 {
+    const TYPE: &'static str = "manifest-get";
+    const VERSION: u16 = 2;
+
+    fn decode_version(version: u16, payload: &[u8]) -> Result<Self, crate::codec::CodecError> {
+        match version {
+            2 => crate::codec::decode_bincode(payload),
+            1 => crate::codec::decode_bincode::<ManifestGetV1>(payload).map(ManifestGetV1::upgrade),
+            _ => Err(crate::codec::CodecError::UnsupportedVersion { ty: Self::TYPE, version }),
+        }
+    }
+}
+
+/// Version 1 of the manifest get, frozen: what older hosts and planners still send.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ManifestGetV1 {
     /// The session.
     pub session: Uuid,
 }
-wire!(ManifestGetV1, "manifest-get", 1);
+
+impl ManifestGetV1 {
+    /// The same request as version 2: it names no known revision, so the gateway asks.
+    pub fn upgrade(self) -> ManifestGetV2 {
+        ManifestGetV2 { session: self.session, at_least: None }
+    }
+}
 
 /// host -> store: which of these chunks (content hashes) does the store lack? Asked
 /// during a save, so the worker places only those in shared memory.
@@ -676,6 +707,42 @@ wire!(ManifestV1, "manifest", 1);
 
 /// host -> store: commit a worker's save as revision `base_revision + 1`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CommitV2 {
+    /// The session.
+    pub session: Uuid,
+    /// The revision the worker's state was based on.
+    pub base_revision: u64,
+    /// The execution whose results these are.
+    pub exec_id: Uuid,
+    /// The host that holds the worker.
+    pub host: String,
+    /// The worker (kept if it holds unsavable variables).
+    pub worker: String,
+    /// The cell id (named in errors about unsavable variables).
+    pub cell_id: String,
+    /// What changed.
+    pub delta: Delta,
+    /// Chunks the host stored for this save (their puts succeeded). They are
+    /// younger than the collector's grace period, so the gateway does not look
+    /// them up again; it still checks every other chunk new to the base (ADR 12).
+    pub uploaded: Vec<String>,
+}
+
+impl WireMessage for CommitV2 {
+    const TYPE: &'static str = "commit";
+    const VERSION: u16 = 2;
+
+    fn decode_version(version: u16, payload: &[u8]) -> Result<Self, crate::codec::CodecError> {
+        match version {
+            2 => crate::codec::decode_bincode(payload),
+            1 => crate::codec::decode_bincode::<CommitV1>(payload).map(CommitV1::upgrade),
+            _ => Err(crate::codec::CodecError::UnsupportedVersion { ty: Self::TYPE, version }),
+        }
+    }
+}
+
+/// Version 1 of the commit, frozen: what older hosts still send.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CommitV1 {
     /// The session.
     pub session: Uuid,
@@ -692,7 +759,23 @@ pub struct CommitV1 {
     /// What changed.
     pub delta: Delta,
 }
-wire!(CommitV1, "commit", 1);
+
+impl CommitV1 {
+    /// The same commit as version 2: it names no uploads, so every chunk new to the
+    /// base is looked up.
+    pub fn upgrade(self) -> CommitV2 {
+        CommitV2 {
+            session: self.session,
+            base_revision: self.base_revision,
+            exec_id: self.exec_id,
+            host: self.host,
+            worker: self.worker,
+            cell_id: self.cell_id,
+            delta: self.delta,
+            uploaded: Vec::new(),
+        }
+    }
+}
 
 /// store -> host: the commit's outcome.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -69,7 +69,7 @@ proptest! {
                 modules: vec!["numpy".into()], on_gpu: false,
             });
         }
-        roundtrip(&CommitV1 { session, base_revision: 4, exec_id: session, host: "h".into(), worker: "w".into(), cell_id: "c".into(), delta });
+        roundtrip(&CommitV2 { session, base_revision: 4, exec_id: session, host: "h".into(), worker: "w".into(), cell_id: "c".into(), delta, uploaded: vec![chunk] });
     }
 
     #[test]
@@ -129,6 +129,26 @@ fn a_version_1_host_status_is_read_as_version_2() {
         workers: vec![WorkerStatus { id: "w".into(), pid: 5, session: sid, state: WorkerState::Saving, for_ms: 2 }],
         ..v1.upgrade()
     });
+}
+
+/// What an older sender puts on the wire: the V1 layout under version 1 of the type.
+fn decode_as_version_1<Old: serde::Serialize, New: WireMessage>(old: &Old) -> New {
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(codec::TYPE_HEADER, New::TYPE);
+    headers.insert(codec::VERSION_HEADER, "1");
+    codec::decode(Some(&headers), &codec::encode_bincode(old).unwrap()).unwrap()
+}
+
+#[test]
+fn a_version_1_commit_and_manifest_get_are_read_as_version_2() {
+    let sid = Uuid::now_v7();
+    let old = CommitV1 { session: sid, base_revision: 2, exec_id: sid, host: "h".into(), worker: "w".into(), cell_id: "c".into(), delta: Default::default() };
+    let new: CommitV2 = decode_as_version_1(&old);
+    assert_eq!((new.session, new.base_revision, new.uploaded.len()), (sid, 2, 0), "an old commit claims no uploads");
+    assert_eq!(new, old.upgrade());
+    let get: ManifestGetV2 = decode_as_version_1(&ManifestGetV1 { session: sid });
+    assert_eq!(get, ManifestGetV2 { session: sid, at_least: None }, "an old get names no known revision");
+    roundtrip(&ManifestGetV2 { session: sid, at_least: Some(7) });
 }
 
 #[test]

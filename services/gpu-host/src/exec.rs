@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use schemas::checkpoint::Manifest;
 use schemas::messages::{
-    CellStatus, ChunkPlanV1, ChunkPlannedV1, CommitV1, Device, CommittedV1, EventKind, ManifestGetV1, ManifestV1, OutputV1, Prepare, RecipeV1, OUTPUT_PART_BYTES,
+    CellStatus, ChunkPlanV1, ChunkPlannedV1, CommitV2, Device, CommittedV1, EventKind, ManifestGetV2, ManifestV1, OutputV1, Prepare, RecipeV1, OUTPUT_PART_BYTES,
     SessionEventV1, WorkerState,
 };
 use schemas::subjects::StoreVerb;
@@ -89,12 +89,14 @@ impl ExecEnv {
         }
     }
 
-    /// The session's latest committed manifest.
-    pub async fn manifest(&self, session: Uuid) -> Result<Manifest, String> {
+    /// The session's latest committed manifest, given that revision `at_least` is
+    /// committed (the recipe's `manifest_revision`).
+    pub async fn manifest(&self, session: Uuid, at_least: u64) -> Result<Manifest, String> {
         let subject = self.bus.subjects().store(StoreVerb::ManifestGet);
+        let get = ManifestGetV2 { session, at_least: Some(at_least) };
         let manifest = self
             .bus
-            .request::<_, ManifestV1>(subject, &ManifestGetV1 { session }, STORE_TIMEOUT)
+            .request::<_, ManifestV1>(subject, &get, STORE_TIMEOUT)
             .await
             .map(|m| m.manifest)
             .map_err(|e| format!("could not read the session's manifest: {e}"))?;
@@ -363,9 +365,9 @@ impl ExecEnv {
 
         let base_revision = manifest.revision;
         let worker_name = w.id.clone();
-        let commit = |delta| {
+        let commit = |delta, uploaded| {
             let bus = self.bus.clone();
-            let msg = CommitV1 {
+            let msg = CommitV2 {
                 session,
                 base_revision,
                 exec_id,
@@ -373,6 +375,7 @@ impl ExecEnv {
                 worker: worker_name.clone(),
                 cell_id: recipe.cell_id.clone(),
                 delta,
+                uploaded,
             };
             async move {
                 bus.request::<_, CommittedV1>(bus.subjects().store(StoreVerb::Commit), &msg, STORE_TIMEOUT)
@@ -412,7 +415,7 @@ impl ExecEnv {
         w: &mut WorkerProc,
         env: BTreeMap<String, String>,
     ) -> Result<(Manifest, Restored), String> {
-        let manifest = self.manifest(recipe.session).await?;
+        let manifest = self.manifest(recipe.session, recipe.manifest_revision).await?;
         let restore = self.plan_restore(recipe, w, &manifest)?;
         let file = self
             .chunks

@@ -321,7 +321,7 @@ impl Host {
             if always {
                 return true;
             }
-            match env.manifest(r.session).await {
+            match env.manifest(r.session, r.manifest_revision).await {
                 Ok(m) => closure_on_gpu(&m, &r),
                 Err(e) => {
                     tracing::warn!(session = %r.session, error = %e, "preparing on a slot: the closure's devices are unknown");

@@ -220,12 +220,13 @@ impl WorkerProc {
     /// Save: plan, upload what the store lacks, commit through `commit`, tell the
     /// worker the versions. `ask_missing` gets the hashes this host does not know to
     /// be stored and returns those the store lacks (the gateway's chunk plan);
-    /// `commit` gets the delta and returns (revision, versions).
+    /// `commit` gets the delta and the chunks uploaded for it, and returns
+    /// (revision, versions).
     pub async fn save<P, PFut, F, Fut>(&mut self, exec_id: Uuid, chunks: &Chunks, ask_missing: P, commit: F) -> Result<Saved, WorkerError>
     where
         P: FnOnce(Vec<String>) -> PFut,
         PFut: std::future::Future<Output = Result<Vec<String>, String>>,
-        F: FnOnce(Delta) -> Fut,
+        F: FnOnce(Delta, Vec<String>) -> Fut,
         Fut: std::future::Future<Output = Result<(u64, Vec<(String, Uuid)>), String>>,
     {
         let started = std::time::Instant::now();
@@ -256,9 +257,9 @@ impl WorkerProc {
         self.send("saving", &Frame::SaveMissing { exec_id: exec.clone(), missing }).await?;
         // Upload each save file as it arrives, while the worker writes the next.
         let mut parts: Vec<(PathBuf, tokio::task::JoinHandle<Result<u64, ChunkError>>)> = Vec::new();
-        let mut chunks_written = 0u64;
+        let mut uploaded: Vec<String> = Vec::new();
         let mut upload_part = |path: PathBuf, regions: BTreeMap<String, Region>| {
-            chunks_written += regions.len() as u64;
+            uploaded.extend(regions.keys().cloned());
             let chunks = chunks.clone();
             let file = path.clone();
             parts.push((path, tokio::spawn(async move { chunks.upload(&file, &regions).await })));
@@ -294,9 +295,10 @@ impl WorkerProc {
             }
         };
         let unsavable: Vec<String> = delta.unsavable.keys().cloned().collect();
-        let uploaded = started.elapsed();
-        let result = commit(delta).await;
-        tracing::debug!(worker = %self.id, ?planned, ?checked, ?uploaded, committed = ?started.elapsed(), chunks = chunks_written, "save phases");
+        let chunks_written = uploaded.len() as u64;
+        let upload_done = started.elapsed();
+        let result = commit(delta, uploaded).await;
+        tracing::debug!(worker = %self.id, ?planned, ?checked, uploaded = ?upload_done, committed = ?started.elapsed(), chunks = chunks_written, "save phases");
         match result {
             Ok((revision, versions)) => {
                 let frame = Frame::Committed {

@@ -15,7 +15,7 @@ use async_nats::jetstream::kv;
 use schemas::bus::Rejected;
 use schemas::checkpoint::Manifest;
 use schemas::messages::{
-    Device, EditV1, EventKind, EvictV1, HostStatusV2, ManifestGetV1, ManifestV1, PreparedWorker, RecipeKind,
+    Device, EditV1, EventKind, EvictV1, HostStatusV2, ManifestGetV2, ManifestV1, PreparedWorker, RecipeKind,
     RecipeV1, RunV1, SessionCloseV1, SessionEventV1, SessionOptions,
 };
 use schemas::subjects::HostVerb;
@@ -136,10 +136,10 @@ impl Planner {
         );
     }
 
-    /// After a save, edits should see the new versions.
-    fn refresh_manifest(&mut self, session: Uuid, ctx: &mut Context<Self>) {
+    /// After a save (of `revision`), edits should see the new versions.
+    fn refresh_manifest(&mut self, session: Uuid, revision: u64, ctx: &mut Context<Self>) {
         let bus = self.bus.clone();
-        ctx.spawn(async move { fetch_manifest(&bus, session).await }.into_actor(self).map(move |m, act, _| match m {
+        ctx.spawn(async move { fetch_manifest(&bus, session, Some(revision)).await }.into_actor(self).map(move |m, act, _| match m {
             Ok(m) => {
                 let st = act.manifests.get(&session).map(|(_, st)| st.clone()).unwrap_or_default();
                 act.manifests.insert(session, (Arc::new(m), st));
@@ -167,8 +167,10 @@ fn code_hash(code: &str) -> u64 {
     h.finish()
 }
 
-async fn fetch_manifest(bus: &Bus, session: Uuid) -> Result<Manifest, String> {
-    bus.request::<_, ManifestV1>(bus.subjects().store(StoreVerb::ManifestGet), &ManifestGetV1 { session }, Duration::from_secs(30))
+/// The session's latest manifest; `at_least`: a revision known to be committed.
+async fn fetch_manifest(bus: &Bus, session: Uuid, at_least: Option<u64>) -> Result<Manifest, String> {
+    let get = ManifestGetV2 { session, at_least };
+    bus.request::<_, ManifestV1>(bus.subjects().store(StoreVerb::ManifestGet), &get, Duration::from_secs(30))
         .await
         .map(|m| m.manifest)
         .map_err(|e| format!("planner could not read the session's state: {e}"))
@@ -215,7 +217,7 @@ async fn plan_run(
     prepared: Option<PreparedWorker>,
 ) -> Result<(Manifest, state::SessionState), String> {
     let analysis = analysis::analyze(&run.code);
-    let manifest = fetch_manifest(&bus, run.session).await?;
+    let manifest = fetch_manifest(&bus, run.session, Some(run.after_revision)).await?;
     if manifest.revision < run.after_revision {
         tracing::warn!(session = %run.session, have = manifest.revision, want = run.after_revision, "manifest older than the run expects");
     }
@@ -340,7 +342,7 @@ impl StreamHandler<Result<Envelope<SessionEventV1>, Rejected>> for Planner {
                     .into_actor(self),
                 );
             }
-            EventKind::Saved { .. } => self.refresh_manifest(session, ctx),
+            EventKind::Saved { revision, .. } => self.refresh_manifest(session, revision, ctx),
             EventKind::Ready { host, worker, cell_id, class, prepare_ms, slot, .. } => {
                 let now = self.now();
                 let ready = Ready { class, prepare_ms, holds_slot: slot.is_some() };

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use actix::prelude::*;
 use schemas::bus::Rejected;
 use schemas::messages::{
-    ChunkPlanV1, ChunkPlannedV1, CommitV1, CommittedV1, DoneV1, ErrorCode, GcDoneV1, GcV1, ManifestGetV1, ManifestV1, Reply, SessionDeleteV1,
+    ChunkPlanV1, ChunkPlannedV1, CommitV2, CommittedV1, DoneV1, ErrorCode, GcDoneV1, GcV1, ManifestGetV2, ManifestV1, Reply, SessionDeleteV1,
 };
 use schemas::{Bus, Envelope, WireMessage};
 use tracing::Instrument;
@@ -78,10 +78,10 @@ fn serve<Req, Resp, F, Fut>(
     }
 }
 
-impl StreamHandler<Result<Envelope<ManifestGetV1>, Rejected>> for Gateway {
-    fn handle(&mut self, item: Result<Envelope<ManifestGetV1>, Rejected>, ctx: &mut Self::Context) {
-        serve(self, ctx, item, "store.manifest.get", |m, req: ManifestGetV1| async move {
-            Ok(ManifestV1 { manifest: (*m.latest(req.session).await?).clone() })
+impl StreamHandler<Result<Envelope<ManifestGetV2>, Rejected>> for Gateway {
+    fn handle(&mut self, item: Result<Envelope<ManifestGetV2>, Rejected>, ctx: &mut Self::Context) {
+        serve(self, ctx, item, "store.manifest.get", |m, req: ManifestGetV2| async move {
+            Ok(ManifestV1 { manifest: (*m.latest_from(req.session, req.at_least).await?).clone() })
         });
     }
 }
@@ -94,9 +94,9 @@ impl StreamHandler<Result<Envelope<ChunkPlanV1>, Rejected>> for Gateway {
     }
 }
 
-impl StreamHandler<Result<Envelope<CommitV1>, Rejected>> for Gateway {
-    fn handle(&mut self, item: Result<Envelope<CommitV1>, Rejected>, ctx: &mut Self::Context) {
-        serve(self, ctx, item, "store.commit", |m, req: CommitV1| async move {
+impl StreamHandler<Result<Envelope<CommitV2>, Rejected>> for Gateway {
+    fn handle(&mut self, item: Result<Envelope<CommitV2>, Rejected>, ctx: &mut Self::Context) {
+        serve(self, ctx, item, "store.commit", |m, req: CommitV2| async move {
             let done: CommittedV1 = m.commit(&req).await?;
             tracing::info!(session = %req.session, revision = done.revision, changed = done.changed.len(), "committed");
             Ok(done)

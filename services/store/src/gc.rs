@@ -79,7 +79,7 @@ mod tests {
     use object_store::memory::InMemory;
     use object_store::ObjectStore;
     use schemas::checkpoint::{chunk_key, Blob, Delta, DeltaVar, ObjectEntry};
-    use schemas::messages::CommitV1;
+    use schemas::messages::CommitV2;
     use uuid::Uuid;
 
     use super::*;
@@ -88,11 +88,11 @@ mod tests {
         objects.put(&Path::from(chunk_key(hash).as_str()), vec![7u8; 10].into()).await.unwrap();
     }
 
-    fn commit(session: Uuid, base: u64, chunk: &str) -> CommitV1 {
+    fn commit(session: Uuid, base: u64, chunk: &str) -> CommitV2 {
         let mut delta = Delta::default();
         delta.objects.insert("o".into(), ObjectEntry { record: Blob { len: 10, chunks: vec![chunk.into()] }, ..Default::default() });
         delta.variables.insert("x".into(), DeltaVar { oid: Some("o".into()), module: None, global_reads: vec![] });
-        CommitV1 { session, base_revision: base, exec_id: Uuid::now_v7(), host: "h".into(), worker: "w".into(), cell_id: "c".into(), delta }
+        CommitV2 { session, base_revision: base, exec_id: Uuid::now_v7(), host: "h".into(), worker: "w".into(), cell_id: "c".into(), delta, uploaded: vec![] }
     }
 
     #[tokio::test]

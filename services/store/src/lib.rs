@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use actix::prelude::*;
 use anyhow::Context as _;
-use schemas::messages::{ChunkPlanV1, CommitV1, GcV1, ManifestGetV1, SessionDeleteV1};
+use schemas::messages::{ChunkPlanV1, CommitV2, GcV1, ManifestGetV2, SessionDeleteV1};
 use schemas::subjects::StoreVerb;
 use schemas::Bus;
 
@@ -40,9 +40,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     let _service = bus.register_service("looseleaf-store", "checkpoint-store gateway: manifests and atomic commits").await?;
     let manifests = Arc::new(manifests::Manifests::new(objects).with_quota(config.session_quota_bytes));
     let s = bus.subjects().clone();
-    let gets = bus.queue_subscribe::<ManifestGetV1>(s.store(StoreVerb::ManifestGet), "store").await?;
+    let gets = bus.queue_subscribe::<ManifestGetV2>(s.store(StoreVerb::ManifestGet), "store").await?;
     let plans = bus.queue_subscribe::<ChunkPlanV1>(s.store(StoreVerb::ChunkPlan), "store").await?;
-    let commits = bus.queue_subscribe::<CommitV1>(s.store(StoreVerb::Commit), "store").await?;
+    let commits = bus.queue_subscribe::<CommitV2>(s.store(StoreVerb::Commit), "store").await?;
     let deletes = bus.queue_subscribe::<SessionDeleteV1>(s.store(StoreVerb::SessionDelete), "store").await?;
     let gcs = bus.queue_subscribe::<GcV1>(s.store(StoreVerb::Gc), "store").await?;
     let gw_bus = bus.clone();

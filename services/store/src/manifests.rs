@@ -12,7 +12,7 @@ use futures::{StreamExt, TryStreamExt};
 use object_store::path::Path;
 use object_store::{ObjectStore, PutMode, PutOptions};
 use schemas::checkpoint::{self, Manifest, SaveOrigin};
-use schemas::messages::{CommitV1, CommittedV1};
+use schemas::messages::{CommitV2, CommittedV1};
 use uuid::Uuid;
 
 /// Why a manifest operation failed.
@@ -126,6 +126,17 @@ impl Manifests {
         Ok(Some(manifest))
     }
 
+    /// The session's latest manifest, given that revision `at_least` is committed:
+    /// the one remembered here when it is that new (no request to the store), else
+    /// `latest`. Another gateway may have committed later revisions; whoever names
+    /// `at_least` knows of none (a session's cells commit one after another).
+    pub async fn latest_from(&self, session: Uuid, at_least: Option<u64>) -> Result<Arc<Manifest>, ManifestError> {
+        match (self.cached(session), at_least) {
+            (Some(m), Some(known)) if m.revision >= known => Ok(m),
+            _ => self.latest(session).await,
+        }
+    }
+
     /// The session's latest manifest (an empty revision 0 if it never saved).
     pub async fn latest(&self, session: Uuid) -> Result<Arc<Manifest>, ManifestError> {
         // Start from the cached revision, or the highest listed one, then step forward
@@ -150,7 +161,7 @@ impl Manifests {
     }
 
     /// Commit a worker's save as the next revision.
-    pub async fn commit(&self, commit: &CommitV1) -> Result<CommittedV1, ManifestError> {
+    pub async fn commit(&self, commit: &CommitV2) -> Result<CommittedV1, ManifestError> {
         let session = commit.session;
         // The revision this gateway committed or read last is the base when the
         // commit names it: if another gateway created the next revision meanwhile,
@@ -208,12 +219,15 @@ impl Manifests {
     }
 
     /// Every chunk a commit's objects reference must already be in the store, so a
-    /// manifest never points at bytes that are not there.
-    async fn check_chunks(&self, commit: &CommitV1, base: &Manifest) -> Result<(), ManifestError> {
+    /// manifest never points at bytes that are not there. Chunks the host stored for
+    /// this save are taken at its word: they are too young for the collector.
+    async fn check_chunks(&self, commit: &CommitV2, base: &Manifest) -> Result<(), ManifestError> {
+        let uploaded: HashSet<&String> = commit.uploaded.iter().collect();
         let mut wanted: Vec<&String> = commit.delta.objects.values().flat_map(|o| o.chunks()).collect();
         if let Some(a) = &commit.delta.ambient {
             wanted.extend(a.chunks.iter());
         }
+        wanted.retain(|h| !uploaded.contains(h));
         let missing = self.missing_in(base, wanted).await?;
         match missing.first() {
             None => Ok(()),

@@ -4,7 +4,7 @@ use object_store::memory::InMemory;
 use object_store::path::Path;
 use object_store::ObjectStore;
 use schemas::checkpoint::{chunk_key, Blob, Delta, DeltaVar, ObjectEntry};
-use schemas::messages::CommitV1;
+use schemas::messages::CommitV2;
 use uuid::Uuid;
 
 use super::{ManifestError, Manifests};
@@ -46,19 +46,21 @@ on_every_backend!(delete_removes_the_session);
 on_every_backend!(a_gateway_behind_another_loses_its_commit_then_catches_up);
 on_every_backend!(only_chunks_new_to_the_base_revision_are_checked);
 on_every_backend!(a_chunk_plan_names_exactly_the_chunks_the_store_lacks);
+on_every_backend!(chunks_the_host_uploaded_are_not_looked_up_again);
+on_every_backend!(a_get_at_a_known_revision_is_answered_from_memory);
 
 async fn put_chunk(objects: &Arc<dyn ObjectStore>, hash: &str) {
     objects.put(&Path::from(chunk_key(hash).as_str()), vec![1u8, 2, 3].into()).await.unwrap();
 }
 
-fn commit(session: Uuid, base: u64, name: &str, chunk: &str) -> CommitV1 {
+fn commit(session: Uuid, base: u64, name: &str, chunk: &str) -> CommitV2 {
     let mut delta = Delta::default();
     delta.objects.insert(
         format!("oid-{name}"),
         ObjectEntry { record: Blob { len: 3, chunks: vec![chunk.into()] }, ..Default::default() },
     );
     delta.variables.insert(name.into(), DeltaVar { oid: Some(format!("oid-{name}")), module: None, global_reads: vec![] });
-    CommitV1 {
+    CommitV2 {
         session,
         base_revision: base,
         exec_id: Uuid::now_v7(),
@@ -66,6 +68,7 @@ fn commit(session: Uuid, base: u64, name: &str, chunk: &str) -> CommitV1 {
         worker: "w".into(),
         cell_id: "c".into(),
         delta,
+        uploaded: vec![],
     }
 }
 
@@ -173,4 +176,31 @@ async fn a_chunk_plan_names_exactly_the_chunks_the_store_lacks(objects: Arc<dyn 
     m.commit(&commit(sid, 0, "x", "aa")).await.unwrap();
     // stored by another session (deduplicated) or by this one: not missing
     assert_eq!(m.missing_chunks(sid, &plan(&["aa", "bb", "ee"])).await.unwrap(), plan(&["ee"]));
+}
+
+async fn chunks_the_host_uploaded_are_not_looked_up_again(objects: Arc<dyn ObjectStore>) {
+    let sid = Uuid::now_v7();
+    let m = Manifests::new(objects.clone());
+    // "cc" is not in the store: claimed as uploaded it is not asked for (a real host
+    // claims only chunks whose put succeeded); unclaimed it must be there
+    let mut claimed = commit(sid, 0, "x", "cc");
+    claimed.uploaded = vec!["cc".into()];
+    assert_eq!(m.commit(&claimed).await.unwrap().revision, 1);
+    let unclaimed = m.commit(&commit(sid, 1, "y", "dd")).await;
+    assert!(matches!(unclaimed, Err(ManifestError::MissingChunks { count: 1, .. })), "{unclaimed:?}");
+}
+
+async fn a_get_at_a_known_revision_is_answered_from_memory(objects: Arc<dyn ObjectStore>) {
+    put_chunk(&objects, "aa").await;
+    let sid = Uuid::now_v7();
+    let (a, b) = (Manifests::new(objects.clone()), Manifests::new(objects.clone()));
+    a.commit(&commit(sid, 0, "x", "aa")).await.unwrap();
+    b.commit(&commit(sid, 1, "y", "aa")).await.unwrap();
+    // `a` remembers revision 1: asked for at least 1 it answers that without the
+    // store; told that 2 exists, or told nothing, it reads forward to 2
+    assert_eq!(a.latest_from(sid, Some(1)).await.unwrap().revision, 1);
+    assert_eq!(a.latest_from(sid, Some(2)).await.unwrap().revision, 2);
+    let fresh = Manifests::new(objects.clone());
+    assert_eq!(fresh.latest_from(sid, None).await.unwrap().revision, 2);
+    assert_eq!(fresh.latest_from(sid, Some(0)).await.unwrap().revision, 2, "nothing remembered: read from the store");
 }
