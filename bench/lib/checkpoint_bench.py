@@ -6,7 +6,10 @@ One run, every baseline measured in it:
 1. baselines (bench/lib/checkpoint_baselines.py, fresh processes): dill.dump_session
    of the 1 GiB session after the 1% change (time, bytes), dill.load_session of it,
    Kishu's checkout of the same state, memcpy bandwidth;
-2. per backend (`local`: a directory; `s3`: a local moto server), `looseleaf up
+2. per backend (`local`: a directory in the bench's scratch space on this machine's
+   disk; `local_tmpfs`: the same local-directory backend with its directory in
+   /dev/shm, so that the figures show LooseLeaf's own path apart from the disk;
+   `s3`: a local moto server), `looseleaf up
    --store-url ...` and one generated notebook run with `looseleaf run --all-gpu`, so
    every cell runs on a fresh GPU worker that restores only its closure:
    - `make`: 100 float64 arrays of 10 MiB (1 GiB), saved in full (save throughput);
@@ -189,9 +192,7 @@ def main() -> None:
     ap.add_argument("--changes", type=int, default=7, help="incremental-save cells")
     ap.add_argument("--restores", type=int, default=7, help="restore-one cells")
     ap.add_argument("--baseline-reps", type=int, default=3)
-    ap.add_argument("--backends", default="local,s3")
-    ap.add_argument("--local-store-dir", type=Path, default=None,
-                    help="where the local backend's store lies (default: the bench's scratch dir)")
+    ap.add_argument("--backends", default="local,local_tmpfs,s3")
     args = ap.parse_args()
     B.ensure_release()
     work = B.scratch("checkpoint")
@@ -205,12 +206,16 @@ def main() -> None:
     for name in args.backends.split(","):
         d = work / name
         d.mkdir(parents=True)
-        if name == "local":
-            store = args.local_store_dir / "store" if args.local_store_dir else None
-            raw = run_backend(name, d, args, f"file://{store}" if store else None, None)
-            write_rate = directory_write_bytes_per_s((store or d) / "write-probe")
-            if store:
-                shutil.rmtree(store, ignore_errors=True)
+        if name in ("local", "local_tmpfs"):
+            # local_tmpfs: the store directory in memory, where the disk cannot bound it
+            store = Path(f"/dev/shm/looseleaf-bench-{os.getpid()}") / "store" if name == "local_tmpfs" else d / "store"
+            try:
+                raw = run_backend(name, d, args, f"file://{store}", None)
+                # the local backend cannot save faster than its directory takes 2 MiB files
+                write_rate = directory_write_bytes_per_s(store.parent / "write-probe")
+            finally:
+                if name == "local_tmpfs":
+                    shutil.rmtree(store.parent, ignore_errors=True)
         elif name == "s3":
             s3 = B.S3Server(d)
             try:
@@ -220,8 +225,11 @@ def main() -> None:
                 s3.stop()
             write_rate = None
         else:
-            raise SystemExit(f"unknown backend {name!r}: use local and/or s3")
+            raise SystemExit(f"unknown backend {name!r}: use local, local_tmpfs and/or s3")
         result[name] = figures(raw, base)
+        result[name]["store"] = {"local": f"directory on this machine's disk ({d})",
+                                 "local_tmpfs": "directory in /dev/shm (memory)",
+                                 "s3": "local moto server (in memory)"}[name]
         result[name]["raw"]["store_dir_write_bytes_per_s"] = write_rate
         if name == "s3":
             # the S3 server cannot take or give bytes faster than this
