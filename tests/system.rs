@@ -170,6 +170,11 @@ fn four_services_two_hosts_on(store_env: Vec<(&'static str, String)>) {
     assert!(cells[13]["error"].as_str().unwrap_or("").contains("saving"), "{}", cells[13]);
     assert_eq!(cells[14]["status"], "ok");
     assert!(text(14).contains("after the crash [1, 2, 3, 4]"), "{}", text(14));
+    // a 160 MB array is saved in several files (uploaded as each is written) and a
+    // fresh worker restores it intact
+    assert_eq!(cells[15]["status"], "ok", "{}", cells[15]);
+    assert!(cells[15]["saved_bytes"].as_u64().unwrap_or(0) >= 160_000_000, "{}", cells[15]);
+    assert!(text(16).contains("big restored True (20000000,)"), "{}", text(16));
 
     // GPU cells used both hosts: the generator pins one host's only slot.
     let gpu_hosts: BTreeSet<&str> =
