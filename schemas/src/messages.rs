@@ -17,6 +17,21 @@ macro_rules! wire {
             const VERSION: u16 = $version;
         }
     };
+    // The current version, which also reads a frozen older one through its `upgrade`.
+    ($ty:ty, $name:literal, $version:literal, upgrades $old:ident from $old_version:literal) => {
+        impl WireMessage for $ty {
+            const TYPE: &'static str = $name;
+            const VERSION: u16 = $version;
+
+            fn decode_version(version: u16, payload: &[u8]) -> Result<Self, crate::codec::CodecError> {
+                match version {
+                    $version => crate::codec::decode_bincode(payload),
+                    $old_version => crate::codec::decode_bincode::<$old>(payload).map($old::upgrade),
+                    _ => Err(crate::codec::CodecError::UnsupportedVersion { ty: Self::TYPE, version }),
+                }
+            }
+        }
+    };
 }
 
 /// Where a cell runs.
@@ -520,18 +535,7 @@ pub struct HostStatusV2 {
     pub unix_ms: u64,
 }
 
-impl WireMessage for HostStatusV2 {
-    const TYPE: &'static str = "host-status";
-    const VERSION: u16 = 2;
-
-    fn decode_version(version: u16, payload: &[u8]) -> Result<Self, crate::codec::CodecError> {
-        match version {
-            2 => crate::codec::decode_bincode(payload),
-            1 => crate::codec::decode_bincode::<HostStatusV1>(payload).map(HostStatusV1::upgrade),
-            _ => Err(crate::codec::CodecError::UnsupportedVersion { ty: Self::TYPE, version }),
-        }
-    }
-}
+wire!(HostStatusV2, "host-status", 2, upgrades HostStatusV1 from 1);
 
 /// Version 1 of the host status, frozen: what older hosts still send.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -651,18 +655,7 @@ pub struct ManifestGetV2 {
     pub at_least: Option<u64>,
 }
 
-impl WireMessage for ManifestGetV2 {
-    const TYPE: &'static str = "manifest-get";
-    const VERSION: u16 = 2;
-
-    fn decode_version(version: u16, payload: &[u8]) -> Result<Self, crate::codec::CodecError> {
-        match version {
-            2 => crate::codec::decode_bincode(payload),
-            1 => crate::codec::decode_bincode::<ManifestGetV1>(payload).map(ManifestGetV1::upgrade),
-            _ => Err(crate::codec::CodecError::UnsupportedVersion { ty: Self::TYPE, version }),
-        }
-    }
-}
+wire!(ManifestGetV2, "manifest-get", 2, upgrades ManifestGetV1 from 1);
 
 /// Version 1 of the manifest get, frozen: what older hosts and planners still send.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -728,18 +721,7 @@ pub struct CommitV2 {
     pub uploaded: Vec<String>,
 }
 
-impl WireMessage for CommitV2 {
-    const TYPE: &'static str = "commit";
-    const VERSION: u16 = 2;
-
-    fn decode_version(version: u16, payload: &[u8]) -> Result<Self, crate::codec::CodecError> {
-        match version {
-            2 => crate::codec::decode_bincode(payload),
-            1 => crate::codec::decode_bincode::<CommitV1>(payload).map(CommitV1::upgrade),
-            _ => Err(crate::codec::CodecError::UnsupportedVersion { ty: Self::TYPE, version }),
-        }
-    }
-}
+wire!(CommitV2, "commit", 2, upgrades CommitV1 from 1);
 
 /// Version 1 of the commit, frozen: what older hosts still send.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
