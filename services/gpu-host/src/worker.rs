@@ -346,9 +346,24 @@ impl WorkerProc {
 }
 
 impl Drop for WorkerProc {
-    /// A worker nobody holds any more cannot be talked to: end it rather than leak it.
+    /// A worker nobody holds any more cannot be talked to: end it rather than leak it,
+    /// and remove any save file it was writing when it ended (no one else will).
     fn drop(&mut self) {
         self.kill_now();
+        remove_save_files(&self.id);
+    }
+}
+
+/// Where workers write save files (`looseleaf-save-{worker}-{pid}-{n}`).
+const SAVE_DIR: &str = "/dev/shm";
+
+fn remove_save_files(worker: &str) {
+    let prefix = format!("looseleaf-save-{worker}-");
+    let Ok(entries) = std::fs::read_dir(SAVE_DIR) else { return };
+    for e in entries.flatten() {
+        if e.file_name().to_str().is_some_and(|n| n.starts_with(&prefix)) {
+            let _ = std::fs::remove_file(e.path());
+        }
     }
 }
 

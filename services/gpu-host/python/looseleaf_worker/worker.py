@@ -206,6 +206,12 @@ class Worker:
                     fd = -1
                     self.send({"type": "save_part", "exec_id": exec_id, "shm_path": path, "chunks": regions})
                     path, regions, off = None, {}, 0
+        except BaseException:
+            # a file not yet handed over is ours to remove: a full /dev/shm must not
+            # stay full because a save failed
+            if path is not None:
+                os.unlink(path)
+            raise
         finally:
             if fd >= 0:
                 os.close(fd)

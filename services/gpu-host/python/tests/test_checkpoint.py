@@ -150,6 +150,22 @@ def test_a_large_save_is_handed_over_in_parts(fresh_host):
                               " for i, a in enumerate(big))")) == "True"
 
 
+def test_a_save_that_cannot_write_shared_memory_fails_cleanly(fresh_host):
+    """/dev/shm full mid-save: the save fails with the reason, leaves no file behind,
+    and the worker saves fine once there is room again."""
+    z = fresh_host.zygote(["numpy"])
+    w = z.fork()
+    ok(w.run("import numpy as np, os, errno\nbig = np.ones(12_000_000)\n_write = os.write\n"
+             "def _full(fd, data):\n    raise OSError(errno.ENOSPC, 'No space left on device')\n"
+             "os.write = _full"))
+    mine = f"/dev/shm/looseleaf-save-{w.id}-{w.pid}-"
+    with pytest.raises(Exception, match="No space left on device"):
+        w.save()
+    assert not [p for p in os.listdir("/dev/shm") if f"/dev/shm/{p}".startswith(mine)], "no save file left"
+    ok(w.run("os.write = _write"))
+    assert w.save()["committed"]["ok"]
+
+
 def test_restore_drop_and_missing(host, zygote):
     w = zygote.fork()
     ok(w.run("old = 1\nkeepme = 2"))
