@@ -415,13 +415,16 @@ impl ExecEnv {
         w: &mut WorkerProc,
         env: BTreeMap<String, String>,
     ) -> Result<(Manifest, Restored), String> {
+        let started = Instant::now();
         let manifest = self.manifest(recipe.session, recipe.manifest_revision).await?;
+        let got_manifest = started.elapsed();
         let restore = self.plan_restore(recipe, w, &manifest)?;
         let file = self
             .chunks
             .write_restore_file(&manifest, &restore.objects, &w.id)
             .await
             .map_err(|e| format!("could not restore the cell's state: {e}"))?;
+        let wrote_file = started.elapsed();
         let frame = Frame::Restore {
             shm_path: file.path.as_ref().map(|p| p.display().to_string()),
             variables: restore.variables.clone(),
@@ -435,7 +438,8 @@ impl ExecEnv {
         if let Some(p) = &file.path {
             let _ = std::fs::remove_file(p);
         }
-        let (bytes, _ms, errors) = restored.map_err(describe)?;
+        let (bytes, worker_ms, errors) = restored.map_err(describe)?;
+        tracing::debug!(worker = %w.id, ?got_manifest, ?wrote_file, worker_ms, restored = ?started.elapsed(), bytes, "restore phases");
         let fatal: Vec<String> =
             errors.iter().filter(|(k, _)| !k.starts_with("import ")).map(|(k, v)| format!("{k}: {v}")).collect();
         if !fatal.is_empty() {
