@@ -35,7 +35,7 @@ fn error_reply<T>(e: &ManifestError) -> Reply<T> {
         ManifestError::Stale { .. } | ManifestError::Lost { .. } => ErrorCode::Conflict,
         ManifestError::BadDelta { .. } | ManifestError::MissingChunks { .. } => ErrorCode::BadRequest,
         ManifestError::QuotaExceeded { .. } => ErrorCode::QuotaExceeded,
-        ManifestError::Storage(_) | ManifestError::Corrupt { .. } => ErrorCode::Storage,
+        ManifestError::Storage(_) | ManifestError::Corrupt { .. } | ManifestError::RevisionMissing { .. } => ErrorCode::Storage,
     };
     Reply::Err { code, message: e.to_string() }
 }

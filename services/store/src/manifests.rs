@@ -65,6 +65,16 @@ pub enum ManifestError {
         /// The quota.
         quota: u64,
     },
+    /// A revision the asker knows was committed is not in the store.
+    #[error("session {session}: revision {revision} was committed but the store's latest is {latest} (the session was deleted, or the store lost it)")]
+    RevisionMissing {
+        /// Session.
+        session: Uuid,
+        /// The revision the asker knew of.
+        revision: u64,
+        /// The latest revision in the store.
+        latest: u64,
+    },
     /// The save references chunks the store does not have.
     #[error("session {session}: the save references {count} chunk(s) missing from the store, e.g. {example}")]
     MissingChunks {
@@ -133,7 +143,16 @@ impl Manifests {
     pub async fn latest_from(&self, session: Uuid, at_least: Option<u64>) -> Result<Arc<Manifest>, ManifestError> {
         match (self.cached(session), at_least) {
             (Some(m), Some(known)) if m.revision >= known => Ok(m),
-            _ => self.latest(session).await,
+            _ => {
+                let m = self.latest(session).await?;
+                match at_least {
+                    // never answer with older state than the asker knows exists
+                    Some(known) if m.revision < known => {
+                        Err(ManifestError::RevisionMissing { session, revision: known, latest: m.revision })
+                    }
+                    _ => Ok(m),
+                }
+            }
         }
     }
 

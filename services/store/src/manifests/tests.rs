@@ -203,4 +203,7 @@ async fn a_get_at_a_known_revision_is_answered_from_memory(objects: Arc<dyn Obje
     let fresh = Manifests::new(objects.clone());
     assert_eq!(fresh.latest_from(sid, None).await.unwrap().revision, 2);
     assert_eq!(fresh.latest_from(sid, Some(0)).await.unwrap().revision, 2, "nothing remembered: read from the store");
+    // a revision said to be committed that the store does not have is an error, not older state
+    let ahead = fresh.latest_from(sid, Some(3)).await;
+    assert!(matches!(ahead, Err(ManifestError::RevisionMissing { revision: 3, latest: 2, .. })), "{ahead:?}");
 }
