@@ -115,7 +115,7 @@ def directory_write_bytes_per_s(d: Path, total: int = 1 << 30, piece: int = 2 <<
 
 
 FIRST_TOUCH = """
-import sys, time
+import time
 import numpy as np
 kept, rates = [], []
 for _ in range(3):

@@ -182,11 +182,11 @@ impl Chunks {
         let f = std::fs::File::open(file).map_err(shm)?;
         std::fs::remove_file(file).map_err(shm)?;
         let size = f.metadata().map_err(shm)?.len();
-        if regions.is_empty() || size == 0 {
-            return match regions.keys().next() {
-                Some(hash) => Err(ChunkError::BadRegion(hash.clone())),
-                None => Ok(0),
-            };
+        match regions.keys().next() {
+            None => return Ok(0),
+            // an empty file cannot be mapped, and no region lies inside it
+            Some(hash) if size == 0 => return Err(ChunkError::BadRegion(hash.clone())),
+            Some(_) => {}
         }
         // SAFETY: the file is unlinked and its writer closed it (above), so no one
         // can change the mapped bytes; they are verified against their hashes below.

@@ -141,19 +141,16 @@ impl Manifests {
     /// `latest`. Another gateway may have committed later revisions; whoever names
     /// `at_least` knows of none (a session's cells commit one after another).
     pub async fn latest_from(&self, session: Uuid, at_least: Option<u64>) -> Result<Arc<Manifest>, ManifestError> {
-        match (self.cached(session), at_least) {
-            (Some(m), Some(known)) if m.revision >= known => Ok(m),
-            _ => {
-                let m = self.latest(session).await?;
-                match at_least {
-                    // never answer with older state than the asker knows exists
-                    Some(known) if m.revision < known => {
-                        Err(ManifestError::RevisionMissing { session, revision: known, latest: m.revision })
-                    }
-                    _ => Ok(m),
-                }
-            }
+        let known = at_least.unwrap_or(0);
+        if let Some(m) = self.cached(session).filter(|m| at_least.is_some() && m.revision >= known) {
+            return Ok(m);
         }
+        let m = self.latest(session).await?;
+        // never answer with older state than the asker knows exists
+        if m.revision < known {
+            return Err(ManifestError::RevisionMissing { session, revision: known, latest: m.revision });
+        }
+        Ok(m)
     }
 
     /// The session's latest manifest (an empty revision 0 if it never saved).

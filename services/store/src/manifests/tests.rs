@@ -137,12 +137,19 @@ async fn delete_removes_the_session(objects: Arc<dyn ObjectStore>) {
     assert_eq!(m.latest(sid).await.unwrap().revision, 0);
 }
 
-async fn a_gateway_behind_another_loses_its_commit_then_catches_up(objects: Arc<dyn ObjectStore>) {
-    put_chunk(&objects, "aa").await;
+/// Two gateways on one store and a session of which `a` committed revision 1 and
+/// `b` revision 2, so `a` still remembers revision 1.
+async fn two_gateways_one_behind(objects: &Arc<dyn ObjectStore>) -> (Uuid, Manifests, Manifests) {
+    put_chunk(objects, "aa").await;
     let sid = Uuid::now_v7();
     let (a, b) = (Manifests::new(objects.clone()), Manifests::new(objects.clone()));
     a.commit(&commit(sid, 0, "x", "aa")).await.unwrap();
     b.commit(&commit(sid, 1, "y", "aa")).await.unwrap();
+    (sid, a, b)
+}
+
+async fn a_gateway_behind_another_loses_its_commit_then_catches_up(objects: Arc<dyn ObjectStore>) {
+    let (sid, a, b) = two_gateways_one_behind(&objects).await;
     // `a` still remembers revision 1: a commit on that base must not win revision 2
     let behind = a.commit(&commit(sid, 1, "z", "aa")).await;
     assert!(matches!(behind, Err(ManifestError::Lost { revision: 2, .. })), "{behind:?}");
@@ -191,11 +198,7 @@ async fn chunks_the_host_uploaded_are_not_looked_up_again(objects: Arc<dyn Objec
 }
 
 async fn a_get_at_a_known_revision_is_answered_from_memory(objects: Arc<dyn ObjectStore>) {
-    put_chunk(&objects, "aa").await;
-    let sid = Uuid::now_v7();
-    let (a, b) = (Manifests::new(objects.clone()), Manifests::new(objects.clone()));
-    a.commit(&commit(sid, 0, "x", "aa")).await.unwrap();
-    b.commit(&commit(sid, 1, "y", "aa")).await.unwrap();
+    let (sid, a, _b) = two_gateways_one_behind(&objects).await;
     // `a` remembers revision 1: asked for at least 1 it answers that without the
     // store; told that 2 exists, or told nothing, it reads forward to 2
     assert_eq!(a.latest_from(sid, Some(1)).await.unwrap().revision, 1);
