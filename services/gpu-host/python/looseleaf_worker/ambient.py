@@ -9,24 +9,34 @@ matplotlib just to restore defaults would cost seconds and change nothing).
 
 from __future__ import annotations
 
+import io
+import linecache
 import os
 import pickle
 import random
 import sys
+import types
 import warnings
 from typing import Any
+
+import cloudpickle
+
+from . import quiet
+from .localmods import LocalModules, Source
 
 
 class Baseline:
     """What the worker looked like before any cell ran (diffs are against it)."""
 
-    def __init__(self):
+    def __init__(self, shell):
         self.env = dict(os.environ)
         self.path = list(sys.path)
-        self.filters = list(warnings.filters)
         self.np_print = None
         if "numpy" in sys.modules:
             self.np_print = sys.modules["numpy"].get_printoptions()
+        mm = shell.magics_manager.magics
+        self.magics = {kind: dict(mm[kind]) for kind in ("line", "cell")}
+        self.aliases = dict(shell.alias_manager.linemagics) if hasattr(shell, "alias_manager") else {}
 
 
 def _mpl_state() -> dict | None:
@@ -34,8 +44,7 @@ def _mpl_state() -> dict | None:
     if mpl is None:
         return None
     out = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with quiet.own_warnings(show=False):
         for k, v in mpl.rcParams.items():
             if k in ("backend", "backend_fallback"):
                 continue
@@ -53,8 +62,7 @@ def _pandas_options() -> dict | None:
     except ImportError:
         return None
     out = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with quiet.own_warnings(show=False):
         for key, opt in pc._registered_options.items():
             try:
                 cur = pc._get_option(key, silent=True)
@@ -63,6 +71,106 @@ def _pandas_options() -> dict | None:
             except Exception:  # noqa: BLE001 - best effort per option
                 pass
     return out
+
+
+def _dumps_with_ns(obj, ns: dict) -> bytes | None:
+    """Pickle a notebook function or class by value, its globals being the live
+    namespace (as checkpoint records do); None if it cannot be pickled."""
+    class P(cloudpickle.Pickler):
+        def persistent_id(self, o):
+            return "ns" if o is ns else None
+    buf = io.BytesIO()
+    try:
+        P(buf, protocol=5).dump(obj)
+    except Exception as e:  # noqa: BLE001
+        quiet.log(f"looseleaf worker: cannot keep {obj!r} for later workers: {type(e).__name__}: {e}")
+        return None
+    return buf.getvalue()
+
+
+def _loads_with_ns(blob: bytes, ns: dict):
+    up = pickle.Unpickler(io.BytesIO(blob))
+    up.persistent_load = lambda pid: ns
+    return up.load()
+
+
+def _magics(shell, base: Baseline) -> list[tuple]:
+    """Magics the notebook registered (functions, Magics classes, aliases), as
+    records a later worker can register again. Those of loaded extensions come
+    back with the extension."""
+    ns = shell.user_ns
+    ext_modules = set(shell.extension_manager.loaded)
+    out, classes = [], set()
+    for kind in ("line", "cell"):
+        for name, fn in shell.magics_manager.magics[kind].items():
+            if base.magics[kind].get(name) is fn:
+                continue
+            if type(fn).__name__ == "Alias":
+                out.append(("alias", name, fn.cmd))
+            elif isinstance(fn, types.FunctionType):
+                var = next((v for v in (name, fn.__name__) if ns.get(v) is fn), None)
+                if var is None:
+                    var = next((k for k, v in ns.items() if v is fn and not k.startswith("_")), None)
+                out.append(("function", kind, name, var, None if var else _dumps_with_ns(fn, ns)))
+            elif isinstance(fn, types.MethodType):
+                cls = type(fn.__self__)
+                if cls in classes or cls.__module__.split(".")[0] in ext_modules or cls.__module__ in ext_modules:
+                    continue
+                classes.add(cls)
+                blob = _dumps_with_ns(cls, ns)
+                if blob is not None:
+                    out.append(("class", blob))
+    return out
+
+
+def _register_magics(shell, records: list[tuple]) -> None:
+    ns = shell.user_ns
+    for rec in records:
+        try:
+            if rec[0] == "alias":
+                shell.alias_manager.define_alias(rec[1], rec[2])
+            elif rec[0] == "function":
+                _, kind, name, var, blob = rec
+                fn = ns.get(var) if var is not None else None
+                if fn is None and blob is not None:
+                    fn = _loads_with_ns(blob, ns)
+                if fn is None:
+                    # the closure did not bring the function (a magic of another
+                    # name than its variable, not used by this cell)
+                    continue
+                shell.register_magic_function(fn, kind, name)
+            elif rec[0] == "class":
+                shell.register_magics(_loads_with_ns(rec[1], ns))
+        except Exception as e:  # noqa: BLE001 - one magic lost, not the restore
+            quiet.log(f"looseleaf worker: could not register magic {rec[:3]}: {type(e).__name__}: {e}")
+
+
+def _inline_figures(shell) -> None:
+    """The session drew with the inline backend: a Figure shown as a cell's value
+    renders as an image, as in the kernel, without importing pyplot until one is
+    shown. The first Figure formatted sets the inline support up for real."""
+    key = ("matplotlib.figure", "Figure")
+    formatters = shell.display_formatter.formatters
+
+    def hook_for(mime):
+        def first_figure(fig):
+            for f in formatters.values():
+                if f.deferred_printers.get(key) in hooks:
+                    f.deferred_printers.pop(key, None)
+            from matplotlib_inline.backend_inline import configure_inline_support
+            configure_inline_support(shell, "inline")
+            printer = formatters[mime].type_printers.get(type(fig))
+            return printer(fig) if printer is not None else None
+        return first_figure
+
+    hooks = []
+    for mime in ("image/png", "image/svg+xml", "image/jpeg", "application/pdf"):
+        f = formatters.get(mime)
+        if f is None or key in f.deferred_printers or any(t.__name__ == "Figure" for t in f.type_printers):
+            continue
+        hook = hook_for(mime)
+        hooks.append(hook)
+        f.for_type_by_name(*key, hook)
 
 
 def capture(shell, base: Baseline) -> dict:
@@ -103,6 +211,13 @@ def capture(shell, base: Baseline) -> dict:
     st["extensions"] = sorted(shell.extension_manager.loaded)
     st["config"] = {k: dict(v) for k, v in shell.config.items()
                     if k not in ("HistoryManager",) and isinstance(v, dict)}
+    st["magics"] = _magics(shell, base)
+    st["mpl_inline"] = "matplotlib_inline.backend_inline" in sys.modules
+    local = _local_modules()
+    if local is not None:
+        st["local_modules"] = {n: (s.origin, s.source, s.search) for n, s in local.snapshot().items()}
+    st["cell_code"] = {name: (number, linecache.cache[name][2])
+                       for name, number in shell.compile._filename_map.items() if name in linecache.cache}
     hm = shell.history_manager
     st["execution_count"] = shell.execution_count
     st["hist_parsed"] = list(hm.input_hist_parsed)
@@ -111,12 +226,39 @@ def capture(shell, base: Baseline) -> dict:
     return st
 
 
+def _local_modules() -> LocalModules | None:
+    return next((f for f in sys.meta_path if isinstance(f, LocalModules)), None)
+
+
 def dumps(shell, base: Baseline) -> bytes:
     return pickle.dumps(capture(shell, base), protocol=5)
 
 
+def loads(blob) -> dict:
+    return pickle.loads(blob)
+
+
+def apply_paths(st: dict) -> None:
+    """What imports depend on, applied before the restore imports anything: the
+    working directory, ``sys.path``, environment variables and the session's own
+    modules as it last imported them."""
+    try:
+        os.chdir(st["cwd"])
+    except OSError:
+        pass  # the directory is gone; the cell will see where the host put it
+    added = [p for p in st["sys_path"] if p not in sys.path]
+    sys.path[:0] = added
+    for k in st["env_unset"]:
+        os.environ.pop(k, None)
+    os.environ.update(st["env_set"])
+    local = _local_modules()
+    if local is not None:
+        local.adopt({n: Source(o, src, search) for n, (o, src, search) in st.get("local_modules", {}).items()})
+
+
 def apply(shell, st: dict, base: Baseline) -> None:
-    """Make this worker's ambient state equal ``st`` (best effort per item)."""
+    """Make this worker's ambient state equal ``st`` (best effort per item); after
+    ``apply_paths`` and after the variables, which registered magics may name."""
     random.setstate(st["random"])
     if "numpy_rng" in st or "numpy_print" in st:
         import numpy as np
@@ -130,8 +272,7 @@ def apply(shell, st: dict, base: Baseline) -> None:
             torch.cuda.set_rng_state_all([torch.from_numpy(s) for s in st["torch_cuda_rng"]])
     if st.get("rcparams") is not None:
         import matplotlib as mpl
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with quiet.own_warnings(show=False):
             for k, v in st["rcparams"].items():
                 try:
                     mpl.rcParams[k] = v
@@ -139,24 +280,17 @@ def apply(shell, st: dict, base: Baseline) -> None:
                     pass
     if st.get("pandas"):
         import pandas as pd
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with quiet.own_warnings(show=False):
             for k, v in st["pandas"].items():
                 try:
                     pd.set_option(k, v)
                 except Exception:  # noqa: BLE001
                     pass
-    try:
-        os.chdir(st["cwd"])
-    except OSError:
-        pass  # the directory is gone; the cell will see where the host put it
-    added = [p for p in st["sys_path"] if p not in sys.path]
-    sys.path[:0] = added
-    for k in st["env_unset"]:
-        os.environ.pop(k, None)
-    os.environ.update(st["env_set"])
-    warnings.filters[:] = st["warnings"]
-    warnings._filters_mutated()
+    if warnings.filters != st["warnings"]:
+        # only on a change: a change empties every warning registry, so warnings
+        # shown once per location would show again
+        warnings.filters[:] = st["warnings"]
+        warnings._filters_mutated()
     for ext in st["extensions"]:
         if ext not in shell.extension_manager.loaded:
             try:
@@ -172,6 +306,9 @@ def apply(shell, st: dict, base: Baseline) -> None:
                 c.update_config(cfg)
             except Exception:  # noqa: BLE001
                 pass
+    _register_magics(shell, st.get("magics", []))
+    if st.get("mpl_inline"):
+        _inline_figures(shell)
     shell.execution_count = st["execution_count"]
     hm = shell.history_manager
     hm.input_hist_parsed[:] = st["hist_parsed"]
@@ -181,7 +318,11 @@ def apply(shell, st: dict, base: Baseline) -> None:
     ns.update({"_i": hm._i, "_ii": hm._ii, "_iii": hm._iii})
     for n, src in enumerate(hm.input_hist_raw[1:], start=1):
         ns[f"_i{n}"] = src
+    # Code of earlier cells, for tracebacks and warnings raised in functions they
+    # defined: the kernel keeps it in linecache under each cell's code name, and
+    # the name's execution count labels the cell ("Cell In[3]").
+    for name, (number, lines) in st.get("cell_code", {}).items():
+        shell.compile._filename_map[name] = number
+        linecache.cache[name] = (sum(map(len, lines)), None, lines, name)
 
 
-def loads_apply(shell, blob, base: Baseline) -> None:
-    apply(shell, pickle.loads(blob), base)

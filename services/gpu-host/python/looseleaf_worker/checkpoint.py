@@ -201,6 +201,19 @@ def _rebuild_view(owner, offset, shape, strides, dtype, writeable):
     return view
 
 
+def _reduce_code(code):
+    """cloudpickle names every code object's file ``<dynamic-code>``; keep the
+    cell's code name, so a traceback or warning raised in a function of an earlier
+    cell shows that cell's line in a later worker, as in the kernel (whose
+    linecache the ambient state rebuilds)."""
+    ctor, args = cloudpickle.cloudpickle._code_reduce(code)
+    return (_code_in_file, (ctor, args, code.co_filename))
+
+
+def _code_in_file(ctor, args, filename):
+    return ctor(*args).replace(co_filename=filename)
+
+
 class _Group:
     """A record holding a reference cycle of several oids (see module doc)."""
 
@@ -265,6 +278,8 @@ class RecordPickler(cloudpickle.Pickler):
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(obj, torch.Tensor):
             return self._reduce_tensor(torch, obj)
+        if t is types.CodeType:
+            return _reduce_code(obj)
         return super().reducer_override(obj)
 
     def _reduce_tensor(self, torch, t):

@@ -139,6 +139,10 @@ _OUTPUT_FIELDS = {
     "display_data": {"data": "dict", "metadata": "dict"},
     "execute_result": {"data": "dict", "metadata": "dict", "execution_count": "int"},
     "error": {"ename": "str", "evalue": "str", "traceback": "list[str]"},
+    # Jupyter messages that change outputs already shown, and the pager
+    "update_display_data": {"data": "dict", "metadata": "dict"},
+    "clear_output": {"wait": "bool"},
+    "pager": {"data": "dict"},
 }
 
 

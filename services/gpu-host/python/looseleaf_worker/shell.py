@@ -27,8 +27,14 @@ Emit = Callable[[dict], None]
 
 
 class OutputStream(io.TextIOBase):
-    """sys.stdout/sys.stderr replacement: coalesces small writes into one stream
-    output and flushes on size, on age, before other outputs and at cell end."""
+    """sys.stdout/sys.stderr replacement that delivers text as ipykernel does.
+
+    ipykernel buffers each stream on its own and flushes it 0.2 s after its first
+    buffered write (a timer in its IO thread), and both streams, stdout first,
+    before a display, an error and at cell end. So a quick ``print``, warning,
+    ``print`` arrives as all of stdout, then stderr. A worker has no IO thread:
+    every write first flushes the streams whose time is up, oldest first, which
+    gives the same order. A timed flush sends whole lines only."""
 
     FLUSH_CHARS = 8192
     FLUSH_SECONDS = 0.2
@@ -38,7 +44,7 @@ class OutputStream(io.TextIOBase):
         self._shell = shell
         self._buf: list[str] = []
         self._size = 0
-        self._since = 0.0
+        self.due = 0.0  # when the oldest buffered text must go
 
     @property
     def encoding(self):  # libraries (pexpect, tqdm) ask for it
@@ -61,18 +67,19 @@ class OutputStream(io.TextIOBase):
             raise TypeError(f"write() argument must be str, not {type(s).__name__}")
         if not s:
             return 0
-        other = self._shell.stream("stderr" if self.name == "stdout" else "stdout")
-        if other is not None and other._buf:
-            other.flush()  # keep stdout/stderr interleaving in order
+        self._shell.flush_due()
         if not self._buf:
-            self._since = time.monotonic()
+            self.due = time.monotonic() + self.FLUSH_SECONDS
         self._buf.append(s)
         self._size += len(s)
-        if self._size >= self.FLUSH_CHARS or time.monotonic() - self._since > self.FLUSH_SECONDS:
-            self._flush_lines()
+        if self._size >= self.FLUSH_CHARS:
+            self.flush_lines()
         return len(s)
 
-    def _flush_lines(self):
+    def pending(self) -> bool:
+        return bool(self._buf)
+
+    def flush_lines(self):
         """Flush whole lines only, so a print's text and its newline (two writes)
         never land in two outputs; a long line without a newline goes anyway."""
         text = "".join(self._buf)
@@ -84,7 +91,7 @@ class OutputStream(io.TextIOBase):
         head, rest = text[:cut], text[cut:]
         self._buf = [rest] if rest else []
         self._size = len(rest)
-        self._since = time.monotonic()
+        self.due = time.monotonic() + self.FLUSH_SECONDS
         self._shell.emit({"output_type": "stream", "name": self.name, "text": head})
 
     def flush(self):
@@ -100,11 +107,18 @@ class WorkerDisplayPublisher(DisplayPublisher):
 
     def publish(self, data, metadata=None, source=None, *, transient=None, update=False, **kw):
         self.shell.flush_streams()
-        self.shell.emit({"output_type": "display_data", "data": _jsonable(data),
-                         "metadata": _jsonable(metadata or {})})
+        out = {"output_type": "update_display_data" if update else "display_data",
+               "data": _jsonable(data), "metadata": _jsonable(metadata or {})}
+        if transient:
+            # display_id lives here, as in Jupyter's message; a notebook writer
+            # uses it to find the outputs an update replaces, then drops it
+            out["transient"] = _jsonable(transient)
+        self.shell.emit(out)
 
     def clear_output(self, wait=False):
+        # Jupyter's clear_output message, for the notebook writer to apply
         self.shell.flush_streams()
+        self.shell.emit({"output_type": "clear_output", "wait": bool(wait)})
 
 
 class WorkerDisplayHook(DisplayHook):
@@ -176,8 +190,27 @@ class WorkerShell(InteractiveShell):
         return self._streams.get(name)
 
     def flush_streams(self):
-        for s in self._streams.values():
+        for s in self._streams.values():  # stdout first, as ipykernel
             s.flush()
+
+    def flush_due(self):
+        """Flush the streams whose buffered text is older than their interval,
+        oldest first (what ipykernel's IO thread would have sent by now)."""
+        now = time.monotonic()
+        due = [s for s in self._streams.values() if s.pending() and s.due <= now]
+        for s in sorted(due, key=lambda s: s.due):
+            s.flush_lines()
+
+    def init_hooks(self):
+        super().init_hooks()
+        # As ipykernel: `obj?` and friends page their text; a notebook shows
+        # nothing for it, Jupyter clients show it in a pager (a payload).
+        self.set_hook("show_in_pager", self._page, 99)
+
+    def _page(self, shell, strg, start=0, screen_lines=0, pager_cmd=None):
+        data = strg if isinstance(strg, dict) else {"text/plain": strg}
+        self.flush_streams()
+        self.emit({"output_type": "pager", "data": _jsonable(data), "start": max(0, start)})
 
     def _showtraceback(self, etype, evalue, stb):
         # ipykernel publishes an 'error' output instead of printing.

@@ -14,7 +14,8 @@ import sys
 import time
 import traceback
 
-from . import ambient, checkpoint, protocol
+from . import ambient, checkpoint, protocol, quiet
+from .localmods import LocalModules
 from .shell import WorkerShell
 
 
@@ -43,8 +44,14 @@ class Worker:
         # made by the zygote before the fork when there is one (it costs ~15 ms)
         self.shell = WorkerShell.instance(emit=self._emit_output)
         self.shell.bind(self._emit_output)
+        # As ipykernel does: the working directory is first on the path, so
+        # modules beside the notebook import (zygotes leave it off).
+        if "" not in sys.path:
+            sys.path.insert(0, "")
         # after the shell: its own env/warnings setup is not a cell's doing
-        self.base = ambient.Baseline()
+        self.base = ambient.Baseline(self.shell)
+        self.local = LocalModules(self.base.path)
+        self.local.install()
 
     # ------------------------------------------------------------- transport
     def send(self, msg: dict) -> None:
@@ -52,8 +59,9 @@ class Worker:
 
     def _emit_output(self, output: dict) -> None:
         if self.exec_id is None:
-            # Output outside a cell (e.g. a __setstate__ that prints): log it.
-            os.write(2, (str(output.get("text") or output) + "\n").encode())
+            # Output outside a cell (a __setstate__ that prints, an extension
+            # loaded again at restore): the host's log, never a cell's output.
+            quiet.log(str(output.get("text") or output))
             return
         self.send({"type": "output", "exec_id": self.exec_id, "output": output})
 
@@ -108,17 +116,8 @@ class Worker:
             ns.pop(name, None)
             self.versions.pop(name, None)
         errors: dict[str, str] = {}
-        for mod in msg["imports"]:
-            try:
-                __import__(mod)
-            except BaseException as e:  # noqa: BLE001
-                errors[f"import {mod}"] = f"{type(e).__name__}: {e}"
-        nbytes, errs = checkpoint.restore(ns, msg["shm_path"], msg["variables"],
-                                          msg["objects"], self.oid_of)
-        errors.update(errs)
-        for name, spec in msg["variables"].items():
-            if name not in errs:
-                self.versions[name] = spec["version"]
+        nbytes = 0
+        st = None
         if msg["ambient"] is not None and msg["shm_path"]:
             off, n = msg["ambient"]
             with open(msg["shm_path"], "rb") as f:
@@ -126,10 +125,32 @@ class Worker:
                 blob = f.read(n)
             nbytes += n
             try:
-                ambient.loads_apply(self.shell, blob, self.base)
+                st = ambient.loads(blob)
+                # imports may need the working directory and the session's modules
+                ambient.apply_paths(st)
+            except BaseException as e:  # noqa: BLE001
+                errors["ambient"] = f"{type(e).__name__}: {e}"
+        with quiet.own_warnings():
+            self.local.unshadow(msg["imports"])
+            for mod in msg["imports"]:
+                try:
+                    __import__(mod)
+                except BaseException as e:  # noqa: BLE001
+                    errors[f"import {mod}"] = f"{type(e).__name__}: {e}"
+            n, errs = checkpoint.restore(ns, msg["shm_path"], msg["variables"],
+                                         msg["objects"], self.oid_of)
+        nbytes += n
+        errors.update(errs)
+        for name, spec in msg["variables"].items():
+            if name not in errs:
+                self.versions[name] = spec["version"]
+        if st is not None:
+            try:
+                ambient.apply(self.shell, st, self.base)
             except BaseException as e:  # noqa: BLE001
                 errors["ambient"] = f"{type(e).__name__}: {e}"
         self._sync_displayhook()
+        self.shell.flush_streams()  # whatever the restore printed goes to the log
         self.send({"type": "restored", "ok": not errors, "restored_bytes": nbytes,
                    "ms": (time.perf_counter() - t0) * 1000, "errors": errors})
 
@@ -167,9 +188,11 @@ class Worker:
         t0 = time.perf_counter()
         exec_id = msg["exec_id"]
         names = self.user_names()
-        blob = ambient.dumps(self.shell, self.base)
-        res = checkpoint.build_delta(self.shell.user_ns, names, self.oid_of,
-                                     set(self.versions), blob)
+        blob = ambient.dumps(self.shell, self.base)  # reads the user's warning filters
+        with quiet.own_warnings():
+            res = checkpoint.build_delta(self.shell.user_ns, names, self.oid_of,
+                                         set(self.versions), blob)
+        self.shell.flush_streams()  # a __reduce__ that printed: the log
         self.send({"type": "save_plan", "exec_id": exec_id, "chunks": list(res.chunks)})
         missing = self.expect("save_missing")["missing"]
         path, regions = self._place_chunks(exec_id, res.chunks, missing)

@@ -187,6 +187,12 @@ def main(argv=None) -> int:
     args.packages = [p for p in args.packages.split(",") if p]
     args.cuda_unsafe = [p for p in args.cuda_unsafe.split(",") if p]
 
+    # `python -m` put the directory we started in first on the path. A zygote
+    # imports libraries only, never a module that happens to lie there (the
+    # user's own modules import in workers, which put the session's working
+    # directory first, as ipykernel does).
+    if sys.path and sys.path[0] in ("", os.getcwd()):
+        del sys.path[0]
     probe = load_probe()
     # The runtime itself (IPython, cloudpickle) is imported once here too.
     from . import worker  # noqa: F401

@@ -1,0 +1,208 @@
+"""Notebook semantics a session keeps across workers as one kernel keeps them:
+modules beside the notebook, registered magics, display messages, output order,
+earlier cells' source in tracebacks, and the platform's own warnings kept out of
+cells' outputs. Each test fails on a worker that lacks the behaviour."""
+
+import re
+import textwrap
+
+from helpers import of_type, ok, result_text, stream_text
+
+
+def _write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+
+
+# ------------------------------------------------------------ local modules
+
+def test_modules_beside_the_notebook_import_and_keep_their_imported_source(zygote, tmp_path):
+    _write(tmp_path / "helpers" / "__init__.py", "from .maths import double\n")
+    _write(tmp_path / "helpers" / "maths.py", "def double(x):\n    return 2 * x\n")
+    w1 = zygote.fork(cwd=str(tmp_path))
+    assert result_text(ok(w1.run("from helpers.maths import double\nimport helpers\ndouble(21)"))) == "42"
+    w1.save()
+
+    # the file changes on disk; the session keeps what it imported, as a kernel does
+    _write(tmp_path / "helpers" / "maths.py", "def double(x):\n    return 3 * x\n")
+    w2 = zygote.fork(cwd=str(tmp_path))
+    assert w2.restore(["double", "helpers"], imports=["helpers", "helpers.maths"])["ok"]
+    assert result_text(ok(w2.run("double(21), helpers.double(1)"))) == "(42, 2)"
+    # and a module of the session a cell imports again comes from the same source
+    assert result_text(ok(w2.run("import helpers.maths as m\nm.double(5)"))) == "10"
+
+    # until the notebook reloads it: then every later worker has the new one
+    assert result_text(ok(w2.run("import importlib\nimportlib.reload(m)\nm.double(5)"))) == "15"
+    w2.save()
+    w3 = zygote.fork(cwd=str(tmp_path))
+    assert w3.restore(["m"], imports=["helpers.maths"])["ok"]
+    assert result_text(ok(w3.run("m.double(5)"))) == "15"
+
+
+def test_a_zygote_never_imports_from_the_directory_it_started_in(host, tmp_path):
+    # hostsim starts zygotes in the runtime's folder: a module there is not a library
+    z = host.zygote(["numpy"])
+    w = z.fork(cwd=str(tmp_path))
+    r = ok(w.run("import sys, os\nos.getcwd() == sys.path[0] or sys.path[0] == ''"))
+    assert of_type(r, "execute_result")[0]["data"]["text/plain"] == "True"
+    r = w.run("import hostsim")  # lies in the zygote's start folder's sibling, never on the path
+    assert r["finished"]["status"] == "error"
+
+
+def test_a_local_module_shadows_a_library_the_zygote_imported(host, tmp_path):
+    z = host.zygote(["ll_probe"])  # tests/fakepkgs/ll_probe.py
+    _write(tmp_path / "ll_probe.py", "WHO = 'the notebook folder'\n")
+    w0 = z.fork(cwd=str(tmp_path))
+    ok(w0.run("shadow_test = 1"))
+    w0.save()
+    w = z.fork(cwd=str(tmp_path))
+    assert w.restore(["shadow_test"], imports=["ll_probe"], ambient=False)["ok"]
+    assert result_text(ok(w.run("import ll_probe\nll_probe.WHO"))) == "'the notebook folder'"
+
+
+# ------------------------------------------------------------------- magics
+
+MAGICS = """
+from IPython.core.magic import register_cell_magic, register_line_magic
+
+@register_line_magic
+def shout(line):
+    print(line.upper())
+
+@register_cell_magic
+def settings(line, cell):
+    get_ipython().user_ns[line.strip()] = dict(l.split('=') for l in cell.split())
+
+get_ipython().register_magic_function(lambda line: print('renamed', line), 'line', 'other')
+%alias say echo said %s
+"""
+
+
+def test_registered_magics_aliases_and_extensions_work_in_later_workers(zygote, tmp_path):
+    _write(tmp_path / "myext.py", """
+        from IPython.core.magic import Magics, line_magic, magics_class
+
+        @magics_class
+        class M(Magics):
+            @line_magic
+            def mean(self, line):
+                print(line, sum(self.shell.user_ns[line]) / len(self.shell.user_ns[line]))
+
+        def load_ipython_extension(ip):
+            ip.register_magics(M)
+            print("myext loaded")
+    """)
+    w1 = zygote.fork(cwd=str(tmp_path))
+    ok(w1.run(MAGICS))
+    r = ok(w1.run("%load_ext myext"))
+    assert stream_text(r) == "myext loaded\n"
+    ok(w1.run("xs = [1, 2, 3]"))
+    w1.save()
+
+    w2 = zygote.fork(cwd=str(tmp_path))
+    # the planner's closure of `%shout hi` brings `shout` (the magic's name), of
+    # `%mean xs` the variable it names
+    restored = w2.restore(["shout", "settings", "xs"])
+    assert restored["ok"], restored
+    assert stream_text(ok(w2.run("%shout hi"))) == "HI\n"
+    ok(w2.run("%%settings cfg\na=1 b=2"))
+    assert result_text(ok(w2.run("cfg"))) == "{'a': '1', 'b': '2'}"
+    assert stream_text(ok(w2.run("%other x"))) == "renamed x\n"
+    assert stream_text(ok(w2.run("%say hello"))).replace("\r", "") == "said hello\n"
+    # the extension came back without printing into a cell
+    assert stream_text(ok(w2.run("%mean xs"))) == "xs 2.0\n"
+
+
+# ----------------------------------------------------------------- displays
+
+def test_display_messages_go_out_as_jupyter_messages(zygote):
+    w = zygote.fork()
+    r = ok(w.run("from IPython.display import display, clear_output, update_display\n"
+                 "h = display('first', display_id=True)\n"
+                 "print('a')\nclear_output(wait=True)\nprint('b')\n"
+                 "h.update('second')\nupdate_display('third', display_id=h.display_id)"))
+    kinds = [o["output_type"] for o in r["outputs"]]
+    assert kinds == ["display_data", "stream", "clear_output", "stream",
+                     "update_display_data", "update_display_data"], kinds
+    shown, clear = r["outputs"][0], r["outputs"][2]
+    assert shown["transient"]["display_id"] == r["outputs"][4]["transient"]["display_id"]
+    assert clear["wait"] is True
+    assert r["outputs"][5]["data"]["text/plain"] == "'third'"
+
+
+def test_help_goes_to_the_pager_not_the_notebook(zygote):
+    w = zygote.fork()
+    r = ok(w.run("x = 1\nx?"))
+    assert [o["output_type"] for o in r["outputs"]] == ["pager"]
+    assert "int" in r["outputs"][0]["data"]["text/plain"]
+
+
+def test_capture_keeps_a_cell_silent_and_shows_later(zygote):
+    w = zygote.fork()
+    r = ok(w.run("%%capture cap\nprint('hidden')\nfrom IPython.display import display\ndisplay('rich')"))
+    assert r["outputs"] == []
+    w.save()
+    w2 = zygote.fork()
+    assert w2.restore(["cap"])["ok"]
+    r = ok(w2.run("cap.show()"))
+    assert stream_text(r) == "hidden\n" and len(of_type(r, "display_data")) == 1
+
+
+def test_stdout_and_stderr_arrive_as_from_ipykernel(zygote):
+    w = zygote.fork()
+    # a quick cell: all of stdout, then stderr (ipykernel flushes stdout first)
+    r = ok(w.run("import sys\nprint('a')\nprint('b', file=sys.stderr)\nprint('c')"))
+    assert [(o["name"], o["text"]) for o in r["outputs"]] == [("stdout", "a\nc\n"), ("stderr", "b\n")]
+    # text older than the flush interval goes before what comes later
+    r = ok(w.run("import time\nprint('a')\ntime.sleep(0.3)\nprint('b', file=sys.stderr)\n"
+                 "time.sleep(0.3)\nprint('c')"))
+    assert [o["name"] for o in r["outputs"]] == ["stdout", "stderr", "stdout"]
+
+
+def test_a_figure_from_an_earlier_cell_renders_as_png_in_a_fresh_worker(zygote):
+    w1 = zygote.fork()
+    r = ok(w1.run("import matplotlib.pyplot as plt\nfig, ax = plt.subplots()\nax.plot([1, 2]);"))
+    assert of_type(r, "display_data")
+    w1.save()
+    ref = of_type(ok(w1.run("fig")), "execute_result")[0]["data"]
+    w2 = zygote.fork()
+    assert w2.restore(["fig"])["ok"]
+    data = of_type(ok(w2.run("fig")), "execute_result")[0]["data"]
+    assert sorted(data) == sorted(ref) == ["image/png", "text/plain"]
+
+
+# ---------------------------------------------- earlier cells' source lines
+
+def test_tracebacks_and_warnings_show_source_lines_of_earlier_cells(zygote):
+    w1 = zygote.fork()
+    ok(w1.run("import warnings\n"
+              "def check(v):\n"
+              "    if v > 1:\n"
+              "        warnings.warn('too big')\n"
+              "    return 1 / (v - v)"))
+    w1.save()
+    w2 = zygote.fork()
+    assert w2.restore(["check", "warnings"])["ok"]
+    r = w2.run("check(2)")
+    assert "warnings.warn('too big')" in stream_text(r, "stderr")
+    tb = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(of_type(r, "error")[0]["traceback"]))
+    assert "return 1 / (v - v)" in tb and "Cell In[1]" in tb
+
+
+# ------------------------------------------------ the platform's own output
+
+def test_the_platforms_warnings_never_reach_a_cell_and_user_filters_hold(zygote):
+    w = zygote.fork()
+    ok(w.run("import warnings\nclass Noisy:\n"
+             "    def __reduce__(self):\n"
+             "        warnings.warn('from the save', FutureWarning)\n"
+             "        print('printed by the save')\n"
+             "        return (Noisy, ())\n"
+             "n = Noisy()\nwarnings.simplefilter('error', FutureWarning)"))
+    saved = w.save()
+    assert saved["committed"]["ok"]
+    r = ok(w.run("print('next cell')"))
+    assert r["outputs"] == [{"output_type": "stream", "name": "stdout", "text": "next cell\n"}]
+    # the user's filter is still in force for the user's own code
+    r = w.run("warnings.warn('mine', FutureWarning)")
+    assert of_type(r, "error")[0]["ename"] == "FutureWarning"
