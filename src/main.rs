@@ -4,6 +4,7 @@ mod analyze;
 mod client;
 mod cluster;
 mod notebook;
+mod outputs;
 mod report;
 mod run;
 mod status;

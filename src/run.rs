@@ -13,6 +13,7 @@ use uuid::Uuid;
 use crate::client::Frontend;
 use crate::cluster::{Cluster, ClusterOptions};
 use crate::notebook;
+use crate::outputs::NotebookOutputs;
 use crate::report::{self, SessionLog, Trace};
 
 /// What `looseleaf run` was asked to do.
@@ -140,15 +141,20 @@ async fn drive(req: &RunRequest, fe: &Frontend) -> anyhow::Result<()> {
     res?;
 
     let ordered: Vec<Trace> = order.iter().filter_map(|e| traces.get(e).cloned()).collect();
+    let mut outputs = NotebookOutputs::default();
     for t in &ordered {
-        let mut outputs = t.sorted_outputs();
+        let mut messages = t.sorted_outputs();
         if let Some((ExecStatus::Error, _, Some(err))) = &t.done {
-            let raised = outputs.iter().any(|o| o.get("output_type").and_then(|v| v.as_str()) == Some("error"));
+            let raised = messages.iter().any(|o| o.get("output_type").and_then(|v| v.as_str()) == Some("error"));
             if !raised {
-                outputs.push(notebook::error_output("LooseLeafError", err));
+                messages.push(notebook::error_output("LooseLeafError", err));
             }
         }
-        notebook::set_outputs(&mut nb, t.index, outputs, t.execution_count())?;
+        outputs.apply(t.index, messages);
+    }
+    // after every cell ran: a display updated later shows its last content
+    for t in &ordered {
+        notebook::set_outputs(&mut nb, t.index, outputs.take(t.index), t.execution_count())?;
     }
     notebook::save(&req.output, &nb)?;
     let report = report::build(&req.notebook.display().to_string(), &ordered, &log, started.elapsed().as_secs_f64());

@@ -59,6 +59,7 @@ pub fn history(manifest: &Manifest, state: &SessionState) -> History {
                 kind: DefKind::Function,
                 global_reads: var.global_reads.iter().cloned().collect(),
                 global_writes: Default::default(),
+                dynamic: None,
             })
         });
         history.insert(name.clone(), NameInfo { version: var.version, def, on_gpu, is_module: var.module.is_some() });

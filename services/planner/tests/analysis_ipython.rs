@@ -94,11 +94,23 @@ fn inert_and_unknown_line_magics() {
         "%autoreload 2",
         "%pip install numpy",
         "%env CUDA_VISIBLE_DEVICES=0",
-        "%unknown_magic some args",
+        "%precision 3",
+        "%alias say echo said %s",
     ] {
         rw(line, &[], &[]);
     }
     rw("%cd {folder}", &["folder"], &[]);
+    rw("%cd data", &[], &[]);
+}
+
+#[test]
+fn magics_the_notebook_registers_read_their_function_and_named_variables() {
+    // `@register_line_magic def seed(line)` binds `seed`; `%tensorinfo x w` looks up
+    // the variables it names. Reads resolve only against names the session defined.
+    rw("%seed 42", &["seed"], &[]);
+    rw("%tensorinfo x w.T, y", &["tensorinfo", "w", "x", "y"], &[]);
+    rw("%%hparams cfg\nlr = 0.1\nepochs = 3", &["cfg", "hparams"], &[]);
+    rw("%show {label} $n", &["label", "n", "show"], &[]);
 }
 
 #[test]

@@ -31,6 +31,7 @@ fn func(history: &mut History, name: &str, reads: &[&str], writes: &[&str]) -> U
         kind: DefKind::Function,
         global_reads: set(reads),
         global_writes: set(writes),
+        dynamic: None,
     };
     history.insert(
         name.to_string(),
@@ -134,4 +135,39 @@ fn gpu_closure_variables_hint_the_device() {
     assert_eq!(hint.as_ref().map(|d| d.label), Some(Device::Gpu));
     let c = resolve(&analyze("y = x + 1"), &h);
     assert_eq!(closure_device(&c, &h), None);
+}
+
+#[test]
+fn a_definition_that_reads_names_dynamically_makes_its_users_conservative() {
+    // the pattern of a display helper whose `_repr_html_` evaluates the names it was given
+    let def = analyze(
+        "class display:\n    def __init__(self, *args):\n        self.args = args\n    def _repr_html_(self):\n        return ''.join(str(eval(a)) for a in self.args)",
+    );
+    let summary = def.defs["display"].clone();
+    assert_eq!(summary.dynamic.as_deref(), Some("eval() at line 5"));
+    // defining it is not conservative: the body does not run
+    assert_eq!(def.conservative, None);
+
+    let mut h = History::new();
+    let x = var(&mut h, "x");
+    let v = Uuid::new_v4();
+    h.insert("display".into(), NameInfo { version: v, def: Some(summary), on_gpu: false, is_module: false });
+    let c = resolve(&analyze("display('x', 'x.T')"), &h);
+    assert_eq!(names(&c), set(&["display", "x"]));
+    assert_eq!(c.names["x"], x);
+    assert!(c.conservative.as_deref().is_some_and(|r| r.starts_with("uses display")), "{c:?}");
+    // a cell that does not use it stays precise
+    let c = resolve(&analyze("y = 1"), &h);
+    assert!(c.names.is_empty() && c.conservative.is_none());
+    // a dynamic definition used in its own cell, through another one
+    let c = resolve(&analyze("def get(n):\n    return globals()[n]\ndef twice(n):\n    return 2 * get(n)\ntwice('x')"), &h);
+    assert!(c.conservative.as_deref().is_some_and(|r| r.starts_with("uses get")), "{c:?}");
+}
+
+#[test]
+fn top_level_dynamic_access_is_conservative() {
+    for code in ["for i in range(3):\n    globals()[f'v{i}'] = i", "total = sum(globals()[f'v{i}'] for i in range(3))", "exec(src)"] {
+        assert!(analyze(code).conservative.is_some(), "{code}");
+    }
+    assert_eq!(analyze("def f(v):\n    return vars(v)").conservative, None);
 }

@@ -114,14 +114,15 @@ impl Analyzer<'_> {
         }
     }
 
-    /// `exec`, `eval`, `globals`, `get_ipython`: the namespace is used dynamically.
+    /// `exec`, `eval`, `globals`, `get_ipython`: the namespace is used dynamically,
+    /// by the cell or, inside a definition, by whoever calls it.
     pub(super) fn check_dynamic_name(&mut self, name: &str, at: TextSize) {
         if self.out.conservative.is_some() {
             return;
         }
         if matches!(name, "exec" | "eval" | "globals" | "get_ipython") {
             let what = format!("{name}()");
-            self.conservative(&what, at);
+            self.dynamic(&what, at);
         }
     }
 

@@ -42,6 +42,57 @@ const INERT_MAGICS: &[&str] = &[
     "unload_ext",
 ];
 
+/// IPython's own magics whose words are not session variables (paths, settings,
+/// shell commands); `{expr}` and `$var` in them still interpolate. Any other magic
+/// may be one the notebook registered: see `Analyzer::magic_reads`.
+const OWN_MAGICS: &[&str] = &[
+    "alias",
+    "autocall",
+    "automagic",
+    "bash",
+    "bookmark",
+    "cd",
+    "colors",
+    "dhist",
+    "doctest_mode",
+    "file",
+    "hist",
+    "history",
+    "html",
+    "javascript",
+    "js",
+    "latex",
+    "logoff",
+    "logon",
+    "logstart",
+    "logstate",
+    "logstop",
+    "ls",
+    "lsmagic",
+    "magic",
+    "markdown",
+    "perl",
+    "popd",
+    "precision",
+    "pushd",
+    "pwd",
+    "pypy",
+    "python",
+    "python2",
+    "python3",
+    "quickref",
+    "rehashx",
+    "ruby",
+    "script",
+    "sh",
+    "svg",
+    "sx",
+    "system",
+    "unalias",
+    "writefile",
+    "xmode",
+];
+
 /// Entry point behind [`super::analyze`].
 pub(super) fn analyze_cell(code: &str) -> CellAnalysis {
     let mut a = Analyzer::new(code);
@@ -92,8 +143,13 @@ pub(super) fn analyze_cell(code: &str) -> CellAnalysis {
             }
             n if PYTHON_CELL_MAGICS.contains(&n) => {}
             // %%bash, %%sh, %%html, %%javascript, %%latex, %%markdown, %%writefile, %%svg,
-            // and any unknown cell magic: the body is not Python.
-            _ => return a.out,
+            // and any unknown cell magic: the body is not Python. A magic the notebook
+            // registered is a variable of the session (the decorated function), and
+            // its arguments may name variables it reads.
+            n => {
+                a.magic_reads(n, words_after(magic, n));
+                return a.out;
+            }
         }
         start += line_end;
         break;
@@ -252,7 +308,30 @@ impl Analyzer<'_> {
                 self.conservative(&what, at);
             }
             n if INERT_MAGICS.contains(&n) => {}
-            _ => self.interpolate(args),
+            n => {
+                self.interpolate(args);
+                self.magic_reads(n, args);
+            }
+        }
+    }
+
+    /// A magic of unknown meaning: one the notebook registered is bound to a session
+    /// variable of its name (`@register_line_magic def seed(line)`), and such magics
+    /// (`%tensorinfo x w`) often look up the variables their arguments name. Both are
+    /// reads; they resolve only against names the session defined, so IPython's own
+    /// magics cost nothing.
+    pub(super) fn magic_reads(&mut self, name: &str, args: &str) {
+        if OWN_MAGICS.contains(&name) {
+            return;
+        }
+        if is_identifier(name) {
+            self.load(name);
+        }
+        for word in args.split(|c: char| c.is_whitespace() || c == ',') {
+            let head = word.split('.').next().unwrap_or("");
+            if is_identifier(head) {
+                self.load(head);
+            }
         }
     }
 
@@ -304,4 +383,9 @@ impl Analyzer<'_> {
             }
         }
     }
+}
+
+/// A Python identifier (ASCII form; magic arguments are rarely anything else).
+fn is_identifier(word: &str) -> bool {
+    word.chars().next().is_some_and(|c| c.is_alphabetic() || c == '_') && word.chars().all(|c| c.is_alphanumeric() || c == '_')
 }

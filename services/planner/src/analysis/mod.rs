@@ -79,6 +79,11 @@ pub struct DefSummary {
     pub global_reads: BTreeSet<String>,
     /// Globals the body binds through `global x` declarations.
     pub global_writes: BTreeSet<String>,
+    /// `Some(what, where)` when the body reaches names by a computed string
+    /// (`eval(s)`, `globals()[k]`): no static read shows them, so a cell that uses
+    /// the definition restores conservatively.
+    #[serde(default)]
+    pub dynamic: Option<String>,
 }
 
 /// Where a cell should run.

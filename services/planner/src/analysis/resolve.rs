@@ -36,14 +36,25 @@ pub struct Closure {
 /// The state closure: the cell's reads found in the history, plus, transitively, the
 /// global reads of the notebook-defined functions and classes in the closure.
 pub fn resolve(analysis: &CellAnalysis, history: &History) -> Closure {
+    let whole = |reason: String| Closure {
+        names: history.iter().map(|(n, i)| (n.clone(), i.version)).collect(),
+        conservative: Some(reason),
+    };
     if let Some(reason) = &analysis.conservative {
-        return Closure {
-            names: history
-                .iter()
-                .map(|(n, i)| (n.clone(), i.version))
-                .collect(),
-            conservative: Some(reason.clone()),
-        };
+        return whole(reason.clone());
+    }
+    // A definition that reaches names by computed strings: the cell that uses it
+    // may need any name (a class whose `_repr_html_` calls `eval(name)`).
+    let dynamic = |n: &str, d: &DefSummary| d.dynamic.as_ref().map(|why| format!("uses {n}, which reaches names dynamically ({why})"));
+    // ... also one this cell defines and uses, directly or through its other definitions
+    let mut seen = BTreeSet::new();
+    let mut work: Vec<&String> = analysis.calls.iter().filter(|n| analysis.defs.contains_key(*n)).collect();
+    while let Some(n) = work.pop() {
+        let Some(d) = analysis.defs.get(n).filter(|_| seen.insert(n)) else { continue };
+        if let Some(reason) = dynamic(n, d) {
+            return whole(reason);
+        }
+        work.extend(d.global_reads.iter());
     }
     let mut names = BTreeMap::new();
     let mut work: Vec<&str> = Vec::new();
@@ -58,6 +69,9 @@ pub fn resolve(analysis: &CellAnalysis, history: &History) -> Closure {
         let Some(def) = history.get(n).and_then(|i| i.def.as_ref()) else {
             continue;
         };
+        if let Some(reason) = dynamic(n, def) {
+            return whole(reason);
+        }
         for g in &def.global_reads {
             if let Some(info) = history.get(g) {
                 if !names.contains_key(g) {

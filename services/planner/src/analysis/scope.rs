@@ -53,6 +53,8 @@ pub(super) struct Frame {
     pub(super) nonlocal_decl: HashSet<String>,
     pub(super) global_reads: HashSet<String>,
     pub(super) global_writes: HashSet<String>,
+    /// Dynamic namespace access in this scope or one nested in it (what, where).
+    pub(super) dynamic: Option<String>,
 }
 
 impl Frame {
@@ -69,6 +71,7 @@ impl Frame {
             nonlocal_decl: HashSet::new(),
             global_reads: HashSet::new(),
             global_writes: HashSet::new(),
+            dynamic: None,
         }
     }
 
@@ -97,6 +100,9 @@ pub(super) struct ScopeResult {
     pub(super) now: HashSet<String>,
     pub(super) global_reads: HashSet<String>,
     pub(super) global_writes: HashSet<String>,
+    /// The scope's kind, and its dynamic namespace access (see `Frame::dynamic`).
+    pub(super) kind: FrameKind,
+    pub(super) dynamic: Option<String>,
 }
 
 pub(super) struct Analyzer<'s> {
@@ -142,6 +148,22 @@ impl<'s> Analyzer<'s> {
         if self.out.conservative.is_none() {
             let line = self.line_of(at);
             self.out.conservative = Some(format!("{what} at line {line}"));
+        }
+    }
+
+    /// Names reached by a computed string (`eval(s)`, `globals()`): at top level the
+    /// cell's closure cannot be known; inside a def, the definition says so in its
+    /// summary and cells that use it restore conservatively.
+    pub(super) fn dynamic(&mut self, what: &str, at: TextSize) {
+        if self.at_module() {
+            self.conservative(what, at);
+            return;
+        }
+        let line = self.line_of(at);
+        if let Some(f) = self.frames.last_mut() {
+            if f.dynamic.is_none() {
+                f.dynamic = Some(format!("{what} at line {line}"));
+            }
         }
     }
 
@@ -300,6 +322,8 @@ impl<'s> Analyzer<'s> {
                 now: HashSet::new(),
                 global_reads: HashSet::new(),
                 global_writes: HashSet::new(),
+                kind: FrameKind::Module,
+                dynamic: None,
             };
         };
         let (free, now) = match f.kind {
@@ -331,6 +355,8 @@ impl<'s> Analyzer<'s> {
             now,
             global_reads: f.global_reads,
             global_writes: f.global_writes,
+            kind: f.kind,
+            dynamic: f.dynamic,
         }
     }
 
@@ -340,8 +366,15 @@ impl<'s> Analyzer<'s> {
         let Some(f) = self.frames.last_mut() else {
             return;
         };
+        if f.dynamic.is_none() && f.kind != FrameKind::Module {
+            f.dynamic.clone_from(&r.dynamic);
+        }
         match f.kind {
             FrameKind::Module => {
+                // a comprehension runs now; a def's or lambda's body only when called
+                if r.kind == FrameKind::Comprehension && self.out.conservative.is_none() {
+                    self.out.conservative.clone_from(&r.dynamic);
+                }
                 for n in &r.now {
                     if !is_builtin(n) && !self.out.calls.contains(n.as_str()) {
                         self.out.calls.insert(n.clone());

@@ -336,6 +336,7 @@ impl Analyzer<'_> {
                 .cloned()
                 .collect::<BTreeSet<_>>(),
             global_writes: r.global_writes.iter().cloned().collect(),
+            dynamic: r.dynamic.clone(),
         });
         self.absorb(r, Some(name));
         self.bind(name);
