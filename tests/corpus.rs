@@ -88,17 +88,37 @@ fn own_notebooks() -> Vec<PathBuf> {
     vec![repo_root().join("tests/notebooks/semantics.ipynb")]
 }
 
-/// Corpus notebooks relative to the corpus folder, then ours (copied to its root).
-fn notebooks() -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    for dir in [corpus(), corpus().join("torch")] {
-        for e in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("corpus at {}: {e}", dir.display())) {
-            let p = e.unwrap().path();
-            if p.extension().is_some_and(|x| x == "ipynb") {
-                out.push(p.strip_prefix(corpus()).unwrap().to_path_buf());
-            }
+/// Folders of the corpus whose notebooks show what LooseLeaf does not do yet, each
+/// with the open work that makes it pass. They are listed on every run; nothing in
+/// LooseLeaf treats them differently.
+const NOT_YET: &[(&str, &str)] = &[(
+    "fidelity/bigstate",
+    "issue 11 item 6: manifests, deltas and planner history outgrow a NATS message",
+)];
+
+fn find_notebooks(dir: &Path, out: &mut Vec<PathBuf>) {
+    for e in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("corpus at {}: {e}", dir.display())) {
+        let p = e.unwrap().path();
+        if p.is_dir() && !p.ends_with(".ipynb_checkpoints") {
+            find_notebooks(&p, out);
+        } else if p.extension().is_some_and(|x| x == "ipynb") {
+            out.push(p.strip_prefix(corpus()).unwrap().to_path_buf());
         }
     }
+}
+
+/// Every corpus notebook, in every folder, relative to the corpus folder (each runs
+/// with its own folder as working directory), then ours (copied to its root).
+fn notebooks() -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    find_notebooks(&corpus(), &mut out);
+    out.retain(|nb| match NOT_YET.iter().find(|(dir, _)| nb.starts_with(dir)) {
+        Some((_, why)) => {
+            eprintln!("not yet run: {} ({why})", nb.display());
+            false
+        }
+        None => true,
+    });
     out.sort();
     out.extend(own_notebooks().iter().map(|p| PathBuf::from(p.file_name().unwrap())));
     out

@@ -120,11 +120,16 @@ def _magics(shell, base: Baseline) -> list[tuple]:
                 blob = _dumps_with_ns(cls, ns)
                 if blob is not None:
                     out.append(("class", blob))
+    # a magic an earlier worker registered that this one did not need (its
+    # function was not in the closure) is still the session's
+    have = {(r[1], r[2]) for r in out if r[0] == "function"}
+    out += [r for r in getattr(shell, "_ll_unregistered", []) if (r[1], r[2]) not in have]
     return out
 
 
 def _register_magics(shell, records: list[tuple]) -> None:
     ns = shell.user_ns
+    shell._ll_unregistered = []
     for rec in records:
         try:
             if rec[0] == "alias":
@@ -135,8 +140,9 @@ def _register_magics(shell, records: list[tuple]) -> None:
                 if fn is None and blob is not None:
                     fn = _loads_with_ns(blob, ns)
                 if fn is None:
-                    # the closure did not bring the function (a magic of another
-                    # name than its variable, not used by this cell)
+                    # the closure did not bring the function: this cell does not
+                    # use the magic; keep the record for later workers
+                    shell._ll_unregistered.append(rec)
                     continue
                 shell.register_magic_function(fn, kind, name)
             elif rec[0] == "class":
@@ -149,28 +155,37 @@ def _inline_figures(shell) -> None:
     """The session drew with the inline backend: a Figure shown as a cell's value
     renders as an image, as in the kernel, without importing pyplot until one is
     shown. The first Figure formatted sets the inline support up for real."""
+    inline = sys.modules.get("matplotlib_inline.backend_inline")
+    if inline is not None and getattr(inline.configure_inline_support, "current_backend", None) == "inline":
+        return  # this worker drew already: the formatters are the real ones
     key = ("matplotlib.figure", "Figure")
     formatters = shell.display_formatter.formatters
+    hooks = []
 
     def hook_for(mime):
         def first_figure(fig):
+            # IPython moved the hook that was asked from the deferred printers to
+            # the type printers: take every one of ours out, then set up the real ones
             for f in formatters.values():
                 if f.deferred_printers.get(key) in hooks:
                     f.deferred_printers.pop(key, None)
-            from matplotlib_inline.backend_inline import configure_inline_support
+                if f.type_printers.get(type(fig)) in hooks:
+                    f.type_printers.pop(type(fig), None)
+            from IPython.core.pylabtools import select_figure_formats
+            from matplotlib_inline.backend_inline import InlineBackend, configure_inline_support
             configure_inline_support(shell, "inline")
+            cfg = InlineBackend.instance(parent=shell)
+            select_figure_formats(shell, cfg.figure_formats, **cfg.print_figure_kwargs)
             printer = formatters[mime].type_printers.get(type(fig))
-            return printer(fig) if printer is not None else None
+            return printer(fig) if printer is not None and printer not in hooks else None
         return first_figure
 
-    hooks = []
     for mime in ("image/png", "image/svg+xml", "image/jpeg", "application/pdf"):
         f = formatters.get(mime)
         if f is None or key in f.deferred_printers or any(t.__name__ == "Figure" for t in f.type_printers):
             continue
-        hook = hook_for(mime)
-        hooks.append(hook)
-        f.for_type_by_name(*key, hook)
+        hooks.append(hook_for(mime))
+        f.for_type_by_name(*key, hooks[-1])
 
 
 def capture(shell, base: Baseline) -> dict:

@@ -99,6 +99,12 @@ def test_registered_magics_aliases_and_extensions_work_in_later_workers(zygote, 
     ok(w1.run("xs = [1, 2, 3]"))
     w1.save()
 
+    # a worker whose cell needs none of them keeps them for the session
+    w1b = zygote.fork(cwd=str(tmp_path))
+    assert w1b.restore(["xs"])["ok"]
+    ok(w1b.run("ys = xs"))
+    w1b.save()
+
     w2 = zygote.fork(cwd=str(tmp_path))
     # the planner's closure of `%shout hi` brings `shout` (the magic's name), of
     # `%mean xs` the variable it names
@@ -206,3 +212,16 @@ def test_the_platforms_warnings_never_reach_a_cell_and_user_filters_hold(zygote)
     # the user's filter is still in force for the user's own code
     r = w.run("warnings.warn('mine', FutureWarning)")
     assert of_type(r, "error")[0]["ename"] == "FutureWarning"
+
+
+def test_a_worker_that_restores_again_keeps_drawing(zygote):
+    # the session's CPU worker restores before each cell: the inline set-up must
+    # not stack up (it once recursed into itself on every later figure)
+    w = zygote.fork()
+    ok(w.run("import matplotlib.pyplot as plt\nplt.plot([1, 2]);"))
+    w.save()
+    for _ in range(3):
+        assert w.restore(["plt"])["ok"]
+        r = ok(w.run("fig, ax = plt.subplots()\nax.plot([2, 1]);"))
+        assert [o["output_type"] for o in r["outputs"]] == ["display_data"]
+        w.save()
