@@ -71,6 +71,9 @@ pub struct CellReport {
     pub imports: Vec<String>,
     pub conservative: bool,
     pub conservative_reason: Option<String>,
+    /// Names the cell reached that its closure missed, brought in while it ran
+    /// (the worker's safety net); the next run restores them up front.
+    pub faulted: Vec<String>,
     pub pinned: Vec<String>,
     pub prepare: Option<String>,
     pub start_delay_ms: Option<u64>,
@@ -131,8 +134,9 @@ impl CellReport {
                     let from = prev_done_unix_ms.map_or(t.run_unix_ms, |p| p.max(t.run_unix_ms));
                     r.start_delay_ms = Some(unix_ms.saturating_sub(from));
                 }
-                EventKind::Finished { status, error, run_ms, .. } => {
+                EventKind::Finished { status, error, run_ms, faulted, .. } => {
                     r.run_ms = Some(*run_ms);
+                    r.faulted = faulted.clone();
                     if *status == CellStatus::Error {
                         cell_error = Some(error.clone().unwrap_or_else(|| "the cell raised".into()));
                     }

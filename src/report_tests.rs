@@ -80,6 +80,7 @@ fn a_cell_that_raised_reports_the_error() {
     t.events.push((
         15,
         EventKind::Finished {
+            faulted: vec!["shown".into()],
             status: CellStatus::Error,
             error: Some("ZeroDivisionError: division by zero".into()),
             execution_count: 3,
@@ -90,6 +91,7 @@ fn a_cell_that_raised_reports_the_error() {
     ));
     let c = CellReport::from_trace(&t, None);
     assert_eq!(c.status, "error");
+    assert_eq!(c.faulted, vec!["shown".to_string()]);
     assert_eq!(c.run_ms, Some(4.0));
     assert_eq!(t.execution_count(), Some(3));
 }

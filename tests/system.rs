@@ -6,7 +6,8 @@
 //! after its save (on the hosts' status subjects, not only in the report), that CPU
 //! cells ran on the session's persistent CPU worker, that aliases keep sharing across
 //! GPU cells, that an unsavable generator stays in its worker and keeps its values,
-//! and that an error in a cell does not end the session.
+//! that an error in a cell does not end the session, and that a name a closure
+//! missed (read through eval) is brought in while the cell runs.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -175,6 +176,11 @@ fn four_services_two_hosts_on(store_env: Vec<(&'static str, String)>) {
     assert_eq!(cells[15]["status"], "ok", "{}", cells[15]);
     assert!(cells[15]["saved_bytes"].as_u64().unwrap_or(0) >= 160_000_000, "{}", cells[15]);
     assert!(text(16).contains("big restored True (20000000,)"), "{}", text(16));
+    // a name reached through eval of a computed string, which no closure holds, is
+    // brought in from the committed state while the cell runs, shared as restored
+    // (look('d')['k'] is a), and the report names it
+    assert!(text(18).contains("looked up [7, 8] True"), "{}", text(18));
+    assert_eq!(cells[18]["faulted"], serde_json::json!(["w"]), "{}", cells[18]);
 
     // GPU cells used both hosts: the generator pins one host's only slot.
     let gpu_hosts: BTreeSet<&str> =

@@ -314,6 +314,10 @@ pub enum EventKind {
         outputs: u64,
         /// Whether the cell initialised CUDA (the planner labels the cell GPU next time).
         cuda_used: bool,
+        /// Names the cell reached that its closure missed (through eval/exec),
+        /// brought in from the committed state while it ran; the planner restores
+        /// them up front the next time the cell runs.
+        faulted: Vec<String>,
     },
     /// The cell's state was committed; the slot is released.
     Saved {

@@ -147,7 +147,7 @@ fn started() -> EventKind {
 }
 
 fn finished(outputs: u64) -> EventKind {
-    EventKind::Finished { status: CellStatus::Ok, error: None, execution_count: 1, run_ms: 2.0, outputs, cuda_used: false }
+    EventKind::Finished { status: CellStatus::Ok, error: None, execution_count: 1, run_ms: 2.0, outputs, cuda_used: false, faulted: vec![] }
 }
 
 fn saved(revision: u64) -> EventKind {

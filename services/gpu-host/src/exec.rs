@@ -316,6 +316,14 @@ impl ExecEnv {
         let host = self.host_id.clone();
         let worker_id = w.id.clone();
         let device = recipe.device;
+        // A name the closure missed comes from the same committed state the closure
+        // was restored from (DESIGN section 6's safety net); records the worker
+        // holds are not sent again.
+        let held_oids = std::sync::Mutex::new(
+            manifest.reachable(w.held.keys().filter_map(|n| manifest.variables.get(n).and_then(|v| v.oid.as_deref()))),
+        );
+        let fault_files = std::sync::Mutex::new(Vec::new());
+        let on_fault = |names: Vec<String>| self.fault_frame(&manifest, &held_oids, &fault_files, names, &worker_id);
         let finished = w
             .run(exec_id, &recipe.cell_id, &recipe.code, self.cell_timeout, |ev| {
                 let p = match ev {
@@ -344,13 +352,24 @@ impl ExecEnv {
                 };
                 // the receiver lives until we drop tx below
                 let _ = tx.send(p);
-            })
+            }, on_fault)
             .await;
         drop(tx);
+        for path in fault_files.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            let _ = std::fs::remove_file(path);
+        }
         if let Err(e) = forwarder.await {
             tracing::error!(error = %e, "output forwarder failed");
         }
         let finished = finished.map_err(describe)?;
+        for name in &finished.faulted {
+            if let Some(v) = manifest.variables.get(name) {
+                w.held.insert(name.clone(), v.version);
+            }
+        }
+        if !finished.faulted.is_empty() {
+            tracing::info!(%session, %exec_id, cell = %recipe.cell_id, names = ?finished.faulted, "the closure missed names the cell read; brought them in");
+        }
         let error = finished.error.as_ref().map(|e| format!("{}: {}", e.ename, e.evalue));
         let status = if finished.status == "ok" { CellStatus::Ok } else { CellStatus::Error };
         self.event(session, exec_id, EventKind::Finished {
@@ -360,6 +379,7 @@ impl ExecEnv {
             run_ms: finished.run_ms,
             outputs: finished.outputs,
             cuda_used: finished.cuda_used,
+            faulted: finished.faulted.clone(),
         })
         .await;
 
@@ -404,6 +424,52 @@ impl ExecEnv {
         })
         .await;
         Ok(saved.unsavable)
+    }
+
+    /// The answer to a worker's fault: those of `names` the committed state has, with
+    /// the records (and payloads) the worker does not hold yet in a restore file.
+    /// A name the session does not have is left out: the cell sees it undefined, as
+    /// in a kernel.
+    async fn fault_frame(
+        &self,
+        manifest: &Manifest,
+        held_oids: &std::sync::Mutex<BTreeSet<String>>,
+        files: &std::sync::Mutex<Vec<std::path::PathBuf>>,
+        names: Vec<String>,
+        worker: &str,
+    ) -> Frame {
+        let mut variables = BTreeMap::new();
+        let mut objects = Vec::new();
+        {
+            let mut held = held_oids.lock().unwrap_or_else(|e| e.into_inner());
+            for name in names {
+                let Some(entry) = manifest.variables.get(&name) else { continue };
+                if let Some(oid) = &entry.oid {
+                    for o in manifest.reachable([oid.as_str()]) {
+                        if held.insert(o.clone()) {
+                            objects.push((o, name.clone()));
+                        }
+                    }
+                }
+                variables.insert(
+                    name,
+                    VarRestore { oid: entry.oid.clone(), version: entry.version.to_string(), module: entry.module.clone() },
+                );
+            }
+        }
+        match self.chunks.write_restore_file(manifest, &objects, worker).await {
+            Ok(file) => {
+                if let Some(p) = &file.path {
+                    files.lock().unwrap_or_else(|e| e.into_inner()).push(p.clone());
+                }
+                Frame::Faulted { shm_path: file.path.map(|p| p.display().to_string()), variables, objects: file.objects }
+            }
+            Err(e) => {
+                // the cell goes on without them (NameError), and says why in the log
+                tracing::warn!(worker, error = %e, "could not bring in names a cell reached");
+                Frame::Faulted { shm_path: None, variables: BTreeMap::new(), objects: BTreeMap::new() }
+            }
+        }
     }
 
     /// Bring `w` to the session's committed state for `recipe`: drop names that are

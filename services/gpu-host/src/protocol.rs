@@ -170,6 +170,23 @@ pub enum Frame {
         /// nbformat output.
         output: serde_json::Value,
     },
+    /// worker -> host, while a cell runs: names it reached that the worker does not
+    /// hold (the closure missed them); the worker waits for `Faulted`.
+    Fault {
+        /// Execution id.
+        exec_id: String,
+        /// The names.
+        names: Vec<String>,
+    },
+    /// host -> worker: the faulted names the committed state has, to restore.
+    Faulted {
+        /// File holding records and payloads.
+        shm_path: Option<String>,
+        /// Names to bind.
+        variables: BTreeMap<String, VarRestore>,
+        /// Records to load (those the worker does not hold yet).
+        objects: BTreeMap<String, ObjRestore>,
+    },
     /// worker -> host: the cell ended.
     Finished {
         /// Execution id.
@@ -185,6 +202,9 @@ pub enum Frame {
         /// The error, if any.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         error: Option<ErrorInfo>,
+        /// Names brought in by `Fault` while the cell ran.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        faulted: Vec<String>,
     },
     /// host -> worker: save what changed.
     Save {
@@ -264,6 +284,8 @@ impl Frame {
             Frame::Run { .. } => "run",
             Frame::Started { .. } => "started",
             Frame::Output { .. } => "output",
+            Frame::Fault { .. } => "fault",
+            Frame::Faulted { .. } => "faulted",
             Frame::Finished { .. } => "finished",
             Frame::Save { .. } => "save",
             Frame::SavePlan { .. } => "save_plan",
@@ -388,7 +410,9 @@ mod tests {
             Frame::Run { exec_id: "e".into(), cell_id: "c".into(), code: "1".into() },
             Frame::Started { exec_id: "e".into(), unix_ms: 1, execution_count: 1 },
             Frame::Output { exec_id: "e".into(), output: serde_json::json!({"output_type": "stream"}) },
-            Frame::Finished { exec_id: "e".into(), status: "ok".into(), execution_count: 1, run_ms: 1.0, cuda_used: false, error: None },
+            Frame::Fault { exec_id: "e".into(), names: vec!["x".into()] },
+            Frame::Faulted { shm_path: None, variables: BTreeMap::new(), objects: BTreeMap::new() },
+            Frame::Finished { exec_id: "e".into(), status: "ok".into(), execution_count: 1, run_ms: 1.0, cuda_used: false, error: None, faulted: vec!["x".into()] },
             Frame::Save { exec_id: "e".into() },
             Frame::SavePlan { exec_id: "e".into(), chunks: vec![] },
             Frame::SaveMissing { exec_id: "e".into(), missing: vec![] },

@@ -70,6 +70,8 @@ pub struct Finished {
     pub cuda_used: bool,
     /// Outputs forwarded.
     pub outputs: u64,
+    /// Names the cell reached that its closure missed, brought in while it ran.
+    pub faulted: Vec<String>,
 }
 
 /// What a save did.
@@ -188,15 +190,22 @@ impl WorkerProc {
         }
     }
 
-    /// Run a cell, reporting start and outputs through `on_event` as they come.
-    pub async fn run(
+    /// Run a cell, reporting start and outputs through `on_event` as they come. A
+    /// name the cell reaches that the worker lacks (a read its closure missed) is
+    /// answered by `on_fault`, which returns the `Faulted` frame to send back.
+    pub async fn run<FF, FFut>(
         &mut self,
         exec_id: Uuid,
         cell_id: &str,
         code: &str,
         timeout: Duration,
         mut on_event: impl FnMut(RunEvent),
-    ) -> Result<Finished, WorkerError> {
+        mut on_fault: FF,
+    ) -> Result<Finished, WorkerError>
+    where
+        FF: FnMut(Vec<String>) -> FFut,
+        FFut: std::future::Future<Output = Frame>,
+    {
         let exec = exec_id.to_string();
         self.runs += 1;
         self.enter(WorkerState::Running);
@@ -209,8 +218,12 @@ impl WorkerProc {
                     outputs += 1;
                     on_event(RunEvent::Output(output));
                 }
-                Frame::Finished { status, error, execution_count, run_ms, cuda_used, .. } => {
-                    return Ok(Finished { status, error, execution_count, run_ms, cuda_used, outputs })
+                Frame::Fault { names, exec_id } if exec_id == exec => {
+                    let reply = on_fault(names).await;
+                    self.send("answering a fault", &reply).await?;
+                }
+                Frame::Finished { status, error, execution_count, run_ms, cuda_used, faulted, .. } => {
+                    return Ok(Finished { status, error, execution_count, run_ms, cuda_used, outputs, faulted })
                 }
                 other => return Err(self.unexpected("running", other)),
             }

@@ -310,10 +310,14 @@ impl StreamHandler<Result<Envelope<EditV1>, Rejected>> for Planner {
 }
 
 /// Learn from a finished cell: if its worker saw CUDA used, label the cell GPU
-/// next time (DESIGN.md section 4; the "what the worker reported").
-async fn learn(kv: kv::Store, session: Uuid, exec_id: Uuid, cuda_used: bool) -> Result<(), state::StateError> {
+/// next time (DESIGN.md section 4; the "what the worker reported"); names
+/// its closure missed are restored up front next time.
+async fn learn(kv: kv::Store, session: Uuid, exec_id: Uuid, cuda_used: bool, faulted: Vec<String>) -> Result<(), state::StateError> {
     state::modify(&kv, session, |st| {
         if let Some(cell_id) = st.running.remove(&exec_id) {
+            if !faulted.is_empty() {
+                st.faulted.entry(cell_id.clone()).or_default().extend(faulted.iter().cloned());
+            }
             if cuda_used {
                 st.cuda_cells.insert(cell_id);
             } else {
@@ -329,11 +333,11 @@ impl StreamHandler<Result<Envelope<SessionEventV1>, Rejected>> for Planner {
         let Ok(env) = item else { return };
         let (session, exec_id) = (env.msg.session, env.msg.exec_id);
         match env.msg.kind {
-            EventKind::Finished { cuda_used, .. } => {
+            EventKind::Finished { cuda_used, faulted, .. } => {
                 let kv = self.kv.clone();
                 ctx.spawn(
                     async move {
-                        if let Err(e) = learn(kv, session, exec_id, cuda_used).await {
+                        if let Err(e) = learn(kv, session, exec_id, cuda_used, faulted).await {
                             tracing::warn!(error = %e, "could not record a cell's CUDA use");
                         }
                     }

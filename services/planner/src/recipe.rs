@@ -60,6 +60,7 @@ pub fn history(manifest: &Manifest, state: &SessionState) -> History {
                 global_reads: var.global_reads.iter().cloned().collect(),
                 global_writes: Default::default(),
                 dynamic: None,
+                evals: false,
             })
         });
         history.insert(name.clone(), NameInfo { version: var.version, def, on_gpu, is_module: var.module.is_some() });
@@ -102,6 +103,10 @@ pub fn derive(analysis: &CellAnalysis, code: &str, manifest: &Manifest, state: &
         .filter(|(n, i)| i.def.as_ref().is_some_and(|d| d.kind == DefKind::Class) && !analysis.reads.contains(*n))
         .map(|(n, _)| n.clone())
         .collect();
+    // Names this cell's earlier runs reached that the closure missed.
+    if let Some(faulted) = state.faulted.get(cell_id) {
+        extra.extend(faulted.iter().filter(|n| history.contains_key(*n)).cloned());
+    }
     // `Out[N]` is `_N`: a cell that reads the output history needs those names.
     if analysis.reads.contains("Out") || analysis.builtin_reads.contains("Out") {
         extra.extend(history.keys().filter(|n| n.len() > 1 && n.starts_with('_') && n[1..].bytes().all(|b| b.is_ascii_digit())).cloned());
@@ -291,6 +296,21 @@ mod tests {
         let code = "print(sk.linear_model.__name__, x)";
         let d = derive(&analysis::analyze(code), code, &m, &state, false, Uuid::now_v7(), "c");
         assert_eq!(d.imports, vec!["sklearn".to_string(), "sklearn.linear_model".to_string()]);
+    }
+
+    #[test]
+    fn names_a_cell_faulted_in_are_restored_up_front_next_time() {
+        let m = manifest(&["show", "a", "b"]);
+        let mut state = SessionState::default();
+        let code = "show('a' + suffix)";
+        let a = analysis::analyze(code);
+        let names = |d: &Derived| d.closure.iter().map(|v| v.name.clone()).collect::<Vec<_>>();
+        assert_eq!(names(&derive(&a, code, &m, &state, false, Uuid::now_v7(), "c3")), vec!["show"]);
+        // the worker reported that the run reached `a` (and a name the session lost since)
+        state.faulted.insert("c3".into(), ["a".to_string(), "gone".to_string()].into());
+        assert_eq!(names(&derive(&a, code, &m, &state, false, Uuid::now_v7(), "c3")), vec!["a", "show"]);
+        // only for that cell
+        assert_eq!(names(&derive(&a, code, &m, &state, false, Uuid::now_v7(), "c4")), vec!["show"]);
     }
 
     #[test]

@@ -43,6 +43,10 @@ pub struct SessionState {
     /// restores the module `a` imports them too.
     #[serde(default)]
     pub submodules: std::collections::BTreeSet<String>,
+    /// Per cell, names its runs reached that the closure missed (the worker's
+    /// safety net brought them in): restored up front the next time it runs.
+    #[serde(default)]
+    pub faulted: BTreeMap<String, std::collections::BTreeSet<String>>,
 }
 
 /// Why the state could not be read or written.

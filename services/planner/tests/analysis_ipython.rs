@@ -109,7 +109,7 @@ fn magics_the_notebook_registers_read_their_function_and_named_variables() {
     // the variables it names. Reads resolve only against names the session defined.
     rw("%seed 42", &["seed"], &[]);
     rw("%tensorinfo x w.T, y", &["tensorinfo", "w", "x", "y"], &[]);
-    rw("%%hparams cfg\nlr = 0.1\nepochs = 3", &["cfg", "hparams"], &[]);
+    rw("%%hparams cfg\nlr = 0.1\nepochs = 3", &["cfg", "hparams"], &["cfg"]);
     rw("%show {label} $n", &["label", "n", "show"], &[]);
 }
 

@@ -32,6 +32,7 @@ fn func(history: &mut History, name: &str, reads: &[&str], writes: &[&str]) -> U
         global_reads: set(reads),
         global_writes: set(writes),
         dynamic: None,
+        evals: false,
     };
     history.insert(
         name.to_string(),
@@ -139,29 +140,62 @@ fn gpu_closure_variables_hint_the_device() {
 
 #[test]
 fn a_definition_that_reads_names_dynamically_makes_its_users_conservative() {
-    // the pattern of a display helper whose `_repr_html_` evaluates the names it was given
-    let def = analyze(
-        "class display:\n    def __init__(self, *args):\n        self.args = args\n    def _repr_html_(self):\n        return ''.join(str(eval(a)) for a in self.args)",
-    );
-    let summary = def.defs["display"].clone();
-    assert_eq!(summary.dynamic.as_deref(), Some("eval() at line 5"));
+    // a helper that looks names up in the namespace dict: nothing can intercept that
+    let def = analyze("def fetch(*names):\n    ns = globals()\n    return [ns[n] for n in names]");
+    let summary = def.defs["fetch"].clone();
+    assert_eq!(summary.dynamic.as_deref(), Some("globals() at line 2"));
     // defining it is not conservative: the body does not run
     assert_eq!(def.conservative, None);
 
     let mut h = History::new();
     let x = var(&mut h, "x");
-    let v = Uuid::new_v4();
-    h.insert("display".into(), NameInfo { version: v, def: Some(summary), on_gpu: false, is_module: false });
-    let c = resolve(&analyze("display('x', 'x.T')"), &h);
-    assert_eq!(names(&c), set(&["display", "x"]));
+    h.insert("fetch".into(), NameInfo { version: Uuid::new_v4(), def: Some(summary), on_gpu: false, is_module: false });
+    let c = resolve(&analyze("fetch('x')"), &h);
+    assert_eq!(names(&c), set(&["fetch", "x"]));
     assert_eq!(c.names["x"], x);
-    assert!(c.conservative.as_deref().is_some_and(|r| r.starts_with("uses display")), "{c:?}");
+    assert!(c.conservative.as_deref().is_some_and(|r| r.starts_with("uses fetch")), "{c:?}");
     // a cell that does not use it stays precise
     let c = resolve(&analyze("y = 1"), &h);
     assert!(c.names.is_empty() && c.conservative.is_none());
     // a dynamic definition used in its own cell, through another one
     let c = resolve(&analyze("def get(n):\n    return globals()[n]\ndef twice(n):\n    return 2 * get(n)\ntwice('x')"), &h);
     assert!(c.conservative.as_deref().is_some_and(|r| r.starts_with("uses get")), "{c:?}");
+}
+
+#[test]
+fn a_definition_that_evaluates_its_arguments_reads_the_names_they_spell() {
+    // the display helper of a real notebook: `_repr_html_` evaluates the names given
+    let def = analyze(
+        "class display:\n    def __init__(self, *args):\n        self.args = args\n    def _repr_html_(self):\n        return ''.join(str(eval(a)) for a in self.args)",
+    );
+    let summary = def.defs["display"].clone();
+    assert!(summary.evals && summary.dynamic.is_none(), "{summary:?}");
+    assert_eq!(def.conservative, None);
+    let mut h = History::new();
+    for n in ["x", "y", "pd", "unused"] {
+        var(&mut h, n);
+    }
+    h.insert("display".into(), NameInfo { version: Uuid::new_v4(), def: Some(summary), on_gpu: false, is_module: false });
+    // precise: what the literals spell, no more (the worker's safety net covers the rest)
+    let c = resolve(&analyze("display('x', \"pd.concat([x, y], keys=['x', 'y'])\")"), &h);
+    assert_eq!(names(&c), set(&["display", "pd", "x", "y"]));
+    assert_eq!(c.conservative, None);
+    // literals passed to a function that does not evaluate them are just strings
+    func(&mut h, "label", &[], &[]);
+    let c = resolve(&analyze("label('x')"), &h);
+    assert_eq!(names(&c), set(&["label"]));
+}
+
+#[test]
+fn pandas_expressions_read_the_names_they_reference() {
+    let mut h = History::new();
+    for n in ["df", "limit", "a", "b", "pd"] {
+        var(&mut h, n);
+    }
+    let c = resolve(&analyze("df.query('x > @limit and y < 3')"), &h);
+    assert_eq!(names(&c), set(&["df", "limit"]));
+    let c = resolve(&analyze("pd.eval('a + b')"), &h);
+    assert_eq!(names(&c), set(&["a", "b", "pd"]));
 }
 
 #[test]

@@ -14,7 +14,7 @@ import sys
 import time
 import traceback
 
-from . import ambient, checkpoint, protocol, quiet
+from . import ambient, checkpoint, faults, protocol, quiet
 from .localmods import LocalModules
 from .shell import WorkerShell
 
@@ -52,6 +52,9 @@ class Worker:
         self.base = ambient.Baseline(self.shell)
         self.local = LocalModules(self.base.path)
         self.local.install()
+        self.faulted: list[str] = []      # names brought in while the cell runs
+        self._not_in_session: set[str] = set()
+        faults.install(self.shell.user_ns, self.fault_in)
 
     # ------------------------------------------------------------- transport
     def send(self, msg: dict) -> None:
@@ -167,7 +170,28 @@ class Worker:
                 if name[:1] == "_" and name[1:].isdigit():
                     out[int(name[1:])] = value
 
+    def fault_in(self, name: str) -> bool:
+        """A name the running cell reached that this worker lacks (its closure
+        missed it): ask the host for it from the session's committed state."""
+        if self.exec_id is None or name in self._not_in_session:
+            return False
+        self.shell.flush_streams()
+        self.send({"type": "fault", "exec_id": self.exec_id, "names": [name]})
+        msg = self.expect("faulted")
+        with quiet.own_warnings():
+            _, errs = checkpoint.restore(self.shell.user_ns, msg["shm_path"], msg["variables"],
+                                         msg["objects"], self.oid_of)
+        for n, spec in msg["variables"].items():
+            if n not in errs:
+                self.versions[n] = spec["version"]
+                self.faulted.append(n)
+        if name not in self.shell.user_ns:
+            self._not_in_session.add(name)  # not the session's: a NameError, asked once
+            return False
+        return True
+
     def on_run(self, msg: dict) -> None:
+        self.faulted, self._not_in_session = [], set()
         self.exec_id = msg["exec_id"]
         count = self.shell.execution_count
         self.send({"type": "started", "exec_id": self.exec_id,
@@ -182,6 +206,8 @@ class Worker:
                "execution_count": count, "run_ms": run_ms, "cuda_used": _cuda_used()}
         if err:
             fin["error"] = err
+        if self.faulted:
+            fin["faulted"] = self.faulted
         self.send(fin)
 
     def on_save(self, msg: dict) -> None:

@@ -125,14 +125,29 @@ class Worker:
         exec_id = uuid.uuid4().hex
         self.conn.send({"type": "run", "exec_id": exec_id, "cell_id": "c", "code": code})
         started = self.conn.expect("started")
-        outputs = []
+        outputs, faults, files, sent = [], [], [], set()
         while True:
             msg = self.conn.recv()
             if msg["type"] == "output":
                 outputs.append(msg["output"])
+            elif msg["type"] == "fault":
+                # as the Rust host: those of the names the committed state has
+                faults.append(msg["names"])
+                reply = self.host.restore_msg([n for n in msg["names"] if n in self.host.manifest], False,
+                                              skip=sent)
+                sent.update(reply["objects"])
+                if os.path.getsize(reply["shm_path"]) == 0:
+                    os.unlink(reply["shm_path"])
+                    reply["shm_path"] = None
+                else:
+                    files.append(reply["shm_path"])
+                self.conn.send({"type": "faulted", "shm_path": reply["shm_path"],
+                                "variables": reply["variables"], "objects": reply["objects"]})
             elif msg["type"] == "finished":
+                for f in files:
+                    os.unlink(f)
                 return {"started": started, "outputs": outputs, "finished": msg,
-                        "exec_id": exec_id}
+                        "exec_id": exec_id, "faults": faults}
             else:
                 raise HostError(f"unexpected during run: {msg}")
 
@@ -272,7 +287,7 @@ class HostSim:
             todo.extend(self.objects[oid]["refs"])
         return out
 
-    def restore_msg(self, names: list[str], ambient: bool) -> dict:
+    def restore_msg(self, names: list[str], ambient: bool, skip: set | None = None) -> dict:
         path = f"/dev/shm/looseleaf-restore-test-{uuid.uuid4().hex}"
         objects, off = {}, 0
         with open(path, "wb") as f:
@@ -283,6 +298,8 @@ class HostSim:
                 off += len(data)
                 return region
             for oid in self.closure(names):
+                if skip and oid in skip:
+                    continue  # the worker holds it (a fault during the same run)
                 o = self.objects[oid]
                 objects[oid] = {"record": put(self.blob(o["record"])),
                                 "payloads": [put(self.blob(p)) for p in o["payloads"]]}

@@ -225,3 +225,40 @@ def test_a_worker_that_restores_again_keeps_drawing(zygote):
         r = ok(w.run("fig, ax = plt.subplots()\nax.plot([2, 1]);"))
         assert [o["output_type"] for o in r["outputs"]] == ["display_data"]
         w.save()
+
+
+# ------------------------------------------------------- names reached by eval
+
+DISPLAY = '''
+class show:
+    def __init__(self, *names):
+        self.names = names
+    def _repr_html_(self):
+        return " | ".join(f"{n}={eval(n)!r}" for n in self.names)
+'''
+
+
+def test_names_reached_by_eval_are_brought_in_from_the_committed_state(zygote):
+    w1 = zygote.fork()
+    ok(w1.run(DISPLAY))
+    ok(w1.run("a = [1, 2]\nb = a\nc = {'k': 3}"))
+    w1.save()
+
+    # the closure had only `show`: `a` and `b` come in when eval reaches them,
+    # sharing objects as if restored up front, and the run says so
+    w2 = zygote.fork()
+    assert w2.restore(["show"])["ok"]
+    r = ok(w2.run("show('a', 'b', 'a is b')"))
+    assert of_type(r, "execute_result")[0]["data"]["text/html"] == "a=[1, 2] | b=[1, 2] | a is b=True"
+    assert sorted(r["finished"]["faulted"]) == ["a", "b"]
+    assert [n for names in r["faults"] for n in names] == ["a", "b"]
+    # exec at top level binds in the namespace; a name the session never had is a
+    # NameError, asked for once
+    r = w2.run("exec('d = c[\"k\"] + 1')\nprint(d)\neval('nowhere')")
+    assert stream_text(r) == "4\n" and of_type(r, "error")[0]["ename"] == "NameError"
+    assert r["finished"]["faulted"] == ["c"] and r["faults"] == [["c"], ["nowhere"]]
+    # library code's eval is untouched, and an error inside eval shows no frame of ours
+    r = w2.run("import collections\nP = collections.namedtuple('P', 'x y')\nP(1, 2)")
+    assert result_text(r) == "P(x=1, y=2)" and "faulted" not in r["finished"]
+    tb = "\n".join(of_type(w2.run("eval('1/0')"), "error")[0]["traceback"])
+    assert "faults.py" not in tb

@@ -102,6 +102,7 @@ impl<'a> Visitor<'a> for Analyzer<'_> {
             Expr::Call(c) => {
                 self.check_dynamic_call(c);
                 self.check_device_call(c);
+                self.check_string_reads(c);
                 walk_expr(self, e);
             }
             Expr::Attribute(a) => {

@@ -147,7 +147,15 @@ pub(super) fn analyze_cell(code: &str) -> CellAnalysis {
             // registered is a variable of the session (the decorated function), and
             // its arguments may name variables it reads.
             n => {
-                a.magic_reads(n, words_after(magic, n));
+                let args = words_after(magic, n);
+                a.magic_reads(n, args);
+                // and such a magic often binds the name it is given (`%%hparams cfg`,
+                // as `%%capture out` does): a possible write, harmless if it does not
+                if !OWN_MAGICS.contains(&n) {
+                    for word in args.split_whitespace().filter(|w| is_identifier(w)) {
+                        a.bind(word);
+                    }
+                }
                 return a.out;
             }
         }

@@ -22,6 +22,7 @@ mod ipython;
 mod resolve;
 mod scope;
 mod stmt;
+mod strings;
 
 #[cfg(test)]
 mod tests;
@@ -59,6 +60,9 @@ pub struct CellAnalysis {
     pub device: Option<DeviceHint>,
     /// `Some(reason)` when the analysis cannot be sure of its reads and writes.
     pub conservative: Option<String>,
+    /// Names in the string literals passed to a call of a name (`show('x', 'x.T')`
+    /// gives `show: {x}`): a definition that evaluates its arguments reads them.
+    pub literal_args: BTreeMap<String, BTreeSet<String>>,
 }
 
 /// Whether a definition is a function or a class.
@@ -84,6 +88,11 @@ pub struct DefSummary {
     /// the definition restores conservatively.
     #[serde(default)]
     pub dynamic: Option<String>,
+    /// The body calls `eval`/`exec`: names it reaches that way come in through the
+    /// worker's safety net, and those named by string literals at a call site are
+    /// read up front (`CellAnalysis::literal_args`).
+    #[serde(default)]
+    pub evals: bool,
 }
 
 /// Where a cell should run.

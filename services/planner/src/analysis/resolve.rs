@@ -58,7 +58,13 @@ pub fn resolve(analysis: &CellAnalysis, history: &History) -> Closure {
     }
     let mut names = BTreeMap::new();
     let mut work: Vec<&str> = Vec::new();
-    for n in analysis.reads.iter().chain(&analysis.builtin_reads) {
+    // names spelled in the string arguments of a call to a definition that
+    // evaluates them (the safety net would bring them in; up front is cheaper)
+    let evaluates = |f: &String| {
+        analysis.defs.get(f).or_else(|| history.get(f).and_then(|i| i.def.as_ref())).is_some_and(|d| d.evals)
+    };
+    let spelled = analysis.literal_args.iter().filter(|(f, _)| evaluates(f)).flat_map(|(_, names)| names);
+    for n in analysis.reads.iter().chain(&analysis.builtin_reads).chain(spelled) {
         if let Some(info) = history.get(n) {
             if names.insert(n.clone(), info.version).is_none() {
                 work.push(n);

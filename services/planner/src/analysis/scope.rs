@@ -55,6 +55,8 @@ pub(super) struct Frame {
     pub(super) global_writes: HashSet<String>,
     /// Dynamic namespace access in this scope or one nested in it (what, where).
     pub(super) dynamic: Option<String>,
+    /// `eval`/`exec` in this scope or one nested in it.
+    pub(super) evals: bool,
 }
 
 impl Frame {
@@ -72,6 +74,7 @@ impl Frame {
             global_reads: HashSet::new(),
             global_writes: HashSet::new(),
             dynamic: None,
+            evals: false,
         }
     }
 
@@ -103,6 +106,7 @@ pub(super) struct ScopeResult {
     /// The scope's kind, and its dynamic namespace access (see `Frame::dynamic`).
     pub(super) kind: FrameKind,
     pub(super) dynamic: Option<String>,
+    pub(super) evals: bool,
 }
 
 pub(super) struct Analyzer<'s> {
@@ -157,6 +161,13 @@ impl<'s> Analyzer<'s> {
     pub(super) fn dynamic(&mut self, what: &str, at: TextSize) {
         if self.at_module() {
             self.conservative(what, at);
+            return;
+        }
+        if matches!(what, "eval()" | "exec()") {
+            // inside a definition: the worker's safety net brings in what it reaches
+            if let Some(f) = self.frames.last_mut() {
+                f.evals = true;
+            }
             return;
         }
         let line = self.line_of(at);
@@ -324,6 +335,7 @@ impl<'s> Analyzer<'s> {
                 global_writes: HashSet::new(),
                 kind: FrameKind::Module,
                 dynamic: None,
+                evals: false,
             };
         };
         let (free, now) = match f.kind {
@@ -357,6 +369,7 @@ impl<'s> Analyzer<'s> {
             global_writes: f.global_writes,
             kind: f.kind,
             dynamic: f.dynamic,
+            evals: f.evals,
         }
     }
 
@@ -366,8 +379,11 @@ impl<'s> Analyzer<'s> {
         let Some(f) = self.frames.last_mut() else {
             return;
         };
-        if f.dynamic.is_none() && f.kind != FrameKind::Module {
-            f.dynamic.clone_from(&r.dynamic);
+        if f.kind != FrameKind::Module {
+            if f.dynamic.is_none() {
+                f.dynamic.clone_from(&r.dynamic);
+            }
+            f.evals |= r.evals;
         }
         match f.kind {
             FrameKind::Module => {

@@ -337,6 +337,7 @@ impl Analyzer<'_> {
                 .collect::<BTreeSet<_>>(),
             global_writes: r.global_writes.iter().cloned().collect(),
             dynamic: r.dynamic.clone(),
+            evals: r.evals,
         });
         self.absorb(r, Some(name));
         self.bind(name);
