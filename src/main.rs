@@ -78,12 +78,18 @@ enum Command {
     Run {
         /// The notebook to run (nbformat 4).
         notebook: PathBuf,
-        /// Where to write the executed notebook.
+        /// Where to write the executed notebook (after every cell); default
+        /// NOTEBOOK.looseleaf.ipynb beside the notebook.
         #[arg(long, env = "LOOSELEAF_OUTPUT")]
-        output: PathBuf,
-        /// Where to write the per-cell report (JSON).
+        output: Option<PathBuf>,
+        /// Where to write the per-cell report (JSON, its schema beside it); default
+        /// NOTEBOOK.looseleaf.json beside the notebook.
         #[arg(long, env = "LOOSELEAF_REPORT")]
-        report: PathBuf,
+        report: Option<PathBuf>,
+        /// Run every cell even after one raises; without it the run stops at the
+        /// first cell that raises and exits with status 1 (as nbconvert and papermill).
+        #[arg(long, env = "LOOSELEAF_ALLOW_ERRORS")]
+        allow_errors: bool,
         /// Treat every code cell as a GPU cell.
         #[arg(long, env = "LOOSELEAF_ALL_GPU")]
         all_gpu: bool,
@@ -186,13 +192,23 @@ fn main() -> anyhow::Result<()> {
         Command::Up { virtual_gpus, port, data_dir, embed } => {
             system.block_on(up(options(embed, data_dir, virtual_gpus, port)))
         }
-        Command::Run { notebook, output, report, all_gpu, frontend, virtual_gpus, typing_cps, no_speculation, embed } => {
+        Command::Run { notebook, output, report, allow_errors, all_gpu, frontend, virtual_gpus, typing_cps, no_speculation, embed } => {
             if let Some(cps) = typing_cps {
                 anyhow::ensure!(cps.is_finite() && cps > 0.0, "--typing-cps must be a positive number of characters a second, not {cps}");
             }
             let tmp = tempfile::Builder::new().prefix("looseleaf-run-").tempdir().context("while making a temp dir")?;
             let opts = options(embed, tmp.path().to_path_buf(), Some(virtual_gpus), 0);
-            let req = run::RunRequest { notebook, output, report, all_gpu, frontend, typing_cps, speculate: !no_speculation };
+            let (default_output, default_report) = run::default_paths(&notebook);
+            let req = run::RunRequest {
+                output: output.unwrap_or(default_output),
+                report: report.unwrap_or(default_report),
+                notebook,
+                all_gpu,
+                frontend,
+                typing_cps,
+                speculate: !no_speculation,
+                allow_errors,
+            };
             system.block_on(run::run(req, opts))
         }
         Command::Analyze { notebook, json, time } => analyze::analyze_command(&notebook, json.as_ref(), time),

@@ -30,6 +30,59 @@ pub fn parse(text: &str) -> anyhow::Result<Value> {
     Ok(nb)
 }
 
+/// Check every cell is a cell (a type and a source) and give cells without an
+/// `id` one, as nbformat 4.5 requires and nbclient does: the id is the LooseLeaf
+/// cell id, so edits and runs of one cell line up.
+pub fn prepare(nb: &mut Value) -> anyhow::Result<()> {
+    let cells = nb.get_mut("cells").and_then(Value::as_array_mut).context("the notebook has no cells array")?;
+    let mut added = false;
+    let mut seen = std::collections::HashSet::new();
+    for (i, cell) in cells.iter_mut().enumerate() {
+        let Some(c) = cell.as_object_mut() else { bail!("cell {i} is not an object") };
+        match c.get("cell_type").and_then(Value::as_str) {
+            Some("code" | "markdown" | "raw") => {}
+            other => bail!("cell {i} has cell_type {other:?}; nbformat 4 has code, markdown and raw"),
+        }
+        if !matches!(c.get("source"), Some(Value::String(_) | Value::Array(_))) {
+            bail!("cell {i} has no source");
+        }
+        let id = c.get("id").and_then(Value::as_str).map(str::to_owned);
+        match id {
+            Some(id) if seen.insert(id.clone()) => {}
+            _ => {
+                // nbformat's own form: 8 hex digits of a uuid4
+                let mut fresh = uuid::Uuid::new_v4().simple().to_string();
+                fresh.truncate(8);
+                seen.insert(fresh.clone());
+                c.insert("id".into(), Value::String(fresh));
+                added = true;
+            }
+        }
+    }
+    if added && nb.get("nbformat_minor").and_then(Value::as_u64).is_none_or(|m| m < 5) {
+        nb["nbformat_minor"] = Value::from(5);
+    }
+    Ok(())
+}
+
+/// Set `metadata.language_info` to the Python that ran the cells (a kernel's
+/// kernel_info gives the same), keeping what the notebook had otherwise.
+pub fn set_language_info(nb: &mut Value, python_version: &str) {
+    let info = serde_json::json!({
+        "name": "python",
+        "version": python_version,
+        "mimetype": "text/x-python",
+        "file_extension": ".py",
+        "codemirror_mode": {"name": "ipython", "version": 3},
+        "pygments_lexer": "ipython3",
+        "nbconvert_exporter": "python",
+    });
+    if !nb.get("metadata").is_some_and(Value::is_object) {
+        nb["metadata"] = serde_json::json!({});
+    }
+    nb["metadata"]["language_info"] = info;
+}
+
 /// Read a notebook file.
 pub fn load(path: &Path) -> anyhow::Result<Value> {
     let text = std::fs::read_to_string(path).with_context(|| format!("while reading {}", path.display()))?;
@@ -101,9 +154,14 @@ pub fn to_string(nb: &Value) -> anyhow::Result<String> {
     Ok(s)
 }
 
-/// Write a notebook file.
+/// Write a notebook file: whole or not at all (a temporary file renamed over it),
+/// so an interrupted run never leaves half a notebook.
 pub fn save(path: &Path, nb: &Value) -> anyhow::Result<()> {
-    std::fs::write(path, to_string(nb)?).with_context(|| format!("while writing {}", path.display()))
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".looseleaf-tmp");
+    let tmp = std::path::PathBuf::from(tmp);
+    std::fs::write(&tmp, to_string(nb)?).with_context(|| format!("while writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("while writing {}", path.display()))
 }
 
 #[cfg(test)]
@@ -156,6 +214,28 @@ mod tests {
         assert_eq!(back["cells"][3]["outputs"], serde_json::json!([stream]));
         assert_eq!(back["cells"][3]["metadata"], serde_json::json!({"collapsed": true}));
         assert!(set_outputs(&mut nb, 9, vec![], None).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn cells_without_ids_get_unique_ones_and_bad_cells_are_named() -> anyhow::Result<()> {
+        let mut nb = parse(NB)?;
+        nb["nbformat_minor"] = 4.into();
+        nb["cells"][0]["id"] = "c1".into(); // a duplicate is replaced too
+        prepare(&mut nb)?;
+        let ids: Vec<&str> = nb["cells"].as_array().into_iter().flatten().filter_map(|c| c["id"].as_str()).collect();
+        assert_eq!(ids.len(), 4);
+        assert_eq!(ids.iter().collect::<std::collections::HashSet<_>>().len(), 4, "{ids:?}");
+        assert_eq!(ids[0], "c1", "the first of two equal ids stays");
+        assert_eq!(nb["nbformat_minor"], 5);
+        set_language_info(&mut nb, "3.11.7");
+        assert_eq!(nb["metadata"]["language_info"]["version"], "3.11.7");
+        assert_eq!(nb["metadata"]["kernelspec"]["name"], "python3");
+
+        let mut bad = parse(NB)?;
+        bad["cells"][2]["cell_type"] = "heading".into();
+        let err = prepare(&mut bad).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains("cell 2") && err.contains("heading"), "{err}");
         Ok(())
     }
 

@@ -66,8 +66,8 @@ impl NotebookOutputs {
     }
 
     /// The outputs of the cell at `index` (empty if it has none).
-    pub fn take(&mut self, index: usize) -> Vec<Value> {
-        self.cells.remove(&index).unwrap_or_default()
+    pub fn cell(&self, index: usize) -> Vec<Value> {
+        self.cells.get(&index).cloned().unwrap_or_default()
     }
 
     fn clear(&mut self, index: usize) {
@@ -113,10 +113,10 @@ mod tests {
         let wait = json!({"output_type": "clear_output", "wait": true});
         nb.apply(0, vec![stream("epoch 1\n"), wait.clone(), stream("epoch 2\n"), wait.clone(), stream("epoch 3\n"), wait]);
         // the last clear waits for an output that never comes
-        assert_eq!(nb.take(0), vec![stream("epoch 3\n")]);
+        assert_eq!(nb.cell(0), vec![stream("epoch 3\n")]);
         let now = json!({"output_type": "clear_output", "wait": false});
         nb.apply(1, vec![stream("a\n"), now, stream("b\n")]);
-        assert_eq!(nb.take(1), vec![stream("b\n")]);
+        assert_eq!(nb.cell(1), vec![stream("b\n")]);
     }
 
     #[test]
@@ -127,9 +127,9 @@ mod tests {
         let mut update = display("done", Some("s"));
         update["output_type"] = json!("update_display_data");
         nb.apply(2, vec![update, stream("x\n")]);
-        assert_eq!(nb.take(0), vec![display("done", None)]);
-        assert_eq!(nb.take(1), vec![display("other", None), display("done", None)]);
-        assert_eq!(nb.take(2), vec![stream("x\n")]);
+        assert_eq!(nb.cell(0), vec![display("done", None)]);
+        assert_eq!(nb.cell(1), vec![display("other", None), display("done", None)]);
+        assert_eq!(nb.cell(2), vec![stream("x\n")]);
     }
 
     #[test]
@@ -140,6 +140,6 @@ mod tests {
         let mut update = display("new", Some("p"));
         update["output_type"] = json!("update_display_data");
         nb.apply(0, vec![display("old", Some("p")), clear, pager, stream("after\n"), update]);
-        assert_eq!(nb.take(0), vec![stream("after\n")]);
+        assert_eq!(nb.cell(0), vec![stream("after\n")]);
     }
 }

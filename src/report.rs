@@ -36,6 +36,14 @@ impl Trace {
         }
     }
 
+    /// The Python version of the worker that ran the cell.
+    pub fn python(&self) -> Option<String> {
+        self.events.iter().find_map(|(_, k)| match k {
+            EventKind::Started { python, .. } if !python.is_empty() => Some(python.clone()),
+            _ => None,
+        })
+    }
+
     /// The cell's execution count (Finished, else Started).
     pub fn execution_count(&self) -> Option<u32> {
         let mut count = None;
@@ -226,12 +234,55 @@ impl SessionLog {
     }
 }
 
+/// The version of the report's layout (`docs/report.schema.json` describes it).
+pub const REPORT_VERSION: u32 = 1;
+
+/// The JSON Schema of the report, written beside every report.
+pub const SCHEMA: &str = include_str!("../docs/report.schema.json");
+
+/// The file name of the schema beside a report (the report's `$schema`).
+pub const SCHEMA_FILE: &str = "looseleaf-report.schema.json";
+
 /// REPORT.json.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct Report {
+    /// The schema file beside the report.
+    #[serde(rename = "$schema")]
+    pub schema: String,
+    pub report_version: u32,
+    /// The LooseLeaf that ran the notebook.
+    pub looseleaf_version: String,
+    /// When the run started (UTC, RFC 3339).
+    pub started_at: String,
     pub notebook: String,
     pub cells: Vec<CellReport>,
     pub totals: Totals,
+}
+
+/// Write the report, and its schema beside it.
+pub fn write(report: &Report, path: &std::path::Path) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let json = serde_json::to_string_pretty(report).context("while encoding the report")?;
+    std::fs::write(path, json + "\n").with_context(|| format!("while writing {}", path.display()))?;
+    let schema = path.with_file_name(SCHEMA_FILE);
+    std::fs::write(&schema, SCHEMA).with_context(|| format!("while writing {}", schema.display()))
+}
+
+/// A time as RFC 3339 in UTC (`2026-11-30T09:08:27Z`).
+pub fn rfc3339(t: std::time::SystemTime) -> String {
+    let secs = t.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // days since 1970-01-01 to a civil date (Howard Hinnant's algorithm)
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
 }
 
 /// Median of a list (mean of the middle two for even lengths); None if empty.
@@ -248,7 +299,7 @@ pub fn median(values: &[u64]) -> Option<f64> {
 
 /// Build the report from the executions in order and every SlotReleased of the session
 /// (`held_ms`, `reason`).
-pub fn build(notebook: &str, traces: &[Trace], log: &SessionLog, wall_seconds: f64) -> Report {
+pub fn build(notebook: &str, traces: &[Trace], log: &SessionLog, wall_seconds: f64, started_at: std::time::SystemTime) -> Report {
     let slot_releases = &log.slot_releases;
     let mut cells = Vec::with_capacity(traces.len());
     let mut prev_done = None;
@@ -275,7 +326,15 @@ pub fn build(notebook: &str, traces: &[Trace], log: &SessionLog, wall_seconds: f
         median_start_delay_ms: median(&delays),
         speculation: speculation(&cells, log),
     };
-    Report { notebook: notebook.to_string(), cells, totals }
+    Report {
+        schema: SCHEMA_FILE.into(),
+        report_version: REPORT_VERSION,
+        looseleaf_version: env!("CARGO_PKG_VERSION").into(),
+        started_at: rfc3339(started_at),
+        notebook: notebook.to_string(),
+        cells,
+        totals,
+    }
 }
 
 fn speculation(cells: &[CellReport], log: &SessionLog) -> Speculation {

@@ -16,6 +16,7 @@ fn started(at: u64, device: Device) -> (u64, EventKind) {
             restore_ms: 0.5,
             refreshed: 0,
             import_hit: true,
+            python: "3.11.7".into(),
         },
     )
 }
@@ -46,7 +47,7 @@ fn start_delay_counts_from_run_or_the_previous_cells_end_whichever_is_later() {
     for (held_ms, reason) in [(1500.0, "cell"), (2500.0, "unsavable state")] {
         log.absorb(&EventKind::SlotReleased { host: "h".into(), slot: 0, held_ms, reason: reason.into() });
     }
-    let r = build("nb.ipynb", &traces, &log, 7.5);
+    let r = build("nb.ipynb", &traces, &log, 7.5, std::time::UNIX_EPOCH);
     let delays: Vec<_> = r.cells.iter().map(|c| c.start_delay_ms).collect();
     assert_eq!(delays, vec![Some(200), Some(100), Some(50)]);
     assert_eq!(r.totals.median_start_delay_ms, Some(100.0));
@@ -64,7 +65,7 @@ fn a_start_before_run_never_underflows_and_failed_cells_count_as_errors() {
     t.events.push((1950, EventKind::Failed { error: "worker died".into() }));
     t.done = Some((ExecStatus::Error, 2000, Some("worker died".into())));
     let never = Trace { index: 1, exec_id: Uuid::now_v7(), run_unix_ms: 2100, ..Default::default() };
-    let r = build("nb", &[t, never], &SessionLog::default(), 1.0);
+    let r = build("nb", &[t, never], &SessionLog::default(), 1.0, std::time::UNIX_EPOCH);
     assert_eq!(r.cells[0].start_delay_ms, Some(0));
     assert_eq!(r.cells[0].status, "error");
     assert_eq!(r.cells[0].error.as_deref(), Some("worker died"));
@@ -138,7 +139,7 @@ fn speculation_totals_count_clean_hits_and_idle_time_by_class() {
     log.absorb(&ended(PreparedClass::Speculative, 500.0, "evicted", Some(1)));
     log.absorb(&ended(PreparedClass::Speculative, 4000.0, "used", None));
     log.absorb(&ended(PreparedClass::Warm, 250.0, "evicted", Some(0)));
-    let r = build("nb", &[hit, refreshed, cold], &log, 1.0);
+    let r = build("nb", &[hit, refreshed, cold], &log, 1.0, std::time::UNIX_EPOCH);
     let s = &r.totals.speculation;
     assert_eq!((s.ready_events, s.prepared_cells, s.clean_hits, s.unused), (1, 2, 1, 2));
     assert_eq!(s.hit_rate, Some(1.0 / 3.0));
@@ -147,4 +148,27 @@ fn speculation_totals_count_clean_hits_and_idle_time_by_class() {
     assert!((s.speculative_idle_worker_seconds - 6.0).abs() < 1e-9);
     assert!((s.warm_idle_slot_seconds - 0.25).abs() < 1e-9);
     assert_eq!(r.cells[1].refreshed, Some(2));
+}
+
+#[test]
+fn the_report_says_what_it_is_and_when_it_ran() {
+    let r = build("nb", &[], &SessionLog::default(), 0.0, std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_796_029_707));
+    assert_eq!(r.started_at, "2026-11-30T09:08:27Z");
+    assert_eq!(r.report_version, REPORT_VERSION);
+    assert_eq!(r.looseleaf_version, env!("CARGO_PKG_VERSION"));
+    let json = serde_json::to_value(&r).unwrap_or_default();
+    assert_eq!(json["$schema"], SCHEMA_FILE);
+    // every field the report has is described by the schema, and the schema is JSON
+    let schema: serde_json::Value = serde_json::from_str(SCHEMA).unwrap_or_default();
+    for key in json.as_object().into_iter().flatten().map(|(k, _)| k) {
+        assert!(schema["properties"].get(key).is_some(), "{key} is not in the schema");
+    }
+    let cell = serde_json::to_value(CellReport::default()).unwrap_or_default();
+    for key in cell.as_object().into_iter().flatten().map(|(k, _)| k) {
+        assert!(schema["$defs"]["cell"]["properties"].get(key).is_some(), "cell field {key} is not in the schema");
+    }
+    let totals = serde_json::to_value(&r.totals).unwrap_or_default();
+    for key in totals.as_object().into_iter().flatten().map(|(k, _)| k) {
+        assert!(schema["$defs"]["totals"]["properties"].get(key).is_some(), "totals field {key} is not in the schema");
+    }
 }

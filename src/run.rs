@@ -2,7 +2,7 @@
 //! or given), write the executed notebook and the report.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -29,12 +29,25 @@ pub struct RunRequest {
     pub typing_cps: Option<f64>,
     /// Let the platform prepare workers while cells are edited.
     pub speculate: bool,
+    /// Run every cell even after one raises; without it the run stops at the first
+    /// cell that raises and fails, as nbconvert and papermill do.
+    pub allow_errors: bool,
 }
 
-/// Run the notebook, starting an embedded cluster (from `cluster`) if no frontend is given.
+/// `NB.ipynb` -> `NB.looseleaf.ipynb` and `NB.looseleaf.json` beside it (nbconvert
+/// writes `NB.nbconvert.ipynb` the same way).
+pub fn default_paths(notebook: &Path) -> (PathBuf, PathBuf) {
+    let stem = notebook.file_stem().map_or_else(|| "notebook".into(), |s| s.to_string_lossy().to_string());
+    (notebook.with_file_name(format!("{stem}.looseleaf.ipynb")), notebook.with_file_name(format!("{stem}.looseleaf.json")))
+}
+
+/// Run the notebook, starting an embedded cluster (from `cluster`) if no frontend is
+/// given. The notebook is read and checked first: one that cannot run starts nothing.
 pub async fn run(req: RunRequest, cluster: ClusterOptions) -> anyhow::Result<()> {
+    let mut nb = notebook::load(&req.notebook)?;
+    notebook::prepare(&mut nb).with_context(|| format!("in {}", req.notebook.display()))?;
     match &req.frontend {
-        Some(url) => drive(&req, &Frontend::new(url)).await,
+        Some(url) => drive(&req, nb, &Frontend::new(url)).await,
         None => {
             eprintln!("starting an embedded cluster in {}", cluster.data_dir.display());
             let c = Cluster::start(&cluster).await.context("while starting the embedded cluster")?;
@@ -44,8 +57,10 @@ pub async fn run(req: RunRequest, cluster: ClusterOptions) -> anyhow::Result<()>
             }
             let fe = Frontend::new(&c.frontend_url);
             let res = tokio::select! {
-                res = drive(&req, &fe) => res,
-                () = schemas::telemetry::shutdown_signal() => Err(anyhow::anyhow!("interrupted")),
+                res = drive(&req, nb, &fe) => res,
+                () = schemas::telemetry::shutdown_signal() => {
+                    Err(anyhow::anyhow!("interrupted; {} holds the cells that finished", req.output.display()))
+                }
             };
             eprintln!("stopping the embedded cluster");
             c.stop().await;
@@ -94,9 +109,60 @@ fn progress(t: &Trace, total: usize, report: &report::CellReport) -> String {
     line
 }
 
-async fn drive(req: &RunRequest, fe: &Frontend) -> anyhow::Result<()> {
+/// The outputs of an execution as the notebook gets them: the cell's own, plus an
+/// error output for a failure outside the cell (no host, worker lost).
+fn messages_of(t: &Trace) -> Vec<serde_json::Value> {
+    let mut messages = t.sorted_outputs();
+    if let Some((ExecStatus::Error, _, Some(err))) = &t.done {
+        let raised = messages.iter().any(|o| o.get("output_type").and_then(|v| v.as_str()) == Some("error"));
+        if !raised {
+            messages.push(notebook::error_output("LooseLeafError", err));
+        }
+    }
+    messages
+}
+
+/// Write the executed notebook as it stands: every cell that ran so far, with
+/// displays updated by later cells showing their last content.
+fn write_notebook(nb: &mut serde_json::Value, ran: &[&Trace], outputs: &NotebookOutputs, path: &Path) -> anyhow::Result<()> {
+    for t in ran {
+        notebook::set_outputs(nb, t.index, outputs.cell(t.index), t.execution_count())?;
+    }
+    if let Some(python) = ran.iter().find_map(|t| t.python()) {
+        notebook::set_language_info(nb, &python);
+    }
+    notebook::save(path, nb)
+}
+
+/// Show an output on the terminal as the cell makes it: streams as text, rich
+/// outputs by their plain text (or their kind), errors with their traceback.
+fn echo(output: &serde_json::Value) {
+    let text = |v: &serde_json::Value| match v {
+        serde_json::Value::Array(lines) => lines.iter().filter_map(|l| l.as_str()).collect(),
+        other => other.as_str().unwrap_or_default().to_string(),
+    };
+    match output.get("output_type").and_then(|v| v.as_str()) {
+        Some("stream") if output["name"] == "stderr" => eprint!("{}", text(&output["text"])),
+        Some("stream") => print!("{}", text(&output["text"])),
+        Some("display_data" | "execute_result") => {
+            let data = &output["data"];
+            match data.get("text/plain") {
+                Some(t) => println!("{}", text(t)),
+                None => println!("[{}]", data.as_object().map(|d| d.keys().cloned().collect::<Vec<_>>().join(", ")).unwrap_or_default()),
+            }
+        }
+        Some("error") => {
+            let tb: Vec<String> = output["traceback"].as_array().into_iter().flatten().filter_map(|l| l.as_str().map(str::to_owned)).collect();
+            eprintln!("{}", tb.join("\n"));
+        }
+        _ => {} // clear_output, display updates and the pager change nothing in a log
+    }
+    let _ = std::io::Write::flush(&mut std::io::stdout());
+}
+
+async fn drive(req: &RunRequest, mut nb: serde_json::Value, fe: &Frontend) -> anyhow::Result<()> {
     let started = Instant::now();
-    let mut nb = notebook::load(&req.notebook)?;
+    let started_at = std::time::SystemTime::now();
     let abs = req.notebook.canonicalize().with_context(|| format!("while resolving {}", req.notebook.display()))?;
     let cwd = abs.parent().map(|p| p.display().to_string()).unwrap_or_else(|| "/".into());
     let cells = notebook::code_cells(&nb);
@@ -107,8 +173,17 @@ async fn drive(req: &RunRequest, fe: &Frontend) -> anyhow::Result<()> {
     let mut order = Vec::new();
     let mut log = SessionLog::default();
     let mut prev_done = None;
+    let mut outputs = NotebookOutputs::default();
+    let mut raised: Option<String> = None;
+    // a bar over the cells on a terminal; in a log, one line per cell instead
+    let bar = indicatif::ProgressBar::new(cells.len() as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} cells {elapsed_precise} {msg}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
     let res: anyhow::Result<()> = async {
         for cell in &cells {
+            bar.set_message(cell.cell_id.clone());
             match req.typing_cps {
                 Some(cps) => type_cell(fe, sid, &cell.cell_id, &cell.source, cps).await?,
                 None => fe.edit(sid, &cell.cell_id, &cell.source).await?,
@@ -121,19 +196,38 @@ async fn drive(req: &RunRequest, fe: &Frontend) -> anyhow::Result<()> {
             order.push(accepted.exec_id);
             loop {
                 let Some(item) = rx.recv().await else { bail!("the frontend's event stream ended") };
+                if let StreamItem::Output { exec_id, output, .. } = &item {
+                    if *exec_id == accepted.exec_id {
+                        bar.suspend(|| echo(output));
+                    }
+                }
                 if absorb(item, &mut traces, &mut log) == Some(accepted.exec_id) {
                     break;
                 }
             }
-            if let Some(t) = traces.get(&accepted.exec_id) {
-                let r = report::CellReport::from_trace(t, prev_done);
-                prev_done = r.done_unix_ms.or(prev_done);
-                eprintln!("{}", progress(t, total, &r));
+            let Some(t) = traces.get(&accepted.exec_id) else { continue };
+            let r = report::CellReport::from_trace(t, prev_done);
+            prev_done = r.done_unix_ms.or(prev_done);
+            let line = progress(t, total, &r);
+            if bar.is_hidden() {
+                eprintln!("{line}");
+            } else {
+                bar.println(line);
+            }
+            bar.inc(1);
+            // the notebook so far: a crash or Ctrl-C later leaves these cells
+            outputs.apply(t.index, messages_of(t));
+            let ran: Vec<&Trace> = order.iter().filter_map(|e| traces.get(e)).collect();
+            write_notebook(&mut nb, &ran, &outputs, &req.output)?;
+            if r.status != "ok" && !req.allow_errors {
+                raised = Some(format!("cell {} ({}) raised {}", t.index, t.cell_id, r.error.unwrap_or_default()));
+                break;
             }
         }
         Ok(())
     }
     .await;
+    bar.finish_and_clear();
     if let Err(e) = fe.delete(sid).await {
         tracing::warn!(error = format!("{e:#}"), "could not delete the session");
     }
@@ -141,25 +235,9 @@ async fn drive(req: &RunRequest, fe: &Frontend) -> anyhow::Result<()> {
     res?;
 
     let ordered: Vec<Trace> = order.iter().filter_map(|e| traces.get(e).cloned()).collect();
-    let mut outputs = NotebookOutputs::default();
-    for t in &ordered {
-        let mut messages = t.sorted_outputs();
-        if let Some((ExecStatus::Error, _, Some(err))) = &t.done {
-            let raised = messages.iter().any(|o| o.get("output_type").and_then(|v| v.as_str()) == Some("error"));
-            if !raised {
-                messages.push(notebook::error_output("LooseLeafError", err));
-            }
-        }
-        outputs.apply(t.index, messages);
-    }
-    // after every cell ran: a display updated later shows its last content
-    for t in &ordered {
-        notebook::set_outputs(&mut nb, t.index, outputs.take(t.index), t.execution_count())?;
-    }
-    notebook::save(&req.output, &nb)?;
-    let report = report::build(&req.notebook.display().to_string(), &ordered, &log, started.elapsed().as_secs_f64());
-    let json = serde_json::to_string_pretty(&report).context("while encoding the report")?;
-    std::fs::write(&req.report, json + "\n").with_context(|| format!("while writing {}", req.report.display()))?;
+    write_notebook(&mut nb, &ordered.iter().collect::<Vec<_>>(), &outputs, &req.output)?;
+    let report = report::build(&req.notebook.display().to_string(), &ordered, &log, started.elapsed().as_secs_f64(), started_at);
+    report::write(&report, &req.report)?;
     let t = &report.totals;
     eprintln!(
         "{} cells: {} ok, {} errors ({} gpu, {} cpu); gpu-slot {:.1} s (pinned {:.1} s); median start delay {}; wall {:.1} s",
@@ -174,7 +252,10 @@ async fn drive(req: &RunRequest, fe: &Frontend) -> anyhow::Result<()> {
         t.wall_seconds,
     );
     eprintln!("wrote {} and {}", req.output.display(), req.report.display());
-    Ok(())
+    match raised {
+        Some(why) => bail!("{why}; the notebook stops there (--allow-errors runs every cell)"),
+        None => Ok(()),
+    }
 }
 
 /// After the delete, take the late events (slot releases at close) until the

@@ -299,6 +299,8 @@ pub enum EventKind {
         /// Whether the worker came from a zygote that had already imported the whole
         /// import closure (true for workers that lived on).
         import_hit: bool,
+        /// The worker's Python version (a notebook's `language_info`).
+        python: String,
     },
     /// The cell finished running (outputs are complete).
     Finished {

@@ -143,6 +143,7 @@ fn started() -> EventKind {
         restore_ms: 0.5,
         refreshed: 0,
         import_hit: true,
+        python: "3.11.7".into(),
     }
 }
 

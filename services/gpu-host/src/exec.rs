@@ -327,7 +327,7 @@ impl ExecEnv {
         let finished = w
             .run(exec_id, &recipe.cell_id, &recipe.code, self.cell_timeout, |ev| {
                 let p = match ev {
-                    RunEvent::Started { unix_ms, execution_count } => Pending::Event(SessionEventV1 {
+                    RunEvent::Started { unix_ms, execution_count, python } => Pending::Event(SessionEventV1 {
                         session,
                         exec_id,
                         unix_ms,
@@ -343,6 +343,7 @@ impl ExecEnv {
                             restore_ms,
                             refreshed: restored.refreshed,
                             import_hit,
+                            python,
                         },
                     }),
                     RunEvent::Output(output) => {

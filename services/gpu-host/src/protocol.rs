@@ -162,6 +162,9 @@ pub enum Frame {
         unix_ms: u64,
         /// Execution count.
         execution_count: u32,
+        /// The worker's Python version (`platform.python_version()`).
+        #[serde(default)]
+        python: String,
     },
     /// worker -> host: one output.
     Output {
@@ -408,7 +411,7 @@ mod tests {
             Frame::Restore { shm_path: None, variables: BTreeMap::new(), objects: BTreeMap::new(), ambient: None, imports: vec![], drop: vec![], env: BTreeMap::from([("CUDA_VISIBLE_DEVICES".into(), "0".into())]) },
             Frame::Restored { ok: true, restored_bytes: 0, ms: 0.0, errors: BTreeMap::new() },
             Frame::Run { exec_id: "e".into(), cell_id: "c".into(), code: "1".into() },
-            Frame::Started { exec_id: "e".into(), unix_ms: 1, execution_count: 1 },
+            Frame::Started { exec_id: "e".into(), unix_ms: 1, execution_count: 1, python: "3.11.7".into() },
             Frame::Output { exec_id: "e".into(), output: serde_json::json!({"output_type": "stream"}) },
             Frame::Fault { exec_id: "e".into(), names: vec!["x".into()] },
             Frame::Faulted { shm_path: None, variables: BTreeMap::new(), objects: BTreeMap::new() },

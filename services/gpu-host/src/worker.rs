@@ -97,6 +97,8 @@ pub enum RunEvent {
         unix_ms: u64,
         /// Execution count.
         execution_count: u32,
+        /// The worker's Python version.
+        python: String,
     },
     /// One output (nbformat JSON).
     Output(serde_json::Value),
@@ -213,7 +215,9 @@ impl WorkerProc {
         let mut outputs = 0u64;
         loop {
             match self.recv("running", timeout).await? {
-                Frame::Started { unix_ms, execution_count, .. } => on_event(RunEvent::Started { unix_ms, execution_count }),
+                Frame::Started { unix_ms, execution_count, python, .. } => {
+                    on_event(RunEvent::Started { unix_ms, execution_count, python })
+                }
                 Frame::Output { output, exec_id } if exec_id == exec => {
                     outputs += 1;
                     on_event(RunEvent::Output(output));

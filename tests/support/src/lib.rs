@@ -216,3 +216,52 @@ where
     }
     bail!("condition not met within {timeout:?}")
 }
+
+/// `looseleaf up` as a child process on a free port with its own data directory,
+/// as a user runs it; stopped with SIGINT (so it stops its services and
+/// nats-server) on drop.
+pub struct LocalCluster {
+    child: Child,
+    port: u16,
+    _data: tempfile::TempDir,
+}
+
+impl LocalCluster {
+    /// Start one with `virtual_gpus` CPU-backed GPU slots and wait for its frontend.
+    pub fn start(looseleaf: &Path, virtual_gpus: u32) -> anyhow::Result<Self> {
+        let port = free_port()?;
+        let data = tempfile::tempdir()?;
+        let child = Command::new(looseleaf)
+            .args(["up", "--virtual-gpus", &virtual_gpus.to_string(), "--port", &port.to_string(), "--data-dir"])
+            .arg(data.path())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .context("while starting looseleaf up")?;
+        let up = LocalCluster { child, port, _data: data };
+        wait_for(Duration::from_secs(180), || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok())
+            .context("looseleaf up: no frontend")?;
+        Ok(up)
+    }
+
+    /// The frontend's URL.
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for LocalCluster {
+    fn drop(&mut self) {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -9,6 +9,7 @@ what it holds and what it deleted.
 from __future__ import annotations
 
 import os
+import platform
 import socket
 import sys
 import time
@@ -194,8 +195,8 @@ class Worker:
         self.faulted, self._not_in_session = [], set()
         self.exec_id = msg["exec_id"]
         count = self.shell.execution_count
-        self.send({"type": "started", "exec_id": self.exec_id,
-                   "unix_ms": int(time.time() * 1000), "execution_count": count})
+        self.send({"type": "started", "exec_id": self.exec_id, "unix_ms": int(time.time() * 1000),
+                   "execution_count": count, "python": platform.python_version()})
         t0 = time.perf_counter()
         try:
             result, err = self.shell.run(msg["code"])
