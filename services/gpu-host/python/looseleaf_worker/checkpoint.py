@@ -214,6 +214,12 @@ def _code_in_file(ctor, args, filename):
     return ctor(*args).replace(co_filename=filename)
 
 
+def _next_in_ring(members: list[str], oid: str) -> list[str]:
+    if len(members) < 2:
+        return []
+    return [members[(members.index(oid) + 1) % len(members)]]
+
+
 class _Group:
     """A record holding a reference cycle of several oids (see module doc)."""
 
@@ -543,7 +549,10 @@ def build_delta(ns: dict, names: list[str], oid_of: dict[int, tuple[str, Any]],
         r = records[k]
         objects[k] = {
             "record": chunk_blob(r.data, chunks),
-            "refs": list(r.refs),
+            # the members of a reference cycle share one record: a ring of refs
+            # (each to the next) lets each reach all, so a host that knows a worker
+            # holds one knows it holds them all
+            "refs": list(r.refs) + _next_in_ring(r.oids, k),
             "payloads": [dict(chunk_blob(b, chunks), **m) for b, m in zip(r.buffers, r.payload_meta)],
             "modules": sorted(r.modules),
             "on_gpu": r.on_gpu,

@@ -170,8 +170,11 @@ class Worker:
 
     def restore(self, names: list[str], drop: list[str] | None = None,
                 imports: list[str] | None = None, ambient: bool = True,
-                env: dict[str, str] | None = None) -> dict:
-        msg = self.host.restore_msg(names, ambient)
+                env: dict[str, str] | None = None, held: list[str] | None = None) -> dict:
+        # as the Rust host: records reachable from names the worker holds at their
+        # current version are not sent again
+        skip = set(self.host.closure(held)) if held else None
+        msg = self.host.restore_msg(names, ambient, skip=skip)
         msg["drop"] = drop or []
         msg["imports"] = imports or []
         msg["env"] = env or {}

@@ -287,3 +287,15 @@ def test_scipy_sparse_matrices_round_trip(host, zygote):
     r = ok(w2.run("print(type(m).__name__, type(c).__name__, m.nnz, abs(float(m.sum()) - dense_sum) < 1e-9,"
                   " (m != c).nnz, coo.toarray()[5, 7], sparse.issparse(coo))"))
     assert stream_text(r).split() == ["csr_matrix", "csc_matrix", "3000", "True", "0", "2.0", "True"]
+
+
+def test_a_name_restored_after_another_of_its_reference_cycle_shares_its_objects(zygote, host):
+    # an Axes and its Figure refer to each other: one record for both. A worker
+    # prepared with `ax` that gets `fig` at Run must see fig.axes[0] is ax.
+    w = zygote.fork()
+    ok(w.run("import matplotlib.pyplot as plt\nfig, ax = plt.subplots()\nax.plot([1, 2]);"))
+    w.save()
+    w2 = zygote.fork()
+    assert w2.restore(["ax"])["ok"]
+    assert w2.restore(["fig"], held=["ax"])["ok"]
+    assert result_text(w2.run("fig.axes[0] is ax, ax.figure is fig")) == "(True, True)"
