@@ -158,6 +158,9 @@ impl Cluster {
                 worker_path: opts.repo.join("services/gpu-host/python"),
                 base_packages: base_packages.clone(),
                 runtime_dir,
+                // one directory for every host of the machine: a session's installs
+                // are there wherever its next cell runs
+                package_layers: data_dir.join("packages"),
                 cache_bytes: 1 << 30,
                 prepare_holds_slot: opts.prepare_holds_slot,
                 keep_warm: false,

@@ -67,6 +67,7 @@ fn four_services_two_hosts_on(store_env: Vec<(&'static str, String)>) {
         ("LOOSELEAF_PREFIX", prefix.clone()),
         ("LOOSELEAF_PYTHON", venv_python().display().to_string()),
         ("LOOSELEAF_LOG", "warn".to_string()),
+        ("LOOSELEAF_PACKAGE_LAYERS", dir.path().join("packages").display().to_string()),
     ];
     common.extend(store_env);
 
@@ -131,7 +132,7 @@ fn four_services_two_hosts_on(store_env: Vec<(&'static str, String)>) {
 
     // CPU cells on the persistent CPU worker; GPU cells on fresh or pinned workers.
     for (i, c) in cells.iter().enumerate() {
-        let is_gpu = i != 0 && i != 6;
+        let is_gpu = i != 0 && i != 6 && i != 21;
         if c["status"] == "error" && (10..=13).contains(&i) {
             continue; // failed before a worker started: no device recorded
         }
@@ -181,6 +182,11 @@ fn four_services_two_hosts_on(store_env: Vec<(&'static str, String)>) {
     // (look('d')['k'] is a), and the report names it
     assert!(text(18).contains("looked up [7, 8] True"), "{}", text(18));
     assert_eq!(cells[18]["faulted"], serde_json::json!(["w"]), "{}", cells[18]);
+    // a package installed from a cell is there for the session's later cells, on
+    // either host and on its CPU worker (the hosts share the package-layer directory)
+    assert_eq!(cells[19]["status"], "ok", "{}", text(19));
+    assert!(text(20).contains("from the layer 42"), "{}", text(20));
+    assert!(text(21).contains("on the CPU worker 42"), "{}", text(21));
 
     // GPU cells used both hosts: the generator pins one host's only slot.
     let gpu_hosts: BTreeSet<&str> =

@@ -50,6 +50,8 @@ pub struct ExecEnv {
     pub forks: Arc<AtomicU64>,
     /// Every live worker's state.
     pub lifecycle: crate::lifecycle::Lifecycle,
+    /// Sessions' package layers (`DIR/<session>`).
+    pub package_layers: std::path::PathBuf,
 }
 
 /// Sessions whose last manifest a host remembers for scoring.
@@ -152,6 +154,9 @@ impl ExecEnv {
     pub async fn fork(&self, session: Uuid, slot: Option<u32>, cwd: &str, imports: &[String]) -> Result<(WorkerProc, bool), String> {
         let mut env = self.device_env(slot);
         env.insert("LOOSELEAF_SESSION".to_string(), session.to_string());
+        // installs from a cell go to the session's own layer (a pip target)
+        let layer = self.package_layers.join(session.to_string());
+        env.insert("LOOSELEAF_PACKAGE_LAYER".to_string(), layer.display().to_string());
         let worker_id = format!("w{}", Uuid::now_v7().simple());
         let mut cache = self.zygotes.lock().await;
         for attempt in 0..2 {

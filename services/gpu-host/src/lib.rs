@@ -64,6 +64,9 @@ pub struct Config {
     pub base_packages: Vec<String>,
     /// Directory for this host's Unix sockets.
     pub runtime_dir: PathBuf,
+    /// Where sessions' package layers live (`%pip install` in a cell lands in
+    /// `DIR/<session>`): hosts that run the same sessions must share it.
+    pub package_layers: PathBuf,
     /// Bytes the per-host chunk cache may hold.
     pub cache_bytes: u64,
     /// Workers prepared before Run hold a GPU slot even when their closure has no
@@ -116,6 +119,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         recent_manifests: Default::default(),
         forks: Default::default(),
         lifecycle: Default::default(),
+        package_layers: config.package_layers.clone(),
     };
     let _service = bus.register_service("looseleaf-gpu-host", "GPU slots, zygotes and workers").await?;
     let s = bus.subjects().clone();

@@ -32,6 +32,11 @@ struct Args {
     /// Directory for this host's sockets.
     #[arg(long, env = "LOOSELEAF_RUNTIME_DIR", default_value = ".looseleaf/run")]
     runtime_dir: PathBuf,
+    /// Where sessions' package layers live (`%pip install` in a cell lands in
+    /// DIR/<session>); hosts that run the same sessions must share it (default:
+    /// RUNTIME_DIR/packages, right for one host).
+    #[arg(long, env = "LOOSELEAF_PACKAGE_LAYERS")]
+    package_layers: Option<PathBuf>,
     /// Bytes the chunk cache may hold.
     #[arg(long, env = "LOOSELEAF_CACHE_BYTES", default_value_t = 1 << 30)]
     cache_bytes: u64,
@@ -60,6 +65,7 @@ fn main() -> anyhow::Result<()> {
         python: a.python,
         worker_path: a.worker_path,
         base_packages: a.base_packages,
+        package_layers: a.package_layers.unwrap_or_else(|| a.runtime_dir.join("packages")),
         runtime_dir: a.runtime_dir,
         cache_bytes: a.cache_bytes,
         prepare_holds_slot: a.prepare_holds_slot,

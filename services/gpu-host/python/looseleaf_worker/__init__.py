@@ -8,6 +8,10 @@ Map (one concern per module):
   shell       an IPython shell whose outputs equal ipykernel's
   checkpoint  object records, payloads, 2 MiB xxh3-128 chunks; save and restore
   ambient     session state that is not a variable (RNGs, rcParams, cwd, ...)
+  localmods   modules beside the notebook, as the session imported them
+  packages    the session's package layer (%pip install lands there)
+  faults      eval/exec bring in names the closure missed
+  quiet       the platform's own warnings and prints go to the host's log
 
 Tests: cd services/gpu-host/python && python -m pytest -q tests
 """

@@ -15,7 +15,7 @@ import sys
 import time
 import traceback
 
-from . import ambient, checkpoint, faults, protocol, quiet
+from . import ambient, checkpoint, faults, packages, protocol, quiet
 from .localmods import LocalModules
 from .shell import WorkerShell
 
@@ -49,6 +49,7 @@ class Worker:
         # modules beside the notebook import (zygotes leave it off).
         if "" not in sys.path:
             sys.path.insert(0, "")
+        packages.activate(os.environ.get("LOOSELEAF_PACKAGE_LAYER"))
         # after the shell: its own env/warnings setup is not a cell's doing
         self.base = ambient.Baseline(self.shell)
         self.local = LocalModules(self.base.path)
