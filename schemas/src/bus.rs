@@ -176,12 +176,28 @@ impl Bus {
         }
     }
 
-    /// Answer a request with a reply envelope.
+    /// Answer a request with a reply envelope. A reply larger than the server
+    /// takes in one message is answered with an error that says so, never left
+    /// unsent (the asker would only see a time-out).
     pub async fn respond<T: WireMessage>(&self, reply_to: Option<String>, reply: &Reply<T>) -> Result<(), BusError> {
-        match reply_to {
-            Some(subject) => self.publish(subject, reply).await,
-            None => Ok(()),
+        let Some(subject) = reply_to else { return Ok(()) };
+        let (headers, payload) = Self::encode(&subject, reply)?;
+        let max = self.client.server_info().max_payload;
+        if max > 0 && payload.len() > max {
+            let too_large: Reply<T> = Reply::Err {
+                code: ErrorCode::Internal,
+                message: format!(
+                    "the answer ({} bytes) is larger than the bus takes in one message ({max} bytes); \
+                     the session's state has outgrown what one message can describe",
+                    payload.len()
+                ),
+            };
+            return self.publish(subject, &too_large).await;
         }
+        self.client
+            .publish_with_headers(subject.clone(), headers, payload.into())
+            .await
+            .map_err(|e| BusError::Publish { subject, reason: e.to_string() })
     }
 
     /// Subscribe and decode each message as `M`.
