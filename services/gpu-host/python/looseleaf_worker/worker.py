@@ -8,6 +8,8 @@ what it holds and what it deleted.
 
 from __future__ import annotations
 
+import builtins
+import getpass
 import os
 import platform
 import socket
@@ -30,6 +32,26 @@ def _cuda_used() -> bool:
         return False
 
 
+def _fresh_entropy() -> None:
+    """A new kernel seeds its generators from the OS. Every fork of one zygote
+    would share the zygote's numpy and torch states (Python's random reseeds
+    itself at fork); a session's first cell must not print another session's
+    "random" numbers. Later cells get the session's states from ambient state."""
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.random.default_generator.seed()  # the CPU generator: CUDA stays untouched
+
+
+def _no_stdin(what: str):
+    def refuse(*args, **kwargs):
+        from IPython.core.error import StdinNotImplementedError
+        raise StdinNotImplementedError(f"{what} was called, but this frontend does not support input requests.")
+    return refuse
+
+
 # How many bytes of chunks go in one save file before it is handed to the host.
 SAVE_PART_BYTES = 64 << 20
 
@@ -50,6 +72,10 @@ class Worker:
         if "" not in sys.path:
             sys.path.insert(0, "")
         packages.activate(os.environ.get("LOOSELEAF_PACKAGE_LAYER"))
+        _fresh_entropy()
+        # As ipykernel for a client without a stdin channel (nbclient, looseleaf run)
+        builtins.input = _no_stdin("raw_input")
+        getpass.getpass = _no_stdin("getpass")
         # after the shell: its own env/warnings setup is not a cell's doing
         self.base = ambient.Baseline(self.shell)
         self.local = LocalModules(self.base.path)

@@ -262,3 +262,19 @@ def test_names_reached_by_eval_are_brought_in_from_the_committed_state(zygote):
     assert result_text(r) == "P(x=1, y=2)" and "faulted" not in r["finished"]
     tb = "\n".join(of_type(w2.run("eval('1/0')"), "error")[0]["traceback"])
     assert "faults.py" not in tb
+
+
+# ------------------------------------------------------ a new kernel's defaults
+
+def test_each_worker_starts_with_fresh_entropy_and_no_stdin(zygote):
+    # forks of one zygote would share numpy's and torch's generator states: two
+    # sessions' first unseeded draws must differ, as two kernels' do
+    code = "import numpy as np, torch, random\nprint(np.random.rand(), torch.rand(1).item(), random.random())"
+    a, b = (stream_text(ok(zygote.fork().run(code))).split() for _ in range(2))
+    assert all(x != y for x, y in zip(a, b)), (a, b)
+    # input() as in a kernel whose client has no stdin channel (nbclient)
+    w = zygote.fork()
+    err = of_type(w.run("name = input('name? ')"), "error")[0]
+    assert err["ename"] == "StdinNotImplementedError" and "input requests" in err["evalue"]
+    err = of_type(w.run("import getpass\ngetpass.getpass()"), "error")[0]
+    assert err["ename"] == "StdinNotImplementedError"
