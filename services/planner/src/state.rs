@@ -78,13 +78,23 @@ pub async fn modify<T>(kv: &kv::Store, session: Uuid, mut f: impl FnMut(&mut Ses
         };
         let out = f(&mut state);
         let bytes = serde_json::to_vec(&state).map_err(|e| kv_err(e.to_string()))?;
+        let size = bytes.len();
+        // Only a write that lost a race is retried; any other failure (a state larger
+        // than the KV store takes, say) is the answer, with the size that caused it.
         let written = match revision {
-            Some(r) => kv.update(key.clone(), bytes.into(), r).await.map(|_| ()).map_err(|e| e.to_string()),
-            None => kv.create(key.clone(), bytes.into()).await.map(|_| ()).map_err(|e| e.to_string()),
+            Some(r) => kv.update(key.clone(), bytes.into(), r).await.map(|_| ()).map_err(|e| {
+                let raced = e.kind() == kv::UpdateErrorKind::WrongLastRevision;
+                (raced, e.to_string())
+            }),
+            None => kv.create(key.clone(), bytes.into()).await.map(|_| ()).map_err(|e| {
+                let raced = e.kind() == kv::CreateErrorKind::AlreadyExists;
+                (raced, e.to_string())
+            }),
         };
         match written {
             Ok(()) => return Ok(out),
-            Err(e) => tracing::debug!(%session, error = %e, "planner state changed meanwhile; retrying"),
+            Err((true, e)) => tracing::debug!(%session, error = %e, "planner state changed meanwhile; retrying"),
+            Err((false, e)) => return Err(kv_err(format!("could not write {size} bytes of state: {e}"))),
         }
     }
     Err(kv_err("too many concurrent updates".into()))

@@ -1,0 +1,34 @@
+//! The planner's per-session state in a real JetStream KV bucket: a state too
+//! large for the bucket is an error that says how large, not a retry storm that
+//! ends in "too many concurrent updates".
+
+use looseleaf_planner::state::{self, NameMeta};
+use looseleaf_test_support::{random_prefix, NatsServer};
+use uuid::Uuid;
+
+#[tokio::test]
+async fn a_state_too_large_to_write_says_so() {
+    let nats = NatsServer::start().expect("nats-server");
+    let client = async_nats::connect(nats.url()).await.expect("connect");
+    let js = async_nats::jetstream::new(client);
+    let kv = schemas::buckets::planner(&js, &random_prefix()).await.expect("bucket");
+    let session = Uuid::now_v7();
+
+    // an ordinary update goes through
+    let meta = NameMeta { exec_id: Uuid::now_v7(), def: None, on_gpu: false };
+    state::modify(&kv, session, |st| st.names.insert("x".into(), meta.clone())).await.expect("small state");
+
+    // a cell of very many assignments
+    let err = state::modify(&kv, session, |st| {
+        for i in 0..40_000 {
+            st.names.insert(format!("v{i}"), meta.clone());
+        }
+    })
+    .await
+    .expect_err("over the bucket's message size");
+    let msg = err.to_string();
+    assert!(msg.contains("bytes of state") && !msg.contains("concurrent"), "{msg}");
+    // and nothing was lost: the state before the failed update is still there
+    let kept = state::modify(&kv, session, |st| st.names.contains_key("x") && !st.names.contains_key("v1")).await.expect("read back");
+    assert!(kept);
+}
