@@ -234,7 +234,14 @@ impl Chunks {
         let mut placements: Vec<(u64, String, Option<String>)> = Vec::new(); // (offset, hash, variable)
         let mut objects = BTreeMap::new();
         let mut offset = 0u64;
+        // A blob already laid out is pointed at again: the members of a reference
+        // cycle share one record (and its payloads), and a figure's cycle has
+        // thousands of members.
+        let mut laid_out: HashMap<(u64, Vec<String>), Region> = HashMap::new();
         let mut place = |chunks: &[String], len: u64, variable: &str, placements: &mut Vec<_>| -> Region {
+            if let Some(region) = laid_out.get(&(len, chunks.to_vec())) {
+                return *region;
+            }
             let start = offset;
             let mut at = offset;
             for h in chunks {
@@ -242,6 +249,7 @@ impl Chunks {
                 at += schemas::checkpoint::CHUNK_BYTES as u64;
             }
             offset += len;
+            laid_out.insert((len, chunks.to_vec()), [start, len]);
             [start, len]
         };
         for (oid, variable) in oids {

@@ -545,16 +545,23 @@ def build_delta(ns: dict, names: list[str], oid_of: dict[int, tuple[str, Any]],
         variables[name] = {"oid": oid, "module": None, "global_reads": function_global_reads(v, ns)}
     _keep_sharers(ns, names, unsavable, variables)
     live = [k for k, r in records.items() if r.error is None]
+    blobs: dict[int, tuple] = {}  # a group record is cut and hashed once, not per member
     for k in live:
         r = records[k]
+        if id(r) not in blobs:
+            blobs[id(r)] = (chunk_blob(r.data, chunks),
+                            [dict(chunk_blob(b, chunks), **m) for b, m in zip(r.buffers, r.payload_meta)])
+        record, payloads = blobs[id(r)]
+        # The members of a reference cycle share one record. A ring of refs (each to
+        # the next) lets each reach all, so a host that knows a worker holds one knows
+        # it holds them all; the group's refs out and its modules are said once, by
+        # its first member (a figure's group has thousands of members).
+        lead = k == r.oids[0]
         objects[k] = {
-            "record": chunk_blob(r.data, chunks),
-            # the members of a reference cycle share one record: a ring of refs
-            # (each to the next) lets each reach all, so a host that knows a worker
-            # holds one knows it holds them all
-            "refs": list(r.refs) + _next_in_ring(r.oids, k),
-            "payloads": [dict(chunk_blob(b, chunks), **m) for b, m in zip(r.buffers, r.payload_meta)],
-            "modules": sorted(r.modules),
+            "record": record,
+            "refs": (list(r.refs) if lead else []) + _next_in_ring(r.oids, k),
+            "payloads": payloads,
+            "modules": sorted(r.modules) if lead else [],
             "on_gpu": r.on_gpu,
         }
     delta = {

@@ -226,14 +226,19 @@ class HostSim:
         return data
 
     def _sig(self, oid: str, seen: set) -> str:
-        if oid in seen:
-            return oid
-        seen.add(oid)
-        o = self.objects[oid]
-        parts = [",".join(o["record"]["chunks"])]
-        parts += [",".join(p["chunks"]) for p in o["payloads"]]
-        parts += [self._sig(r, seen) for r in o["refs"]]
-        return xxhash.xxh3_128_hexdigest("|".join(parts).encode())
+        """The content of everything reachable from ``oid`` (iterative: a figure's
+        reference cycle is thousands of records deep)."""
+        parts, stack = [], [oid]
+        while stack:
+            o_id = stack.pop()
+            if o_id in seen:
+                continue
+            seen.add(o_id)
+            o = self.objects[o_id]
+            parts.append(o_id + ":" + ",".join(o["record"]["chunks"]) + ";"
+                         + ";".join(",".join(p["chunks"]) for p in o["payloads"]))
+            stack.extend(o["refs"])
+        return xxhash.xxh3_128_hexdigest("|".join(sorted(parts)).encode())
 
     def take_chunks(self, msg: dict) -> None:
         """Store the chunks of a save_part or save_ready file, verified, and delete it."""
