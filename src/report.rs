@@ -268,21 +268,9 @@ pub fn write(report: &Report, path: &std::path::Path) -> anyhow::Result<()> {
     std::fs::write(&schema, SCHEMA).with_context(|| format!("while writing {}", schema.display()))
 }
 
-/// A time as RFC 3339 in UTC (`2026-11-30T09:08:27Z`).
+/// A time as RFC 3339 in UTC, to the second (`2026-11-30T09:08:27Z`).
 pub fn rfc3339(t: std::time::SystemTime) -> String {
-    let secs = t.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    let (days, rem) = (secs / 86_400, secs % 86_400);
-    // days since 1970-01-01 to a civil date (Howard Hinnant's algorithm)
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!("{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
+    humantime::format_rfc3339_seconds(t).to_string()
 }
 
 /// Median of a list (mean of the middle two for even lengths); None if empty.

@@ -324,9 +324,7 @@ impl ExecEnv {
         // A name the closure missed comes from the same committed state the closure
         // was restored from (DESIGN section 6's safety net); records the worker
         // holds are not sent again.
-        let held_oids = std::sync::Mutex::new(
-            manifest.reachable(w.held.keys().filter_map(|n| manifest.variables.get(n).and_then(|v| v.oid.as_deref()))),
-        );
+        let held_oids = std::sync::Mutex::new(held_records(&manifest, w.held.keys().map(String::as_str)));
         let fault_files = std::sync::Mutex::new(Vec::new());
         let on_fault = |names: Vec<String>| self.fault_frame(&manifest, &held_oids, &fault_files, names, &worker_id);
         let finished = w
@@ -444,25 +442,10 @@ impl ExecEnv {
         names: Vec<String>,
         worker: &str,
     ) -> Frame {
-        let mut variables = BTreeMap::new();
-        let mut objects = Vec::new();
-        {
+        let (variables, objects) = {
             let mut held = held_oids.lock().unwrap_or_else(|e| e.into_inner());
-            for name in names {
-                let Some(entry) = manifest.variables.get(&name) else { continue };
-                if let Some(oid) = &entry.oid {
-                    for o in manifest.reachable([oid.as_str()]) {
-                        if held.insert(o.clone()) {
-                            objects.push((o, name.clone()));
-                        }
-                    }
-                }
-                variables.insert(
-                    name,
-                    VarRestore { oid: entry.oid.clone(), version: entry.version.to_string(), module: entry.module.clone() },
-                );
-            }
-        }
+            restore_entries(manifest, names, &mut held)
+        };
         match self.chunks.write_restore_file(manifest, &objects, worker).await {
             Ok(file) => {
                 if let Some(p) = &file.path {
@@ -584,8 +567,7 @@ impl ExecEnv {
                 drop.push(name.clone());
             }
         }
-        let mut variables = BTreeMap::new();
-        let mut roots = Vec::new();
+        let mut wanted = Vec::new();
         for var in &recipe.closure {
             if current.contains(var.name.as_str()) {
                 continue;
@@ -596,33 +578,43 @@ impl ExecEnv {
                     var.name, u.reason, u.worker, u.host, u.cell_id
                 ));
             }
-            let Some(entry) = manifest.variables.get(&var.name) else {
-                // deleted since the recipe was made: the cell sees it undefined, as in a kernel
-                continue;
-            };
-            if let Some(oid) = &entry.oid {
-                roots.push((oid.clone(), var.name.clone()));
-            }
-            variables.insert(
-                var.name.clone(),
-                VarRestore { oid: entry.oid.clone(), version: entry.version.to_string(), module: entry.module.clone() },
-            );
+            wanted.push(var.name.clone());
         }
         // Records the worker already holds at their current version are not sent again.
-        let held_oids = manifest.reachable(
-            current.iter().filter_map(|n| manifest.variables.get(*n).and_then(|v| v.oid.as_deref())),
-        );
-        let mut objects = Vec::new();
-        let mut seen = BTreeSet::new();
-        for (oid, name) in &roots {
+        let mut held_oids = held_records(manifest, current.iter().copied());
+        let (variables, objects) = restore_entries(manifest, wanted, &mut held_oids);
+        Ok(RestorePlan { drop, variables, objects })
+    }
+}
+
+/// The records reachable from the names a worker holds (at the manifest's versions).
+fn held_records<'a>(manifest: &Manifest, names: impl Iterator<Item = &'a str>) -> BTreeSet<String> {
+    manifest.reachable(names.filter_map(|n| manifest.variables.get(n).and_then(|v| v.oid.as_deref())))
+}
+
+/// What restoring `names` takes: each name the manifest has, at its version, and
+/// the records reachable from them that are not in `held`. `held` grows by what is
+/// sent, so a record shared by several names (or asked for again) goes once. A name
+/// the manifest lacks is left out: the cell sees it undefined, as in a kernel.
+fn restore_entries(
+    manifest: &Manifest,
+    names: Vec<String>,
+    held: &mut BTreeSet<String>,
+) -> (BTreeMap<String, VarRestore>, Vec<(String, String)>) {
+    let mut variables = BTreeMap::new();
+    let mut objects = Vec::new();
+    for name in names {
+        let Some(entry) = manifest.variables.get(&name) else { continue };
+        if let Some(oid) = &entry.oid {
             for o in manifest.reachable([oid.as_str()]) {
-                if !held_oids.contains(&o) && seen.insert(o.clone()) {
+                if held.insert(o.clone()) {
                     objects.push((o, name.clone()));
                 }
             }
         }
-        Ok(RestorePlan { drop, variables, objects })
+        variables.insert(name, VarRestore { oid: entry.oid.clone(), version: entry.version.to_string(), module: entry.module.clone() });
     }
+    (variables, objects)
 }
 
 enum Pending {

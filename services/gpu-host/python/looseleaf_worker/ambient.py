@@ -20,6 +20,7 @@ import warnings
 from typing import Any
 
 import cloudpickle
+from IPython.core.alias import Alias
 
 from . import quiet
 from .localmods import LocalModules, Source
@@ -36,7 +37,6 @@ class Baseline:
             self.np_print = sys.modules["numpy"].get_printoptions()
         mm = shell.magics_manager.magics
         self.magics = {kind: dict(mm[kind]) for kind in ("line", "cell")}
-        self.aliases = dict(shell.alias_manager.linemagics) if hasattr(shell, "alias_manager") else {}
 
 
 def _mpl_state() -> dict | None:
@@ -105,7 +105,7 @@ def _magics(shell, base: Baseline) -> list[tuple]:
         for name, fn in shell.magics_manager.magics[kind].items():
             if base.magics[kind].get(name) is fn:
                 continue
-            if type(fn).__name__ == "Alias":
+            if isinstance(fn, Alias):
                 out.append(("alias", name, fn.cmd))
             elif isinstance(fn, types.FunctionType):
                 var = next((v for v in (name, fn.__name__) if ns.get(v) is fn), None)

@@ -96,9 +96,8 @@ class LocalModules(importlib.abc.MetaPathFinder):
             return spec
         # a first import or a reload (target set): from disk, recorded if local
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or not isinstance(spec.loader, importlib.machinery.SourceFileLoader):
-            return None if spec is None else spec
-        if not spec.origin or not self._is_local(spec.origin):
+        if spec is None or not isinstance(spec.loader, importlib.machinery.SourceFileLoader) \
+                or not spec.origin or not self._is_local(spec.origin):
             return spec
         search = list(spec.submodule_search_locations) if spec.submodule_search_locations else None
         spec.loader = _Recorder(fullname, spec.origin, search, self)

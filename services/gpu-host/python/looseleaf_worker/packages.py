@@ -18,6 +18,8 @@ from __future__ import annotations
 import os
 import sys
 
+from . import quiet
+
 
 def activate(layer: str | None) -> None:
     """Put the session's layer on the path and make pip install into it. Called
@@ -29,7 +31,7 @@ def activate(layer: str | None) -> None:
         # the import system and would stay invisible after the first install
         os.makedirs(layer, exist_ok=True)
     except OSError as e:
-        os.write(2, f"looseleaf worker: package layer {layer}: {e}\n".encode())
+        quiet.log(f"looseleaf worker: package layer {layer}: {e}")
         return
     if layer not in sys.path:
         sys.path.insert(1 if sys.path[:1] == [""] else 0, layer)

@@ -186,9 +186,6 @@ class WorkerShell(InteractiveShell):
     def emit(self, output: dict) -> None:
         self._emit(output)
 
-    def stream(self, name):
-        return self._streams.get(name)
-
     def flush_streams(self):
         for s in self._streams.values():  # stdout first, as ipykernel
             s.flush()

@@ -120,9 +120,11 @@ impl Analyzer<'_> {
         if self.out.conservative.is_some() {
             return;
         }
-        if matches!(name, "exec" | "eval" | "globals" | "get_ipython") {
-            let what = format!("{name}()");
-            self.dynamic(&what, at);
+        // called for every name read: format only when it is one of these
+        match name {
+            "exec" | "eval" => self.evaluates(&format!("{name}()"), at),
+            "globals" | "get_ipython" => self.dynamic(&format!("{name}()"), at),
+            _ => {}
         }
     }
 

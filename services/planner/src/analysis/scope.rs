@@ -163,18 +163,22 @@ impl<'s> Analyzer<'s> {
             self.conservative(what, at);
             return;
         }
-        if matches!(what, "eval()" | "exec()") {
-            // inside a definition: the worker's safety net brings in what it reaches
-            if let Some(f) = self.frames.last_mut() {
-                f.evals = true;
-            }
-            return;
-        }
         let line = self.line_of(at);
         if let Some(f) = self.frames.last_mut() {
             if f.dynamic.is_none() {
                 f.dynamic = Some(format!("{what} at line {line}"));
             }
+        }
+    }
+
+    /// `eval`/`exec` of a string: at top level like any dynamic access; inside a
+    /// definition the worker's safety net brings in what it reaches, so the
+    /// definition only says it evaluates (`DefSummary::evals`).
+    pub(super) fn evaluates(&mut self, what: &str, at: TextSize) {
+        if self.at_module() {
+            self.conservative(what, at);
+        } else if let Some(f) = self.frames.last_mut() {
+            f.evals = true;
         }
     }
 
