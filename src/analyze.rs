@@ -104,7 +104,15 @@ pub fn analyze_notebook(path: &Path, time: bool) -> anyhow::Result<NotebookRepor
         });
         // What the run commits: every written name gets this execution's version.
         for name in d.writes.keys() {
-            manifest.variables.insert(name.clone(), VarEntry { version: exec_id, oid: Some(format!("{exec_id}/{name}")), module: None, global_reads: vec![] });
+            manifest.variables.insert(
+                name.clone(),
+                VarEntry {
+                    version: exec_id,
+                    oid: Some(format!("{exec_id}/{name}")),
+                    module: None,
+                    global_reads: vec![],
+                },
+            );
         }
         state.names.extend(d.writes);
         for name in &a.deletes {
@@ -162,7 +170,13 @@ pub async fn bench_edits(nats_url: &str, prefix: &str, events: u64, json: Option
     let deadline = Instant::now() + Duration::from_secs(30);
     for attempt in 0u64.. {
         anyhow::ensure!(Instant::now() < deadline, "the planner sent no recipe within 30 s");
-        let warm = EditV1 { session, cell_id: "warm".into(), code: format!("import warm_{attempt}"), seq: attempt, options: options.clone() };
+        let warm = EditV1 {
+            session,
+            cell_id: "warm".into(),
+            code: format!("import warm_{attempt}"),
+            seq: attempt,
+            options: options.clone(),
+        };
         bus.publish(bus.subjects().edit(session), &warm).await?;
         if let Ok(Some(_)) = tokio::time::timeout(Duration::from_millis(100), recipes.next()).await {
             break;

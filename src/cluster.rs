@@ -112,7 +112,8 @@ impl Cluster {
         let bin = nats_server_binary(opts.nats_server.as_deref(), &opts.repo);
         let (nats, nats_url) = start_nats(&bin, &data_dir.join("nats")).await?;
         let token = CancellationToken::new();
-        let mut cluster = Cluster { nats, token: token.clone(), tasks: Vec::new(), frontend_url: String::new(), nats_url };
+        let mut cluster =
+            Cluster { nats, token: token.clone(), tasks: Vec::new(), frontend_url: String::new(), nats_url };
         match cluster.start_services(opts, &data_dir).await {
             Ok(url) => {
                 cluster.frontend_url = url;
@@ -128,7 +129,12 @@ impl Cluster {
     async fn start_services(&mut self, opts: &ClusterOptions, data_dir: &Path) -> anyhow::Result<String> {
         let nats_url = self.nats_url.clone();
         let store_url = opts.store_url.clone().unwrap_or_else(|| data_dir.join("store").display().to_string());
-        let store = looseleaf_store::Config { nats_url: nats_url.clone(), prefix: PREFIX.into(), store_url: store_url.clone(), session_quota_bytes: None };
+        let store = looseleaf_store::Config {
+            nats_url: nats_url.clone(),
+            prefix: PREFIX.into(),
+            store_url: store_url.clone(),
+            session_quota_bytes: None,
+        };
         self.spawn("store", |stop| looseleaf_store::run(store, stop));
         let planner = looseleaf_planner::Config {
             nats_url: nats_url.clone(),
@@ -243,7 +249,9 @@ impl Cluster {
         for (name, handle) in self.tasks.drain(..) {
             match tokio::time::timeout(Duration::from_secs(10), handle).await {
                 Ok(Ok(Ok(()))) => {}
-                Ok(Ok(Err(e))) => tracing::warn!(service = %name, error = format!("{e:#}"), "service stopped with an error"),
+                Ok(Ok(Err(e))) => {
+                    tracing::warn!(service = %name, error = format!("{e:#}"), "service stopped with an error")
+                }
                 Ok(Err(e)) => tracing::warn!(service = %name, error = %e, "service task failed"),
                 Err(_) => tracing::warn!(service = %name, "service did not stop within 10 s"),
             }

@@ -192,9 +192,23 @@ fn main() -> anyhow::Result<()> {
         Command::Up { virtual_gpus, port, data_dir, embed } => {
             system.block_on(up(options(embed, data_dir, virtual_gpus, port)))
         }
-        Command::Run { notebook, output, report, allow_errors, all_gpu, frontend, virtual_gpus, typing_cps, no_speculation, embed } => {
+        Command::Run {
+            notebook,
+            output,
+            report,
+            allow_errors,
+            all_gpu,
+            frontend,
+            virtual_gpus,
+            typing_cps,
+            no_speculation,
+            embed,
+        } => {
             if let Some(cps) = typing_cps {
-                anyhow::ensure!(cps.is_finite() && cps > 0.0, "--typing-cps must be a positive number of characters a second, not {cps}");
+                anyhow::ensure!(
+                    cps.is_finite() && cps > 0.0,
+                    "--typing-cps must be a positive number of characters a second, not {cps}"
+                );
             }
             let tmp = tempfile::Builder::new().prefix("looseleaf-run-").tempdir().context("while making a temp dir")?;
             let opts = options(embed, tmp.path().to_path_buf(), Some(virtual_gpus), 0);

@@ -116,7 +116,12 @@ pub fn code_cells(nb: &Value) -> Vec<CodeCell> {
 
 /// Put an execution's outputs and count into the cell at `index`; an
 /// `execute_result` without a count gets the cell's.
-pub fn set_outputs(nb: &mut Value, index: usize, mut outputs: Vec<Value>, execution_count: Option<u32>) -> anyhow::Result<()> {
+pub fn set_outputs(
+    nb: &mut Value,
+    index: usize,
+    mut outputs: Vec<Value>,
+    execution_count: Option<u32>,
+) -> anyhow::Result<()> {
     let cell = nb
         .get_mut("cells")
         .and_then(Value::as_array_mut)

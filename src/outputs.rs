@@ -111,7 +111,10 @@ mod tests {
     fn clear_output_with_wait_keeps_only_what_follows_the_last_clear() {
         let mut nb = NotebookOutputs::default();
         let wait = json!({"output_type": "clear_output", "wait": true});
-        nb.apply(0, vec![stream("epoch 1\n"), wait.clone(), stream("epoch 2\n"), wait.clone(), stream("epoch 3\n"), wait]);
+        nb.apply(
+            0,
+            vec![stream("epoch 1\n"), wait.clone(), stream("epoch 2\n"), wait.clone(), stream("epoch 3\n"), wait],
+        );
         // the last clear waits for an output that never comes
         assert_eq!(nb.cell(0), vec![stream("epoch 3\n")]);
         let now = json!({"output_type": "clear_output", "wait": false});

@@ -128,7 +128,19 @@ impl CellReport {
                     r.slot = *slot;
                     r.prepare = Some(prepare.as_str().into());
                 }
-                EventKind::Started { host, slot, worker, device, prepare, restored_bytes, import_hit, prepare_ms, restore_ms, refreshed, .. } => {
+                EventKind::Started {
+                    host,
+                    slot,
+                    worker,
+                    device,
+                    prepare,
+                    restored_bytes,
+                    import_hit,
+                    prepare_ms,
+                    restore_ms,
+                    refreshed,
+                    ..
+                } => {
                     r.import_cache_hit = Some(*import_hit);
                     r.prepare_ms = Some(*prepare_ms);
                     r.restore_ms = Some(*restore_ms);
@@ -287,7 +299,13 @@ pub fn median(values: &[u64]) -> Option<f64> {
 
 /// Build the report from the executions in order and every SlotReleased of the session
 /// (`held_ms`, `reason`).
-pub fn build(notebook: &str, traces: &[Trace], log: &SessionLog, wall_seconds: f64, started_at: std::time::SystemTime) -> Report {
+pub fn build(
+    notebook: &str,
+    traces: &[Trace],
+    log: &SessionLog,
+    wall_seconds: f64,
+    started_at: std::time::SystemTime,
+) -> Report {
     let slot_releases = &log.slot_releases;
     let mut cells = Vec::with_capacity(traces.len());
     let mut prev_done = None;

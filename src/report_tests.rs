@@ -152,7 +152,13 @@ fn speculation_totals_count_clean_hits_and_idle_time_by_class() {
 
 #[test]
 fn the_report_says_what_it_is_and_when_it_ran() {
-    let r = build("nb", &[], &SessionLog::default(), 0.0, std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_796_029_707));
+    let r = build(
+        "nb",
+        &[],
+        &SessionLog::default(),
+        0.0,
+        std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_796_029_707),
+    );
     assert_eq!(r.started_at, "2026-11-30T09:08:27Z");
     assert_eq!(r.report_version, REPORT_VERSION);
     assert_eq!(r.looseleaf_version, env!("CARGO_PKG_VERSION"));

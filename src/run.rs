@@ -38,7 +38,10 @@ pub struct RunRequest {
 /// writes `NB.nbconvert.ipynb` the same way).
 pub fn default_paths(notebook: &Path) -> (PathBuf, PathBuf) {
     let stem = notebook.file_stem().map_or_else(|| "notebook".into(), |s| s.to_string_lossy().to_string());
-    (notebook.with_file_name(format!("{stem}.looseleaf.ipynb")), notebook.with_file_name(format!("{stem}.looseleaf.json")))
+    (
+        notebook.with_file_name(format!("{stem}.looseleaf.ipynb")),
+        notebook.with_file_name(format!("{stem}.looseleaf.json")),
+    )
 }
 
 /// Run the notebook, starting an embedded cluster (from `cluster`) if no frontend is
@@ -124,7 +127,12 @@ fn messages_of(t: &Trace) -> Vec<serde_json::Value> {
 
 /// Write the executed notebook as it stands: every cell that ran so far, with
 /// displays updated by later cells showing their last content.
-fn write_notebook(nb: &mut serde_json::Value, ran: &[&Trace], outputs: &NotebookOutputs, path: &Path) -> anyhow::Result<()> {
+fn write_notebook(
+    nb: &mut serde_json::Value,
+    ran: &[&Trace],
+    outputs: &NotebookOutputs,
+    path: &Path,
+) -> anyhow::Result<()> {
     for t in ran {
         notebook::set_outputs(nb, t.index, outputs.cell(t.index), t.execution_count())?;
     }
@@ -148,11 +156,19 @@ fn echo(output: &serde_json::Value) {
             let data = &output["data"];
             match data.get("text/plain") {
                 Some(t) => println!("{}", text(t)),
-                None => println!("[{}]", data.as_object().map(|d| d.keys().cloned().collect::<Vec<_>>().join(", ")).unwrap_or_default()),
+                None => println!(
+                    "[{}]",
+                    data.as_object().map(|d| d.keys().cloned().collect::<Vec<_>>().join(", ")).unwrap_or_default()
+                ),
             }
         }
         Some("error") => {
-            let tb: Vec<String> = output["traceback"].as_array().into_iter().flatten().filter_map(|l| l.as_str().map(str::to_owned)).collect();
+            let tb: Vec<String> = output["traceback"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|l| l.as_str().map(str::to_owned))
+                .collect();
             eprintln!("{}", tb.join("\n"));
         }
         _ => {} // clear_output, display updates and the pager change nothing in a log
@@ -191,7 +207,12 @@ async fn drive(req: &RunRequest, mut nb: serde_json::Value, fe: &Frontend) -> an
             let accepted = fe.run(sid, &cell.cell_id, &cell.source).await?;
             traces.insert(
                 accepted.exec_id,
-                Trace { index: cell.index, cell_id: cell.cell_id.clone(), exec_id: accepted.exec_id, ..Default::default() },
+                Trace {
+                    index: cell.index,
+                    cell_id: cell.cell_id.clone(),
+                    exec_id: accepted.exec_id,
+                    ..Default::default()
+                },
             );
             order.push(accepted.exec_id);
             loop {
@@ -236,7 +257,8 @@ async fn drive(req: &RunRequest, mut nb: serde_json::Value, fe: &Frontend) -> an
 
     let ordered: Vec<Trace> = order.iter().filter_map(|e| traces.get(e).cloned()).collect();
     write_notebook(&mut nb, &ordered.iter().collect::<Vec<_>>(), &outputs, &req.output)?;
-    let report = report::build(&req.notebook.display().to_string(), &ordered, &log, started.elapsed().as_secs_f64(), started_at);
+    let report =
+        report::build(&req.notebook.display().to_string(), &ordered, &log, started.elapsed().as_secs_f64(), started_at);
     report::write(&report, &req.report)?;
     let t = &report.totals;
     eprintln!(

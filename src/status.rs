@@ -54,7 +54,11 @@ pub fn render_hosts(hosts: &BTreeMap<String, HostStatusV2>) -> String {
             let _ = writeln!(out, "  cpu session {sid}");
         }
         for w in &h.workers {
-            let _ = writeln!(out, "  worker {} pid {} session {}: {:?} for {} ms", w.id, w.pid, w.session, w.state, w.for_ms);
+            let _ = writeln!(
+                out,
+                "  worker {} pid {} session {}: {:?} for {} ms",
+                w.id, w.pid, w.session, w.state, w.for_ms
+            );
         }
     }
     out
@@ -67,10 +71,7 @@ pub async fn status(nats_url: &str, prefix: &str, wait: Duration) -> anyhow::Res
     let client = bus.client().clone();
     let inbox = client.new_inbox();
     let mut replies = client.subscribe(inbox.clone()).await.context("while subscribing for $SRV replies")?;
-    client
-        .publish_with_reply(SRV_PING, inbox, "".into())
-        .await
-        .context("while sending $SRV.PING")?;
+    client.publish_with_reply(SRV_PING, inbox, "".into()).await.context("while sending $SRV.PING")?;
     let mut hosts = BTreeMap::new();
     let mut services = Vec::new();
     let deadline = tokio::time::sleep(wait);
@@ -126,7 +127,12 @@ mod tests {
             host: "host-0".into(),
             slots: vec![slot(0, Some(sid)), slot(1, None)],
             real_gpus: false,
-            zygotes: vec![ZygoteStatus { id: "base".into(), packages: vec!["numpy".into()], cuda_unsafe: vec![], pid: 7 }],
+            zygotes: vec![ZygoteStatus {
+                id: "base".into(),
+                packages: vec!["numpy".into()],
+                cuda_unsafe: vec![],
+                pid: 7,
+            }],
             cpu_sessions: vec![sid],
             workers: vec![
                 WorkerStatus { id: "w1".into(), pid: 11, session: sid, state: WorkerState::Kept, for_ms: 5 },

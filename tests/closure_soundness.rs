@@ -51,7 +51,12 @@ fn audit(nb: &Path, out: &Path) -> anyhow::Result<()> {
         .stdin(Stdio::null())
         .output()
         .context("while running tools/closure_audit.py")?;
-    ensure!(run.status.success(), "closure_audit.py failed on {}:\n{}", nb.display(), String::from_utf8_lossy(&run.stderr));
+    ensure!(
+        run.status.success(),
+        "closure_audit.py failed on {}:\n{}",
+        nb.display(),
+        String::from_utf8_lossy(&run.stderr)
+    );
     Ok(())
 }
 

@@ -6,9 +6,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
 use looseleaf_test_support::cluster::{bin_dir_of, Services};
-use schemas::messages::{
-    Device, EventKind, HostStatusV2, RecipeKind, RecipeV1, SessionEventV1, SessionOptions,
-};
+use schemas::messages::{Device, EventKind, HostStatusV2, RecipeKind, RecipeV1, SessionEventV1, SessionOptions};
 use schemas::Bus;
 use uuid::Uuid;
 
@@ -103,7 +101,11 @@ async fn three_hosts_prepare_each_of_a_thousand_recipes_exactly_once() -> anyhow
         let Ok(Some(Ok(st))) = tokio::time::timeout_at(deadline, statuses.next()).await else { break };
         forks.insert(st.msg.host.clone(), st.msg.forks);
     }
-    assert_eq!(forks.values().sum::<u64>(), base_forks + RECIPES as u64, "forks per host {forks:?}, per host wins {per_host:?}");
+    assert_eq!(
+        forks.values().sum::<u64>(),
+        base_forks + RECIPES as u64,
+        "forks per host {forks:?}, per host wins {per_host:?}"
+    );
     Ok(())
 }
 
@@ -184,7 +186,8 @@ async fn bench_best_scoring_host_win_rate() -> anyhow::Result<()> {
     for b in bids {
         by_exec.entry(b.exec_id).or_default().push(b);
     }
-    let (mut contested, mut best_won, mut random_baseline, mut gap, mut claims) = (0usize, 0usize, 0.0f64, 0.0f64, 0usize);
+    let (mut contested, mut best_won, mut random_baseline, mut gap, mut claims) =
+        (0usize, 0usize, 0.0f64, 0.0f64, 0usize);
     for exec in &execs {
         let Some(bids) = by_exec.get(exec) else { continue };
         let winners: Vec<_> = bids.iter().filter(|b| b.won).collect();

@@ -49,17 +49,24 @@ fn reference_runs(dir: &Path) -> Vec<serde_json::Value> {
         .collect()
 }
 
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
+fn copy_dir(from: &Path, to: &Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(to)?;
+    for entry in std::fs::read_dir(from)? {
+        let entry = entry?;
         let target = to.join(entry.file_name());
-        if entry.file_type().unwrap().is_dir() {
-            copy_dir(&entry.path(), &target);
+        if entry.file_type()?.is_dir() {
+            copy_dir(&entry.path(), &target)?;
         } else {
-            std::fs::copy(entry.path(), &target).unwrap();
+            std::fs::copy(entry.path(), &target)?;
         }
     }
+    Ok(())
+}
+
+/// A JSON file the test wrote or reads; a failure names the file.
+fn read_json(path: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 /// Our own notebooks that probe notebook semantics (lambdas reading globals,
@@ -72,18 +79,16 @@ fn own_notebooks() -> Vec<PathBuf> {
 /// Folders of the corpus whose notebooks show what LooseLeaf does not do yet, each
 /// with the open work that makes it pass. They are listed on every run; nothing in
 /// LooseLeaf treats them differently.
-const NOT_YET: &[(&str, &str)] = &[(
-    "fidelity/bigstate",
-    "issue 11 item 6: manifests, deltas and planner history outgrow a NATS message",
-)];
+const NOT_YET: &[(&str, &str)] =
+    &[("fidelity/bigstate", "issue 11 item 6: manifests, deltas and planner history outgrow a NATS message")];
 
 fn find_notebooks(dir: &Path, out: &mut Vec<PathBuf>) {
     for e in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("corpus at {}: {e}", dir.display())) {
-        let p = e.unwrap().path();
+        let p = e.unwrap_or_else(|e| panic!("corpus at {}: {e}", dir.display())).path();
         if p.is_dir() && !p.ends_with(".ipynb_checkpoints") {
             find_notebooks(&p, out);
         } else if p.extension().is_some_and(|x| x == "ipynb") {
-            out.push(p.strip_prefix(corpus()).unwrap().to_path_buf());
+            out.push(p.strip_prefix(corpus()).unwrap_or(&p).to_path_buf());
         }
     }
 }
@@ -101,16 +106,16 @@ fn notebooks() -> Vec<PathBuf> {
         None => true,
     });
     out.sort();
-    out.extend(own_notebooks().iter().map(|p| PathBuf::from(p.file_name().unwrap())));
+    out.extend(own_notebooks().iter().filter_map(|p| p.file_name()).map(PathBuf::from));
     out
 }
 
 /// The code of each code cell, in order (nbequiv numbers cells this way).
 fn code_sources(notebook: &Path) -> Vec<String> {
-    let nb: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(notebook).unwrap()).unwrap();
+    let nb = read_json(notebook);
     nb["cells"]
         .as_array()
-        .unwrap()
+        .unwrap_or_else(|| panic!("{}: no cells", notebook.display()))
         .iter()
         .filter(|c| c["cell_type"] == "code")
         .map(|c| match &c["source"] {
@@ -143,7 +148,7 @@ fn corpus_matches_a_pinned_kernel() {
         for all_gpu in [false, true] {
             let copy = work.join("corpus");
             let _ = std::fs::remove_dir_all(&copy);
-            copy_dir(&corpus(), &copy);
+            copy_dir(&corpus(), &copy).unwrap_or_else(|e| panic!("copy the corpus to {}: {e}", copy.display()));
             for own in own_notebooks() {
                 std::fs::copy(&own, copy.join(own.file_name().unwrap())).unwrap();
             }
@@ -223,7 +228,11 @@ fn corpus_matches_a_pinned_kernel() {
                 }
             }
             if !ok {
-                failures.push(format!("{} ({mode}): {}", rel.display(), text.lines().last().unwrap_or("nbequiv failed")));
+                failures.push(format!(
+                    "{} ({mode}): {}",
+                    rel.display(),
+                    text.lines().last().unwrap_or("nbequiv failed")
+                ));
             }
             let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
             let cells = r["cells"].as_array().unwrap();
@@ -263,7 +272,11 @@ fn corpus_matches_a_pinned_kernel() {
                         code.contains(".to(device)") || code.contains(".cuda(")
                     });
                     if moves && c["device"] != "gpu" {
-                        failures.push(format!("{}: cell {i} moves to device but ran on {}", rel.display(), c["device"]));
+                        failures.push(format!(
+                            "{}: cell {i} moves to device but ran on {}",
+                            rel.display(),
+                            c["device"]
+                        ));
                     }
                     if c["device"] == "gpu" && c["prepare"] == "persistent" {
                         failures.push(format!("{}: GPU cell {i} ran on the CPU worker", rel.display()));
@@ -279,5 +292,8 @@ fn corpus_matches_a_pinned_kernel() {
     assert!(failures.is_empty(), "corpus failures:\n{}", failures.join("\n"));
     // cells typed long enough found a worker prepared for them
     assert!(typed_cells > 0);
-    assert!(prepared_cells * 10 >= typed_cells * 9, "only {prepared_cells} of {typed_cells} cells typed for 0.5 s or more ran on prepared workers");
+    assert!(
+        prepared_cells * 10 >= typed_cells * 9,
+        "only {prepared_cells} of {typed_cells} cells typed for 0.5 s or more ran on prepared workers"
+    );
 }

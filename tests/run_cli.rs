@@ -19,19 +19,29 @@ fn looseleaf() -> &'static Path {
 
 fn notebook(dir: &Path, name: &str, cells: &[&str]) -> PathBuf {
     let mut all = vec![json!({"cell_type": "markdown", "metadata": {}, "source": "# a notebook without cell ids"})];
-    all.extend(cells.iter().map(|src| json!({"cell_type": "code", "metadata": {}, "source": src, "outputs": [], "execution_count": null})));
+    all.extend(cells.iter().map(
+        |src| json!({"cell_type": "code", "metadata": {}, "source": src, "outputs": [], "execution_count": null}),
+    ));
     let nb = json!({"cells": all, "metadata": {}, "nbformat": 4, "nbformat_minor": 4});
     let path = dir.join(name);
-    std::fs::write(&path, serde_json::to_string_pretty(&nb).unwrap()).unwrap();
+    let text = serde_json::to_string_pretty(&nb).unwrap_or_else(|e| panic!("notebook json: {e}"));
+    std::fs::write(&path, text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     path
 }
 
 fn read(path: &Path) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 fn stdout_text(cell: &Value) -> String {
-    cell["outputs"].as_array().into_iter().flatten().filter(|o| o["output_type"] == "stream").filter_map(|o| o["text"].as_str()).collect()
+    cell["outputs"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|o| o["output_type"] == "stream")
+        .filter_map(|o| o["text"].as_str())
+        .collect()
 }
 
 #[test]
@@ -39,7 +49,8 @@ fn looseleaf_run_behaves_like_a_notebook_runner() {
     let dir = tempfile::tempdir().unwrap();
     // a broken notebook is refused at once, before any cluster starts
     let bad = dir.path().join("bad.ipynb");
-    std::fs::write(&bad, r#"{"nbformat": 4, "nbformat_minor": 4, "metadata": {}, "cells": [{"cell_type": "code"}]}"#).unwrap();
+    std::fs::write(&bad, r#"{"nbformat": 4, "nbformat_minor": 4, "metadata": {}, "cells": [{"cell_type": "code"}]}"#)
+        .unwrap();
     let out = Command::new(looseleaf()).args(["run"]).arg(&bad).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
@@ -48,7 +59,13 @@ fn looseleaf_run_behaves_like_a_notebook_runner() {
     let cluster = LocalCluster::start(looseleaf(), 1).expect("looseleaf up");
     let nb = notebook(dir.path(), "nb.ipynb", &["print('one')", "1 / 0", "print('three')"]);
     let run = |extra: &[&str]| {
-        Command::new(looseleaf()).args(["run", "--frontend", &cluster.url()]).args(extra).arg(&nb).stdin(Stdio::null()).output().unwrap()
+        Command::new(looseleaf())
+            .args(["run", "--frontend", &cluster.url()])
+            .args(extra)
+            .arg(&nb)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
     };
 
     // stops at the error, non-zero, the notebook so far at the default path
@@ -66,7 +83,11 @@ fn looseleaf_run_behaves_like_a_notebook_runner() {
     // cells got ids (nbformat 4.5) and the notebook the worker's language_info
     assert!(cells.iter().all(|c| c["id"].as_str().is_some_and(|id| !id.is_empty())));
     assert_eq!(executed["nbformat_minor"], 5);
-    assert!(executed["metadata"]["language_info"]["version"].as_str().is_some_and(|v| v.starts_with("3.")), "{}", executed["metadata"]);
+    assert!(
+        executed["metadata"]["language_info"]["version"].as_str().is_some_and(|v| v.starts_with("3.")),
+        "{}",
+        executed["metadata"]
+    );
 
     // --allow-errors runs every cell and succeeds; the report validates against the
     // schema written beside it

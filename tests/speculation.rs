@@ -28,7 +28,9 @@ async fn ready(events: &mut Events, cell: &str, revision: u64) -> anyhow::Result
 /// The Started event of `exec` seen so far: (prepare, refreshed, worker).
 fn started(events: &Events, exec: Uuid) -> Option<(Prepare, u32, String)> {
     events.seen.iter().find_map(|i| match i {
-        StreamItem::Event { exec_id, kind: EventKind::Started { prepare, refreshed, worker, .. }, .. } if *exec_id == exec => {
+        StreamItem::Event { exec_id, kind: EventKind::Started { prepare, refreshed, worker, .. }, .. }
+            if *exec_id == exec =>
+        {
             Some((*prepare, *refreshed, worker.clone()))
         }
         _ => None,
@@ -41,14 +43,20 @@ fn ended(events: &Events, cell: &str) -> Vec<String> {
         .seen
         .iter()
         .filter_map(|i| match i {
-            StreamItem::Event { kind: EventKind::PreparedEnded { cell_id, outcome, .. }, .. } if cell_id == cell => Some(outcome.clone()),
+            StreamItem::Event { kind: EventKind::PreparedEnded { cell_id, outcome, .. }, .. } if cell_id == cell => {
+                Some(outcome.clone())
+            }
             _ => None,
         })
         .collect()
 }
 
 /// Wait until a host reports a worker of `sid` for which `pred` holds.
-async fn worker_where(services: &Services, sid: Uuid, pred: impl Fn(&WorkerStatus) -> bool) -> anyhow::Result<WorkerStatus> {
+async fn worker_where(
+    services: &Services,
+    sid: Uuid,
+    pred: impl Fn(&WorkerStatus) -> bool,
+) -> anyhow::Result<WorkerStatus> {
     let bus = Bus::connect(services.nats.url(), &services.prefix, "lifecycle-test").await?;
     let mut statuses = bus.subscribe::<HostStatusV2>(bus.subjects().all_host_status()).await?;
     let deadline = tokio::time::Instant::now() + WAIT;
@@ -111,7 +119,9 @@ async fn prepared_workers_never_run_the_cell_and_follow_the_session() -> anyhow:
     let base = "%%gpu\nwith open('appended.txt', 'a') as f:\n    f.write('one line\\n')";
     let cell = format!("{base}\nprint(x + 1)");
     let mut revision = 0;
-    for text in [base.to_string(), format!("{base}\nprint(x, big.shape)"), format!("{base}\nprint(big.size)"), cell.clone()] {
+    for text in
+        [base.to_string(), format!("{base}\nprint(x, big.shape)"), format!("{base}\nprint(big.size)"), cell.clone()]
+    {
         fe.edit(sid, "c3", &text).await?;
         revision = ready(&mut events, "c3", revision + 1).await?.1;
     }
@@ -223,9 +233,7 @@ async fn warm_workers_serve_a_rerun_and_are_evicted_before_speculative_ones() ->
     let cwd = tempfile::tempdir()?;
     let sid = fe.session(cwd.path(), true, true).await?;
     let mut events = fe.events(sid).await?;
-    let warm_ready = |i: &StreamItem| {
-        matches!(i, StreamItem::Event { kind: EventKind::Ready { cell_id, class: schemas::messages::PreparedClass::Warm, .. }, .. } if cell_id == "a")
-    };
+    let warm_ready = |i: &StreamItem| matches!(i, StreamItem::Event { kind: EventKind::Ready { cell_id, class: schemas::messages::PreparedClass::Warm, .. }, .. } if cell_id == "a");
     let code = "n = globals().get('n', 0) + 1\nprint('run', n)";
     let r1 = fe.run(sid, "a", code).await?;
     assert!(events.done(r1.exec_id).await?.contains("run 1"));
@@ -263,7 +271,10 @@ async fn a_worker_killed_while_preparing_fails_nothing() -> anyhow::Result<()> {
     sigkill(preparing.pid)?;
     events.until(|i| matches!(i, StreamItem::Event { kind: EventKind::PreparedEnded { .. }, .. })).await?;
     assert_eq!(ended(&events, "c1"), ["lost"]);
-    assert!(events.seen.iter().all(|i| !matches!(i, StreamItem::Event { kind: EventKind::Ready { cell_id, .. }, .. } if cell_id == "c1")));
+    assert!(events
+        .seen
+        .iter()
+        .all(|i| !matches!(i, StreamItem::Event { kind: EventKind::Ready { cell_id, .. }, .. } if cell_id == "c1")));
 
     // the run starts cold on a fresh worker; the committed state is intact
     let r1 = fe.run(sid, "c1", code).await?;
@@ -289,7 +300,12 @@ async fn a_warm_worker_killed_while_waiting_costs_the_rerun_nothing() -> anyhow:
     let r1 = fe.run(sid, "a", code).await?;
     assert!(events.done(r1.exec_id).await?.contains("run 1"));
     let item = events
-        .until(|i| matches!(i, StreamItem::Event { kind: EventKind::Ready { class: schemas::messages::PreparedClass::Warm, .. }, .. }))
+        .until(|i| {
+            matches!(
+                i,
+                StreamItem::Event { kind: EventKind::Ready { class: schemas::messages::PreparedClass::Warm, .. }, .. }
+            )
+        })
         .await?;
     let StreamItem::Event { kind: EventKind::Ready { worker, .. }, .. } = item else { unreachable!("matched above") };
     let warm = worker_where(&services, sid, |w| w.id == worker).await?;

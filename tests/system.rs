@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use anyhow::Context;
 use futures::StreamExt;
 use looseleaf_test_support::{free_port, random_prefix, repo_root, venv_python, wait_for, NatsServer, S3Server};
 use schemas::messages::HostStatusV2;
@@ -42,26 +43,26 @@ fn spawn(name: &str, args: &[&str], envs: &[(&str, String)]) -> Service {
 }
 
 #[test]
-fn four_services_two_hosts() {
-    let dir = tempfile::tempdir().unwrap();
+fn four_services_two_hosts() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
     let store = dir.path().join("store");
-    four_services_two_hosts_on(vec![("LOOSELEAF_STORE_URL", store.display().to_string())]);
+    four_services_two_hosts_on(vec![("LOOSELEAF_STORE_URL", store.display().to_string())])
 }
 
 /// The same notebook with checkpoints in S3 (a local moto server): the store
 /// gateway and both hosts use the bucket directly.
 #[test]
-fn four_services_two_hosts_on_s3() {
-    let s3 = S3Server::start().expect("S3 server");
+fn four_services_two_hosts_on_s3() -> anyhow::Result<()> {
+    let s3 = S3Server::start().context("S3 server")?;
     let mut env = s3.env();
     env.push(("LOOSELEAF_STORE_URL", s3.url()));
-    four_services_two_hosts_on(env);
+    four_services_two_hosts_on(env)
 }
 
-fn four_services_two_hosts_on(store_env: Vec<(&'static str, String)>) {
-    let nats = NatsServer::start().expect("nats-server");
+fn four_services_two_hosts_on(store_env: Vec<(&'static str, String)>) -> anyhow::Result<()> {
+    let nats = NatsServer::start().context("nats-server")?;
     let prefix = random_prefix();
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir()?;
     let mut common = vec![
         ("LOOSELEAF_NATS_URL", nats.url().to_string()),
         ("LOOSELEAF_PREFIX", prefix.clone()),
@@ -72,19 +73,19 @@ fn four_services_two_hosts_on(store_env: Vec<(&'static str, String)>) {
     common.extend(store_env);
 
     // Watch host status from the start.
-    let rt = tokio::runtime::Runtime::new().unwrap();
+    let rt = tokio::runtime::Runtime::new()?;
     let statuses = rt.block_on(async {
-        let client = async_nats::connect(nats.url()).await.unwrap();
-        let sub = client.subscribe(format!("{prefix}.v1.host.*.status")).await.unwrap();
-        (client, sub)
-    });
+        let client = async_nats::connect(nats.url()).await?;
+        let sub = client.subscribe(format!("{prefix}.v1.host.*.status")).await?;
+        anyhow::Ok((client, sub))
+    })?;
     let (_client, mut sub) = statuses;
     let collected = std::sync::Arc::new(std::sync::Mutex::new(Vec::<HostStatusV2>::new()));
     let sink = collected.clone();
     rt.spawn(async move {
         while let Some(m) = sub.next().await {
             if let Ok(s) = schemas::codec::decode::<HostStatusV2>(m.headers.as_ref(), &m.payload) {
-                sink.lock().unwrap().push(s);
+                sink.lock().unwrap_or_else(|e| e.into_inner()).push(s);
             }
         }
     });
@@ -93,42 +94,54 @@ fn four_services_two_hosts_on(store_env: Vec<(&'static str, String)>) {
     let _planner = spawn("looseleaf-planner", &[], &common);
     let mut hosts = Vec::new();
     for h in ["host-a", "host-b"] {
-        let rt_dir = dir.path().join(h);
+        let rt_dir = dir.path().join(h).display().to_string();
         hosts.push(spawn(
             "looseleaf-gpu-host",
-            &["--host-id", h, "--virtual-gpus", "1", "--runtime-dir", rt_dir.to_str().unwrap()],
+            &["--host-id", h, "--virtual-gpus", "1", "--runtime-dir", &rt_dir],
             &common,
         ));
     }
-    let port = free_port().unwrap();
+    let port = free_port()?;
     let _frontend = spawn("looseleaf-frontend", &["--listen", &format!("127.0.0.1:{port}")], &common);
-    wait_for(Duration::from_secs(30), || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()).expect("frontend up");
+    wait_for(Duration::from_secs(30), || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok())
+        .context("frontend up")?;
     // both hosts ready (their base zygotes imported) before the first cell
     wait_for(Duration::from_secs(120), || {
-        let seen: BTreeSet<String> =
-            collected.lock().unwrap().iter().filter(|s| !s.zygotes.is_empty()).map(|s| s.host.clone()).collect();
+        let seen: BTreeSet<String> = collected
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|s| !s.zygotes.is_empty())
+            .map(|s| s.host.clone())
+            .collect();
         seen.len() == 2
     })
-    .expect("both hosts report a zygote");
+    .context("both hosts report a zygote")?;
 
     let nb = repo_root().join("tests/notebooks/system.ipynb");
     let out = dir.path().join("out.ipynb");
     let report_path = dir.path().join("report.json");
     let status = Command::new(env!("CARGO_BIN_EXE_looseleaf"))
-        .args(["run", "--allow-errors", nb.to_str().unwrap(), "--output", out.to_str().unwrap(), "--report", report_path.to_str().unwrap()])
+        .args(["run", "--allow-errors"])
+        .arg(&nb)
+        .arg("--output")
+        .arg(&out)
+        .arg("--report")
+        .arg(&report_path)
         .args(["--frontend", &format!("http://127.0.0.1:{port}")])
-        .status()
-        .unwrap();
+        .status()?;
     assert!(status.success(), "looseleaf run failed");
 
-    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report_path).unwrap()).unwrap();
-    let cells = report["cells"].as_array().unwrap();
-    let executed: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
-    let text = |i: usize| -> String {
-        let code: Vec<&serde_json::Value> =
-            executed["cells"].as_array().unwrap().iter().filter(|c| c["cell_type"] == "code").collect();
-        code[i]["outputs"].to_string()
-    };
+    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report_path)?)?;
+    let cells = report["cells"].as_array().context("report without cells")?;
+    let executed: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out)?)?;
+    let code: Vec<&serde_json::Value> = executed["cells"]
+        .as_array()
+        .context("notebook without cells")?
+        .iter()
+        .filter(|c| c["cell_type"] == "code")
+        .collect();
+    let text = |i: usize| -> String { code[i]["outputs"].to_string() };
 
     // CPU cells on the persistent CPU worker; GPU cells on fresh or pinned workers.
     for (i, c) in cells.iter().enumerate() {
@@ -196,7 +209,7 @@ fn four_services_two_hosts_on(store_env: Vec<(&'static str, String)>) {
     // On the status subjects: every execution seen holding a slot was later seen
     // with that slot free (or held for unsavable state), on both hosts.
     wait_for(Duration::from_secs(10), || {
-        let all = collected.lock().unwrap();
+        let all = collected.lock().unwrap_or_else(|e| e.into_inner());
         let mut busy: BTreeMap<(String, u32), bool> = BTreeMap::new();
         for s in all.iter() {
             for slot in &s.slots {
@@ -211,6 +224,7 @@ fn four_services_two_hosts_on(store_env: Vec<(&'static str, String)>) {
         }
         busy.len() == 2 && busy.values().all(|b| !b)
     })
-    .expect("both hosts' slots were busy with cells and released after them");
+    .context("both hosts' slots were busy with cells and released after them")?;
     drop(hosts);
+    Ok(())
 }

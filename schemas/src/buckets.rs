@@ -28,7 +28,8 @@ pub fn run_claim_key(exec: uuid::Uuid) -> String {
 /// recipe (exactly one host prepares it).
 pub fn prepare_claim_key(session: uuid::Uuid, cell_id: &str, revision: u64) -> String {
     // KV keys allow [-/_=.a-zA-Z0-9]; cell ids are arbitrary text
-    let cell: String = cell_id.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
+    let cell: String =
+        cell_id.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
     format!("prep-{session}-{cell}-{:x}-{revision}", xxhash_rust::xxh3::xxh3_64(cell_id.as_bytes()))
 }
 
@@ -43,12 +44,10 @@ fn sanitize(prefix: &str) -> String {
 
 /// Get or create the claims bucket.
 pub async fn claims(js: &jetstream::Context, prefix: &str) -> Result<kv::Store, String> {
-    ensure_bucket(js, kv::Config {
-        bucket: claims_bucket(prefix),
-        history: 1,
-        max_age: CLAIM_TTL,
-        ..Default::default()
-    })
+    ensure_bucket(
+        js,
+        kv::Config { bucket: claims_bucket(prefix), history: 1, max_age: CLAIM_TTL, ..Default::default() },
+    )
     .await
 }
 
@@ -73,10 +72,7 @@ async fn ensure_bucket(js: &jetstream::Context, config: kv::Config) -> Result<kv
 }
 
 /// Get or create the stream that keeps session events for replay.
-pub async fn events_stream(
-    js: &jetstream::Context,
-    subjects: &crate::Subjects,
-) -> Result<stream::Stream, String> {
+pub async fn events_stream(js: &jetstream::Context, subjects: &crate::Subjects) -> Result<stream::Stream, String> {
     js.get_or_create_stream(stream::Config {
         name: subjects.events_stream(),
         subjects: vec![subjects.all_events()],

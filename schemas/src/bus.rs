@@ -227,7 +227,11 @@ impl Bus {
     /// Register with the NATS service API (`$SRV`), so `nats micro ls`, `nats micro
     /// stats` and `looseleaf status` see this service. Keep the returned handle for
     /// as long as the service runs.
-    pub async fn register_service(&self, name: &str, description: &str) -> Result<async_nats::service::Service, BusError> {
+    pub async fn register_service(
+        &self,
+        name: &str,
+        description: &str,
+    ) -> Result<async_nats::service::Service, BusError> {
         use async_nats::service::ServiceExt;
         self.client
             .service_builder()

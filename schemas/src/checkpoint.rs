@@ -197,11 +197,7 @@ impl Manifest {
 
     /// Bytes a variable's restore reads.
     pub fn bytes_of_name(&self, name: &str) -> u64 {
-        self.reachable_from_name(name)
-            .iter()
-            .filter_map(|oid| self.objects.get(oid))
-            .map(ObjectEntry::bytes)
-            .sum()
+        self.reachable_from_name(name).iter().filter_map(|oid| self.objects.get(oid)).map(ObjectEntry::bytes).sum()
     }
 
     /// Every live name, savable or not.
@@ -211,8 +207,7 @@ impl Manifest {
 
     /// Every chunk any object or the ambient blob of this manifest references.
     pub fn chunks(&self) -> BTreeSet<String> {
-        let mut all: BTreeSet<String> =
-            self.objects.values().flat_map(|o| o.chunks().cloned()).collect();
+        let mut all: BTreeSet<String> = self.objects.values().flat_map(|o| o.chunks().cloned()).collect();
         if let Some(a) = &self.ambient {
             all.extend(a.chunks.iter().cloned());
         }
@@ -259,7 +254,12 @@ impl Manifest {
             next.unsavable.remove(name);
             next.variables.insert(
                 name.clone(),
-                VarEntry { version, oid: var.oid.clone(), module: var.module.clone(), global_reads: var.global_reads.clone() },
+                VarEntry {
+                    version,
+                    oid: var.oid.clone(),
+                    module: var.module.clone(),
+                    global_reads: var.global_reads.clone(),
+                },
             );
         }
         for (name, reason) in &delta.unsavable {
@@ -267,9 +267,7 @@ impl Manifest {
             // Still held by the same worker: it is the same value, defined by the same cell
             // (a later cell on that worker may have used it, but did not rebind it).
             let (version, cell_id) = match self.unsavable.get(name) {
-                Some(u) if u.worker == origin.worker => {
-                    (u.version, u.cell_id.clone())
-                }
+                Some(u) if u.worker == origin.worker => (u.version, u.cell_id.clone()),
                 _ => (origin.exec_id, origin.cell_id.to_string()),
             };
             next.unsavable.insert(
@@ -298,8 +296,7 @@ impl Manifest {
                 }
             }
         }
-        let live: BTreeSet<String> =
-            reachable(&next.objects, next.variables.values().filter_map(|v| v.oid.as_deref()));
+        let live: BTreeSet<String> = reachable(&next.objects, next.variables.values().filter_map(|v| v.oid.as_deref()));
         next.objects.retain(|oid, _| live.contains(oid));
         Ok(next)
     }

@@ -83,13 +83,10 @@ pub fn decode_bincode<T: DeserializeOwned>(payload: &[u8]) -> Result<T, CodecErr
     if payload.len() > MAX_DECODE_BYTES {
         return Err(CodecError::TooLarge(payload.len()));
     }
-    let (value, used) = bincode::serde::decode_from_slice(payload, config())
-        .map_err(|e| CodecError::Decode(e.to_string()))?;
+    let (value, used) =
+        bincode::serde::decode_from_slice(payload, config()).map_err(|e| CodecError::Decode(e.to_string()))?;
     if used != payload.len() {
-        return Err(CodecError::Decode(format!(
-            "{} trailing bytes after the message",
-            payload.len() - used
-        )));
+        return Err(CodecError::Decode(format!("{} trailing bytes after the message", payload.len() - used)));
     }
     Ok(value)
 }

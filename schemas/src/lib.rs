@@ -26,10 +26,7 @@ pub use subjects::Subjects;
 
 /// Milliseconds since the Unix epoch, the clock that events and reports share.
 pub fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
 }
 
 #[cfg(feature = "object-store")]

@@ -56,8 +56,7 @@ pub fn open_with(url: &str, settings: &[(&str, &str)]) -> Result<Arc<dyn ObjectS
     } else {
         url
     };
-    std::fs::create_dir_all(path)
-        .map_err(|e| OpenError::Local { path: path.to_string(), reason: e.to_string() })?;
+    std::fs::create_dir_all(path).map_err(|e| OpenError::Local { path: path.to_string(), reason: e.to_string() })?;
     let fs = LocalFileSystem::new_with_prefix(path)
         .map_err(|e| OpenError::Local { path: path.to_string(), reason: e.to_string() })?;
     Ok(Arc::new(fs))
@@ -72,14 +71,11 @@ fn open_s3(url: &str, settings: &[(&str, &str)]) -> Result<Arc<dyn ObjectStore>,
     }
     let mut builder = AmazonS3Builder::from_env().with_bucket_name(bucket);
     for (key, value) in settings {
-        let key = key
-            .parse()
-            .map_err(|e| OpenError::S3 { url: url.to_string(), reason: format!("setting {key:?}: {e}") })?;
+        let key =
+            key.parse().map_err(|e| OpenError::S3 { url: url.to_string(), reason: format!("setting {key:?}: {e}") })?;
         builder = builder.with_config(key, *value);
     }
-    let s3 = builder
-        .build()
-        .map_err(|e| OpenError::S3 { url: url.to_string(), reason: e.to_string() })?;
+    let s3 = builder.build().map_err(|e| OpenError::S3 { url: url.to_string(), reason: e.to_string() })?;
     let prefix = prefix.trim_matches('/');
     if prefix.is_empty() {
         Ok(Arc::new(s3))

@@ -10,7 +10,11 @@ fn uuid() -> impl Strategy<Value = Uuid> {
 }
 
 fn options() -> impl Strategy<Value = SessionOptions> {
-    (".{0,40}", any::<bool>(), any::<bool>()).prop_map(|(cwd, all_gpu, speculate)| SessionOptions { cwd, all_gpu, speculate })
+    (".{0,40}", any::<bool>(), any::<bool>()).prop_map(|(cwd, all_gpu, speculate)| SessionOptions {
+        cwd,
+        all_gpu,
+        speculate,
+    })
 }
 
 fn roundtrip<M: WireMessage + PartialEq + std::fmt::Debug>(msg: &M) {
@@ -90,7 +94,13 @@ proptest! {
 
 #[test]
 fn missing_headers_and_unknown_versions_are_rejected() {
-    let msg = EditV1 { session: Uuid::nil(), cell_id: "c".into(), code: "x".into(), seq: 1, options: SessionOptions { cwd: String::new(), all_gpu: false, speculate: true } };
+    let msg = EditV1 {
+        session: Uuid::nil(),
+        cell_id: "c".into(),
+        code: "x".into(),
+        seq: 1,
+        options: SessionOptions { cwd: String::new(), all_gpu: false, speculate: true },
+    };
     let (mut headers, payload) = codec::encode(&msg).unwrap();
     assert!(matches!(codec::decode::<EditV1>(None, &payload), Err(CodecError::MissingHeaders)));
     headers.insert(codec::VERSION_HEADER, "99");
@@ -142,7 +152,15 @@ fn decode_as_version_1<Old: serde::Serialize, New: WireMessage>(old: &Old) -> Ne
 #[test]
 fn a_version_1_commit_and_manifest_get_are_read_as_version_2() {
     let sid = Uuid::now_v7();
-    let old = CommitV1 { session: sid, base_revision: 2, exec_id: sid, host: "h".into(), worker: "w".into(), cell_id: "c".into(), delta: Default::default() };
+    let old = CommitV1 {
+        session: sid,
+        base_revision: 2,
+        exec_id: sid,
+        host: "h".into(),
+        worker: "w".into(),
+        cell_id: "c".into(),
+        delta: Default::default(),
+    };
     let new: CommitV2 = decode_as_version_1(&old);
     assert_eq!((new.session, new.base_revision, new.uploaded.len()), (sid, 2, 0), "an old commit claims no uploads");
     assert_eq!(new, old.upgrade());

@@ -147,7 +147,9 @@ impl SseParser {
 /// Read a session's event stream (the body of `GET …/events`, as byte chunks) on a
 /// task; items arrive on the channel, which closes when the stream ends or breaks.
 /// An item that does not parse is logged and skipped.
-pub fn spawn_item_reader<B, E>(mut body: impl futures::Stream<Item = Result<B, E>> + Send + Unpin + 'static) -> tokio::sync::mpsc::UnboundedReceiver<StreamItem>
+pub fn spawn_item_reader<B, E>(
+    mut body: impl futures::Stream<Item = Result<B, E>> + Send + Unpin + 'static,
+) -> tokio::sync::mpsc::UnboundedReceiver<StreamItem>
 where
     B: AsRef<[u8]> + Send,
     E: std::fmt::Display + Send,
@@ -192,11 +194,8 @@ mod tests {
 
     #[test]
     fn stream_items_round_trip_through_json() {
-        let item = StreamItem::Event {
-            exec_id: Uuid::now_v7(),
-            unix_ms: 5,
-            kind: EventKind::Failed { error: "boom".into() },
-        };
+        let item =
+            StreamItem::Event { exec_id: Uuid::now_v7(), unix_ms: 5, kind: EventKind::Failed { error: "boom".into() } };
         let json = serde_json::to_string(&item).unwrap_or_default();
         assert!(json.contains("\"type\":\"event\""));
         let back: StreamItem = serde_json::from_str(&json).unwrap_or(StreamItem::Queued {

@@ -83,7 +83,8 @@ fn json_body<T>(body: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
     body.map(|Json(v)| v).map_err(|e| {
         // a body that is not the JSON we expect is a bad request; only a missing
         // content type keeps its own status (415)
-        let status = if e.status() == StatusCode::UNSUPPORTED_MEDIA_TYPE { e.status() } else { StatusCode::BAD_REQUEST };
+        let status =
+            if e.status() == StatusCode::UNSUPPORTED_MEDIA_TYPE { e.status() } else { StatusCode::BAD_REQUEST };
         ApiError(status, format!("bad request body: {}", e.body_text()))
     })
 }
@@ -210,7 +211,11 @@ async fn delete_session(
         .map_err(|e| internal(format!("could not publish the close: {e}")))?;
     let store = state
         .bus
-        .request::<SessionDeleteV1, DoneV1>(s.store(StoreVerb::SessionDelete), &SessionDeleteV1 { session: sid }, Duration::from_secs(10))
+        .request::<SessionDeleteV1, DoneV1>(
+            s.store(StoreVerb::SessionDelete),
+            &SessionDeleteV1 { session: sid },
+            Duration::from_secs(10),
+        )
         .await;
     let store_error = match store {
         Ok(DoneV1 {}) => None,

@@ -106,9 +106,10 @@ pub async fn run_with_bound(
     };
     let app = http::router(state.clone());
     let server_token = token.clone();
-    let mut server = tokio::spawn(async move {
-        axum::serve(listener, app).with_graceful_shutdown(server_token.cancelled_owned()).await
-    });
+    let mut server =
+        tokio::spawn(
+            async move { axum::serve(listener, app).with_graceful_shutdown(server_token.cancelled_owned()).await },
+        );
     tracing::info!(addr = %bound, prefix = %config.prefix, "frontend serving on http://{bound}");
     on_bound(bound);
     tokio::select! {

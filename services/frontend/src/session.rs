@@ -170,7 +170,14 @@ impl SessionActor {
     }
 
     /// The current execution is complete: emit done, start the next one.
-    fn complete(&mut self, ctx: &mut Context<Self>, status: ExecStatus, revision: u64, error: Option<String>, unix_ms: u64) {
+    fn complete(
+        &mut self,
+        ctx: &mut Context<Self>,
+        status: ExecStatus,
+        revision: u64,
+        error: Option<String>,
+        unix_ms: u64,
+    ) {
         let Some(cur) = self.current.take() else { return };
         self.revision = revision;
         if let Some(r) = self.record(cur.exec_id) {
@@ -320,7 +327,13 @@ impl Handler<Edit> for SessionActor {
     fn handle(&mut self, msg: Edit, _ctx: &mut Self::Context) -> Self::Result {
         let seq = self.edit_seq.entry(msg.cell_id.clone()).or_insert(0);
         *seq += 1;
-        MessageResult(EditV1 { session: self.sid, cell_id: msg.cell_id, code: msg.code, seq: *seq, options: self.options.clone() })
+        MessageResult(EditV1 {
+            session: self.sid,
+            cell_id: msg.cell_id,
+            code: msg.code,
+            seq: *seq,
+            options: self.options.clone(),
+        })
     }
 }
 

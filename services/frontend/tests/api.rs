@@ -6,9 +6,7 @@ use anyhow::{bail, Context};
 use looseleaf_frontend::api::{spawn_item_reader, ExecStatus, RunAccepted, SessionCreated, StreamItem};
 use looseleaf_frontend::{Config, Timeouts};
 use looseleaf_test_support::{random_prefix, NatsServer};
-use schemas::messages::{
-    CellStatus, Device, EditV1, EventKind, OutputV1, Prepare, RunV1, SessionEventV1,
-};
+use schemas::messages::{CellStatus, Device, EditV1, EventKind, OutputV1, Prepare, RunV1, SessionEventV1};
 use schemas::Bus;
 use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
@@ -90,7 +88,13 @@ async fn create_session(http: &reqwest::Client, base: &str) -> anyhow::Result<Uu
     Ok(created.session_id)
 }
 
-async fn run_cell(http: &reqwest::Client, base: &str, sid: Uuid, cell: &str, code: &str) -> anyhow::Result<RunAccepted> {
+async fn run_cell(
+    http: &reqwest::Client,
+    base: &str,
+    sid: Uuid,
+    cell: &str,
+    code: &str,
+) -> anyhow::Result<RunAccepted> {
     Ok(http
         .post(format!("{base}/v1/sessions/{sid}/cells/{cell}/run"))
         .json(&serde_json::json!({ "code": code }))
@@ -148,11 +152,26 @@ fn started() -> EventKind {
 }
 
 fn finished(outputs: u64) -> EventKind {
-    EventKind::Finished { status: CellStatus::Ok, error: None, execution_count: 1, run_ms: 2.0, outputs, cuda_used: false, faulted: vec![] }
+    EventKind::Finished {
+        status: CellStatus::Ok,
+        error: None,
+        execution_count: 1,
+        run_ms: 2.0,
+        outputs,
+        cuda_used: false,
+        faulted: vec![],
+    }
 }
 
 fn saved(revision: u64) -> EventKind {
-    EventKind::Saved { revision, save_ms: 1.0, saved_bytes: 10, chunks_written: 1, unsavable: vec![], slot_released: true }
+    EventKind::Saved {
+        revision,
+        save_ms: 1.0,
+        saved_bytes: 10,
+        chunks_written: 1,
+        unsavable: vec![],
+        slot_released: true,
+    }
 }
 
 async fn next_run(runs: &mut schemas::bus::Subscription<RunV1>) -> anyhow::Result<RunV1> {
@@ -217,8 +236,8 @@ async fn run_queue_waits_for_saved_and_relays_outputs_before_done() -> anyhow::R
     output(&host, sid, first.exec_id, 0, "hello\n").await?;
     event(&host, sid, first.exec_id, finished(1)).await?;
     // the frontend saw Finished (it relays events in order) ...
-    let mut seen = items_until(&mut sse, |i| matches!(i, StreamItem::Event { kind: EventKind::Finished { .. }, .. }))
-        .await?;
+    let mut seen =
+        items_until(&mut sse, |i| matches!(i, StreamItem::Event { kind: EventKind::Finished { .. }, .. })).await?;
     assert!(matches!(seen.first(), Some(StreamItem::Queued { exec_id, .. }) if *exec_id == first.exec_id));
     // ... and still holds the second run back until Saved
     let summary: serde_json::Value =
@@ -293,7 +312,10 @@ async fn bad_input_gets_4xx_with_a_json_error() -> anyhow::Result<()> {
     let unknown = Uuid::now_v7();
     for resp in [
         http.put(format!("{base}/v1/sessions/{unknown}/cells/a")).json(&serde_json::json!({"code": ""})).send().await?,
-        http.post(format!("{base}/v1/sessions/{unknown}/cells/a/run")).json(&serde_json::json!({"code": ""})).send().await?,
+        http.post(format!("{base}/v1/sessions/{unknown}/cells/a/run"))
+            .json(&serde_json::json!({"code": ""}))
+            .send()
+            .await?,
         http.get(format!("{base}/v1/sessions/{unknown}/events")).send().await?,
         http.delete(format!("{base}/v1/sessions/{unknown}")).send().await?,
     ] {

@@ -314,7 +314,10 @@ mod tests {
         let hash = chunk_hash(&good);
         objects.put(&Path::from(chunk_key(&hash).as_str()), b"HELLO".to_vec().into()).await.unwrap();
         let mut m = Manifest::default();
-        m.objects.insert("o1".into(), ObjectEntry { record: Blob { len: 5, chunks: vec![hash.clone()] }, ..Default::default() });
+        m.objects.insert(
+            "o1".into(),
+            ObjectEntry { record: Blob { len: 5, chunks: vec![hash.clone()] }, ..Default::default() },
+        );
         let dir = tempfile::tempdir().unwrap();
         let chunks = Chunks::new(objects, 1 << 20, dir.path().to_path_buf());
         let err = chunks.write_restore_file(&m, &[("o1".into(), "df".into())], "t1").await.unwrap_err();
@@ -358,7 +361,8 @@ mod tests {
         assert!(matches!(chunks.upload(&save, &bad).await, Err(ChunkError::BadRegion(_))));
 
         let mut m = Manifest::default();
-        m.objects.insert("o".into(), ObjectEntry { record: Blob { len: 6, chunks: vec![ha, hb] }, ..Default::default() });
+        m.objects
+            .insert("o".into(), ObjectEntry { record: Blob { len: 6, chunks: vec![ha, hb] }, ..Default::default() });
         // two chunks of one blob: the second starts CHUNK_BYTES in, so use a tiny layout check
         let rf = chunks.write_restore_file(&m, &[("o".into(), "x".into())], "t2").await.unwrap();
         assert_eq!(rf.objects["o"].record, [0, 6]);

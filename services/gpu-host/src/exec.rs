@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use schemas::checkpoint::Manifest;
 use schemas::messages::{
-    CellStatus, ChunkPlanV1, ChunkPlannedV1, CommitV2, Device, CommittedV1, EventKind, ManifestGetV2, ManifestV1, OutputV1, Prepare, RecipeV1, OUTPUT_PART_BYTES,
-    SessionEventV1, WorkerState,
+    CellStatus, ChunkPlanV1, ChunkPlannedV1, CommitV2, CommittedV1, Device, EventKind, ManifestGetV2, ManifestV1,
+    OutputV1, Prepare, RecipeV1, SessionEventV1, WorkerState, OUTPUT_PART_BYTES,
 };
 use schemas::subjects::StoreVerb;
 use schemas::{unix_ms, Bus};
@@ -19,9 +19,9 @@ use tokio::sync::Mutex;
 use uuid::Uuid;
 
 use crate::chunks::Chunks;
+use crate::import_cache::ImportCache;
 use crate::protocol::{Frame, VarRestore};
 use crate::worker::{RunEvent, WorkerError, WorkerProc};
-use crate::import_cache::ImportCache;
 use crate::zygotes::{Listener, Zygote};
 
 /// How long store requests may take.
@@ -123,7 +123,8 @@ impl ExecEnv {
         let (mut total, mut cached) = (0u64, 0u64);
         for oid in m.reachable(roots) {
             let Some(obj) = m.objects.get(&oid) else { continue };
-            let blobs = std::iter::once((&obj.record.chunks, obj.record.len)).chain(obj.payloads.iter().map(|p| (&p.chunks, p.len)));
+            let blobs = std::iter::once((&obj.record.chunks, obj.record.len))
+                .chain(obj.payloads.iter().map(|p| (&p.chunks, p.len)));
             for (chunks, len) in blobs {
                 let mut left = len;
                 for h in chunks {
@@ -151,7 +152,13 @@ impl ExecEnv {
     /// Fork a worker from the deepest zygote that fits the import closure, starting
     /// (or restarting) the base zygote if needed, and build a child zygote in the
     /// background when a tail keeps being asked for.
-    pub async fn fork(&self, session: Uuid, slot: Option<u32>, cwd: &str, imports: &[String]) -> Result<(WorkerProc, bool), String> {
+    pub async fn fork(
+        &self,
+        session: Uuid,
+        slot: Option<u32>,
+        cwd: &str,
+        imports: &[String],
+    ) -> Result<(WorkerProc, bool), String> {
         let mut env = self.device_env(slot);
         env.insert("LOOSELEAF_SESSION".to_string(), session.to_string());
         // installs from a cell go to the session's own layer (a pip target)
@@ -223,7 +230,9 @@ impl ExecEnv {
         let claimed_at = Instant::now();
         let (slot, prepare) = match &target {
             // a fresh worker for a CPU cell becomes the session's persistent one
-            Target::Fresh { slot: None } if recipe.device == Device::Cpu && recipe.pinned.is_none() => (None, Prepare::Persistent),
+            Target::Fresh { slot: None } if recipe.device == Device::Cpu && recipe.pinned.is_none() => {
+                (None, Prepare::Persistent)
+            }
             Target::Fresh { slot } => (*slot, Prepare::Cold),
             Target::Existing { prepare, slot, .. } => (*slot, *prepare),
         };
@@ -233,7 +242,8 @@ impl ExecEnv {
             Target::Fresh { slot } => match self.fork(session, slot, &recipe.options.cwd, &recipe.imports).await {
                 Ok((w, hit)) => (Arc::new(Mutex::new(w)), hit),
                 Err(e) => {
-                    self.event(session, exec_id, EventKind::Failed { error: format!("could not start a worker: {e}") }).await;
+                    self.event(session, exec_id, EventKind::Failed { error: format!("could not start a worker: {e}") })
+                        .await;
                     return Outcome { worker: None, unsavable: vec![] };
                 }
             },
@@ -289,7 +299,11 @@ impl ExecEnv {
         let (session, exec_id) = (recipe.session, recipe.exec_id);
         let restore_started = Instant::now();
         // a worker prepared before Run may have been prepared without its slot
-        let env = if matches!(prepare, Prepare::Speculative | Prepare::Warm) { self.device_env(slot) } else { BTreeMap::new() };
+        let env = if matches!(prepare, Prepare::Speculative | Prepare::Warm) {
+            self.device_env(slot)
+        } else {
+            BTreeMap::new()
+        };
         let (manifest, restored) = self.restore_closure(recipe, w, env).await?;
         let restored_bytes = restored.bytes;
 
@@ -306,7 +320,9 @@ impl ExecEnv {
                     Pending::Output(out) => {
                         let subject = bus.subjects().output(out.session, out.exec_id);
                         let mut sent = Ok(());
-                        for piece in OutputV1::pieces(out.session, out.exec_id, out.seq, out.output_json, OUTPUT_PART_BYTES) {
+                        for piece in
+                            OutputV1::pieces(out.session, out.exec_id, out.seq, out.output_json, OUTPUT_PART_BYTES)
+                        {
                             sent = sent.and(bus.publish(subject.clone(), &piece).await);
                         }
                         sent
@@ -328,35 +344,49 @@ impl ExecEnv {
         let fault_files = std::sync::Mutex::new(Vec::new());
         let on_fault = |names: Vec<String>| self.fault_frame(&manifest, &held_oids, &fault_files, names, &worker_id);
         let finished = w
-            .run(exec_id, &recipe.cell_id, &recipe.code, self.cell_timeout, |ev| {
-                let p = match ev {
-                    RunEvent::Started { unix_ms, execution_count, python } => Pending::Event(SessionEventV1 {
-                        session,
-                        exec_id,
-                        unix_ms,
-                        kind: EventKind::Started {
-                            host: host.clone(),
-                            slot,
-                            worker: worker_id.clone(),
-                            device,
-                            prepare,
-                            execution_count,
-                            restored_bytes,
-                            prepare_ms,
-                            restore_ms,
-                            refreshed: restored.refreshed,
-                            import_hit,
-                            python,
-                        },
-                    }),
-                    RunEvent::Output(output) => {
-                        seq += 1;
-                        Pending::Output(OutputV1 { session, exec_id, seq, output_json: output.to_string(), part: 0, parts: 1 })
-                    }
-                };
-                // the receiver lives until we drop tx below
-                let _ = tx.send(p);
-            }, on_fault)
+            .run(
+                exec_id,
+                &recipe.cell_id,
+                &recipe.code,
+                self.cell_timeout,
+                |ev| {
+                    let p = match ev {
+                        RunEvent::Started { unix_ms, execution_count, python } => Pending::Event(SessionEventV1 {
+                            session,
+                            exec_id,
+                            unix_ms,
+                            kind: EventKind::Started {
+                                host: host.clone(),
+                                slot,
+                                worker: worker_id.clone(),
+                                device,
+                                prepare,
+                                execution_count,
+                                restored_bytes,
+                                prepare_ms,
+                                restore_ms,
+                                refreshed: restored.refreshed,
+                                import_hit,
+                                python,
+                            },
+                        }),
+                        RunEvent::Output(output) => {
+                            seq += 1;
+                            Pending::Output(OutputV1 {
+                                session,
+                                exec_id,
+                                seq,
+                                output_json: output.to_string(),
+                                part: 0,
+                                parts: 1,
+                            })
+                        }
+                    };
+                    // the receiver lives until we drop tx below
+                    let _ = tx.send(p);
+                },
+                on_fault,
+            )
             .await;
         drop(tx);
         for path in fault_files.into_inner().unwrap_or_else(|e| e.into_inner()) {
@@ -376,15 +406,19 @@ impl ExecEnv {
         }
         let error = finished.error.as_ref().map(|e| format!("{}: {}", e.ename, e.evalue));
         let status = if finished.status == "ok" { CellStatus::Ok } else { CellStatus::Error };
-        self.event(session, exec_id, EventKind::Finished {
-            status,
-            error,
-            execution_count: finished.execution_count,
-            run_ms: finished.run_ms,
-            outputs: finished.outputs,
-            cuda_used: finished.cuda_used,
-            faulted: finished.faulted.clone(),
-        })
+        self.event(
+            session,
+            exec_id,
+            EventKind::Finished {
+                status,
+                error,
+                execution_count: finished.execution_count,
+                run_ms: finished.run_ms,
+                outputs: finished.outputs,
+                cuda_used: finished.cuda_used,
+                faulted: finished.faulted.clone(),
+            },
+        )
         .await;
 
         let base_revision = manifest.revision;
@@ -411,21 +445,29 @@ impl ExecEnv {
         let ask_missing = |hashes| {
             let bus = self.bus.clone();
             async move {
-                bus.request::<_, ChunkPlannedV1>(bus.subjects().store(StoreVerb::ChunkPlan), &ChunkPlanV1 { session, hashes }, STORE_TIMEOUT)
-                    .await
-                    .map(|p| p.missing)
-                    .map_err(|e| e.to_string())
+                bus.request::<_, ChunkPlannedV1>(
+                    bus.subjects().store(StoreVerb::ChunkPlan),
+                    &ChunkPlanV1 { session, hashes },
+                    STORE_TIMEOUT,
+                )
+                .await
+                .map(|p| p.missing)
+                .map_err(|e| e.to_string())
             }
         };
         let saved = w.save(exec_id, &self.chunks, ask_missing, commit).await.map_err(describe)?;
-        self.event(session, exec_id, EventKind::Saved {
-            revision: saved.revision,
-            save_ms: saved.save_ms,
-            saved_bytes: saved.saved_bytes,
-            chunks_written: saved.chunks_written,
-            unsavable: saved.unsavable.clone(),
-            slot_released: slot.is_some() && saved.unsavable.is_empty(),
-        })
+        self.event(
+            session,
+            exec_id,
+            EventKind::Saved {
+                revision: saved.revision,
+                save_ms: saved.save_ms,
+                saved_bytes: saved.saved_bytes,
+                chunks_written: saved.chunks_written,
+                unsavable: saved.unsavable.clone(),
+                slot_released: slot.is_some() && saved.unsavable.is_empty(),
+            },
+        )
         .await;
         Ok(saved.unsavable)
     }
@@ -451,7 +493,11 @@ impl ExecEnv {
                 if let Some(p) = &file.path {
                     files.lock().unwrap_or_else(|e| e.into_inner()).push(p.clone());
                 }
-                Frame::Faulted { shm_path: file.path.map(|p| p.display().to_string()), variables, objects: file.objects }
+                Frame::Faulted {
+                    shm_path: file.path.map(|p| p.display().to_string()),
+                    variables,
+                    objects: file.objects,
+                }
             }
             Err(e) => {
                 // the cell goes on without them (NameError), and says why in the log
@@ -612,7 +658,10 @@ fn restore_entries(
                 }
             }
         }
-        variables.insert(name, VarRestore { oid: entry.oid.clone(), version: entry.version.to_string(), module: entry.module.clone() });
+        variables.insert(
+            name,
+            VarRestore { oid: entry.oid.clone(), version: entry.version.to_string(), module: entry.module.clone() },
+        );
     }
     (variables, objects)
 }

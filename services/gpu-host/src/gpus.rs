@@ -39,10 +39,7 @@ pub fn discover() -> Vec<Gpu> {
 /// real GPUs. Returns (slots, whether they are real).
 pub fn slots(virtual_gpus: Option<u32>) -> (Vec<Gpu>, bool) {
     match virtual_gpus {
-        Some(n) => (
-            (0..n).map(|index| Gpu { index, name: "virtual".into(), memory_bytes: 0 }).collect(),
-            false,
-        ),
+        Some(n) => ((0..n).map(|index| Gpu { index, name: "virtual".into(), memory_bytes: 0 }).collect(), false),
         None => (discover(), true),
     }
 }

@@ -52,11 +52,20 @@ enum SlotState {
     /// Reserved while this host tries to claim `exec`.
     Claiming(Uuid),
     /// Running `exec` for `session`.
-    Busy { exec: Uuid, session: Uuid },
+    Busy {
+        exec: Uuid,
+        session: Uuid,
+    },
     /// Kept with a worker that holds unsavable state.
-    Pinned { worker: String, session: Uuid },
+    Pinned {
+        worker: String,
+        session: Uuid,
+    },
     /// Held by a worker prepared (or being prepared) for a cell before Run.
-    Prepared { session: Uuid, cell_id: String },
+    Prepared {
+        session: Uuid,
+        cell_id: String,
+    },
 }
 
 struct Slot {
@@ -127,7 +136,14 @@ pub struct Host {
 
 impl Host {
     /// A host with `slots` (real GPUs or virtual ones), claiming through `claims`.
-    pub fn new(env: ExecEnv, claims: kv::Store, slots: Vec<Gpu>, real_gpus: bool, prepare_holds_slot: bool, keep_warm: bool) -> Self {
+    pub fn new(
+        env: ExecEnv,
+        claims: kv::Store,
+        slots: Vec<Gpu>,
+        real_gpus: bool,
+        prepare_holds_slot: bool,
+        keep_warm: bool,
+    ) -> Self {
         let slots = slots.into_iter().map(|gpu| Slot { gpu, state: SlotState::Free, since: Instant::now() }).collect();
         Self {
             env,
@@ -188,20 +204,34 @@ impl Host {
                     SlotState::Free => (None, None, None),
                     SlotState::Claiming(e) => (Some(*e), None, Some("claiming".to_string())),
                     SlotState::Busy { exec, session } => (Some(*exec), Some(*session), Some("cell".to_string())),
-                    SlotState::Pinned { session, worker } => (None, Some(*session), Some(format!("unsavable state in {worker}"))),
+                    SlotState::Pinned { session, worker } => {
+                        (None, Some(*session), Some(format!("unsavable state in {worker}")))
+                    }
                     SlotState::Prepared { session, cell_id } => {
                         let preparing = self.prepared.get(&(*session, cell_id.clone())).is_some_and(|p| p.preparing);
                         let what = if preparing { "preparing" } else { "prepared" };
                         (None, Some(*session), Some(format!("{what} for cell {cell_id}")))
                     }
                 };
-                SlotStatus { index: s.gpu.index, name: s.gpu.name.clone(), memory_bytes: s.gpu.memory_bytes, exec_id, session, held_for }
+                SlotStatus {
+                    index: s.gpu.index,
+                    name: s.gpu.name.clone(),
+                    memory_bytes: s.gpu.memory_bytes,
+                    exec_id,
+                    session,
+                    held_for,
+                }
             })
             .collect();
         let zygotes = match self.env.zygotes.try_lock() {
             Ok(cache) => cache
                 .zygotes()
-                .map(|z| ZygoteStatus { id: z.id.clone(), packages: z.packages.clone(), cuda_unsafe: z.cuda_unsafe.clone(), pid: z.pid })
+                .map(|z| ZygoteStatus {
+                    id: z.id.clone(),
+                    packages: z.packages.clone(),
+                    cuda_unsafe: z.cuda_unsafe.clone(),
+                    pid: z.pid,
+                })
                 .collect(),
             Err(_) => self.last_zygotes.clone(),
         };
@@ -419,7 +449,12 @@ impl Host {
         ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| act.prepare_done(key, res, ctx)));
     }
 
-    fn prepare_done(&mut self, key: PrepKey, res: Result<(Arc<Mutex<WorkerProc>>, f64), String>, ctx: &mut Context<Self>) {
+    fn prepare_done(
+        &mut self,
+        key: PrepKey,
+        res: Result<(Arc<Mutex<WorkerProc>>, f64), String>,
+        ctx: &mut Context<Self>,
+    ) {
         let Some(p) = self.prepared.get_mut(&key) else {
             if let Ok((w, _)) = res {
                 stop_worker(w, ctx, self);
@@ -531,7 +566,14 @@ impl Host {
     /// Keep the worker that just ran `cell_id` warm, with its slot (it may hold a
     /// CUDA context): a re-run of the cell finds it ready. The slot time of the cell
     /// ends here; waiting counts as the warm worker's idle time.
-    fn keep_warm_worker(&mut self, session: Uuid, cell_id: &str, worker: Arc<Mutex<WorkerProc>>, pos: usize, ctx: &mut Context<Self>) {
+    fn keep_warm_worker(
+        &mut self,
+        session: Uuid,
+        cell_id: &str,
+        worker: Arc<Mutex<WorkerProc>>,
+        pos: usize,
+        ctx: &mut Context<Self>,
+    ) {
         self.release_slot(pos, session, "cell", ctx);
         let index = self.slots[pos].gpu.index;
         self.slots[pos].state = SlotState::Prepared { session, cell_id: cell_id.to_string() };
@@ -654,7 +696,9 @@ impl Host {
             .prepared
             .iter()
             .filter(|(_, p)| !p.preparing && p.run.is_none())
-            .filter(|(_, p)| p.worker.as_ref().is_some_and(|w| w.try_lock().is_ok_and(|w| !crate::worker::is_alive(w.pid))))
+            .filter(|(_, p)| {
+                p.worker.as_ref().is_some_and(|w| w.try_lock().is_ok_and(|w| !crate::worker::is_alive(w.pid)))
+            })
             .map(|(k, _)| k.clone())
             .collect();
         for key in lost {
@@ -759,7 +803,9 @@ impl Host {
         let env = self.env.clone();
         let kind = match &target {
             Target::Fresh { slot } => ExecKind::Fresh { slot: *slot },
-            Target::Existing { prepare: Prepare::Speculative | Prepare::Warm, slot: Some(slot), .. } => ExecKind::Prepared { slot: *slot },
+            Target::Existing { prepare: Prepare::Speculative | Prepare::Warm, slot: Some(slot), .. } => {
+                ExecKind::Prepared { slot: *slot }
+            }
             Target::Existing { worker, .. } => ExecKind::Existing { worker: worker.clone() },
         };
         let device = recipe.device;
@@ -772,7 +818,15 @@ impl Host {
         }));
     }
 
-    fn exec_done(&mut self, session: Uuid, cell_id: &str, device: Device, kind: ExecKind, outcome: Outcome, ctx: &mut Context<Self>) {
+    fn exec_done(
+        &mut self,
+        session: Uuid,
+        cell_id: &str,
+        device: Device,
+        kind: ExecKind,
+        outcome: Outcome,
+        ctx: &mut Context<Self>,
+    ) {
         match kind {
             // a prepared worker ends like a fresh one: its slot goes free or stays
             // pinned for unsavable state
@@ -786,7 +840,9 @@ impl Host {
                         self.slots[pos].state = SlotState::Pinned { worker: id.clone(), session };
                         self.kept.insert(id, Kept { worker, session, slot: Some(index), persistent: false });
                     }
-                    (Some(worker), Some(pos)) if self.keep_warm && !self.prepared.contains_key(&(session, cell_id.to_string())) => {
+                    (Some(worker), Some(pos))
+                        if self.keep_warm && !self.prepared.contains_key(&(session, cell_id.to_string())) =>
+                    {
                         self.keep_warm_worker(session, cell_id, worker, pos, ctx);
                     }
                     (worker, pos) => {
@@ -858,7 +914,12 @@ impl Host {
             session,
             exec_id: Uuid::nil(),
             unix_ms: unix_ms(),
-            kind: EventKind::SlotReleased { host: self.env.host_id.clone(), slot: index, held_ms, reason: reason.to_string() },
+            kind: EventKind::SlotReleased {
+                host: self.env.host_id.clone(),
+                slot: index,
+                held_ms,
+                reason: reason.to_string(),
+            },
         };
         let bus = self.env.bus.clone();
         ctx.spawn(
@@ -907,7 +968,8 @@ impl Host {
             }
         }
         self.cpu.remove(&session);
-        let ids: Vec<String> = self.kept.iter().filter(|(_, k)| k.session == session).map(|(id, _)| id.clone()).collect();
+        let ids: Vec<String> =
+            self.kept.iter().filter(|(_, k)| k.session == session).map(|(id, _)| id.clone()).collect();
         for id in ids {
             if let Some(k) = self.kept.remove(&id) {
                 stop_worker(k.worker, ctx, self);
@@ -974,10 +1036,16 @@ fn closure_on_gpu(m: &schemas::checkpoint::Manifest, recipe: &RecipeV1) -> bool 
 }
 
 enum ExecKind {
-    Fresh { slot: Option<u32> },
+    Fresh {
+        slot: Option<u32>,
+    },
     /// A worker prepared before Run, holding GPU slot `slot`.
-    Prepared { slot: u32 },
-    Existing { worker: Arc<Mutex<WorkerProc>> },
+    Prepared {
+        slot: u32,
+    },
+    Existing {
+        worker: Arc<Mutex<WorkerProc>>,
+    },
 }
 
 fn worker_id(worker: &Arc<Mutex<WorkerProc>>) -> String {

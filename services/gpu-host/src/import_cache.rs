@@ -245,8 +245,14 @@ impl ImportCache {
         }
         // a fresher child for the same tail replaces the old one
         self.children.retain(|c| c.tail != tail);
-        self.children.push(ChildZygote { zygote, tail, modules: modules.into_iter().collect(), last_used: Instant::now() });
-        let sizes: Vec<(Instant, u64)> = self.children.iter().map(|c| (c.last_used, private_bytes(c.zygote.pid))).collect();
+        self.children.push(ChildZygote {
+            zygote,
+            tail,
+            modules: modules.into_iter().collect(),
+            last_used: Instant::now(),
+        });
+        let sizes: Vec<(Instant, u64)> =
+            self.children.iter().map(|c| (c.last_used, private_bytes(c.zygote.pid))).collect();
         let mut evict = evictions(&sizes, self.max_children, self.max_child_bytes);
         evict.sort_unstable_by(|a, b| b.cmp(a));
         for i in evict {

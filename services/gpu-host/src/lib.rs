@@ -84,7 +84,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     let objects = schemas::objects::open(&config.store_url).context("while opening the object store")?;
     std::fs::create_dir_all(&config.runtime_dir)
         .with_context(|| format!("while creating {}", config.runtime_dir.display()))?;
-    let shm_dir = if std::path::Path::new("/dev/shm").is_dir() { PathBuf::from("/dev/shm") } else { std::env::temp_dir() };
+    let shm_dir =
+        if std::path::Path::new("/dev/shm").is_dir() { PathBuf::from("/dev/shm") } else { std::env::temp_dir() };
     let listener = zygotes::Listener::bind(&socket_path(&config)).context("while binding the host socket")?;
     let (slots, real_gpus) = gpus::slots(config.virtual_gpus);
     tracing::info!(host = %config.host_id, slots = slots.len(), real_gpus, "gpu-host starting");
@@ -98,7 +99,11 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     };
     // Start the base zygote in the background: the host serves at once, and the first
     // fork waits for the zygote's imports instead of the host's subscriptions.
-    let zygotes = Arc::new(tokio::sync::Mutex::new(import_cache::ImportCache::new(zygote_spec, MAX_CHILD_ZYGOTES, MAX_CHILD_ZYGOTE_BYTES)));
+    let zygotes = Arc::new(tokio::sync::Mutex::new(import_cache::ImportCache::new(
+        zygote_spec,
+        MAX_CHILD_ZYGOTES,
+        MAX_CHILD_ZYGOTE_BYTES,
+    )));
     {
         let (listener, id) = (listener.clone(), format!("z-{}-base", config.host_id));
         let mut cache = zygotes.clone().lock_owned().await;

@@ -366,9 +366,9 @@ impl Conn {
 
 fn closed_or_io(e: std::io::Error) -> ConnError {
     match e.kind() {
-        std::io::ErrorKind::UnexpectedEof
-        | std::io::ErrorKind::BrokenPipe
-        | std::io::ErrorKind::ConnectionReset => ConnError::Closed,
+        std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset => {
+            ConnError::Closed
+        }
         _ => ConnError::Io(e),
     }
 }
@@ -403,24 +403,57 @@ mod tests {
 
     fn samples() -> Vec<Frame> {
         vec![
-            Frame::Hello { role: "worker".into(), id: "w".into(), pid: 1, packages: vec![], import_ms: 0.0, cuda_unsafe: vec![], import_errors: BTreeMap::new(), stdlib: vec![], loaded: vec![], zygote_id: None },
+            Frame::Hello {
+                role: "worker".into(),
+                id: "w".into(),
+                pid: 1,
+                packages: vec![],
+                import_ms: 0.0,
+                cuda_unsafe: vec![],
+                import_errors: BTreeMap::new(),
+                stdlib: vec![],
+                loaded: vec![],
+                zygote_id: None,
+            },
             Frame::SpawnZygote { zygote_id: "z".into(), packages: vec!["sklearn".into()] },
             Frame::Fork { worker_id: "w".into(), env: BTreeMap::new(), cwd: "/".into(), socket: "/s".into() },
             Frame::Forked { worker_id: "w".into(), pid: 2 },
             Frame::ForkFailed { worker_id: "w".into(), error: "e".into() },
-            Frame::Restore { shm_path: None, variables: BTreeMap::new(), objects: BTreeMap::new(), ambient: None, imports: vec![], drop: vec![], env: BTreeMap::from([("CUDA_VISIBLE_DEVICES".into(), "0".into())]) },
+            Frame::Restore {
+                shm_path: None,
+                variables: BTreeMap::new(),
+                objects: BTreeMap::new(),
+                ambient: None,
+                imports: vec![],
+                drop: vec![],
+                env: BTreeMap::from([("CUDA_VISIBLE_DEVICES".into(), "0".into())]),
+            },
             Frame::Restored { ok: true, restored_bytes: 0, ms: 0.0, errors: BTreeMap::new() },
             Frame::Run { exec_id: "e".into(), cell_id: "c".into(), code: "1".into() },
             Frame::Started { exec_id: "e".into(), unix_ms: 1, execution_count: 1, python: "3.11.7".into() },
             Frame::Output { exec_id: "e".into(), output: serde_json::json!({"output_type": "stream"}) },
             Frame::Fault { exec_id: "e".into(), names: vec!["x".into()] },
             Frame::Faulted { shm_path: None, variables: BTreeMap::new(), objects: BTreeMap::new() },
-            Frame::Finished { exec_id: "e".into(), status: "ok".into(), execution_count: 1, run_ms: 1.0, cuda_used: false, error: None, faulted: vec!["x".into()] },
+            Frame::Finished {
+                exec_id: "e".into(),
+                status: "ok".into(),
+                execution_count: 1,
+                run_ms: 1.0,
+                cuda_used: false,
+                error: None,
+                faulted: vec!["x".into()],
+            },
             Frame::Save { exec_id: "e".into() },
             Frame::SavePlan { exec_id: "e".into(), chunks: vec![] },
             Frame::SaveMissing { exec_id: "e".into(), missing: vec![] },
             Frame::SavePart { exec_id: "e".into(), shm_path: "/dev/shm/p".into(), chunks: BTreeMap::new() },
-            Frame::SaveReady { exec_id: "e".into(), shm_path: None, chunks: BTreeMap::new(), delta: Delta::default(), save_ms: 0.0 },
+            Frame::SaveReady {
+                exec_id: "e".into(),
+                shm_path: None,
+                chunks: BTreeMap::new(),
+                delta: Delta::default(),
+                save_ms: 0.0,
+            },
             Frame::Committed { exec_id: "e".into(), ok: true, revision: 1, versions: BTreeMap::new(), error: None },
             Frame::Error { message: "m".into() },
             Frame::Shutdown {},

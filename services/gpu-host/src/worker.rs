@@ -239,7 +239,13 @@ impl WorkerProc {
     /// be stored and returns those the store lacks (the gateway's chunk plan);
     /// `commit` gets the delta and the chunks uploaded for it, and returns
     /// (revision, versions).
-    pub async fn save<P, PFut, F, Fut>(&mut self, exec_id: Uuid, chunks: &Chunks, ask_missing: P, commit: F) -> Result<Saved, WorkerError>
+    pub async fn save<P, PFut, F, Fut>(
+        &mut self,
+        exec_id: Uuid,
+        chunks: &Chunks,
+        ask_missing: P,
+        commit: F,
+    ) -> Result<Saved, WorkerError>
     where
         P: FnOnce(Vec<String>) -> PFut,
         PFut: std::future::Future<Output = Result<Vec<String>, String>>,
@@ -296,7 +302,9 @@ impl WorkerProc {
         };
         let mut upload: Result<u64, ChunkError> = Ok(0);
         for (path, task) in parts {
-            let done = task.await.unwrap_or_else(|e| Err(ChunkError::Shm { path: path.display().to_string(), source: std::io::Error::other(e) }));
+            let done = task.await.unwrap_or_else(|e| {
+                Err(ChunkError::Shm { path: path.display().to_string(), source: std::io::Error::other(e) })
+            });
             let _ = std::fs::remove_file(&path); // upload unlinks it, unless it failed first
             upload = match (upload, done) {
                 (Ok(total), Ok(n)) => Ok(total + n),
@@ -307,7 +315,18 @@ impl WorkerProc {
         let saved_bytes = match upload {
             Ok(n) => n,
             Err(e) => {
-                let _ = self.send("saving", &Frame::Committed { exec_id: exec, ok: false, revision: 0, versions: BTreeMap::new(), error: Some(e.to_string()) }).await;
+                let _ = self
+                    .send(
+                        "saving",
+                        &Frame::Committed {
+                            exec_id: exec,
+                            ok: false,
+                            revision: 0,
+                            versions: BTreeMap::new(),
+                            error: Some(e.to_string()),
+                        },
+                    )
+                    .await;
                 return Err(e.into());
             }
         };
@@ -337,7 +356,13 @@ impl WorkerProc {
                 })
             }
             Err(e) => {
-                let frame = Frame::Committed { exec_id: exec, ok: false, revision: 0, versions: BTreeMap::new(), error: Some(e.clone()) };
+                let frame = Frame::Committed {
+                    exec_id: exec,
+                    ok: false,
+                    revision: 0,
+                    versions: BTreeMap::new(),
+                    error: Some(e.clone()),
+                };
                 let _ = self.send("saving", &frame).await;
                 // the worker's state no longer matches any revision
                 self.broken = true;

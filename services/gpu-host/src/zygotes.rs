@@ -222,7 +222,8 @@ impl Zygote {
     }
 
     fn from_hello(id: &str, hello: Hello, process: Option<tokio::process::Child>) -> Result<Self, ZygoteError> {
-        let Frame::Hello { pid, packages, cuda_unsafe, import_ms, import_errors, stdlib, loaded, .. } = hello.frame else {
+        let Frame::Hello { pid, packages, cuda_unsafe, import_ms, import_errors, stdlib, loaded, .. } = hello.frame
+        else {
             return Err(ZygoteError::NoHello { what: id.into(), timeout: ZYGOTE_START });
         };
         tracing::info!(zygote = id, pid, ?packages, ?cuda_unsafe, ?import_errors, import_ms, "zygote ready");
@@ -247,7 +248,11 @@ impl Zygote {
     }
 
     /// Wait for a child zygote's hello (its tail imports may take seconds).
-    pub async fn child_ready(listener: &Listener, child_id: &str, rx: oneshot::Receiver<Hello>) -> Result<Self, ZygoteError> {
+    pub async fn child_ready(
+        listener: &Listener,
+        child_id: &str,
+        rx: oneshot::Receiver<Hello>,
+    ) -> Result<Self, ZygoteError> {
         let hello = listener.wait(child_id, rx, ZYGOTE_START).await?;
         Self::from_hello(child_id, hello, None)
     }
@@ -280,7 +285,10 @@ impl Zygote {
             }
             Ok(other) => {
                 listener.forget(worker_id);
-                return Err(ZygoteError::Fork { worker: worker_id.into(), reason: format!("zygote answered {}", other.kind()) });
+                return Err(ZygoteError::Fork {
+                    worker: worker_id.into(),
+                    reason: format!("zygote answered {}", other.kind()),
+                });
             }
             Err(e) => {
                 listener.forget(worker_id);

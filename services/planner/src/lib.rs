@@ -27,7 +27,8 @@ use schemas::{buckets, Bus};
 pub const DEFAULT_DEBOUNCE_MS: u64 = 100;
 
 /// Default speculation budget.
-pub const DEFAULT_BUDGET: speculator::Budget = speculator::Budget { prepared_per_host: 1, idle_seconds_per_session: 120.0 };
+pub const DEFAULT_BUDGET: speculator::Budget =
+    speculator::Budget { prepared_per_host: 1, idle_seconds_per_session: 120.0 };
 
 /// What the planner needs.
 #[derive(Clone, Debug)]

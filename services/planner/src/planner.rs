@@ -15,8 +15,8 @@ use async_nats::jetstream::kv;
 use schemas::bus::Rejected;
 use schemas::checkpoint::Manifest;
 use schemas::messages::{
-    Device, EditV1, EventKind, EvictV1, HostStatusV2, ManifestGetV2, ManifestV1, PreparedWorker, RecipeKind,
-    RecipeV1, RunV1, SessionCloseV1, SessionEventV1, SessionOptions,
+    Device, EditV1, EventKind, EvictV1, HostStatusV2, ManifestGetV2, ManifestV1, PreparedWorker, RecipeKind, RecipeV1,
+    RunV1, SessionCloseV1, SessionEventV1, SessionOptions,
 };
 use schemas::subjects::HostVerb;
 use schemas::subjects::StoreVerb;
@@ -139,13 +139,15 @@ impl Planner {
     /// After a save (of `revision`), edits should see the new versions.
     fn refresh_manifest(&mut self, session: Uuid, revision: u64, ctx: &mut Context<Self>) {
         let bus = self.bus.clone();
-        ctx.spawn(async move { fetch_manifest(&bus, session, Some(revision)).await }.into_actor(self).map(move |m, act, _| match m {
-            Ok(m) => {
-                let st = act.manifests.get(&session).map(|(_, st)| st.clone()).unwrap_or_default();
-                act.manifests.insert(session, (Arc::new(m), st));
-            }
-            Err(e) => tracing::debug!(error = %e, "could not refresh a manifest"),
-        }));
+        ctx.spawn(async move { fetch_manifest(&bus, session, Some(revision)).await }.into_actor(self).map(
+            move |m, act, _| match m {
+                Ok(m) => {
+                    let st = act.manifests.get(&session).map(|(_, st)| st.clone()).unwrap_or_default();
+                    act.manifests.insert(session, (Arc::new(m), st));
+                }
+                Err(e) => tracing::debug!(error = %e, "could not refresh a manifest"),
+            },
+        ));
     }
 }
 
@@ -277,7 +279,12 @@ impl StreamHandler<Result<Envelope<RunV1>, Rejected>> for Planner {
             let result = plan_run(bus.clone(), kv, run, prepared).await;
             if let Err(error) = &result {
                 tracing::error!(%session, %error, "could not plan a run");
-                let ev = SessionEventV1 { session, exec_id, unix_ms: unix_ms(), kind: EventKind::Failed { error: error.clone() } };
+                let ev = SessionEventV1 {
+                    session,
+                    exec_id,
+                    unix_ms: unix_ms(),
+                    kind: EventKind::Failed { error: error.clone() },
+                };
                 if let Err(e) = bus.publish(bus.subjects().event(session), &ev).await {
                     tracing::error!(error = %e, "could not report a planning failure");
                 }
@@ -312,7 +319,13 @@ impl StreamHandler<Result<Envelope<EditV1>, Rejected>> for Planner {
 /// Learn from a finished cell: if its worker saw CUDA used, label the cell GPU
 /// next time (DESIGN.md section 4; the "what the worker reported"); names
 /// its closure missed are restored up front next time.
-async fn learn(kv: kv::Store, session: Uuid, exec_id: Uuid, cuda_used: bool, faulted: Vec<String>) -> Result<(), state::StateError> {
+async fn learn(
+    kv: kv::Store,
+    session: Uuid,
+    exec_id: Uuid,
+    cuda_used: bool,
+    faulted: Vec<String>,
+) -> Result<(), state::StateError> {
     state::modify(&kv, session, |st| {
         if let Some(cell_id) = st.running.remove(&exec_id) {
             if !faulted.is_empty() {

@@ -51,7 +51,9 @@ pub fn history(manifest: &Manifest, state: &SessionState) -> History {
     for (name, var) in &manifest.variables {
         let meta = state.names.get(name);
         let on_gpu = meta.is_some_and(|m| m.on_gpu)
-            || var.oid.as_ref().is_some_and(|o| manifest.reachable([o.as_str()]).iter().any(|x| manifest.objects.get(x).is_some_and(|e| e.on_gpu)));
+            || var.oid.as_ref().is_some_and(|o| {
+                manifest.reachable([o.as_str()]).iter().any(|x| manifest.objects.get(x).is_some_and(|e| e.on_gpu))
+            });
         // A def/class summary from the planner's analysis; else what the worker saw
         // a run-time callable (lambda, closure, partial) read.
         let def = meta.and_then(|m| m.def.clone()).or_else(|| {
@@ -69,7 +71,12 @@ pub fn history(manifest: &Manifest, state: &SessionState) -> History {
         let meta = state.names.get(name);
         history.insert(
             name.clone(),
-            NameInfo { version: u.version, def: meta.and_then(|m| m.def.clone()), on_gpu: meta.is_some_and(|m| m.on_gpu), is_module: false },
+            NameInfo {
+                version: u.version,
+                def: meta.and_then(|m| m.def.clone()),
+                on_gpu: meta.is_some_and(|m| m.on_gpu),
+                is_module: false,
+            },
         );
     }
     history
@@ -94,7 +101,15 @@ fn moved_names(code: &str) -> BTreeSet<String> {
 }
 
 /// Derive the recipe of `code` (already analysed) against `manifest`.
-pub fn derive(analysis: &CellAnalysis, code: &str, manifest: &Manifest, state: &SessionState, all_gpu: bool, exec_id: uuid::Uuid, cell_id: &str) -> Derived {
+pub fn derive(
+    analysis: &CellAnalysis,
+    code: &str,
+    manifest: &Manifest,
+    state: &SessionState,
+    all_gpu: bool,
+    exec_id: uuid::Uuid,
+    cell_id: &str,
+) -> Derived {
     let history = history(manifest, state);
     // Notebook-defined classes always come along: pickle, torch.load and friends
     // look them up in __main__ by name, which no static read shows.
@@ -109,7 +124,12 @@ pub fn derive(analysis: &CellAnalysis, code: &str, manifest: &Manifest, state: &
     }
     // `Out[N]` is `_N`: a cell that reads the output history needs those names.
     if analysis.reads.contains("Out") || analysis.builtin_reads.contains("Out") {
-        extra.extend(history.keys().filter(|n| n.len() > 1 && n.starts_with('_') && n[1..].bytes().all(|b| b.is_ascii_digit())).cloned());
+        extra.extend(
+            history
+                .keys()
+                .filter(|n| n.len() > 1 && n.starts_with('_') && n[1..].bytes().all(|b| b.is_ascii_digit()))
+                .cloned(),
+        );
     }
     let closure = if extra.is_empty() {
         analysis::resolve(analysis, &history)
@@ -143,7 +163,9 @@ pub fn derive(analysis: &CellAnalysis, code: &str, manifest: &Manifest, state: &
             if let Some(oid) = &var.oid {
                 for o in manifest.reachable([oid.as_str()]) {
                     if let Some(obj) = manifest.objects.get(&o) {
-                        imports.extend(obj.modules.iter().filter(|m| !matches!(m.as_str(), "__main__" | "builtins")).cloned());
+                        imports.extend(
+                            obj.modules.iter().filter(|m| !matches!(m.as_str(), "__main__" | "builtins")).cloned(),
+                        );
                     }
                 }
             }
@@ -156,7 +178,10 @@ pub fn derive(analysis: &CellAnalysis, code: &str, manifest: &Manifest, state: &
             match &mut pinned {
                 Some(p) if p.worker == u.worker => p.names.push(name.clone()),
                 Some(_) => {} // needs two pinned workers: the host reports the missing one
-                None => pinned = Some(PinnedWorker { host: u.host.clone(), worker: u.worker.clone(), names: vec![name.clone()] }),
+                None => {
+                    pinned =
+                        Some(PinnedWorker { host: u.host.clone(), worker: u.worker.clone(), names: vec![name.clone()] })
+                }
             }
         }
     }
@@ -164,11 +189,15 @@ pub fn derive(analysis: &CellAnalysis, code: &str, manifest: &Manifest, state: &
     // What this cell's run teaches us about the names it writes.
     // Only a static sign (a move to the device) makes values GPU-resident; a
     // placement override or --all-gpu says where the cell runs, not where its values live.
-    let gpu_cell = analysis.device.as_ref().is_some_and(|h| h.label == analysis::Device::Gpu && !h.reason.starts_with("override"))
-        || device_reason.contains("on a GPU");
+    let gpu_cell =
+        analysis.device.as_ref().is_some_and(|h| h.label == analysis::Device::Gpu && !h.reason.starts_with("override"))
+            || device_reason.contains("on a GPU");
     let moved = if gpu_cell { moved_names(code) } else { BTreeSet::new() };
     let mut writes = BTreeMap::new();
-    for name in analysis::cell_writes(analysis, &history).into_iter().chain(moved.into_iter().filter(|n| history.contains_key(n))) {
+    for name in analysis::cell_writes(analysis, &history)
+        .into_iter()
+        .chain(moved.into_iter().filter(|n| history.contains_key(n)))
+    {
         // rebinding without a def keeps no summary
         let def = analysis.defs.get(&name).cloned();
         writes.insert(name, NameMeta { exec_id, def, on_gpu: gpu_cell });
@@ -202,7 +231,10 @@ mod tests {
     fn manifest(names: &[&str]) -> Manifest {
         let mut m = Manifest::default();
         for n in names {
-            m.variables.insert(n.to_string(), VarEntry { version: Uuid::now_v7(), oid: Some(format!("o{n}")), module: None, global_reads: vec![] });
+            m.variables.insert(
+                n.to_string(),
+                VarEntry { version: Uuid::now_v7(), oid: Some(format!("o{n}")), module: None, global_reads: vec![] },
+            );
         }
         m
     }
@@ -212,7 +244,9 @@ mod tests {
         let m = manifest(&["a", "b", "f", "unused"]);
         let mut state = SessionState::default();
         let def_cell = analysis::analyze("def f():\n    return a + 1\n");
-        state.names.insert("f".into(), NameMeta { exec_id: Uuid::nil(), def: def_cell.defs.get("f").cloned(), on_gpu: false });
+        state
+            .names
+            .insert("f".into(), NameMeta { exec_id: Uuid::nil(), def: def_cell.defs.get("f").cloned(), on_gpu: false });
         let code = "x = f() + b";
         let d = derive(&analysis::analyze(code), code, &m, &state, false, Uuid::now_v7(), "c");
         let names: Vec<&str> = d.closure.iter().map(|v| v.name.as_str()).collect();
@@ -246,7 +280,16 @@ mod tests {
     #[test]
     fn unsavable_names_pin_the_cell_to_their_worker() {
         let mut m = manifest(&["x"]);
-        m.unsavable.insert("gen".into(), Unsavable { version: Uuid::now_v7(), reason: "generator".into(), host: "h1".into(), worker: "w9".into(), cell_id: "c0".into() });
+        m.unsavable.insert(
+            "gen".into(),
+            Unsavable {
+                version: Uuid::now_v7(),
+                reason: "generator".into(),
+                host: "h1".into(),
+                worker: "w9".into(),
+                cell_id: "c0".into(),
+            },
+        );
         let code = "y = next(gen) + x";
         let d = derive(&analysis::analyze(code), code, &m, &SessionState::default(), true, Uuid::now_v7(), "c");
         let p = d.pinned.expect("pinned");
@@ -280,7 +323,10 @@ mod tests {
         let m = manifest(&["Model", "path", "other"]);
         let mut state = SessionState::default();
         let def = analysis::analyze("class Model:\n    pass\n");
-        state.names.insert("Model".into(), NameMeta { exec_id: Uuid::nil(), def: def.defs.get("Model").cloned(), on_gpu: false });
+        state.names.insert(
+            "Model".into(),
+            NameMeta { exec_id: Uuid::nil(), def: def.defs.get("Model").cloned(), on_gpu: false },
+        );
         let code = "import torch\nmodel_new = torch.load(path)";
         let d = derive(&analysis::analyze(code), code, &m, &state, false, Uuid::now_v7(), "c");
         let names: Vec<&str> = d.closure.iter().map(|v| v.name.as_str()).collect();
@@ -290,9 +336,16 @@ mod tests {
     #[test]
     fn a_restored_module_brings_the_submodules_the_session_imported() {
         let mut m = manifest(&["x"]);
-        m.variables.insert("sk".into(), VarEntry { version: Uuid::now_v7(), oid: None, module: Some("sklearn".into()), global_reads: vec![] });
+        m.variables.insert(
+            "sk".into(),
+            VarEntry { version: Uuid::now_v7(), oid: None, module: Some("sklearn".into()), global_reads: vec![] },
+        );
         let mut state = SessionState::default();
-        state.submodules.extend(["sklearn.linear_model".to_string(), "sklearnx.other".to_string(), "os.path".to_string()]);
+        state.submodules.extend([
+            "sklearn.linear_model".to_string(),
+            "sklearnx.other".to_string(),
+            "os.path".to_string(),
+        ]);
         let code = "print(sk.linear_model.__name__, x)";
         let d = derive(&analysis::analyze(code), code, &m, &state, false, Uuid::now_v7(), "c");
         assert_eq!(d.imports, vec!["sklearn".to_string(), "sklearn.linear_model".to_string()]);

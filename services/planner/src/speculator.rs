@@ -138,7 +138,11 @@ impl Speculator {
             return Admission { admit: true, evict: vec![], refused: None };
         }
         if self.idle_seconds(session, now) >= self.budget.idle_seconds_per_session {
-            return Admission { admit: false, evict: vec![], refused: Some("the session's idle GPU-second budget is spent") };
+            return Admission {
+                admit: false,
+                evict: vec![],
+                refused: Some("the session's idle GPU-second budget is spent"),
+            };
         }
         let mut evict = Vec::new();
         if self.entries.len() + self.in_flight.len() >= self.capacity() {
@@ -262,15 +266,39 @@ mod tests {
         for cell in ["c1", "c2", "c3"] {
             assert!(s.admit(a, cell, 0.0).admit);
         }
-        s.ready(a, "c1", at("h", "w1"), Ready { class: PreparedClass::Speculative, prepare_ms: 50.0, holds_slot: true }, 0.0);
-        s.ready(a, "c2", at("h", "w2"), Ready { class: PreparedClass::Speculative, prepare_ms: 900.0, holds_slot: true }, 0.0);
-        s.ready(a, "c3", at("h", "w3"), Ready { class: PreparedClass::Warm, prepare_ms: 2000.0, holds_slot: true }, 0.0);
+        s.ready(
+            a,
+            "c1",
+            at("h", "w1"),
+            Ready { class: PreparedClass::Speculative, prepare_ms: 50.0, holds_slot: true },
+            0.0,
+        );
+        s.ready(
+            a,
+            "c2",
+            at("h", "w2"),
+            Ready { class: PreparedClass::Speculative, prepare_ms: 900.0, holds_slot: true },
+            0.0,
+        );
+        s.ready(
+            a,
+            "c3",
+            at("h", "w3"),
+            Ready { class: PreparedClass::Warm, prepare_ms: 2000.0, holds_slot: true },
+            0.0,
+        );
         // full: the warm worker goes first although it saves the most
         let first = s.admit(b, "x", 1.0);
         assert!(first.admit);
         assert_eq!(first.evict.len(), 1);
         assert_eq!(first.evict[0].at.worker, "w3");
-        s.ready(b, "x", at("h", "w4"), Ready { class: PreparedClass::Speculative, prepare_ms: 10.0, holds_slot: true }, 1.0);
+        s.ready(
+            b,
+            "x",
+            at("h", "w4"),
+            Ready { class: PreparedClass::Speculative, prepare_ms: 10.0, holds_slot: true },
+            1.0,
+        );
         // then the speculative one with the lowest priority (50 < 900; the new one
         // starts at the inflation 2000 + 10)
         let second = s.admit(b, "y", 2.0);
@@ -284,12 +312,24 @@ mod tests {
         s.host_seen("h", 0.0);
         let sid = Uuid::now_v7();
         s.admit(sid, "old", 0.0);
-        s.ready(sid, "old", at("h", "w1"), Ready { class: PreparedClass::Speculative, prepare_ms: 500.0, holds_slot: true }, 0.0);
+        s.ready(
+            sid,
+            "old",
+            at("h", "w1"),
+            Ready { class: PreparedClass::Speculative, prepare_ms: 500.0, holds_slot: true },
+            0.0,
+        );
         // evicting it raises L to 500, so a cheap newcomer outranks an older worker
         // that was worth more when it was prepared
         let adm = s.admit(sid, "new", 1.0);
         assert_eq!(adm.evict[0].at.worker, "w1");
-        s.ready(sid, "new", at("h", "w2"), Ready { class: PreparedClass::Speculative, prepare_ms: 1.0, holds_slot: true }, 1.0);
+        s.ready(
+            sid,
+            "new",
+            at("h", "w2"),
+            Ready { class: PreparedClass::Speculative, prepare_ms: 1.0, holds_slot: true },
+            1.0,
+        );
         assert_eq!(s.entries[&(sid, "new".to_string())].priority, 501.0);
     }
 
@@ -299,7 +339,13 @@ mod tests {
         s.host_seen("h", 0.0);
         let sid = Uuid::now_v7();
         assert!(s.admit(sid, "c", 0.0).admit);
-        s.ready(sid, "c", at("h", "w1"), Ready { class: PreparedClass::Speculative, prepare_ms: 5.0, holds_slot: true }, 0.0);
+        s.ready(
+            sid,
+            "c",
+            at("h", "w1"),
+            Ready { class: PreparedClass::Speculative, prepare_ms: 5.0, holds_slot: true },
+            0.0,
+        );
         let again = s.admit(sid, "c", 1.0);
         assert!(again.admit && again.evict.is_empty());
     }
@@ -310,14 +356,32 @@ mod tests {
         s.host_seen("h", 0.0);
         let (a, b) = (Uuid::now_v7(), Uuid::now_v7());
         s.admit(a, "c1", 0.0);
-        s.ready(a, "c1", at("h", "w1"), Ready { class: PreparedClass::Speculative, prepare_ms: 5.0, holds_slot: true }, 0.0);
+        s.ready(
+            a,
+            "c1",
+            at("h", "w1"),
+            Ready { class: PreparedClass::Speculative, prepare_ms: 5.0, holds_slot: true },
+            0.0,
+        );
         // 6 s idle: still within 10
         assert!(s.over_budget(6.0).is_empty());
         assert!(s.admit(a, "c2", 6.0).admit);
-        s.ready(a, "c2", at("h", "w2"), Ready { class: PreparedClass::Speculative, prepare_ms: 5.0, holds_slot: true }, 6.0);
+        s.ready(
+            a,
+            "c2",
+            at("h", "w2"),
+            Ready { class: PreparedClass::Speculative, prepare_ms: 5.0, holds_slot: true },
+            6.0,
+        );
         // at 9 s: 9 + 3 = 12 idle seconds: both of a's workers go, b is untouched
         s.admit(b, "c1", 8.0);
-        s.ready(b, "c1", at("h", "w3"), Ready { class: PreparedClass::Speculative, prepare_ms: 5.0, holds_slot: true }, 8.0);
+        s.ready(
+            b,
+            "c1",
+            at("h", "w3"),
+            Ready { class: PreparedClass::Speculative, prepare_ms: 5.0, holds_slot: true },
+            8.0,
+        );
         let ev = s.over_budget(9.0);
         let mut workers: Vec<&str> = ev.iter().map(|e| e.at.worker.as_str()).collect();
         workers.sort();
@@ -366,7 +430,13 @@ mod tests {
         s.host_seen("h", 0.0);
         let sid = Uuid::now_v7();
         s.admit(sid, "c", 0.0);
-        s.ready(sid, "c", at("h", "w"), Ready { class: PreparedClass::Speculative, prepare_ms: 5.0, holds_slot: false }, 0.0);
+        s.ready(
+            sid,
+            "c",
+            at("h", "w"),
+            Ready { class: PreparedClass::Speculative, prepare_ms: 5.0, holds_slot: false },
+            0.0,
+        );
         assert!(s.over_budget(100.0).is_empty());
         s.ended(sid, "c", "w", 100_000.0, false);
         assert!(s.admit(sid, "d", 100.0).admit);
@@ -378,7 +448,13 @@ mod tests {
         s.host_seen("h", 0.0);
         let sid = Uuid::now_v7();
         s.admit(sid, "c", 0.0);
-        s.ready(sid, "c", at("h", "w"), Ready { class: PreparedClass::Speculative, prepare_ms: 5.0, holds_slot: true }, 0.0);
+        s.ready(
+            sid,
+            "c",
+            at("h", "w"),
+            Ready { class: PreparedClass::Speculative, prepare_ms: 5.0, holds_slot: true },
+            0.0,
+        );
         assert_eq!(s.for_run(sid, "c"), Some(at("h", "w")));
         s.ended(sid, "c", "w", 4000.0, true);
         assert!(s.for_run(sid, "c").is_none());

@@ -64,7 +64,11 @@ pub enum StateError {
 
 /// Change a session's state with `f`, atomically: a revision-checked update that
 /// retries when another planner (or another handler of this one) wrote meanwhile.
-pub async fn modify<T>(kv: &kv::Store, session: Uuid, mut f: impl FnMut(&mut SessionState) -> T) -> Result<T, StateError> {
+pub async fn modify<T>(
+    kv: &kv::Store,
+    session: Uuid,
+    mut f: impl FnMut(&mut SessionState) -> T,
+) -> Result<T, StateError> {
     let key = session.to_string();
     let kv_err = |reason: String| StateError::Kv { session, reason };
     for _ in 0..16 {

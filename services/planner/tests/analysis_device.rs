@@ -5,11 +5,7 @@ use looseleaf_planner::analysis::{analyze, Device};
 #[track_caller]
 fn gpu(code: &str, reason: &str) {
     let hint = analyze(code).device;
-    assert_eq!(
-        hint.as_ref().map(|h| h.label),
-        Some(Device::Gpu),
-        "{code:?}"
-    );
+    assert_eq!(hint.as_ref().map(|h| h.label), Some(Device::Gpu), "{code:?}");
     let got = hint.map(|h| h.reason).unwrap_or_default();
     assert_eq!(got, reason, "{code:?}");
 }
@@ -24,46 +20,19 @@ fn positive_signs() {
     gpu("m = model.cuda()", ".cuda() call at line 1");
     gpu("x = 1\nx = x.to(device)", ".to(device) call at line 2");
     gpu("t = t.to('cuda:0')", ".to(device) call at line 1");
-    gpu(
-        "t = t.to(torch.device('cuda'))",
-        ".to(device) call at line 1",
-    );
+    gpu("t = t.to(torch.device('cuda'))", ".to(device) call at line 1");
     gpu("t = t.to(dev)", ".to(device) call at line 1");
     gpu("t = t.to(cfg.device)", ".to(device) call at line 1");
-    gpu(
-        "t = t.to(dtype=torch.half, device=my_device)",
-        ".to(device) call at line 1",
-    );
-    gpu(
-        "z = torch.zeros(3, device='cuda')",
-        "device= keyword argument at line 1",
-    );
-    gpu(
-        "z = torch.randn(3, device = device)",
-        "device= keyword argument at line 1",
-    );
-    gpu(
-        "torch.cuda.manual_seed(0)",
-        "torch.cuda.manual_seed at line 1",
-    );
-    gpu(
-        "torch.cuda.synchronize()",
-        "torch.cuda.synchronize at line 1",
-    );
-    gpu(
-        "import cupy as cp\na = cp.arange(10)",
-        "cupy usage (cp) at line 2",
-    );
-    gpu(
-        "import jax\ny = jax.device_put(x)",
-        "jax.device_put at line 2",
-    );
+    gpu("t = t.to(dtype=torch.half, device=my_device)", ".to(device) call at line 1");
+    gpu("z = torch.zeros(3, device='cuda')", "device= keyword argument at line 1");
+    gpu("z = torch.randn(3, device = device)", "device= keyword argument at line 1");
+    gpu("torch.cuda.manual_seed(0)", "torch.cuda.manual_seed at line 1");
+    gpu("torch.cuda.synchronize()", "torch.cuda.synchronize at line 1");
+    gpu("import cupy as cp\na = cp.arange(10)", "cupy usage (cp) at line 2");
+    gpu("import jax\ny = jax.device_put(x)", "jax.device_put at line 2");
     gpu("fast = torch.compile(model)", "torch.compile at line 1");
     // signs inside function bodies count: the cell defines GPU work
-    gpu(
-        "def step(b):\n    return b.cuda()",
-        ".cuda() call at line 2",
-    );
+    gpu("def step(b):\n    return b.cuda()", ".cuda() call at line 2");
     // signs inside a magic report the magic's line
     gpu("x = 1\n%time y = x.cuda()", ".cuda() call at line 2");
 }
@@ -80,13 +49,9 @@ fn negative_signs() {
 }
 
 fn corpus_cells(file: &str) -> Vec<String> {
-    let path = format!(
-        "{}/../../../shared/corpus/torch/{file}",
-        env!("CARGO_MANIFEST_DIR")
-    );
+    let path = format!("{}/../../../shared/corpus/torch/{file}", env!("CARGO_MANIFEST_DIR"));
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
-    let nb: serde_json::Value =
-        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}"));
+    let nb: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}"));
     let cells = nb["cells"].as_array().cloned().unwrap_or_default();
     cells
         .iter()
@@ -100,10 +65,7 @@ fn corpus_cells(file: &str) -> Vec<String> {
 }
 
 fn cell_with<'c>(cells: &'c [String], needle: &str) -> &'c str {
-    cells
-        .iter()
-        .find(|c| c.contains(needle))
-        .unwrap_or_else(|| panic!("no cell contains {needle:?}"))
+    cells.iter().find(|c| c.contains(needle)).unwrap_or_else(|| panic!("no cell contains {needle:?}"))
 }
 
 #[test]
@@ -112,10 +74,7 @@ fn pytorch_workflow_notebook() {
     assert!(cells.len() > 30);
     // Moving data and the model to `device` needs the GPU.
     let to_device = cell_with(&cells, "X_train = X_train.to(device)");
-    assert_eq!(
-        analyze(to_device).device.map(|d| d.label),
-        Some(Device::Gpu)
-    );
+    assert_eq!(analyze(to_device).device.map(|d| d.label), Some(Device::Gpu));
     let model_to = cell_with(&cells, "model_1.to(device) # the device");
     assert_eq!(analyze(model_to).device.map(|d| d.label), Some(Device::Gpu));
     // Choosing the device is not a sign; plotting and imports are not either.
@@ -131,11 +90,7 @@ fn pytorch_workflow_notebook() {
     let train = cell_with(&cells, "X_train = X_train.to(device)");
     let a = analyze(train);
     for name in ["model_1", "loss_fn", "optimizer", "device"] {
-        assert!(
-            a.reads.contains(name),
-            "training cell reads {name}: {:?}",
-            a.reads
-        );
+        assert!(a.reads.contains(name), "training cell reads {name}: {:?}", a.reads);
     }
     // Every corpus cell analyzes without giving up.
     for cell in &cells {
@@ -145,10 +100,7 @@ fn pytorch_workflow_notebook() {
 
 #[test]
 fn every_corpus_notebook_is_precise() {
-    for file in [
-        "mrdbourke_01_pytorch_workflow.ipynb",
-        "rasbt_ch12_part2.ipynb",
-    ] {
+    for file in ["mrdbourke_01_pytorch_workflow.ipynb", "rasbt_ch12_part2.ipynb"] {
         for cell in corpus_cells(file) {
             let a = analyze(&cell);
             assert_eq!(a.conservative, None, "{file}: {cell}");

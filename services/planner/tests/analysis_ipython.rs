@@ -20,48 +20,24 @@ fn rw(code: &str, reads: &[&str], writes: &[&str]) -> CellAnalysis {
 #[test]
 fn time_magics_analyze_their_python() {
     rw("%time x = f(y)", &["f", "y"], &["x"]);
-    rw(
-        "%prun -s cumtime -l 10 r = run(cfg)",
-        &["cfg", "run"],
-        &["r"],
-    );
+    rw("%prun -s cumtime -l 10 r = run(cfg)", &["cfg", "run"], &["r"]);
     rw("%debug out = g(a)", &["a", "g"], &["out"]);
     // %timeit compiles the statement into a function: it reads but does not bind
-    rw(
-        "%timeit -n 10 -r3 z = model(batch)",
-        &["batch", "model"],
-        &[],
-    );
+    rw("%timeit -n 10 -r3 z = model(batch)", &["batch", "model"], &[]);
     rw("x = 1\n%time y = x + w", &["w"], &["x", "y"]);
 }
 
 #[test]
 fn python_cell_magics_analyze_the_body() {
     rw("%%time\nx = f(y)\nprint(x)", &["f", "y"], &["x"]);
-    rw(
-        "%%capture out\nr = train(m)",
-        &["m", "train"],
-        &["out", "r"],
-    );
+    rw("%%capture out\nr = train(m)", &["m", "train"], &["out", "r"]);
     rw("%%capture --no-stderr cap\nr = 1", &[], &["cap", "r"]);
-    rw(
-        "%%timeit -n 5 setup = prep(a)\nres = work(setup, b)",
-        &["a", "b", "prep", "work"],
-        &[],
-    );
+    rw("%%timeit -n 5 setup = prep(a)\nres = work(setup, b)", &["a", "b", "prep", "work"], &[]);
 }
 
 #[test]
 fn non_python_cell_magics_read_nothing() {
-    for magic in [
-        "bash",
-        "sh",
-        "html",
-        "javascript",
-        "latex",
-        "markdown",
-        "svg",
-    ] {
+    for magic in ["bash", "sh", "html", "javascript", "latex", "markdown", "svg"] {
         rw(&format!("%%{magic}\necho $x {{y}} <b>z</b>"), &[], &[]);
     }
     rw("%%writefile script.py\nimport os\nprint(secret)", &[], &[]);
@@ -115,11 +91,7 @@ fn magics_the_notebook_registers_read_their_function_and_named_variables() {
 
 #[test]
 fn magics_mixed_with_python() {
-    let a = rw(
-        "import numpy as np\n%matplotlib inline\nx = np.zeros(n)\n!echo {x}",
-        &["n"],
-        &["np", "x"],
-    );
+    let a = rw("import numpy as np\n%matplotlib inline\nx = np.zeros(n)\n!echo {x}", &["n"], &["np", "x"]);
     assert_eq!(a.imports, set(&["numpy"]));
 }
 

@@ -54,9 +54,7 @@ fn python() -> impl Strategy<Value = String> {
 fn ruff_parser_panics_are_contained() {
     // ruff_python_parser 0.0.10 hits an `unreachable!` on this input in IPython mode.
     let a = analyze("[)'\n,");
-    assert!(a
-        .conservative
-        .is_some_and(|r| r.starts_with("parse error at line ")));
+    assert!(a.conservative.is_some_and(|r| r.starts_with("parse error at line ")));
 }
 
 proptest! {

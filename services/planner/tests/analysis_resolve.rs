@@ -13,15 +13,7 @@ fn set(names: &[&str]) -> BTreeSet<String> {
 
 fn var(history: &mut History, name: &str) -> Uuid {
     let version = Uuid::new_v4();
-    history.insert(
-        name.to_string(),
-        NameInfo {
-            version,
-            def: None,
-            on_gpu: false,
-            is_module: false,
-        },
-    );
+    history.insert(name.to_string(), NameInfo { version, def: None, on_gpu: false, is_module: false });
     version
 }
 
@@ -34,15 +26,7 @@ fn func(history: &mut History, name: &str, reads: &[&str], writes: &[&str]) -> U
         dynamic: None,
         evals: false,
     };
-    history.insert(
-        name.to_string(),
-        NameInfo {
-            version,
-            def: Some(def),
-            on_gpu: false,
-            is_module: false,
-        },
-    );
+    history.insert(name.to_string(), NameInfo { version, def: Some(def), on_gpu: false, is_module: false });
     version
 }
 
@@ -80,10 +64,7 @@ fn functions_defined_in_the_cell_contribute_their_reads() {
     func(&mut h, "helper", &["scale"], &[]);
     var(&mut h, "scale");
     var(&mut h, "w");
-    let c = resolve(
-        &analyze("def g(v):\n    return helper(v) * w\nout = g(1)"),
-        &h,
-    );
+    let c = resolve(&analyze("def g(v):\n    return helper(v) * w\nout = g(1)"), &h);
     assert_eq!(names(&c), set(&["helper", "scale", "w"]));
 }
 
@@ -122,15 +103,7 @@ fn cell_writes_follow_global_writes_of_called_functions() {
 fn gpu_closure_variables_hint_the_device() {
     let mut h = History::new();
     var(&mut h, "x");
-    h.insert(
-        "model".into(),
-        NameInfo {
-            version: Uuid::new_v4(),
-            def: None,
-            on_gpu: true,
-            is_module: false,
-        },
-    );
+    h.insert("model".into(), NameInfo { version: Uuid::new_v4(), def: None, on_gpu: true, is_module: false });
     let c = resolve(&analyze("y = model(x)"), &h);
     let hint = closure_device(&c, &h);
     assert_eq!(hint.as_ref().map(|d| d.label), Some(Device::Gpu));
@@ -158,7 +131,8 @@ fn a_definition_that_reads_names_dynamically_makes_its_users_conservative() {
     let c = resolve(&analyze("y = 1"), &h);
     assert!(c.names.is_empty() && c.conservative.is_none());
     // a dynamic definition used in its own cell, through another one
-    let c = resolve(&analyze("def get(n):\n    return globals()[n]\ndef twice(n):\n    return 2 * get(n)\ntwice('x')"), &h);
+    let c =
+        resolve(&analyze("def get(n):\n    return globals()[n]\ndef twice(n):\n    return 2 * get(n)\ntwice('x')"), &h);
     assert!(c.conservative.as_deref().is_some_and(|r| r.starts_with("uses get")), "{c:?}");
 }
 
@@ -175,7 +149,10 @@ fn a_definition_that_evaluates_its_arguments_reads_the_names_they_spell() {
     for n in ["x", "y", "pd", "unused"] {
         var(&mut h, n);
     }
-    h.insert("display".into(), NameInfo { version: Uuid::new_v4(), def: Some(summary), on_gpu: false, is_module: false });
+    h.insert(
+        "display".into(),
+        NameInfo { version: Uuid::new_v4(), def: Some(summary), on_gpu: false, is_module: false },
+    );
     // precise: what the literals spell, no more (the worker's safety net covers the rest)
     let c = resolve(&analyze("display('x', \"pd.concat([x, y], keys=['x', 'y'])\")"), &h);
     assert_eq!(names(&c), set(&["display", "pd", "x", "y"]));
@@ -200,7 +177,11 @@ fn pandas_expressions_read_the_names_they_reference() {
 
 #[test]
 fn top_level_dynamic_access_is_conservative() {
-    for code in ["for i in range(3):\n    globals()[f'v{i}'] = i", "total = sum(globals()[f'v{i}'] for i in range(3))", "exec(src)"] {
+    for code in [
+        "for i in range(3):\n    globals()[f'v{i}'] = i",
+        "total = sum(globals()[f'v{i}'] for i in range(3))",
+        "exec(src)",
+    ] {
         assert!(analyze(code).conservative.is_some(), "{code}");
     }
     assert_eq!(analyze("def f(v):\n    return vars(v)").conservative, None);

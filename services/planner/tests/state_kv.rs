@@ -29,6 +29,8 @@ async fn a_state_too_large_to_write_says_so() {
     let msg = err.to_string();
     assert!(msg.contains("bytes of state") && !msg.contains("concurrent"), "{msg}");
     // and nothing was lost: the state before the failed update is still there
-    let kept = state::modify(&kv, session, |st| st.names.contains_key("x") && !st.names.contains_key("v1")).await.expect("read back");
+    let kept = state::modify(&kv, session, |st| st.names.contains_key("x") && !st.names.contains_key("v1"))
+        .await
+        .expect("read back");
     assert!(kept);
 }

@@ -6,7 +6,8 @@ use std::sync::Arc;
 use actix::prelude::*;
 use schemas::bus::Rejected;
 use schemas::messages::{
-    ChunkPlanV1, ChunkPlannedV1, CommitV2, CommittedV1, DoneV1, ErrorCode, GcDoneV1, GcV1, ManifestGetV2, ManifestV1, Reply, SessionDeleteV1,
+    ChunkPlanV1, ChunkPlannedV1, CommitV2, CommittedV1, DoneV1, ErrorCode, GcDoneV1, GcV1, ManifestGetV2, ManifestV1,
+    Reply, SessionDeleteV1,
 };
 use schemas::{Bus, Envelope, WireMessage};
 use tracing::Instrument;
@@ -35,7 +36,9 @@ fn error_reply<T>(e: &ManifestError) -> Reply<T> {
         ManifestError::Stale { .. } | ManifestError::Lost { .. } => ErrorCode::Conflict,
         ManifestError::BadDelta { .. } | ManifestError::MissingChunks { .. } => ErrorCode::BadRequest,
         ManifestError::QuotaExceeded { .. } => ErrorCode::QuotaExceeded,
-        ManifestError::Storage(_) | ManifestError::Corrupt { .. } | ManifestError::RevisionMissing { .. } => ErrorCode::Storage,
+        ManifestError::Storage(_) | ManifestError::Corrupt { .. } | ManifestError::RevisionMissing { .. } => {
+            ErrorCode::Storage
+        }
     };
     Reply::Err { code, message: e.to_string() }
 }
@@ -107,7 +110,8 @@ impl StreamHandler<Result<Envelope<CommitV2>, Rejected>> for Gateway {
 impl StreamHandler<Result<Envelope<GcV1>, Rejected>> for Gateway {
     fn handle(&mut self, item: Result<Envelope<GcV1>, Rejected>, ctx: &mut Self::Context) {
         serve(self, ctx, item, "store.gc", |m, req: GcV1| async move {
-            let done: GcDoneV1 = crate::gc::collect(&m, req.keep_revisions, std::time::Duration::from_secs(req.grace_secs)).await?;
+            let done: GcDoneV1 =
+                crate::gc::collect(&m, req.keep_revisions, std::time::Duration::from_secs(req.grace_secs)).await?;
             tracing::info!(?done, "garbage collected");
             Ok(done)
         });

@@ -27,7 +27,9 @@ pub async fn collect(manifests: &Manifests, keep_revisions: u64, grace: Duration
         let manifests_dir = dir.child("manifests");
         let mut keys: Vec<(u64, Path)> = objects
             .list(Some(&manifests_dir))
-            .try_filter_map(|m| async move { Ok(checkpoint::revision_of_key(m.location.as_ref()).map(|r| (r, m.location))) })
+            .try_filter_map(
+                |m| async move { Ok(checkpoint::revision_of_key(m.location.as_ref()).map(|r| (r, m.location))) },
+            )
             .try_collect()
             .await?;
         keys.sort_by_key(|k| std::cmp::Reverse(k.0));
@@ -90,9 +92,21 @@ mod tests {
 
     fn commit(session: Uuid, base: u64, chunk: &str) -> CommitV2 {
         let mut delta = Delta::default();
-        delta.objects.insert("o".into(), ObjectEntry { record: Blob { len: 10, chunks: vec![chunk.into()] }, ..Default::default() });
+        delta.objects.insert(
+            "o".into(),
+            ObjectEntry { record: Blob { len: 10, chunks: vec![chunk.into()] }, ..Default::default() },
+        );
         delta.variables.insert("x".into(), DeltaVar { oid: Some("o".into()), module: None, global_reads: vec![] });
-        CommitV2 { session, base_revision: base, exec_id: Uuid::now_v7(), host: "h".into(), worker: "w".into(), cell_id: "c".into(), delta, uploaded: vec![] }
+        CommitV2 {
+            session,
+            base_revision: base,
+            exec_id: Uuid::now_v7(),
+            host: "h".into(),
+            worker: "w".into(),
+            cell_id: "c".into(),
+            delta,
+            uploaded: vec![],
+        }
     }
 
     #[tokio::test]

@@ -37,7 +37,8 @@ pub struct Config {
 pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
     let bus = Bus::connect(&config.nats_url, &config.prefix, "looseleaf-store").await?;
     let objects = schemas::objects::open(&config.store_url).context("while opening the object store")?;
-    let _service = bus.register_service("looseleaf-store", "checkpoint-store gateway: manifests and atomic commits").await?;
+    let _service =
+        bus.register_service("looseleaf-store", "checkpoint-store gateway: manifests and atomic commits").await?;
     let manifests = Arc::new(manifests::Manifests::new(objects).with_quota(config.session_quota_bytes));
     let s = bus.subjects().clone();
     let gets = bus.queue_subscribe::<ManifestGetV2>(s.store(StoreVerb::ManifestGet), "store").await?;

@@ -23,6 +23,11 @@ struct Args {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     schemas::telemetry::init("looseleaf-store", &args.log);
-    let config = looseleaf_store::Config { nats_url: args.nats_url, prefix: args.prefix, store_url: args.store_url, session_quota_bytes: args.session_quota_bytes };
+    let config = looseleaf_store::Config {
+        nats_url: args.nats_url,
+        prefix: args.prefix,
+        store_url: args.store_url,
+        session_quota_bytes: args.session_quota_bytes,
+    };
     actix_rt::System::new().block_on(looseleaf_store::run(config, schemas::telemetry::shutdown_signal()))
 }

@@ -197,7 +197,8 @@ impl Manifests {
         };
         let next = base.apply(&commit.delta, &origin).map_err(|source| ManifestError::BadDelta { session, source })?;
         if let Some(quota) = self.quota_bytes {
-            let bytes = next.objects.values().map(|o| o.bytes()).sum::<u64>() + next.ambient.as_ref().map_or(0, |a| a.len);
+            let bytes =
+                next.objects.values().map(|o| o.bytes()).sum::<u64>() + next.ambient.as_ref().map_or(0, |a| a.len);
             if bytes > quota {
                 return Err(ManifestError::QuotaExceeded { session, bytes, quota });
             }
@@ -271,8 +272,12 @@ impl Manifests {
     /// (checked when it was committed, and the collector keeps what a live
     /// revision references), so only the others cost a request each.
     async fn missing_in(&self, base: &Manifest, mut wanted: Vec<&String>) -> Result<Vec<String>, ManifestError> {
-        let known: HashSet<&String> =
-            base.objects.values().flat_map(|o| o.chunks()).chain(base.ambient.iter().flat_map(|a| a.chunks.iter())).collect();
+        let known: HashSet<&String> = base
+            .objects
+            .values()
+            .flat_map(|o| o.chunks())
+            .chain(base.ambient.iter().flat_map(|a| a.chunks.iter()))
+            .collect();
         wanted.retain(|h| !known.contains(h));
         wanted.sort();
         wanted.dedup();

@@ -21,7 +21,8 @@ async fn an_answer_too_large_for_one_message_is_an_error_not_silence() {
 
     let mut manifest = Manifest::default();
     for i in 0..60_000 {
-        let entry = VarEntry { version: Uuid::now_v7(), oid: Some(format!("oid-{i:032}")), module: None, global_reads: vec![] };
+        let entry =
+            VarEntry { version: Uuid::now_v7(), oid: Some(format!("oid-{i:032}")), module: None, global_reads: vec![] };
         manifest.variables.insert(format!("v{i}"), entry);
     }
     let big = ManifestV1 { manifest };

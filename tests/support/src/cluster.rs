@@ -57,7 +57,8 @@ impl Services {
         let client = async_nats::connect(nats.url()).await?;
         let mut statuses = client.subscribe(format!("{prefix}.v1.host.*.status")).await?;
         let port = free_port()?;
-        let mut s = Self { children: Vec::new(), frontend: format!("http://127.0.0.1:{port}"), prefix, nats, _dir: dir };
+        let mut s =
+            Self { children: Vec::new(), frontend: format!("http://127.0.0.1:{port}"), prefix, nats, _dir: dir };
         let spawn = |name: &str, args: &[String]| -> anyhow::Result<Child> {
             let mut cmd = Command::new(bin_dir.join(name));
             cmd.args(args).stdin(Stdio::null()).envs(common.iter().map(|(k, v)| (k, v)));
@@ -107,8 +108,15 @@ impl Client {
     /// Create a session in `cwd` (every cell a GPU cell if `all_gpu`).
     pub async fn session(&self, cwd: &Path, all_gpu: bool, speculate: bool) -> anyhow::Result<Uuid> {
         let body = serde_json::json!({"cwd": cwd.display().to_string(), "all_gpu": all_gpu, "speculate": speculate});
-        let created: SessionCreated =
-            self.http.post(format!("{}/v1/sessions", self.base)).json(&body).send().await?.error_for_status()?.json().await?;
+        let created: SessionCreated = self
+            .http
+            .post(format!("{}/v1/sessions", self.base))
+            .json(&body)
+            .send()
+            .await?
+            .error_for_status()?
+            .json()
+            .await?;
         Ok(created.session_id)
     }
 
@@ -122,7 +130,15 @@ impl Client {
     /// Run a cell.
     pub async fn run(&self, sid: Uuid, cell: &str, code: &str) -> anyhow::Result<RunAccepted> {
         let url = format!("{}/v1/sessions/{sid}/cells/{cell}/run", self.base);
-        Ok(self.http.post(url).json(&serde_json::json!({ "code": code })).send().await?.error_for_status()?.json().await?)
+        Ok(self
+            .http
+            .post(url)
+            .json(&serde_json::json!({ "code": code }))
+            .send()
+            .await?
+            .error_for_status()?
+            .json()
+            .await?)
     }
 
     /// The session's event stream.

@@ -153,10 +153,19 @@ impl S3Server {
     fn create_bucket(&self, port: u16) -> anyhow::Result<()> {
         use std::io::{Read, Write};
         let mut conn = std::net::TcpStream::connect(("127.0.0.1", port))?;
-        write!(conn, "PUT /{} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n", self.bucket)?;
+        write!(
+            conn,
+            "PUT /{} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+            self.bucket
+        )?;
         let mut reply = String::new();
         conn.read_to_string(&mut reply)?;
-        anyhow::ensure!(reply.starts_with("HTTP/1.1 200"), "creating bucket {}: {}", self.bucket, reply.lines().next().unwrap_or(""));
+        anyhow::ensure!(
+            reply.starts_with("HTTP/1.1 200"),
+            "creating bucket {}: {}",
+            self.bucket,
+            reply.lines().next().unwrap_or("")
+        );
         Ok(())
     }
 

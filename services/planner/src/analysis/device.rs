@@ -53,10 +53,7 @@ impl Analyzer<'_> {
     fn gpu_sign(&mut self, what: &str, at: TextSize) {
         if self.out.device.is_none() {
             let line = self.line_of(at);
-            self.out.device = Some(DeviceHint {
-                label: Device::Gpu,
-                reason: format!("{what} at line {line}"),
-            });
+            self.out.device = Some(DeviceHint { label: Device::Gpu, reason: format!("{what} at line {line}") });
         }
     }
 
@@ -69,10 +66,10 @@ impl Analyzer<'_> {
             match f.attr.as_str() {
                 "cuda" => self.gpu_sign(".cuda() call", at),
                 "to" => {
-                    let device_kw = c.arguments.keywords.iter().any(|k| {
-                        k.arg.as_ref().is_some_and(|a| a.as_str() == "device")
-                            && is_device_expr(&k.value)
-                    });
+                    let device_kw =
+                        c.arguments.keywords.iter().any(|k| {
+                            k.arg.as_ref().is_some_and(|a| a.as_str() == "device") && is_device_expr(&k.value)
+                        });
                     if device_kw || c.arguments.args.iter().any(is_device_expr) {
                         self.gpu_sign(".to(device) call", at);
                     }
@@ -82,9 +79,11 @@ impl Analyzer<'_> {
                 _ => {}
             }
         }
-        let device_kw = c.arguments.keywords.iter().any(|k| {
-            k.arg.as_ref().is_some_and(|a| a.as_str() == "device") && is_device_expr(&k.value)
-        });
+        let device_kw = c
+            .arguments
+            .keywords
+            .iter()
+            .any(|k| k.arg.as_ref().is_some_and(|a| a.as_str() == "device") && is_device_expr(&k.value));
         if device_kw {
             self.gpu_sign("device= keyword argument", at);
         }
@@ -142,9 +141,10 @@ impl Analyzer<'_> {
                 self.conservative(&what, at);
             }
             "__import__"
-                if c.arguments.args.first().is_some_and(
-                    |a| matches!(a, Expr::StringLiteral(s) if s.value.to_str() == "__main__"),
-                ) =>
+                if c.arguments
+                    .args
+                    .first()
+                    .is_some_and(|a| matches!(a, Expr::StringLiteral(s) if s.value.to_str() == "__main__")) =>
             {
                 self.conservative("__import__('__main__')", at);
             }

@@ -13,34 +13,12 @@ use super::{CellAnalysis, Device, DeviceHint};
 const PYTHON_CELL_MAGICS: &[&str] = &["time", "capture", "prun", "debug"];
 
 /// Line magics that read or rewrite the namespace in ways we cannot see.
-const DYNAMIC_MAGICS: &[&str] = &[
-    "load",
-    "macro",
-    "recall",
-    "rerun",
-    "reset",
-    "reset_selective",
-    "run",
-    "store",
-    "who",
-    "who_ls",
-    "whos",
-    "xdel",
-];
+const DYNAMIC_MAGICS: &[&str] =
+    &["load", "macro", "recall", "rerun", "reset", "reset_selective", "run", "store", "who", "who_ls", "whos", "xdel"];
 
 /// Line magics whose arguments never refer to session variables.
-const INERT_MAGICS: &[&str] = &[
-    "aimport",
-    "autoreload",
-    "conda",
-    "config",
-    "env",
-    "load_ext",
-    "matplotlib",
-    "pip",
-    "reload_ext",
-    "unload_ext",
-];
+const INERT_MAGICS: &[&str] =
+    &["aimport", "autoreload", "conda", "config", "env", "load_ext", "matplotlib", "pip", "reload_ext", "unload_ext"];
 
 /// IPython's own magics whose words are not session variables (paths, settings,
 /// shell commands); `{expr}` and `$var` in them still interpolate. Any other magic
@@ -111,15 +89,8 @@ pub(super) fn analyze_cell(code: &str) -> CellAnalysis {
         let name = words.next().unwrap_or("");
         match name {
             "gpu" | "cpu" if first => {
-                let label = if name == "gpu" {
-                    Device::Gpu
-                } else {
-                    Device::Cpu
-                };
-                a.out.device = Some(DeviceHint {
-                    label,
-                    reason: format!("override %%{name}"),
-                });
+                let label = if name == "gpu" { Device::Gpu } else { Device::Cpu };
+                a.out.device = Some(DeviceHint { label, reason: format!("override %%{name}") });
                 start += line_end;
                 first = false;
                 continue;
@@ -179,10 +150,7 @@ pub(super) fn analyze_cell(code: &str) -> CellAnalysis {
     }
     if let Some(err) = parsed.errors().first() {
         // An error at end of input belongs to the last line, not the empty one after it.
-        let at = err
-            .location
-            .start()
-            .min(TextSize::from(body.trim_end().len() as u32));
+        let at = err.location.start().min(TextSize::from(body.trim_end().len() as u32));
         let line = a.line_of(at);
         a.out.conservative = Some(format!("parse error at line {line}: {}", err.error));
     }
@@ -242,9 +210,7 @@ fn strip_options<'t>(mut text: &'t str, spec: &str) -> &'t str {
         if !letter.is_ascii_alphabetic() && letter != '-' {
             return trimmed; // `-x` in Python code
         }
-        let takes_arg = spec
-            .find(letter)
-            .is_some_and(|i| spec[i + 1..].starts_with(':'));
+        let takes_arg = spec.find(letter).is_some_and(|i| spec[i + 1..].starts_with(':'));
         text = &opt[word_end..];
         if takes_arg && word.len() == 1 || word.starts_with('-') {
             // `-n 10` or `--breakpoint FILE:LINE`: skip the argument too.
@@ -395,5 +361,6 @@ impl Analyzer<'_> {
 
 /// A Python identifier (ASCII form; magic arguments are rarely anything else).
 fn is_identifier(word: &str) -> bool {
-    word.chars().next().is_some_and(|c| c.is_alphabetic() || c == '_') && word.chars().all(|c| c.is_alphanumeric() || c == '_')
+    word.chars().next().is_some_and(|c| c.is_alphabetic() || c == '_')
+        && word.chars().all(|c| c.is_alphanumeric() || c == '_')
 }

@@ -45,7 +45,9 @@ pub fn resolve(analysis: &CellAnalysis, history: &History) -> Closure {
     }
     // A definition that reaches names by computed strings: the cell that uses it
     // may need any name (a class whose `_repr_html_` calls `eval(name)`).
-    let dynamic = |n: &str, d: &DefSummary| d.dynamic.as_ref().map(|why| format!("uses {n}, which reaches names dynamically ({why})"));
+    let dynamic = |n: &str, d: &DefSummary| {
+        d.dynamic.as_ref().map(|why| format!("uses {n}, which reaches names dynamically ({why})"))
+    };
     // ... also one this cell defines and uses, directly or through its other definitions
     let mut seen = BTreeSet::new();
     let mut work: Vec<&String> = analysis.calls.iter().filter(|n| analysis.defs.contains_key(*n)).collect();
@@ -87,10 +89,7 @@ pub fn resolve(analysis: &CellAnalysis, history: &History) -> Closure {
             }
         }
     }
-    Closure {
-        names,
-        conservative: None,
-    }
+    Closure { names, conservative: None }
 }
 
 /// The names the cell may bind: its own writes plus the `global` writes of the functions
@@ -104,10 +103,7 @@ pub fn cell_writes(analysis: &CellAnalysis, history: &History) -> BTreeSet<Strin
         if !seen.insert(n) {
             continue;
         }
-        let def = analysis
-            .defs
-            .get(n)
-            .or_else(|| history.get(n).and_then(|i| i.def.as_ref()));
+        let def = analysis.defs.get(n).or_else(|| history.get(n).and_then(|i| i.def.as_ref()));
         if let Some(def) = def {
             out.extend(def.global_writes.iter().cloned());
             work.extend(def.global_reads.iter().map(String::as_str));
@@ -122,8 +118,5 @@ pub fn closure_device(closure: &Closure, history: &History) -> Option<DeviceHint
         .names
         .keys()
         .find(|n| history.get(*n).is_some_and(|i| i.on_gpu))
-        .map(|n| DeviceHint {
-            label: Device::Gpu,
-            reason: format!("closure variable {n} is on a GPU"),
-        })
+        .map(|n| DeviceHint { label: Device::Gpu, reason: format!("closure variable {n} is on a GPU") })
 }

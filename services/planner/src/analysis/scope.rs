@@ -142,10 +142,7 @@ impl<'s> Analyzer<'s> {
             return line;
         }
         let end = (self.base + at.to_usize()).min(self.src.len());
-        1 + self.src.as_bytes()[..end]
-            .iter()
-            .filter(|&&b| b == b'\n')
-            .count()
+        1 + self.src.as_bytes()[..end].iter().filter(|&&b| b == b'\n').count()
     }
 
     pub(super) fn conservative(&mut self, what: &str, at: TextSize) {
@@ -213,11 +210,7 @@ impl<'s> Analyzer<'s> {
                     self.out.calls.insert(name.to_owned());
                 }
                 if !f.bound.contains(name) {
-                    let set = if builtin {
-                        &mut self.out.builtin_reads
-                    } else {
-                        &mut self.out.reads
-                    };
+                    let set = if builtin { &mut self.out.builtin_reads } else { &mut self.out.reads };
                     if !set.contains(name) {
                         set.insert(name.to_owned());
                     }
@@ -301,12 +294,7 @@ impl<'s> Analyzer<'s> {
             self.bind(name);
             return;
         }
-        let Some(f) = self
-            .frames
-            .iter_mut()
-            .rev()
-            .find(|f| f.kind != FrameKind::Comprehension)
-        else {
+        let Some(f) = self.frames.iter_mut().rev().find(|f| f.kind != FrameKind::Comprehension) else {
             return;
         };
         match f.kind {
@@ -350,19 +338,11 @@ impl<'s> Analyzer<'s> {
                 (free, now)
             }
             FrameKind::Comprehension => {
-                let free: HashSet<String> = f
-                    .loads
-                    .into_iter()
-                    .filter(|n| !f.ever.contains(n))
-                    .collect();
+                let free: HashSet<String> = f.loads.into_iter().filter(|n| !f.ever.contains(n)).collect();
                 (free.clone(), free)
             }
             _ => {
-                let free = f
-                    .loads
-                    .into_iter()
-                    .filter(|n| !f.ever.contains(n))
-                    .collect();
+                let free = f.loads.into_iter().filter(|n| !f.ever.contains(n)).collect();
                 (free, HashSet::new())
             }
         };
@@ -479,11 +459,7 @@ impl<'s> Analyzer<'s> {
         };
         let mut iter = deltas.into_iter();
         let Some(first) = iter.next() else { return };
-        let mut added = if exhaustive {
-            first.added
-        } else {
-            HashSet::new()
-        };
+        let mut added = if exhaustive { first.added } else { HashSet::new() };
         let mut removed = first.removed;
         for d in iter {
             added.retain(|n| d.added.contains(n));

@@ -186,15 +186,13 @@ impl Analyzer<'_> {
             Stmt::Global(g) => {
                 if let Some(f) = self.frames.last_mut() {
                     if f.kind != FrameKind::Module {
-                        f.global_decl
-                            .extend(g.names.iter().map(|n| n.id.to_string()));
+                        f.global_decl.extend(g.names.iter().map(|n| n.id.to_string()));
                     }
                 }
             }
             Stmt::Nonlocal(n) => {
                 if let Some(f) = self.frames.last_mut() {
-                    f.nonlocal_decl
-                        .extend(n.names.iter().map(|n| n.id.to_string()));
+                    f.nonlocal_decl.extend(n.names.iter().map(|n| n.id.to_string()));
                 }
             }
             Stmt::Expr(e) => self.visit_expr(&e.value),
@@ -253,24 +251,14 @@ impl Analyzer<'_> {
     }
 
     pub(super) fn parameter_annotations(&mut self, p: &ast::Parameters) {
-        let all = p
-            .posonlyargs
-            .iter()
-            .chain(&p.args)
-            .chain(&p.kwonlyargs)
-            .map(|d| &d.parameter);
+        let all = p.posonlyargs.iter().chain(&p.args).chain(&p.kwonlyargs).map(|d| &d.parameter);
         for param in all.chain(p.vararg.as_deref()).chain(p.kwarg.as_deref()) {
             self.opt_expr(param.annotation.as_deref());
         }
     }
 
     pub(super) fn bind_parameters(&mut self, p: &ast::Parameters) {
-        let all = p
-            .posonlyargs
-            .iter()
-            .chain(&p.args)
-            .chain(&p.kwonlyargs)
-            .map(|d| &d.parameter);
+        let all = p.posonlyargs.iter().chain(&p.args).chain(&p.kwonlyargs).map(|d| &d.parameter);
         for param in all.chain(p.vararg.as_deref()).chain(p.kwarg.as_deref()) {
             self.bind(&param.name);
         }

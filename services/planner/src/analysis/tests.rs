@@ -36,11 +36,7 @@ fn augmented_assignment_reads_and_writes() {
 fn annotated_assignment() {
     rw("x: int = y", &["y"], &["x"]);
     rw("x: MyType", &["MyType"], &[]);
-    rw(
-        "from __future__ import annotations\nx: MyType = 1",
-        &[],
-        &["annotations", "x"],
-    );
+    rw("from __future__ import annotations\nx: MyType = 1", &[], &["annotations", "x"]);
 }
 
 #[test]
@@ -58,19 +54,11 @@ fn walrus_binds_the_enclosing_scope() {
     rw("if (n := len(a)) > 10:\n    print(n)", &["a"], &["n"]);
     let a = rw("[y := f(x) for x in data]", &["data", "f"], &["y"]);
     assert!(a.defs.is_empty());
-    rw(
-        "total = 0\nvals = [total := total + v for v in vs]",
-        &["vs"],
-        &["total", "vals"],
-    );
+    rw("total = 0\nvals = [total := total + v for v in vs]", &["vs"], &["total", "vals"]);
     // a walrus in a nested function binds the function, not the cell
     rw("def g():\n    return (w := 1)", &[], &["g"]);
     // short-circuit: the binding may not happen
-    rw(
-        "ok = flag and (m := 3)\nprint(m)",
-        &["flag", "m"],
-        &["m", "ok"],
-    );
+    rw("ok = flag and (m := 3)\nprint(m)", &["flag", "m"], &["m", "ok"]);
 }
 
 #[test]
@@ -89,11 +77,7 @@ fn function_defaults_and_globals() {
     let a = rw("c = 1\ndef f(): return c", &[], &["c", "f"]);
     assert_eq!(a.defs["f"].global_reads, set(&["c"]));
     // recursion is not a read of the previous f
-    rw(
-        "def fact(n): return 1 if n < 2 else n * fact(n - 1)",
-        &[],
-        &["fact"],
-    );
+    rw("def fact(n): return 1 if n < 2 else n * fact(n - 1)", &[], &["fact"]);
     // locals, even assigned after use, are not globals
     let a = rw("def f():\n    print(v)\n    v = 1", &[], &["f"]);
     assert!(a.defs["f"].global_reads.is_empty());
@@ -101,17 +85,9 @@ fn function_defaults_and_globals() {
 
 #[test]
 fn decorators_and_annotations_are_evaluated_at_definition() {
-    let a = rw(
-        "@deco(arg)\ndef f(x: T) -> R:\n    return x",
-        &["R", "T", "arg", "deco"],
-        &["f"],
-    );
+    let a = rw("@deco(arg)\ndef f(x: T) -> R:\n    return x", &["R", "T", "arg", "deco"], &["f"]);
     assert!(a.defs["f"].global_reads.is_empty());
-    rw(
-        "from __future__ import annotations\ndef f(x: T) -> R:\n    return x",
-        &[],
-        &["annotations", "f"],
-    );
+    rw("from __future__ import annotations\ndef f(x: T) -> R:\n    return x", &[], &["annotations", "f"]);
     // local variable annotations inside a function are never evaluated
     let a = rw("def f():\n    y: Hidden = 1\n    return y", &[], &["f"]);
     assert!(a.defs["f"].global_reads.is_empty());
@@ -119,11 +95,7 @@ fn decorators_and_annotations_are_evaluated_at_definition() {
 
 #[test]
 fn global_and_nonlocal() {
-    let a = rw(
-        "def inc():\n    global counter\n    counter += step",
-        &["counter", "step"],
-        &["inc"],
-    );
+    let a = rw("def inc():\n    global counter\n    counter += step", &["counter", "step"], &["inc"]);
     assert_eq!(a.defs["inc"].global_reads, set(&["counter", "step"]));
     assert_eq!(a.defs["inc"].global_writes, set(&["counter"]));
     let a = rw(
@@ -144,17 +116,14 @@ fn global_and_nonlocal() {
 
 #[test]
 fn nested_functions_resolve_free_names() {
-    let a = rw(
-        "def outer(a):\n    def inner():\n        return a + b\n    return inner",
-        &["b"],
-        &["outer"],
-    );
+    let a = rw("def outer(a):\n    def inner():\n        return a + b\n    return inner", &["b"], &["outer"]);
     assert_eq!(a.defs["outer"].global_reads, set(&["b"]));
 }
 
 #[test]
 fn class_bodies_do_not_enclose_methods() {
-    let code = "class C(Base):\n    x = 1\n    y = x + z\n    def m(self):\n        return x\n    ys = [x for _ in range(3)]";
+    let code =
+        "class C(Base):\n    x = 1\n    y = x + z\n    def m(self):\n        return x\n    ys = [x for _ in range(3)]";
     let a = rw(code, &["Base", "x", "z"], &["C"]);
     let c = &a.defs["C"];
     assert_eq!(c.kind, DefKind::Class);
@@ -173,22 +142,10 @@ fn last_definition_wins() {
 
 #[test]
 fn control_flow_definite_binding() {
-    rw(
-        "if c:\n    x = 1\nelse:\n    x = 2\nprint(x)",
-        &["c"],
-        &["x"],
-    );
+    rw("if c:\n    x = 1\nelse:\n    x = 2\nprint(x)", &["c"], &["x"]);
     rw("if c:\n    x = 1\nprint(x)", &["c", "x"], &["x"]);
-    rw(
-        "if c:\n    x = 1\nelif d:\n    x = 2\nelse:\n    x = 3\nx",
-        &["c", "d"],
-        &["x"],
-    );
-    rw(
-        "for i in r:\n    x = i\nprint(x, i)",
-        &["i", "r", "x"],
-        &["i", "x"],
-    );
+    rw("if c:\n    x = 1\nelif d:\n    x = 2\nelse:\n    x = 3\nx", &["c", "d"], &["x"]);
+    rw("for i in r:\n    x = i\nprint(x, i)", &["i", "r", "x"], &["i", "x"]);
     rw("while c:\n    x = 1\nx", &["c", "x"], &["x"]);
     rw("x = 1\nif c:\n    del x\nx", &["c", "x"], &["x"]);
     rw("y = a if c else b", &["a", "b", "c"], &["y"]);
@@ -196,46 +153,18 @@ fn control_flow_definite_binding() {
 
 #[test]
 fn with_and_for_targets() {
-    rw(
-        "with open(p) as fh, lock:\n    data = fh.read()",
-        &["lock", "p"],
-        &["data", "fh"],
-    );
-    rw(
-        "for k, v in items:\n    total = k",
-        &["items"],
-        &["k", "total", "v"],
-    );
-    rw(
-        "async def f():\n    async for x in aiter_():\n        pass",
-        &["aiter_"],
-        &["f"],
-    );
+    rw("with open(p) as fh, lock:\n    data = fh.read()", &["lock", "p"], &["data", "fh"]);
+    rw("for k, v in items:\n    total = k", &["items"], &["k", "total", "v"]);
+    rw("async def f():\n    async for x in aiter_():\n        pass", &["aiter_"], &["f"]);
 }
 
 #[test]
 fn try_except_as_unbinds() {
-    let a = rw(
-        "try:\n    r = f()\nexcept ValueError as e:\n    log(e)\nprint(e)",
-        &["e", "f", "log"],
-        &["e", "r"],
-    );
+    let a = rw("try:\n    r = f()\nexcept ValueError as e:\n    log(e)\nprint(e)", &["e", "f", "log"], &["e", "r"]);
     assert_eq!(a.deletes, set(&["e"]));
-    rw(
-        "try:\n    x = 1\nexcept E:\n    x = 2\nfinally:\n    y = x",
-        &["E"],
-        &["x", "y"],
-    );
-    rw(
-        "try:\n    x = 1\nexcept E:\n    pass\nx",
-        &["E", "x"],
-        &["x"],
-    );
-    rw(
-        "try:\n    x = g()\nexcept* OSError as eg:\n    pass",
-        &["g"],
-        &["eg", "x"],
-    );
+    rw("try:\n    x = 1\nexcept E:\n    x = 2\nfinally:\n    y = x", &["E"], &["x", "y"]);
+    rw("try:\n    x = 1\nexcept E:\n    pass\nx", &["E", "x"], &["x"]);
+    rw("try:\n    x = g()\nexcept* OSError as eg:\n    pass", &["g"], &["eg", "x"]);
 }
 
 #[test]
@@ -249,17 +178,9 @@ fn del_reads_and_deletes() {
 #[test]
 fn match_statement() {
     let code = "match cmd:\n    case Point(x=0, y=yy):\n        r = yy\n    case [first, *rest]:\n        r = first\n    case {\"k\": v, **others}:\n        r = v\n    case Color.RED:\n        r = 0\n    case str() | bytes() as s:\n        r = s\n    case _:\n        r = None\nprint(r)";
-    rw(
-        code,
-        &["Color", "Point", "cmd"],
-        &["first", "others", "r", "rest", "s", "v", "yy"],
-    );
+    rw(code, &["Color", "Point", "cmd"], &["first", "others", "r", "rest", "s", "v", "yy"]);
     // without an irrefutable case, r may be unbound after the match
-    rw(
-        "match c:\n    case 1:\n        r = 1\nprint(r)",
-        &["c", "r"],
-        &["r"],
-    );
+    rw("match c:\n    case 1:\n        r = 1\nprint(r)", &["c", "r"], &["r"]);
     rw("match c:\n    case 1 if g:\n        pass", &["c", "g"], &[]);
 }
 
@@ -276,10 +197,7 @@ fn imports() {
 #[test]
 fn star_import_is_conservative() {
     let a = analyze("from m import *");
-    assert_eq!(
-        a.conservative.as_deref(),
-        Some("star import from m at line 1")
-    );
+    assert_eq!(a.conservative.as_deref(), Some("star import from m at line 1"));
     assert_eq!(a.imports, set(&["m"]));
 }
 
@@ -287,33 +205,21 @@ fn star_import_is_conservative() {
 fn type_aliases_and_type_params() {
     rw("type Pair[T] = tuple[T, T]", &[], &["Pair"]);
     rw("type Tree = list[Tree] | Leaf", &["Leaf"], &["Tree"]);
-    let a = rw(
-        "def first[T](xs: list[T]) -> T:\n    return xs[0]",
-        &[],
-        &["first"],
-    );
+    let a = rw("def first[T](xs: list[T]) -> T:\n    return xs[0]", &[], &["first"]);
     assert!(a.defs["first"].global_reads.is_empty());
     rw("class Box[T](Base[T]):\n    item: T", &["Base"], &["Box"]);
 }
 
 #[test]
 fn builtins_are_not_reads() {
-    let a = rw(
-        "print(len(range(3)), sorted(xs), display(y))",
-        &["xs", "y"],
-        &[],
-    );
+    let a = rw("print(len(range(3)), sorted(xs), display(y))", &["xs", "y"], &[]);
     assert!(a.builtin_reads.contains("print"));
     assert!(!a.calls.contains("print"));
 }
 
 #[test]
 fn calls_are_top_level_uses() {
-    let a = rw(
-        "def g(): return h()\nr = f(x)\ng()",
-        &["f", "h", "x"],
-        &["g", "r"],
-    );
+    let a = rw("def g(): return h()\nr = f(x)\ng()", &["f", "h", "x"], &["g", "r"]);
     assert_eq!(a.calls, set(&["f", "g", "x"]));
     let a = rw("r = [f(v) for v in vs]", &["f", "vs"], &["r"]);
     assert_eq!(a.calls, set(&["f", "vs"]));
@@ -333,14 +239,8 @@ fn dynamic_constructs_are_conservative() {
         ("l = locals()", "locals() at line 1"),
         ("v = vars()", "vars() at line 1"),
         ("ip = get_ipython()", "get_ipython() at line 1"),
-        (
-            "import sys\nm = sys.modules['__main__']",
-            "sys.modules['__main__'] at line 2",
-        ),
-        (
-            "m = __import__('__main__')",
-            "__import__('__main__') at line 1",
-        ),
+        ("import sys\nm = sys.modules['__main__']", "sys.modules['__main__'] at line 2"),
+        ("m = __import__('__main__')", "__import__('__main__') at line 1"),
         ("import __main__", "import __main__ at line 1"),
         ("%run other.py", "%run magic at line 1"),
         ("%store x", "%store magic at line 1"),
@@ -351,17 +251,10 @@ fn dynamic_constructs_are_conservative() {
         ("names = %who_ls", "%who_ls magic at line 1"),
     ];
     for (code, reason) in cases {
-        assert_eq!(
-            analyze(code).conservative.as_deref(),
-            Some(reason),
-            "{code}"
-        );
+        assert_eq!(analyze(code).conservative.as_deref(), Some(reason), "{code}");
     }
     // locals()/vars() inside a function only see the function's own scope
-    assert_eq!(
-        analyze("def f():\n    return locals(), vars(obj)").conservative,
-        None
-    );
+    assert_eq!(analyze("def f():\n    return locals(), vars(obj)").conservative, None);
 }
 
 #[test]

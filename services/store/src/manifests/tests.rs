@@ -59,7 +59,9 @@ fn commit(session: Uuid, base: u64, name: &str, chunk: &str) -> CommitV2 {
         format!("oid-{name}"),
         ObjectEntry { record: Blob { len: 3, chunks: vec![chunk.into()] }, ..Default::default() },
     );
-    delta.variables.insert(name.into(), DeltaVar { oid: Some(format!("oid-{name}")), module: None, global_reads: vec![] });
+    delta
+        .variables
+        .insert(name.into(), DeltaVar { oid: Some(format!("oid-{name}")), module: None, global_reads: vec![] });
     CommitV2 {
         session,
         base_revision: base,
