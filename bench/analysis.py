@@ -103,8 +103,14 @@ def run_audits(tmp: Path) -> dict:
         name = nb.stem
         a_path, s_path = tmp / f"{name}.audit.json", tmp / f"{name}.static.json"
         env = dict(os.environ, MPLBACKEND="Agg")
-        subprocess.run([str(PY), str(REPO / "tools" / "closure_audit.py"), str(nb), "--out", str(a_path)],
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, timeout=600)
+        subprocess.run(
+            [str(PY), str(REPO / "tools" / "closure_audit.py"), str(nb), "--out", str(a_path)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            timeout=600,
+        )
         subprocess.run([str(LL), "analyze", str(nb), "--json", str(s_path), "--time"], check=True, timeout=600)
         out[name] = (json.loads(a_path.read_text()), json.loads(s_path.read_text()))
     return out
@@ -114,7 +120,7 @@ def joined_500_line_notebook(reports: dict, tmp: Path, samples: int = 20) -> Pat
     """Cells of about 500 lines (the first run of consecutive corpus cells, in corpus
     order and wrapping around, that reaches 500 lines), from `samples` start points."""
     srcs = []
-    for name, (audit, _) in sorted(reports.items()):
+    for _name, (audit, _) in sorted(reports.items()):
         srcs += [c["code"] if c["code"].endswith("\n") else c["code"] + "\n" for c in audit["cells"]]
     cells = []
     for k in range(samples):
@@ -126,8 +132,14 @@ def joined_500_line_notebook(reports: dict, tmp: Path, samples: int = 20) -> Pat
             n += s.count("\n")
             i += 1
         cells.append("".join(cur))
-    nb = {"nbformat": 4, "nbformat_minor": 5, "metadata": {},
-          "cells": [{"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None, "source": c} for c in cells]}
+    nb = {
+        "nbformat": 4,
+        "nbformat_minor": 5,
+        "metadata": {},
+        "cells": [
+            {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None, "source": c} for c in cells
+        ],
+    }
     path = tmp / "joined-500.ipynb"
     path.write_text(json.dumps(nb))
     return path
@@ -142,8 +154,11 @@ def free_port() -> int:
 def edit_bench(tmp: Path) -> dict:
     port = free_port()
     jsdir = tmp / "js"
-    nats = subprocess.Popen([str(NATS), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(jsdir)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    nats = subprocess.Popen(
+        [str(NATS), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(jsdir)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     planner = None
     try:
         deadline = time.time() + 20
@@ -153,7 +168,7 @@ def edit_bench(tmp: Path) -> dict:
                 break
             except OSError:
                 if time.time() > deadline:
-                    raise RuntimeError("nats-server did not start")
+                    raise RuntimeError("nats-server did not start") from None
                 time.sleep(0.05)
         url = f"nats://127.0.0.1:{port}"
         prefix = f"bench{random.randrange(1 << 30)}"
@@ -164,8 +179,13 @@ def edit_bench(tmp: Path) -> dict:
             cmd = ["taskset", "-c", "0"] + cmd
         planner = subprocess.Popen(cmd, env=env)
         out = tmp / "edits.json"
-        subprocess.run(["taskset", "-c", "1"] * bool(cmd[0] == "taskset") + [str(LL), "bench-edits", "--events", str(EDIT_EVENTS), "--json", str(out)],
-                       env=env, check=True, timeout=300)
+        subprocess.run(
+            ["taskset", "-c", "1"] * bool(cmd[0] == "taskset")
+            + [str(LL), "bench-edits", "--events", str(EDIT_EVENTS), "--json", str(out)],
+            env=env,
+            check=True,
+            timeout=300,
+        )
         r = json.loads(out.read_text())
         r["planner_pinned_to_one_core"] = cmd[0] == "taskset"
         return r
@@ -258,19 +278,35 @@ def main() -> int:
                 "joined_cells": len(big_times),
                 "joined_cell_lines": big_lines,
                 "joined_cell_us": big_times,
-                "what": "analyze + derive (recipe against the simulated manifest), median of repeats per cell, release build",
+                "what": (
+                    "analyze + derive (recipe against the simulated manifest), "
+                    "median of repeats per cell, release build"
+                ),
             },
             "edits": edits,
             "targets": {
-                "soundness": 1.0, "faulted_names": 0, "precision_min": 0.80, "conservative_fraction_max": 0.02, "median_cell_us_max": 1000,
-                "p99_cell_us_max": 10000, "median_500_line_cell_us_max": 10000, "edit_events_per_sec_min": 5000,
+                "soundness": 1.0,
+                "faulted_names": 0,
+                "precision_min": 0.80,
+                "conservative_fraction_max": 0.02,
+                "median_cell_us_max": 1000,
+                "p99_cell_us_max": 10000,
+                "median_500_line_cell_us_max": 10000,
+                "edit_events_per_sec_min": 5000,
             },
             "bench_seconds": round(time.time() - t_start, 1),
         }
         out = REPO / "bench" / "results" / "analysis.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")
-        keys = ["median_cell_us", "p99_cell_us", "median_500_line_cell_us", "edit_events_per_sec", "soundness", "precision"]
+        keys = [
+            "median_cell_us",
+            "p99_cell_us",
+            "median_500_line_cell_us",
+            "edit_events_per_sec",
+            "soundness",
+            "precision",
+        ]
         for k in keys:
             print(f"{k}: {result[k]}")
         print(f"conservative_cells: {len(all_conservative)}/{total_cells}")

@@ -191,16 +191,18 @@ def audit(notebook: str, keep_dir: bool = False) -> dict:
                 err = repr(result.error_before_exec)
             elif result.error_in_exec is not None:
                 err = repr(result.error_in_exec)
-            cells.append({
-                "index": index,
-                "cell_id": cell.get("id") or f"cell-{index}",
-                "code": code,
-                "reads": sorted(reads),
-                "live_before": live,
-                "defined_before": sorted(before),
-                "error": err,
-                "seconds": round(elapsed, 4),
-            })
+            cells.append(
+                {
+                    "index": index,
+                    "cell_id": cell.get("id") or f"cell-{index}",
+                    "code": code,
+                    "reads": sorted(reads),
+                    "live_before": live,
+                    "defined_before": sorted(before),
+                    "error": err,
+                    "seconds": round(elapsed, 4),
+                }
+            )
     finally:
         os.chdir(old_cwd)
         if run_dir in sys.path:

@@ -3,6 +3,7 @@ scratch copy of the corpus, a local LooseLeaf cluster, notebook runs, statistics
 
 Only the standard library; every bench runs with the repository's .venv python.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
-WORK = BENCH / "work"          # gitignored scratch space
+WORK = BENCH / "work"  # gitignored scratch space
 RESULTS = BENCH / "results"
 RELEASE = REPO / "target" / "release"
 LOOSELEAF = RELEASE / "looseleaf"
@@ -83,19 +84,27 @@ def free_port() -> int:
 class Cluster:
     """`looseleaf up` in the background, stopped with SIGINT (its Ctrl-C path)."""
 
-    def __init__(self, data_dir: Path, virtual_gpus: int = 2, store_url: str | None = None,
-                 env: dict | None = None):
+    def __init__(self, data_dir: Path, virtual_gpus: int = 2, store_url: str | None = None, env: dict | None = None):
         self.port = free_port()
         self.data_dir = data_dir
         self.log_path = data_dir.parent / "up.log"
         data_dir.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "w")
-        args = [str(LOOSELEAF), "up", "--virtual-gpus", str(virtual_gpus), "--port", str(self.port),
-                "--data-dir", str(data_dir)]
+        args = [
+            str(LOOSELEAF),
+            "up",
+            "--virtual-gpus",
+            str(virtual_gpus),
+            "--port",
+            str(self.port),
+            "--data-dir",
+            str(data_dir),
+        ]
         if store_url:
             args += ["--store-url", store_url]
-        self.proc = subprocess.Popen(args, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            args, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
         self.url = f"http://127.0.0.1:{self.port}"
         self.nats_url = None
 
@@ -144,14 +153,25 @@ class Cluster:
         self._log.close()
 
 
-def run_notebook(nb: Path, frontend: str, out_dir: Path, all_gpu: bool = True, timeout: float = 300,
-                 extra: list[str] | None = None) -> dict:
+def run_notebook(
+    nb: Path, frontend: str, out_dir: Path, all_gpu: bool = True, timeout: float = 300, extra: list[str] | None = None
+) -> dict:
     """`looseleaf run NB --all-gpu --frontend URL [EXTRA...]`; returns the report."""
     stem = nb.stem
     report = out_dir / f"{stem}.report.json"
     # corpus notebooks raise on purpose: every cell runs, as in the reference kernel
-    args = [str(LOOSELEAF), "run", "--allow-errors", str(nb), "--output", str(out_dir / f"{stem}.out.ipynb"),
-            "--report", str(report), "--frontend", frontend]
+    args = [
+        str(LOOSELEAF),
+        "run",
+        "--allow-errors",
+        str(nb),
+        "--output",
+        str(out_dir / f"{stem}.out.ipynb"),
+        "--report",
+        str(report),
+        "--frontend",
+        frontend,
+    ]
     if all_gpu:
         args.append("--all-gpu")
     args += extra or []
@@ -204,12 +224,16 @@ class S3Server:
 
     def __init__(self, log_dir: Path):
         import urllib.request
+
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.bucket = "looseleaf-bench"
         self._log = open(log_dir / "moto.log", "w")
-        self.proc = subprocess.Popen([str(REPO / ".venv" / "bin" / "moto_server"), "-H", "127.0.0.1",
-                                      "-p", str(self.port)], stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [str(REPO / ".venv" / "bin" / "moto_server"), "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -228,8 +252,13 @@ class S3Server:
         return f"s3://{self.bucket}"
 
     def env(self) -> dict:
-        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ALLOW_HTTP": "true",
-                "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1"}
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ALLOW_HTTP": "true",
+            "AWS_ACCESS_KEY_ID": "bench",
+            "AWS_SECRET_ACCESS_KEY": "bench",
+            "AWS_REGION": "us-east-1",
+        }
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -21,6 +21,7 @@ One run, every baseline measured in it:
      the median).
 Writes bench/results/checkpoint.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,13 +38,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as B  # noqa: E402
 
 LIB = Path(__file__).resolve().parent
-TARGETS = {"incremental_bytes_ratio_vs_dill": 20.0, "incremental_speedup_vs_dill": 10.0,
-           "restore_one_speedup_vs_dill": 50.0, "restore_one_speedup_vs_kishu": 1.0,
-           "save_vs_memcpy": 0.3, "restore_vs_memcpy": 0.3}
+TARGETS = {
+    "incremental_bytes_ratio_vs_dill": 20.0,
+    "incremental_speedup_vs_dill": 10.0,
+    "restore_one_speedup_vs_dill": 50.0,
+    "restore_one_speedup_vs_kishu": 1.0,
+    "save_vs_memcpy": 0.3,
+    "restore_vs_memcpy": 0.3,
+}
 
 
-def notebook(path: Path, arrays: int, array_bytes: int, changes: int, restores: int,
-             restore_alls: int = 5) -> dict:
+def notebook(path: Path, arrays: int, array_bytes: int, changes: int, restores: int, restore_alls: int = 5) -> dict:
     """Write the bench notebook; returns {role: [code cell index, ...]}."""
     elems = array_bytes // 8
     names = [f"a{i:03d}" for i in range(arrays)]
@@ -53,8 +58,11 @@ def notebook(path: Path, arrays: int, array_bytes: int, changes: int, restores: 
         roles[role].append(len(cells))
         cells.append(src)
 
-    add("make", "import numpy as np\n" + "\n".join(
-        f"{n} = np.random.default_rng({i}).random({elems})" for i, n in enumerate(names)))
+    add(
+        "make",
+        "import numpy as np\n"
+        + "\n".join(f"{n} = np.random.default_rng({i}).random({elems})" for i, n in enumerate(names)),
+    )
     for k in range(changes):
         add("change", f"{names[(arrays // 2 + k) % arrays]} += 1.0")
     for k in range(restores):
@@ -62,20 +70,39 @@ def notebook(path: Path, arrays: int, array_bytes: int, changes: int, restores: 
         add("restore_one", f"r{n} = float({n}.sum())")
     for _ in range(restore_alls):
         add("restore_all", "total = sum(float(x.sum()) for x in (" + ", ".join(names) + ",))")
-    nb = {"nbformat": 4, "nbformat_minor": 5,
-          "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
-          "cells": [{"cell_type": "code", "id": f"c{i}", "metadata": {}, "execution_count": None,
-                     "outputs": [], "source": src} for i, src in enumerate(cells)]}
+    nb = {
+        "nbformat": 4,
+        "nbformat_minor": 5,
+        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+        "cells": [
+            {"cell_type": "code", "id": f"c{i}", "metadata": {}, "execution_count": None, "outputs": [], "source": src}
+            for i, src in enumerate(cells)
+        ],
+    }
     path.write_text(json.dumps(nb, indent=1))
     return roles
 
 
 def baselines(work: Path, args) -> dict:
     B.log("baselines: dill dump/load_session, Kishu checkout, memcpy")
-    out = subprocess.run([str(B.PYTHON), str(LIB / "checkpoint_baselines.py"), "--work", str(work),
-                          "--arrays", str(args.arrays), "--array-bytes", str(args.array_bytes),
-                          "--reps", str(args.baseline_reps)],
-                         check=True, capture_output=True, text=True, cwd=B.REPO)
+    out = subprocess.run(
+        [
+            str(B.PYTHON),
+            str(LIB / "checkpoint_baselines.py"),
+            "--work",
+            str(work),
+            "--arrays",
+            str(args.arrays),
+            "--array-bytes",
+            str(args.array_bytes),
+            "--reps",
+            str(args.baseline_reps),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=B.REPO,
+    )
     sys.stderr.write(out.stderr[-4000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -96,8 +123,17 @@ def run_backend(name: str, work: Path, args, store_url: str | None, env: dict | 
     if bad:
         raise RuntimeError(f"{name}: cells failed: {[(c['cell_id'], c['error']) for c in bad]}")
     pick = {role: [cells[i] for i in idx] for role, idx in roles.items()}
-    fields = ("cell_id", "prepare", "start_delay_ms", "prepare_ms", "restore_ms", "restored_bytes",
-              "save_ms", "saved_bytes", "chunks_written")
+    fields = (
+        "cell_id",
+        "prepare",
+        "start_delay_ms",
+        "prepare_ms",
+        "restore_ms",
+        "restored_bytes",
+        "save_ms",
+        "saved_bytes",
+        "chunks_written",
+    )
     return {role: [{k: c.get(k) for k in fields} for c in cs] for role, cs in pick.items()}
 
 
@@ -136,14 +172,16 @@ def kept_memory_bytes_per_s() -> float:
     return float(out.stdout.strip())
 
 
-def s3_server_bytes_per_s(endpoint: str, bucket: str, total: int = 256 << 20, piece: int = 2 << 20,
-                          parallel: int = 16) -> dict:
+def s3_server_bytes_per_s(
+    endpoint: str, bucket: str, total: int = 256 << 20, piece: int = 2 << 20, parallel: int = 16
+) -> dict:
     """What the S3 server itself can do: PUT then GET `total` bytes as 2 MiB objects
     over `parallel` keep-alive connections (the host's parallelism), unsigned (the
     local server accepts that), as rates. A ceiling for any client of this server."""
     import http.client
     from concurrent.futures import ThreadPoolExecutor
     from urllib.parse import urlparse
+
     u = urlparse(endpoint)
     data = os.urandom(piece)
     keys = [f"/{bucket}/probe/{i}" for i in range(total // piece)]
@@ -155,6 +193,7 @@ def s3_server_bytes_per_s(endpoint: str, bucket: str, total: int = 256 << 20, pi
                 c.request(method, k, body=data if method == "PUT" else None)
                 c.getresponse().read()
             c.close()
+
         groups = [keys[i::parallel] for i in range(parallel)]
         t = time.perf_counter()
         with ThreadPoolExecutor(parallel) as ex:
@@ -224,12 +263,18 @@ def main() -> None:
     base = baselines(work / "baselines", args)
     base["kept_memory_bytes_per_s"] = kept_memory_bytes_per_s()
     B.log(f"memory handed out and kept: {base['kept_memory_bytes_per_s'] / 1e9:.2f} GB/s")
-    result = {"bench": "checkpoint", "machine": {"python": platform.python_version(),
-                                                  "cpus": __import__("os").cpu_count()},
-              "session": {"arrays": args.arrays, "array_bytes": args.array_bytes,
-                          "total_bytes": args.arrays * args.array_bytes,
-                          "change": "one array (1% of the bytes): aNNN += 1.0"},
-              "targets": TARGETS, "baselines": base}
+    result = {
+        "bench": "checkpoint",
+        "machine": {"python": platform.python_version(), "cpus": __import__("os").cpu_count()},
+        "session": {
+            "arrays": args.arrays,
+            "array_bytes": args.array_bytes,
+            "total_bytes": args.arrays * args.array_bytes,
+            "change": "one array (1% of the bytes): aNNN += 1.0",
+        },
+        "targets": TARGETS,
+        "baselines": base,
+    }
     for name in args.backends.split(","):
         d = work / name
         d.mkdir(parents=True)
@@ -254,9 +299,11 @@ def main() -> None:
         else:
             raise SystemExit(f"unknown backend {name!r}: use local, local_tmpfs and/or s3")
         result[name] = figures(raw, base)
-        result[name]["store"] = {"local": f"directory on this machine's disk ({d})",
-                                 "local_tmpfs": "directory in /dev/shm (memory)",
-                                 "s3": "local moto server (in memory)"}[name]
+        result[name]["store"] = {
+            "local": f"directory on this machine's disk ({d})",
+            "local_tmpfs": "directory in /dev/shm (memory)",
+            "s3": "local moto server (in memory)",
+        }[name]
         result[name]["raw"]["store_dir_write_bytes_per_s"] = write_rate
         if name == "s3":
             # the S3 server cannot take or give bytes faster than this
@@ -267,8 +314,7 @@ def main() -> None:
         if write_rate:
             # the local backend cannot save faster than this disk takes 2 MiB files
             result[name]["raw"]["save_vs_store_dir_write"] = result[name]["raw"]["save_bytes_per_s"] / write_rate
-        B.log(f"{name}: " + ", ".join(f"{k}={result[name][k]:.3g}" for k in TARGETS
-                                      if result[name][k] is not None))
+        B.log(f"{name}: " + ", ".join(f"{k}={result[name][k]:.3g}" for k in TARGETS if result[name][k] is not None))
     path = B.write_result("checkpoint", result)
     B.log(f"wrote {path}")
 

@@ -14,6 +14,7 @@ One run, all baselines measured in it:
 4. pinned kernel: `pass` in an already-running shell.
 Writes bench/results/cold-start.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,9 @@ TARGET_COLD_MS = 150.0
 
 def measure_limit() -> dict:
     B.log("limit: fork time and memcpy bandwidth")
-    out = subprocess.run([str(B.PYTHON), str(LIB / "limit_probe.py")], check=True,
-                         capture_output=True, text=True, cwd=B.REPO)
+    out = subprocess.run(
+        [str(B.PYTHON), str(LIB / "limit_probe.py")], check=True, capture_output=True, text=True, cwd=B.REPO
+    )
     probe = json.loads(out.stdout.strip().splitlines()[-1])
     probe["fork_ms_median"] = B.median(probe["fork_ms_samples"])
     return probe
@@ -58,8 +60,13 @@ def zygotes(cluster: B.Cluster) -> list[dict]:
     """The cluster's zygotes as its hosts report them (`looseleaf status`: id, pid,
     packages), with each one's memory. Forked processes keep the base zygote's
     command line, so /proc alone cannot tell a child zygote or a worker from it."""
-    out = subprocess.run([str(B.LOOSELEAF), "status", "--nats-url", cluster.nats_url],
-                         capture_output=True, text=True, timeout=60, cwd=B.REPO)
+    out = subprocess.run(
+        [str(B.LOOSELEAF), "status", "--nats-url", cluster.nats_url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=B.REPO,
+    )
     zs = []
     for line in out.stdout.splitlines():
         m = re.match(r"\s+zygote (\S+) pid (\d+): (.*)$", line)
@@ -91,15 +98,32 @@ def run_looseleaf(corpus: Path, work: Path, rounds: int) -> tuple[list[dict], li
                 report = B.run_notebook(nb, cluster.url, out_dir)
                 wall = time.monotonic() - t0
                 t = report["totals"]
-                runs.append({"round": rnd, "notebook": name, "cells": t["cells"], "ok": t["ok"],
-                             "errors": t["errors"], "wall_s": wall})
+                runs.append(
+                    {
+                        "round": rnd,
+                        "notebook": name,
+                        "cells": t["cells"],
+                        "ok": t["ok"],
+                        "errors": t["errors"],
+                        "wall_s": wall,
+                    }
+                )
                 B.log(f"  round {rnd} {name}: {t['cells']} cells, {t['errors']} errors, {wall:.1f} s")
                 for c in report["cells"]:
-                    cells.append({"round": rnd, "notebook": name, "index": c["index"],
-                                  "prepare": c["prepare"], "start_delay_ms": c["start_delay_ms"],
-                                  "restored_bytes": c["restored_bytes"], "closure": c["closure"],
-                                  "imports": c["imports"], "status": c["status"],
-                                  "import_cache_hit": c.get("import_cache_hit")})
+                    cells.append(
+                        {
+                            "round": rnd,
+                            "notebook": name,
+                            "index": c["index"],
+                            "prepare": c["prepare"],
+                            "start_delay_ms": c["start_delay_ms"],
+                            "restored_bytes": c["restored_bytes"],
+                            "closure": c["closure"],
+                            "imports": c["imports"],
+                            "status": c["status"],
+                            "import_cache_hit": c.get("import_cache_hit"),
+                        }
+                    )
         zs = zygotes(cluster)
     finally:
         cluster.stop()
@@ -107,8 +131,9 @@ def run_looseleaf(corpus: Path, work: Path, rounds: int) -> tuple[list[dict], li
 
 
 def is_cold(c: dict) -> bool:
-    return (c["prepare"] == "cold" and c["start_delay_ms"] is not None
-            and (c["restored_bytes"] or 0) < CLOSURE_LIMIT_BYTES)
+    return (
+        c["prepare"] == "cold" and c["start_delay_ms"] is not None and (c["restored_bytes"] or 0) < CLOSURE_LIMIT_BYTES
+    )
 
 
 def choose_sample(cold: list[dict], n: int) -> list[tuple[str, int, list[str]]]:
@@ -122,8 +147,12 @@ def choose_sample(cold: list[dict], n: int) -> list[tuple[str, int, list[str]]]:
 
 def time_child(snap_json: Path) -> tuple[float, dict]:
     t0 = time.perf_counter()
-    p = subprocess.Popen([str(B.PYTHON), str(LIB / "naive_child.py"), str(snap_json)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [str(B.PYTHON), str(LIB / "naive_child.py"), str(snap_json)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     line = ""
     for line in p.stdout:
         if line.startswith("READY "):
@@ -132,11 +161,12 @@ def time_child(snap_json: Path) -> tuple[float, dict]:
     rc = p.wait()
     if not line.startswith("READY "):
         raise RuntimeError(f"naive child failed ({rc}): {p.stderr.read()[-2000:]}")
-    return ms, json.loads(line[len("READY "):])
+    return ms, json.loads(line[len("READY ") :])
 
 
-def run_naive(corpus: Path, work: Path, sample: list[tuple[str, int, list[str]]],
-              pinned_reps: int) -> tuple[list[dict], dict]:
+def run_naive(
+    corpus: Path, work: Path, sample: list[tuple[str, int, list[str]]], pinned_reps: int
+) -> tuple[list[dict], dict]:
     """For each sampled cell: the plain-IPython session up to it, dumped; a fresh process
     that imports and loads it, timed. Returns (per-cell figures, pinned figure)."""
     by_nb: dict[str, list[int]] = {}
@@ -150,9 +180,22 @@ def run_naive(corpus: Path, work: Path, sample: list[tuple[str, int, list[str]]]
         B.log(f"naive: session of {name} ({len(indices)} cells sampled)")
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         with open(out_dir.parent / f"{Path(name).stem}.session.log", "w") as logf:
-            subprocess.run([str(B.PYTHON), str(LIB / "naive_session.py"), str(corpus / name), str(out_dir),
-                            "--cells", ",".join(map(str, indices)), "--pinned-reps", str(pinned_reps)],
-                           check=True, stdout=logf, stderr=subprocess.STDOUT, timeout=300)
+            subprocess.run(
+                [
+                    str(B.PYTHON),
+                    str(LIB / "naive_session.py"),
+                    str(corpus / name),
+                    str(out_dir),
+                    "--cells",
+                    ",".join(map(str, indices)),
+                    "--pinned-reps",
+                    str(pinned_reps),
+                ],
+                check=True,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                timeout=300,
+            )
         manifest = json.loads((out_dir / "session.json").read_text())
         if manifest["pinned"]:
             pinned.append(manifest["pinned"]["median_ms"])
@@ -167,22 +210,44 @@ def run_naive(corpus: Path, work: Path, sample: list[tuple[str, int, list[str]]]
             snap_json = out_dir / f"snap-{idx}.json"
             snap_json.write_text(json.dumps(snap))
             ms, breakdown = time_child(snap_json)
-            cells.append({"notebook": name, "index": idx, "start_ms": ms, "state_bytes": snap["state_bytes"],
-                          "restored_names": breakdown["restored_names"], "skipped": sorted(snap["skipped"]),
-                          "imports": snap["imports"], "breakdown": breakdown})
-    return cells, {"median_ms": B.median(pinned), "per_notebook_median_ms": pinned, "reps": pinned_reps,
-                   "what": "time to run `pass` in an already-running IPython InteractiveShell"}
+            cells.append(
+                {
+                    "notebook": name,
+                    "index": idx,
+                    "start_ms": ms,
+                    "state_bytes": snap["state_bytes"],
+                    "restored_names": breakdown["restored_names"],
+                    "skipped": sorted(snap["skipped"]),
+                    "imports": snap["imports"],
+                    "breakdown": breakdown,
+                }
+            )
+    return cells, {
+        "median_ms": B.median(pinned),
+        "per_notebook_median_ms": pinned,
+        "reps": pinned_reps,
+        "what": "time to run `pass` in an already-running IPython InteractiveShell",
+    }
 
 
 def import_hit(imports: list[str], zygote_packages: set[str]) -> tuple[bool, list[str]]:
     """All of a recipe's imports in the zygote: top-level package imported there, or stdlib."""
-    misses = [m for m in imports
-              if m.split(".")[0] not in zygote_packages and m.split(".")[0] not in sys.stdlib_module_names]
+    misses = [
+        m for m in imports if m.split(".")[0] not in zygote_packages and m.split(".")[0] not in sys.stdlib_module_names
+    ]
     return not misses, misses
 
 
-def summarize(limit: dict, ll_cells: list[dict], runs: list[dict], zs: list[dict],
-              naive: list[dict], pinned: dict, args, wall_s: float) -> dict:
+def summarize(
+    limit: dict,
+    ll_cells: list[dict],
+    runs: list[dict],
+    zs: list[dict],
+    naive: list[dict],
+    pinned: dict,
+    args,
+    wall_s: float,
+) -> dict:
     cold = [c for c in ll_cells if is_cold(c)]
     cold_ms = [c["start_delay_ms"] for c in cold]
     naive_ms = [c["start_ms"] for c in naive]
@@ -197,8 +262,11 @@ def summarize(limit: dict, ll_cells: list[dict], runs: list[dict], zs: list[dict
 
     # Paired view: the same cells under both.
     naive_by_key = {(c["notebook"], c["index"]): c["start_ms"] for c in naive}
-    paired = [(c["start_delay_ms"], naive_by_key[(c["notebook"], c["index"])]) for c in cold
-              if (c["notebook"], c["index"]) in naive_by_key]
+    paired = [
+        (c["start_delay_ms"], naive_by_key[(c["notebook"], c["index"])])
+        for c in cold
+        if (c["notebook"], c["index"]) in naive_by_key
+    ]
 
     base = zs[0] if zs else None  # status lists the base zygote first, then its children
     zpkgs = set(base["packages"]) if base else set()
@@ -219,8 +287,11 @@ def summarize(limit: dict, ll_cells: list[dict], runs: list[dict], zs: list[dict
     not_cold = {}
     for c in ll_cells:
         if not is_cold(c):
-            why = f"prepare={c['prepare']}" if c["prepare"] != "cold" else (
-                "no start" if c["start_delay_ms"] is None else "closure >= 100 MB")
+            why = (
+                f"prepare={c['prepare']}"
+                if c["prepare"] != "cold"
+                else ("no start" if c["start_delay_ms"] is None else "closure >= 100 MB")
+            )
             not_cold[why] = not_cold.get(why, 0) + 1
 
     speedup = median_naive / median_cold if median_cold and median_naive else None
@@ -240,26 +311,43 @@ def summarize(limit: dict, ll_cells: list[dict], runs: list[dict], zs: list[dict
         },
         "looseleaf": {
             "what": "start_delay_ms (Run, or the previous cell's end if later, to the cell's first line) of "
-                    "cells with prepare == 'cold' and restored_bytes < 100 MB; `looseleaf run --all-gpu` "
-                    "sends each cell's edit then its Run at once, so no speculation is ready",
+            "cells with prepare == 'cold' and restored_bytes < 100 MB; `looseleaf run --all-gpu` "
+            "sends each cell's edit then its Run at once, so no speculation is ready",
             "cold_cells": len(cold),
-            "p25_ms": B.percentile(cold_ms, 0.25), "p75_ms": B.percentile(cold_ms, 0.75),
-            "p95_ms": B.percentile(cold_ms, 0.95), "max_ms": max(cold_ms) if cold_ms else None,
+            "p25_ms": B.percentile(cold_ms, 0.25),
+            "p75_ms": B.percentile(cold_ms, 0.75),
+            "p95_ms": B.percentile(cold_ms, 0.95),
+            "max_ms": max(cold_ms) if cold_ms else None,
             "median_restored_bytes": B.median([c["restored_bytes"] or 0 for c in cold]),
             "max_restored_bytes": max((c["restored_bytes"] or 0 for c in cold), default=None),
             "excluded_cells": not_cold,
             "runs": runs,
-            "cells": [{k: c[k] for k in ("round", "notebook", "index", "start_delay_ms", "restored_bytes",
-                                          "closure", "imports", "status")} for c in cold],
+            "cells": [
+                {
+                    k: c[k]
+                    for k in (
+                        "round",
+                        "notebook",
+                        "index",
+                        "start_delay_ms",
+                        "restored_bytes",
+                        "closure",
+                        "imports",
+                        "status",
+                    )
+                }
+                for c in cold
+            ],
         },
         "naive": {
             "what": "fresh `python` (same venv) that imports every top-level package the plain-IPython "
-                    "session had imported beyond IPython's own (plus IPython, dill and the modules of the cell's "
-                    "LooseLeaf recipe, which LooseLeaf also imports before the first line), dill-loads the whole "
-                    "user namespace saved just before the cell (modules by name; unpicklable values skipped), "
-                    "and pushes it into an InteractiveShell; timed from just before spawn to its READY line",
+            "session had imported beyond IPython's own (plus IPython, dill and the modules of the cell's "
+            "LooseLeaf recipe, which LooseLeaf also imports before the first line), dill-loads the whole "
+            "user namespace saved just before the cell (modules by name; unpicklable values skipped), "
+            "and pushes it into an InteractiveShell; timed from just before spawn to its READY line",
             "cells_sampled": len(naive),
-            "p25_ms": B.percentile(naive_ms, 0.25), "p75_ms": B.percentile(naive_ms, 0.75),
+            "p25_ms": B.percentile(naive_ms, 0.25),
+            "p75_ms": B.percentile(naive_ms, 0.75),
             "median_in_process_ms": B.median([c["breakdown"]["in_process_ms"] for c in naive]),
             "median_imports_ms": B.median([c["breakdown"]["imports_ms"] for c in naive]),
             "median_load_ms": B.median([c["breakdown"]["load_ms"] for c in naive]),
@@ -277,7 +365,7 @@ def summarize(limit: dict, ll_cells: list[dict], runs: list[dict], zs: list[dict
         "pinned_kernel": pinned,
         "limit": {
             "what": "per cold cell: median zygote-like fork time + restored_bytes / memcpy bandwidth; "
-                    "limit_ms is the median over the cold cells",
+            "limit_ms is the median over the cold cells",
             "fork_ms_median": fork_ms,
             "fork_ms_samples": limit["fork_ms_samples"],
             "fork_parent_packages": limit["parent_packages"],
@@ -290,8 +378,8 @@ def summarize(limit: dict, ll_cells: list[dict], runs: list[dict], zs: list[dict
         },
         "import_cache": {
             "what": "a cold cell hits when the zygote its worker forked from (base or child) had already "
-                    "imported every package of its import closure (report field import_cache_hit, set by "
-                    "the host); module_hit_rate and missed_packages compare with the base zygote only",
+            "imported every package of its import closure (report field import_cache_hit, set by "
+            "the host); module_hit_rate and missed_packages compare with the base zygote only",
             "zygote_packages": sorted(zpkgs),
             "zygotes": zs,
             "zygote_rss_bytes": sum(z.get("rss_bytes", 0) for z in zs),
@@ -315,8 +403,9 @@ def summarize(limit: dict, ll_cells: list[dict], runs: list[dict], zs: list[dict
 
 def _git_rev() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=B.REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=B.REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except Exception:
         return None
 
@@ -342,10 +431,12 @@ def main() -> int:
     naive, pinned = run_naive(corpus, work, sample, args.pinned_reps)
     result = summarize(limit, ll_cells, runs, zs, naive, pinned, args, time.monotonic() - started)
     path = B.write_result("cold-start", result)
-    B.log(f"median cold {result['median_cold_ms']:.0f} ms ({len(cold)} cells), naive "
-          f"{result['median_naive_ms']:.0f} ms ({len(naive)} cells): {result['speedup_vs_naive']:.1f}x; "
-          f"limit {result['limit_ms']:.1f} ms (ratio {result['ratio_to_limit']:.1f}); pinned "
-          f"{pinned['median_ms']:.2f} ms; import cache hit rate {result['import_cache_hit_rate']:.2f}")
+    B.log(
+        f"median cold {result['median_cold_ms']:.0f} ms ({len(cold)} cells), naive "
+        f"{result['median_naive_ms']:.0f} ms ({len(naive)} cells): {result['speedup_vs_naive']:.1f}x; "
+        f"limit {result['limit_ms']:.1f} ms (ratio {result['ratio_to_limit']:.1f}); pinned "
+        f"{pinned['median_ms']:.2f} ms; import cache hit rate {result['import_cache_hit_rate']:.2f}"
+    )
     B.log(f"wrote {path} in {time.monotonic() - started:.0f} s")
     return 0
 

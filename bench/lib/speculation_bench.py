@@ -18,6 +18,7 @@ speculatively prepared workers spent ready but unused (before their run or their
 eviction); workers prepared on the CPU (no GPU-resident state) hold no slot and
 add nothing. Writes bench/results/speculation.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,9 @@ TARGET_WITHIN_1S = 0.98
 TARGET_MEDIAN_MS = 50.0
 
 
-def run_mode(name: str, work: Path, corpus: Path, extra: list[str], notebooks: list[str],
-             env: dict | None, out: dict) -> None:
+def run_mode(
+    name: str, work: Path, corpus: Path, extra: list[str], notebooks: list[str], env: dict | None, out: dict
+) -> None:
     """Every notebook through one cluster of this mode; fills out[name]."""
     d = work / name
     d.mkdir(parents=True)
@@ -54,8 +56,7 @@ def run_mode(name: str, work: Path, corpus: Path, extra: list[str], notebooks: l
         cluster.wait_ready()
         for nb in notebooks:
             B.log(f"{name}: {nb}")
-            reports.append((nb, B.run_notebook(corpus / nb, cluster.url, d, all_gpu=True, timeout=900,
-                                               extra=extra)))
+            reports.append((nb, B.run_notebook(corpus / nb, cluster.url, d, all_gpu=True, timeout=900, extra=extra)))
     finally:
         cluster.stop()
     out[name] = reports
@@ -83,14 +84,30 @@ def summary(reports: list) -> dict:
         "idle_slot_seconds": sum(s["speculative_idle_slot_seconds"] for s in spec),
         "idle_worker_seconds": sum(s["speculative_idle_worker_seconds"] for s in spec),
         "gpu_slot_seconds": sum(r["totals"]["gpu_slot_seconds"] for _, r in reports),
-        "per_notebook": [{"notebook": nb, "cells": r["totals"]["cells"], "errors": r["totals"]["errors"],
-                          "median_start_ms": r["totals"]["median_start_delay_ms"],
-                          "idle_slot_seconds": r["totals"]["speculation"]["speculative_idle_slot_seconds"],
-                          "idle_worker_seconds": r["totals"]["speculation"]["speculative_idle_worker_seconds"],
-                          "wall_s": r["totals"]["wall_seconds"]} for nb, r in reports],
-        "slowest_cells": sorted(({"cell": c["cell_id"], "start_delay_ms": c["start_delay_ms"],
-                                  "prepare": c["prepare"], "refreshed": c.get("refreshed")}
-                                 for c in gpu), key=lambda c: -c["start_delay_ms"])[:5],
+        "per_notebook": [
+            {
+                "notebook": nb,
+                "cells": r["totals"]["cells"],
+                "errors": r["totals"]["errors"],
+                "median_start_ms": r["totals"]["median_start_delay_ms"],
+                "idle_slot_seconds": r["totals"]["speculation"]["speculative_idle_slot_seconds"],
+                "idle_worker_seconds": r["totals"]["speculation"]["speculative_idle_worker_seconds"],
+                "wall_s": r["totals"]["wall_seconds"],
+            }
+            for nb, r in reports
+        ],
+        "slowest_cells": sorted(
+            (
+                {
+                    "cell": c["cell_id"],
+                    "start_delay_ms": c["start_delay_ms"],
+                    "prepare": c["prepare"],
+                    "refreshed": c.get("refreshed"),
+                }
+                for c in gpu
+            ),
+            key=lambda c: -c["start_delay_ms"],
+        )[:5],
     }
 
 
@@ -111,11 +128,17 @@ def main() -> None:
         # workers whose closure lives on a GPU hold their slot while they wait (on
         # CPU-only machines none do, so force it): the idle budget must bound that
         ("holds_slot", typing, [TIGHT_BUDGET_NOTEBOOK], {"LOOSELEAF_PREPARE_HOLDS_SLOT": "true"}),
-        ("tight_budget", typing, [TIGHT_BUDGET_NOTEBOOK], {"LOOSELEAF_PREPARE_HOLDS_SLOT": "true",
-                                                           "LOOSELEAF_IDLE_GPU_SECONDS": str(TIGHT_IDLE_SECONDS)}),
+        (
+            "tight_budget",
+            typing,
+            [TIGHT_BUDGET_NOTEBOOK],
+            {"LOOSELEAF_PREPARE_HOLDS_SLOT": "true", "LOOSELEAF_IDLE_GPU_SECONDS": str(TIGHT_IDLE_SECONDS)},
+        ),
     ]
-    threads = [threading.Thread(target=run_mode, args=(name, work, corpus, extra, nbs, env, out))
-               for name, extra, nbs, env in modes]
+    threads = [
+        threading.Thread(target=run_mode, args=(name, work, corpus, extra, nbs, env, out))
+        for name, extra, nbs, env in modes
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -123,8 +146,9 @@ def main() -> None:
     missing = [name for name, *_ in modes if name not in out]
     if missing:
         raise SystemExit(f"modes failed: {missing} (see bench/work/speculation/*/up.log)")
-    spec, nospec, holds, tight = (summary(out[m]) for m in ("speculation", "no_speculation", "holds_slot",
-                                                               "tight_budget"))
+    spec, nospec, holds, tight = (
+        summary(out[m]) for m in ("speculation", "no_speculation", "holds_slot", "tight_budget")
+    )
     result = {
         "bench": "speculation",
         "within_1s": spec["within_1s"],
@@ -133,14 +157,19 @@ def main() -> None:
         "median_start_ms_no_spec": nospec["median_start_ms"],
         "idle_slot_seconds": spec["idle_slot_seconds"],
         "hit_rate": spec["hit_rate"],
-        "targets": {"within_1s_at_least": TARGET_WITHIN_1S, "median_start_ms_under": TARGET_MEDIAN_MS,
-                    "within_1s_met": (spec["within_1s"] or 0) >= TARGET_WITHIN_1S,
-                    "median_met": (spec["median_start_ms"] or 1e9) < TARGET_MEDIAN_MS},
+        "targets": {
+            "within_1s_at_least": TARGET_WITHIN_1S,
+            "median_start_ms_under": TARGET_MEDIAN_MS,
+            "within_1s_met": (spec["within_1s"] or 0) >= TARGET_WITHIN_1S,
+            "median_met": (spec["median_start_ms"] or 1e9) < TARGET_MEDIAN_MS,
+        },
         "budget": {
-            "what": ("idle GPU-slot seconds of speculative workers per session against the per-session idle "
-                     "budget. Workers prepared on the CPU (closures without GPU-resident state, every one on "
-                     "this machine) hold no slot; to show the bound, one notebook also runs with every "
-                     "prepared worker holding its slot, with the default budget and with a tight one"),
+            "what": (
+                "idle GPU-slot seconds of speculative workers per session against the per-session idle "
+                "budget. Workers prepared on the CPU (closures without GPU-resident state, every one on "
+                "this machine) hold no slot; to show the bound, one notebook also runs with every "
+                "prepared worker holding its slot, with the default budget and with a tight one"
+            ),
             "default_idle_seconds_per_session": 120.0,
             "slotless_max_session_idle_slot_seconds": max(n["idle_slot_seconds"] for n in spec["per_notebook"]),
             "holds_slot_notebook": TIGHT_BUDGET_NOTEBOOK,
@@ -151,20 +180,28 @@ def main() -> None:
             "holds_slot_tight_budget_within_1s": tight["within_1s"],
             "holds_slot_tight_budget_hit_rate": tight["hit_rate"],
             "slotless_idle_slot_seconds_same_notebook": next(
-                n["idle_slot_seconds"] for n in spec["per_notebook"] if n["notebook"] == TIGHT_BUDGET_NOTEBOOK),
+                n["idle_slot_seconds"] for n in spec["per_notebook"] if n["notebook"] == TIGHT_BUDGET_NOTEBOOK
+            ),
         },
-        "setup": {"typing_cps": args.typing_cps, "notebooks": notebooks, "virtual_gpus": 2, "hosts": 1,
-                  "python": platform.python_version(),
-                  "start_delay": "Run (or the previous cell's end, if later) to the cell's first line"},
+        "setup": {
+            "typing_cps": args.typing_cps,
+            "notebooks": notebooks,
+            "virtual_gpus": 2,
+            "hosts": 1,
+            "python": platform.python_version(),
+            "start_delay": "Run (or the previous cell's end, if later) to the cell's first line",
+        },
         "speculation": spec,
         "no_speculation": nospec,
         "holds_slot": holds,
         "tight_budget": tight,
     }
     path = B.write_result("speculation", result)
-    B.log(f"within_1s {spec['within_1s']:.3f} (no spec {nospec['within_1s']:.3f}), median "
-          f"{spec['median_start_ms']} ms (no spec {nospec['median_start_ms']} ms), hit rate {spec['hit_rate']:.2f}, "
-          f"idle {spec['idle_slot_seconds']:.1f} s; wrote {path}")
+    B.log(
+        f"within_1s {spec['within_1s']:.3f} (no spec {nospec['within_1s']:.3f}), median "
+        f"{spec['median_start_ms']} ms (no spec {nospec['median_start_ms']} ms), hit rate {spec['hit_rate']:.2f}, "
+        f"idle {spec['idle_slot_seconds']:.1f} s; wrote {path}"
+    )
 
 
 if __name__ == "__main__":

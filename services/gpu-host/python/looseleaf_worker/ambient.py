@@ -76,9 +76,11 @@ def _pandas_options() -> dict | None:
 def _dumps_with_ns(obj, ns: dict) -> bytes | None:
     """Pickle a notebook function or class by value, its globals being the live
     namespace (as checkpoint records do); None if it cannot be pickled."""
+
     class P(cloudpickle.Pickler):
         def persistent_id(self, o):
             return "ns" if o is ns else None
+
     buf = io.BytesIO()
     try:
         P(buf, protocol=5).dump(obj)
@@ -173,11 +175,13 @@ def _inline_figures(shell) -> None:
                     f.type_printers.pop(type(fig), None)
             from IPython.core.pylabtools import select_figure_formats
             from matplotlib_inline.backend_inline import InlineBackend, configure_inline_support
+
             configure_inline_support(shell, "inline")
             cfg = InlineBackend.instance(parent=shell)
             select_figure_formats(shell, cfg.figure_formats, **cfg.print_figure_kwargs)
             printer = formatters[mime].type_printers.get(type(fig))
             return printer(fig) if printer is not None and printer not in hooks else None
+
         return first_figure
 
     for mime in ("image/png", "image/svg+xml", "image/jpeg", "application/pdf"):
@@ -224,15 +228,17 @@ def capture(shell, base: Baseline) -> dict:
             pass
     st["warnings"] = filters
     st["extensions"] = sorted(shell.extension_manager.loaded)
-    st["config"] = {k: dict(v) for k, v in shell.config.items()
-                    if k not in ("HistoryManager",) and isinstance(v, dict)}
+    st["config"] = {k: dict(v) for k, v in shell.config.items() if k not in ("HistoryManager",) and isinstance(v, dict)}
     st["magics"] = _magics(shell, base)
     st["mpl_inline"] = "matplotlib_inline.backend_inline" in sys.modules
     local = _local_modules()
     if local is not None:
         st["local_modules"] = {n: (s.origin, s.source, s.search) for n, s in local.snapshot().items()}
-    st["cell_code"] = {name: (number, linecache.cache[name][2])
-                       for name, number in shell.compile._filename_map.items() if name in linecache.cache}
+    st["cell_code"] = {
+        name: (number, linecache.cache[name][2])
+        for name, number in shell.compile._filename_map.items()
+        if name in linecache.cache
+    }
     hm = shell.history_manager
     st["execution_count"] = shell.execution_count
     st["hist_parsed"] = list(hm.input_hist_parsed)
@@ -277,16 +283,19 @@ def apply(shell, st: dict, base: Baseline) -> None:
     random.setstate(st["random"])
     if "numpy_rng" in st or "numpy_print" in st:
         import numpy as np
+
         if "numpy_rng" in st:
             np.random.set_state(st["numpy_rng"])
         np.set_printoptions(**st.get("numpy_print") or base.np_print or {})
     if "torch_rng" in st:
         import torch
+
         torch.set_rng_state(torch.from_numpy(st["torch_rng"]))
         if "torch_cuda_rng" in st and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([torch.from_numpy(s) for s in st["torch_cuda_rng"]])
     if st.get("rcparams") is not None:
         import matplotlib as mpl
+
         with quiet.own_warnings(show=False):
             for k, v in st["rcparams"].items():
                 try:
@@ -295,6 +304,7 @@ def apply(shell, st: dict, base: Baseline) -> None:
                     pass
     if st.get("pandas"):
         import pandas as pd
+
         with quiet.own_warnings(show=False):
             for k, v in st["pandas"].items():
                 try:
@@ -314,6 +324,7 @@ def apply(shell, st: dict, base: Baseline) -> None:
                 pass
     if st.get("config"):
         from traitlets.config import Config
+
         cfg = Config(st["config"])
         shell.config.merge(cfg)
         for c in list(shell.configurables):
@@ -339,5 +350,3 @@ def apply(shell, st: dict, base: Baseline) -> None:
     for name, (number, lines) in st.get("cell_code", {}).items():
         shell.compile._filename_map[name] = number
         linecache.cache[name] = (sum(map(len, lines)), None, lines, name)
-
-

@@ -57,6 +57,7 @@ def is_user_name(name: str, value: Any, hidden: dict) -> bool:
 
 # --------------------------------------------------- what notebook code reads
 
+
 def function_global_reads(value: Any, ns: dict) -> list[str]:
     """Global names a notebook-made callable may read when called: lambdas, nested
     functions returned by factories, partials. (``def`` and ``class`` statements
@@ -96,12 +97,13 @@ def function_global_reads(value: Any, ns: dict) -> list[str]:
 
 # ------------------------------------------------------------------ chunking
 
+
 def chunk_blob(data, chunks: dict[str, memoryview]) -> dict:
     """Cut ``data`` into CHUNK_SIZE pieces; register each by hash; return a Blob."""
     mv = memoryview(data).cast("B")
     names = []
     for off in range(0, len(mv), CHUNK_SIZE):
-        piece = mv[off:off + CHUNK_SIZE]
+        piece = mv[off : off + CHUNK_SIZE]
         h = xxhash.xxh3_128_hexdigest(piece)
         chunks.setdefault(h, piece)
         names.append(h)
@@ -110,13 +112,30 @@ def chunk_blob(data, chunks: dict[str, memoryview]) -> dict:
 
 # ------------------------------------------------------------------- pickling
 
+
 def _is_atomic(obj: Any) -> bool:
     """Objects whose identity does not matter or that pickle by reference:
     they never get their own record."""
-    if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes, tuple,
-                                       frozenset, range, slice, enum.Enum,
-                                       types.ModuleType, types.BuiltinFunctionType,
-                                       types.CodeType, pickle.PickleBuffer)):
+    if obj is None or isinstance(
+        obj,
+        (
+            bool,
+            int,
+            float,
+            complex,
+            str,
+            bytes,
+            tuple,
+            frozenset,
+            range,
+            slice,
+            enum.Enum,
+            types.ModuleType,
+            types.BuiltinFunctionType,
+            types.CodeType,
+            pickle.PickleBuffer,
+        ),
+    ):
         return True
     if isinstance(obj, (type, types.FunctionType)):
         return cloudpickle.cloudpickle._should_pickle_by_reference(obj)
@@ -139,6 +158,7 @@ class _Null(io.RawIOBase):
 
 def _rebuild_tensor(arr, dtype: str, requires_grad: bool, device: str, is_param: bool):
     import torch
+
     t = torch.from_numpy(arr)
     if dtype == "bfloat16":
         t = t.view(torch.bfloat16)
@@ -167,8 +187,7 @@ def _reduce_view(np, arr):
     offset = arr.__array_interface__["data"][0] - owner.__array_interface__["data"][0]
     if offset < 0 or offset > owner.nbytes:
         return None
-    return (_rebuild_view, (owner, offset, arr.shape, arr.strides, arr.dtype,
-                            bool(arr.flags.writeable)))
+    return (_rebuild_view, (owner, offset, arr.shape, arr.strides, arr.dtype, bool(arr.flags.writeable)))
 
 
 def _reduce_owner(arr):
@@ -176,12 +195,12 @@ def _reduce_owner(arr):
     and is rebuilt directly on it, so the restored object is the memory's owner and
     views restored later point at it (numpy's own reduce adds a reshape in between)."""
     order = "C" if arr.flags.c_contiguous else "F"
-    return (_rebuild_owner, (pickle.PickleBuffer(arr), arr.dtype, arr.shape, order,
-                             bool(arr.flags.writeable)))
+    return (_rebuild_owner, (pickle.PickleBuffer(arr), arr.dtype, arr.shape, order, bool(arr.flags.writeable)))
 
 
 def _rebuild_owner(buf, dtype, shape, order, writeable):
     import numpy as np
+
     mv = memoryview(buf)
     if mv.readonly and writeable:
         mv = memoryview(bytearray(mv))  # pickled in band: a private writable copy
@@ -193,6 +212,7 @@ def _rebuild_owner(buf, dtype, shape, order, writeable):
 
 def _rebuild_view(owner, offset, shape, strides, dtype, writeable):
     import numpy as np
+
     # a flat view in memory order exports a plain buffer whatever the owner's order
     buf = owner if owner.flags.c_contiguous else owner.reshape(-1, order="A")
     view = np.ndarray(shape, dtype=dtype, buffer=buf, offset=offset, strides=strides)
@@ -232,13 +252,14 @@ class RecordPickler(cloudpickle.Pickler):
     """cloudpickle (by-value notebook functions/classes) + persistent ids to other
     records + out-of-band payloads + a tensor reducer."""
 
-    def __init__(self, file, ns: dict, own: set[int], refs: dict[int, tuple],
-                 buffer_callback, *, stop_all: bool = False):
+    def __init__(
+        self, file, ns: dict, own: set[int], refs: dict[int, tuple], buffer_callback, *, stop_all: bool = False
+    ):
         super().__init__(file, protocol=5, buffer_callback=buffer_callback)
         self.ns = ns
-        self.own = own            # ids pickled inline in this record
-        self.refs = refs          # id -> (kind, oid) of other records
-        self.used: list[str] = [] # oids referenced, in order
+        self.own = own  # ids pickled inline in this record
+        self.refs = refs  # id -> (kind, oid) of other records
+        self.used: list[str] = []  # oids referenced, in order
         self.modules: set[str] = set()
         self.on_gpu = False
         self.devices: dict[int, str] = {}  # id(numpy view of a tensor) -> device
@@ -341,8 +362,7 @@ def _pickle_record(objs: list[Any], oids: list[str], ns: dict, refs: dict) -> Re
         meta = {"dtype": "bytes", "shape": [raw.nbytes], "device": "cpu"}
         np = sys.modules.get("numpy")
         if np is not None and isinstance(owner, np.ndarray):
-            meta = {"dtype": str(owner.dtype), "shape": list(owner.shape),
-                    "device": p.devices.get(id(owner), "cpu")}
+            meta = {"dtype": str(owner.dtype), "shape": list(owner.shape), "device": p.devices.get(id(owner), "cpu")}
         rec.buffers.append(raw)
         rec.payload_meta.append(meta)
         return False
@@ -360,8 +380,7 @@ def _pickle_record(objs: list[Any], oids: list[str], ns: dict, refs: dict) -> Re
     return rec
 
 
-def _find_shared(roots: list[Any], ns: dict, keep: list,
-                 known: dict[int, tuple[str, Any]] | None = None) -> list[Any]:
+def _find_shared(roots: list[Any], ns: dict, keep: list, known: dict[int, tuple[str, Any]] | None = None) -> list[Any]:
     """Objects (not roots) reached from more than one unit, where units are the
     roots plus the shared objects themselves; iterate so that the insides of a
     shared object are not all split into records of their own. Objects restored
@@ -386,8 +405,11 @@ def _find_shared(roots: list[Any], ns: dict, keep: list,
             for o in p.seen:
                 reach.setdefault(id(o), set()).add(id(u))
                 objs[id(o)] = o
-        new = {i: objs[i] for i, rs in reach.items()
-               if i not in root_ids and (len(rs) > 1 or (i in known and known[i][1] is objs[i]))}
+        new = {
+            i: objs[i]
+            for i, rs in reach.items()
+            if i not in root_ids and (len(rs) > 1 or (i in known and known[i][1] is objs[i]))
+        }
         if new.keys() == shared.keys():
             break
         shared = new
@@ -406,6 +428,7 @@ def _referents(start: Any, ns: dict, limit: int) -> set[int]:
     atoms (numbers, strings, tuples themselves) are walked through but not
     returned: sharing them splits no alias."""
     import gc
+
     stop = (types.ModuleType, type, types.CodeType, types.FunctionType, types.BuiltinFunctionType)
     seen: set[int] = set()
     mutable: set[int] = set()
@@ -452,15 +475,19 @@ def _sccs(nodes: list[str], edges: dict[str, list[str]]) -> list[list[str]]:
         if start in index:
             continue
         work = [(start, iter(edges.get(start, [])))]
-        index[start] = low[start] = counter[0]; counter[0] += 1
-        stack.append(start); on.add(start)
+        index[start] = low[start] = counter[0]
+        counter[0] += 1
+        stack.append(start)
+        on.add(start)
         while work:
             v, it = work[-1]
             nxt = next(it, None)
             if nxt is not None:
                 if nxt not in index:
-                    index[nxt] = low[nxt] = counter[0]; counter[0] += 1
-                    stack.append(nxt); on.add(nxt)
+                    index[nxt] = low[nxt] = counter[0]
+                    counter[0] += 1
+                    stack.append(nxt)
+                    on.add(nxt)
                     work.append((nxt, iter(edges.get(nxt, []))))
                 elif nxt in on:
                     low[v] = min(low[v], index[nxt])
@@ -471,7 +498,9 @@ def _sccs(nodes: list[str], edges: dict[str, list[str]]) -> list[list[str]]:
             if low[v] == index[v]:
                 comp = []
                 while True:
-                    w = stack.pop(); on.discard(w); comp.append(w)
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
                     if w == v:
                         break
                 out.append(comp)
@@ -485,8 +514,9 @@ class SaveResult:
     oid_objects: dict[int, tuple[str, Any]]
 
 
-def build_delta(ns: dict, names: list[str], oid_of: dict[int, tuple[str, Any]],
-                held_before: set[str], ambient_blob: bytes | None) -> SaveResult:
+def build_delta(
+    ns: dict, names: list[str], oid_of: dict[int, tuple[str, Any]], held_before: set[str], ambient_blob: bytes | None
+) -> SaveResult:
     """Records, chunks and the Delta for the given user names."""
     chunks: dict[str, memoryview] = {}
     keep: list = []
@@ -524,7 +554,7 @@ def build_delta(ns: dict, names: list[str], oid_of: dict[int, tuple[str, Any]],
     changed = True
     while changed:
         changed = False
-        for k, r in records.items():
+        for r in records.values():
             if r.error is None:
                 bad = next((x for x in r.refs if records[x].error), None)
                 if bad is not None:
@@ -549,8 +579,10 @@ def build_delta(ns: dict, names: list[str], oid_of: dict[int, tuple[str, Any]],
     for k in live:
         r = records[k]
         if id(r) not in blobs:
-            blobs[id(r)] = (chunk_blob(r.data, chunks),
-                            [dict(chunk_blob(b, chunks), **m) for b, m in zip(r.buffers, r.payload_meta)])
+            blobs[id(r)] = (
+                chunk_blob(r.data, chunks),
+                [dict(chunk_blob(b, chunks), **m) for b, m in zip(r.buffers, r.payload_meta, strict=True)],
+            )
         record, payloads = blobs[id(r)]
         # The members of a reference cycle share one record. A ring of refs (each to
         # the next) lets each reach all, so a host that knows a worker holds one knows
@@ -578,6 +610,7 @@ def build_delta(ns: dict, names: list[str], oid_of: dict[int, tuple[str, Any]],
 
 # ------------------------------------------------------------------- restore
 
+
 class RestoreError(Exception):
     """A restore that cannot complete (missing record, bad pickle)."""
 
@@ -597,7 +630,7 @@ class _Loader:
     def region(self, r):
         off, n = r
         self.bytes += n
-        return self.mm[off:off + n]
+        return self.mm[off : off + n]
 
     def load(self, oid: str) -> Any:
         if oid in self.cache:
@@ -616,7 +649,7 @@ class _Loader:
         obj = up.load()
         self.loading.discard(oid)
         if isinstance(obj, _Group):
-            for k, o in zip(obj.oids, obj.objs):
+            for k, o in zip(obj.oids, obj.objs, strict=True):
                 self.cache[k] = o
             return self.cache[oid]
         self.cache[oid] = obj
@@ -629,8 +662,9 @@ class _Loader:
         return self.load(oid)
 
 
-def restore(ns: dict, shm_path: str | None, variables: dict, objects: dict,
-            oid_of: dict[int, tuple[str, Any]]) -> tuple[int, dict[str, str]]:
+def restore(
+    ns: dict, shm_path: str | None, variables: dict, objects: dict, oid_of: dict[int, tuple[str, Any]]
+) -> tuple[int, dict[str, str]]:
     """Bind ``variables`` in ``ns``; returns (restored_bytes, errors by name)."""
     errors: dict[str, str] = {}
     mm = None

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import builtins
 import sys
-from collections.abc import MutableMapping
-from typing import Callable
+from collections.abc import Callable, MutableMapping
 
 _EVAL = builtins.eval
 _EXEC = builtins.exec
@@ -63,15 +62,15 @@ def install(ns: dict, fault: Callable[[str], bool]) -> None:
         """(globals, locals) as the builtin would take them, seen from its caller."""
         caller = sys._getframe(2)
         g = args[1] if len(args) > 1 else kwargs.get("globals")
-        l = args[2] if len(args) > 2 else kwargs.get("locals")
+        loc = args[2] if len(args) > 2 else kwargs.get("locals")
         if g is None:
             g = caller.f_globals
-            l = caller.f_locals if l is None else l
-        if l is None:
-            l = g
+            loc = caller.f_locals if loc is None else loc
+        if loc is None:
+            loc = g
         if g is ns and caller.f_globals is ns:
-            l = _Names(l, ns, fault)
-        return g, l
+            loc = _Names(loc, ns, fault)
+        return g, loc
 
     def eval(*args, **kwargs):  # noqa: A001 - the builtin's name
         __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of tracebacks

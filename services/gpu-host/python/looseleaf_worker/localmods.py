@@ -27,15 +27,15 @@ from dataclasses import dataclass
 class Source:
     """One local module as the session imported it."""
 
-    origin: str                  # the file it was read from (its __file__)
+    origin: str  # the file it was read from (its __file__)
     source: bytes
-    search: list[str] | None     # __path__ of a package, None for a module
+    search: list[str] | None  # __path__ of a package, None for a module
 
 
 class _Recorder(importlib.machinery.SourceFileLoader):
     """Loads a local module from disk and records the source it ran."""
 
-    def __init__(self, fullname, path, search: list[str] | None, finder: "LocalModules"):
+    def __init__(self, fullname, path, search: list[str] | None, finder: LocalModules):
         super().__init__(fullname, path)
         self._search = search
         self._finder = finder
@@ -49,7 +49,7 @@ class _Recorder(importlib.machinery.SourceFileLoader):
 class _FromSnapshot(importlib.abc.Loader):
     """Loads a local module from the source the session last imported."""
 
-    def __init__(self, src: Source, finder: "LocalModules"):
+    def __init__(self, src: Source, finder: LocalModules):
         self._src = src
         self._finder = finder
 
@@ -70,8 +70,8 @@ class LocalModules(importlib.abc.MetaPathFinder):
     def __init__(self, baseline_path: list[str]):
         self._baseline = set(baseline_path)
         self._library = [_dir(p) for p in baseline_path if p not in ("", ".")]
-        self.loaded: dict[str, Source] = {}     # what this worker imported
-        self.session: dict[str, Source] = {}    # what the session had imported
+        self.loaded: dict[str, Source] = {}  # what this worker imported
+        self.session: dict[str, Source] = {}  # what the session had imported
 
     def install(self) -> None:
         if self not in sys.meta_path:
@@ -87,8 +87,9 @@ class LocalModules(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
         src = self.session.get(fullname)
         if src is not None and target is None:
-            spec = importlib.util.spec_from_loader(fullname, _FromSnapshot(src, self), origin=src.origin,
-                                                   is_package=src.search is not None)
+            spec = importlib.util.spec_from_loader(
+                fullname, _FromSnapshot(src, self), origin=src.origin, is_package=src.search is not None
+            )
             if spec is not None:
                 spec.has_location = True
                 if src.search is not None:
@@ -96,8 +97,12 @@ class LocalModules(importlib.abc.MetaPathFinder):
             return spec
         # a first import or a reload (target set): from disk, recorded if local
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or not isinstance(spec.loader, importlib.machinery.SourceFileLoader) \
-                or not spec.origin or not self._is_local(spec.origin):
+        if (
+            spec is None
+            or not isinstance(spec.loader, importlib.machinery.SourceFileLoader)
+            or not spec.origin
+            or not self._is_local(spec.origin)
+        ):
             return spec
         search = list(spec.submodule_search_locations) if spec.submodule_search_locations else None
         spec.loader = _Recorder(fullname, spec.origin, search, self)
@@ -128,8 +133,11 @@ class LocalModules(importlib.abc.MetaPathFinder):
             mod = sys.modules.get(top)
             if mod is None or top in self.loaded:
                 continue
-            if top in self.session or os.path.isfile(os.path.join(cwd, top + ".py")) \
-                    or os.path.isfile(os.path.join(cwd, top, "__init__.py")):
+            if (
+                top in self.session
+                or os.path.isfile(os.path.join(cwd, top + ".py"))
+                or os.path.isfile(os.path.join(cwd, top, "__init__.py"))
+            ):
                 for name in [n for n in sys.modules if n == top or n.startswith(top + ".")]:
                     del sys.modules[name]
 

@@ -43,6 +43,7 @@ _TYPE_PREFIX = re.compile(r"^([A-Za-z_\[\],|]+)(?::\s|$)")
 
 # ---------------------------------------------------------------- validation
 
+
 def _split_top(s: str, sep: str) -> list[str]:
     """Split on ``sep`` outside brackets (for unions and dict parameters)."""
     out, depth, cur = [], 0, ""
@@ -100,8 +101,11 @@ def _check(value: Any, ty: str, where: str) -> None:
             _check(v, vty, f"{where}.{k}")
         return
     elif ty == "Region":
-        ok = (isinstance(value, list) and len(value) == 2
-              and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value))
+        ok = (
+            isinstance(value, list)
+            and len(value) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value)
+        )
     elif ty == "NbOutput":
         _check_output(value, where)
         return
@@ -171,6 +175,7 @@ def validate(msg: Any) -> dict:
 
 
 # ------------------------------------------------------------------- framing
+
 
 def encode(msg: dict) -> bytes:
     validate(msg)

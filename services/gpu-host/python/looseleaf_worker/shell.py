@@ -12,15 +12,15 @@ import io
 import os
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 # ipykernel sets this before the shell exists so that pyplot picks the inline
 # backend, which registers its flush-at-cell-end hook on the live shell.
 os.environ["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
 
-from IPython.core.error import UsageError  # noqa: E402
 from IPython.core.displayhook import DisplayHook  # noqa: E402
 from IPython.core.displaypub import DisplayPublisher  # noqa: E402
+from IPython.core.error import UsageError  # noqa: E402
 from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
 
 Emit = Callable[[dict], None]
@@ -39,7 +39,7 @@ class OutputStream(io.TextIOBase):
     FLUSH_CHARS = 8192
     FLUSH_SECONDS = 0.2
 
-    def __init__(self, name: str, shell: "WorkerShell"):
+    def __init__(self, name: str, shell: WorkerShell):
         self.name = name
         self._shell = shell
         self._buf: list[str] = []
@@ -107,8 +107,11 @@ class WorkerDisplayPublisher(DisplayPublisher):
 
     def publish(self, data, metadata=None, source=None, *, transient=None, update=False, **kw):
         self.shell.flush_streams()
-        out = {"output_type": "update_display_data" if update else "display_data",
-               "data": _jsonable(data), "metadata": _jsonable(metadata or {})}
+        out = {
+            "output_type": "update_display_data" if update else "display_data",
+            "data": _jsonable(data),
+            "metadata": _jsonable(metadata or {}),
+        }
         if transient:
             # display_id lives here, as in Jupyter's message; a notebook writer
             # uses it to find the outputs an update replaces, then drops it
@@ -126,8 +129,12 @@ class WorkerDisplayHook(DisplayHook):
     execute_result with the cell's execution_count."""
 
     def start_displayhook(self):
-        self._msg = {"output_type": "execute_result", "data": {}, "metadata": {},
-                     "execution_count": self.shell.execution_count}
+        self._msg = {
+            "output_type": "execute_result",
+            "data": {},
+            "metadata": {},
+            "execution_count": self.shell.execution_count,
+        }
 
     def write_output_prompt(self):
         self._msg["execution_count"] = self.prompt_count
@@ -146,6 +153,7 @@ class WorkerDisplayHook(DisplayHook):
 def _jsonable(d: dict) -> dict:
     # Mime bundles may carry bytes (image/png before base64 in old formatters).
     import base64
+
     out = {}
     for k, v in d.items():
         if isinstance(v, bytes):
@@ -167,8 +175,7 @@ class WorkerShell(InteractiveShell):
         self._streams: dict[str, OutputStream] = {}
         self.last_error: dict | None = None
         super().__init__(**kw)
-        self._streams = {"stdout": OutputStream("stdout", self),
-                         "stderr": OutputStream("stderr", self)}
+        self._streams = {"stdout": OutputStream("stdout", self), "stderr": OutputStream("stderr", self)}
         sys.stdout = self._streams["stdout"]
         sys.stderr = self._streams["stderr"]
 
@@ -212,8 +219,7 @@ class WorkerShell(InteractiveShell):
     def _showtraceback(self, etype, evalue, stb):
         # ipykernel publishes an 'error' output instead of printing.
         self.flush_streams()
-        err = {"ename": str(etype.__name__), "evalue": str(evalue),
-               "traceback": [str(x) for x in stb]}
+        err = {"ename": str(etype.__name__), "evalue": str(evalue), "traceback": [str(x) for x in stb]}
         self.last_error = err
         self.emit({"output_type": "error", **err})
 
@@ -221,8 +227,10 @@ class WorkerShell(InteractiveShell):
         # `%matplotlib inline` asks for no GUI loop; a worker has no other.
         if gui not in (None, "inline"):
             # a usage error, shown as such (like a bad magic argument), not a crash
-            raise UsageError(f"no GUI event loop '{gui}' in a LooseLeaf worker: "
-                             "outputs render in the notebook (use %matplotlib inline)")
+            raise UsageError(
+                f"no GUI event loop '{gui}' in a LooseLeaf worker: "
+                "outputs render in the notebook (use %matplotlib inline)"
+            )
 
     def ask_exit(self):
         # `exit`/`quit` in a cell must not end the worker.

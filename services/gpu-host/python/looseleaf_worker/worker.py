@@ -48,7 +48,9 @@ def _fresh_entropy() -> None:
 def _no_stdin(what: str):
     def refuse(*args, **kwargs):
         from IPython.core.error import StdinNotImplementedError
+
         raise StdinNotImplementedError(f"{what} was called, but this frontend does not support input requests.")
+
     return refuse
 
 
@@ -61,8 +63,8 @@ class Worker:
         self.sock = sock
         self.id = worker_id
         self.exec_id: str | None = None
-        self.versions: dict[str, str] = {}   # names held -> store version
-        self.oid_of: dict[int, tuple] = {}   # id(obj) -> (oid, obj), kept alive
+        self.versions: dict[str, str] = {}  # names held -> store version
+        self.oid_of: dict[int, tuple] = {}  # id(obj) -> (oid, obj), kept alive
         self.save_seq = 0
         # made by the zygote before the fork when there is one (it costs ~15 ms)
         self.shell = WorkerShell.instance(emit=self._emit_output)
@@ -80,7 +82,7 @@ class Worker:
         self.base = ambient.Baseline(self.shell)
         self.local = LocalModules(self.base.path)
         self.local.install()
-        self.faulted: list[str] = []      # names brought in while the cell runs
+        self.faulted: list[str] = []  # names brought in while the cell runs
         self._not_in_session: set[str] = set()
         faults.install(self.shell.user_ns, self.fault_in)
 
@@ -106,8 +108,12 @@ class Worker:
 
     # ------------------------------------------------------------- main loop
     def serve(self) -> None:
-        handlers = {"restore": self.on_restore, "run": self.on_run, "save": self.on_save,
-                    "committed": self.on_committed}
+        handlers = {
+            "restore": self.on_restore,
+            "run": self.on_run,
+            "save": self.on_save,
+            "committed": self.on_committed,
+        }
         while True:
             try:
                 msg = protocol.recv(self.sock)
@@ -125,9 +131,12 @@ class Worker:
                 return
             except BaseException as e:  # noqa: BLE001 - keep serving
                 self.exec_id = None
-                self.send({"type": "error",
-                           "message": f"{msg['type']}: {type(e).__name__}: {e}\n"
-                                      + traceback.format_exc(limit=8)})
+                self.send(
+                    {
+                        "type": "error",
+                        "message": f"{msg['type']}: {type(e).__name__}: {e}\n" + traceback.format_exc(limit=8),
+                    }
+                )
 
     def user_names(self) -> list[str]:
         ns, hidden = self.shell.user_ns, self.shell.user_ns_hidden
@@ -168,8 +177,7 @@ class Worker:
                     __import__(mod)
                 except BaseException as e:  # noqa: BLE001
                     errors[f"import {mod}"] = f"{type(e).__name__}: {e}"
-            n, errs = checkpoint.restore(ns, msg["shm_path"], msg["variables"],
-                                         msg["objects"], self.oid_of)
+            n, errs = checkpoint.restore(ns, msg["shm_path"], msg["variables"], msg["objects"], self.oid_of)
         nbytes += n
         errors.update(errs)
         for name, spec in msg["variables"].items():
@@ -182,8 +190,15 @@ class Worker:
                 errors["ambient"] = f"{type(e).__name__}: {e}"
         self._sync_displayhook()
         self.shell.flush_streams()  # whatever the restore printed goes to the log
-        self.send({"type": "restored", "ok": not errors, "restored_bytes": nbytes,
-                   "ms": (time.perf_counter() - t0) * 1000, "errors": errors})
+        self.send(
+            {
+                "type": "restored",
+                "ok": not errors,
+                "restored_bytes": nbytes,
+                "ms": (time.perf_counter() - t0) * 1000,
+                "errors": errors,
+            }
+        )
 
     def _sync_displayhook(self) -> None:
         # The displayhook keeps its own copies of _, __, ___ and rotates them.
@@ -207,8 +222,9 @@ class Worker:
         self.send({"type": "fault", "exec_id": self.exec_id, "names": [name]})
         msg = self.expect("faulted")
         with quiet.own_warnings():
-            _, errs = checkpoint.restore(self.shell.user_ns, msg["shm_path"], msg["variables"],
-                                         msg["objects"], self.oid_of)
+            _, errs = checkpoint.restore(
+                self.shell.user_ns, msg["shm_path"], msg["variables"], msg["objects"], self.oid_of
+            )
         for n, spec in msg["variables"].items():
             if n not in errs:
                 self.versions[n] = spec["version"]
@@ -222,16 +238,29 @@ class Worker:
         self.faulted, self._not_in_session = [], set()
         self.exec_id = msg["exec_id"]
         count = self.shell.execution_count
-        self.send({"type": "started", "exec_id": self.exec_id, "unix_ms": int(time.time() * 1000),
-                   "execution_count": count, "python": platform.python_version()})
+        self.send(
+            {
+                "type": "started",
+                "exec_id": self.exec_id,
+                "unix_ms": int(time.time() * 1000),
+                "execution_count": count,
+                "python": platform.python_version(),
+            }
+        )
         t0 = time.perf_counter()
         try:
             result, err = self.shell.run(msg["code"])
         finally:
             run_ms = (time.perf_counter() - t0) * 1000
             exec_id, self.exec_id = self.exec_id, None
-        fin = {"type": "finished", "exec_id": exec_id, "status": "error" if err else "ok",
-               "execution_count": count, "run_ms": run_ms, "cuda_used": _cuda_used()}
+        fin = {
+            "type": "finished",
+            "exec_id": exec_id,
+            "status": "error" if err else "ok",
+            "execution_count": count,
+            "run_ms": run_ms,
+            "cuda_used": _cuda_used(),
+        }
         if err:
             fin["error"] = err
         if self.faulted:
@@ -244,15 +273,21 @@ class Worker:
         names = self.user_names()
         blob = ambient.dumps(self.shell, self.base)  # reads the user's warning filters
         with quiet.own_warnings():
-            res = checkpoint.build_delta(self.shell.user_ns, names, self.oid_of,
-                                         set(self.versions), blob)
+            res = checkpoint.build_delta(self.shell.user_ns, names, self.oid_of, set(self.versions), blob)
         self.shell.flush_streams()  # a __reduce__ that printed: the log
         self.send({"type": "save_plan", "exec_id": exec_id, "chunks": list(res.chunks)})
         missing = self.expect("save_missing")["missing"]
         path, regions = self._place_chunks(exec_id, res.chunks, missing)
-        self.send({"type": "save_ready", "exec_id": exec_id, "shm_path": path,
-                   "chunks": regions, "delta": res.delta,
-                   "save_ms": (time.perf_counter() - t0) * 1000})
+        self.send(
+            {
+                "type": "save_ready",
+                "exec_id": exec_id,
+                "shm_path": path,
+                "chunks": regions,
+                "delta": res.delta,
+                "save_ms": (time.perf_counter() - t0) * 1000,
+            }
+        )
         com = self.expect("committed")
         self.oid_of = res.oid_objects
         # names that could not be saved stay held (this worker has them)
@@ -275,7 +310,7 @@ class Worker:
                     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
                 view = memoryview(piece)
                 while view:
-                    view = view[os.write(fd, view):]
+                    view = view[os.write(fd, view) :]
                 regions[h] = [off, len(piece)]
                 off += len(piece)
                 if off >= SAVE_PART_BYTES:

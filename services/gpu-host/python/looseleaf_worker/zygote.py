@@ -85,10 +85,19 @@ def import_packages(packages: list[str], probe) -> tuple[list[str], float, dict[
 
 def _reexec_without(args, unsafe: str) -> None:
     _log(f"package {unsafe!r} initialises CUDA; restarting without it")
-    argv = [sys.executable, "-m", "looseleaf_worker.zygote", "--socket", args.socket,
-            "--id", args.id, "--packages",
-            ",".join(p for p in args.packages if p != unsafe),
-            "--cuda-unsafe", ",".join(args.cuda_unsafe + [unsafe])]
+    argv = [
+        sys.executable,
+        "-m",
+        "looseleaf_worker.zygote",
+        "--socket",
+        args.socket,
+        "--id",
+        args.id,
+        "--packages",
+        ",".join(p for p in args.packages if p != unsafe),
+        "--cuda-unsafe",
+        ",".join(args.cuda_unsafe + [unsafe]),
+    ]
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, argv)
@@ -146,6 +155,7 @@ def _become_worker(conn: socket.socket, zygote_id: str, params) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(msg["socket"])
         from . import worker
+
         worker.main(sock, wid, zygote_id)
     except BaseException as e:  # noqa: BLE001
         if not isinstance(e, EOFError):
@@ -155,7 +165,7 @@ def _become_worker(conn: socket.socket, zygote_id: str, params) -> None:
         os._exit(code)
 
 
-def _fork_worker(conn: socket.socket, msg: dict, zygote_id: str, spare: "Spare | None") -> "Spare | None":
+def _fork_worker(conn: socket.socket, msg: dict, zygote_id: str, spare: Spare | None) -> Spare | None:
     """Serve one ``fork``: hand it to the spare if there is a live one, else fork
     now; then fork the next spare. Returns the new spare."""
     wid = msg["worker_id"]
@@ -196,6 +206,7 @@ def main(argv=None) -> int:
     probe = load_probe()
     # The runtime itself (IPython, cloudpickle) is imported once here too.
     from . import worker  # noqa: F401
+
     if probe():
         _log("CUDA is initialised before any package import; refusing to serve")
         return 3
@@ -206,21 +217,30 @@ def main(argv=None) -> int:
     # Build the IPython shell once here, so every worker forks with it ready.
     # (Its history is in memory: no saving thread, so the zygote stays thread-free.)
     from .shell import WorkerShell
+
     WorkerShell.instance(emit=_output_before_fork)
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     return serve(args.socket, args.id, imported, ms, args.cuda_unsafe, errors)
 
 
-def serve(sock_path: str, zid: str, packages: list[str], import_ms: float,
-          cuda_unsafe: list[str], errors: dict[str, str]) -> int:
+def serve(
+    sock_path: str, zid: str, packages: list[str], import_ms: float, cuda_unsafe: list[str], errors: dict[str, str]
+) -> int:
     """Say hello to the host and serve forks until shutdown."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(sock_path)
-    hello = {"type": "hello", "role": "zygote", "id": zid, "pid": os.getpid(),
-             "packages": packages, "import_ms": import_ms, "cuda_unsafe": cuda_unsafe,
-             "stdlib": sorted(sys.stdlib_module_names),
-             "loaded": sorted({m.split(".")[0] for m in sys.modules if not m.startswith("_")})}
+    hello = {
+        "type": "hello",
+        "role": "zygote",
+        "id": zid,
+        "pid": os.getpid(),
+        "packages": packages,
+        "import_ms": import_ms,
+        "cuda_unsafe": cuda_unsafe,
+        "stdlib": sorted(sys.stdlib_module_names),
+        "loaded": sorted({m.split(".")[0] for m in sys.modules if not m.startswith("_")}),
+    }
     if errors:
         hello["import_errors"] = errors
     protocol.send(conn, hello)
@@ -238,12 +258,10 @@ def serve(sock_path: str, zid: str, packages: list[str], import_ms: float,
         elif msg["type"] == "spawn_zygote":
             _spawn_child(conn, msg, sock_path, packages, cuda_unsafe)
         else:
-            protocol.send(conn, {"type": "error",
-                                 "message": f"a zygote does not handle {msg['type']}"})
+            protocol.send(conn, {"type": "error", "message": f"a zygote does not handle {msg['type']}"})
 
 
-def _spawn_child(conn: socket.socket, msg: dict, sock_path: str, packages: list[str],
-                 cuda_unsafe: list[str]) -> None:
+def _spawn_child(conn: socket.socket, msg: dict, sock_path: str, packages: list[str], cuda_unsafe: list[str]) -> None:
     """Fork a child zygote that adds tail packages to ours (DESIGN.md section 7).
     It introduces itself to the host with its own hello; a tail package that
     initialises CUDA is reported and the child keeps serving only if none did."""
@@ -265,14 +283,22 @@ def _spawn_child(conn: socket.socket, msg: dict, sock_path: str, packages: list[
             # this process touched CUDA: say so and leave; never fork from it
             c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             c.connect(sock_path)
-            protocol.send(c, {"type": "hello", "role": "zygote", "id": msg["zygote_id"],
-                              "pid": os.getpid(), "packages": [], "import_ms": ms,
-                              "cuda_unsafe": cuda_unsafe + [unsafe]})
+            protocol.send(
+                c,
+                {
+                    "type": "hello",
+                    "role": "zygote",
+                    "id": msg["zygote_id"],
+                    "pid": os.getpid(),
+                    "packages": [],
+                    "import_ms": ms,
+                    "cuda_unsafe": cuda_unsafe + [unsafe],
+                },
+            )
             c.close()
             code = 3
         else:
-            code = serve(sock_path, msg["zygote_id"], packages + imported, ms,
-                         cuda_unsafe, errors)
+            code = serve(sock_path, msg["zygote_id"], packages + imported, ms, cuda_unsafe, errors)
     except BaseException as e:  # noqa: BLE001
         _log(f"child zygote {msg['zygote_id']} failed: {type(e).__name__}: {e}")
         code = 1

@@ -2,8 +2,7 @@
 
 
 def stream_text(run: dict, name: str = "stdout") -> str:
-    return "".join(o["text"] for o in run["outputs"]
-                   if o["output_type"] == "stream" and o["name"] == name)
+    return "".join(o["text"] for o in run["outputs"] if o["output_type"] == "stream" and o["name"] == name)
 
 
 def of_type(run: dict, output_type: str) -> list[dict]:

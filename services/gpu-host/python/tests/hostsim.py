@@ -19,7 +19,6 @@ import uuid
 from pathlib import Path
 
 import xxhash
-
 from looseleaf_worker import protocol
 
 PYDIR = Path(__file__).resolve().parent.parent
@@ -56,7 +55,7 @@ class Conn:
 
 
 class Zygote:
-    def __init__(self, host: "HostSim", zid: str, packages: list[str], env: dict | None):
+    def __init__(self, host: HostSim, zid: str, packages: list[str], env: dict | None):
         self.host = host
         self.id = zid
         lsock = host.listener(f"z-{zid}")
@@ -65,12 +64,25 @@ class Zygote:
         full_env.update(env or {})
         self.stderr = open(Path(host.dir) / f"zygote-{zid}.log", "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "looseleaf_worker.zygote", "--socket", lsock.getsockname(),
-             "--id", zid, "--packages", ",".join(packages)],
-            cwd=str(PYDIR), env=full_env, stdout=self.stderr, stderr=self.stderr)
+            [
+                sys.executable,
+                "-m",
+                "looseleaf_worker.zygote",
+                "--socket",
+                lsock.getsockname(),
+                "--id",
+                zid,
+                "--packages",
+                ",".join(packages),
+            ],
+            cwd=str(PYDIR),
+            env=full_env,
+            stdout=self.stderr,
+            stderr=self.stderr,
+        )
         try:
             s, _ = lsock.accept()
-        except socket.timeout:
+        except TimeoutError:
             raise HostError(f"zygote did not connect; log: {self.log_text()}") from None
         finally:
             lsock.close()
@@ -82,17 +94,24 @@ class Zygote:
         self.stderr.flush()
         return (Path(self.host.dir) / f"zygote-{self.id}.log").read_text(errors="replace")
 
-    def fork(self, env: dict | None = None, cwd: str | None = None) -> "Worker":
+    def fork(self, env: dict | None = None, cwd: str | None = None) -> Worker:
         wid = f"w{next(self.host.seq)}"
         lsock = self.host.listener(wid)
-        self.conn.send({"type": "fork", "worker_id": wid, "env": env or {},
-                        "cwd": cwd or self.host.dir, "socket": lsock.getsockname()})
+        self.conn.send(
+            {
+                "type": "fork",
+                "worker_id": wid,
+                "env": env or {},
+                "cwd": cwd or self.host.dir,
+                "socket": lsock.getsockname(),
+            }
+        )
         forked = self.conn.recv()
         if forked["type"] != "forked":
             raise HostError(f"fork failed: {forked}")
         try:
             s, _ = lsock.accept()
-        except socket.timeout:
+        except TimeoutError:
             raise HostError(f"worker did not connect; log: {self.log_text()}") from None
         finally:
             lsock.close()
@@ -117,7 +136,7 @@ class Zygote:
 
 
 class Worker:
-    def __init__(self, host: "HostSim", wid: str, conn: Conn, pid: int):
+    def __init__(self, host: HostSim, wid: str, conn: Conn, pid: int):
         self.host, self.id, self.conn, self.pid = host, wid, conn, pid
         self.hello: dict = {}
 
@@ -133,21 +152,25 @@ class Worker:
             elif msg["type"] == "fault":
                 # as the Rust host: those of the names the committed state has
                 faults.append(msg["names"])
-                reply = self.host.restore_msg([n for n in msg["names"] if n in self.host.manifest], False,
-                                              skip=sent)
+                reply = self.host.restore_msg([n for n in msg["names"] if n in self.host.manifest], False, skip=sent)
                 sent.update(reply["objects"])
                 if os.path.getsize(reply["shm_path"]) == 0:
                     os.unlink(reply["shm_path"])
                     reply["shm_path"] = None
                 else:
                     files.append(reply["shm_path"])
-                self.conn.send({"type": "faulted", "shm_path": reply["shm_path"],
-                                "variables": reply["variables"], "objects": reply["objects"]})
+                self.conn.send(
+                    {
+                        "type": "faulted",
+                        "shm_path": reply["shm_path"],
+                        "variables": reply["variables"],
+                        "objects": reply["objects"],
+                    }
+                )
             elif msg["type"] == "finished":
                 for f in files:
                     os.unlink(f)
-                return {"started": started, "outputs": outputs, "finished": msg,
-                        "exec_id": exec_id, "faults": faults}
+                return {"started": started, "outputs": outputs, "finished": msg, "exec_id": exec_id, "faults": faults}
             else:
                 raise HostError(f"unexpected during run: {msg}")
 
@@ -168,9 +191,15 @@ class Worker:
         self.conn.send(committed)
         return {"plan": plan, "missing": missing, "parts": parts, "ready": ready, "committed": committed}
 
-    def restore(self, names: list[str], drop: list[str] | None = None,
-                imports: list[str] | None = None, ambient: bool = True,
-                env: dict[str, str] | None = None, held: list[str] | None = None) -> dict:
+    def restore(
+        self,
+        names: list[str],
+        drop: list[str] | None = None,
+        imports: list[str] | None = None,
+        ambient: bool = True,
+        env: dict[str, str] | None = None,
+        held: list[str] | None = None,
+    ) -> dict:
         # as the Rust host: records reachable from names the worker holds at their
         # current version are not sent again
         skip = set(self.host.closure(held)) if held else None
@@ -200,7 +229,7 @@ class HostSim:
         self.received: list[dict] = []
         self.store: dict[str, bytes] = {}
         self.objects: dict[str, dict] = {}
-        self.manifest: dict[str, dict] = {}   # name -> {oid, module, version, sig}
+        self.manifest: dict[str, dict] = {}  # name -> {oid, module, version, sig}
         self.unsavable: dict[str, str] = {}
         self.ambient: dict | None = None
         self.revision = 0
@@ -235,8 +264,13 @@ class HostSim:
                 continue
             seen.add(o_id)
             o = self.objects[o_id]
-            parts.append(o_id + ":" + ",".join(o["record"]["chunks"]) + ";"
-                         + ";".join(",".join(p["chunks"]) for p in o["payloads"]))
+            parts.append(
+                o_id
+                + ":"
+                + ",".join(o["record"]["chunks"])
+                + ";"
+                + ";".join(",".join(p["chunks"]) for p in o["payloads"])
+            )
             stack.extend(o["refs"])
         return xxhash.xxh3_128_hexdigest("|".join(sorted(parts)).encode())
 
@@ -247,7 +281,7 @@ class HostSim:
         with open(msg["shm_path"], "rb") as f:
             data = f.read()
         for h, (off, n) in msg["chunks"].items():
-            piece = data[off:off + n]
+            piece = data[off : off + n]
             if xxhash.xxh3_128_hexdigest(piece) != h:
                 raise HostError(f"chunk {h} does not match its hash")
             self.store[h] = piece
@@ -267,8 +301,7 @@ class HostSim:
             sig = var["module"] if var["oid"] is None else "oid:" + var["oid"] + self._sig(var["oid"], set())
             old = self.manifest.get(name)
             version = old["version"] if old and old["sig"] == sig else f"v{self.revision}"
-            self.manifest[name] = {"oid": var["oid"], "module": var["module"],
-                                   "version": version, "sig": sig}
+            self.manifest[name] = {"oid": var["oid"], "module": var["module"], "version": version, "sig": sig}
             versions[name] = version
         for name in delta["deleted"]:
             self.manifest.pop(name, None)
@@ -281,8 +314,7 @@ class HostSim:
         self.unsavable.update(delta["unsavable"])
         if delta["ambient"] is not None:
             self.ambient = delta["ambient"]
-        return {"type": "committed", "exec_id": exec_id, "ok": True,
-                "revision": self.revision, "versions": versions}
+        return {"type": "committed", "exec_id": exec_id, "ok": True, "revision": self.revision, "versions": versions}
 
     def closure(self, names: list[str]) -> list[str]:
         todo = [self.manifest[n]["oid"] for n in names if self.manifest[n]["oid"]]
@@ -299,23 +331,25 @@ class HostSim:
         path = f"/dev/shm/looseleaf-restore-test-{uuid.uuid4().hex}"
         objects, off = {}, 0
         with open(path, "wb") as f:
+
             def put(data: bytes):
                 nonlocal off
                 f.write(data)
                 region = [off, len(data)]
                 off += len(data)
                 return region
+
             for oid in self.closure(names):
                 if skip and oid in skip:
                     continue  # the worker holds it (a fault during the same run)
                 o = self.objects[oid]
-                objects[oid] = {"record": put(self.blob(o["record"])),
-                                "payloads": [put(self.blob(p)) for p in o["payloads"]]}
+                objects[oid] = {
+                    "record": put(self.blob(o["record"])),
+                    "payloads": [put(self.blob(p)) for p in o["payloads"]],
+                }
             amb = put(self.blob(self.ambient)) if ambient and self.ambient else None
-        variables = {n: {k: self.manifest[n][k] for k in ("oid", "version", "module")}
-                     for n in names}
-        return {"type": "restore", "shm_path": path, "variables": variables,
-                "objects": objects, "ambient": amb}
+        variables = {n: {k: self.manifest[n][k] for k in ("oid", "version", "module")} for n in names}
+        return {"type": "restore", "shm_path": path, "variables": variables, "objects": objects, "ambient": amb}
 
     def close(self) -> None:
         for w in self.workers:

@@ -1,5 +1,3 @@
-import os
-
 from helpers import ok, result_text, stream_text
 
 
@@ -7,11 +5,15 @@ def test_rng_cwd_count_rcparams_continue_on_new_worker(host, zygote, tmp_path):
     sub = tmp_path / "sub"
     sub.mkdir()
     w1 = zygote.fork(cwd=str(tmp_path))
-    ok(w1.run("import numpy as np, random, os, sys, warnings\nimport matplotlib as mpl\nimport pandas as pd\n"
-              f"np.random.seed(0); random.seed(5)\nos.chdir({str(sub)!r})\n"
-              "mpl.rcParams['lines.linewidth'] = 7.5\npd.set_option('display.max_rows', 7)\n"
-              "np.set_printoptions(precision=3)\nos.environ['LL_CELL_SET'] = '1'\n"
-              "sys.path.append('/ll-added')\nwarnings.simplefilter('error', FutureWarning)"))
+    ok(
+        w1.run(
+            "import numpy as np, random, os, sys, warnings\nimport matplotlib as mpl\nimport pandas as pd\n"
+            f"np.random.seed(0); random.seed(5)\nos.chdir({str(sub)!r})\n"
+            "mpl.rcParams['lines.linewidth'] = 7.5\npd.set_option('display.max_rows', 7)\n"
+            "np.set_printoptions(precision=3)\nos.environ['LL_CELL_SET'] = '1'\n"
+            "sys.path.append('/ll-added')\nwarnings.simplefilter('error', FutureWarning)"
+        )
+    )
     ok(w1.run("first = 'x'"))
     w1.save()
     # the pinned-kernel reference: the same worker keeps going
@@ -22,9 +24,13 @@ def test_rng_cwd_count_rcparams_continue_on_new_worker(host, zygote, tmp_path):
     r = ok(w2.run("print(np.random.rand(), random.random())"))
     assert stream_text(r) == ref
     assert r["finished"]["execution_count"] == 3
-    r = ok(w2.run("print(os.getcwd(), mpl.rcParams['lines.linewidth'], pd.get_option('display.max_rows'),"
-                  " np.get_printoptions()['precision'], os.environ.get('LL_CELL_SET'),"
-                  " '/ll-added' in sys.path, warnings.filters[0][0])"))
+    r = ok(
+        w2.run(
+            "print(os.getcwd(), mpl.rcParams['lines.linewidth'], pd.get_option('display.max_rows'),"
+            " np.get_printoptions()['precision'], os.environ.get('LL_CELL_SET'),"
+            " '/ll-added' in sys.path, warnings.filters[0][0])"
+        )
+    )
     assert stream_text(r).split() == [str(sub), "7.5", "7", "3", "1", "True", "error"]
     # In history and _iN names came along
     assert result_text(w2.run("In[2], _i2")) == "(\"first = 'x'\", \"first = 'x'\")"

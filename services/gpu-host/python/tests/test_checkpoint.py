@@ -1,7 +1,6 @@
 import os
 
 import pytest
-
 from helpers import ok, result_text, stream_text
 
 
@@ -23,10 +22,7 @@ def test_alias_closure_and_mutation_across_workers(host, zygote):
 
 def test_shared_subobjects_and_cycles(host, zygote):
     w1 = zygote.fork()
-    ok(w1.run("s = {'n': 1}\nx = [s, s]\ny = {'s': s}\n"
-              "c = []; c.append(c)\n"
-              "p = []; q = [p]; p.append(q)\n"
-              "t = (s,)"))
+    ok(w1.run("s = {'n': 1}\nx = [s, s]\ny = {'s': s}\nc = []; c.append(c)\np = []; q = [p]; p.append(q)\nt = (s,)"))
     delta = w1.save()["ready"]["delta"]
     # the cycle p <-> q across two variables is merged into one record (same bytes)
     objs = delta["objects"]
@@ -40,8 +36,7 @@ def test_shared_subobjects_and_cycles(host, zygote):
 
 def test_numpy_payloads_writable(host, zygote):
     w1 = zygote.fork()
-    ok(w1.run("import numpy as np\nbig = np.arange(1_000_000, dtype=np.float64)\nsmall = np.ones(3)\n"
-              "view = big"))
+    ok(w1.run("import numpy as np\nbig = np.arange(1_000_000, dtype=np.float64)\nsmall = np.ones(3)\nview = big"))
     delta = w1.save()["ready"]["delta"]
     rec = delta["objects"][delta["variables"]["big"]["oid"]]
     assert len(rec["payloads"]) == 1
@@ -52,16 +47,23 @@ def test_numpy_payloads_writable(host, zygote):
     assert delta["variables"]["np"] == {"oid": None, "module": "numpy", "global_reads": []}
     w2 = zygote.fork()
     assert w2.restore(["big", "small", "np", "view"])["ok"]
-    r = ok(w2.run("big[0] = 42.0\nprint(big.flags.writeable, big[:2], big.sum() == 42 + 999999*1000000/2,"
-                  " view is big, small)"))
+    r = ok(
+        w2.run(
+            "big[0] = 42.0\nprint(big.flags.writeable, big[:2], big.sum() == 42 + 999999*1000000/2, view is big, small)"
+        )
+    )
     assert stream_text(r).split()[:2] == ["True", "[42."]
     assert "True True [1. 1. 1.]" in stream_text(r)
 
 
 def test_pandas_and_modules(host, zygote):
     w1 = zygote.fork()
-    ok(w1.run("import pandas as pd, numpy as np\nimport matplotlib.pyplot as plt\n"
-              "df = pd.DataFrame({'a': np.arange(100_000), 'b': ['x'] * 100_000})\ncol = df['a']"))
+    ok(
+        w1.run(
+            "import pandas as pd, numpy as np\nimport matplotlib.pyplot as plt\n"
+            "df = pd.DataFrame({'a': np.arange(100_000), 'b': ['x'] * 100_000})\ncol = df['a']"
+        )
+    )
     w1.save()
     w2 = zygote.fork()
     assert w2.restore(["df", "plt", "pd"])["ok"]
@@ -72,9 +74,13 @@ def test_pandas_and_modules(host, zygote):
 def test_modules_are_bound_before_objects_whose_restore_reads_them(host, zygote):
     # unpickling runs notebook code: a __setstate__ reading a module global
     w1 = zygote.fork()
-    ok(w1.run("import math\nclass Angle:\n    def __setstate__(self, st):\n"
-              "        self.__dict__.update(st)\n        self.cos = math.cos(self.rad)\n"
-              "a = Angle()\na.rad = 0.0"))
+    ok(
+        w1.run(
+            "import math\nclass Angle:\n    def __setstate__(self, st):\n"
+            "        self.__dict__.update(st)\n        self.cos = math.cos(self.rad)\n"
+            "a = Angle()\na.rad = 0.0"
+        )
+    )
     w1.save()
     w2 = zygote.fork()
     # the object is listed before the module it needs
@@ -85,11 +91,15 @@ def test_modules_are_bound_before_objects_whose_restore_reads_them(host, zygote)
 
 def test_notebook_functions_and_classes(host, zygote):
     w1 = zygote.fork()
-    ok(w1.run("factor = 3\n"
-              "def scale(v):\n    return v * factor\n"
-              "class Point:\n    def __init__(self, x): self.x = x\n"
-              "    def double(self): return Point(scale(self.x))\n"
-              "pt = Point(2)"))
+    ok(
+        w1.run(
+            "factor = 3\n"
+            "def scale(v):\n    return v * factor\n"
+            "class Point:\n    def __init__(self, x): self.x = x\n"
+            "    def double(self): return Point(scale(self.x))\n"
+            "pt = Point(2)"
+        )
+    )
     w1.save()
     w2 = zygote.fork()
     assert w2.restore(["scale", "Point", "pt", "factor"])["ok"]
@@ -114,8 +124,12 @@ def test_unsavable_generator(host, zygote):
 def test_incremental_save_only_changed_chunks(fresh_host):
     z = fresh_host.zygote(["numpy"])
     w = z.fork()
-    ok(w.run("import numpy as np\narrs = [np.random.default_rng(i).random(600_000) for i in range(10)]\n"
-             "for i, a in enumerate(arrs): globals()[f'a{i}'] = a"))
+    ok(
+        w.run(
+            "import numpy as np\narrs = [np.random.default_rng(i).random(600_000) for i in range(10)]\n"
+            "for i, a in enumerate(arrs): globals()[f'a{i}'] = a"
+        )
+    )
     first = w.save()
     assert first["missing"]
     ok(w.run("a3[7] = -1.0"))
@@ -146,8 +160,15 @@ def test_a_large_save_is_handed_over_in_parts(fresh_host):
     assert all(not os.path.exists(p["shm_path"]) for p in saved["parts"]), "the host deleted each file"
     w2 = z.fork()
     assert w2.restore(["big", "np"])["ok"]
-    assert result_text(w2.run("all(float(a.sum()) == float(np.random.default_rng(i).random(5_000_000).sum())"
-                              " for i, a in enumerate(big))")) == "True"
+    assert (
+        result_text(
+            w2.run(
+                "all(float(a.sum()) == float(np.random.default_rng(i).random(5_000_000).sum())"
+                " for i, a in enumerate(big))"
+            )
+        )
+        == "True"
+    )
 
 
 def test_a_save_that_cannot_write_shared_memory_fails_cleanly(fresh_host):
@@ -155,9 +176,13 @@ def test_a_save_that_cannot_write_shared_memory_fails_cleanly(fresh_host):
     and the worker saves fine once there is room again."""
     z = fresh_host.zygote(["numpy"])
     w = z.fork()
-    ok(w.run("import numpy as np, os, errno\nbig = np.ones(12_000_000)\n_write = os.write\n"
-             "def _full(fd, data):\n    raise OSError(errno.ENOSPC, 'No space left on device')\n"
-             "os.write = _full"))
+    ok(
+        w.run(
+            "import numpy as np, os, errno\nbig = np.ones(12_000_000)\n_write = os.write\n"
+            "def _full(fd, data):\n    raise OSError(errno.ENOSPC, 'No space left on device')\n"
+            "os.write = _full"
+        )
+    )
     mine = f"/dev/shm/looseleaf-save-{w.id}-{w.pid}-"
     with pytest.raises(Exception, match="No space left on device"):
         w.save()
@@ -171,9 +196,16 @@ def test_restore_drop_and_missing(host, zygote):
     ok(w.run("old = 1\nkeepme = 2"))
     host.manifest["ghost"] = {"oid": "feedbeef", "module": None, "version": "v0", "sig": ""}
     host.objects.setdefault("feedbeef", None)
-    msg = {"type": "restore", "shm_path": None, "objects": {}, "ambient": None,
-           "variables": {"ghost": {"oid": "feedbeef", "version": "v0", "module": None}},
-           "imports": ["json"], "drop": ["old"], "env": {}}
+    msg = {
+        "type": "restore",
+        "shm_path": None,
+        "objects": {},
+        "ambient": None,
+        "variables": {"ghost": {"oid": "feedbeef", "version": "v0", "module": None}},
+        "imports": ["json"],
+        "drop": ["old"],
+        "env": {},
+    }
     w.conn.send(msg)
     res = w.conn.expect("restored")
     assert not res["ok"] and "ghost" in res["errors"]["ghost"]
@@ -190,30 +222,41 @@ torch = pytest.importorskip("torch")
 
 def test_torch_tensors_modules_optimizers(host, zygote):
     w1 = zygote.fork()
-    ok(w1.run("import torch\ntorch.manual_seed(0)\n"
-              "model = torch.nn.Linear(200, 100)\n"
-              "opt = torch.optim.Adam(model.parameters(), lr=0.01)\n"
-              "loss = model(torch.randn(4, 200)).sum(); loss.backward(); opt.step()\n"
-              "t = torch.arange(10, dtype=torch.float32).requires_grad_()\n"
-              "bf = torch.ones(3, dtype=torch.bfloat16)\n"
-              "ref = model.weight.detach().clone()"))
+    ok(
+        w1.run(
+            "import torch\ntorch.manual_seed(0)\n"
+            "model = torch.nn.Linear(200, 100)\n"
+            "opt = torch.optim.Adam(model.parameters(), lr=0.01)\n"
+            "loss = model(torch.randn(4, 200)).sum(); loss.backward(); opt.step()\n"
+            "t = torch.arange(10, dtype=torch.float32).requires_grad_()\n"
+            "bf = torch.ones(3, dtype=torch.bfloat16)\n"
+            "ref = model.weight.detach().clone()"
+        )
+    )
     delta = w1.save()["ready"]["delta"]
     assert "model" in delta["variables"] and not delta["unsavable"]
     w2 = zygote.fork()
     assert w2.restore(["model", "opt", "t", "bf", "ref", "torch"])["ok"]
-    r = ok(w2.run(
-        "print(isinstance(model.weight, torch.nn.Parameter), opt.param_groups[0]['params'][0] is model.weight,"
-        " torch.equal(model.weight, ref), t.requires_grad, bf.dtype, len(opt.state))\n"
-        "loss = model(torch.randn(4, 200)).sum(); loss.backward(); opt.step()\n"
-        "print(not torch.equal(model.weight, ref))"))
+    r = ok(
+        w2.run(
+            "print(isinstance(model.weight, torch.nn.Parameter), opt.param_groups[0]['params'][0] is model.weight,"
+            " torch.equal(model.weight, ref), t.requires_grad, bf.dtype, len(opt.state))\n"
+            "loss = model(torch.randn(4, 200)).sum(); loss.backward(); opt.step()\n"
+            "print(not torch.equal(model.weight, ref))"
+        )
+    )
     assert stream_text(r).split() == ["True", "True", "True", "True", "torch.bfloat16", "2", "True"]
 
 
 def test_numpy_view_restores_as_view_of_its_base(host, zygote):
     """x2_sub = x2[:2, :2]; writes through the view reach the base on a later worker."""
     w1 = zygote.fork()
-    ok(w1.run("import numpy as np\nx2 = np.arange(120000).reshape(3, 40000)\n"
-              "x2_sub = x2[:2, :2]\nrow = x2[1]\nro = x2[2]; ro.flags.writeable = False"))
+    ok(
+        w1.run(
+            "import numpy as np\nx2 = np.arange(120000).reshape(3, 40000)\n"
+            "x2_sub = x2[:2, :2]\nrow = x2[1]\nro = x2[2]; ro.flags.writeable = False"
+        )
+    )
     w1.save()
     w2 = zygote.fork()
     assert w2.restore(["x2_sub"])["ok"]
@@ -221,21 +264,45 @@ def test_numpy_view_restores_as_view_of_its_base(host, zygote):
     w2.save()
     w3 = zygote.fork()
     assert w3.restore(["x2", "x2_sub", "row", "ro"])["ok"]
-    r = ok(w3.run("print(x2[0, 0], x2_sub.base is x2.base, row.base is x2.base, x2_sub.flags.writeable, ro.flags.writeable)"))
+    r = ok(
+        w3.run(
+            "print(x2[0, 0], x2_sub.base is x2.base, row.base is x2.base, x2_sub.flags.writeable, ro.flags.writeable)"
+        )
+    )
     assert stream_text(r).split() == ["99", "True", "True", "True", "False"]
+
+
 def test_array_layouts_roundtrip_writable_and_views_of_fortran_owners(host, zygote):
     w1 = zygote.fork()
-    ok(w1.run("import numpy as np\nf = np.asfortranarray(np.arange(200000.).reshape(400, 500))\nz = np.array(3.5)\ne = np.zeros((0, 3))\nsmall = np.arange(5)\nbig_f = f.T\ns = np.zeros(3, dtype=[('a', 'i4'), ('b', 'f8')])\ns['a'] = 7"))
+    ok(
+        w1.run(
+            "import numpy as np\n"
+            "f = np.asfortranarray(np.arange(200000.).reshape(400, 500))\n"
+            "z = np.array(3.5)\ne = np.zeros((0, 3))\nsmall = np.arange(5)\nbig_f = f.T\n"
+            "s = np.zeros(3, dtype=[('a', 'i4'), ('b', 'f8')])\ns['a'] = 7"
+        )
+    )
     w1.save()
     w2 = zygote.fork()
     assert w2.restore(["f", "z", "e", "small", "big_f", "s"])["ok"]
-    r = ok(w2.run("small[0] = 9; f[0,1] = -1\nprint(f.flags.f_contiguous, f[0,1], big_f[1,0], z, e.shape, small, s['a'], s.dtype.names)"))
+    r = ok(
+        w2.run(
+            "small[0] = 9; f[0,1] = -1\n"
+            "print(f.flags.f_contiguous, f[0,1], big_f[1,0], z, e.shape, small, s['a'], s.dtype.names)"
+        )
+    )
     assert stream_text(r).strip() == "True -1.0 -1.0 3.5 (0, 3) [9 1 2 3 4] [7 7 7] ('a', 'b')", stream_text(r)
 
 
 def test_optimizer_keeps_sharing_parameters_with_a_restored_model(host, zygote):
     w1 = zygote.fork()
-    ok(w1.run("import torch\nfrom torch import nn\nclass M(nn.Module):\n    def __init__(self):\n        super().__init__()\n        self.w = nn.Parameter(torch.ones(1))\n    def forward(self, x):\n        return self.w * x\nm = M()"))
+    ok(
+        w1.run(
+            "import torch\nfrom torch import nn\nclass M(nn.Module):\n"
+            "    def __init__(self):\n        super().__init__()\n        self.w = nn.Parameter(torch.ones(1))\n"
+            "    def forward(self, x):\n        return self.w * x\nm = M()"
+        )
+    )
     w1.save()
     w2 = zygote.fork()
     assert w2.restore(["m", "nn", "torch"])["ok"]
@@ -249,9 +316,13 @@ def test_optimizer_keeps_sharing_parameters_with_a_restored_model(host, zygote):
 
 def test_run_time_callables_report_the_globals_they_read(host, zygote):
     w1 = zygote.fork()
-    ok(w1.run("import functools\nk = 10\nf = lambda x: x + k\n"
-              "def make(n):\n    def inner(x):\n        return x * n + base\n    return inner\n"
-              "base = 1\ng = make(3)\np = functools.partial(make(2), 5)\nplain = [1]"))
+    ok(
+        w1.run(
+            "import functools\nk = 10\nf = lambda x: x + k\n"
+            "def make(n):\n    def inner(x):\n        return x * n + base\n    return inner\n"
+            "base = 1\ng = make(3)\np = functools.partial(make(2), 5)\nplain = [1]"
+        )
+    )
     v = w1.save()["ready"]["delta"]["variables"]
     assert v["f"]["global_reads"] == ["k"]
     assert v["g"]["global_reads"] == ["base"]
@@ -261,9 +332,13 @@ def test_run_time_callables_report_the_globals_they_read(host, zygote):
 
 def test_a_variable_sharing_an_object_with_an_unsavable_one_stays_with_it(host, zygote):
     w1 = zygote.fork()
-    ok(w1.run("def walk(xs):\n    for x in xs:\n        yield x\n"
-              "shared = [1, 2, 3]\ngen = walk(shared)\nfirst = next(gen)\n"
-              "d = {'k': shared}\nother = [9]\nsame = list(shared)"))
+    ok(
+        w1.run(
+            "def walk(xs):\n    for x in xs:\n        yield x\n"
+            "shared = [1, 2, 3]\ngen = walk(shared)\nfirst = next(gen)\n"
+            "d = {'k': shared}\nother = [9]\nsame = list(shared)"
+        )
+    )
     delta = w1.save()["ready"]["delta"]
     # the generator holds `shared`; `d` holds it too: all three stay in the worker
     assert set(delta["unsavable"]) == {"gen", "shared", "d"}
@@ -277,15 +352,23 @@ def test_a_variable_sharing_an_object_with_an_unsavable_one_stays_with_it(host, 
 
 def test_scipy_sparse_matrices_round_trip(host, zygote):
     w1 = zygote.fork()
-    ok(w1.run("import numpy as np\nfrom scipy import sparse\n"
-              "m = sparse.random(300, 200, density=0.05, format='csr', random_state=1)\n"
-              "c = m.tocsc()\ncoo = sparse.coo_matrix(([1.0, 2.0], ([0, 5], [3, 7])), shape=(10, 10))\n"
-              "dense_sum = float(m.sum())"))
+    ok(
+        w1.run(
+            "import numpy as np\nfrom scipy import sparse\n"
+            "m = sparse.random(300, 200, density=0.05, format='csr', random_state=1)\n"
+            "c = m.tocsc()\ncoo = sparse.coo_matrix(([1.0, 2.0], ([0, 5], [3, 7])), shape=(10, 10))\n"
+            "dense_sum = float(m.sum())"
+        )
+    )
     w1.save()
     w2 = zygote.fork()
     assert w2.restore(["m", "c", "coo", "dense_sum", "np", "sparse"])["ok"]
-    r = ok(w2.run("print(type(m).__name__, type(c).__name__, m.nnz, abs(float(m.sum()) - dense_sum) < 1e-9,"
-                  " (m != c).nnz, coo.toarray()[5, 7], sparse.issparse(coo))"))
+    r = ok(
+        w2.run(
+            "print(type(m).__name__, type(c).__name__, m.nnz, abs(float(m.sum()) - dense_sum) < 1e-9,"
+            " (m != c).nnz, coo.toarray()[5, 7], sparse.issparse(coo))"
+        )
+    )
     assert stream_text(r).split() == ["csr_matrix", "csc_matrix", "3000", "True", "0", "2.0", "True"]
 
 
@@ -306,11 +389,14 @@ def test_a_reference_cycle_is_described_once_not_per_member(zygote):
     # member, but the group's refs out and modules only once (they were repeated per
     # member: 21 MB for 64 subplots)
     w = zygote.fork()
-    ok(w.run("import matplotlib.pyplot as plt\nfig, axes = plt.subplots(4, 4)\n"
-             "for a in axes.flat:\n    a.plot([1, 2])"))
+    ok(
+        w.run(
+            "import matplotlib.pyplot as plt\nfig, axes = plt.subplots(4, 4)\nfor a in axes.flat:\n    a.plot([1, 2])"
+        )
+    )
     objects = w.save()["ready"]["delta"]["objects"]
     groups: dict[tuple, list] = {}
-    for oid, o in objects.items():
+    for o in objects.values():
         groups.setdefault(tuple(o["record"]["chunks"]), []).append(o)
     big = max(groups.values(), key=len)
     assert len(big) > 100

@@ -17,6 +17,7 @@ def _write(path, text):
 
 # ------------------------------------------------------------ local modules
 
+
 def test_modules_beside_the_notebook_import_and_keep_their_imported_source(zygote, tmp_path):
     _write(tmp_path / "helpers" / "__init__.py", "from .maths import double\n")
     _write(tmp_path / "helpers" / "maths.py", "def double(x):\n    return 2 * x\n")
@@ -82,7 +83,9 @@ get_ipython().register_magic_function(lambda line: print('renamed', line), 'line
 
 
 def test_registered_magics_aliases_and_extensions_work_in_later_workers(zygote, tmp_path):
-    _write(tmp_path / "myext.py", """
+    _write(
+        tmp_path / "myext.py",
+        """
         from IPython.core.magic import Magics, line_magic, magics_class
 
         @magics_class
@@ -94,7 +97,8 @@ def test_registered_magics_aliases_and_extensions_work_in_later_workers(zygote, 
         def load_ipython_extension(ip):
             ip.register_magics(M)
             print("myext loaded")
-    """)
+    """,
+    )
     w1 = zygote.fork(cwd=str(tmp_path))
     ok(w1.run(MAGICS))
     r = ok(w1.run("%load_ext myext"))
@@ -124,15 +128,26 @@ def test_registered_magics_aliases_and_extensions_work_in_later_workers(zygote, 
 
 # ----------------------------------------------------------------- displays
 
+
 def test_display_messages_go_out_as_jupyter_messages(zygote):
     w = zygote.fork()
-    r = ok(w.run("from IPython.display import display, clear_output, update_display\n"
-                 "h = display('first', display_id=True)\n"
-                 "print('a')\nclear_output(wait=True)\nprint('b')\n"
-                 "h.update('second')\nupdate_display('third', display_id=h.display_id)"))
+    r = ok(
+        w.run(
+            "from IPython.display import display, clear_output, update_display\n"
+            "h = display('first', display_id=True)\n"
+            "print('a')\nclear_output(wait=True)\nprint('b')\n"
+            "h.update('second')\nupdate_display('third', display_id=h.display_id)"
+        )
+    )
     kinds = [o["output_type"] for o in r["outputs"]]
-    assert kinds == ["display_data", "stream", "clear_output", "stream",
-                     "update_display_data", "update_display_data"], kinds
+    assert kinds == [
+        "display_data",
+        "stream",
+        "clear_output",
+        "stream",
+        "update_display_data",
+        "update_display_data",
+    ], kinds
     shown, clear = r["outputs"][0], r["outputs"][2]
     assert shown["transient"]["display_id"] == r["outputs"][4]["transient"]["display_id"]
     assert clear["wait"] is True
@@ -163,8 +178,7 @@ def test_stdout_and_stderr_arrive_as_from_ipykernel(zygote):
     r = ok(w.run("import sys\nprint('a')\nprint('b', file=sys.stderr)\nprint('c')"))
     assert [(o["name"], o["text"]) for o in r["outputs"]] == [("stdout", "a\nc\n"), ("stderr", "b\n")]
     # text older than the flush interval goes before what comes later
-    r = ok(w.run("import time\nprint('a')\ntime.sleep(0.3)\nprint('b', file=sys.stderr)\n"
-                 "time.sleep(0.3)\nprint('c')"))
+    r = ok(w.run("import time\nprint('a')\ntime.sleep(0.3)\nprint('b', file=sys.stderr)\ntime.sleep(0.3)\nprint('c')"))
     assert [o["name"] for o in r["outputs"]] == ["stdout", "stderr", "stdout"]
 
 
@@ -182,13 +196,14 @@ def test_a_figure_from_an_earlier_cell_renders_as_png_in_a_fresh_worker(zygote):
 
 # ---------------------------------------------- earlier cells' source lines
 
+
 def test_tracebacks_and_warnings_show_source_lines_of_earlier_cells(zygote):
     w1 = zygote.fork()
-    ok(w1.run("import warnings\n"
-              "def check(v):\n"
-              "    if v > 1:\n"
-              "        warnings.warn('too big')\n"
-              "    return 1 / (v - v)"))
+    ok(
+        w1.run(
+            "import warnings\ndef check(v):\n    if v > 1:\n        warnings.warn('too big')\n    return 1 / (v - v)"
+        )
+    )
     w1.save()
     w2 = zygote.fork()
     assert w2.restore(["check", "warnings"])["ok"]
@@ -200,14 +215,19 @@ def test_tracebacks_and_warnings_show_source_lines_of_earlier_cells(zygote):
 
 # ------------------------------------------------ the platform's own output
 
+
 def test_the_platforms_warnings_never_reach_a_cell_and_user_filters_hold(zygote):
     w = zygote.fork()
-    ok(w.run("import warnings\nclass Noisy:\n"
-             "    def __reduce__(self):\n"
-             "        warnings.warn('from the save', FutureWarning)\n"
-             "        print('printed by the save')\n"
-             "        return (Noisy, ())\n"
-             "n = Noisy()\nwarnings.simplefilter('error', FutureWarning)"))
+    ok(
+        w.run(
+            "import warnings\nclass Noisy:\n"
+            "    def __reduce__(self):\n"
+            "        warnings.warn('from the save', FutureWarning)\n"
+            "        print('printed by the save')\n"
+            "        return (Noisy, ())\n"
+            "n = Noisy()\nwarnings.simplefilter('error', FutureWarning)"
+        )
+    )
     saved = w.save()
     assert saved["committed"]["ok"]
     r = ok(w.run("print('next cell')"))
@@ -232,13 +252,13 @@ def test_a_worker_that_restores_again_keeps_drawing(zygote):
 
 # ------------------------------------------------------- names reached by eval
 
-DISPLAY = '''
+DISPLAY = """
 class show:
     def __init__(self, *names):
         self.names = names
     def _repr_html_(self):
         return " | ".join(f"{n}={eval(n)!r}" for n in self.names)
-'''
+"""
 
 
 def test_names_reached_by_eval_are_brought_in_from_the_committed_state(zygote):
@@ -269,12 +289,13 @@ def test_names_reached_by_eval_are_brought_in_from_the_committed_state(zygote):
 
 # ------------------------------------------------------ a new kernel's defaults
 
+
 def test_each_worker_starts_with_fresh_entropy_and_no_stdin(zygote):
     # forks of one zygote would share numpy's and torch's generator states: two
     # sessions' first unseeded draws must differ, as two kernels' do
     code = "import numpy as np, torch, random\nprint(np.random.rand(), torch.rand(1).item(), random.random())"
     a, b = (stream_text(ok(zygote.fork().run(code))).split() for _ in range(2))
-    assert all(x != y for x, y in zip(a, b)), (a, b)
+    assert all(x != y for x, y in zip(a, b, strict=True)), (a, b)
     # input() as in a kernel whose client has no stdin channel (nbclient)
     w = zygote.fork()
     err = of_type(w.run("name = input('name? ')"), "error")[0]

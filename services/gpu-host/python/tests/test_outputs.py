@@ -1,5 +1,4 @@
 import pytest
-
 from helpers import of_type, ok, result_text, stream_text
 
 
@@ -86,6 +85,7 @@ def test_execution_counts(zygote):
 
 def test_placement_override_line_is_not_run():
     from looseleaf_worker.shell import strip_placement
+
     assert strip_placement("%%gpu\nx = 1") == "x = 1"
     assert strip_placement("%%cpu\n") == ""
     assert strip_placement("%%time\nx = 1") == "%%time\nx = 1"

@@ -15,8 +15,10 @@ def _wheel(dirpath) -> str:
     with zipfile.ZipFile(whl, "w") as z:
         z.writestr("llwheeldemo/__init__.py", "VALUE = 42\n")
         z.writestr("llwheeldemo-0.1.dist-info/METADATA", "Metadata-Version: 2.1\nName: llwheeldemo\nVersion: 0.1\n")
-        z.writestr("llwheeldemo-0.1.dist-info/WHEEL",
-                   "Wheel-Version: 1.0\nGenerator: looseleaf-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(
+            "llwheeldemo-0.1.dist-info/WHEEL",
+            "Wheel-Version: 1.0\nGenerator: looseleaf-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        )
         z.writestr("llwheeldemo-0.1.dist-info/RECORD", "")
     return str(whl)
 

@@ -3,7 +3,6 @@ import socket
 import struct
 
 import pytest
-
 from looseleaf_worker import protocol
 from looseleaf_worker.protocol import ProtocolError
 
@@ -24,18 +23,30 @@ def test_frame_round_trip():
     assert protocol.recv(b) is None  # clean EOF between frames
 
 
-@pytest.mark.parametrize("body", [
-    b"not json",
-    b"\xff\xfe",
-    b"[1, 2]",
-    json.dumps({"type": "nope"}).encode(),
-    json.dumps({"type": "run", "exec_id": "e", "cell_id": "c"}).encode(),       # missing code
-    json.dumps({"type": "started", "exec_id": "e", "unix_ms": 1.5, "execution_count": 1}).encode(),
-    json.dumps({"type": "forked", "worker_id": "w", "pid": True}).encode(),    # bool is not int
-    json.dumps({"type": "restore", "shm_path": None, "variables": {"x": {"oid": 1, "version": "v", "module": None}},
-                "objects": {}, "ambient": None, "imports": [], "drop": []}).encode(),
-    json.dumps({"type": "output", "exec_id": "e", "output": {"output_type": "stream", "name": "stdout"}}).encode(),
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"not json",
+        b"\xff\xfe",
+        b"[1, 2]",
+        json.dumps({"type": "nope"}).encode(),
+        json.dumps({"type": "run", "exec_id": "e", "cell_id": "c"}).encode(),  # missing code
+        json.dumps({"type": "started", "exec_id": "e", "unix_ms": 1.5, "execution_count": 1}).encode(),
+        json.dumps({"type": "forked", "worker_id": "w", "pid": True}).encode(),  # bool is not int
+        json.dumps(
+            {
+                "type": "restore",
+                "shm_path": None,
+                "variables": {"x": {"oid": 1, "version": "v", "module": None}},
+                "objects": {},
+                "ambient": None,
+                "imports": [],
+                "drop": [],
+            }
+        ).encode(),
+        json.dumps({"type": "output", "exec_id": "e", "output": {"output_type": "stream", "name": "stdout"}}).encode(),
+    ],
+)
 def test_malformed_frames_raise(body):
     a, b = pair()
     a.sendall(struct.pack(">I", len(body)) + body)
@@ -65,11 +76,23 @@ def test_optional_and_nested_types_checked():
     protocol.validate({"type": "hello", "role": "worker", "id": "w", "pid": 1, "zygote_id": "z"})
     with pytest.raises(ProtocolError):
         protocol.validate({"type": "hello", "role": "worker", "id": "w", "pid": 1, "cuda_unsafe": "x"})
-    delta = {"variables": {"a": {"oid": "o", "module": None, "global_reads": []}}, "deleted": [], "objects": {
-        "o": {"record": {"len": 3, "chunks": ["h"]}, "refs": [], "payloads": [], "modules": [], "on_gpu": False}},
-        "unsavable": {}, "ambient": None}
-    msg = {"type": "save_ready", "exec_id": "e", "shm_path": None, "chunks": {"h": [0, 3]},
-           "delta": delta, "save_ms": 1}
+    delta = {
+        "variables": {"a": {"oid": "o", "module": None, "global_reads": []}},
+        "deleted": [],
+        "objects": {
+            "o": {"record": {"len": 3, "chunks": ["h"]}, "refs": [], "payloads": [], "modules": [], "on_gpu": False}
+        },
+        "unsavable": {},
+        "ambient": None,
+    }
+    msg = {
+        "type": "save_ready",
+        "exec_id": "e",
+        "shm_path": None,
+        "chunks": {"h": [0, 3]},
+        "delta": delta,
+        "save_ms": 1,
+    }
     protocol.validate(msg)
     delta["objects"]["o"]["payloads"] = [{"len": 1, "chunks": []}]  # no dtype/shape/device
     with pytest.raises(ProtocolError, match="dtype"):
@@ -94,5 +117,4 @@ def test_every_message_the_runtime_sends_validates(host, zygote):
     for msg in host.received:
         protocol.validate(msg)
         seen.add(msg["type"])
-    assert {"hello", "forked", "started", "output", "finished", "save_plan",
-            "save_ready", "restored", "error"} <= seen
+    assert {"hello", "forked", "started", "output", "finished", "save_plan", "save_ready", "restored", "error"} <= seen

@@ -17,8 +17,12 @@ def test_fork_gives_worker_with_env_and_cwd(host, zygote, tmp_path):
     assert w.hello["role"] == "worker" and w.hello["id"] == w.id
     assert w.hello["zygote_id"] == zygote.id
     assert w.hello["pid"] == w.pid != zygote.proc.pid
-    r = ok(w.run("import os, sys\nprint(os.environ['LL_TEST_VAR'], os.getcwd(), os.getsid(0) == os.getpid(),"
-                 " 'numpy' in sys.modules)"))
+    r = ok(
+        w.run(
+            "import os, sys\nprint(os.environ['LL_TEST_VAR'], os.getcwd(), os.getsid(0) == os.getpid(),"
+            " 'numpy' in sys.modules)"
+        )
+    )
     assert stream_text(r).split() == ["hello-env", str(tmp_path), "True", "True"]
     # the zygote is unaffected by the child's env
     w2 = zygote.fork()
@@ -33,8 +37,7 @@ def test_subprocesses_work_in_worker(zygote):
 
 
 def test_cuda_probe_marks_package_unsafe(host):
-    z = host.zygote(["json", "ll_fake_cuda", "ll_fake_broken", "csv"],
-                    env={"LOOSELEAF_CUDA_PROBE": "ll_probe:probe"})
+    z = host.zygote(["json", "ll_fake_cuda", "ll_fake_broken", "csv"], env={"LOOSELEAF_CUDA_PROBE": "ll_probe:probe"})
     h = z.hello
     assert h["cuda_unsafe"] == ["ll_fake_cuda"]
     assert h["packages"] == ["json", "csv"]
@@ -50,6 +53,7 @@ def test_cuda_probe_marks_package_unsafe(host):
 
 def test_default_probe_is_clean_without_cuda():
     from looseleaf_worker import zygote as zmod
+
     assert zmod.default_probe() is False  # no CUDA context and no /dev/nvidia* fds here
 
 
@@ -57,14 +61,21 @@ def test_protocol_file_override(tmp_path):
     import json
     import subprocess
     import sys
+
     from hostsim import PYDIR
+
     contract = json.loads((PYDIR.parent / "protocol" / "worker-protocol.json").read_text())
     contract["max_frame_bytes"] = 1234
     f = tmp_path / "p.json"
     f.write_text(json.dumps(contract))
-    out = subprocess.run([sys.executable, "-c", "from looseleaf_worker import protocol; print(protocol.MAX_FRAME_BYTES)"],
-                         cwd=str(PYDIR), env={**os.environ, "LOOSELEAF_PROTOCOL_FILE": str(f)},
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", "from looseleaf_worker import protocol; print(protocol.MAX_FRAME_BYTES)"],
+        cwd=str(PYDIR),
+        env={**os.environ, "LOOSELEAF_PROTOCOL_FILE": str(f)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout.strip() == "1234"
 
 

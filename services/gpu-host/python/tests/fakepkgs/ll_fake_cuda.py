@@ -1,2 +1,3 @@
 """Test package that 'initialises CUDA' as far as ll_probe can tell."""
+
 INITIALISED = True

@@ -1,4 +1,5 @@
 """Test CUDA probe: 'CUDA is initialised' once ll_fake_cuda is imported."""
+
 import sys
 
 
