@@ -21,8 +21,9 @@ use uuid::Uuid;
 use crate::chunks::Chunks;
 use crate::import_cache::ImportCache;
 use crate::protocol::{Frame, VarRestore};
+use crate::socket::Listener;
 use crate::worker::{RunEvent, WorkerError, WorkerProc};
-use crate::zygotes::{Listener, Zygote};
+use crate::zygotes::Zygote;
 
 /// How long store requests may take.
 const STORE_TIMEOUT: Duration = Duration::from_secs(30);

@@ -533,7 +533,7 @@ impl Host {
     /// now if it was prepared without one.
     fn run_prepared(&mut self, key: PrepKey, recipe: RecipeV1, ctx: &mut Context<Self>) {
         let Some(mut p) = self.prepared.remove(&key) else { return self.run_won(recipe, ctx) };
-        let alive = p.worker.as_ref().is_some_and(|w| w.try_lock().is_ok_and(|w| crate::worker::is_alive(w.pid)));
+        let alive = p.worker.as_ref().is_some_and(|w| w.try_lock().is_ok_and(|w| crate::process::is_alive(w.pid)));
         let Some(worker) = p.worker.clone().filter(|_| alive) else {
             // it died while waiting: the run goes to a fresh worker, nothing is lost
             self.prepared.insert(key.clone(), p);
@@ -697,7 +697,7 @@ impl Host {
             .iter()
             .filter(|(_, p)| !p.preparing && p.run.is_none())
             .filter(|(_, p)| {
-                p.worker.as_ref().is_some_and(|w| w.try_lock().is_ok_and(|w| !crate::worker::is_alive(w.pid)))
+                p.worker.as_ref().is_some_and(|w| w.try_lock().is_ok_and(|w| !crate::process::is_alive(w.pid)))
             })
             .map(|(k, _)| k.clone())
             .collect();

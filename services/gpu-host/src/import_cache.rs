@@ -7,7 +7,8 @@
 use std::collections::{BTreeSet, HashMap};
 use std::time::Instant;
 
-use crate::zygotes::{Listener, Zygote, ZygoteError, ZygoteSpec};
+use crate::socket::Listener;
+use crate::zygotes::{Zygote, ZygoteError, ZygoteSpec};
 
 /// A recipe asking this many times for the same tail packages gets a child zygote.
 const SPAWN_AFTER: u32 = 2;

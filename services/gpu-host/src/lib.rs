@@ -10,10 +10,10 @@
 //! `{prefix}_claims`. Reads and writes chunks in the object store directly.
 //!
 //! Modules: [`host`] (the actor), [`exec`] (one execution), [`lifecycle`] (the
-//! worker state machine), [`worker`] and
-//! [`zygotes`] (processes and their protocol, [`protocol`]), [`import_cache`] (the
-//! zygote tree), [`chunks`] (the byte
-//! path), [`gpus`] (slots).
+//! worker state machine), [`worker`] and [`zygotes`] (their processes, spoken to
+//! through [`protocol`] on the host's [`socket`]; [`process`] checks and kills by
+//! pid), [`import_cache`] (the zygote tree), [`chunks`] (the byte path), [`gpus`]
+//! (slots).
 
 pub mod chunks;
 pub mod exec;
@@ -21,7 +21,9 @@ pub mod gpus;
 pub mod host;
 pub mod import_cache;
 pub mod lifecycle;
+pub mod process;
 pub mod protocol;
+pub mod socket;
 pub mod worker;
 pub mod zygotes;
 
@@ -86,7 +88,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         .with_context(|| format!("while creating {}", config.runtime_dir.display()))?;
     let shm_dir =
         if std::path::Path::new("/dev/shm").is_dir() { PathBuf::from("/dev/shm") } else { std::env::temp_dir() };
-    let listener = zygotes::Listener::bind(&socket_path(&config)).context("while binding the host socket")?;
+    let listener = socket::Listener::bind(&socket_path(&config)).context("while binding the host socket")?;
     let (slots, real_gpus) = gpus::slots(config.virtual_gpus);
     tracing::info!(host = %config.host_id, slots = slots.len(), real_gpus, "gpu-host starting");
 

@@ -382,7 +382,7 @@ impl WorkerProc {
     pub fn kill_now(&self) {
         self.enter(WorkerState::Evicted);
         if !self.killed.swap(true, Ordering::Relaxed) {
-            kill(self.pid);
+            crate::process::kill(self.pid);
         }
     }
 }
@@ -406,23 +406,5 @@ fn remove_save_files(worker: &str) {
         if e.file_name().to_str().is_some_and(|n| n.starts_with(&prefix)) {
             let _ = std::fs::remove_file(e.path());
         }
-    }
-}
-
-/// Whether the worker process still exists (signal 0). Reaped workers are gone.
-pub fn is_alive(pid: u32) -> bool {
-    use nix::unistd::Pid;
-    let Ok(raw) = i32::try_from(pid) else { return false };
-    raw > 1 && nix::sys::signal::kill(Pid::from_raw(raw), None).is_ok()
-}
-
-/// SIGKILL a worker by pid. Workers are grandchildren (forked by a zygote that
-/// ignores SIGCHLD, so the kernel reaps them); a pid that is gone is fine.
-pub fn kill(pid: u32) {
-    use nix::sys::signal::{kill, Signal};
-    use nix::unistd::Pid;
-    let Ok(raw) = i32::try_from(pid) else { return };
-    if raw > 1 {
-        let _ = kill(Pid::from_raw(raw), Signal::SIGKILL);
     }
 }

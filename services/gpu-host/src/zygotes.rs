@@ -3,19 +3,17 @@
 //! zygotes exist.
 //!
 //! Zygotes and workers connect back to the host's Unix socket and introduce
-//! themselves with `hello`; [`Listener`] routes each connection to whoever waits
-//! for it.
+//! themselves with `hello` ([`crate::socket`]).
 
-use std::collections::{BTreeMap, HashMap};
-use std::path::{Path, PathBuf};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::process::Stdio;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::net::UnixListener;
 use tokio::sync::oneshot;
 
 use crate::protocol::{Conn, ConnError, Frame};
+use crate::socket::{Hello, Listener, NoHello};
 
 /// How long a zygote may take to import its packages and say hello.
 const ZYGOTE_START: Duration = Duration::from_secs(180);
@@ -50,101 +48,8 @@ pub enum ZygoteError {
         reason: String,
     },
     /// The zygote or worker never connected.
-    #[error("{what} did not connect within {timeout:?}")]
-    NoHello {
-        /// What we waited for.
-        what: String,
-        /// How long.
-        timeout: Duration,
-    },
-}
-
-/// A process that connected and said hello.
-pub struct Hello {
-    /// Its connection.
-    pub conn: Conn,
-    /// Its hello frame.
-    pub frame: Frame,
-}
-
-/// Accepts zygote and worker connections on the host's socket.
-#[derive(Clone)]
-pub struct Listener {
-    path: PathBuf,
-    waiting: Arc<Mutex<HashMap<String, oneshot::Sender<Hello>>>>,
-}
-
-impl Listener {
-    /// Bind `path` and start accepting; connections whose hello nobody waits for are
-    /// closed with a log line.
-    pub fn bind(path: &Path) -> std::io::Result<Self> {
-        let _ = std::fs::remove_file(path);
-        let listener = UnixListener::bind(path)?;
-        let me = Self { path: path.to_path_buf(), waiting: Arc::new(Mutex::new(HashMap::new())) };
-        let waiting = me.waiting.clone();
-        tokio::spawn(async move {
-            loop {
-                let stream = match listener.accept().await {
-                    Ok((s, _)) => s,
-                    Err(e) => {
-                        tracing::error!(error = %e, "host socket accept failed");
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                        continue;
-                    }
-                };
-                let waiting = waiting.clone();
-                tokio::spawn(async move {
-                    let mut conn = Conn::new(stream);
-                    match conn.recv(Duration::from_secs(30)).await {
-                        Ok(frame @ Frame::Hello { .. }) => {
-                            let Frame::Hello { id, .. } = &frame else { return };
-                            let tx = waiting.lock().ok().and_then(|mut w| w.remove(id));
-                            match tx {
-                                Some(tx) => {
-                                    let _ = tx.send(Hello { conn, frame });
-                                }
-                                None => tracing::warn!(%id, "unexpected hello; closing the connection"),
-                            }
-                        }
-                        Ok(other) => tracing::warn!(kind = other.kind(), "first frame was not hello"),
-                        Err(e) => tracing::warn!(error = %e, "connection without hello"),
-                    }
-                });
-            }
-        });
-        Ok(me)
-    }
-
-    /// The socket path processes connect to.
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
-    /// Wait for the process with this id to connect.
-    pub fn expect(&self, id: &str) -> oneshot::Receiver<Hello> {
-        let (tx, rx) = oneshot::channel();
-        if let Ok(mut w) = self.waiting.lock() {
-            w.insert(id.to_string(), tx);
-        }
-        rx
-    }
-
-    fn forget(&self, id: &str) {
-        if let Ok(mut w) = self.waiting.lock() {
-            w.remove(id);
-        }
-    }
-
-    /// Wait for `id`'s hello, at most `timeout`.
-    pub async fn wait(&self, id: &str, rx: oneshot::Receiver<Hello>, timeout: Duration) -> Result<Hello, ZygoteError> {
-        match tokio::time::timeout(timeout, rx).await {
-            Ok(Ok(h)) => Ok(h),
-            _ => {
-                self.forget(id);
-                Err(ZygoteError::NoHello { what: id.to_string(), timeout })
-            }
-        }
-    }
+    #[error(transparent)]
+    NoHello(#[from] NoHello),
 }
 
 /// How zygote processes are started.
@@ -182,7 +87,7 @@ pub struct Zygote {
 impl Drop for Zygote {
     fn drop(&mut self) {
         if self.process.is_none() {
-            crate::worker::kill(self.pid);
+            crate::process::kill(self.pid);
         }
     }
 }
@@ -224,7 +129,7 @@ impl Zygote {
     fn from_hello(id: &str, hello: Hello, process: Option<tokio::process::Child>) -> Result<Self, ZygoteError> {
         let Frame::Hello { pid, packages, cuda_unsafe, import_ms, import_errors, stdlib, loaded, .. } = hello.frame
         else {
-            return Err(ZygoteError::NoHello { what: id.into(), timeout: ZYGOTE_START });
+            return Err(NoHello { what: id.into(), timeout: ZYGOTE_START }.into());
         };
         tracing::info!(zygote = id, pid, ?packages, ?cuda_unsafe, ?import_errors, import_ms, "zygote ready");
         Ok(Self { id: id.to_string(), pid, packages, cuda_unsafe, stdlib, loaded, conn: hello.conn, process })
@@ -297,7 +202,7 @@ impl Zygote {
         }
         let hello = listener.wait(worker_id, rx, FORK).await?;
         let Frame::Hello { pid, .. } = hello.frame else {
-            return Err(ZygoteError::NoHello { what: worker_id.into(), timeout: FORK });
+            return Err(NoHello { what: worker_id.into(), timeout: FORK }.into());
         };
         Ok(Forked { id: worker_id.to_string(), pid, conn: hello.conn })
     }
