@@ -2,7 +2,7 @@
 //! needed, where and how it ran, how long it waited, and the session's totals.
 
 use looseleaf_frontend::api::{ExecStatus, StreamItem};
-use schemas::messages::{CellStatus, EventKind, PreparedClass};
+use schemas::messages::{CellStatus, EventKind, PreparedClass, PreparedOutcome, SlotUse};
 use serde::Serialize;
 use uuid::Uuid;
 
@@ -225,9 +225,9 @@ pub struct Speculation {
 #[derive(Clone, Debug, Default)]
 pub struct SessionLog {
     /// Every SlotReleased: (`held_ms`, `reason`).
-    pub slot_releases: Vec<(f64, String)>,
+    pub slot_releases: Vec<(f64, SlotUse)>,
     /// Every PreparedEnded: (class, `idle_ms`, outcome, whether it held a slot).
-    pub prepared_ended: Vec<(PreparedClass, f64, String, bool)>,
+    pub prepared_ended: Vec<(PreparedClass, f64, PreparedOutcome, bool)>,
     /// Ready events seen.
     pub ready: u64,
 }
@@ -236,9 +236,9 @@ impl SessionLog {
     /// Record a session event (those of executions go to their traces).
     pub fn absorb(&mut self, kind: &EventKind) {
         match kind {
-            EventKind::SlotReleased { held_ms, reason, .. } => self.slot_releases.push((*held_ms, reason.clone())),
+            EventKind::SlotReleased { held_ms, reason, .. } => self.slot_releases.push((*held_ms, *reason)),
             EventKind::PreparedEnded { class, idle_ms, outcome, slot, .. } => {
-                self.prepared_ended.push((*class, *idle_ms, outcome.clone(), slot.is_some()));
+                self.prepared_ended.push((*class, *idle_ms, *outcome, slot.is_some()));
             }
             EventKind::Ready { .. } => self.ready += 1,
             _ => {}
@@ -325,7 +325,7 @@ pub fn build(
         gpu_slot_seconds: slot_releases.iter().map(|(ms, _)| ms / 1000.0).fold(0.0, |a, b| a + b),
         pinned_seconds: slot_releases
             .iter()
-            .filter(|(_, why)| why.contains("unsavable"))
+            .filter(|(_, why)| *why == SlotUse::UnsavableState)
             .map(|(ms, _)| ms / 1000.0)
             .fold(0.0, |a, b| a + b),
         wall_seconds,
@@ -359,7 +359,7 @@ fn speculation(cells: &[CellReport], log: &SessionLog) -> Speculation {
         prepared_cells: prepared.len(),
         clean_hits,
         hit_rate: (gpu_cells > 0).then(|| clean_hits as f64 / gpu_cells as f64),
-        unused: log.prepared_ended.iter().filter(|(_, _, o, _)| o != "used").count(),
+        unused: log.prepared_ended.iter().filter(|(_, _, o, _)| *o != PreparedOutcome::Used).count(),
         speculative_idle_slot_seconds: idle(PreparedClass::Speculative, true),
         speculative_idle_worker_seconds: idle(PreparedClass::Speculative, false),
         warm_idle_slot_seconds: idle(PreparedClass::Warm, true),

@@ -1,5 +1,5 @@
 use super::*;
-use schemas::messages::{Device, Prepare};
+use schemas::messages::{Device, Prepare, PreparedOutcome, SlotUse};
 
 fn started(at: u64, device: Device) -> (u64, EventKind) {
     (
@@ -44,8 +44,8 @@ fn start_delay_counts_from_run_or_the_previous_cells_end_whichever_is_later() {
         trace(3, 5000, 5050, 6000, Device::Gpu),
     ];
     let mut log = SessionLog::default();
-    for (held_ms, reason) in [(1500.0, "cell"), (2500.0, "unsavable state")] {
-        log.absorb(&EventKind::SlotReleased { host: "h".into(), slot: 0, held_ms, reason: reason.into() });
+    for (held_ms, reason) in [(1500.0, SlotUse::Cell), (2500.0, SlotUse::UnsavableState)] {
+        log.absorb(&EventKind::SlotReleased { host: "h".into(), slot: 0, held_ms, reason });
     }
     let r = build("nb.ipynb", &traces, &log, 7.5, std::time::UNIX_EPOCH);
     let delays: Vec<_> = r.cells.iter().map(|c| c.start_delay_ms).collect();
@@ -116,14 +116,14 @@ fn speculation_totals_count_clean_hits_and_idle_time_by_class() {
     }
     hit.cell_id = "a".into();
     let mut log = SessionLog::default();
-    let ended = |class, idle_ms, outcome: &str, slot| EventKind::PreparedEnded {
+    let ended = |class, idle_ms, outcome, slot| EventKind::PreparedEnded {
         host: "h".into(),
         slot,
         worker: "w".into(),
         cell_id: "a".into(),
         class,
         idle_ms,
-        outcome: outcome.into(),
+        outcome,
     };
     log.absorb(&EventKind::Ready {
         host: "h".into(),
@@ -135,10 +135,10 @@ fn speculation_totals_count_clean_hits_and_idle_time_by_class() {
         class: PreparedClass::Speculative,
         prepare_ms: 30.0,
     });
-    log.absorb(&ended(PreparedClass::Speculative, 1500.0, "used", Some(0)));
-    log.absorb(&ended(PreparedClass::Speculative, 500.0, "evicted", Some(1)));
-    log.absorb(&ended(PreparedClass::Speculative, 4000.0, "used", None));
-    log.absorb(&ended(PreparedClass::Warm, 250.0, "evicted", Some(0)));
+    log.absorb(&ended(PreparedClass::Speculative, 1500.0, PreparedOutcome::Used, Some(0)));
+    log.absorb(&ended(PreparedClass::Speculative, 500.0, PreparedOutcome::Evicted, Some(1)));
+    log.absorb(&ended(PreparedClass::Speculative, 4000.0, PreparedOutcome::Used, None));
+    log.absorb(&ended(PreparedClass::Warm, 250.0, PreparedOutcome::Evicted, Some(0)));
     let r = build("nb", &[hit, refreshed, cold], &log, 1.0, std::time::UNIX_EPOCH);
     let s = &r.totals.speculation;
     assert_eq!((s.ready_events, s.prepared_cells, s.clean_hits, s.unused), (1, 2, 1, 2));

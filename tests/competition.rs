@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
 use looseleaf_test_support::cluster::{bin_dir_of, Services};
-use schemas::messages::{Device, EventKind, HostStatusV2, RecipeKind, RecipeV1, SessionEventV1, SessionOptions};
+use schemas::messages::{Device, EventKind, HostStatusV2, RecipeKind, RecipeV1, SessionEventV2, SessionOptions};
 use schemas::Bus;
 use uuid::Uuid;
 
@@ -48,7 +48,7 @@ struct Seen {
 async fn three_hosts_prepare_each_of_a_thousand_recipes_exactly_once() -> anyhow::Result<()> {
     let services = Services::start(&bin_dir_of(env!("CARGO_BIN_EXE_looseleaf")), &[2, 2, 2], &[]).await?;
     let bus = Bus::connect(services.nats.url(), &services.prefix, "competition-test").await?;
-    let mut events = bus.subscribe::<SessionEventV1>(bus.subjects().all_events()).await?;
+    let mut events = bus.subscribe::<SessionEventV2>(bus.subjects().all_events()).await?;
     let mut statuses = bus.subscribe::<HostStatusV2>(bus.subjects().all_host_status()).await?;
     bus.flush().await?;
     let cwd = tempfile::tempdir()?;

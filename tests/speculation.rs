@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use looseleaf_frontend::api::StreamItem;
 use looseleaf_test_support::cluster::{bin_dir_of, Events, Services, WAIT};
-use schemas::messages::{EventKind, HostStatusV2, Prepare, WorkerState, WorkerStatus};
+use schemas::messages::{EventKind, HostStatusV2, Prepare, PreparedOutcome, WorkerState, WorkerStatus};
 use schemas::Bus;
 use uuid::Uuid;
 
@@ -38,13 +38,13 @@ fn started(events: &Events, exec: Uuid) -> Option<(Prepare, u32, String)> {
 }
 
 /// Outcomes of the PreparedEnded events seen for `cell`.
-fn ended(events: &Events, cell: &str) -> Vec<String> {
+fn ended(events: &Events, cell: &str) -> Vec<PreparedOutcome> {
     events
         .seen
         .iter()
         .filter_map(|i| match i {
             StreamItem::Event { kind: EventKind::PreparedEnded { cell_id, outcome, .. }, .. } if cell_id == cell => {
-                Some(outcome.clone())
+                Some(*outcome)
             }
             _ => None,
         })
@@ -147,7 +147,7 @@ async fn prepared_workers_never_run_the_cell_and_follow_the_session() -> anyhow:
     assert!(out.contains("25000002"), "{out}");
     let (prepare, refreshed, worker) = started(&events, r4.exec_id).expect("c4 started");
     assert_eq!((prepare, refreshed, worker), (Prepare::Speculative, 0, last));
-    assert_eq!(ended(&events, "c4"), ["used"]);
+    assert_eq!(ended(&events, "c4"), [PreparedOutcome::Used]);
     // no closure here has GPU-resident state: every worker was prepared without a
     // GPU slot, so typing cost no GPU time
     let slots: Vec<Option<u32>> = events
@@ -183,7 +183,7 @@ async fn more_typing_sessions_than_slots_stay_within_the_budget() -> anyhow::Res
     // the older sessions' workers were evicted, oldest first, by the planner's budget
     for (_, _, events) in sessions.iter_mut().take(2) {
         events.until(|i| matches!(i, StreamItem::Event { kind: EventKind::PreparedEnded { .. }, .. })).await?;
-        assert_eq!(ended(events, "c"), ["evicted"]);
+        assert_eq!(ended(events, "c"), [PreparedOutcome::Evicted]);
     }
     // a run of another session does not wait for c's prepared worker: it takes the slot
     let (_, sid_a, events_a) = &mut sessions[0];
@@ -193,7 +193,7 @@ async fn more_typing_sessions_than_slots_stay_within_the_budget() -> anyhow::Res
     assert_eq!(started(events_a, run.exec_id).map(|s| s.0), Some(Prepare::Cold));
     let (_, _, events_c) = &mut sessions[2];
     events_c.until(|i| matches!(i, StreamItem::Event { kind: EventKind::PreparedEnded { .. }, .. })).await?;
-    assert_eq!(ended(events_c, "c"), ["evicted for a run"]);
+    assert_eq!(ended(events_c, "c"), [PreparedOutcome::EvictedForRun]);
     Ok(())
 }
 
@@ -220,7 +220,7 @@ async fn a_prepared_worker_that_dies_costs_the_run_nothing() -> anyhow::Result<(
     // noticed while it waited ("lost"), or when the run tried it ("used", then the
     // run went to a fresh worker before the cell started)
     let outcome = ended(&events, "c1");
-    assert!(outcome == ["lost"] || outcome == ["used"], "{outcome:?}");
+    assert!(outcome == [PreparedOutcome::Lost] || outcome == [PreparedOutcome::Used], "{outcome:?}");
     Ok(())
 }
 
@@ -248,7 +248,7 @@ async fn warm_workers_serve_a_rerun_and_are_evicted_before_speculative_ones() ->
     fe.edit(sid, "b", "print('b', n)").await?;
     ready(&mut events, "b", 1).await?;
     let outcomes = ended(&events, "a");
-    assert_eq!(outcomes.last().map(String::as_str), Some("evicted"), "{outcomes:?}");
+    assert_eq!(outcomes.last(), Some(&PreparedOutcome::Evicted), "{outcomes:?}");
     Ok(())
 }
 
@@ -270,7 +270,7 @@ async fn a_worker_killed_while_preparing_fails_nothing() -> anyhow::Result<()> {
     let preparing = worker_where(&services, sid, |w| w.state == WorkerState::Preparing).await?;
     sigkill(preparing.pid)?;
     events.until(|i| matches!(i, StreamItem::Event { kind: EventKind::PreparedEnded { .. }, .. })).await?;
-    assert_eq!(ended(&events, "c1"), ["lost"]);
+    assert_eq!(ended(&events, "c1"), [PreparedOutcome::Lost]);
     assert!(events
         .seen
         .iter()
@@ -323,7 +323,7 @@ async fn a_warm_worker_killed_while_waiting_costs_the_rerun_nothing() -> anyhow:
     // noticed while it waited ("lost"), or when the run tried it ("used", then a
     // fresh worker before the cell started)
     let outcome = ended(&events, "a");
-    assert!(outcome == ["lost"] || outcome == ["used"], "{outcome:?}");
+    assert!(outcome == [PreparedOutcome::Lost] || outcome == [PreparedOutcome::Used], "{outcome:?}");
     // the new worker is warm in its turn: the lifecycle went on
     let next = worker_where(&services, sid, |w| w.state == WorkerState::Warm).await?;
     assert_eq!(next.id, worker);
@@ -344,7 +344,7 @@ async fn a_cell_that_stops_being_a_gpu_cell_cancels_its_prepared_worker() -> any
     // the user turns it into a CPU cell: the GPU worker prepared for it is of no use
     fe.edit(sid, "c1", "%%cpu\nprint(x * 2)").await?;
     events.until(|i| matches!(i, StreamItem::Event { kind: EventKind::PreparedEnded { .. }, .. })).await?;
-    assert_eq!(ended(&events, "c1"), ["superseded"]);
+    assert_eq!(ended(&events, "c1"), [PreparedOutcome::Superseded]);
     worker_gone(&services, &worker).await?;
     let r1 = fe.run(sid, "c1", "%%cpu\nprint(x * 2)").await?;
     assert!(events.done(r1.exec_id).await?.contains("40"));

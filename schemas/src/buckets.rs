@@ -2,7 +2,31 @@
 
 use std::time::Duration;
 
+use async_nats::jetstream::context::{CreateKeyValueError, CreateStreamError, KeyValueError};
 use async_nats::jetstream::{self, kv, stream};
+
+/// A bucket or stream that could not be opened or created.
+#[derive(Debug, thiserror::Error)]
+pub enum BucketError {
+    /// Neither getting nor creating the bucket worked.
+    #[error("bucket {bucket}: create failed ({create}), get failed ({source})")]
+    Bucket {
+        /// The bucket.
+        bucket: String,
+        /// Why creating it failed.
+        create: CreateKeyValueError,
+        /// Why getting it (after the create failed) failed.
+        source: KeyValueError,
+    },
+    /// The events stream could not be got or created.
+    #[error("stream {stream}: {source}")]
+    Stream {
+        /// The stream.
+        stream: String,
+        /// What JetStream said.
+        source: CreateStreamError,
+    },
+}
 
 /// How long a claim lives without renewal; a dead host's claims expire after this.
 pub const CLAIM_TTL: Duration = Duration::from_secs(30);
@@ -43,7 +67,7 @@ fn sanitize(prefix: &str) -> String {
 }
 
 /// Get or create the claims bucket.
-pub async fn claims(js: &jetstream::Context, prefix: &str) -> Result<kv::Store, String> {
+pub async fn claims(js: &jetstream::Context, prefix: &str) -> Result<kv::Store, BucketError> {
     ensure_bucket(
         js,
         kv::Config { bucket: claims_bucket(prefix), history: 1, max_age: CLAIM_TTL, ..Default::default() },
@@ -52,27 +76,28 @@ pub async fn claims(js: &jetstream::Context, prefix: &str) -> Result<kv::Store, 
 }
 
 /// Get or create the planner bucket.
-pub async fn planner(js: &jetstream::Context, prefix: &str) -> Result<kv::Store, String> {
+pub async fn planner(js: &jetstream::Context, prefix: &str) -> Result<kv::Store, BucketError> {
     ensure_bucket(js, kv::Config { bucket: planner_bucket(prefix), history: 1, ..Default::default() }).await
 }
 
-async fn ensure_bucket(js: &jetstream::Context, config: kv::Config) -> Result<kv::Store, String> {
+async fn ensure_bucket(js: &jetstream::Context, config: kv::Config) -> Result<kv::Store, BucketError> {
     let name = config.bucket.clone();
     match js.get_key_value(&name).await {
         Ok(store) => Ok(store),
         Err(_) => match js.create_key_value(config).await {
             Ok(store) => Ok(store),
             // another service created it between our get and create
-            Err(create_err) => js
-                .get_key_value(&name)
-                .await
-                .map_err(|e| format!("bucket {name}: create failed ({create_err}), get failed ({e})")),
+            Err(create_err) => js.get_key_value(&name).await.map_err(|source| BucketError::Bucket {
+                bucket: name,
+                create: create_err,
+                source,
+            }),
         },
     }
 }
 
 /// Get or create the stream that keeps session events for replay.
-pub async fn events_stream(js: &jetstream::Context, subjects: &crate::Subjects) -> Result<stream::Stream, String> {
+pub async fn events_stream(js: &jetstream::Context, subjects: &crate::Subjects) -> Result<stream::Stream, BucketError> {
     js.get_or_create_stream(stream::Config {
         name: subjects.events_stream(),
         subjects: vec![subjects.all_events()],
@@ -80,5 +105,5 @@ pub async fn events_stream(js: &jetstream::Context, subjects: &crate::Subjects) 
         ..Default::default()
     })
     .await
-    .map_err(|e| format!("stream {}: {e}", subjects.events_stream()))
+    .map_err(|source| BucketError::Stream { stream: subjects.events_stream(), source })
 }

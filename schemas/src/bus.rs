@@ -15,40 +15,56 @@ use crate::messages::{ErrorCode, Reply};
 use crate::subjects::Subjects;
 use crate::telemetry;
 
-/// Why a bus operation failed.
+/// Why a bus operation failed. Each kind is its own variant, so a caller can tell
+/// a missing service (`NoResponders`) from a slow one (`TimedOut`) from a refusal
+/// (`Remote`); the client's error is kept as the source.
 #[derive(Debug, thiserror::Error)]
 pub enum BusError {
     /// Could not connect to NATS.
-    #[error("cannot connect to NATS at {url}: {reason}")]
+    #[error("cannot connect to NATS at {url}: {source}")]
     Connect {
         /// The server URL.
         url: String,
         /// What the client said.
-        reason: String,
+        source: async_nats::ConnectError,
     },
     /// A publish failed.
-    #[error("publish to {subject} failed: {reason}")]
+    #[error("publish to {subject} failed: {source}")]
     Publish {
         /// The subject.
         subject: String,
         /// What the client said.
-        reason: String,
+        source: async_nats::PublishError,
     },
-    /// A request got no reply in time, or no responder.
-    #[error("request to {subject} failed: {reason}")]
+    /// Nothing listens on the subject: the service that answers it is not running.
+    #[error("nothing answers on {subject} (is its service running?)")]
+    NoResponders {
+        /// The subject.
+        subject: String,
+    },
+    /// A responder exists but did not answer in time.
+    #[error("no answer on {subject} within {timeout:?}")]
+    TimedOut {
+        /// The subject.
+        subject: String,
+        /// How long the request waited.
+        timeout: Duration,
+    },
+    /// A request failed otherwise (the connection broke).
+    #[error("request to {subject} failed: {source}")]
     Request {
         /// The subject.
         subject: String,
         /// What the client said.
-        reason: String,
+        source: async_nats::RequestError,
     },
-    /// A subscribe failed.
-    #[error("subscribe to {subject} failed: {reason}")]
+    /// A subscribe (or a service registration) failed.
+    #[error("subscribe to {subject} failed: {source}")]
     Subscribe {
         /// The subject.
         subject: String,
         /// What the client said.
-        reason: String,
+        source: async_nats::Error,
     },
     /// A message did not encode or decode.
     #[error("{subject}: {source}")]
@@ -68,6 +84,16 @@ pub enum BusError {
         /// Its message.
         message: String,
     },
+}
+
+impl BusError {
+    fn from_request(subject: String, timeout: Duration, e: async_nats::RequestError) -> Self {
+        match e.kind() {
+            async_nats::RequestErrorKind::NoResponders => BusError::NoResponders { subject },
+            async_nats::RequestErrorKind::TimedOut => BusError::TimedOut { subject, timeout },
+            _ => BusError::Request { subject, source: e },
+        }
+    }
 }
 
 /// The typed bus of one service.
@@ -113,7 +139,7 @@ impl Bus {
             .connection_timeout(Duration::from_secs(5))
             .connect(url)
             .await
-            .map_err(|e| BusError::Connect { url: url.to_string(), reason: e.to_string() })?;
+            .map_err(|source| BusError::Connect { url: url.to_string(), source })?;
         Ok(Self { client, subjects: Subjects::new(prefix) })
     }
 
@@ -150,7 +176,7 @@ impl Bus {
         self.client
             .publish_with_headers(subject.clone(), headers, payload.into())
             .await
-            .map_err(|e| BusError::Publish { subject, reason: e.to_string() })
+            .map_err(|source| BusError::Publish { subject, source })
     }
 
     /// Send a request and decode the reply envelope; a remote error becomes
@@ -167,7 +193,7 @@ impl Bus {
             .client
             .send_request(subject.clone(), request)
             .await
-            .map_err(|e| BusError::Request { subject: subject.clone(), reason: e.to_string() })?;
+            .map_err(|e| BusError::from_request(subject.clone(), timeout, e))?;
         let reply: Reply<Resp> = codec::decode(reply.headers.as_ref(), &reply.payload)
             .map_err(|source| BusError::Codec { subject: subject.clone(), source })?;
         match reply {
@@ -197,7 +223,7 @@ impl Bus {
         self.client
             .publish_with_headers(subject.clone(), headers, payload.into())
             .await
-            .map_err(|e| BusError::Publish { subject, reason: e.to_string() })
+            .map_err(|source| BusError::Publish { subject, source })
     }
 
     /// Subscribe and decode each message as `M`.
@@ -206,7 +232,7 @@ impl Bus {
             .client
             .subscribe(subject.clone())
             .await
-            .map_err(|e| BusError::Subscribe { subject, reason: e.to_string() })?;
+            .map_err(|e| BusError::Subscribe { subject, source: e.into() })?;
         Ok(Subscription { inner, _m: PhantomData })
     }
 
@@ -220,7 +246,7 @@ impl Bus {
             .client
             .queue_subscribe(subject.clone(), group.to_string())
             .await
-            .map_err(|e| BusError::Subscribe { subject, reason: e.to_string() })?;
+            .map_err(|e| BusError::Subscribe { subject, source: e.into() })?;
         Ok(Subscription { inner, _m: PhantomData })
     }
 
@@ -238,7 +264,7 @@ impl Bus {
             .description(description)
             .start(name, env!("CARGO_PKG_VERSION"))
             .await
-            .map_err(|e| BusError::Subscribe { subject: format!("$SRV ({name})"), reason: e.to_string() })
+            .map_err(|source| BusError::Subscribe { subject: format!("$SRV ({name})"), source })
     }
 
     /// Round trip through the server: when this returns, the server has
@@ -249,10 +275,11 @@ impl Bus {
     /// replies "no responders" once it got there.
     pub async fn flush(&self) -> Result<(), BusError> {
         let subject = self.subjects().round_trip_probe();
+        // the client's default request timeout applies
         match self.client.request(subject.clone(), bytes::Bytes::new()).await {
             Ok(_) => Ok(()),
             Err(e) if e.kind() == async_nats::RequestErrorKind::NoResponders => Ok(()),
-            Err(e) => Err(BusError::Publish { subject, reason: format!("round trip to the server failed: {e}") }),
+            Err(e) => Err(BusError::from_request(subject, Duration::from_secs(10), e)),
         }
     }
 }

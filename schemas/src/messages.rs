@@ -1,14 +1,20 @@
-//! The v1 messages, one per arrow in DESIGN.md section 3.
+//! The current messages, one per arrow in DESIGN.md section 3.
 //!
 //! Each struct is frozen once shipped: a change is a new `…V2` struct, a new
-//! `VERSION`, and an upgrade from V1 in `decode_version`. Never use serde's
-//! `skip_serializing_if` here: bincode cannot skip fields.
+//! `VERSION`, and an upgrade from the old one in `decode_version`. The old version
+//! then moves to [`frozen`], in a file of its own that holds copies of every type it
+//! encodes (never a live type, whose edits would silently change its bytes), and a
+//! golden-bytes test pins its encoding. Never use serde's `skip_serializing_if`
+//! here: bincode cannot skip fields.
 
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use crate::checkpoint::{Delta, Manifest};
 use crate::codec::WireMessage;
+
+pub mod frozen;
+pub use frozen::{CommitV1, HostStatusV1, ManifestGetV1, SessionEventV1};
 
 macro_rules! wire {
     ($ty:ty, $name:literal, $version:literal) => {
@@ -70,7 +76,7 @@ pub struct EditV1 {
 wire!(EditV1, "edit", 1);
 
 /// Session options a run carries, so every service sees the same ones.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct SessionOptions {
     /// Working directory of the session's cells (the notebook's folder).
     pub cwd: String,
@@ -229,9 +235,11 @@ pub enum CellStatus {
     Error,
 }
 
-/// What happened to a session, for clients (`session.{sid}.event`).
+/// What happened to a session, for clients (`session.{sid}.event`). Version 2:
+/// why a prepared worker ended and why a slot was held are enums (version 1 had
+/// strings).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct SessionEventV1 {
+pub struct SessionEventV2 {
     /// The session.
     pub session: Uuid,
     /// The execution it is about (nil for session-wide events).
@@ -241,7 +249,7 @@ pub struct SessionEventV1 {
     /// What happened.
     pub kind: EventKind,
 }
-wire!(SessionEventV1, "session-event", 1);
+wire!(SessionEventV2, "session-event", 2, upgrades SessionEventV1 from 1);
 
 /// The kinds of session events.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -377,8 +385,8 @@ pub enum EventKind {
         class: PreparedClass,
         /// Slot time spent ready and idle.
         idle_ms: f64,
-        /// "used", "evicted", "superseded" or "lost".
-        outcome: String,
+        /// Why it ended.
+        outcome: PreparedOutcome,
     },
     /// A GPU slot was released (or a held worker lost); counts slot time.
     SlotReleased {
@@ -388,9 +396,63 @@ pub enum EventKind {
         slot: u32,
         /// How long the slot was bound to the worker.
         held_ms: f64,
-        /// Why the slot was held this long ("cell", "unsavable state").
-        reason: String,
+        /// What held the slot this long.
+        reason: SlotUse,
     },
+}
+
+/// Why a prepared worker stopped being prepared.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum PreparedOutcome {
+    /// A run used it.
+    Used,
+    /// A newer recipe of its cell needs no prepared worker (a CPU cell, or one that
+    /// must run where unsavable state lives).
+    Superseded,
+    /// The planner's budget stopped it.
+    Evicted,
+    /// A run on this host needed its slot.
+    EvictedForRun,
+    /// Its session was closed.
+    SessionClosed,
+    /// Its process died, or its preparation failed.
+    Lost,
+}
+
+impl PreparedOutcome {
+    /// As logs and reports spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PreparedOutcome::Used => "used",
+            PreparedOutcome::Superseded => "superseded",
+            PreparedOutcome::Evicted => "evicted",
+            PreparedOutcome::EvictedForRun => "evicted for a run",
+            PreparedOutcome::SessionClosed => "session closed",
+            PreparedOutcome::Lost => "lost",
+        }
+    }
+}
+
+/// What held a GPU slot (the time a `SlotReleased` counts).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum SlotUse {
+    /// A cell's execution (restore, run, save).
+    Cell,
+    /// A worker prepared or kept warm before a run.
+    Speculation,
+    /// A worker kept for variables that could not be saved.
+    UnsavableState,
+}
+
+impl SlotUse {
+    /// As logs and reports spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SlotUse::Cell => "cell",
+            SlotUse::Speculation => "speculation",
+            SlotUse::UnsavableState => "unsavable state",
+        }
+    }
 }
 
 /// worker's host -> frontend: one cell output (`output.{sid}.{exec}`).
@@ -543,46 +605,6 @@ pub struct HostStatusV2 {
 
 wire!(HostStatusV2, "host-status", 2, upgrades HostStatusV1 from 1);
 
-/// Version 1 of the host status, frozen: what older hosts still send.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct HostStatusV1 {
-    /// Host id.
-    pub host: String,
-    /// GPU slots.
-    pub slots: Vec<SlotStatus>,
-    /// Whether the slots are real GPUs found with cudarc.
-    pub real_gpus: bool,
-    /// Zygotes.
-    pub zygotes: Vec<ZygoteStatus>,
-    /// Sessions whose persistent CPU worker lives here.
-    pub cpu_sessions: Vec<Uuid>,
-    /// Live worker processes.
-    pub workers: u32,
-    /// Bytes in the host's chunk cache.
-    pub cache_bytes: u64,
-    /// Workers forked from zygotes since the host started.
-    pub forks: u64,
-    /// When (unix ms).
-    pub unix_ms: u64,
-}
-
-impl HostStatusV1 {
-    /// The same status as version 2; a version 1 host named no worker states.
-    pub fn upgrade(self) -> HostStatusV2 {
-        HostStatusV2 {
-            host: self.host,
-            slots: self.slots,
-            real_gpus: self.real_gpus,
-            zygotes: self.zygotes,
-            cpu_sessions: self.cpu_sessions,
-            workers: Vec::new(),
-            cache_bytes: self.cache_bytes,
-            forks: self.forks,
-            unix_ms: self.unix_ms,
-        }
-    }
-}
-
 /// host -> anyone (`host.{hid}.bid`): a host's score for a run recipe it tried to
 /// claim (DESIGN.md section 5), published once the claim settled.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -663,20 +685,6 @@ pub struct ManifestGetV2 {
 
 wire!(ManifestGetV2, "manifest-get", 2, upgrades ManifestGetV1 from 1);
 
-/// Version 1 of the manifest get, frozen: what older hosts and planners still send.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct ManifestGetV1 {
-    /// The session.
-    pub session: Uuid,
-}
-
-impl ManifestGetV1 {
-    /// The same request as version 2: it names no known revision, so the gateway asks.
-    pub fn upgrade(self) -> ManifestGetV2 {
-        ManifestGetV2 { session: self.session, at_least: None }
-    }
-}
-
 /// host -> store: which of these chunks (content hashes) does the store lack? Asked
 /// during a save, so the worker places only those in shared memory.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -728,42 +736,6 @@ pub struct CommitV2 {
 }
 
 wire!(CommitV2, "commit", 2, upgrades CommitV1 from 1);
-
-/// Version 1 of the commit, frozen: what older hosts still send.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct CommitV1 {
-    /// The session.
-    pub session: Uuid,
-    /// The revision the worker's state was based on.
-    pub base_revision: u64,
-    /// The execution whose results these are.
-    pub exec_id: Uuid,
-    /// The host that holds the worker.
-    pub host: String,
-    /// The worker (kept if it holds unsavable variables).
-    pub worker: String,
-    /// The cell id (named in errors about unsavable variables).
-    pub cell_id: String,
-    /// What changed.
-    pub delta: Delta,
-}
-
-impl CommitV1 {
-    /// The same commit as version 2: it names no uploads, so every chunk new to the
-    /// base is looked up.
-    pub fn upgrade(self) -> CommitV2 {
-        CommitV2 {
-            session: self.session,
-            base_revision: self.base_revision,
-            exec_id: self.exec_id,
-            host: self.host,
-            worker: self.worker,
-            cell_id: self.cell_id,
-            delta: self.delta,
-            uploaded: Vec::new(),
-        }
-    }
-}
 
 /// store -> host: the commit's outcome.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -56,9 +56,9 @@ proptest! {
             EventKind::Started { host: "h".into(), slot: Some(1), worker: "w".into(), device: Device::Gpu, prepare: Prepare::Cold, execution_count: 1, restored_bytes: 5, prepare_ms: run_ms, restore_ms: run_ms, refreshed: 2, import_hit: true, python: "3.11.7".into() },
             EventKind::Failed { error: "worker died".into() },
             EventKind::Ready { host: "h".into(), slot: Some(0), worker: "w".into(), pid: 7, cell_id: "c".into(), revision: 2, class: PreparedClass::Speculative, prepare_ms: run_ms },
-            EventKind::PreparedEnded { host: "h".into(), slot: None, worker: "w".into(), cell_id: "c".into(), class: PreparedClass::Warm, idle_ms: run_ms, outcome: "used".into() },
+            EventKind::PreparedEnded { host: "h".into(), slot: None, worker: "w".into(), cell_id: "c".into(), class: PreparedClass::Warm, idle_ms: run_ms, outcome: PreparedOutcome::Used },
         ] {
-            roundtrip(&SessionEventV1 { session, exec_id, unix_ms: ms, kind });
+            roundtrip(&SessionEventV2 { session, exec_id, unix_ms: ms, kind });
         }
     }
 

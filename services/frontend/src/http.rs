@@ -17,7 +17,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::{Json, Router};
 use futures::StreamExt;
-use schemas::messages::{DoneV1, OutputV1, SessionCloseV1, SessionDeleteV1, SessionEventV1, SessionOptions};
+use schemas::messages::{DoneV1, OutputV1, SessionCloseV1, SessionDeleteV1, SessionEventV2, SessionOptions};
 use schemas::subjects::StoreVerb;
 use schemas::Bus;
 use tokio_util::sync::CancellationToken;
@@ -130,7 +130,7 @@ async fn create_session(
     let s = state.bus.subjects().clone();
     let events = state
         .bus
-        .subscribe::<SessionEventV1>(s.event(sid))
+        .subscribe::<SessionEventV2>(s.event(sid))
         .await
         .map_err(|e| internal(format!("cannot subscribe to the session's events: {e}")))?;
     let outputs = state

@@ -90,7 +90,6 @@ pub async fn run_with_bound(
     let _service = bus.register_service("looseleaf-frontend", "HTTP API, session events and run queues").await?;
     schemas::buckets::events_stream(&bus.jetstream(), bus.subjects())
         .await
-        .map_err(|e| anyhow::anyhow!(e))
         .context("while creating the session-events stream (is JetStream enabled?)")?;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use actix::prelude::*;
 use schemas::bus::Rejected;
-use schemas::messages::{CellStatus, EditV1, EventKind, OutputV1, RunV1, SessionEventV1, SessionOptions};
+use schemas::messages::{CellStatus, EditV1, EventKind, OutputV1, RunV1, SessionEventV2, SessionOptions};
 use schemas::{Bus, Envelope};
 use tokio::sync::mpsc;
 use uuid::Uuid;
@@ -199,7 +199,7 @@ impl SessionActor {
         }
     }
 
-    fn on_event(&mut self, ctx: &mut Context<Self>, ev: SessionEventV1) {
+    fn on_event(&mut self, ctx: &mut Context<Self>, ev: SessionEventV2) {
         tracing::debug!(session = %self.sid, exec = %ev.exec_id, kind = ?ev.kind, "event");
         self.emit(&StreamItem::Event { exec_id: ev.exec_id, unix_ms: ev.unix_ms, kind: ev.kind.clone() });
         let Some(cur) = self.current.as_mut().filter(|c| c.exec_id == ev.exec_id) else { return };
@@ -277,8 +277,8 @@ impl Actor for SessionActor {
     type Context = Context<Self>;
 }
 
-impl StreamHandler<Result<Envelope<SessionEventV1>, Rejected>> for SessionActor {
-    fn handle(&mut self, item: Result<Envelope<SessionEventV1>, Rejected>, ctx: &mut Self::Context) {
+impl StreamHandler<Result<Envelope<SessionEventV2>, Rejected>> for SessionActor {
+    fn handle(&mut self, item: Result<Envelope<SessionEventV2>, Rejected>, ctx: &mut Self::Context) {
         // a rejected message was already logged by the bus; keep serving
         if let Ok(env) = item {
             if env.msg.session != self.sid {

@@ -6,7 +6,7 @@ use anyhow::{bail, Context};
 use looseleaf_frontend::api::{spawn_item_reader, ExecStatus, RunAccepted, SessionCreated, StreamItem};
 use looseleaf_frontend::{Config, Timeouts};
 use looseleaf_test_support::{random_prefix, NatsServer};
-use schemas::messages::{CellStatus, Device, EditV1, EventKind, OutputV1, Prepare, RunV1, SessionEventV1};
+use schemas::messages::{CellStatus, Device, EditV1, EventKind, OutputV1, Prepare, RunV1, SessionEventV2};
 use schemas::Bus;
 use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
@@ -106,7 +106,7 @@ async fn run_cell(
 }
 
 async fn event(bus: &Bus, sid: Uuid, exec: Uuid, kind: EventKind) -> anyhow::Result<()> {
-    let ev = SessionEventV1 { session: sid, exec_id: exec, unix_ms: schemas::unix_ms(), kind };
+    let ev = SessionEventV2 { session: sid, exec_id: exec, unix_ms: schemas::unix_ms(), kind };
     bus.publish(bus.subjects().event(sid), &ev).await?;
     bus.flush().await?;
     Ok(())

@@ -11,22 +11,81 @@ use std::time::{Duration, Instant};
 use schemas::checkpoint::Manifest;
 use schemas::messages::{
     CellStatus, ChunkPlanV1, ChunkPlannedV1, CommitV2, CommittedV1, Device, EventKind, ManifestGetV2, ManifestV1,
-    OutputV1, Prepare, RecipeV1, SessionEventV1, WorkerState, OUTPUT_PART_BYTES,
+    OutputV1, Prepare, RecipeV1, SessionEventV2, WorkerState, OUTPUT_PART_BYTES,
 };
 use schemas::subjects::StoreVerb;
-use schemas::{unix_ms, Bus};
+use schemas::{unix_ms, Bus, BusError};
 use tokio::sync::Mutex;
 use uuid::Uuid;
 
-use crate::chunks::Chunks;
+use crate::chunks::{ChunkError, Chunks};
 use crate::import_cache::ImportCache;
 use crate::protocol::{Frame, VarRestore};
 use crate::socket::Listener;
 use crate::worker::{RunEvent, WorkerError, WorkerProc};
-use crate::zygotes::Zygote;
+use crate::zygotes::{Zygote, ZygoteError};
 
 /// How long store requests may take.
 const STORE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Why an execution or a preparation failed outside the cell. What it says is
+/// what the user reads in the `Failed` event ([`ExecEnv::execute`] sends it).
+#[derive(Debug, thiserror::Error)]
+pub enum ExecError {
+    /// No zygote could be started to fork from.
+    #[error("could not start a worker: no zygote: {0}")]
+    NoZygote(#[source] ZygoteError),
+    /// The zygote could not fork the worker (twice, with a fresh zygote between).
+    #[error("could not start a worker: {0}")]
+    Fork(#[source] ZygoteError),
+    /// The zygote chosen for the worker went away twice.
+    #[error("could not start a worker: the zygote chosen for it went away")]
+    ZygoteGone,
+    /// The session's manifest could not be read.
+    #[error("could not read the session's manifest: {0}")]
+    Manifest(#[source] BusError),
+    /// The cell needs a variable that lived only in a worker that is gone.
+    #[error(
+        "variable '{name}' could not be saved ({reason}) and lived only in worker {worker} on host {host} \
+         (defined by cell {cell_id}); that worker is gone, so this cell cannot run"
+    )]
+    UnsavableGone {
+        /// The variable.
+        name: String,
+        /// Why it could not be saved.
+        reason: String,
+        /// The worker that held it.
+        worker: String,
+        /// Its host.
+        host: String,
+        /// The cell that defined it.
+        cell_id: String,
+    },
+    /// The closure's records and chunks could not be laid out for the worker.
+    #[error("could not restore the cell's state: {0}")]
+    RestoreFile(#[source] ChunkError),
+    /// The worker could not load some of the closure.
+    #[error("restoring the cell's state failed: {}", .0.join("; "))]
+    Restore(Vec<String>),
+    /// The worker died or hung: nothing it did was committed.
+    #[error("{0}; the worker was lost, the session's committed state is intact")]
+    WorkerLost(#[source] WorkerError),
+    /// The worker refused a step, or the store refused its save.
+    #[error("{0}")]
+    Worker(#[source] WorkerError),
+    /// The prepared worker died before the cell started and no fresh one could start.
+    #[error("the prepared worker was lost and no fresh one could start: {0}")]
+    PreparedLost(#[source] Box<ExecError>),
+}
+
+impl From<WorkerError> for ExecError {
+    fn from(e: WorkerError) -> Self {
+        match e {
+            WorkerError::Conn { .. } => ExecError::WorkerLost(e),
+            _ => ExecError::Worker(e),
+        }
+    }
+}
 
 /// What every execution on this host shares.
 #[derive(Clone)]
@@ -86,7 +145,7 @@ pub struct Outcome {
 
 impl ExecEnv {
     async fn event(&self, session: Uuid, exec_id: Uuid, kind: EventKind) {
-        let ev = SessionEventV1 { session, exec_id, unix_ms: unix_ms(), kind };
+        let ev = SessionEventV2 { session, exec_id, unix_ms: unix_ms(), kind };
         if let Err(e) = self.bus.publish(self.bus.subjects().event(session), &ev).await {
             tracing::error!(error = %e, %session, "could not publish a session event");
         }
@@ -94,7 +153,7 @@ impl ExecEnv {
 
     /// The session's latest committed manifest, given that revision `at_least` is
     /// committed (the recipe's `manifest_revision`).
-    pub async fn manifest(&self, session: Uuid, at_least: u64) -> Result<Manifest, String> {
+    pub async fn manifest(&self, session: Uuid, at_least: u64) -> Result<Manifest, ExecError> {
         let subject = self.bus.subjects().store(StoreVerb::ManifestGet);
         let get = ManifestGetV2 { session, at_least: Some(at_least) };
         let manifest = self
@@ -102,7 +161,7 @@ impl ExecEnv {
             .request::<_, ManifestV1>(subject, &get, STORE_TIMEOUT)
             .await
             .map(|m| m.manifest)
-            .map_err(|e| format!("could not read the session's manifest: {e}"))?;
+            .map_err(ExecError::Manifest)?;
         if let Ok(mut recent) = self.recent_manifests.lock() {
             if recent.len() >= RECENT_MANIFESTS && !recent.contains_key(&session) {
                 recent.clear(); // crude bound; scores only lose a hint
@@ -159,7 +218,7 @@ impl ExecEnv {
         slot: Option<u32>,
         cwd: &str,
         imports: &[String],
-    ) -> Result<(WorkerProc, bool), String> {
+    ) -> Result<(WorkerProc, bool), ExecError> {
         let mut env = self.device_env(slot);
         env.insert("LOOSELEAF_SESSION".to_string(), session.to_string());
         // installs from a cell go to the session's own layer (a pip target)
@@ -169,9 +228,7 @@ impl ExecEnv {
         let mut cache = self.zygotes.lock().await;
         for attempt in 0..2 {
             let base_id = format!("z-{}-{}", self.host_id, Uuid::now_v7().simple());
-            if let Err(e) = cache.ensure_base(&self.listener, &base_id).await {
-                return Err(format!("no zygote: {e}"));
-            }
+            cache.ensure_base(&self.listener, &base_id).await.map_err(ExecError::NoZygote)?;
             let tail = cache.tail(imports);
             let choice = cache.choose(&tail);
             let hit = choice.covered;
@@ -192,10 +249,10 @@ impl ExecEnv {
                         cache.drop_child(&choice);
                     }
                 }
-                Err(e) => return Err(e.to_string()),
+                Err(e) => return Err(ExecError::Fork(e)),
             }
         }
-        Err("zygote could not fork".into())
+        Err(ExecError::ZygoteGone)
     }
 
     /// Ask the base zygote for a child with `tail` imported; its hello is awaited in
@@ -238,53 +295,65 @@ impl ExecEnv {
             Target::Existing { prepare, slot, .. } => (*slot, *prepare),
         };
         self.event(session, exec_id, EventKind::Claimed { host: self.host_id.clone(), slot, prepare }).await;
+        let (worker, result) = self.run_on(&recipe, target, slot, prepare, claimed_at).await;
+        match result {
+            Ok(unsavable) => Outcome { worker, unsavable },
+            // the one place an execution's failure reaches the session
+            Err(e) => {
+                self.event(session, exec_id, EventKind::Failed { error: e.to_string() }).await;
+                Outcome { worker, unsavable: vec![] }
+            }
+        }
+    }
 
+    /// Get the worker, bring it to the closure, run and save. Returns the worker if
+    /// it is still usable (a broken one is killed here).
+    async fn run_on(
+        &self,
+        recipe: &RecipeV1,
+        target: Target,
+        slot: Option<u32>,
+        prepare: Prepare,
+        claimed_at: Instant,
+    ) -> (Option<Arc<Mutex<WorkerProc>>>, Result<Vec<String>, ExecError>) {
         let (mut worker, import_hit) = match target {
-            Target::Fresh { slot } => match self.fork(session, slot, &recipe.options.cwd, &recipe.imports).await {
+            Target::Fresh { slot } => match self.fork(recipe.session, slot, &recipe.options.cwd, &recipe.imports).await
+            {
                 Ok((w, hit)) => (Arc::new(Mutex::new(w)), hit),
-                Err(e) => {
-                    self.event(session, exec_id, EventKind::Failed { error: format!("could not start a worker: {e}") })
-                        .await;
-                    return Outcome { worker: None, unsavable: vec![] };
-                }
+                Err(e) => return (None, Err(e)),
             },
             Target::Existing { worker, .. } => (worker, true),
         };
         let mut w = worker.lock().await;
         let runs_before = w.runs;
-        let mut result = self.drive(&recipe, &mut w, slot, prepare, claimed_at, import_hit).await;
-        let mut broken = w.is_broken();
-        if matches!(prepare, Prepare::Speculative | Prepare::Warm) && broken && w.runs == runs_before {
+        let mut result = self.drive(recipe, &mut w, slot, prepare, claimed_at, import_hit).await;
+        if matches!(prepare, Prepare::Speculative | Prepare::Warm) && w.is_broken() && w.runs == runs_before {
             // The prepared (or warm) worker died before the cell started: the run
             // goes to a fresh worker on the same slot; the user sees a cold start.
-            tracing::warn!(exec = %exec_id, worker = %w.id, error = ?result.as_ref().err(), "prepared worker lost before Run; starting cold");
+            tracing::warn!(exec = %recipe.exec_id, worker = %w.id, error = ?result.as_ref().err(),
+                "prepared worker lost before Run; starting cold");
             w.kill_now();
             drop(w);
-            match self.fork(session, slot, &recipe.options.cwd, &recipe.imports).await {
+            match self.fork(recipe.session, slot, &recipe.options.cwd, &recipe.imports).await {
                 Ok((fresh, hit)) => {
                     worker = Arc::new(Mutex::new(fresh));
                     w = worker.lock().await;
-                    result = self.drive(&recipe, &mut w, slot, Prepare::Cold, claimed_at, hit).await;
-                    broken = w.is_broken();
+                    result = self.drive(recipe, &mut w, slot, Prepare::Cold, claimed_at, hit).await;
                 }
                 Err(e) => {
                     w = worker.lock().await;
-                    result = Err(format!("the prepared worker was lost and no fresh one could start: {e}"));
+                    result = Err(ExecError::PreparedLost(Box::new(e)));
                 }
             }
         }
+        let broken = w.is_broken();
         drop(w);
         match result {
-            Ok(unsavable) => Outcome { worker: Some(worker), unsavable },
-            Err(e) => {
-                self.event(session, exec_id, EventKind::Failed { error: e }).await;
-                if broken {
-                    worker.lock().await.kill_now();
-                    Outcome { worker: None, unsavable: vec![] }
-                } else {
-                    Outcome { worker: Some(worker), unsavable: vec![] }
-                }
+            Err(e) if broken => {
+                worker.lock().await.kill_now();
+                (None, Err(e))
             }
+            result => (Some(worker), result),
         }
     }
 
@@ -296,7 +365,7 @@ impl ExecEnv {
         prepare: Prepare,
         claimed_at: Instant,
         import_hit: bool,
-    ) -> Result<Vec<String>, String> {
+    ) -> Result<Vec<String>, ExecError> {
         let (session, exec_id) = (recipe.session, recipe.exec_id);
         let restore_started = Instant::now();
         // a worker prepared before Run may have been prepared without its slot
@@ -352,7 +421,7 @@ impl ExecEnv {
                 self.cell_timeout,
                 |ev| {
                     let p = match ev {
-                        RunEvent::Started { unix_ms, execution_count, python } => Pending::Event(SessionEventV1 {
+                        RunEvent::Started { unix_ms, execution_count, python } => Pending::Event(SessionEventV2 {
                             session,
                             exec_id,
                             unix_ms,
@@ -396,7 +465,7 @@ impl ExecEnv {
         if let Err(e) = forwarder.await {
             tracing::error!(error = %e, "output forwarder failed");
         }
-        let finished = finished.map_err(describe)?;
+        let finished = finished?;
         for name in &finished.faulted {
             if let Some(v) = manifest.variables.get(name) {
                 w.held.insert(name.clone(), v.version);
@@ -440,7 +509,6 @@ impl ExecEnv {
                 bus.request::<_, CommittedV1>(bus.subjects().store(StoreVerb::Commit), &msg, STORE_TIMEOUT)
                     .await
                     .map(|c| (c.revision, c.versions))
-                    .map_err(|e| e.to_string())
             }
         };
         let ask_missing = |hashes| {
@@ -453,10 +521,9 @@ impl ExecEnv {
                 )
                 .await
                 .map(|p| p.missing)
-                .map_err(|e| e.to_string())
             }
         };
-        let saved = w.save(exec_id, &self.chunks, ask_missing, commit).await.map_err(describe)?;
+        let saved = w.save(exec_id, &self.chunks, ask_missing, commit).await?;
         self.event(
             session,
             exec_id,
@@ -516,16 +583,13 @@ impl ExecEnv {
         recipe: &RecipeV1,
         w: &mut WorkerProc,
         env: BTreeMap<String, String>,
-    ) -> Result<(Manifest, Restored), String> {
+    ) -> Result<(Manifest, Restored), ExecError> {
         let started = Instant::now();
         let manifest = self.manifest(recipe.session, recipe.manifest_revision).await?;
         let got_manifest = started.elapsed();
         let restore = self.plan_restore(recipe, w, &manifest)?;
-        let file = self
-            .chunks
-            .write_restore_file(&manifest, &restore.objects, &w.id)
-            .await
-            .map_err(|e| format!("could not restore the cell's state: {e}"))?;
+        let file =
+            self.chunks.write_restore_file(&manifest, &restore.objects, &w.id).await.map_err(ExecError::RestoreFile)?;
         let wrote_file = started.elapsed();
         let frame = Frame::Restore {
             shm_path: file.path.as_ref().map(|p| p.display().to_string()),
@@ -540,12 +604,12 @@ impl ExecEnv {
         if let Some(p) = &file.path {
             let _ = std::fs::remove_file(p);
         }
-        let (bytes, worker_ms, errors) = restored.map_err(describe)?;
+        let (bytes, worker_ms, errors) = restored?;
         tracing::debug!(worker = %w.id, ?got_manifest, ?wrote_file, worker_ms, restored = ?started.elapsed(), bytes, "restore phases");
         let fatal: Vec<String> =
             errors.iter().filter(|(k, _)| !k.starts_with("import ")).map(|(k, v)| format!("{k}: {v}")).collect();
         if !fatal.is_empty() {
-            return Err(format!("restoring the cell's state failed: {}", fatal.join("; ")));
+            return Err(ExecError::Restore(fatal));
         }
         for name in &restore.drop {
             w.held.remove(name);
@@ -568,15 +632,12 @@ impl ExecEnv {
         recipe: &RecipeV1,
         slot: Option<u32>,
         existing: Option<Arc<Mutex<WorkerProc>>>,
-    ) -> Result<(Arc<Mutex<WorkerProc>>, f64), String> {
+    ) -> Result<(Arc<Mutex<WorkerProc>>, f64), ExecError> {
         let started = Instant::now();
         let worker = match existing {
             Some(w) => w,
             None => {
-                let (w, _hit) = self
-                    .fork(recipe.session, slot, &recipe.options.cwd, &recipe.imports)
-                    .await
-                    .map_err(|e| format!("could not start a worker: {e}"))?;
+                let (w, _hit) = self.fork(recipe.session, slot, &recipe.options.cwd, &recipe.imports).await?;
                 Arc::new(Mutex::new(w))
             }
         };
@@ -599,7 +660,7 @@ impl ExecEnv {
     }
 
     /// Which names to drop (stale), which to restore, and which records to send.
-    fn plan_restore(&self, recipe: &RecipeV1, w: &WorkerProc, manifest: &Manifest) -> Result<RestorePlan, String> {
+    fn plan_restore(&self, recipe: &RecipeV1, w: &WorkerProc, manifest: &Manifest) -> Result<RestorePlan, ExecError> {
         let mut drop = Vec::new();
         let mut current: BTreeSet<&str> = BTreeSet::new();
         for (name, held) in &w.held {
@@ -620,10 +681,13 @@ impl ExecEnv {
                 continue;
             }
             if let Some(u) = manifest.unsavable.get(&var.name) {
-                return Err(format!(
-                    "variable '{}' could not be saved ({}) and lived only in worker {} on host {} (defined by cell {}); that worker is gone, so this cell cannot run",
-                    var.name, u.reason, u.worker, u.host, u.cell_id
-                ));
+                return Err(ExecError::UnsavableGone {
+                    name: var.name.clone(),
+                    reason: u.reason.clone(),
+                    worker: u.worker.clone(),
+                    host: u.host.clone(),
+                    cell_id: u.cell_id.clone(),
+                });
             }
             wanted.push(var.name.clone());
         }
@@ -668,7 +732,7 @@ fn restore_entries(
 }
 
 enum Pending {
-    Event(SessionEventV1),
+    Event(SessionEventV2),
     Output(OutputV1),
 }
 
@@ -683,11 +747,4 @@ struct RestorePlan {
     drop: Vec<String>,
     variables: BTreeMap<String, VarRestore>,
     objects: Vec<(String, String)>,
-}
-
-fn describe(e: WorkerError) -> String {
-    match &e {
-        WorkerError::Conn { .. } => format!("{e}; the worker was lost, the session's committed state is intact"),
-        _ => e.to_string(),
-    }
 }

@@ -34,7 +34,7 @@ use std::time::Duration;
 
 use actix::prelude::*;
 use anyhow::Context as _;
-use schemas::messages::{EvictV1, RecipeV1, SessionCloseV1, SessionEventV1};
+use schemas::messages::{EvictV1, RecipeV1, SessionCloseV1, SessionEventV2};
 use schemas::subjects::HostVerb;
 use schemas::{buckets, Bus};
 
@@ -93,7 +93,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     tracing::info!(host = %config.host_id, slots = slots.len(), real_gpus, "gpu-host starting");
 
     let js = bus.jetstream();
-    let claims = buckets::claims(&js, &config.prefix).await.map_err(anyhow::Error::msg)?;
+    let claims = host::claims::Claims::new(buckets::claims(&js, &config.prefix).await?, config.host_id.clone());
     let zygote_spec = zygotes::ZygoteSpec {
         python: config.python.clone(),
         worker_path: config.worker_path.clone(),
@@ -131,7 +131,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     let _service = bus.register_service("looseleaf-gpu-host", "GPU slots, zygotes and workers").await?;
     let s = bus.subjects().clone();
     let recipes = bus.subscribe::<RecipeV1>(s.all_recipes()).await?;
-    let events = bus.subscribe::<SessionEventV1>(s.all_events()).await?;
+    let events = bus.subscribe::<SessionEventV2>(s.all_events()).await?;
     let closes = bus.subscribe::<SessionCloseV1>(s.all_closes()).await?;
     let evictions = bus.subscribe::<EvictV1>(s.host_command(&config.host_id, HostVerb::Evict)).await?;
     let zygote_handle = env.zygotes.clone();

@@ -49,10 +49,10 @@ pub enum WorkerError {
     Chunks(#[from] ChunkError),
     /// The store refused the commit.
     #[error("commit failed: {0}")]
-    Commit(String),
+    Commit(#[source] schemas::BusError),
     /// The store could not say which chunks it lacks.
     #[error("chunk plan failed: {0}")]
-    Plan(String),
+    Plan(#[source] schemas::BusError),
 }
 
 /// What a finished cell reported.
@@ -248,9 +248,9 @@ impl WorkerProc {
     ) -> Result<Saved, WorkerError>
     where
         P: FnOnce(Vec<String>) -> PFut,
-        PFut: std::future::Future<Output = Result<Vec<String>, String>>,
+        PFut: std::future::Future<Output = Result<Vec<String>, schemas::BusError>>,
         F: FnOnce(Delta, Vec<String>) -> Fut,
-        Fut: std::future::Future<Output = Result<(u64, Vec<(String, Uuid)>), String>>,
+        Fut: std::future::Future<Output = Result<(u64, Vec<(String, Uuid)>), schemas::BusError>>,
     {
         let started = std::time::Instant::now();
         let exec = exec_id.to_string();
@@ -361,7 +361,7 @@ impl WorkerProc {
                     ok: false,
                     revision: 0,
                     versions: BTreeMap::new(),
-                    error: Some(e.clone()),
+                    error: Some(e.to_string()),
                 };
                 let _ = self.send("saving", &frame).await;
                 // the worker's state no longer matches any revision

@@ -20,7 +20,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use actix::prelude::*;
-use schemas::messages::{EditV1, HostStatusV2, RunV1, SessionCloseV1, SessionEventV1};
+use schemas::messages::{EditV1, HostStatusV2, RunV1, SessionCloseV1, SessionEventV2};
 use schemas::{buckets, Bus};
 
 /// Default edit debounce (ms): typing yields a recipe at most this often per cell.
@@ -46,13 +46,13 @@ pub struct Config {
 /// Run the planner until `shutdown` resolves. Must be called inside an actix system.
 pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
     let bus = Bus::connect(&config.nats_url, &config.prefix, "looseleaf-planner").await?;
-    let kv = buckets::planner(&bus.jetstream(), &config.prefix).await.map_err(anyhow::Error::msg)?;
+    let kv = buckets::planner(&bus.jetstream(), &config.prefix).await?;
     let _service = bus.register_service("looseleaf-planner", "cell analysis and recipes").await?;
     let s = bus.subjects().clone();
     let runs = bus.queue_subscribe::<RunV1>(s.all_runs(), "planner").await?;
     let edits = bus.queue_subscribe::<EditV1>(s.all_edits(), "planner").await?;
     let closes = bus.queue_subscribe::<SessionCloseV1>(s.all_closes(), "planner").await?;
-    let events = bus.queue_subscribe::<SessionEventV1>(s.all_events(), "planner").await?;
+    let events = bus.queue_subscribe::<SessionEventV2>(s.all_events(), "planner").await?;
     let hosts = bus.subscribe::<HostStatusV2>(s.all_host_status()).await?;
     let actor_bus = bus.clone();
     let addr = planner::Planner::create(move |ctx| {

@@ -16,7 +16,7 @@ use schemas::bus::Rejected;
 use schemas::checkpoint::Manifest;
 use schemas::messages::{
     Device, EditV1, EventKind, EvictV1, HostStatusV2, ManifestGetV2, ManifestV1, PreparedWorker, RecipeKind, RecipeV1,
-    RunV1, SessionCloseV1, SessionEventV1, SessionOptions,
+    RunV1, SessionCloseV1, SessionEventV2, SessionOptions,
 };
 use schemas::subjects::HostVerb;
 use schemas::subjects::StoreVerb;
@@ -237,7 +237,7 @@ async fn plan_run(
     .await
     .map_err(|e| e.to_string())?;
 
-    let planned = SessionEventV1 {
+    let planned = SessionEventV2 {
         session: run.session,
         exec_id: run.exec_id,
         unix_ms: unix_ms(),
@@ -279,7 +279,7 @@ impl StreamHandler<Result<Envelope<RunV1>, Rejected>> for Planner {
             let result = plan_run(bus.clone(), kv, run, prepared).await;
             if let Err(error) = &result {
                 tracing::error!(%session, %error, "could not plan a run");
-                let ev = SessionEventV1 {
+                let ev = SessionEventV2 {
                     session,
                     exec_id,
                     unix_ms: unix_ms(),
@@ -341,8 +341,8 @@ async fn learn(
     .await
 }
 
-impl StreamHandler<Result<Envelope<SessionEventV1>, Rejected>> for Planner {
-    fn handle(&mut self, item: Result<Envelope<SessionEventV1>, Rejected>, ctx: &mut Self::Context) {
+impl StreamHandler<Result<Envelope<SessionEventV2>, Rejected>> for Planner {
+    fn handle(&mut self, item: Result<Envelope<SessionEventV2>, Rejected>, ctx: &mut Self::Context) {
         let Ok(env) = item else { return };
         let (session, exec_id) = (env.msg.session, env.msg.exec_id);
         match env.msg.kind {

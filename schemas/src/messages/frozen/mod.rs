@@ -1,0 +1,17 @@
+//! Message versions that newer ones replaced, frozen: what older services still
+//! send, and what a stream may still hold. Each file holds one version with copies
+//! of every type it encodes, so nothing outside it can change its bytes, and its
+//! `upgrade` to the current version; `tests` pins each one's bytes.
+
+mod commit_v1;
+mod host_status_v1;
+mod manifest_get_v1;
+mod session_event_v1;
+
+pub use commit_v1::CommitV1;
+pub use host_status_v1::HostStatusV1;
+pub use manifest_get_v1::ManifestGetV1;
+pub use session_event_v1::SessionEventV1;
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,74 @@
+//! Workers kept between cells: each session's persistent CPU worker, and workers
+//! that hold variables which could not be saved (cells needing them run there).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use tokio::sync::Mutex;
+use uuid::Uuid;
+
+use crate::worker::WorkerProc;
+
+/// One kept worker.
+pub struct KeptWorker {
+    /// The process.
+    pub worker: Arc<Mutex<WorkerProc>>,
+    /// Its session.
+    pub session: Uuid,
+    /// The GPU slot it keeps (a GPU worker holding unsavable state).
+    pub slot: Option<u32>,
+    /// The session's CPU worker (kept for the session's life).
+    pub persistent: bool,
+}
+
+/// Kept workers by id, and which one is each session's CPU worker.
+#[derive(Default)]
+pub struct KeptWorkers {
+    by_id: HashMap<String, KeptWorker>,
+    cpu: HashMap<Uuid, String>,
+}
+
+impl KeptWorkers {
+    /// The kept worker with this id.
+    pub fn get(&self, id: &str) -> Option<&KeptWorker> {
+        self.by_id.get(id)
+    }
+
+    /// The session's CPU worker.
+    pub fn cpu_worker(&self, session: Uuid) -> Option<&KeptWorker> {
+        self.cpu.get(&session).and_then(|id| self.by_id.get(id))
+    }
+
+    /// Keep a worker (a persistent one becomes its session's CPU worker).
+    pub fn keep(&mut self, id: String, kept: KeptWorker) {
+        if kept.persistent {
+            self.cpu.insert(kept.session, id.clone());
+        }
+        self.by_id.insert(id, kept);
+    }
+
+    /// Stop keeping a worker.
+    pub fn remove(&mut self, id: &str) -> Option<KeptWorker> {
+        self.cpu.retain(|_, w| w != id);
+        self.by_id.remove(id)
+    }
+
+    /// Stop keeping every worker of a session.
+    pub fn remove_session(&mut self, session: Uuid) -> Vec<KeptWorker> {
+        self.cpu.remove(&session);
+        let ids: Vec<String> =
+            self.by_id.iter().filter(|(_, k)| k.session == session).map(|(id, _)| id.clone()).collect();
+        ids.iter().filter_map(|id| self.by_id.remove(id)).collect()
+    }
+
+    /// Sessions whose CPU worker lives here.
+    pub fn cpu_sessions(&self) -> impl Iterator<Item = Uuid> + '_ {
+        self.cpu.keys().copied()
+    }
+
+    /// Every kept worker (shutdown).
+    pub fn drain(&mut self) -> impl Iterator<Item = KeptWorker> + '_ {
+        self.cpu.clear();
+        self.by_id.drain().map(|(_, k)| k)
+    }
+}

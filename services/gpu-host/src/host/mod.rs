@@ -1,0 +1,852 @@
+//! The host actor: competes for recipes (DESIGN.md section 5) and hands each won
+//! recipe to an execution future ([`crate::exec`]). What it owns lives in one
+//! module per concern: [`slots`] (GPU slots and what holds them), [`claims`] (the
+//! one way to claim anything), [`prepared`] (workers prepared before Run),
+//! [`kept`] (CPU workers and workers holding unsavable state) and [`status`].
+//!
+//! ```text
+//!  run recipes ──▶ Host ──claim──▶ execution future ──▶ exec_done ──▶ Host
+//!  edit recipes (admitted) ──▶ Host ──claim──▶ prepare future ──▶ Ready (idle)
+//!  run recipe for a prepared cell ──▶ its host claims at once, runs on that worker
+//!  events  ──▶ Host (drop pending recipes another host claimed)
+//!  evict   ──▶ Host (stop a prepared worker)     closes ──▶ Host (stop the session's workers)
+//!  tick    ──▶ status, claim renewal, reap dead prepared workers
+//! ```
+//!
+//! A run never waits for a prepared worker of another session: when no slot is
+//! free it evicts an idle one.
+
+pub mod claims;
+pub mod kept;
+pub mod prepared;
+pub mod slots;
+mod status;
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use schemas::bus::Rejected;
+use schemas::messages::{
+    BidV1, Device, EventKind, EvictV1, Prepare, PreparedClass, PreparedOutcome, RecipeKind, RecipeV1, SessionCloseV1,
+    SessionEventV2, SlotUse, WorkerState, ZygoteStatus,
+};
+use schemas::{unix_ms, Envelope};
+use tokio::sync::Mutex;
+use uuid::Uuid;
+
+use crate::exec::{ExecEnv, ExecError, Outcome, Target};
+use crate::gpus::Gpu;
+use crate::worker::WorkerProc;
+use claims::{Claim, ClaimKey, Claims};
+use kept::{KeptWorker, KeptWorkers};
+use prepared::{Phase, PrepKey, PreparedWorker, PreparedWorkers};
+use slots::{SlotState, Slots};
+
+/// How often status is published and claims renewed.
+const TICK: Duration = Duration::from_secs(2);
+
+/// A run whose recipe names another host's prepared worker: that host claims it at
+/// once; the others compete only if it has not after this long (it may be gone).
+const PREPARED_FALLBACK: Duration = Duration::from_secs(2);
+
+/// How long an admitted edit recipe may wait for a slot on this host.
+const SPEC_WAIT: Duration = Duration::from_secs(5);
+
+/// The host actor.
+pub struct Host {
+    env: ExecEnv,
+    claims: Claims,
+    slots: Slots,
+    real_gpus: bool,
+    kept: KeptWorkers,
+    prepared: PreparedWorkers,
+    /// Run recipes this host may still claim once a slot frees.
+    pending: VecDeque<RecipeV1>,
+    /// Runs this host claimed that wait for a slot.
+    won: VecDeque<RecipeV1>,
+    /// Prepared workers (without a slot) whose run waits for a slot.
+    waiting_prepared: VecDeque<PrepKey>,
+    /// Admitted edit recipes that found no free slot (the planner's eviction that
+    /// makes room may arrive just after): the newest per cell, tried when a slot frees.
+    spec_waiting: VecDeque<(Instant, RecipeV1)>,
+    /// Prepare every worker with its slot (see `Config::prepare_holds_slot`).
+    prepare_holds_slot: bool,
+    /// Keep a GPU worker warm (with its slot) after its cell, for a re-run of
+    /// the cell, until the planner's budget evicts it (see `Config::keep_warm`).
+    keep_warm: bool,
+    /// Zygotes as last seen (the cache is locked while a fork is under way).
+    last_zygotes: Vec<ZygoteStatus>,
+}
+
+/// Which worker an execution got, for what happens to it afterwards.
+enum ExecKind {
+    /// Forked for the cell (holding `slot`, if a GPU cell).
+    Fresh { slot: Option<u32> },
+    /// A worker prepared before Run, holding GPU slot `slot`.
+    Prepared { slot: u32 },
+    /// A kept worker (the session's CPU worker, or one with unsavable state).
+    Existing { worker: Arc<Mutex<WorkerProc>> },
+}
+
+impl Host {
+    /// A host with `slots` (real GPUs or virtual ones), claiming through `claims`.
+    pub fn new(
+        env: ExecEnv,
+        claims: Claims,
+        slots: Vec<Gpu>,
+        real_gpus: bool,
+        prepare_holds_slot: bool,
+        keep_warm: bool,
+    ) -> Self {
+        Self {
+            env,
+            claims,
+            slots: Slots::new(slots),
+            real_gpus,
+            kept: KeptWorkers::default(),
+            prepared: PreparedWorkers::default(),
+            pending: VecDeque::new(),
+            won: VecDeque::new(),
+            waiting_prepared: VecDeque::new(),
+            spec_waiting: VecDeque::new(),
+            prepare_holds_slot,
+            keep_warm,
+            last_zygotes: Vec::new(),
+        }
+    }
+
+    /// How long to wait before claiming `recipe`, and the score it comes from: a
+    /// better-placed host waits less (DESIGN.md section 5). The score weighs free
+    /// slots (half), the zygote match (a quarter: the tail imported already) and
+    /// the closure's bytes in this host's chunk cache (a quarter); up to 3 ms of
+    /// jitter breaks ties.
+    fn claim_delay(&self, recipe: &RecipeV1) -> (Duration, f64) {
+        let (zygote, cached) = self.env.placement(recipe);
+        let score = 0.5 * self.slots.free_share() + 0.25 * zygote + 0.25 * cached;
+        let jitter = (Uuid::new_v4().as_u128() % 3000) as u64;
+        (Duration::from_micros(2_000 + (12_000.0 * (1.0 - score)) as u64 + jitter), score)
+    }
+
+    /// Claim `key` after `delay`, then continue in the actor with how it settled.
+    fn claim(
+        &mut self,
+        key: ClaimKey,
+        delay: Duration,
+        ctx: &mut Context<Self>,
+        then: impl FnOnce(&mut Self, Claim, &mut Context<Self>) + 'static,
+    ) {
+        let claims = self.claims.clone();
+        ctx.spawn(
+            async move { claims.claim(key, delay).await }.into_actor(self).map(move |c, act, ctx| then(act, c, ctx)),
+        );
+    }
+
+    /// Run `fut` in the background (publishing, stopping workers): its failures
+    /// are its own to log.
+    fn background(&mut self, fut: impl Future<Output = ()> + 'static, ctx: &mut Context<Self>) {
+        ctx.spawn(fut.into_actor(self));
+    }
+
+    /// Say how this host scored itself for a run and whether it won.
+    fn publish_bid(&mut self, exec_id: Uuid, score: f64, delay: Duration, won: bool, ctx: &mut Context<Self>) {
+        let bus = self.env.bus.clone();
+        let bid = BidV1 { exec_id, host: self.env.host_id.clone(), score, delay_ms: delay.as_secs_f64() * 1000.0, won };
+        self.background(
+            async move {
+                if let Err(e) = bus.publish(bus.subjects().host_bid(&bid.host), &bid).await {
+                    tracing::debug!(error = %e, "could not publish a bid");
+                }
+            },
+            ctx,
+        );
+    }
+
+    fn session_event(&mut self, session: Uuid, kind: EventKind, ctx: &mut Context<Self>) {
+        let ev = SessionEventV2 { session, exec_id: Uuid::nil(), unix_ms: unix_ms(), kind };
+        let bus = self.env.bus.clone();
+        self.background(
+            async move {
+                if let Err(e) = bus.publish(bus.subjects().event(session), &ev).await {
+                    tracing::error!(error = %e, "could not publish a session event");
+                }
+            },
+            ctx,
+        );
+    }
+
+    /// Move a worker this host holds (idle, so its id is known) to `to`.
+    fn enter(&self, worker: &str, to: WorkerState) {
+        self.env.lifecycle.advance(worker, to);
+    }
+
+    /// Free slot `index` held by `session` for `held`, counting its time.
+    fn release_slot(&mut self, index: u32, session: Uuid, held: SlotUse, ctx: &mut Context<Self>) {
+        let Some(held_ms) = self.slots.release(index) else { return };
+        let kind = EventKind::SlotReleased { host: self.env.host_id.clone(), slot: index, held_ms, reason: held };
+        self.session_event(session, kind, ctx);
+    }
+
+    /// Stop a worker process; it is Evicted from now on, so the status published
+    /// next no longer lists it.
+    fn stop_worker(&mut self, worker: Arc<Mutex<WorkerProc>>, ctx: &mut Context<Self>) {
+        self.enter(&worker_id(&worker), WorkerState::Evicted);
+        self.background(
+            async move {
+                match Arc::try_unwrap(worker) {
+                    Ok(m) => m.into_inner().stop().await,
+                    Err(shared) => shared.lock().await.kill_now(),
+                }
+            },
+            ctx,
+        );
+    }
+
+    // ---------------------------------------------------------------- routing
+
+    fn on_recipe(&mut self, recipe: RecipeV1, ctx: &mut Context<Self>) {
+        if recipe.kind != RecipeKind::Run {
+            self.on_edit_recipe(recipe, ctx);
+            return;
+        }
+        if let Some(p) = &recipe.pinned {
+            if p.host != self.env.host_id {
+                return;
+            }
+            let target = match self.kept.get(&p.worker) {
+                Some(k) => Target::Existing {
+                    worker: k.worker.clone(),
+                    prepare: if k.persistent { Prepare::Persistent } else { Prepare::Pinned },
+                    slot: k.slot,
+                },
+                // gone: the execution fails naming the variable and its cell
+                None => Target::Fresh { slot: None },
+            };
+            self.spawn_exec(recipe, target, ctx);
+            return;
+        }
+        match recipe.device {
+            Device::Cpu => self.claim_cpu(recipe, ctx),
+            Device::Gpu => {
+                if self.slots.is_empty() {
+                    return;
+                }
+                let key = (recipe.session, recipe.cell_id.clone());
+                self.spec_waiting.retain(|(_, r)| (r.session, &r.cell_id) != (key.0, &key.1));
+                if self.prepared.contains(&key) {
+                    self.claim_prepared_run(key, recipe, ctx);
+                    return;
+                }
+                if let Some(p) = &recipe.prepared {
+                    if p.host != self.env.host_id {
+                        let mut r = recipe;
+                        r.prepared = None;
+                        ctx.run_later(PREPARED_FALLBACK, move |act, ctx| act.on_recipe(r, ctx));
+                        return;
+                    }
+                }
+                match self.slots.free() {
+                    Some(index) => self.claim_gpu(recipe, index, ctx),
+                    None if self.prepared.to_give_up().is_some() => self.claim_then_evict(recipe, ctx),
+                    None => self.pending.push_back(recipe),
+                }
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- runs
+
+    fn claim_gpu(&mut self, recipe: RecipeV1, index: u32, ctx: &mut Context<Self>) {
+        // scored before the slot is reserved: a free slot is what this host offers
+        let (delay, score) = self.claim_delay(&recipe);
+        self.slots.take(index, SlotState::Claiming(Some(recipe.exec_id)));
+        self.claim(ClaimKey::Run(recipe.exec_id), delay, ctx, move |act, claim, ctx| {
+            act.publish_bid(recipe.exec_id, score, delay, claim == Claim::Won, ctx);
+            if claim == Claim::Won {
+                act.slots.hand_on(index, SlotState::Busy { exec: recipe.exec_id, session: recipe.session });
+                act.spawn_exec(recipe, Target::Fresh { slot: Some(index) }, ctx);
+            } else {
+                act.slots.unreserve(index);
+                act.try_pending(ctx);
+            }
+            act.publish_status(ctx);
+        });
+    }
+
+    /// No slot free, but an idle prepared worker could give one up: claim first
+    /// (with the longest delay, as a full host), evict only if this host won.
+    fn claim_then_evict(&mut self, recipe: RecipeV1, ctx: &mut Context<Self>) {
+        let (delay, score) = self.claim_delay(&recipe);
+        self.claim(ClaimKey::Run(recipe.exec_id), delay, ctx, move |act, claim, ctx| {
+            act.publish_bid(recipe.exec_id, score, delay, claim == Claim::Won, ctx);
+            if claim == Claim::Won {
+                act.run_won(recipe, ctx);
+            }
+        });
+    }
+
+    fn claim_cpu(&mut self, recipe: RecipeV1, ctx: &mut Context<Self>) {
+        if let Some(k) = self.kept.cpu_worker(recipe.session) {
+            let target = Target::Existing { worker: k.worker.clone(), prepare: Prepare::Persistent, slot: None };
+            self.spawn_exec(recipe, target, ctx);
+            return;
+        }
+        // mine already when the session's CPU worker died and this host restarts it
+        self.claim(ClaimKey::Cpu(recipe.session), Duration::ZERO, ctx, move |act, claim, ctx| {
+            if claim.held() {
+                act.spawn_exec(recipe, Target::Fresh { slot: None }, ctx);
+            }
+        });
+    }
+
+    /// A run this host claimed without a prepared worker: a free slot, or an idle
+    /// prepared worker's slot, or wait for one.
+    fn run_won(&mut self, recipe: RecipeV1, ctx: &mut Context<Self>) {
+        match self.slots.free().or_else(|| self.evict_for_slot(ctx)) {
+            Some(index) => {
+                self.slots.take(index, SlotState::Busy { exec: recipe.exec_id, session: recipe.session });
+                self.spawn_exec(recipe, Target::Fresh { slot: Some(index) }, ctx);
+            }
+            None => self.won.push_back(recipe),
+        }
+        self.publish_status(ctx);
+    }
+
+    fn spawn_exec(&mut self, recipe: RecipeV1, target: Target, ctx: &mut Context<Self>) {
+        let env = self.env.clone();
+        let kind = match &target {
+            Target::Fresh { slot } => ExecKind::Fresh { slot: *slot },
+            Target::Existing { prepare: Prepare::Speculative | Prepare::Warm, slot: Some(slot), .. } => {
+                ExecKind::Prepared { slot: *slot }
+            }
+            Target::Existing { worker, .. } => ExecKind::Existing { worker: worker.clone() },
+        };
+        let (device, session, cell_id) = (recipe.device, recipe.session, recipe.cell_id.clone());
+        let span = tracing::info_span!("execute", exec = %recipe.exec_id, %session, cell = %recipe.cell_id);
+        let fut = tracing::Instrument::instrument(async move { env.execute(recipe, target).await }, span);
+        ctx.spawn(fut.into_actor(self).map(move |outcome, act, ctx| {
+            act.exec_done(session, &cell_id, device, kind, outcome, ctx);
+        }));
+    }
+
+    /// After an execution: keep, warm or stop its worker, and free or keep its slot.
+    fn exec_done(
+        &mut self,
+        session: Uuid,
+        cell_id: &str,
+        device: Device,
+        kind: ExecKind,
+        outcome: Outcome,
+        ctx: &mut Context<Self>,
+    ) {
+        match kind {
+            // a prepared worker ends like a fresh one: its slot goes free, stays
+            // pinned for unsavable state, or stays with the worker kept warm
+            ExecKind::Fresh { slot: Some(index) } | ExecKind::Prepared { slot: index } => match outcome.worker {
+                Some(worker) if !outcome.unsavable.is_empty() => {
+                    let id = worker_id(&worker);
+                    tracing::info!(worker = %id, unsavable = ?outcome.unsavable, "keeping the worker for unsavable state");
+                    self.enter(&id, WorkerState::Kept);
+                    self.slots.hand_on(index, SlotState::Pinned { worker: id.clone(), session });
+                    self.kept.keep(id, KeptWorker { worker, session, slot: Some(index), persistent: false });
+                }
+                Some(worker) if self.keep_warm && !self.prepared.contains(&(session, cell_id.to_string())) => {
+                    self.keep_warm_worker(session, cell_id, worker, index, ctx);
+                }
+                worker => {
+                    if let Some(w) = worker {
+                        self.stop_worker(w, ctx);
+                    }
+                    self.release_slot(index, session, SlotUse::Cell, ctx);
+                }
+            },
+            ExecKind::Fresh { slot: None } => {
+                if let Some(worker) = outcome.worker {
+                    let id = worker_id(&worker);
+                    let persistent = device == Device::Cpu;
+                    if persistent || !outcome.unsavable.is_empty() {
+                        self.enter(&id, WorkerState::Kept);
+                        self.kept.keep(id, KeptWorker { worker, session, slot: None, persistent });
+                    } else {
+                        self.stop_worker(worker, ctx);
+                    }
+                }
+            }
+            ExecKind::Existing { worker } => {
+                let id = worker_id(&worker);
+                match outcome.worker {
+                    // lost: forget it; cells needing its unsavable state now fail clearly
+                    None => self.forget_kept(&id, None, ctx),
+                    Some(w) => {
+                        self.enter(&id, WorkerState::Kept);
+                        let persistent = self.kept.get(&id).is_some_and(|k| k.persistent);
+                        if !persistent && outcome.unsavable.is_empty() {
+                            // nothing left that only this worker has
+                            self.forget_kept(&id, Some(w), ctx);
+                        }
+                    }
+                }
+            }
+        }
+        self.try_pending(ctx);
+        self.publish_status(ctx);
+    }
+
+    /// Stop keeping worker `id` (stopping `running` if it still runs) and free its slot.
+    fn forget_kept(&mut self, id: &str, running: Option<Arc<Mutex<WorkerProc>>>, ctx: &mut Context<Self>) {
+        let Some(k) = self.kept.remove(id) else { return };
+        if let Some(w) = running {
+            self.stop_worker(w, ctx);
+        }
+        if let Some(index) = k.slot {
+            self.release_slot(index, k.session, SlotUse::UnsavableState, ctx);
+        }
+    }
+
+    /// Start the runs that wait for a slot: prepared workers' runs first, then runs
+    /// this host claimed, then runs it may still claim, then preparations.
+    fn try_pending(&mut self, ctx: &mut Context<Self>) {
+        while self.slots.free().is_some() {
+            let Some(key) = self.waiting_prepared.pop_front() else { break };
+            if let Some(run) = self.prepared.get_mut(&key).and_then(PreparedWorker::take_awaiting_run) {
+                self.run_prepared(key, run, ctx);
+            }
+        }
+        while self.slots.free().is_some() {
+            let Some(recipe) = self.won.pop_front() else { break };
+            self.run_won(recipe, ctx);
+        }
+        while let Some(index) = self.slots.free() {
+            let Some(recipe) = self.pending.pop_front() else { break };
+            self.claim_gpu(recipe, index, ctx);
+        }
+        // then preparations that waited briefly for a slot; older ones are stale
+        self.spec_waiting.retain(|(at, _)| at.elapsed() < SPEC_WAIT);
+        while self.slots.free().is_some() {
+            let Some((_, recipe)) = self.spec_waiting.pop_front() else { break };
+            self.on_edit_recipe(recipe, ctx);
+        }
+    }
+
+    // ---------------------------------------------------------------- preparation
+
+    /// An edit-derived recipe: prepare a worker for it if the speculator admitted
+    /// it and a slot is free, or update the worker this host prepared for the cell.
+    fn on_edit_recipe(&mut self, recipe: RecipeV1, ctx: &mut Context<Self>) {
+        let key = (recipe.session, recipe.cell_id.clone());
+        if recipe.device != Device::Gpu || recipe.pinned.is_some() {
+            // The cell no longer runs on a fresh GPU worker (now a CPU cell, or it
+            // needs the worker that holds unsavable state): the worker prepared for
+            // it is cancelled. (A GPU recipe the budget did not admit keeps it: the
+            // run refreshes whatever changed.)
+            self.spec_waiting.retain(|(_, r)| (r.session, &r.cell_id) != (key.0, &key.1));
+            self.cancel_prepared(&key, recipe.revision, ctx);
+            return;
+        }
+        if !recipe.speculate || self.slots.is_empty() {
+            return;
+        }
+        if let Some(p) = self.prepared.get_mut(&key) {
+            if recipe.revision <= p.revision || p.run_claimed() || p.stopping() {
+                return;
+            }
+            if p.is_preparing() {
+                p.queue_next(recipe); // superseded while preparing: applied in place next
+            } else {
+                self.start_prepare(key, recipe, ctx);
+            }
+            return;
+        }
+        // Does the closure hold GPU-resident state? Only then does preparation need
+        // the slot; otherwise the worker is prepared on the CPU and gets a slot at
+        // Run, so typing time costs no GPU time.
+        let env = self.env.clone();
+        let r = recipe.clone();
+        let always = self.prepare_holds_slot;
+        let fut = async move {
+            if always {
+                return true;
+            }
+            match env.manifest(r.session, r.manifest_revision).await {
+                Ok(m) => closure_on_gpu(&m, &r),
+                Err(e) => {
+                    tracing::warn!(session = %r.session, error = %e, "preparing on a slot: closure devices unknown");
+                    true
+                }
+            }
+        };
+        ctx.spawn(fut.into_actor(self).map(move |needs_slot, act, ctx| act.claim_preparation(recipe, needs_slot, ctx)));
+    }
+
+    /// Stop the worker prepared for `key` because recipe `revision` superseded it,
+    /// unless a run already claimed it.
+    fn cancel_prepared(&mut self, key: &PrepKey, revision: u64, ctx: &mut Context<Self>) {
+        match self.prepared.get_mut(key) {
+            Some(p) if p.run_claimed() || (p.class == PreparedClass::Speculative && revision <= p.revision) => {}
+            Some(p) if p.is_preparing() => p.stop_when_prepared(PreparedOutcome::Superseded),
+            Some(_) => self.end_prepared(key, PreparedOutcome::Superseded, ctx),
+            None => {}
+        }
+    }
+
+    /// Claim the preparation of `recipe` (exactly one host prepares a revision),
+    /// holding a free slot meanwhile if the preparation needs one.
+    fn claim_preparation(&mut self, recipe: RecipeV1, needs_slot: bool, ctx: &mut Context<Self>) {
+        let key = (recipe.session, recipe.cell_id.clone());
+        if self.prepared.contains(&key) {
+            return self.on_edit_recipe(recipe, ctx); // one got prepared meanwhile: update it
+        }
+        let slot = if needs_slot {
+            let Some(index) = self.slots.free() else {
+                self.spec_waiting.retain(|(_, r)| (r.session, &r.cell_id) != (key.0, &key.1));
+                self.spec_waiting.push_back((Instant::now(), recipe));
+                return;
+            };
+            self.slots.take(index, SlotState::Claiming(None));
+            Some(index)
+        } else {
+            None
+        };
+        let (delay, _) = self.claim_delay(&recipe);
+        let claim_key =
+            ClaimKey::Prepare { session: recipe.session, cell_id: recipe.cell_id.clone(), revision: recipe.revision };
+        self.claim(claim_key, delay, ctx, move |act, claim, ctx| {
+            if claim != Claim::Won || act.prepared.contains(&key) {
+                if let Some(index) = slot {
+                    act.slots.unreserve(index);
+                }
+                if claim == Claim::Won {
+                    // an older revision of the cell got a worker meanwhile: update that one
+                    act.on_edit_recipe(recipe, ctx);
+                }
+                act.try_pending(ctx);
+                return;
+            }
+            if let Some(index) = slot {
+                act.slots.take(index, SlotState::Prepared { session: key.0, cell_id: key.1.clone() });
+            }
+            act.prepared.insert(key.clone(), PreparedWorker::speculative(slot, recipe.revision));
+            act.start_prepare(key, recipe, ctx);
+            act.publish_status(ctx);
+        });
+    }
+
+    /// Fork (or update in place) the prepared worker of `key` for `recipe`.
+    fn start_prepare(&mut self, key: PrepKey, recipe: RecipeV1, ctx: &mut Context<Self>) {
+        let Some(p) = self.prepared.get_mut(&key) else { return };
+        p.begin(recipe.revision);
+        let (env, existing, slot) = (self.env.clone(), p.worker.clone(), p.slot);
+        let span = tracing::info_span!("prepare", session = %key.0, cell = %key.1, revision = recipe.revision);
+        let fut = tracing::Instrument::instrument(async move { env.prepare(&recipe, slot, existing).await }, span);
+        ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| act.prepare_done(key, res, ctx)));
+    }
+
+    fn prepare_done(
+        &mut self,
+        key: PrepKey,
+        res: Result<(Arc<Mutex<WorkerProc>>, f64), ExecError>,
+        ctx: &mut Context<Self>,
+    ) {
+        let Some(p) = self.prepared.get_mut(&key) else {
+            if let Ok((w, _)) = res {
+                self.stop_worker(w, ctx);
+            }
+            return;
+        };
+        let (next, run, stop) = p.prepared();
+        let (w, prepare_ms) = match res {
+            Ok(ok) => ok,
+            Err(e) => {
+                tracing::warn!(session = %key.0, cell = %key.1, error = %e, "preparation failed");
+                p.worker = None; // a broken worker was killed by prepare
+                self.end_prepared(&key, PreparedOutcome::Lost, ctx);
+                if let Some(run) = run {
+                    self.run_won(run, ctx); // claimed already: run it cold
+                }
+                return;
+            }
+        };
+        p.worker_id = worker_id(&w);
+        let pid = w.try_lock().map(|w| w.pid).unwrap_or(0);
+        p.worker = Some(w);
+        p.first_ready.get_or_insert_with(Instant::now);
+        if let Some(why) = stop {
+            self.end_prepared(&key, why, ctx);
+            return;
+        }
+        if let Some(run) = run {
+            self.run_prepared(key, run, ctx);
+            return;
+        }
+        let ev = EventKind::Ready {
+            host: self.env.host_id.clone(),
+            slot: p.slot,
+            worker: p.worker_id.clone(),
+            pid,
+            cell_id: key.1.clone(),
+            revision: p.revision,
+            class: p.class,
+            prepare_ms,
+        };
+        self.session_event(key.0, ev, ctx);
+        if let Some(next) = next {
+            self.start_prepare(key, next, ctx);
+        }
+        self.publish_status(ctx);
+    }
+
+    /// A run for a cell this host prepared: claim it at once (no delay: the
+    /// prepared worker makes this host the best place).
+    fn claim_prepared_run(&mut self, key: PrepKey, recipe: RecipeV1, ctx: &mut Context<Self>) {
+        self.claim(ClaimKey::Run(recipe.exec_id), Duration::ZERO, ctx, move |act, claim, ctx| {
+            if claim != Claim::Won {
+                return; // another host runs it; the planner's budget evicts ours
+            }
+            match act.prepared.get_mut(&key) {
+                Some(p) if p.is_preparing() => p.queue_run(recipe),
+                Some(_) => act.run_prepared(key, recipe, ctx),
+                None => act.run_won(recipe, ctx),
+            }
+        });
+    }
+
+    /// Run a claimed recipe on the worker prepared for its cell, binding a slot
+    /// now if it was prepared without one.
+    fn run_prepared(&mut self, key: PrepKey, recipe: RecipeV1, ctx: &mut Context<Self>) {
+        let Some(mut p) = self.prepared.remove(&key) else { return self.run_won(recipe, ctx) };
+        let alive = p.worker.as_ref().is_some_and(|w| w.try_lock().is_ok_and(|w| crate::process::is_alive(w.pid)));
+        let Some(worker) = p.worker.clone().filter(|_| alive) else {
+            // it died while waiting: the run goes to a fresh worker, nothing is lost
+            self.prepared.insert(key.clone(), p);
+            self.end_prepared(&key, PreparedOutcome::Lost, ctx);
+            return self.run_won(recipe, ctx);
+        };
+        let busy = SlotState::Busy { exec: recipe.exec_id, session: recipe.session };
+        let index = match p.slot {
+            Some(index) => {
+                self.slots.hand_on(index, busy);
+                index
+            }
+            None => match self.slots.free().or_else(|| self.evict_for_slot(ctx)) {
+                Some(index) => {
+                    self.slots.take(index, busy);
+                    index
+                }
+                None => {
+                    // every slot runs a cell: wait for one with the worker
+                    p.phase = Phase::AwaitingSlot { run: Box::new(recipe) };
+                    self.prepared.insert(key.clone(), p);
+                    self.waiting_prepared.push_back(key);
+                    return;
+                }
+            },
+        };
+        self.prepared_ended(key, &p, PreparedOutcome::Used, ctx);
+        let prepare = if p.class == PreparedClass::Warm { Prepare::Warm } else { Prepare::Speculative };
+        self.spawn_exec(recipe, Target::Existing { worker, prepare, slot: Some(index) }, ctx);
+    }
+
+    /// Keep the worker that just ran `cell_id` warm, with its slot (it may hold a
+    /// CUDA context): a re-run of the cell finds it ready. The slot time of the cell
+    /// ends here; waiting counts as the warm worker's idle time.
+    fn keep_warm_worker(
+        &mut self,
+        session: Uuid,
+        cell_id: &str,
+        worker: Arc<Mutex<WorkerProc>>,
+        index: u32,
+        ctx: &mut Context<Self>,
+    ) {
+        self.release_slot(index, session, SlotUse::Cell, ctx);
+        self.slots.take(index, SlotState::Prepared { session, cell_id: cell_id.to_string() });
+        let worker_id = worker_id(&worker);
+        self.enter(&worker_id, WorkerState::Warm);
+        let pid = worker.try_lock().map(|w| w.pid).unwrap_or(0);
+        self.prepared.insert((session, cell_id.to_string()), PreparedWorker::warm(worker, worker_id.clone(), index));
+        let ev = EventKind::Ready {
+            host: self.env.host_id.clone(),
+            slot: Some(index),
+            worker: worker_id,
+            pid,
+            cell_id: cell_id.to_string(),
+            revision: 0,
+            class: PreparedClass::Warm,
+            prepare_ms: 0.0,
+        };
+        self.session_event(session, ev, ctx);
+    }
+
+    /// Free a slot by stopping an idle prepared worker that holds one.
+    fn evict_for_slot(&mut self, ctx: &mut Context<Self>) -> Option<u32> {
+        let key = self.prepared.to_give_up()?;
+        let slot = self.prepared.get(&key)?.slot?;
+        self.end_prepared(&key, PreparedOutcome::EvictedForRun, ctx);
+        Some(slot)
+    }
+
+    /// Stop a prepared worker and free its slot; `outcome` says why.
+    fn end_prepared(&mut self, key: &PrepKey, outcome: PreparedOutcome, ctx: &mut Context<Self>) {
+        let Some(p) = self.prepared.remove(key) else { return };
+        if let Some(w) = p.worker.clone() {
+            self.stop_worker(w, ctx);
+        }
+        if let Some(index) = p.slot {
+            self.release_slot(index, key.0, SlotUse::Speculation, ctx);
+        }
+        self.prepared_ended(key.clone(), &p, outcome, ctx);
+        self.try_pending(ctx);
+        self.publish_status(ctx);
+    }
+
+    fn prepared_ended(&mut self, key: PrepKey, p: &PreparedWorker, outcome: PreparedOutcome, ctx: &mut Context<Self>) {
+        let idle_ms = p.idle_ms();
+        tracing::info!(session = %key.0, cell = %key.1, worker = %p.worker_id, idle_ms, outcome = outcome.as_str(),
+            "prepared worker ended");
+        let ev = EventKind::PreparedEnded {
+            host: self.env.host_id.clone(),
+            slot: p.slot,
+            worker: p.worker_id.clone(),
+            cell_id: key.1,
+            class: p.class,
+            idle_ms,
+            outcome,
+        };
+        self.session_event(key.0, ev, ctx);
+    }
+
+    /// Prepared workers whose process died while waiting free their slot.
+    fn reap_lost_prepared(&mut self, ctx: &mut Context<Self>) {
+        for key in self.prepared.dead() {
+            tracing::warn!(session = %key.0, cell = %key.1, "a prepared worker died while waiting");
+            self.end_prepared(&key, PreparedOutcome::Lost, ctx);
+        }
+    }
+
+    /// The planner (budget) or the session asks to stop a prepared worker.
+    fn evict(&mut self, msg: EvictV1, ctx: &mut Context<Self>) {
+        let Some(key) = self.prepared.by_worker(&msg.worker) else { return };
+        match self.prepared.get_mut(&key) {
+            Some(p) if p.run_claimed() => {} // a run claimed it: too late
+            Some(p) if p.is_preparing() => p.stop_when_prepared(PreparedOutcome::Evicted),
+            Some(_) => self.end_prepared(&key, PreparedOutcome::Evicted, ctx),
+            None => {}
+        }
+    }
+
+    // ---------------------------------------------------------------- sessions
+
+    fn close_session(&mut self, session: Uuid, ctx: &mut Context<Self>) {
+        self.pending.retain(|r| r.session != session);
+        self.spec_waiting.retain(|(_, r)| r.session != session);
+        for key in self.prepared.of_session(session) {
+            match self.prepared.get_mut(&key) {
+                Some(p) if p.is_preparing() => p.stop_when_prepared(PreparedOutcome::SessionClosed),
+                Some(_) => self.end_prepared(&key, PreparedOutcome::SessionClosed, ctx),
+                None => {}
+            }
+        }
+        for k in self.kept.remove_session(session) {
+            self.stop_worker(k.worker, ctx);
+            if let Some(index) = k.slot {
+                self.release_slot(index, session, SlotUse::UnsavableState, ctx);
+            }
+        }
+        let claims = self.claims.clone();
+        self.background(async move { claims.release(ClaimKey::Cpu(session)).await }, ctx);
+        self.publish_status(ctx);
+    }
+
+    fn renew_claims(&mut self, ctx: &mut Context<Self>) {
+        let keys: Vec<ClaimKey> =
+            self.kept.cpu_sessions().map(ClaimKey::Cpu).chain(self.slots.running().map(ClaimKey::Run)).collect();
+        let claims = self.claims.clone();
+        self.background(async move { claims.renew(keys).await }, ctx);
+    }
+
+    /// Stop every worker this host keeps or prepared (shutdown).
+    pub fn stop_all(&mut self, ctx: &mut Context<Self>) {
+        let workers: Vec<_> =
+            self.kept.drain().map(|k| k.worker).chain(self.prepared.drain().filter_map(|p| p.worker)).collect();
+        for w in workers {
+            self.stop_worker(w, ctx);
+        }
+    }
+}
+
+/// Whether any object the closure of `recipe` reaches lives on a GPU.
+fn closure_on_gpu(m: &schemas::checkpoint::Manifest, recipe: &RecipeV1) -> bool {
+    let roots = recipe.closure.iter().filter_map(|v| m.variables.get(&v.name).and_then(|e| e.oid.as_deref()));
+    m.reachable(roots).iter().any(|oid| m.objects.get(oid).is_some_and(|o| o.on_gpu))
+}
+
+fn worker_id(worker: &Arc<Mutex<WorkerProc>>) -> String {
+    // the lock is free once an execution returned its worker
+    worker.try_lock().map(|w| w.id.clone()).unwrap_or_default()
+}
+
+impl Actor for Host {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        ctx.run_interval(TICK, |act, ctx| {
+            act.reap_lost_prepared(ctx);
+            act.publish_status(ctx);
+            act.renew_claims(ctx);
+        });
+        self.publish_status(ctx);
+    }
+}
+
+impl StreamHandler<Result<Envelope<RecipeV1>, Rejected>> for Host {
+    fn handle(&mut self, item: Result<Envelope<RecipeV1>, Rejected>, ctx: &mut Self::Context) {
+        if let Ok(env) = item {
+            let _span = env.span("host.recipe").entered();
+            self.on_recipe(env.msg, ctx);
+        }
+    }
+}
+
+impl StreamHandler<Result<Envelope<SessionEventV2>, Rejected>> for Host {
+    fn handle(&mut self, item: Result<Envelope<SessionEventV2>, Rejected>, _ctx: &mut Self::Context) {
+        if let Ok(env) = item {
+            if let EventKind::Claimed { host, .. } = &env.msg.kind {
+                if *host != self.env.host_id {
+                    let exec = env.msg.exec_id;
+                    self.pending.retain(|r| r.exec_id != exec);
+                }
+            }
+        }
+    }
+}
+
+impl StreamHandler<Result<Envelope<SessionCloseV1>, Rejected>> for Host {
+    fn handle(&mut self, item: Result<Envelope<SessionCloseV1>, Rejected>, ctx: &mut Self::Context) {
+        if let Ok(env) = item {
+            self.close_session(env.msg.session, ctx);
+        }
+    }
+}
+
+impl StreamHandler<Result<Envelope<EvictV1>, Rejected>> for Host {
+    fn handle(&mut self, item: Result<Envelope<EvictV1>, Rejected>, ctx: &mut Self::Context) {
+        if let Ok(env) = item {
+            tracing::debug!(worker = %env.msg.worker, reason = %env.msg.reason, "eviction asked");
+            self.evict(env.msg, ctx);
+        }
+    }
+}
+
+/// Stop the host: stop every kept worker.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Stop;
+
+impl Handler<Stop> for Host {
+    type Result = ();
+
+    fn handle(&mut self, _: Stop, ctx: &mut Self::Context) {
+        self.stop_all(ctx);
+    }
+}

@@ -1,0 +1,305 @@
+//! Workers prepared for a cell before Run (ADR 7), or kept warm after their cell
+//! (ADR 9), one per (session, cell).
+//!
+//! The registry's [`Phase`] is what the host still has to do for the worker; the
+//! worker's own state is in [`crate::lifecycle`] and follows it:
+//!
+//! ```text
+//!  claim won ─▶ Preparing ──ok──▶ Ready ──(newer recipe)──▶ Preparing (in place) …
+//!                 │  a newer recipe, a claimed run or a stop    │ run claimed, no slot free
+//!                 │  that arrives meanwhile waits in the phase  ▼
+//!                 │                                        AwaitingSlot ──slot──▶ used
+//!                 └─▶ then: stop (ended) │ run (used) │ next (Preparing again) │ Ready
+//! ```
+//! Preparing is the worker's lifecycle `Preparing`; Ready and AwaitingSlot are its
+//! `Ready` (speculative) or `Warm` (kept after its cell).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use schemas::messages::{PreparedClass, PreparedOutcome, RecipeV1};
+use tokio::sync::Mutex;
+use uuid::Uuid;
+
+use crate::worker::WorkerProc;
+
+/// A prepared worker's (session, cell).
+pub type PrepKey = (Uuid, String);
+
+/// What the host still has to do for a prepared worker.
+#[derive(Debug)]
+pub enum Phase {
+    /// Being forked (its first preparation) or brought to a newer recipe.
+    Preparing {
+        /// A newer recipe that arrived meanwhile: applied next, in place.
+        next: Option<Box<RecipeV1>>,
+        /// A run this host claimed meanwhile: runs on it once prepared.
+        run: Option<Box<RecipeV1>>,
+        /// Stopped meanwhile: ends once the preparation returns.
+        stop: Option<PreparedOutcome>,
+    },
+    /// Idle, waiting for Run.
+    Ready,
+    /// A run this host claimed waits with it for a slot (it was prepared without one).
+    AwaitingSlot {
+        /// The run.
+        run: Box<RecipeV1>,
+    },
+}
+
+/// One prepared worker.
+pub struct PreparedWorker {
+    /// None while its first preparation forks it.
+    pub worker: Option<Arc<Mutex<WorkerProc>>>,
+    /// Its id (empty until forked).
+    pub worker_id: String,
+    /// The GPU slot it holds: only if its closure has GPU-resident state (or the
+    /// host prepares every worker with its slot); others get a slot at Run.
+    pub slot: Option<u32>,
+    /// The recipe revision it was (or is being) prepared for (0: kept warm).
+    pub revision: u64,
+    /// Speculative or warm.
+    pub class: PreparedClass,
+    /// When it first became ready: its idle time counts from there.
+    pub first_ready: Option<Instant>,
+    /// What is left to do.
+    pub phase: Phase,
+}
+
+impl PreparedWorker {
+    /// A worker about to be forked for an edit-derived recipe.
+    pub fn speculative(slot: Option<u32>, revision: u64) -> Self {
+        Self {
+            worker: None,
+            worker_id: String::new(),
+            slot,
+            revision,
+            class: PreparedClass::Speculative,
+            first_ready: None,
+            phase: Phase::Preparing { next: None, run: None, stop: None },
+        }
+    }
+
+    /// The worker that just ran its cell, kept warm with its slot.
+    pub fn warm(worker: Arc<Mutex<WorkerProc>>, worker_id: String, slot: u32) -> Self {
+        Self {
+            worker: Some(worker),
+            worker_id,
+            slot: Some(slot),
+            revision: 0,
+            class: PreparedClass::Warm,
+            first_ready: Some(Instant::now()),
+            phase: Phase::Ready,
+        }
+    }
+
+    /// Whether a preparation is under way.
+    pub fn is_preparing(&self) -> bool {
+        matches!(self.phase, Phase::Preparing { .. })
+    }
+
+    /// Whether a run already claimed it (too late to stop or update it).
+    pub fn run_claimed(&self) -> bool {
+        matches!(self.phase, Phase::Preparing { run: Some(_), .. } | Phase::AwaitingSlot { .. })
+    }
+
+    /// Whether it ends once its preparation returns.
+    pub fn stopping(&self) -> bool {
+        matches!(self.phase, Phase::Preparing { stop: Some(_), .. })
+    }
+
+    /// Ready and holding a slot that a run could have instead.
+    pub fn idle_on_slot(&self) -> bool {
+        matches!(self.phase, Phase::Ready) && self.worker.is_some() && self.slot.is_some()
+    }
+
+    /// Milliseconds it spent ready and unused.
+    pub fn idle_ms(&self) -> f64 {
+        self.first_ready.map_or(0.0, |t| t.elapsed().as_secs_f64() * 1000.0)
+    }
+
+    /// Begin (again) preparing it for `revision` of its cell's edit-derived recipe.
+    pub fn begin(&mut self, revision: u64) {
+        self.phase = Phase::Preparing { next: None, run: None, stop: None };
+        self.revision = revision;
+        self.class = PreparedClass::Speculative; // a warm worker now prepared for an edit
+    }
+
+    /// While preparing: apply `recipe` next, in place.
+    pub fn queue_next(&mut self, recipe: RecipeV1) {
+        if let Phase::Preparing { next, .. } = &mut self.phase {
+            *next = Some(Box::new(recipe));
+        }
+    }
+
+    /// While preparing: run `recipe` on it once prepared (nothing newer applies).
+    pub fn queue_run(&mut self, recipe: RecipeV1) {
+        if let Phase::Preparing { next, run, .. } = &mut self.phase {
+            *next = None;
+            *run = Some(Box::new(recipe));
+        }
+    }
+
+    /// While preparing: end it once prepared, for `why`.
+    pub fn stop_when_prepared(&mut self, why: PreparedOutcome) {
+        if let Phase::Preparing { next, stop, .. } = &mut self.phase {
+            *next = None;
+            *stop = Some(why);
+        }
+    }
+
+    /// The preparation returned: what was waiting for it, and the phase is Ready.
+    pub fn prepared(&mut self) -> (Option<RecipeV1>, Option<RecipeV1>, Option<PreparedOutcome>) {
+        match std::mem::replace(&mut self.phase, Phase::Ready) {
+            Phase::Preparing { next, run, stop } => (next.map(|r| *r), run.map(|r| *r), stop),
+            Phase::Ready | Phase::AwaitingSlot { .. } => (None, None, None),
+        }
+    }
+
+    /// The run waiting for a slot, if any (the phase goes back to Ready).
+    pub fn take_awaiting_run(&mut self) -> Option<RecipeV1> {
+        match std::mem::replace(&mut self.phase, Phase::Ready) {
+            Phase::AwaitingSlot { run } => Some(*run),
+            other => {
+                self.phase = other;
+                None
+            }
+        }
+    }
+}
+
+/// Prepared workers by (session, cell).
+#[derive(Default)]
+pub struct PreparedWorkers(HashMap<PrepKey, PreparedWorker>);
+
+impl PreparedWorkers {
+    /// The worker prepared for `key`.
+    pub fn get(&self, key: &PrepKey) -> Option<&PreparedWorker> {
+        self.0.get(key)
+    }
+
+    /// The worker prepared for `key`, to change its phase.
+    pub fn get_mut(&mut self, key: &PrepKey) -> Option<&mut PreparedWorker> {
+        self.0.get_mut(key)
+    }
+
+    /// Whether a worker is prepared (or being prepared) for `key`.
+    pub fn contains(&self, key: &PrepKey) -> bool {
+        self.0.contains_key(key)
+    }
+
+    /// Register a prepared worker.
+    pub fn insert(&mut self, key: PrepKey, p: PreparedWorker) {
+        self.0.insert(key, p);
+    }
+
+    /// Forget a prepared worker (it runs its cell, or ends).
+    pub fn remove(&mut self, key: &PrepKey) -> Option<PreparedWorker> {
+        self.0.remove(key)
+    }
+
+    /// The prepared worker with this id.
+    pub fn by_worker(&self, worker: &str) -> Option<PrepKey> {
+        self.0.iter().find(|(_, p)| p.worker_id == worker).map(|(k, _)| k.clone())
+    }
+
+    /// The session's prepared workers.
+    pub fn of_session(&self, session: Uuid) -> Vec<PrepKey> {
+        self.0.keys().filter(|(s, _)| *s == session).cloned().collect()
+    }
+
+    /// The slot-holding worker to give up first for a run: ready, warm before
+    /// speculative, longest idle first.
+    pub fn to_give_up(&self) -> Option<PrepKey> {
+        self.0
+            .iter()
+            .filter(|(_, p)| p.idle_on_slot())
+            .min_by_key(|(_, p)| (p.class == PreparedClass::Speculative, p.first_ready))
+            .map(|(k, _)| k.clone())
+    }
+
+    /// Ready workers whose process is gone.
+    pub fn dead(&self) -> Vec<PrepKey> {
+        self.0
+            .iter()
+            .filter(|(_, p)| matches!(p.phase, Phase::Ready))
+            .filter(|(_, p)| {
+                p.worker.as_ref().is_some_and(|w| w.try_lock().is_ok_and(|w| !crate::process::is_alive(w.pid)))
+            })
+            .map(|(k, _)| k.clone())
+            .collect()
+    }
+
+    /// Whether the worker prepared for (session, cell) is being prepared (status).
+    pub fn is_preparing(&self, session: Uuid, cell_id: &str) -> bool {
+        self.0.get(&(session, cell_id.to_string())).is_some_and(PreparedWorker::is_preparing)
+    }
+
+    /// Every prepared worker (shutdown).
+    pub fn drain(&mut self) -> impl Iterator<Item = PreparedWorker> + '_ {
+        self.0.drain().map(|(_, p)| p)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use schemas::messages::{Device, RecipeKind, SessionOptions};
+
+    fn recipe(revision: u64) -> RecipeV1 {
+        RecipeV1 {
+            session: Uuid::nil(),
+            cell_id: "c".into(),
+            kind: RecipeKind::Speculative,
+            exec_id: Uuid::nil(),
+            revision,
+            code: String::new(),
+            code_hash: 0,
+            closure: vec![],
+            imports: vec![],
+            device: Device::Gpu,
+            device_reason: String::new(),
+            conservative: None,
+            pinned: None,
+            manifest_revision: 0,
+            run_unix_ms: 0,
+            options: SessionOptions::default(),
+            prepared: None,
+            speculate: true,
+        }
+    }
+
+    #[test]
+    fn what_arrives_while_preparing_waits_in_the_phase() {
+        let mut p = PreparedWorker::speculative(Some(0), 1);
+        assert!(p.is_preparing() && !p.run_claimed() && !p.stopping());
+        p.queue_next(recipe(2));
+        p.queue_run(recipe(3));
+        assert!(p.run_claimed(), "a claimed run cannot be stopped or updated");
+        let (next, run, stop) = p.prepared();
+        assert!(next.is_none(), "a run replaces any newer edit recipe");
+        assert_eq!(run.map(|r| r.revision), Some(3));
+        assert!(stop.is_none() && !p.is_preparing());
+
+        let mut p = PreparedWorker::speculative(None, 1);
+        p.queue_next(recipe(2));
+        p.stop_when_prepared(PreparedOutcome::Evicted);
+        assert!(p.stopping());
+        assert!(matches!(p.prepared(), (None, None, Some(PreparedOutcome::Evicted))));
+    }
+
+    #[test]
+    fn a_run_waiting_for_a_slot_is_taken_once_and_only_ready_slot_holders_are_given_up() {
+        let mut p = PreparedWorker::speculative(None, 1);
+        let _ = p.prepared();
+        assert!(!p.idle_on_slot(), "no worker and no slot");
+        p.phase = Phase::AwaitingSlot { run: Box::new(recipe(4)) };
+        assert!(p.run_claimed());
+        assert_eq!(p.take_awaiting_run().map(|r| r.revision), Some(4));
+        assert!(p.take_awaiting_run().is_none());
+        assert!(matches!(p.phase, Phase::Ready));
+        p.begin(5);
+        assert!(p.is_preparing() && p.revision == 5 && p.class == PreparedClass::Speculative);
+    }
+}

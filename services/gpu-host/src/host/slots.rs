@@ -1,0 +1,173 @@
+//! This host's GPU slots and what holds each one. Slots are named by their GPU
+//! index everywhere (what events, status and workers' `CUDA_VISIBLE_DEVICES` use).
+
+use std::time::Instant;
+
+use schemas::messages::SlotStatus;
+use uuid::Uuid;
+
+use crate::gpus::Gpu;
+
+/// What holds a slot.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SlotState {
+    /// Nothing.
+    Free,
+    /// Reserved while this host tries to claim a run (`Some(exec)`) or the
+    /// preparation of a cell (`None`).
+    Claiming(Option<Uuid>),
+    /// Running `exec` for `session`.
+    Busy {
+        /// The execution.
+        exec: Uuid,
+        /// Its session.
+        session: Uuid,
+    },
+    /// Kept with a worker that holds unsavable state.
+    Pinned {
+        /// The worker.
+        worker: String,
+        /// Its session.
+        session: Uuid,
+    },
+    /// Held by a worker prepared (or kept warm) for a cell before Run.
+    Prepared {
+        /// The session.
+        session: Uuid,
+        /// The cell.
+        cell_id: String,
+    },
+}
+
+struct Slot {
+    gpu: Gpu,
+    state: SlotState,
+    /// Since when the slot is held by its current user (what `SlotReleased` counts).
+    since: Instant,
+}
+
+/// The slots of this host.
+pub struct Slots(Vec<Slot>);
+
+impl Slots {
+    /// Every slot free.
+    pub fn new(gpus: Vec<Gpu>) -> Self {
+        Self(gpus.into_iter().map(|gpu| Slot { gpu, state: SlotState::Free, since: Instant::now() }).collect())
+    }
+
+    /// Whether this host has no GPU slots (it runs only CPU cells).
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// A free slot's index.
+    pub fn free(&self) -> Option<u32> {
+        self.0.iter().find(|s| s.state == SlotState::Free).map(|s| s.gpu.index)
+    }
+
+    /// The share of slots that are free, 0..=1 (0 with no slots).
+    pub fn free_share(&self) -> f64 {
+        let free = self.0.iter().filter(|s| s.state == SlotState::Free).count();
+        free as f64 / self.0.len().max(1) as f64
+    }
+
+    fn get(&mut self, index: u32) -> Option<&mut Slot> {
+        self.0.iter_mut().find(|s| s.gpu.index == index)
+    }
+
+    /// Take slot `index` for a new holder: its held time starts now.
+    pub fn take(&mut self, index: u32, state: SlotState) {
+        if let Some(s) = self.get(index) {
+            s.state = state;
+            s.since = Instant::now();
+        }
+    }
+
+    /// Hand slot `index` on to the next step of the same holder (a claimed run
+    /// starts, a prepared worker runs its cell): its held time goes on.
+    pub fn hand_on(&mut self, index: u32, state: SlotState) {
+        if let Some(s) = self.get(index) {
+            s.state = state;
+        }
+    }
+
+    /// Free slot `index` and say how long it was held (ms); None if it does not exist.
+    pub fn release(&mut self, index: u32) -> Option<f64> {
+        let s = self.get(index)?;
+        s.state = SlotState::Free;
+        Some(s.since.elapsed().as_secs_f64() * 1000.0)
+    }
+
+    /// Give up a reservation without counting it as held (a claim lost).
+    pub fn unreserve(&mut self, index: u32) {
+        if let Some(s) = self.get(index) {
+            s.state = SlotState::Free;
+        }
+    }
+
+    /// The runs holding slots (their claims are renewed).
+    pub fn running(&self) -> impl Iterator<Item = Uuid> + '_ {
+        self.0.iter().filter_map(|s| match s.state {
+            SlotState::Busy { exec, .. } => Some(exec),
+            _ => None,
+        })
+    }
+
+    /// Each slot for host status; `preparing(session, cell)` says whether a
+    /// prepared worker is still being prepared.
+    pub fn status(&self, preparing: impl Fn(Uuid, &str) -> bool) -> Vec<SlotStatus> {
+        self.0
+            .iter()
+            .map(|s| {
+                let (exec_id, session, held_for) = match &s.state {
+                    SlotState::Free => (None, None, None),
+                    SlotState::Claiming(e) => (*e, None, Some("claiming".to_string())),
+                    SlotState::Busy { exec, session } => (Some(*exec), Some(*session), Some("cell".to_string())),
+                    SlotState::Pinned { session, worker } => {
+                        (None, Some(*session), Some(format!("unsavable state in {worker}")))
+                    }
+                    SlotState::Prepared { session, cell_id } => {
+                        let what = if preparing(*session, cell_id) { "preparing" } else { "prepared" };
+                        (None, Some(*session), Some(format!("{what} for cell {cell_id}")))
+                    }
+                };
+                SlotStatus {
+                    index: s.gpu.index,
+                    name: s.gpu.name.clone(),
+                    memory_bytes: s.gpu.memory_bytes,
+                    exec_id,
+                    session,
+                    held_for,
+                }
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slots(n: u32) -> Slots {
+        Slots::new((0..n).map(|index| Gpu { index, name: "virtual".into(), memory_bytes: 0 }).collect())
+    }
+
+    #[test]
+    fn slots_are_taken_and_released_by_index() {
+        let mut s = slots(2);
+        assert_eq!((s.free(), s.free_share()), (Some(0), 1.0));
+        let (exec, session) = (Uuid::now_v7(), Uuid::now_v7());
+        s.take(0, SlotState::Claiming(Some(exec)));
+        assert_eq!((s.free(), s.free_share()), (Some(1), 0.5));
+        s.hand_on(0, SlotState::Busy { exec, session });
+        assert_eq!(s.running().collect::<Vec<_>>(), vec![exec]);
+        s.take(1, SlotState::Prepared { session, cell_id: "c".into() });
+        assert_eq!(s.free(), None);
+        let st = s.status(|_, cell| cell == "c");
+        assert_eq!(st[0].held_for.as_deref(), Some("cell"));
+        assert_eq!(st[1].held_for.as_deref(), Some("preparing for cell c"));
+        assert!(s.release(0).is_some_and(|ms| ms >= 0.0));
+        assert_eq!(s.free(), Some(0));
+        assert_eq!(s.release(7), None, "no such slot");
+    }
+}
