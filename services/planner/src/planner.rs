@@ -20,7 +20,7 @@ use schemas::messages::{
 };
 use schemas::subjects::HostVerb;
 use schemas::subjects::StoreVerb;
-use schemas::{unix_ms, Bus, Envelope};
+use schemas::{unix_ms, Bus, BusError, Envelope};
 use tracing::Instrument;
 use uuid::Uuid;
 
@@ -169,13 +169,28 @@ fn code_hash(code: &str) -> u64 {
     h.finish()
 }
 
+/// Why a run could not be planned. What it says is what the user reads in the
+/// `Failed` event (sent in one place, the run handler).
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    /// The session's manifest could not be read.
+    #[error("planner could not read the session's state: {0}")]
+    Manifest(#[source] BusError),
+    /// The planner's own state for the session could not be read or written.
+    #[error(transparent)]
+    State(#[from] state::StateError),
+    /// The planned event or the recipe could not be published.
+    #[error("planner could not publish the recipe: {0}")]
+    Publish(#[source] BusError),
+}
+
 /// The session's latest manifest; `at_least`: a revision known to be committed.
-async fn fetch_manifest(bus: &Bus, session: Uuid, at_least: Option<u64>) -> Result<Manifest, String> {
+async fn fetch_manifest(bus: &Bus, session: Uuid, at_least: Option<u64>) -> Result<Manifest, PlanError> {
     let get = ManifestGetV2 { session, at_least };
     bus.request::<_, ManifestV1>(bus.subjects().store(StoreVerb::ManifestGet), &get, Duration::from_secs(30))
         .await
         .map(|m| m.manifest)
-        .map_err(|e| format!("planner could not read the session's state: {e}"))
+        .map_err(PlanError::Manifest)
 }
 
 /// What a recipe is for: the cell, the execution (nil while editing) and the code.
@@ -217,7 +232,7 @@ async fn plan_run(
     kv: kv::Store,
     run: RunV1,
     prepared: Option<PreparedWorker>,
-) -> Result<(Manifest, state::SessionState), String> {
+) -> Result<(Manifest, state::SessionState), PlanError> {
     let analysis = analysis::analyze(&run.code);
     // the gateway refuses to answer with a revision older than `after_revision`
     let manifest = fetch_manifest(&bus, run.session, Some(run.after_revision)).await?;
@@ -234,8 +249,7 @@ async fn plan_run(
         }
         (d, revision, st.clone())
     })
-    .await
-    .map_err(|e| e.to_string())?;
+    .await?;
 
     let planned = SessionEventV2 {
         session: run.session,
@@ -251,7 +265,7 @@ async fn plan_run(
             pinned: d.pinned.as_ref().map(|p| p.names.clone()).unwrap_or_default(),
         },
     };
-    bus.publish(bus.subjects().event(run.session), &planned).await.map_err(|e| e.to_string())?;
+    bus.publish(bus.subjects().event(run.session), &planned).await.map_err(PlanError::Publish)?;
     let target = For {
         session: run.session,
         cell_id: run.cell_id,
@@ -262,7 +276,7 @@ async fn plan_run(
         options: run.options,
     };
     let r = recipe(target, revision, manifest.revision, &d, prepared);
-    bus.publish(bus.subjects().recipe(run.session), &r).await.map_err(|e| e.to_string())?;
+    bus.publish(bus.subjects().recipe(run.session), &r).await.map_err(PlanError::Publish)?;
     Ok((manifest, st))
 }
 
@@ -283,7 +297,7 @@ impl StreamHandler<Result<Envelope<RunV1>, Rejected>> for Planner {
                     session,
                     exec_id,
                     unix_ms: unix_ms(),
-                    kind: EventKind::Failed { error: error.clone() },
+                    kind: EventKind::Failed { error: error.to_string() },
                 };
                 if let Err(e) = bus.publish(bus.subjects().event(session), &ev).await {
                     tracing::error!(error = %e, "could not report a planning failure");

@@ -60,6 +60,16 @@ pub enum StateError {
         /// What failed.
         reason: String,
     },
+    /// The stored state does not decode. It is left as it is (a reset would
+    /// forget which cells define which names, and the next closures would be
+    /// wrong); deleting the session clears it.
+    #[error("planner state for session {session} is corrupt ({source}); delete the session to start it afresh")]
+    Corrupt {
+        /// Session.
+        session: Uuid,
+        /// Why it does not decode.
+        source: serde_json::Error,
+    },
 }
 
 /// Change a session's state with `f`, atomically: a revision-checked update that
@@ -75,7 +85,9 @@ pub async fn modify<T>(
         let entry = kv.entry(key.clone()).await.map_err(|e| kv_err(e.to_string()))?;
         let (mut state, revision) = match &entry {
             Some(e) if e.operation == kv::Operation::Put => {
-                (serde_json::from_slice(&e.value).unwrap_or_default(), Some(e.revision))
+                let state =
+                    serde_json::from_slice(&e.value).map_err(|source| StateError::Corrupt { session, source })?;
+                (state, Some(e.revision))
             }
             Some(e) => (SessionState::default(), Some(e.revision)),
             None => (SessionState::default(), None),

@@ -1,6 +1,6 @@
 //! The planner's per-session state in a real JetStream KV bucket: a state too
 //! large for the bucket is an error that says how large, not a retry storm that
-//! ends in "too many concurrent updates".
+//! ends in "too many concurrent updates"; a corrupt state is an error, not a reset.
 
 use looseleaf_planner::state::{self, NameMeta};
 use looseleaf_test_support::{random_prefix, NatsServer};
@@ -33,4 +33,24 @@ async fn a_state_too_large_to_write_says_so() {
         .await
         .expect("read back");
     assert!(kept);
+}
+
+/// A stored state that does not decode is an error naming the session, and it is
+/// left in place: a silent reset would forget which cells define which names.
+#[tokio::test]
+async fn a_corrupt_state_is_reported_not_reset() {
+    let nats = NatsServer::start().expect("nats-server");
+    let client = async_nats::connect(nats.url()).await.expect("connect");
+    let js = async_nats::jetstream::new(client);
+    let kv = schemas::buckets::planner(&js, &random_prefix()).await.expect("bucket");
+    let session = Uuid::now_v7();
+    kv.put(session.to_string(), "{not json".into()).await.expect("put garbage");
+
+    let mut called = false;
+    let err = state::modify(&kv, session, |_| called = true).await.expect_err("corrupt state");
+    assert!(matches!(err, state::StateError::Corrupt { session: s, .. } if s == session), "{err}");
+    assert!(err.to_string().contains(&session.to_string()), "{err}");
+    assert!(!called, "nothing is planned on a state that was not read");
+    let stored = kv.get(session.to_string()).await.expect("get").expect("still there");
+    assert_eq!(stored.as_ref(), b"{not json", "the stored state is untouched");
 }

@@ -1,5 +1,7 @@
-//! A reply larger than the bus takes in one message (a manifest of very many
-//! variables) reaches the asker as an error that says so, not as a time-out.
+//! What a service asking the store over the bus is told when no good answer comes:
+//! a reply larger than the bus takes in one message (a manifest of very many
+//! variables) is an error that says so, not a time-out; no store running is told
+//! apart from a store too slow to answer.
 
 use std::time::Duration;
 
@@ -38,4 +40,24 @@ async fn an_answer_too_large_for_one_message_is_an_error_not_silence() {
         other => panic!("expected a remote error, got {other:?}"),
     }
     assert!(answer.await.expect("task").is_ok());
+}
+
+#[tokio::test]
+async fn no_responder_and_a_slow_responder_are_different_errors() {
+    let nats = NatsServer::start().expect("nats-server");
+    let prefix = random_prefix();
+    let client = Bus::connect(nats.url(), &prefix, "asking").await.expect("connect");
+    let get = schemas::messages::ManifestGetV2 { session: Uuid::now_v7(), at_least: None };
+
+    let nobody = format!("{prefix}.v1.test.nobody");
+    let err = client.request::<_, ManifestV1>(nobody.clone(), &get, Duration::from_secs(5)).await.expect_err("nobody");
+    assert!(matches!(&err, BusError::NoResponders { subject } if *subject == nobody), "{err}");
+
+    let slow = format!("{prefix}.v1.test.slow");
+    let silent = Bus::connect(nats.url(), &prefix, "silent").await.expect("connect");
+    let _sub = silent.subscribe::<schemas::messages::ManifestGetV2>(slow.clone()).await.expect("subscribe");
+    silent.flush().await.expect("flush");
+    let timeout = Duration::from_millis(300);
+    let err = client.request::<_, ManifestV1>(slow.clone(), &get, timeout).await.expect_err("silent");
+    assert!(matches!(&err, BusError::TimedOut { subject, timeout: t } if *subject == slow && *t == timeout), "{err}");
 }
