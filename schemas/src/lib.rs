@@ -7,16 +7,19 @@
 //! - [`subjects`]: subject functions, each with its grammar.
 //! - [`codec`]: bincode 2 with the message type and version in NATS headers.
 //! - [`bus`]: publish / request / subscribe-and-decode with W3C trace context.
-//! - [`messages`]: the v1 messages for every arrow in DESIGN.md section 3.
+//! - [`messages`]: the messages for every arrow in DESIGN.md section 3 (and, in
+//!   `messages::frozen`, the versions they replaced).
 //! - [`checkpoint`]: manifests, deltas, chunks and the object-store layout.
 //! - [`buckets`]: JetStream KV buckets and streams.
 //! - [`telemetry`]: tracing setup and trace-context propagation.
+//! - [`service`]: the skeleton every service runs in (flags, `$SRV`, drain).
 
 pub mod buckets;
 pub mod bus;
 pub mod checkpoint;
 pub mod codec;
 pub mod messages;
+pub mod service;
 pub mod subjects;
 pub mod telemetry;
 

@@ -12,11 +12,14 @@ use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::EnvFilter;
 
+/// The tracer provider `init` installed, kept so that `shutdown` can flush it.
+static PROVIDER: std::sync::OnceLock<SdkTracerProvider> = std::sync::OnceLock::new();
+
 /// Install the process-wide subscriber once: logs filtered by `filter` (an
 /// `EnvFilter` directive such as `info,looseleaf=debug`) and an OpenTelemetry layer
 /// whose span contexts travel in NATS headers. Calling it again is harmless.
 pub fn init(service: &'static str, filter: &str) {
-    let provider = SdkTracerProvider::builder().build();
+    let provider = PROVIDER.get_or_init(|| SdkTracerProvider::builder().build()).clone();
     let tracer = provider.tracer(service);
     opentelemetry::global::set_tracer_provider(provider);
     let _already_set = tracing_subscriber::registry()
@@ -24,6 +27,17 @@ pub fn init(service: &'static str, filter: &str) {
         .with(tracing_subscriber::fmt::layer().with_target(true).with_writer(std::io::stderr))
         .with(tracing_opentelemetry::layer().with_tracer(tracer))
         .try_init();
+}
+
+/// Export every finished span now (the last step of a service's shutdown, so the
+/// spans of its drain leave the process too). Only a flush: in `looseleaf up` the
+/// services share one process and the others still trace.
+pub fn flush() {
+    if let Some(provider) = PROVIDER.get() {
+        if let Err(e) = provider.force_flush() {
+            tracing::debug!(error = %e, "tracer provider flush");
+        }
+    }
 }
 
 struct HeaderInjector<'a>(&'a mut HeaderMap);

@@ -24,11 +24,12 @@ pub mod session;
 use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use anyhow::Context as _;
-use schemas::Bus;
+use schemas::service::Service;
 use tokio_util::sync::CancellationToken;
 
 /// Deadlines of the run queue.
@@ -86,8 +87,9 @@ pub async fn run_with_bound(
     shutdown: impl Future<Output = ()>,
     on_bound: impl FnOnce(SocketAddr),
 ) -> anyhow::Result<()> {
-    let bus = Bus::connect(&config.nats_url, &config.prefix, "looseleaf-frontend").await?;
-    let _service = bus.register_service("looseleaf-frontend", "HTTP API, session events and run queues").await?;
+    let description = "HTTP API, session events and run queues";
+    let service = Service::start("looseleaf-frontend", None, description, &config.nats_url, &config.prefix).await?;
+    let bus = service.bus().clone();
     schemas::buckets::events_stream(&bus.jetstream(), bus.subjects())
         .await
         .context("while creating the session-events stream (is JetStream enabled?)")?;
@@ -104,35 +106,32 @@ pub async fn run_with_bound(
         shutdown: token.clone(),
     };
     let app = http::router(state.clone());
-    let server_token = token.clone();
-    let mut server =
-        tokio::spawn(
-            async move { axum::serve(listener, app).with_graceful_shutdown(server_token.cancelled_owned()).await },
-        );
+    // The HTTP server is this service's worker: if it ends by itself the service
+    // stops with an error (the skeleton notices through `serving`).
+    let serving = Arc::new(AtomicBool::new(true));
+    let (ended_tx, ended_rx) = tokio::sync::oneshot::channel();
+    let (server_token, flag) = (token.clone(), serving.clone());
+    let server = tokio::spawn(async move {
+        let result = axum::serve(listener, app).with_graceful_shutdown(server_token.cancelled_owned()).await;
+        if let Err(e) = &result {
+            tracing::error!(error = %e, "the HTTP server stopped");
+        }
+        flag.store(false, Ordering::SeqCst);
+        let _ = ended_tx.send(result);
+    });
     tracing::info!(addr = %bound, prefix = %config.prefix, "frontend serving on http://{bound}");
     on_bound(bound);
-    tokio::select! {
-        () = shutdown => {}
-        res = &mut server => {
-            let res = res.context("the HTTP server task failed")?;
-            res.context("the HTTP server stopped")?;
-            anyhow::bail!("the HTTP server stopped unexpectedly");
+    let drain = async {
+        // no new requests; open event streams end; sessions stop at once
+        token.cancel();
+        for addr in state.drain() {
+            addr.do_send(session::Close { grace: Duration::ZERO });
         }
-    }
-    tracing::info!("frontend shutting down");
-    token.cancel();
-    for addr in state.drain() {
-        addr.do_send(session::Close { grace: Duration::ZERO });
-    }
-    match tokio::time::timeout(Duration::from_secs(5), &mut server).await {
-        Ok(Ok(Ok(()))) => {}
-        Ok(Ok(Err(e))) => tracing::warn!(error = %e, "HTTP server ended with an error"),
-        Ok(Err(e)) => tracing::warn!(error = %e, "HTTP server task failed"),
-        Err(_) => {
+        if tokio::time::timeout(Duration::from_secs(5), ended_rx).await.is_err() {
             tracing::warn!("HTTP connections did not close in 5 s; aborting them");
             server.abort();
         }
-    }
-    bus.flush().await?;
+    };
+    service.serve(shutdown, || serving.load(Ordering::SeqCst), drain).await?;
     Ok(())
 }

@@ -1,16 +1,14 @@
 use std::net::SocketAddr;
 
 use clap::Parser;
+use schemas::service::ServiceArgs;
 
 /// LooseLeaf frontend: HTTP API for sessions, cells and their events.
 #[derive(Parser, Debug)]
 struct Args {
-    /// NATS server URL.
-    #[arg(long, env = "LOOSELEAF_NATS_URL", default_value = "nats://127.0.0.1:4222")]
-    nats_url: String,
-    /// Subject prefix (isolates tenants and tests).
-    #[arg(long, env = "LOOSELEAF_PREFIX", default_value = "ll")]
-    prefix: String,
+    /// Flags every service takes (NATS, prefix, log filter).
+    #[command(flatten)]
+    service: ServiceArgs,
     /// Address to serve HTTP on; port 0 picks a free port (logged).
     #[arg(long, env = "LOOSELEAF_LISTEN", default_value = "127.0.0.1:8470")]
     listen: SocketAddr,
@@ -20,15 +18,12 @@ struct Args {
     /// Seconds a run may take to reach Saved/Failed before it fails.
     #[arg(long, env = "LOOSELEAF_EXEC_DEADLINE_S", default_value_t = 3600)]
     exec_deadline_s: u64,
-    /// Log filter.
-    #[arg(long, env = "LOOSELEAF_LOG", default_value = "info")]
-    log: String,
 }
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    schemas::telemetry::init("looseleaf-frontend", &args.log);
-    let mut config = looseleaf_frontend::Config::new(args.nats_url, args.prefix, args.listen);
+    schemas::telemetry::init("looseleaf-frontend", &args.service.log);
+    let mut config = looseleaf_frontend::Config::new(args.service.nats_url, args.service.prefix, args.listen);
     config.timeouts.claim = std::time::Duration::from_secs(args.claim_timeout_s);
     config.timeouts.execution = std::time::Duration::from_secs(args.exec_deadline_s);
     actix_rt::System::new().block_on(looseleaf_frontend::run(config, schemas::telemetry::shutdown_signal()))

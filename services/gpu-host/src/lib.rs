@@ -34,9 +34,10 @@ use std::time::Duration;
 
 use actix::prelude::*;
 use anyhow::Context as _;
+use schemas::buckets;
 use schemas::messages::{EvictV1, RecipeV1, SessionCloseV1, SessionEventV2};
+use schemas::service::Service;
 use schemas::subjects::HostVerb;
-use schemas::{buckets, Bus};
 
 /// Child zygotes kept per host (the base zygote always stays).
 const MAX_CHILD_ZYGOTES: usize = 4;
@@ -82,7 +83,11 @@ pub struct Config {
 
 /// Run the host until `shutdown` resolves. Must be called inside an actix system.
 pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
-    let bus = Bus::connect(&config.nats_url, &config.prefix, &format!("looseleaf-gpu-host-{}", config.host_id)).await?;
+    let description = "GPU slots, zygotes and workers";
+    let service =
+        Service::start("looseleaf-gpu-host", Some(&config.host_id), description, &config.nats_url, &config.prefix)
+            .await?;
+    let bus = service.bus().clone();
     let objects = schemas::objects::open(&config.store_url).context("while opening the object store")?;
     std::fs::create_dir_all(&config.runtime_dir)
         .with_context(|| format!("while creating {}", config.runtime_dir.display()))?;
@@ -128,7 +133,6 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         lifecycle: Default::default(),
         package_layers: config.package_layers.clone(),
     };
-    let _service = bus.register_service("looseleaf-gpu-host", "GPU slots, zygotes and workers").await?;
     let s = bus.subjects().clone();
     let recipes = bus.subscribe::<RecipeV1>(s.all_recipes()).await?;
     let events = bus.subscribe::<SessionEventV2>(s.all_events()).await?;
@@ -142,15 +146,16 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         ctx.add_stream(evictions.into_stream());
         host::Host::new(env, claims, slots, real_gpus, config.prepare_holds_slot, config.keep_warm)
     });
-    shutdown.await;
-    tracing::info!(host = %config.host_id, "gpu-host stopping");
-    if let Err(e) = addr.send(host::Stop).await {
-        tracing::warn!(error = %e, "host actor already stopped");
-    }
-    zygote_handle.lock().await.shutdown().await;
+    let drain = async {
+        // every worker this host keeps or prepared is stopped, then the zygotes
+        if let Err(e) = addr.send(host::Stop).await {
+            tracing::warn!(error = %e, "host actor already stopped");
+        }
+        zygote_handle.lock().await.shutdown().await;
+    };
+    let served = service.serve(shutdown, || addr.connected(), drain).await;
     let _ = std::fs::remove_file(socket_path(&config));
-    bus.flush().await?;
-    Ok(())
+    Ok(served?)
 }
 
 /// The host's Unix socket: in the runtime directory when the path is short enough

@@ -1,16 +1,14 @@
 use std::path::PathBuf;
 
 use clap::Parser;
+use schemas::service::ServiceArgs;
 
 /// LooseLeaf gpu-host: GPU slots, zygotes and workers for one machine.
 #[derive(Parser, Debug)]
 struct Args {
-    /// NATS server URL.
-    #[arg(long, env = "LOOSELEAF_NATS_URL", default_value = "nats://127.0.0.1:4222")]
-    nats_url: String,
-    /// Subject prefix (isolates tenants and tests).
-    #[arg(long, env = "LOOSELEAF_PREFIX", default_value = "ll")]
-    prefix: String,
+    /// Flags every service takes (NATS, prefix, log filter).
+    #[command(flatten)]
+    service: ServiceArgs,
     /// Object store URL: file:///dir or a directory (shared by every host and the store).
     #[arg(long, env = "LOOSELEAF_STORE_URL", default_value = ".looseleaf/store")]
     store_url: String,
@@ -48,17 +46,14 @@ struct Args {
     /// budget evicts it (a re-run of the cell starts at once; costs idle slot time).
     #[arg(long, env = "LOOSELEAF_KEEP_WARM")]
     keep_warm: bool,
-    /// Log filter.
-    #[arg(long, env = "LOOSELEAF_LOG", default_value = "info")]
-    log: String,
 }
 
 fn main() -> anyhow::Result<()> {
     let a = Args::parse();
-    schemas::telemetry::init("looseleaf-gpu-host", &a.log);
+    schemas::telemetry::init("looseleaf-gpu-host", &a.service.log);
     let config = looseleaf_gpu_host::Config {
-        nats_url: a.nats_url,
-        prefix: a.prefix,
+        nats_url: a.service.nats_url,
+        prefix: a.service.prefix,
         store_url: a.store_url,
         host_id: a.host_id,
         virtual_gpus: a.virtual_gpus,

@@ -20,8 +20,9 @@ use std::future::Future;
 use std::time::Duration;
 
 use actix::prelude::*;
+use schemas::buckets;
 use schemas::messages::{EditV1, HostStatusV2, RunV1, SessionCloseV1, SessionEventV2};
-use schemas::{buckets, Bus};
+use schemas::service::Service;
 
 /// Default edit debounce (ms): typing yields a recipe at most this often per cell.
 pub const DEFAULT_DEBOUNCE_MS: u64 = 100;
@@ -45,9 +46,11 @@ pub struct Config {
 
 /// Run the planner until `shutdown` resolves. Must be called inside an actix system.
 pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
-    let bus = Bus::connect(&config.nats_url, &config.prefix, "looseleaf-planner").await?;
+    let service =
+        Service::start("looseleaf-planner", None, "cell analysis and recipes", &config.nats_url, &config.prefix)
+            .await?;
+    let bus = service.bus().clone();
     let kv = buckets::planner(&bus.jetstream(), &config.prefix).await?;
-    let _service = bus.register_service("looseleaf-planner", "cell analysis and recipes").await?;
     let s = bus.subjects().clone();
     let runs = bus.queue_subscribe::<RunV1>(s.all_runs(), "planner").await?;
     let edits = bus.queue_subscribe::<EditV1>(s.all_edits(), "planner").await?;
@@ -64,8 +67,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         planner::Planner::new(actor_bus, kv, config.debounce, config.budget)
     });
     tracing::info!(prefix = %config.prefix, "planner serving");
-    shutdown.await;
-    drop(addr);
-    bus.flush().await?;
+    // nothing to hand back: a run planned halfway is planned again by its retry
+    service.serve(shutdown, || addr.connected(), async {}).await?;
     Ok(())
 }

@@ -1,14 +1,12 @@
 use clap::Parser;
+use schemas::service::ServiceArgs;
 
 /// LooseLeaf planner: cell analysis and recipes.
 #[derive(Parser, Debug)]
 struct Args {
-    /// NATS server URL.
-    #[arg(long, env = "LOOSELEAF_NATS_URL", default_value = "nats://127.0.0.1:4222")]
-    nats_url: String,
-    /// Subject prefix (isolates tenants and tests).
-    #[arg(long, env = "LOOSELEAF_PREFIX", default_value = "ll")]
-    prefix: String,
+    /// Flags every service takes (NATS, prefix, log filter).
+    #[command(flatten)]
+    service: ServiceArgs,
     /// Edits of one cell are planned at most once per this many milliseconds.
     #[arg(long, env = "LOOSELEAF_DEBOUNCE_MS", default_value_t = looseleaf_planner::DEFAULT_DEBOUNCE_MS)]
     debounce_ms: u64,
@@ -18,17 +16,14 @@ struct Args {
     /// Speculation budget: idle GPU-slot seconds one session's prepared workers may spend.
     #[arg(long, env = "LOOSELEAF_IDLE_GPU_SECONDS", default_value_t = looseleaf_planner::DEFAULT_BUDGET.idle_seconds_per_session)]
     idle_gpu_seconds_per_session: f64,
-    /// Log filter.
-    #[arg(long, env = "LOOSELEAF_LOG", default_value = "info")]
-    log: String,
 }
 
 fn main() -> anyhow::Result<()> {
     let a = Args::parse();
-    schemas::telemetry::init("looseleaf-planner", &a.log);
+    schemas::telemetry::init("looseleaf-planner", &a.service.log);
     let config = looseleaf_planner::Config {
-        nats_url: a.nats_url,
-        prefix: a.prefix,
+        nats_url: a.service.nats_url,
+        prefix: a.service.prefix,
         debounce: std::time::Duration::from_millis(a.debounce_ms),
         budget: looseleaf_planner::speculator::Budget {
             prepared_per_host: a.prepared_per_host,

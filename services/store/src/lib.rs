@@ -17,8 +17,8 @@ use std::sync::Arc;
 use actix::prelude::*;
 use anyhow::Context as _;
 use schemas::messages::{ChunkPlanV1, CommitV2, GcV1, ManifestGetV2, SessionDeleteV1};
+use schemas::service::Service;
 use schemas::subjects::StoreVerb;
-use schemas::Bus;
 
 /// What the store gateway needs.
 #[derive(Clone, Debug)]
@@ -35,10 +35,10 @@ pub struct Config {
 
 /// Run the gateway until `shutdown` resolves. Must be called inside an actix system.
 pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
-    let bus = Bus::connect(&config.nats_url, &config.prefix, "looseleaf-store").await?;
     let objects = schemas::objects::open(&config.store_url).context("while opening the object store")?;
-    let _service =
-        bus.register_service("looseleaf-store", "checkpoint-store gateway: manifests and atomic commits").await?;
+    let description = "checkpoint-store gateway: manifests and atomic commits";
+    let service = Service::start("looseleaf-store", None, description, &config.nats_url, &config.prefix).await?;
+    let bus = service.bus().clone();
     let manifests = Arc::new(manifests::Manifests::new(objects).with_quota(config.session_quota_bytes));
     let s = bus.subjects().clone();
     let gets = bus.queue_subscribe::<ManifestGetV2>(s.store(StoreVerb::ManifestGet), "store").await?;
@@ -56,8 +56,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         gateway::Gateway::new(gw_bus, manifests)
     });
     tracing::info!(store = %config.store_url, prefix = %config.prefix, "store gateway serving");
-    shutdown.await;
-    drop(addr);
-    bus.flush().await?;
+    // a commit is one create-only put: it either landed or not, nothing to hand back
+    service.serve(shutdown, || addr.connected(), async {}).await?;
     Ok(())
 }

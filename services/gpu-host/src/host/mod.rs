@@ -24,6 +24,8 @@ mod status;
 
 use std::collections::VecDeque;
 use std::future::Future;
+
+use futures::FutureExt as _;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -193,15 +195,7 @@ impl Host {
     /// next no longer lists it.
     fn stop_worker(&mut self, worker: Arc<Mutex<WorkerProc>>, ctx: &mut Context<Self>) {
         self.enter(&worker_id(&worker), WorkerState::Evicted);
-        self.background(
-            async move {
-                match Arc::try_unwrap(worker) {
-                    Ok(m) => m.into_inner().stop().await,
-                    Err(shared) => shared.lock().await.kill_now(),
-                }
-            },
-            ctx,
-        );
+        self.background(stop(worker), ctx);
     }
 
     // ---------------------------------------------------------------- routing
@@ -765,13 +759,15 @@ impl Host {
         self.background(async move { claims.renew(keys).await }, ctx);
     }
 
-    /// Stop every worker this host keeps or prepared (shutdown).
-    pub fn stop_all(&mut self, ctx: &mut Context<Self>) {
+    /// Stop every worker this host keeps or prepared (shutdown); resolves once
+    /// they are all stopped.
+    pub fn stop_all(&mut self) -> impl Future<Output = ()> + 'static {
         let workers: Vec<_> =
             self.kept.drain().map(|k| k.worker).chain(self.prepared.drain().filter_map(|p| p.worker)).collect();
-        for w in workers {
-            self.stop_worker(w, ctx);
+        for w in &workers {
+            self.enter(&worker_id(w), WorkerState::Evicted);
         }
+        futures::future::join_all(workers.into_iter().map(stop)).map(|_| ())
     }
 }
 
@@ -779,6 +775,14 @@ impl Host {
 fn closure_on_gpu(m: &schemas::checkpoint::Manifest, recipe: &RecipeV1) -> bool {
     let roots = recipe.closure.iter().filter_map(|v| m.variables.get(&v.name).and_then(|e| e.oid.as_deref()));
     m.reachable(roots).iter().any(|oid| m.objects.get(oid).is_some_and(|o| o.on_gpu))
+}
+
+/// Stop a worker: politely if nothing else holds it, else kill it now.
+async fn stop(worker: Arc<Mutex<WorkerProc>>) {
+    match Arc::try_unwrap(worker) {
+        Ok(m) => m.into_inner().stop().await,
+        Err(shared) => shared.lock().await.kill_now(),
+    }
 }
 
 fn worker_id(worker: &Arc<Mutex<WorkerProc>>) -> String {
@@ -838,15 +842,16 @@ impl StreamHandler<Result<Envelope<EvictV1>, Rejected>> for Host {
     }
 }
 
-/// Stop the host: stop every kept worker.
+/// Stop the host: stop every worker it keeps or prepared; answered once they
+/// are stopped.
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct Stop;
 
 impl Handler<Stop> for Host {
-    type Result = ();
+    type Result = ResponseFuture<()>;
 
-    fn handle(&mut self, _: Stop, ctx: &mut Self::Context) {
-        self.stop_all(ctx);
+    fn handle(&mut self, _: Stop, _ctx: &mut Self::Context) -> Self::Result {
+        Box::pin(self.stop_all())
     }
 }
