@@ -5,10 +5,11 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context};
-use tokio::process::{Child, Command};
+use schemas::local_nats::{self, LocalNats};
+use tokio::process::Command;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -42,29 +43,13 @@ pub struct ClusterOptions {
 
 /// A running embedded cluster.
 pub struct Cluster {
-    nats: Child,
+    nats: LocalNats,
     token: CancellationToken,
     tasks: Vec<(String, JoinHandle<anyhow::Result<()>>)>,
     /// The frontend's base URL.
     pub frontend_url: String,
     /// The NATS URL.
     pub nats_url: String,
-}
-
-/// The nats-server binary: the flag/env value, `<repo>/.venv/bin/nats-server`, or PATH's.
-pub fn nats_server_binary(explicit: Option<&Path>, repo: &Path) -> PathBuf {
-    if let Some(p) = explicit {
-        return p.to_path_buf();
-    }
-    let venv = repo.join(".venv/bin/nats-server");
-    if venv.exists() {
-        return venv;
-    }
-    PathBuf::from("nats-server")
-}
-
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
 /// Whether `python -c "import torch"` works (bounded, so a broken install cannot hang `up`).
@@ -78,39 +63,18 @@ async fn has_torch(python: &Path) -> bool {
     matches!(tokio::time::timeout(Duration::from_secs(30), child).await, Ok(Ok(s)) if s.success())
 }
 
-async fn start_nats(bin: &Path, dir: &Path) -> anyhow::Result<(Child, String)> {
-    let port = free_port()?;
-    let mut child = Command::new(bin)
-        .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
-        .arg(dir)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .with_context(|| format!("while starting {} (set --nats-server or LOOSELEAF_NATS_SERVER)", bin.display()))?;
-    let deadline = Instant::now() + Duration::from_secs(15);
-    loop {
-        if tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
-            return Ok((child, format!("nats://127.0.0.1:{port}")));
-        }
-        if let Some(status) = child.try_wait()? {
-            bail!("nats-server exited with {status} before it listened");
-        }
-        if Instant::now() > deadline {
-            bail!("nats-server did not listen on port {port} within 15 s");
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-}
-
 impl Cluster {
     /// Start everything; returns once the frontend listens. Call inside an actix system.
     pub async fn start(opts: &ClusterOptions) -> anyhow::Result<Self> {
         std::fs::create_dir_all(&opts.data_dir)
             .with_context(|| format!("while creating {}", opts.data_dir.display()))?;
         let data_dir = opts.data_dir.canonicalize().context("while resolving the data dir")?;
-        let bin = nats_server_binary(opts.nats_server.as_deref(), &opts.repo);
-        let (nats, nats_url) = start_nats(&bin, &data_dir.join("nats")).await?;
+        let bin = local_nats::binary(opts.nats_server.as_deref(), &opts.repo);
+        let store = data_dir.join("nats");
+        let nats = tokio::task::spawn_blocking(move || LocalNats::start(&bin, &store))
+            .await
+            .context("while starting nats-server")??;
+        let nats_url = nats.url().to_string();
         let token = CancellationToken::new();
         let mut cluster =
             Cluster { nats, token: token.clone(), tasks: Vec::new(), frontend_url: String::new(), nats_url };
@@ -256,8 +220,6 @@ impl Cluster {
                 Err(_) => tracing::warn!(service = %name, "service did not stop within 10 s"),
             }
         }
-        if let Err(e) = self.nats.kill().await {
-            tracing::warn!(error = %e, "could not kill nats-server");
-        }
+        self.nats.kill();
     }
 }

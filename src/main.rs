@@ -1,7 +1,6 @@
 //! `looseleaf`: the embedded cluster (`up`), notebook runs (`run`) and a status view.
 
 mod analyze;
-mod client;
 mod cluster;
 mod notebook;
 mod outputs;

@@ -1,7 +1,7 @@
 //! The per-cell report of `looseleaf run` (DESIGN.md section 10): what each cell
 //! needed, where and how it ran, how long it waited, and the session's totals.
 
-use looseleaf_frontend::api::{ExecStatus, StreamItem};
+use looseleaf_client::api::{ExecStatus, StreamItem};
 use schemas::messages::{CellStatus, EventKind, PreparedClass, PreparedOutcome, SlotUse};
 use serde::Serialize;
 use uuid::Uuid;

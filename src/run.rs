@@ -6,15 +6,15 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use looseleaf_frontend::api::{ExecStatus, StreamItem};
+use looseleaf_client::api::{ExecStatus, StreamItem};
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
-use crate::client::Frontend;
 use crate::cluster::{Cluster, ClusterOptions};
 use crate::notebook;
 use crate::outputs::NotebookOutputs;
 use crate::report::{self, SessionLog, Trace};
+use looseleaf_client::Frontend;
 
 /// What `looseleaf run` was asked to do.
 #[derive(Clone, Debug)]

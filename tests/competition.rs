@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
-use looseleaf_test_support::cluster::{bin_dir_of, Services};
+use looseleaf_test_support::cluster::{bin_dir_of, Events, Services};
 use schemas::messages::{Device, EventKind, HostStatusV2, RecipeKind, RecipeV1, SessionEventV2, SessionOptions};
 use schemas::Bus;
 use uuid::Uuid;
@@ -157,8 +157,8 @@ async fn bench_best_scoring_host_win_rate() -> anyhow::Result<()> {
         let package = packages[s % packages.len()];
         sessions.push(tokio::spawn(async move {
             let cwd = tempfile::tempdir()?;
-            let sid = fe.session(cwd.path(), true, false).await?;
-            let mut events = fe.events(sid).await?;
+            let sid = fe.create_session(&cwd.path().display().to_string(), true, false).await?;
+            let mut events = Events::open(&fe, sid).await?;
             let mut execs = Vec::new();
             for c in 0..CELLS {
                 let code = if c == 0 {

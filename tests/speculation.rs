@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use looseleaf_frontend::api::StreamItem;
+use looseleaf_client::api::StreamItem;
 use looseleaf_test_support::cluster::{bin_dir_of, Events, Services, WAIT};
 use schemas::messages::{EventKind, HostStatusV2, Prepare, PreparedOutcome, WorkerState, WorkerStatus};
 use schemas::Bus;
@@ -94,8 +94,8 @@ async fn prepared_workers_never_run_the_cell_and_follow_the_session() -> anyhow:
     let services = Services::start(&services_bin(), &[2], &[]).await?;
     let fe = services.client();
     let cwd = tempfile::tempdir()?;
-    let sid = fe.session(cwd.path(), false, true).await?;
-    let mut events = fe.events(sid).await?;
+    let sid = fe.create_session(&cwd.path().display().to_string(), false, true).await?;
+    let mut events = Events::open(&fe, sid).await?;
 
     // a large variable makes preparation take a while
     let r = fe.run(sid, "c0", "%%cpu\nimport numpy as np\nbig = np.ones(25_000_000)\nx = 1").await?;
@@ -171,8 +171,8 @@ async fn more_typing_sessions_than_slots_stay_within_the_budget() -> anyhow::Res
     let cwd = tempfile::tempdir()?;
     let mut sessions = Vec::new();
     for name in ["a", "b", "c"] {
-        let sid = fe.session(cwd.path(), true, true).await?;
-        let events = fe.events(sid).await?;
+        let sid = fe.create_session(&cwd.path().display().to_string(), true, true).await?;
+        let events = Events::open(&fe, sid).await?;
         sessions.push((name, sid, events));
     }
     // each session types its cell in turn; each new one takes the only prepared slot
@@ -202,8 +202,8 @@ async fn a_prepared_worker_that_dies_costs_the_run_nothing() -> anyhow::Result<(
     let services = Services::start(&services_bin(), &[1], &[]).await?;
     let fe = services.client();
     let cwd = tempfile::tempdir()?;
-    let sid = fe.session(cwd.path(), true, true).await?;
-    let mut events = fe.events(sid).await?;
+    let sid = fe.create_session(&cwd.path().display().to_string(), true, true).await?;
+    let mut events = Events::open(&fe, sid).await?;
     let r = fe.run(sid, "c0", "x = 40").await?;
     events.done(r.exec_id).await?;
     fe.edit(sid, "c1", "print(x + 2)").await?;
@@ -231,8 +231,8 @@ async fn warm_workers_serve_a_rerun_and_are_evicted_before_speculative_ones() ->
     let services = Services::start(&services_bin(), &[2], &[("LOOSELEAF_KEEP_WARM", "true".into())]).await?;
     let fe = services.client();
     let cwd = tempfile::tempdir()?;
-    let sid = fe.session(cwd.path(), true, true).await?;
-    let mut events = fe.events(sid).await?;
+    let sid = fe.create_session(&cwd.path().display().to_string(), true, true).await?;
+    let mut events = Events::open(&fe, sid).await?;
     let warm_ready = |i: &StreamItem| matches!(i, StreamItem::Event { kind: EventKind::Ready { cell_id, class: schemas::messages::PreparedClass::Warm, .. }, .. } if cell_id == "a");
     let code = "n = globals().get('n', 0) + 1\nprint('run', n)";
     let r1 = fe.run(sid, "a", code).await?;
@@ -257,8 +257,8 @@ async fn a_worker_killed_while_preparing_fails_nothing() -> anyhow::Result<()> {
     let services = Services::start(&services_bin(), &[1], &[]).await?;
     let fe = services.client();
     let cwd = tempfile::tempdir()?;
-    let sid = fe.session(cwd.path(), true, true).await?;
-    let mut events = fe.events(sid).await?;
+    let sid = fe.create_session(&cwd.path().display().to_string(), true, true).await?;
+    let mut events = Events::open(&fe, sid).await?;
     // restoring `slow` takes a while (its state setter sleeps): a worker prepared
     // for a cell that needs it stays in Preparing long enough to be killed there
     let slow = "import time\nclass Slow:\n    def __setstate__(self, state):\n        time.sleep(6)\n        self.__dict__.update(state)\nslow = Slow()\nslow.v = 41\nx = 1";
@@ -294,8 +294,8 @@ async fn a_warm_worker_killed_while_waiting_costs_the_rerun_nothing() -> anyhow:
     let services = Services::start(&services_bin(), &[1], &[("LOOSELEAF_KEEP_WARM", "true".into())]).await?;
     let fe = services.client();
     let cwd = tempfile::tempdir()?;
-    let sid = fe.session(cwd.path(), true, true).await?;
-    let mut events = fe.events(sid).await?;
+    let sid = fe.create_session(&cwd.path().display().to_string(), true, true).await?;
+    let mut events = Events::open(&fe, sid).await?;
     let code = "n = globals().get('n', 0) + 1\nprint('run', n)";
     let r1 = fe.run(sid, "a", code).await?;
     assert!(events.done(r1.exec_id).await?.contains("run 1"));
@@ -335,8 +335,8 @@ async fn a_cell_that_stops_being_a_gpu_cell_cancels_its_prepared_worker() -> any
     let services = Services::start(&services_bin(), &[1], &[]).await?;
     let fe = services.client();
     let cwd = tempfile::tempdir()?;
-    let sid = fe.session(cwd.path(), false, true).await?;
-    let mut events = fe.events(sid).await?;
+    let sid = fe.create_session(&cwd.path().display().to_string(), false, true).await?;
+    let mut events = Events::open(&fe, sid).await?;
     let r = fe.run(sid, "c0", "x = 20").await?;
     events.done(r.exec_id).await?;
     fe.edit(sid, "c1", "%%gpu\nprint(x + 1)").await?;

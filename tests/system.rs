@@ -10,79 +10,44 @@
 //! missed (read through eval) is brought in while the cell runs.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use anyhow::Context;
 use futures::StreamExt;
-use looseleaf_test_support::{free_port, random_prefix, repo_root, venv_python, wait_for, NatsServer, S3Server};
+use looseleaf_test_support::cluster::{bin_dir_of, Services};
+use looseleaf_test_support::{repo_root, wait_for, S3Server};
 use schemas::messages::HostStatusV2;
 
-struct Service(Child);
-
-impl Drop for Service {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn bin(name: &str) -> PathBuf {
-    // service binaries are built next to this package's binary
-    Path::new(env!("CARGO_BIN_EXE_looseleaf")).with_file_name(name)
-}
-
-fn spawn(name: &str, args: &[&str], envs: &[(&str, String)]) -> Service {
-    let mut cmd = Command::new(bin(name));
-    cmd.args(args).stdin(Stdio::null());
-    for (k, v) in envs {
-        cmd.env(k, v);
-    }
-    Service(cmd.spawn().unwrap_or_else(|e| panic!("start {name}: {e} (build the workspace first)")))
-}
-
-#[test]
-fn four_services_two_hosts() -> anyhow::Result<()> {
-    let dir = tempfile::tempdir()?;
-    let store = dir.path().join("store");
-    four_services_two_hosts_on(vec![("LOOSELEAF_STORE_URL", store.display().to_string())])
+#[tokio::test(flavor = "multi_thread")]
+async fn four_services_two_hosts() -> anyhow::Result<()> {
+    four_services_two_hosts_on(vec![]).await
 }
 
 /// The same notebook with checkpoints in S3 (a local moto server): the store
 /// gateway and both hosts use the bucket directly.
-#[test]
-fn four_services_two_hosts_on_s3() -> anyhow::Result<()> {
+#[tokio::test(flavor = "multi_thread")]
+async fn four_services_two_hosts_on_s3() -> anyhow::Result<()> {
     let s3 = S3Server::start().context("S3 server")?;
     let mut env = s3.env();
     env.push(("LOOSELEAF_STORE_URL", s3.url()));
-    four_services_two_hosts_on(env)
+    four_services_two_hosts_on(env).await
 }
 
-fn four_services_two_hosts_on(store_env: Vec<(&'static str, String)>) -> anyhow::Result<()> {
-    let nats = NatsServer::start().context("nats-server")?;
-    let prefix = random_prefix();
+async fn four_services_two_hosts_on(store_env: Vec<(&'static str, String)>) -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    let mut common = vec![
-        ("LOOSELEAF_NATS_URL", nats.url().to_string()),
-        ("LOOSELEAF_PREFIX", prefix.clone()),
-        ("LOOSELEAF_PYTHON", venv_python().display().to_string()),
-        ("LOOSELEAF_LOG", "warn".to_string()),
-        ("LOOSELEAF_PACKAGE_LAYERS", dir.path().join("packages").display().to_string()),
-    ];
-    common.extend(store_env);
+    let mut env = store_env;
+    // both hosts share the package-layer directory, as hosts of one cluster must
+    env.push(("LOOSELEAF_PACKAGE_LAYERS", dir.path().join("packages").display().to_string()));
+    let bin_dir = bin_dir_of(env!("CARGO_BIN_EXE_looseleaf"));
+    // returns once both hosts reported their base zygote
+    let services = Services::start(&bin_dir, &[1, 1], &env).await?;
 
-    // Watch host status from the start.
-    let rt = tokio::runtime::Runtime::new()?;
-    let statuses = rt.block_on(async {
-        let client = async_nats::connect(nats.url()).await?;
-        let sub = client.subscribe(format!("{prefix}.v1.host.*.status")).await?;
-        anyhow::Ok((client, sub))
-    })?;
-    let (_client, mut sub) = statuses;
+    // Watch host status from before the first cell.
+    let client = async_nats::connect(services.nats.url()).await?;
+    let mut sub = client.subscribe(format!("{}.v1.host.*.status", services.prefix)).await?;
     let collected = std::sync::Arc::new(std::sync::Mutex::new(Vec::<HostStatusV2>::new()));
     let sink = collected.clone();
-    rt.spawn(async move {
+    tokio::spawn(async move {
         while let Some(m) = sub.next().await {
             if let Ok(s) = schemas::codec::decode::<HostStatusV2>(m.headers.as_ref(), &m.payload) {
                 sink.lock().unwrap_or_else(|e| e.into_inner()).push(s);
@@ -90,46 +55,19 @@ fn four_services_two_hosts_on(store_env: Vec<(&'static str, String)>) -> anyhow:
         }
     });
 
-    let _store = spawn("looseleaf-store", &[], &common);
-    let _planner = spawn("looseleaf-planner", &[], &common);
-    let mut hosts = Vec::new();
-    for h in ["host-a", "host-b"] {
-        let rt_dir = dir.path().join(h).display().to_string();
-        hosts.push(spawn(
-            "looseleaf-gpu-host",
-            &["--host-id", h, "--virtual-gpus", "1", "--runtime-dir", &rt_dir],
-            &common,
-        ));
-    }
-    let port = free_port()?;
-    let _frontend = spawn("looseleaf-frontend", &["--listen", &format!("127.0.0.1:{port}")], &common);
-    wait_for(Duration::from_secs(30), || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok())
-        .context("frontend up")?;
-    // both hosts ready (their base zygotes imported) before the first cell
-    wait_for(Duration::from_secs(120), || {
-        let seen: BTreeSet<String> = collected
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .filter(|s| !s.zygotes.is_empty())
-            .map(|s| s.host.clone())
-            .collect();
-        seen.len() == 2
-    })
-    .context("both hosts report a zygote")?;
-
     let nb = repo_root().join("tests/notebooks/system.ipynb");
     let out = dir.path().join("out.ipynb");
     let report_path = dir.path().join("report.json");
-    let status = Command::new(env!("CARGO_BIN_EXE_looseleaf"))
+    let status = tokio::process::Command::new(env!("CARGO_BIN_EXE_looseleaf"))
         .args(["run", "--allow-errors"])
         .arg(&nb)
         .arg("--output")
         .arg(&out)
         .arg("--report")
         .arg(&report_path)
-        .args(["--frontend", &format!("http://127.0.0.1:{port}")])
-        .status()?;
+        .args(["--frontend", &services.frontend])
+        .status()
+        .await?;
     assert!(status.success(), "looseleaf run failed");
 
     let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report_path)?)?;
@@ -225,6 +163,6 @@ fn four_services_two_hosts_on(store_env: Vec<(&'static str, String)>) -> anyhow:
         busy.len() == 2 && busy.values().all(|b| !b)
     })
     .context("both hosts' slots were busy with cells and released after them")?;
-    drop(hosts);
+    drop(services);
     Ok(())
 }

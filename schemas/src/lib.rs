@@ -13,11 +13,13 @@
 //! - [`buckets`]: JetStream KV buckets and streams.
 //! - [`telemetry`]: tracing setup and trace-context propagation.
 //! - [`service`]: the skeleton every service runs in (flags, `$SRV`, drain).
+//! - [`local_nats`]: a local nats-server for `looseleaf up` and the tests.
 
 pub mod buckets;
 pub mod bus;
 pub mod checkpoint;
 pub mod codec;
+pub mod local_nats;
 pub mod messages;
 pub mod service;
 pub mod subjects;

@@ -17,7 +17,8 @@
 //! one cell at a time, the next run published only when the previous execution is
 //! complete (Saved or Failed, and all its announced outputs delivered).
 
-pub mod api;
+/// The HTTP API's JSON, shared with its one client crate.
+pub use looseleaf_client::api;
 pub mod http;
 pub mod session;
 

@@ -3,7 +3,8 @@
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use looseleaf_frontend::api::{spawn_item_reader, ExecStatus, RunAccepted, SessionCreated, StreamItem};
+use looseleaf_client::api::{ExecStatus, StreamItem};
+use looseleaf_client::Frontend;
 use looseleaf_frontend::{Config, Timeouts};
 use looseleaf_test_support::{random_prefix, NatsServer};
 use schemas::messages::{CellStatus, Device, EditV1, EventKind, OutputV1, Prepare, RunV1, SessionEventV2};
@@ -13,12 +14,14 @@ use uuid::Uuid;
 
 const WAIT: Duration = Duration::from_secs(10);
 
-struct Frontend {
+/// The frontend under test, and the one client of its API.
+struct Served {
     base: String,
+    client: Frontend,
     _stop: oneshot::Sender<()>,
 }
 
-async fn start_frontend(nats: &NatsServer, prefix: &str, timeouts: Timeouts) -> anyhow::Result<Frontend> {
+async fn start_frontend(nats: &NatsServer, prefix: &str, timeouts: Timeouts) -> anyhow::Result<Served> {
     let mut config = Config::new(nats.url(), prefix, "127.0.0.1:0".parse()?);
     config.timeouts = timeouts;
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
@@ -39,13 +42,8 @@ async fn start_frontend(nats: &NatsServer, prefix: &str, timeouts: Timeouts) -> 
         }
     });
     let addr = tokio::time::timeout(WAIT, bound_rx).await.context("frontend did not bind")??;
-    Ok(Frontend { base: format!("http://{addr}"), _stop: stop_tx })
-}
-
-/// Open the SSE stream of a session; items arrive on the channel.
-async fn open_events(base: &str, sid: Uuid) -> anyhow::Result<mpsc::UnboundedReceiver<StreamItem>> {
-    let resp = reqwest::get(format!("{base}/v1/sessions/{sid}/events")).await?.error_for_status()?;
-    Ok(spawn_item_reader(resp.bytes_stream()))
+    let base = format!("http://{addr}");
+    Ok(Served { client: Frontend::new(&base), base, _stop: stop_tx })
 }
 
 async fn next_item(rx: &mut mpsc::UnboundedReceiver<StreamItem>) -> anyhow::Result<StreamItem> {
@@ -74,35 +72,6 @@ async fn items_until(
 
 fn is_done(exec: Uuid) -> impl Fn(&StreamItem) -> bool {
     move |i| matches!(i, StreamItem::Done { exec_id, .. } if *exec_id == exec)
-}
-
-async fn create_session(http: &reqwest::Client, base: &str) -> anyhow::Result<Uuid> {
-    let created: SessionCreated = http
-        .post(format!("{base}/v1/sessions"))
-        .json(&serde_json::json!({"cwd": "/tmp", "all_gpu": true}))
-        .send()
-        .await?
-        .error_for_status()?
-        .json()
-        .await?;
-    Ok(created.session_id)
-}
-
-async fn run_cell(
-    http: &reqwest::Client,
-    base: &str,
-    sid: Uuid,
-    cell: &str,
-    code: &str,
-) -> anyhow::Result<RunAccepted> {
-    Ok(http
-        .post(format!("{base}/v1/sessions/{sid}/cells/{cell}/run"))
-        .json(&serde_json::json!({ "code": code }))
-        .send()
-        .await?
-        .error_for_status()?
-        .json()
-        .await?)
 }
 
 async fn event(bus: &Bus, sid: Uuid, exec: Uuid, kind: EventKind) -> anyhow::Result<()> {
@@ -188,23 +157,17 @@ async fn run_queue_waits_for_saved_and_relays_outputs_before_done() -> anyhow::R
     let nats = NatsServer::start()?;
     let prefix = random_prefix();
     let fe = start_frontend(&nats, &prefix, Timeouts::default()).await?;
-    let http = reqwest::Client::new();
     let host = Bus::connect(nats.url(), &prefix, "fake-host").await?;
-    let sid = create_session(&http, &fe.base).await?;
+    let sid = fe.client.create_session("/tmp", true, true).await?;
     let mut runs = host.subscribe::<RunV1>(host.subjects().run(sid)).await?;
     let mut edits = host.subscribe::<EditV1>(host.subjects().edit(sid)).await?;
     // the server must know both subscriptions before the frontend publishes
     host.flush().await?;
-    let mut sse = open_events(&fe.base, sid).await?;
+    let mut sse = fe.client.events(sid).await?;
 
     // an edit is published with a per-cell sequence number
     for code in ["x = 1", "x = 2"] {
-        let resp = http
-            .put(format!("{}/v1/sessions/{sid}/cells/a", fe.base))
-            .json(&serde_json::json!({ "code": code }))
-            .send()
-            .await?;
-        assert_eq!(resp.status(), reqwest::StatusCode::ACCEPTED);
+        fe.client.edit(sid, "a", code).await?;
     }
     let mut seqs = Vec::new();
     for _ in 0..2 {
@@ -215,8 +178,8 @@ async fn run_queue_waits_for_saved_and_relays_outputs_before_done() -> anyhow::R
     }
     assert_eq!(seqs, vec![("a".into(), 1, "x = 1".into()), ("a".into(), 2, "x = 2".into())]);
 
-    let first = run_cell(&http, &fe.base, sid, "a", "x = 2").await?;
-    let second = run_cell(&http, &fe.base, sid, "b", "print(x)").await?;
+    let first = fe.client.run(sid, "a", "x = 2").await?;
+    let second = fe.client.run(sid, "b", "print(x)").await?;
     assert_eq!((first.position, second.position), (0, 1));
 
     let run1 = next_run(&mut runs).await?;
@@ -240,8 +203,7 @@ async fn run_queue_waits_for_saved_and_relays_outputs_before_done() -> anyhow::R
         items_until(&mut sse, |i| matches!(i, StreamItem::Event { kind: EventKind::Finished { .. }, .. })).await?;
     assert!(matches!(seen.first(), Some(StreamItem::Queued { exec_id, .. }) if *exec_id == first.exec_id));
     // ... and still holds the second run back until Saved
-    let summary: serde_json::Value =
-        http.get(format!("{}/v1/sessions/{sid}", fe.base)).send().await?.error_for_status()?.json().await?;
+    let summary = fe.client.summary(sid).await?;
     assert_eq!(summary["current"], serde_json::json!(first.exec_id));
     assert_eq!(summary["queue"], serde_json::json!([second.exec_id]));
     assert!(tokio::time::timeout(Duration::from_millis(300), runs.next()).await.is_err(), "second run sent early");
@@ -275,7 +237,7 @@ async fn run_queue_waits_for_saved_and_relays_outputs_before_done() -> anyhow::R
     assert!(matches!(seen.last(), Some(StreamItem::Done { after_revision: 8, status: ExecStatus::Ok, .. })));
 
     // a client that connects now gets everything replayed, output before done
-    let mut late = open_events(&fe.base, sid).await?;
+    let mut late = fe.client.events(sid).await?;
     let replay = items_until(&mut late, is_done(second.exec_id)).await?;
     let first_out = replay
         .iter()
@@ -285,10 +247,9 @@ async fn run_queue_waits_for_saved_and_relays_outputs_before_done() -> anyhow::R
     assert!(first_out < first_done);
 
     // delete: 200, then the session is gone
-    let resp = http.delete(format!("{}/v1/sessions/{sid}", fe.base)).send().await?;
-    assert_eq!(resp.status(), reqwest::StatusCode::OK);
-    let resp = http.get(format!("{}/v1/sessions/{sid}", fe.base)).send().await?;
-    assert_eq!(resp.status(), reqwest::StatusCode::NOT_FOUND);
+    fe.client.delete(sid).await?;
+    let gone = fe.client.summary(sid).await.expect_err("deleted");
+    assert_eq!(gone.status(), Some(reqwest::StatusCode::NOT_FOUND), "{gone}");
     Ok(())
 }
 
@@ -330,7 +291,7 @@ async fn bad_input_gets_4xx_with_a_json_error() -> anyhow::Result<()> {
     assert!(body["error"].as_str().is_some_and(|e| e.contains("not-a-uuid")), "{body}");
 
     // a known session with a malformed body
-    let sid = create_session(&http, base).await?;
+    let sid = fe.client.create_session("/tmp", true, true).await?;
     let resp = http
         .post(format!("{base}/v1/sessions/{sid}/cells/a/run"))
         .header("content-type", "application/json")
@@ -350,15 +311,14 @@ async fn a_run_no_host_takes_fails_and_the_queue_moves_on() -> anyhow::Result<()
     let prefix = random_prefix();
     let timeouts = Timeouts { claim: Duration::from_millis(300), ..Timeouts::default() };
     let fe = start_frontend(&nats, &prefix, timeouts).await?;
-    let http = reqwest::Client::new();
-    let sid = create_session(&http, &fe.base).await?;
+    let sid = fe.client.create_session("/tmp", true, true).await?;
     let bus = Bus::connect(nats.url(), &prefix, "fake").await?;
     let mut runs = bus.subscribe::<RunV1>(bus.subjects().run(sid)).await?;
     // the server must know the subscription before the first run is published
     bus.flush().await?;
-    let mut sse = open_events(&fe.base, sid).await?;
-    let a = run_cell(&http, &fe.base, sid, "a", "1").await?;
-    let b = run_cell(&http, &fe.base, sid, "b", "2").await?;
+    let mut sse = fe.client.events(sid).await?;
+    let a = fe.client.run(sid, "a", "1").await?;
+    let b = fe.client.run(sid, "b", "2").await?;
     let seen = items_until(&mut sse, is_done(a.exec_id)).await?;
     match seen.last() {
         Some(StreamItem::Done { status: ExecStatus::Error, error: Some(e), after_revision: 0, .. }) => {

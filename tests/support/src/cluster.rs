@@ -1,5 +1,6 @@
-//! The four services as separate processes on a real nats-server, and a small HTTP
-//! client of the frontend, for whole-system tests that drive sessions directly.
+//! The four services as separate processes on a real nats-server, and a recorder of
+//! a session's event stream, for whole-system tests that drive sessions directly
+//! (through the one frontend client, `looseleaf-client`).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -7,7 +8,8 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use futures::StreamExt;
-use looseleaf_frontend::api::{spawn_item_reader, RunAccepted, SessionCreated, StreamItem};
+use looseleaf_client::api::StreamItem;
+use looseleaf_client::Frontend;
 use schemas::messages::HostStatusV2;
 use tokio::sync::mpsc;
 use uuid::Uuid;
@@ -92,59 +94,8 @@ impl Services {
     }
 
     /// A client of the frontend.
-    pub fn client(&self) -> Client {
-        Client { base: self.frontend.clone(), http: reqwest::Client::new() }
-    }
-}
-
-/// The frontend's HTTP API, as tests use it.
-#[derive(Clone)]
-pub struct Client {
-    base: String,
-    http: reqwest::Client,
-}
-
-impl Client {
-    /// Create a session in `cwd` (every cell a GPU cell if `all_gpu`).
-    pub async fn session(&self, cwd: &Path, all_gpu: bool, speculate: bool) -> anyhow::Result<Uuid> {
-        let body = serde_json::json!({"cwd": cwd.display().to_string(), "all_gpu": all_gpu, "speculate": speculate});
-        let created: SessionCreated = self
-            .http
-            .post(format!("{}/v1/sessions", self.base))
-            .json(&body)
-            .send()
-            .await?
-            .error_for_status()?
-            .json()
-            .await?;
-        Ok(created.session_id)
-    }
-
-    /// Put a cell's code (an edit).
-    pub async fn edit(&self, sid: Uuid, cell: &str, code: &str) -> anyhow::Result<()> {
-        let url = format!("{}/v1/sessions/{sid}/cells/{cell}", self.base);
-        self.http.put(url).json(&serde_json::json!({ "code": code })).send().await?.error_for_status()?;
-        Ok(())
-    }
-
-    /// Run a cell.
-    pub async fn run(&self, sid: Uuid, cell: &str, code: &str) -> anyhow::Result<RunAccepted> {
-        let url = format!("{}/v1/sessions/{sid}/cells/{cell}/run", self.base);
-        Ok(self
-            .http
-            .post(url)
-            .json(&serde_json::json!({ "code": code }))
-            .send()
-            .await?
-            .error_for_status()?
-            .json()
-            .await?)
-    }
-
-    /// The session's event stream.
-    pub async fn events(&self, sid: Uuid) -> anyhow::Result<Events> {
-        let resp = self.http.get(format!("{}/v1/sessions/{sid}/events", self.base)).send().await?.error_for_status()?;
-        Ok(Events { rx: spawn_item_reader(resp.bytes_stream()), seen: Vec::new() })
+    pub fn client(&self) -> Frontend {
+        Frontend::new(&self.frontend)
     }
 }
 
@@ -156,6 +107,11 @@ pub struct Events {
 }
 
 impl Events {
+    /// Open `sid`'s event stream.
+    pub async fn open(fe: &Frontend, sid: Uuid) -> anyhow::Result<Self> {
+        Ok(Self { rx: fe.events(sid).await?, seen: Vec::new() })
+    }
+
     /// Read until `stop` holds for an item (which is returned).
     pub async fn until(&mut self, stop: impl Fn(&StreamItem) -> bool) -> anyhow::Result<StreamItem> {
         loop {

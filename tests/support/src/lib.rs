@@ -10,6 +10,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use schemas::local_nats::{self, LocalNats};
 
 pub mod cluster;
 
@@ -21,30 +22,6 @@ pub fn repo_root() -> PathBuf {
 /// The project's Python environment's interpreter (made by scripts/setup).
 pub fn venv_python() -> PathBuf {
     std::env::var_os("LOOSELEAF_PYTHON").map(PathBuf::from).unwrap_or_else(|| repo_root().join(".venv/bin/python"))
-}
-
-/// The nats-server binary: `LOOSELEAF_NATS_SERVER`, the venv's, or PATH's.
-pub fn nats_server_binary() -> PathBuf {
-    if let Some(p) = std::env::var_os("LOOSELEAF_NATS_SERVER") {
-        return PathBuf::from(p);
-    }
-    let venv = repo_root().join(".venv/bin/nats-server");
-    if venv.exists() {
-        return venv;
-    }
-    PathBuf::from("nats-server")
-}
-
-/// The `server_name` a NATS server on `port` announces in its INFO line, if one
-/// answers there.
-fn server_name_on(port: u16) -> Option<String> {
-    use std::io::{BufRead, BufReader};
-    let conn = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
-    conn.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-    let mut line = String::new();
-    BufReader::new(conn).read_line(&mut line).ok()?;
-    let info: serde_json::Value = serde_json::from_str(line.strip_prefix("INFO ")?.trim()).ok()?;
-    info["server_name"].as_str().map(str::to_string)
 }
 
 /// A free TCP port on loopback.
@@ -59,8 +36,7 @@ pub fn random_prefix() -> String {
 
 /// A nats-server with JetStream for one test; killed on drop.
 pub struct NatsServer {
-    child: Option<Child>,
-    url: String,
+    nats: LocalNats,
     _dir: tempfile::TempDir,
 }
 
@@ -69,54 +45,20 @@ impl NatsServer {
     pub fn start() -> anyhow::Result<Self> {
         let dir = tempfile::tempdir()?;
         if let Ok(url) = std::env::var("LOOSELEAF_TEST_NATS_URL") {
-            return Ok(Self { child: None, url, _dir: dir });
+            return Ok(Self { nats: LocalNats::external(url), _dir: dir });
         }
-        let bin = nats_server_binary();
-        // A free port can be taken by a parallel test before the server binds it:
-        // then the server exits, and another port is tried.
-        // Its name tells this server from whatever else answers on the port.
-        let name = random_prefix();
-        for _ in 0..5 {
-            let port = free_port()?;
-            let mut child = Command::new(&bin)
-                .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-n", &name, "-js", "-sd"])
-                .arg(dir.path())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .with_context(|| format!("while starting {} (run scripts/setup first)", bin.display()))?;
-            let mut ours = false;
-            wait_for(Duration::from_secs(15), || {
-                ours = server_name_on(port).is_some_and(|n| n == name);
-                ours || matches!(child.try_wait(), Ok(Some(_)))
-            })
-            .context("nats-server did not start listening")?;
-            if ours {
-                return Ok(Self { child: Some(child), url: format!("nats://127.0.0.1:{port}"), _dir: dir });
-            }
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-        bail!("nats-server could not bind a free port in 5 tries")
+        let nats = LocalNats::start(&local_nats::binary(None, &repo_root()), dir.path())?;
+        Ok(Self { nats, _dir: dir })
     }
 
     /// Its URL.
     pub fn url(&self) -> &str {
-        &self.url
+        self.nats.url()
     }
 
     /// Kill it now (to test what services do when NATS goes away).
     pub fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-impl Drop for NatsServer {
-    fn drop(&mut self) {
-        self.kill();
+        self.nats.kill();
     }
 }
 

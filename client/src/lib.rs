@@ -1,0 +1,154 @@
+//! The client of the frontend's HTTP API: its JSON ([`api`]) and a [`Frontend`]
+//! that speaks it, including the session's Server-Sent Events stream. The CLI, the
+//! Jupyter kernel and the tests all use this one.
+
+pub mod api;
+
+use api::{spawn_item_reader, CellCode, CreateSession, RunAccepted, SessionCreated, StreamItem};
+use tokio::sync::mpsc;
+use uuid::Uuid;
+
+/// Why a call to the frontend failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The frontend could not be reached (or the connection broke).
+    #[error("{what}: could not reach the frontend at {base}: {source}")]
+    Unreachable {
+        /// The call.
+        what: &'static str,
+        /// The frontend's base URL.
+        base: String,
+        /// What the HTTP client said.
+        source: reqwest::Error,
+    },
+    /// The frontend answered with an error status.
+    #[error("{what}: the frontend answered {status}: {body}")]
+    Status {
+        /// The call.
+        what: &'static str,
+        /// The HTTP status.
+        status: reqwest::StatusCode,
+        /// Its body (a JSON error naming what was wrong).
+        body: String,
+    },
+    /// The answer was not the JSON the API promises.
+    #[error("{what}: unreadable answer from the frontend: {source}")]
+    Answer {
+        /// The call.
+        what: &'static str,
+        /// Why it did not decode.
+        source: reqwest::Error,
+    },
+}
+
+impl ClientError {
+    /// The HTTP status the frontend answered with, if it answered.
+    pub fn status(&self) -> Option<reqwest::StatusCode> {
+        match self {
+            ClientError::Status { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+}
+
+/// The frontend at one base URL.
+#[derive(Clone, Debug)]
+pub struct Frontend {
+    base: String,
+    http: reqwest::Client,
+}
+
+impl Frontend {
+    /// A client of the frontend at `base` (e.g. `http://127.0.0.1:8470`).
+    pub fn new(base: &str) -> Self {
+        Self { base: base.trim_end_matches('/').to_string(), http: reqwest::Client::new() }
+    }
+
+    /// The base URL.
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
+    async fn send(&self, what: &'static str, req: reqwest::RequestBuilder) -> Result<reqwest::Response, ClientError> {
+        let resp =
+            req.send().await.map_err(|source| ClientError::Unreachable { what, base: self.base.clone(), source })?;
+        let status = resp.status();
+        if status.is_success() {
+            return Ok(resp);
+        }
+        let body = resp.text().await.unwrap_or_default();
+        Err(ClientError::Status { what, status, body })
+    }
+
+    async fn json<T: serde::de::DeserializeOwned>(
+        &self,
+        what: &'static str,
+        req: reqwest::RequestBuilder,
+    ) -> Result<T, ClientError> {
+        self.send(what, req).await?.json().await.map_err(|source| ClientError::Answer { what, source })
+    }
+
+    fn cell_url(&self, sid: Uuid, cell: &str) -> String {
+        format!("{}/v1/sessions/{sid}/cells/{}", self.base, encode(cell))
+    }
+
+    /// Create a session whose cells run in `cwd`.
+    pub async fn create_session(&self, cwd: &str, all_gpu: bool, speculate: bool) -> Result<Uuid, ClientError> {
+        let body = CreateSession { cwd: cwd.to_string(), all_gpu, speculate };
+        let req = self.http.post(format!("{}/v1/sessions", self.base)).json(&body);
+        let created: SessionCreated = self.json("create session", req).await?;
+        Ok(created.session_id)
+    }
+
+    /// Publish a cell's code as an edit (the planner prepares a worker for it).
+    pub async fn edit(&self, sid: Uuid, cell: &str, code: &str) -> Result<(), ClientError> {
+        let req = self.http.put(self.cell_url(sid, cell)).json(&CellCode { code: code.to_string() });
+        self.send("edit", req).await.map(|_| ())
+    }
+
+    /// Run a cell: it is queued behind the session's earlier runs.
+    pub async fn run(&self, sid: Uuid, cell: &str, code: &str) -> Result<RunAccepted, ClientError> {
+        let req =
+            self.http.post(format!("{}/run", self.cell_url(sid, cell))).json(&CellCode { code: code.to_string() });
+        self.json("run", req).await
+    }
+
+    /// The session's summary (current run, queue, revision).
+    pub async fn summary(&self, sid: Uuid) -> Result<serde_json::Value, ClientError> {
+        self.json("session summary", self.http.get(format!("{}/v1/sessions/{sid}", self.base))).await
+    }
+
+    /// Delete a session (its state too).
+    pub async fn delete(&self, sid: Uuid) -> Result<(), ClientError> {
+        self.send("delete session", self.http.delete(format!("{}/v1/sessions/{sid}", self.base))).await.map(|_| ())
+    }
+
+    /// Open the session's event stream (what happened before is replayed first);
+    /// items arrive on the channel, which closes when the stream ends.
+    pub async fn events(&self, sid: Uuid) -> Result<mpsc::UnboundedReceiver<StreamItem>, ClientError> {
+        let resp = self.send("events", self.http.get(format!("{}/v1/sessions/{sid}/events", self.base))).await?;
+        Ok(spawn_item_reader(resp.bytes_stream()))
+    }
+}
+
+/// Percent-encode a path segment (cell ids are usually uuids, but need not be).
+fn encode(segment: &str) -> String {
+    let mut out = String::with_capacity(segment.len());
+    for b in segment.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn cell_ids_are_percent_encoded() {
+        assert_eq!(super::encode("a b/c?é"), "a%20b%2Fc%3F%C3%A9");
+        assert_eq!(super::encode("0f3e-_.~"), "0f3e-_.~");
+    }
+}
