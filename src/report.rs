@@ -2,7 +2,7 @@
 //! needed, where and how it ran, how long it waited, and the session's totals.
 
 use looseleaf_client::api::{ExecStatus, StreamItem};
-use schemas::messages::{CellStatus, EventKind, PreparedClass, PreparedOutcome, SlotUse};
+use schemas::messages::{CellStatus, EventKind, PreparedClass, PreparedOutcome, SlotUse, StartPhases};
 use serde::Serialize;
 use uuid::Uuid;
 
@@ -92,6 +92,8 @@ pub struct CellReport {
     pub prepare_ms: Option<f64>,
     /// Of that, fetching and loading the closure.
     pub restore_ms: Option<f64>,
+    /// Where the host's part of the start delay went.
+    pub phases: Option<StartPhases>,
     /// Closure variables restored or dropped after Run (0 on a prepared worker:
     /// a clean speculation hit).
     pub refreshed: Option<u32>,
@@ -139,8 +141,10 @@ impl CellReport {
                     prepare_ms,
                     restore_ms,
                     refreshed,
+                    phases,
                     ..
                 } => {
+                    r.phases = Some(*phases);
                     r.import_cache_hit = Some(*import_hit);
                     r.prepare_ms = Some(*prepare_ms);
                     r.restore_ms = Some(*restore_ms);

@@ -1,5 +1,5 @@
 use super::*;
-use schemas::messages::{Device, Prepare, PreparedOutcome, SlotUse};
+use schemas::messages::{Device, Prepare, PreparedOutcome, SlotUse, StartPhases};
 
 fn started(at: u64, device: Device) -> (u64, EventKind) {
     (
@@ -17,6 +17,7 @@ fn started(at: u64, device: Device) -> (u64, EventKind) {
             refreshed: 0,
             import_hit: true,
             python: "3.11.7".into(),
+            phases: StartPhases { claim_ms: 0.25, fork_ms: 0.5, ..StartPhases::default() },
         },
     )
 }
@@ -57,6 +58,8 @@ fn start_delay_counts_from_run_or_the_previous_cells_end_whichever_is_later() {
     assert!((r.totals.pinned_seconds - 2.5).abs() < 1e-9);
     assert_eq!(r.cells[1].prepare.as_deref(), Some("speculative"));
     assert_eq!((r.cells[0].host.as_deref(), r.cells[0].slot), (Some("host-0"), Some(1)));
+    // the host's phases of the start reach the report
+    assert_eq!(r.cells[0].phases.map(|p| (p.claim_ms, p.fork_ms)), Some((0.25, 0.5)));
 }
 
 #[test]

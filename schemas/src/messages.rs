@@ -309,6 +309,8 @@ pub enum EventKind {
         import_hit: bool,
         /// The worker's Python version (a notebook's `language_info`).
         python: String,
+        /// Where the host's part of the start delay went.
+        phases: StartPhases,
     },
     /// The cell finished running (outputs are complete).
     Finished {
@@ -399,6 +401,28 @@ pub enum EventKind {
         /// What held the slot this long.
         reason: SlotUse,
     },
+}
+
+/// Where a cell's start went on its host, from the run recipe's arrival to the
+/// cell's first line (what bench/cold-start breaks the start delay into). Zero for a
+/// step that did not happen (a prepared or kept worker forks nothing).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StartPhases {
+    /// Recipe received to claim won: the placement delay and the KV create.
+    pub claim_ms: f64,
+    /// Forking the worker from a zygote, to its hello (waiting for the zygote too).
+    pub fork_ms: f64,
+    /// Reading the session's manifest from the store.
+    pub manifest_ms: f64,
+    /// Laying the closure's records and chunks out in shared memory.
+    pub restore_file_ms: f64,
+    /// In the worker: importing the import closure (the tail the zygote lacked).
+    pub imports_ms: f64,
+    /// In the worker: the rest of the restore (loading the closure, ambient state).
+    pub load_ms: f64,
+    /// Restore done to the worker's `started`: the run request and the worker
+    /// getting to the cell.
+    pub setup_ms: f64,
 }
 
 /// Why a prepared worker stopped being prepared.

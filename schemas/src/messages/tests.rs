@@ -53,7 +53,7 @@ proptest! {
     fn event_roundtrips(session in uuid(), exec_id in uuid(), ms in any::<u64>(), run_ms in any::<f64>().prop_filter("nan", |f| !f.is_nan())) {
         for kind in [
             EventKind::Finished { status: CellStatus::Error, error: Some("ValueError: x".into()), execution_count: 3, run_ms, outputs: 2, cuda_used: true, faulted: vec!["v1".into()] },
-            EventKind::Started { host: "h".into(), slot: Some(1), worker: "w".into(), device: Device::Gpu, prepare: Prepare::Cold, execution_count: 1, restored_bytes: 5, prepare_ms: run_ms, restore_ms: run_ms, refreshed: 2, import_hit: true, python: "3.11.7".into() },
+            EventKind::Started { host: "h".into(), slot: Some(1), worker: "w".into(), device: Device::Gpu, prepare: Prepare::Cold, execution_count: 1, restored_bytes: 5, prepare_ms: run_ms, restore_ms: run_ms, refreshed: 2, import_hit: true, python: "3.11.7".into(), phases: StartPhases { claim_ms: run_ms, fork_ms: 1.0, ..StartPhases::default() } },
             EventKind::Failed { error: "worker died".into() },
             EventKind::Ready { host: "h".into(), slot: Some(0), worker: "w".into(), pid: 7, cell_id: "c".into(), revision: 2, class: PreparedClass::Speculative, prepare_ms: run_ms },
             EventKind::PreparedEnded { host: "h".into(), slot: None, worker: "w".into(), cell_id: "c".into(), class: PreparedClass::Warm, idle_ms: run_ms, outcome: PreparedOutcome::Used },

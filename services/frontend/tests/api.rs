@@ -117,6 +117,7 @@ fn started() -> EventKind {
         refreshed: 0,
         import_hit: true,
         python: "3.11.7".into(),
+        phases: schemas::messages::StartPhases::default(),
     }
 }
 

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use schemas::checkpoint::Manifest;
 use schemas::messages::{
     CellStatus, ChunkPlanV1, ChunkPlannedV1, CommitV2, CommittedV1, Device, EventKind, ManifestGetV2, ManifestV1,
-    OutputV1, Prepare, RecipeV1, SessionEventV2, WorkerState, OUTPUT_PART_BYTES,
+    OutputV1, Prepare, RecipeV1, SessionEventV2, StartPhases, WorkerState, OUTPUT_PART_BYTES,
 };
 use schemas::subjects::StoreVerb;
 use schemas::{unix_ms, Bus, BusError};
@@ -283,9 +283,15 @@ impl ExecEnv {
     }
 
     /// Run one recipe to the end. Never panics; every failure becomes a `Failed` event.
-    pub async fn execute(&self, recipe: RecipeV1, target: Target) -> Outcome {
+    /// `arrived`: when this host received the run recipe (the start's phases count
+    /// from there).
+    pub async fn execute(&self, recipe: RecipeV1, target: Target, arrived: Option<Instant>) -> Outcome {
         let (session, exec_id) = (recipe.session, recipe.exec_id);
         let claimed_at = Instant::now();
+        let phases = StartPhases {
+            claim_ms: arrived.map_or(0.0, |a| claimed_at.duration_since(a).as_secs_f64() * 1000.0),
+            ..StartPhases::default()
+        };
         let (slot, prepare) = match &target {
             // a fresh worker for a CPU cell becomes the session's persistent one
             Target::Fresh { slot: None } if recipe.device == Device::Cpu && recipe.pinned.is_none() => {
@@ -295,7 +301,7 @@ impl ExecEnv {
             Target::Existing { prepare, slot, .. } => (*slot, *prepare),
         };
         self.event(session, exec_id, EventKind::Claimed { host: self.host_id.clone(), slot, prepare }).await;
-        let (worker, result) = self.run_on(&recipe, target, slot, prepare, claimed_at).await;
+        let (worker, result) = self.run_on(&recipe, target, slot, prepare, claimed_at, phases).await;
         match result {
             Ok(unsavable) => Outcome { worker, unsavable },
             // the one place an execution's failure reaches the session
@@ -315,18 +321,23 @@ impl ExecEnv {
         slot: Option<u32>,
         prepare: Prepare,
         claimed_at: Instant,
+        mut phases: StartPhases,
     ) -> (Option<Arc<Mutex<WorkerProc>>>, Result<Vec<String>, ExecError>) {
+        let forking = Instant::now();
         let (mut worker, import_hit) = match target {
             Target::Fresh { slot } => match self.fork(recipe.session, slot, &recipe.options.cwd, &recipe.imports).await
             {
-                Ok((w, hit)) => (Arc::new(Mutex::new(w)), hit),
+                Ok((w, hit)) => {
+                    phases.fork_ms = forking.elapsed().as_secs_f64() * 1000.0;
+                    (Arc::new(Mutex::new(w)), hit)
+                }
                 Err(e) => return (None, Err(e)),
             },
             Target::Existing { worker, .. } => (worker, true),
         };
         let mut w = worker.lock().await;
         let runs_before = w.runs;
-        let mut result = self.drive(recipe, &mut w, slot, prepare, claimed_at, import_hit).await;
+        let mut result = self.drive(recipe, &mut w, Start { slot, prepare, claimed_at, import_hit, phases }).await;
         if matches!(prepare, Prepare::Speculative | Prepare::Warm) && w.is_broken() && w.runs == runs_before {
             // The prepared (or warm) worker died before the cell started: the run
             // goes to a fresh worker on the same slot; the user sees a cold start.
@@ -334,11 +345,14 @@ impl ExecEnv {
                 "prepared worker lost before Run; starting cold");
             w.kill_now();
             drop(w);
+            let forking = Instant::now();
             match self.fork(recipe.session, slot, &recipe.options.cwd, &recipe.imports).await {
                 Ok((fresh, hit)) => {
+                    phases.fork_ms = forking.elapsed().as_secs_f64() * 1000.0;
                     worker = Arc::new(Mutex::new(fresh));
                     w = worker.lock().await;
-                    result = self.drive(recipe, &mut w, slot, Prepare::Cold, claimed_at, hit).await;
+                    let start = Start { slot, prepare: Prepare::Cold, claimed_at, import_hit: hit, phases };
+                    result = self.drive(recipe, &mut w, start).await;
                 }
                 Err(e) => {
                     w = worker.lock().await;
@@ -357,15 +371,8 @@ impl ExecEnv {
         }
     }
 
-    async fn drive(
-        &self,
-        recipe: &RecipeV1,
-        w: &mut WorkerProc,
-        slot: Option<u32>,
-        prepare: Prepare,
-        claimed_at: Instant,
-        import_hit: bool,
-    ) -> Result<Vec<String>, ExecError> {
+    async fn drive(&self, recipe: &RecipeV1, w: &mut WorkerProc, start: Start) -> Result<Vec<String>, ExecError> {
+        let Start { slot, prepare, claimed_at, import_hit, mut phases } = start;
         let (session, exec_id) = (recipe.session, recipe.exec_id);
         let restore_started = Instant::now();
         // a worker prepared before Run may have been prepared without its slot
@@ -375,7 +382,12 @@ impl ExecEnv {
             BTreeMap::new()
         };
         let (manifest, restored) = self.restore_closure(recipe, w, env).await?;
+        let restored_at = Instant::now();
         let restored_bytes = restored.bytes;
+        phases.manifest_ms = restored.manifest_ms;
+        phases.restore_file_ms = restored.file_ms;
+        phases.imports_ms = restored.imports_ms;
+        phases.load_ms = restored.load_ms;
 
         let prepare_ms = claimed_at.elapsed().as_secs_f64() * 1000.0;
         let restore_ms = restore_started.elapsed().as_secs_f64() * 1000.0;
@@ -438,6 +450,10 @@ impl ExecEnv {
                                 refreshed: restored.refreshed,
                                 import_hit,
                                 python,
+                                phases: StartPhases {
+                                    setup_ms: restored_at.elapsed().as_secs_f64() * 1000.0,
+                                    ..phases
+                                },
                             },
                         }),
                         RunEvent::Output(output) => {
@@ -604,10 +620,16 @@ impl ExecEnv {
         if let Some(p) = &file.path {
             let _ = std::fs::remove_file(p);
         }
-        let (bytes, worker_ms, errors) = restored?;
-        tracing::debug!(worker = %w.id, ?got_manifest, ?wrote_file, worker_ms, restored = ?started.elapsed(), bytes, "restore phases");
-        let fatal: Vec<String> =
-            errors.iter().filter(|(k, _)| !k.starts_with("import ")).map(|(k, v)| format!("{k}: {v}")).collect();
+        let restored = restored?;
+        let (bytes, worker_ms) = (restored.bytes, restored.ms);
+        tracing::debug!(worker = %w.id, ?got_manifest, ?wrote_file, worker_ms, restored = ?started.elapsed(), bytes,
+            "restore phases");
+        let fatal: Vec<String> = restored
+            .errors
+            .iter()
+            .filter(|(k, _)| !k.starts_with("import "))
+            .map(|(k, v)| format!("{k}: {v}"))
+            .collect();
         if !fatal.is_empty() {
             return Err(ExecError::Restore(fatal));
         }
@@ -621,7 +643,15 @@ impl ExecEnv {
         }
         w.revision = manifest.revision;
         let refreshed = (restore.variables.len() + restore.drop.len()) as u32;
-        Ok((manifest, Restored { bytes, refreshed }))
+        let timing = Restored {
+            bytes,
+            refreshed,
+            manifest_ms: got_manifest.as_secs_f64() * 1000.0,
+            file_ms: (wrote_file - got_manifest).as_secs_f64() * 1000.0,
+            imports_ms: restored.imports_ms,
+            load_ms: (worker_ms - restored.imports_ms).max(0.0),
+        };
+        Ok((manifest, timing))
     }
 
     /// Prepare a worker for an edit-derived recipe: fork one into `slot` (or take
@@ -736,11 +766,29 @@ enum Pending {
     Output(OutputV1),
 }
 
-/// What a restore did.
+/// How a cell's start went so far, for its `Started` event.
+struct Start {
+    /// The GPU slot.
+    slot: Option<u32>,
+    /// How the worker was prepared.
+    prepare: Prepare,
+    /// When this host won the claim.
+    claimed_at: Instant,
+    /// The worker's zygote had imported the whole import closure.
+    import_hit: bool,
+    /// The phases measured before the worker was ready.
+    phases: StartPhases,
+}
+
+/// What a restore did, and how long each part took (ms).
 struct Restored {
     bytes: u64,
     /// Names restored or dropped (for a prepared worker at Run: the refresh).
     refreshed: u32,
+    manifest_ms: f64,
+    file_ms: f64,
+    imports_ms: f64,
+    load_ms: f64,
 }
 
 struct RestorePlan {

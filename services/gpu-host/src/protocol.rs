@@ -142,6 +142,9 @@ pub enum Frame {
         restored_bytes: u64,
         /// Time spent.
         ms: f64,
+        /// Of that, importing the import closure.
+        #[serde(default)]
+        imports_ms: f64,
         /// Errors by name.
         errors: BTreeMap<String, String>,
     },
@@ -428,7 +431,7 @@ mod tests {
                 drop: vec![],
                 env: BTreeMap::from([("CUDA_VISIBLE_DEVICES".into(), "0".into())]),
             },
-            Frame::Restored { ok: true, restored_bytes: 0, ms: 0.0, errors: BTreeMap::new() },
+            Frame::Restored { ok: true, restored_bytes: 0, ms: 0.0, imports_ms: 0.0, errors: BTreeMap::new() },
             Frame::Run { exec_id: "e".into(), cell_id: "c".into(), code: "1".into() },
             Frame::Started { exec_id: "e".into(), unix_ms: 1, execution_count: 1, python: "3.11.7".into() },
             Frame::Output { exec_id: "e".into(), output: serde_json::json!({"output_type": "stream"}) },

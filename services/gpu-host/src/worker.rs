@@ -74,6 +74,19 @@ pub struct Finished {
     pub faulted: Vec<String>,
 }
 
+/// What a worker's restore did.
+#[derive(Debug)]
+pub struct WorkerRestored {
+    /// Bytes read.
+    pub bytes: u64,
+    /// Time the worker spent.
+    pub ms: f64,
+    /// Of that, importing the import closure.
+    pub imports_ms: f64,
+    /// What failed, by name (`import M` for an import).
+    pub errors: BTreeMap<String, String>,
+}
+
 /// What a save did.
 #[derive(Debug)]
 pub struct Saved {
@@ -183,11 +196,13 @@ impl WorkerProc {
     }
 
     /// Send a restore and wait for `restored`; returns (bytes, ms, errors).
-    pub async fn restore(&mut self, frame: Frame) -> Result<(u64, f64, BTreeMap<String, String>), WorkerError> {
+    pub async fn restore(&mut self, frame: Frame) -> Result<WorkerRestored, WorkerError> {
         self.enter(WorkerState::Preparing);
         self.send("restoring", &frame).await?;
         match self.recv("restoring", STEP).await? {
-            Frame::Restored { restored_bytes, ms, errors, .. } => Ok((restored_bytes, ms, errors)),
+            Frame::Restored { restored_bytes, ms, imports_ms, errors, .. } => {
+                Ok(WorkerRestored { bytes: restored_bytes, ms, imports_ms, errors })
+            }
             other => Err(self.unexpected("restoring", other)),
         }
     }

@@ -242,6 +242,7 @@ impl EventKind {
                 refreshed,
                 import_hit,
                 python,
+                phases: live::StartPhases::default(),
             },
             EventKind::Finished { status, error, execution_count, run_ms, outputs, cuda_used, faulted } => {
                 let status = match status {

@@ -171,12 +171,14 @@ class Worker:
             except BaseException as e:  # noqa: BLE001
                 errors["ambient"] = f"{type(e).__name__}: {e}"
         with quiet.own_warnings():
+            t_imports = time.perf_counter()
             self.local.unshadow(msg["imports"])
             for mod in msg["imports"]:
                 try:
                     __import__(mod)
                 except BaseException as e:  # noqa: BLE001
                     errors[f"import {mod}"] = f"{type(e).__name__}: {e}"
+            imports_ms = (time.perf_counter() - t_imports) * 1000
             n, errs = checkpoint.restore(ns, msg["shm_path"], msg["variables"], msg["objects"], self.oid_of)
         nbytes += n
         errors.update(errs)
@@ -196,6 +198,7 @@ class Worker:
                 "ok": not errors,
                 "restored_bytes": nbytes,
                 "ms": (time.perf_counter() - t0) * 1000,
+                "imports_ms": imports_ms,
                 "errors": errors,
             }
         )

@@ -22,7 +22,7 @@ pub mod prepared;
 pub mod slots;
 mod status;
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 
 use futures::FutureExt as _;
@@ -81,7 +81,13 @@ pub struct Host {
     keep_warm: bool,
     /// Zygotes as last seen (the cache is locked while a fork is under way).
     last_zygotes: Vec<ZygoteStatus>,
+    /// When each run recipe arrived (a start's phases count from there); runs
+    /// other hosts took are forgotten after a while.
+    arrived: HashMap<Uuid, Instant>,
 }
+
+/// How long the arrival of a run recipe this host did not run is remembered.
+const ARRIVAL_MEMORY: Duration = Duration::from_secs(60);
 
 /// Which worker an execution got, for what happens to it afterwards.
 enum ExecKind {
@@ -117,6 +123,7 @@ impl Host {
             prepare_holds_slot,
             keep_warm,
             last_zygotes: Vec::new(),
+            arrived: HashMap::new(),
         }
     }
 
@@ -205,6 +212,7 @@ impl Host {
             self.on_edit_recipe(recipe, ctx);
             return;
         }
+        self.arrived.entry(recipe.exec_id).or_insert_with(Instant::now);
         if let Some(p) = &recipe.pinned {
             if p.host != self.env.host_id {
                 return;
@@ -318,8 +326,9 @@ impl Host {
             Target::Existing { worker, .. } => ExecKind::Existing { worker: worker.clone() },
         };
         let (device, session, cell_id) = (recipe.device, recipe.session, recipe.cell_id.clone());
+        let arrived = self.arrived.remove(&recipe.exec_id);
         let span = tracing::info_span!("execute", exec = %recipe.exec_id, %session, cell = %recipe.cell_id);
-        let fut = tracing::Instrument::instrument(async move { env.execute(recipe, target).await }, span);
+        let fut = tracing::Instrument::instrument(async move { env.execute(recipe, target, arrived).await }, span);
         ctx.spawn(fut.into_actor(self).map(move |outcome, act, ctx| {
             act.exec_done(session, &cell_id, device, kind, outcome, ctx);
         }));
@@ -795,6 +804,7 @@ impl Actor for Host {
 
     fn started(&mut self, ctx: &mut Self::Context) {
         ctx.run_interval(TICK, |act, ctx| {
+            act.arrived.retain(|_, at| at.elapsed() < ARRIVAL_MEMORY);
             act.reap_lost_prepared(ctx);
             act.publish_status(ctx);
             act.renew_claims(ctx);
