@@ -17,6 +17,9 @@ use crate::{telemetry, Bus, BusError};
 /// Longest a service waits for its in-flight work after a stop signal.
 pub const DRAIN: Duration = Duration::from_secs(10);
 
+/// Longest the flush and the close of the NATS connection may take when stopping.
+const CLOSE: Duration = Duration::from_secs(2);
+
 /// How often `serve` checks that the service's actor is still running.
 const ALIVE_CHECK: Duration = Duration::from_millis(500);
 
@@ -132,11 +135,14 @@ impl Service {
         if let Err(e) = self.registration.stop().await {
             tracing::debug!(error = %e, "leaving $SRV");
         }
-        if let Err(e) = self.bus.flush().await {
-            tracing::warn!(error = %e, "could not flush NATS before stopping");
+        // bounded: with NATS gone, neither would ever finish
+        match tokio::time::timeout(CLOSE, self.bus.flush()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(error = %e, "could not flush NATS before stopping"),
+            Err(_) => tracing::warn!("NATS did not answer within {CLOSE:?}; stopping without a flush"),
         }
         // drain: unsubscribe everything, send what is buffered, close
-        if let Err(e) = self.bus.client().drain().await {
+        if let Ok(Err(e)) = tokio::time::timeout(CLOSE, self.bus.client().drain()).await {
             tracing::debug!(error = %e, "closing the NATS connection");
         }
         telemetry::flush();

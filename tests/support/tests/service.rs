@@ -71,3 +71,13 @@ async fn no_nats_is_a_clear_error() {
     let err = Service::start("ll-test-none", None, "test", "nats://127.0.0.1:1", "p").await.err().expect("no server");
     assert!(matches!(err, ServiceError::Bus(BusError::Connect { .. })), "{err}");
 }
+
+#[tokio::test]
+async fn stopping_without_nats_is_quick() {
+    let mut nats = NatsServer::start().expect("nats-server");
+    let service = Service::start("ll-test-nonats", None, "test", nats.url(), &random_prefix()).await.expect("start");
+    nats.kill();
+    let started = Instant::now();
+    service.serve(async {}, || true, async {}).await.expect("a clean stop");
+    assert!(started.elapsed() < Duration::from_secs(8), "stopping took {:?}", started.elapsed());
+}
