@@ -324,20 +324,29 @@ impl ExecEnv {
         mut phases: StartPhases,
     ) -> (Option<Arc<Mutex<WorkerProc>>>, Result<Vec<String>, ExecError>) {
         let forking = Instant::now();
+        let mut manifest = None;
         let (mut worker, import_hit) = match target {
-            Target::Fresh { slot } => match self.fork(recipe.session, slot, &recipe.options.cwd, &recipe.imports).await
-            {
-                Ok((w, hit)) => {
-                    phases.fork_ms = forking.elapsed().as_secs_f64() * 1000.0;
-                    (Arc::new(Mutex::new(w)), hit)
+            Target::Fresh { slot } => {
+                // the manifest is read while the worker forks (off the critical path)
+                let (forked, read) = tokio::join!(
+                    self.fork(recipe.session, slot, &recipe.options.cwd, &recipe.imports),
+                    self.manifest(recipe.session, recipe.manifest_revision)
+                );
+                manifest = read.ok(); // a failed read is retried, and reported, by the restore
+                match forked {
+                    Ok((w, hit)) => {
+                        phases.fork_ms = forking.elapsed().as_secs_f64() * 1000.0;
+                        (Arc::new(Mutex::new(w)), hit)
+                    }
+                    Err(e) => return (None, Err(e)),
                 }
-                Err(e) => return (None, Err(e)),
-            },
+            }
             Target::Existing { worker, .. } => (worker, true),
         };
         let mut w = worker.lock().await;
         let runs_before = w.runs;
-        let mut result = self.drive(recipe, &mut w, Start { slot, prepare, claimed_at, import_hit, phases }).await;
+        let start = Start { slot, prepare, claimed_at, import_hit, phases, manifest };
+        let mut result = self.drive(recipe, &mut w, start).await;
         if matches!(prepare, Prepare::Speculative | Prepare::Warm) && w.is_broken() && w.runs == runs_before {
             // The prepared (or warm) worker died before the cell started: the run
             // goes to a fresh worker on the same slot; the user sees a cold start.
@@ -351,7 +360,8 @@ impl ExecEnv {
                     phases.fork_ms = forking.elapsed().as_secs_f64() * 1000.0;
                     worker = Arc::new(Mutex::new(fresh));
                     w = worker.lock().await;
-                    let start = Start { slot, prepare: Prepare::Cold, claimed_at, import_hit: hit, phases };
+                    let start =
+                        Start { slot, prepare: Prepare::Cold, claimed_at, import_hit: hit, phases, manifest: None };
                     result = self.drive(recipe, &mut w, start).await;
                 }
                 Err(e) => {
@@ -372,7 +382,7 @@ impl ExecEnv {
     }
 
     async fn drive(&self, recipe: &RecipeV1, w: &mut WorkerProc, start: Start) -> Result<Vec<String>, ExecError> {
-        let Start { slot, prepare, claimed_at, import_hit, mut phases } = start;
+        let Start { slot, prepare, claimed_at, import_hit, mut phases, manifest } = start;
         let (session, exec_id) = (recipe.session, recipe.exec_id);
         let restore_started = Instant::now();
         // a worker prepared before Run may have been prepared without its slot
@@ -381,7 +391,7 @@ impl ExecEnv {
         } else {
             BTreeMap::new()
         };
-        let (manifest, restored) = self.restore_closure(recipe, w, env).await?;
+        let (manifest, restored) = self.restore_closure(recipe, w, env, manifest).await?;
         let restored_at = Instant::now();
         let restored_bytes = restored.bytes;
         phases.manifest_ms = restored.manifest_ms;
@@ -599,9 +609,13 @@ impl ExecEnv {
         recipe: &RecipeV1,
         w: &mut WorkerProc,
         env: BTreeMap<String, String>,
+        read: Option<Manifest>,
     ) -> Result<(Manifest, Restored), ExecError> {
         let started = Instant::now();
-        let manifest = self.manifest(recipe.session, recipe.manifest_revision).await?;
+        let manifest = match read {
+            Some(m) => m,
+            None => self.manifest(recipe.session, recipe.manifest_revision).await?,
+        };
         let got_manifest = started.elapsed();
         let restore = self.plan_restore(recipe, w, &manifest)?;
         let file =
@@ -672,7 +686,7 @@ impl ExecEnv {
             }
         };
         let mut w = worker.lock().await;
-        let result = self.restore_closure(recipe, &mut w, self.device_env(slot)).await;
+        let result = self.restore_closure(recipe, &mut w, self.device_env(slot), None).await;
         let broken = w.is_broken();
         if result.is_ok() {
             w.enter(WorkerState::Ready);
@@ -778,6 +792,8 @@ struct Start {
     import_hit: bool,
     /// The phases measured before the worker was ready.
     phases: StartPhases,
+    /// The session's manifest, if it was read while the worker forked.
+    manifest: Option<Manifest>,
 }
 
 /// What a restore did, and how long each part took (ms).

@@ -232,10 +232,16 @@ async fn plan_run(
     kv: kv::Store,
     run: RunV1,
     prepared: Option<PreparedWorker>,
-) -> Result<(Manifest, state::SessionState), PlanError> {
+    cached: Option<Arc<Manifest>>,
+) -> Result<(Arc<Manifest>, state::SessionState), PlanError> {
     let analysis = analysis::analyze(&run.code);
-    // the gateway refuses to answer with a revision older than `after_revision`
-    let manifest = fetch_manifest(&bus, run.session, Some(run.after_revision)).await?;
+    // The manifest refreshed after the session's last save is the one the run
+    // follows (runs of a session are sequential) and saves a round trip to the
+    // store; otherwise ask (the gateway never answers older than `after_revision`).
+    let manifest = match cached.filter(|m| m.revision == run.after_revision) {
+        Some(m) => m,
+        None => Arc::new(fetch_manifest(&bus, run.session, Some(run.after_revision)).await?),
+    };
     let cell_id = run.cell_id.clone();
     let (d, revision, st) = state::modify(&kv, run.session, |st| {
         let d = derive(&analysis, &run.code, &manifest, st, run.options.all_gpu, run.exec_id, &cell_id);
@@ -289,8 +295,9 @@ impl StreamHandler<Result<Envelope<RunV1>, Rejected>> for Planner {
         // Run supersedes the cell's pending edit; its prepared worker (if any) runs it.
         self.pending_edits.remove(&(session, run.cell_id.clone()));
         let prepared = if run.options.speculate { self.speculator.for_run(session, &run.cell_id) } else { None };
+        let cached = self.manifests.get(&session).map(|(m, _)| m.clone());
         let fut = async move {
-            let result = plan_run(bus.clone(), kv, run, prepared).await;
+            let result = plan_run(bus.clone(), kv, run, prepared, cached).await;
             if let Err(error) = &result {
                 tracing::error!(%session, %error, "could not plan a run");
                 let ev = SessionEventV2 {
@@ -308,7 +315,7 @@ impl StreamHandler<Result<Envelope<RunV1>, Rejected>> for Planner {
         .instrument(span);
         ctx.spawn(fut.into_actor(self).map(move |planned, act, _| {
             if let Some((m, st)) = planned {
-                act.manifests.insert(session, (Arc::new(m), Arc::new(st)));
+                act.manifests.insert(session, (m, Arc::new(st)));
             }
         }));
     }

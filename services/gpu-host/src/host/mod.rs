@@ -32,8 +32,8 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use schemas::bus::Rejected;
 use schemas::messages::{
-    BidV1, Device, EventKind, EvictV1, Prepare, PreparedClass, PreparedOutcome, RecipeKind, RecipeV1, SessionCloseV1,
-    SessionEventV2, SlotUse, WorkerState, ZygoteStatus,
+    BidV1, Device, EventKind, EvictV1, HostStatusV2, Prepare, PreparedClass, PreparedOutcome, RecipeKind, RecipeV1,
+    SessionCloseV1, SessionEventV2, SlotUse, WorkerState, ZygoteStatus,
 };
 use schemas::{unix_ms, Envelope};
 use tokio::sync::Mutex;
@@ -84,7 +84,12 @@ pub struct Host {
     /// When each run recipe arrived (a start's phases count from there); runs
     /// other hosts took are forgotten after a while.
     arrived: HashMap<Uuid, Instant>,
+    /// Other hosts as their status last said: free slots, and when it was heard.
+    peers: HashMap<String, (usize, Instant)>,
 }
+
+/// A peer not heard from for this long (three status ticks) is not competing.
+const PEER_STALE: Duration = Duration::from_secs(6);
 
 /// How long the arrival of a run recipe this host did not run is remembered.
 const ARRIVAL_MEMORY: Duration = Duration::from_secs(60);
@@ -124,6 +129,7 @@ impl Host {
             keep_warm,
             last_zygotes: Vec::new(),
             arrived: HashMap::new(),
+            peers: HashMap::new(),
         }
     }
 
@@ -132,11 +138,23 @@ impl Host {
     /// slots (half), the zygote match (a quarter: the tail imported already) and
     /// the closure's bytes in this host's chunk cache (a quarter); up to 3 ms of
     /// jitter breaks ties.
+    ///
+    /// The delay only lets a better-placed host win; with no other host that has a
+    /// free slot (as their status says) nobody could, and this host claims at once.
+    /// (Stale status only costs placement: the KV create still picks one host.)
     fn claim_delay(&self, recipe: &RecipeV1) -> (Duration, f64) {
         let (zygote, cached) = self.env.placement(recipe);
         let score = 0.5 * self.slots.free_share() + 0.25 * zygote + 0.25 * cached;
+        if !self.competitor_has_room() {
+            return (Duration::ZERO, score);
+        }
         let jitter = (Uuid::new_v4().as_u128() % 3000) as u64;
         (Duration::from_micros(2_000 + (12_000.0 * (1.0 - score)) as u64 + jitter), score)
+    }
+
+    /// Whether another live host has a free slot.
+    fn competitor_has_room(&self) -> bool {
+        self.peers.values().any(|(free, seen)| *free > 0 && seen.elapsed() < PEER_STALE)
     }
 
     /// Claim `key` after `delay`, then continue in the actor with how it settled.
@@ -831,6 +849,17 @@ impl StreamHandler<Result<Envelope<SessionEventV2>, Rejected>> for Host {
                     self.pending.retain(|r| r.exec_id != exec);
                 }
             }
+        }
+    }
+}
+
+impl StreamHandler<Result<Envelope<HostStatusV2>, Rejected>> for Host {
+    fn handle(&mut self, item: Result<Envelope<HostStatusV2>, Rejected>, _ctx: &mut Self::Context) {
+        let Ok(env) = item else { return };
+        let status = env.msg;
+        if status.host != self.env.host_id {
+            let free = status.slots.iter().filter(|s| s.held_for.is_none()).count();
+            self.peers.insert(status.host, (free, Instant::now()));
         }
     }
 }
