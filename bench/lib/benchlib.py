@@ -24,7 +24,8 @@ RESULTS = BENCH / "results"
 RELEASE = REPO / "target" / "release"
 LOOSELEAF = RELEASE / "looseleaf"
 PYTHON = REPO / ".venv" / "bin" / "python"
-CORPUS = (REPO / ".." / "shared" / "corpus").resolve()
+# LOOSELEAF_CORPUS: a copy elsewhere (a GPU machine has no ../shared; DEVELOPERS.md)
+CORPUS = Path(os.environ.get("LOOSELEAF_CORPUS", REPO / ".." / "shared" / "corpus")).resolve()
 
 
 def log(msg: str) -> None:
@@ -84,17 +85,20 @@ def free_port() -> int:
 class Cluster:
     """`looseleaf up` in the background, stopped with SIGINT (its Ctrl-C path)."""
 
-    def __init__(self, data_dir: Path, virtual_gpus: int = 2, store_url: str | None = None, env: dict | None = None):
+    def __init__(
+        self, data_dir: Path, virtual_gpus: int | None = 2, store_url: str | None = None, env: dict | None = None
+    ):
         self.port = free_port()
         self.data_dir = data_dir
         self.log_path = data_dir.parent / "up.log"
         data_dir.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "w")
+        # None: the host probes the machine's real GPUs
+        gpus = ["--virtual-gpus", str(virtual_gpus)] if virtual_gpus is not None else []
         args = [
             str(LOOSELEAF),
             "up",
-            "--virtual-gpus",
-            str(virtual_gpus),
+            *gpus,
             "--port",
             str(self.port),
             "--data-dir",

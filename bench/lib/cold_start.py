@@ -12,12 +12,15 @@ One run, all baselines measured in it:
    one fresh process per cell, bench/lib/naive_child.py, timed from just before
    spawn to its READY line);
 4. pinned kernel: `pass` in an already-running shell.
-Writes bench/results/cold-start.json.
+Writes bench/results/cold-start.json: the median and p95 cold start, where the host's
+part of it goes (phases), the targets of issue 12 (within 2x of the limit, 50x naive),
+the yardsticks' hashes and the naive baseline's spread across repetitions.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -42,8 +45,14 @@ NOTEBOOKS = [
     "torch/mrdbourke_01_pytorch_workflow.ipynb",
 ]
 CLOSURE_LIMIT_BYTES = 100_000_000
-TARGET_SPEEDUP = 20.0
+TARGET_SPEEDUP = 50.0
+TARGET_RATIO_TO_LIMIT = 2.0
 TARGET_COLD_MS = 150.0
+# The yardsticks LooseLeaf is compared with, frozen: their hashes go in the results,
+# so a change to one shows (and the figures before and after it are not compared).
+YARDSTICKS = ["limit_probe.py", "naive_child.py", "naive_session.py"]
+# Where the host's part of a cold start goes (the report's `phases`).
+PHASES = ["claim_ms", "fork_ms", "manifest_ms", "restore_file_ms", "imports_ms", "load_ms", "setup_ms"]
 
 
 def measure_limit() -> dict:
@@ -122,6 +131,7 @@ def run_looseleaf(corpus: Path, work: Path, rounds: int) -> tuple[list[dict], li
                             "imports": c["imports"],
                             "status": c["status"],
                             "import_cache_hit": c.get("import_cache_hit"),
+                            "phases": c.get("phases"),
                         }
                     )
         zs = zygotes(cluster)
@@ -145,6 +155,15 @@ def choose_sample(cold: list[dict], n: int) -> list[tuple[str, int, list[str]]]:
     return [keys[int(i * step)] for i in range(n)]
 
 
+def time_child_reps(snap_json: Path, reps: int) -> tuple[list[float], dict]:
+    """`reps` timings of the same naive start (its spread is the baseline's noise)."""
+    times, breakdown = [], {}
+    for _ in range(reps):
+        ms, breakdown = time_child(snap_json)
+        times.append(ms)
+    return times, breakdown
+
+
 def time_child(snap_json: Path) -> tuple[float, dict]:
     t0 = time.perf_counter()
     p = subprocess.Popen(
@@ -165,7 +184,7 @@ def time_child(snap_json: Path) -> tuple[float, dict]:
 
 
 def run_naive(
-    corpus: Path, work: Path, sample: list[tuple[str, int, list[str]]], pinned_reps: int
+    corpus: Path, work: Path, sample: list[tuple[str, int, list[str]]], pinned_reps: int, reps: int
 ) -> tuple[list[dict], dict]:
     """For each sampled cell: the plain-IPython session up to it, dumped; a fresh process
     that imports and loads it, timed. Returns (per-cell figures, pinned figure)."""
@@ -209,12 +228,13 @@ def run_naive(
             snap["imports"] += [m for m in recipe_imports[(name, idx)] if m not in snap["imports"]]
             snap_json = out_dir / f"snap-{idx}.json"
             snap_json.write_text(json.dumps(snap))
-            ms, breakdown = time_child(snap_json)
+            times, breakdown = time_child_reps(snap_json, reps)
             cells.append(
                 {
                     "notebook": name,
                     "index": idx,
-                    "start_ms": ms,
+                    "start_ms": B.median(times),
+                    "start_ms_reps": times,
                     "state_bytes": snap["state_bytes"],
                     "restored_names": breakdown["restored_names"],
                     "skipped": sorted(snap["skipped"]),
@@ -228,6 +248,42 @@ def run_naive(
         "reps": pinned_reps,
         "what": "time to run `pass` in an already-running IPython InteractiveShell",
     }
+
+
+def phase_summary(cold: list[dict]) -> dict:
+    """Median and p95 of each host phase over the cold cells that report them, and
+    of what the phases do not cover (frontend, planner, bus)."""
+    with_phases = [c for c in cold if c.get("phases")]
+    out = {
+        "what": "the host's phases of each cold cell's start (report field `phases`: from the run recipe's "
+        "arrival at the host to the cell's first line); bus_and_planner_ms is the start delay minus "
+        "their sum: the frontend, the planner and the NATS hops between them",
+        "cells": len(with_phases),
+    }
+    for k in PHASES:
+        xs = [c["phases"][k] for c in with_phases]
+        out[k] = {"median": B.median(xs), "p95": B.percentile(xs, 0.95)}
+    rest = [c["start_delay_ms"] - sum(c["phases"][k] for k in PHASES) for c in with_phases]
+    out["bus_and_planner_ms"] = {"median": B.median(rest), "p95": B.percentile(rest, 0.95)}
+    return out
+
+
+def naive_spread(naive: list[dict]) -> dict:
+    """How much the naive baseline moves across repetitions of the same cells."""
+    reps = min((len(c["start_ms_reps"]) for c in naive), default=0)
+    per_rep = [B.median([c["start_ms_reps"][i] for c in naive]) for i in range(reps)]
+    rel = [(max(c["start_ms_reps"]) - min(c["start_ms_reps"])) / B.median(c["start_ms_reps"]) for c in naive]
+    return {
+        "what": "each sampled cell's naive start timed `reps` times in a row: the median over cells of "
+        "each repetition, and the median per-cell spread (max - min) / median",
+        "reps": reps,
+        "median_ms_per_rep": per_rep,
+        "median_relative_spread": B.median(rel),
+    }
+
+
+def yardstick_hashes() -> dict:
+    return {name: hashlib.sha256((LIB / name).read_bytes()).hexdigest() for name in YARDSTICKS}
 
 
 def import_hit(imports: list[str], zygote_packages: set[str]) -> tuple[bool, list[str]]:
@@ -295,19 +351,29 @@ def summarize(
             not_cold[why] = not_cold.get(why, 0) + 1
 
     speedup = median_naive / median_cold if median_cold and median_naive else None
+    ratio = median_cold / limit_ms if median_cold and limit_ms else None
     return {
         "bench": "cold-start",
         "median_cold_ms": median_cold,
+        "p95_cold_ms": B.percentile(cold_ms, 0.95),
         "median_naive_ms": median_naive,
         "speedup_vs_naive": speedup,
         "limit_ms": limit_ms,
-        "ratio_to_limit": median_cold / limit_ms if median_cold and limit_ms else None,
+        "ratio_to_limit": ratio,
         "import_cache_hit_rate": hits / len(cold) if cold else None,
         "targets": {
             "speedup_vs_naive_at_least": TARGET_SPEEDUP,
+            "ratio_to_limit_at_most": TARGET_RATIO_TO_LIMIT,
             "median_cold_ms_under": TARGET_COLD_MS,
             "speedup_met": speedup is not None and speedup >= TARGET_SPEEDUP,
+            "ratio_met": ratio is not None and ratio <= TARGET_RATIO_TO_LIMIT,
             "cold_ms_met": median_cold is not None and median_cold < TARGET_COLD_MS,
+        },
+        "phases": phase_summary(cold),
+        "yardsticks": {
+            "what": "sha256 of the limit probe and the naive baseline: frozen, so figures from runs with "
+            "different hashes are not comparable",
+            "sha256": yardstick_hashes(),
         },
         "looseleaf": {
             "what": "start_delay_ms (Run, or the previous cell's end if later, to the cell's first line) of "
@@ -334,6 +400,7 @@ def summarize(
                         "closure",
                         "imports",
                         "status",
+                        "phases",
                     )
                 }
                 for c in cold
@@ -353,6 +420,7 @@ def summarize(
             "median_load_ms": B.median([c["breakdown"]["load_ms"] for c in naive]),
             "median_shell_ms": B.median([c["breakdown"]["shell_ms"] for c in naive]),
             "median_state_bytes": B.median([c["state_bytes"] for c in naive]),
+            "spread": naive_spread(naive),
             "cells": naive,
         },
         "paired": {
@@ -415,6 +483,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="times each notebook runs through LooseLeaf")
     ap.add_argument("--naive-cells", type=int, default=40, help="cells sampled for naive serverless (>= 30)")
     ap.add_argument("--pinned-reps", type=int, default=200)
+    ap.add_argument("--naive-reps", type=int, default=3, help="timings of each sampled naive start")
     args = ap.parse_args()
     started = time.monotonic()
     args.loadavg_start = os.getloadavg()
@@ -428,11 +497,11 @@ def main() -> int:
     if not cold:
         raise SystemExit("no cold cells measured")
     sample = choose_sample(cold, max(args.naive_cells, 30))
-    naive, pinned = run_naive(corpus, work, sample, args.pinned_reps)
+    naive, pinned = run_naive(corpus, work, sample, args.pinned_reps, args.naive_reps)
     result = summarize(limit, ll_cells, runs, zs, naive, pinned, args, time.monotonic() - started)
     path = B.write_result("cold-start", result)
     B.log(
-        f"median cold {result['median_cold_ms']:.0f} ms ({len(cold)} cells), naive "
+        f"median cold {result['median_cold_ms']:.1f} ms (p95 {result['p95_cold_ms']:.0f}; {len(cold)} cells), naive "
         f"{result['median_naive_ms']:.0f} ms ({len(naive)} cells): {result['speedup_vs_naive']:.1f}x; "
         f"limit {result['limit_ms']:.1f} ms (ratio {result['ratio_to_limit']:.1f}); pinned "
         f"{pinned['median_ms']:.2f} ms; import cache hit rate {result['import_cache_hit_rate']:.2f}"
