@@ -40,6 +40,8 @@ pub struct AppState {
     pub timeouts: Timeouts,
     /// Cancelled at shutdown; ends SSE streams.
     pub shutdown: CancellationToken,
+    /// When each gpu-host was last heard (its status), for host loss.
+    pub hosts: crate::session::HostsSeen,
 }
 
 impl AppState {
@@ -138,12 +140,12 @@ async fn create_session(
         .subscribe::<OutputV1>(s.session_outputs(sid))
         .await
         .map_err(|e| internal(format!("cannot subscribe to the session's outputs: {e}")))?;
-    let (bus, timeouts) = (state.bus.clone(), state.timeouts);
+    let (bus, timeouts, hosts) = (state.bus.clone(), state.timeouts, state.hosts.clone());
     let options = SessionOptions { cwd: req.cwd, all_gpu: req.all_gpu, speculate: req.speculate };
     let addr = SessionActor::start_in_arbiter(&state.arbiter, move |ctx| {
         ctx.add_stream(events.into_stream());
         ctx.add_stream(outputs.into_stream());
-        SessionActor::new(sid, bus, options, timeouts)
+        SessionActor::new(sid, bus, options, timeouts, hosts)
     });
     state.insert(sid, addr);
     tracing::info!(session = %sid, "session created");

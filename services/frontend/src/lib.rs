@@ -30,6 +30,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use anyhow::Context as _;
+use schemas::messages::HostStatusV2;
 use schemas::service::Service;
 use tokio_util::sync::CancellationToken;
 
@@ -44,6 +45,9 @@ pub struct Timeouts {
     pub output_grace: Duration,
     /// After a delete, how long late events (slot releases) are still relayed.
     pub close_grace: Duration,
+    /// A host whose status (published every 2 s) has not been heard for this long
+    /// while it runs a cell is lost: the cell ends with what the store committed.
+    pub host_lost: Duration,
 }
 
 impl Default for Timeouts {
@@ -53,6 +57,7 @@ impl Default for Timeouts {
             execution: Duration::from_secs(3600),
             output_grace: Duration::from_secs(5),
             close_grace: Duration::from_secs(2),
+            host_lost: Duration::from_secs(10),
         }
     }
 }
@@ -99,12 +104,16 @@ pub async fn run_with_bound(
         .with_context(|| format!("while binding {}", config.listen))?;
     let bound = listener.local_addr().context("while reading the bound address")?;
     let token = CancellationToken::new();
+    let hosts = session::HostsSeen::default();
+    let statuses = bus.subscribe::<HostStatusV2>(bus.subjects().all_host_status()).await?;
+    tokio::spawn(hosts.clone().follow(statuses));
     let state = http::AppState {
         bus: bus.clone(),
         arbiter: actix::Arbiter::current(),
         sessions: Arc::new(RwLock::new(HashMap::new())),
         timeouts: config.timeouts,
         shutdown: token.clone(),
+        hosts,
     };
     let app = http::router(state.clone());
     // The HTTP server is this service's worker: if it ends by itself the service

@@ -18,6 +18,9 @@ struct Args {
     /// Seconds a run may take to reach Saved/Failed before it fails.
     #[arg(long, env = "LOOSELEAF_EXEC_DEADLINE_S", default_value_t = 3600)]
     exec_deadline_s: u64,
+    /// Seconds without a host's status after which a cell it runs ends as lost.
+    #[arg(long, env = "LOOSELEAF_HOST_LOST_S", default_value_t = 10)]
+    host_lost_s: u64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -26,5 +29,6 @@ fn main() -> anyhow::Result<()> {
     let mut config = looseleaf_frontend::Config::new(args.service.nats_url, args.service.prefix, args.listen);
     config.timeouts.claim = std::time::Duration::from_secs(args.claim_timeout_s);
     config.timeouts.execution = std::time::Duration::from_secs(args.exec_deadline_s);
+    config.timeouts.host_lost = std::time::Duration::from_secs(args.host_lost_s);
     actix_rt::System::new().block_on(looseleaf_frontend::run(config, schemas::telemetry::shutdown_signal()))
 }

@@ -2,14 +2,20 @@
 //! relay of the session's events and outputs to SSE clients, and the replay log.
 //!
 //! Fed by two subscriptions made before it starts: `{prefix}.v1.session.{sid}.event`
-//! and `{prefix}.v1.output.{sid}.*`. Publishes `{prefix}.v1.session.{sid}.run`.
+//! and `{prefix}.v1.output.{sid}.*`. Publishes `{prefix}.v1.session.{sid}.run`. A
+//! cell whose host falls silent ends with what the store committed (`watch_host`).
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use schemas::bus::Rejected;
-use schemas::messages::{CellStatus, EditV1, EventKind, OutputV1, RunV1, SessionEventV2, SessionOptions};
+use schemas::messages::{
+    CellStatus, EditV1, EventKind, HostStatusV2, ManifestGetV2, ManifestV1, OutputV1, RunV1, SessionEventV2,
+    SessionOptions,
+};
+use schemas::subjects::StoreVerb;
 use schemas::{Bus, Envelope};
 use tokio::sync::mpsc;
 use uuid::Uuid;
@@ -26,12 +32,41 @@ struct Pending {
     run_unix_ms: u64,
 }
 
+/// When each gpu-host's status was last heard, shared by the sessions: a host
+/// running a session's cell that falls silent is lost.
+#[derive(Clone, Debug, Default)]
+pub struct HostsSeen(Arc<std::sync::Mutex<HashMap<String, Instant>>>);
+
+impl HostsSeen {
+    /// Record every status heard on `statuses` until the subscription ends.
+    pub async fn follow(self, mut statuses: schemas::bus::Subscription<HostStatusV2>) {
+        while let Some(item) = statuses.next().await {
+            if let Ok(env) = item {
+                self.0.lock().unwrap_or_else(|e| e.into_inner()).insert(env.msg.host, Instant::now());
+            }
+        }
+    }
+
+    /// How long ago `host` was last heard (None: never).
+    pub fn silent_for(&self, host: &str) -> Option<Duration> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).get(host).map(Instant::elapsed)
+    }
+}
+
+/// How long the store may take to say what a lost host's cell committed.
+const STORE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How often a running cell's host is checked for loss.
+const HOST_CHECK: Duration = Duration::from_secs(1);
+
 /// The execution that was sent to the planner and is not complete yet.
 #[derive(Debug)]
 struct Current {
     exec_id: Uuid,
     /// A Planned or Claimed event arrived.
     taken: bool,
+    /// The host that claimed it, and when.
+    host: Option<(String, Instant)>,
     /// The cell's status from Finished, if it arrived.
     finished: Option<(CellStatus, Option<String>)>,
     /// How many outputs Finished announced.
@@ -71,12 +106,13 @@ pub struct SessionActor {
     log: Vec<String>,
     clients: Vec<mpsc::UnboundedSender<String>>,
     closing: bool,
+    hosts: HostsSeen,
 }
 
 impl SessionActor {
     /// A session actor with everything it needs; add its two subscriptions as
     /// streams when starting it.
-    pub fn new(sid: Uuid, bus: Bus, options: SessionOptions, timeouts: Timeouts) -> Self {
+    pub fn new(sid: Uuid, bus: Bus, options: SessionOptions, timeouts: Timeouts, hosts: HostsSeen) -> Self {
         Self {
             sid,
             bus,
@@ -91,7 +127,71 @@ impl SessionActor {
             log: Vec::new(),
             clients: Vec::new(),
             closing: false,
+            hosts,
         }
+    }
+
+    /// While execution `exec_id` is current: if the host that claimed it fell
+    /// silent, end it with what the store committed (a commit that landed before
+    /// the host was lost is the cell's outcome; otherwise it failed and nothing of
+    /// it was committed). Checked every second.
+    fn watch_host(&mut self, exec_id: Uuid, ctx: &mut Context<Self>) {
+        ctx.run_later(HOST_CHECK, move |act, ctx| {
+            let Some(cur) = act.current.as_ref().filter(|c| c.exec_id == exec_id && c.terminal.is_none()) else {
+                return;
+            };
+            let lost = cur.host.as_ref().and_then(|(host, claimed)| {
+                let silent = act.hosts.silent_for(host).unwrap_or_else(|| claimed.elapsed());
+                (silent > act.timeouts.host_lost).then(|| (host.clone(), silent))
+            });
+            match lost {
+                Some((host, silent)) => act.host_lost(exec_id, host, silent, ctx),
+                None => act.watch_host(exec_id, ctx),
+            }
+        });
+    }
+
+    /// The host of the current execution is lost: ask the store what was committed.
+    fn host_lost(&mut self, exec_id: Uuid, host: String, silent: Duration, ctx: &mut Context<Self>) {
+        tracing::warn!(session = %self.sid, exec = %exec_id, %host, ?silent, "host lost while it ran a cell");
+        let bus = self.bus.clone();
+        let get = ManifestGetV2 { session: self.sid, at_least: None };
+        let ask = async move {
+            bus.request::<_, ManifestV1>(bus.subjects().store(StoreVerb::ManifestGet), &get, STORE_TIMEOUT).await
+        };
+        ctx.spawn(ask.into_actor(self).map(move |answer, act, ctx| {
+            let Some(cur) = act.current.as_ref().filter(|c| c.exec_id == exec_id && c.terminal.is_none()) else {
+                return;
+            };
+            let now = schemas::unix_ms();
+            match answer {
+                // the save landed before the host went: that is the cell's outcome
+                Ok(m) if m.manifest.exec_id == exec_id => {
+                    let (status, error) = match &cur.finished {
+                        Some((CellStatus::Error, e)) => (ExecStatus::Error, e.clone()),
+                        _ => (ExecStatus::Ok, None),
+                    };
+                    act.complete(ctx, status, m.manifest.revision, error, now);
+                }
+                Ok(m) => {
+                    let error = format!(
+                        "host {host} was lost (not heard for {:.0} s) while the cell ran; nothing the cell did \
+                         was committed, the session keeps its last committed state (revision {})",
+                        silent.as_secs_f64(),
+                        m.manifest.revision
+                    );
+                    act.complete(ctx, ExecStatus::Error, m.manifest.revision, Some(error), now);
+                }
+                Err(e) => {
+                    let error = format!(
+                        "host {host} was lost (not heard for {:.0} s) while the cell ran, and the store could not \
+                         say what was committed ({e}); run the cell again",
+                        silent.as_secs_f64()
+                    );
+                    act.complete(ctx, ExecStatus::Error, act.revision, Some(error), now);
+                }
+            }
+        }));
     }
 
     fn emit(&mut self, item: &StreamItem) {
@@ -128,6 +228,7 @@ impl SessionActor {
         self.current = Some(Current {
             exec_id: p.exec_id,
             taken: false,
+            host: None,
             finished: None,
             expected_outputs: None,
             outputs: HashSet::new(),
@@ -207,7 +308,16 @@ impl SessionActor {
             return;
         }
         let terminal = match ev.kind {
-            EventKind::Planned { .. } | EventKind::Claimed { .. } | EventKind::Started { .. } => {
+            EventKind::Claimed { host, .. } => {
+                cur.taken = true;
+                if cur.host.is_none() {
+                    cur.host = Some((host, Instant::now()));
+                    let exec_id = cur.exec_id;
+                    self.watch_host(exec_id, ctx);
+                }
+                return;
+            }
+            EventKind::Planned { .. } | EventKind::Started { .. } => {
                 cur.taken = true;
                 None
             }

@@ -73,6 +73,15 @@ pub enum ExecError {
     /// The worker refused a step, or the store refused its save.
     #[error("{0}")]
     Worker(#[source] WorkerError),
+    /// The host is stopping (SIGTERM): the cell was stopped before it was saved.
+    #[error(
+        "host {host} stopped while the cell ran (it was shut down); nothing the cell did was committed, \
+         the session keeps its last committed state"
+    )]
+    HostStopping {
+        /// The host.
+        host: String,
+    },
     /// The prepared worker died before the cell started and no fresh one could start.
     #[error("the prepared worker was lost and no fresh one could start: {0}")]
     PreparedLost(#[source] Box<ExecError>),
@@ -112,6 +121,9 @@ pub struct ExecEnv {
     pub lifecycle: crate::lifecycle::Lifecycle,
     /// Sessions' package layers (`DIR/<session>`).
     pub package_layers: std::path::PathBuf,
+    /// Set when the host is stopping: a worker lost from then on was stopped with
+    /// the host, and its execution fails saying so.
+    pub stopping: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Sessions whose last manifest a host remembers for scoring.
@@ -306,6 +318,8 @@ impl ExecEnv {
             Ok(unsavable) => Outcome { worker, unsavable },
             // the one place an execution's failure reaches the session
             Err(e) => {
+                let stopped = self.stopping.load(Ordering::SeqCst) && matches!(e, ExecError::WorkerLost(_));
+                let e = if stopped { ExecError::HostStopping { host: self.host_id.clone() } } else { e };
                 self.event(session, exec_id, EventKind::Failed { error: e.to_string() }).await;
                 Outcome { worker, unsavable: vec![] }
             }

@@ -132,6 +132,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         forks: Default::default(),
         lifecycle: Default::default(),
         package_layers: config.package_layers.clone(),
+        stopping: Default::default(),
     };
     let s = bus.subjects().clone();
     let recipes = bus.subscribe::<RecipeV1>(s.all_recipes()).await?;

@@ -22,6 +22,8 @@ pub const WAIT: Duration = Duration::from_secs(120);
 /// Store, planner, frontend and gpu-hosts; every process is killed on drop.
 pub struct Services {
     children: Vec<Child>,
+    /// Index in `children` of each gpu-host (`host-{i}`).
+    hosts: Vec<usize>,
     /// The frontend's base URL.
     pub frontend: String,
     /// The subject prefix.
@@ -59,8 +61,14 @@ impl Services {
         let client = async_nats::connect(nats.url()).await?;
         let mut statuses = client.subscribe(format!("{prefix}.v1.host.*.status")).await?;
         let port = free_port()?;
-        let mut s =
-            Self { children: Vec::new(), frontend: format!("http://127.0.0.1:{port}"), prefix, nats, _dir: dir };
+        let mut s = Self {
+            children: Vec::new(),
+            hosts: Vec::new(),
+            frontend: format!("http://127.0.0.1:{port}"),
+            prefix,
+            nats,
+            _dir: dir,
+        };
         let spawn = |name: &str, args: &[String]| -> anyhow::Result<Child> {
             let mut cmd = Command::new(bin_dir.join(name));
             cmd.args(args).stdin(Stdio::null()).envs(common.iter().map(|(k, v)| (k, v)));
@@ -73,6 +81,7 @@ impl Services {
             let args = ["--host-id".into(), format!("host-{i}"), "--virtual-gpus".into(), slots.to_string()];
             let mut args = args.to_vec();
             args.extend(["--runtime-dir".into(), rt.display().to_string()]);
+            s.hosts.push(s.children.len());
             s.children.push(spawn("looseleaf-gpu-host", &args)?);
         }
         s.children.push(spawn("looseleaf-frontend", &["--listen".into(), format!("127.0.0.1:{port}")])?);
@@ -91,6 +100,19 @@ impl Services {
             }
         }
         Ok(s)
+    }
+
+    /// Send `signal` to gpu-host `host-{i}` (SIGKILL: it dies; SIGTERM: it stops).
+    pub fn signal_host(&mut self, i: usize, signal: nix::sys::signal::Signal) -> anyhow::Result<()> {
+        let child = self.hosts.get(i).and_then(|&c| self.children.get(c)).context("no such host")?;
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), signal)?;
+        Ok(())
+    }
+
+    /// Wait until gpu-host `host-{i}` has exited.
+    pub fn wait_host(&mut self, i: usize) -> anyhow::Result<std::process::ExitStatus> {
+        let c = *self.hosts.get(i).context("no such host")?;
+        Ok(self.children[c].wait()?)
     }
 
     /// A client of the frontend.

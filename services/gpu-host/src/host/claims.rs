@@ -2,6 +2,7 @@
 //! preparation of a cell's recipe revision, or a session's CPU worker by creating
 //! its key first. Every claim goes through [`Claims::claim`].
 
+use std::collections::HashSet;
 use std::time::Duration;
 
 use async_nats::jetstream::kv;
@@ -73,19 +74,38 @@ impl Claims {
     }
 
     /// Wait `delay` (the host's placement score: better-placed hosts wait less),
-    /// then try to create the claim.
-    pub async fn claim(&self, key: ClaimKey, delay: Duration) -> Claim {
+    /// then try to create the claim. `live`: the hosts known to be alive (their
+    /// status was heard lately), or None while this host cannot know yet; a CPU
+    /// worker's claim held by a host not among them is taken over, since its worker
+    /// went with its host.
+    pub async fn claim(&self, key: ClaimKey, delay: Duration, live: Option<HashSet<String>>) -> Claim {
         if !delay.is_zero() {
             tokio::time::sleep(delay).await;
         }
         let k = key.key();
-        match self.kv.create(&k, self.host_id.clone().into_bytes().into()).await {
+        let me = self.host_id.clone().into_bytes();
+        match self.kv.create(&k, me.clone().into()).await {
             Ok(_) => Claim::Won,
             // Only a CPU worker's claim may be this host's already (its worker died
-            // and is restarted here); a run or preparation is claimed once.
+            // and is restarted here) or a lost host's; a run or preparation is
+            // claimed once.
             Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists && matches!(key, ClaimKey::Cpu(_)) => {
-                match self.kv.get(&k).await {
-                    Ok(Some(v)) if v.as_ref() == self.host_id.as_bytes() => Claim::Mine,
+                match self.kv.entry(&k).await {
+                    Ok(Some(entry)) if entry.value.as_ref() == me.as_slice() => Claim::Mine,
+                    Ok(Some(entry)) => {
+                        let holder = String::from_utf8_lossy(&entry.value).to_string();
+                        if live.is_none_or(|live| live.contains(&holder)) {
+                            return Claim::Lost;
+                        }
+                        // revision-checked: of the hosts taking over, one wins
+                        match self.kv.update(&k, me.into(), entry.revision).await {
+                            Ok(_) => {
+                                tracing::warn!(key = %k, lost = %holder, "took over the claim of a host that is gone");
+                                Claim::Won
+                            }
+                            Err(_) => Claim::Lost,
+                        }
+                    }
                     _ => Claim::Lost,
                 }
             }
@@ -98,14 +118,34 @@ impl Claims {
     }
 
     /// Renew claims this host holds (they expire after `CLAIM_TTL` otherwise, so a
-    /// dead host's claims free themselves).
-    pub async fn renew(&self, keys: Vec<ClaimKey>) {
+    /// dead host's claims free themselves). Returns the CPU worker claims another
+    /// host took over meanwhile (this host was taken for lost): their workers are
+    /// no longer the sessions' CPU workers.
+    pub async fn renew(&self, keys: Vec<ClaimKey>) -> Vec<ClaimKey> {
+        let me = self.host_id.clone().into_bytes();
+        let mut lost = Vec::new();
         for key in keys {
             let k = key.key();
-            if let Err(e) = self.kv.put(&k, self.host_id.clone().into_bytes().into()).await {
+            let renewed = match key {
+                // never overwrite a takeover: renew only what is still this host's
+                ClaimKey::Cpu(_) => match self.kv.entry(&k).await {
+                    Ok(Some(e)) if e.value.as_ref() != me.as_slice() && e.operation == kv::Operation::Put => {
+                        lost.push(key);
+                        continue;
+                    }
+                    Ok(Some(e)) if e.operation == kv::Operation::Put => {
+                        self.kv.update(&k, me.clone().into(), e.revision).await.map(|_| ()).map_err(|e| e.to_string())
+                    }
+                    Ok(_) => self.kv.create(&k, me.clone().into()).await.map(|_| ()).map_err(|e| e.to_string()),
+                    Err(e) => Err(e.to_string()),
+                },
+                _ => self.kv.put(&k, me.clone().into()).await.map(|_| ()).map_err(|e| e.to_string()),
+            };
+            if let Err(e) = renewed {
                 tracing::warn!(error = %e, key = %k, "could not renew a claim");
             }
         }
+        lost
     }
 
     /// Give up a claim.

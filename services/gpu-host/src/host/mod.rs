@@ -86,6 +86,14 @@ pub struct Host {
     arrived: HashMap<Uuid, Instant>,
     /// Other hosts as their status last said: free slots, and when it was heard.
     peers: HashMap<String, (usize, Instant)>,
+    /// Executions under way (exec -> session), and their number for a stopping host
+    /// to wait on.
+    running: HashMap<Uuid, Uuid>,
+    running_count: tokio::sync::watch::Sender<usize>,
+    /// When this host started (it judges other hosts lost only after a while).
+    started: Instant,
+    /// CPU runs whose session's CPU worker is on another host (see `retry_cpu_runs`).
+    cpu_waiting: Vec<(Instant, RecipeV1)>,
 }
 
 /// A peer not heard from for this long (three status ticks) is not competing.
@@ -130,6 +138,10 @@ impl Host {
             last_zygotes: Vec::new(),
             arrived: HashMap::new(),
             peers: HashMap::new(),
+            running: HashMap::new(),
+            running_count: tokio::sync::watch::Sender::new(0),
+            started: Instant::now(),
+            cpu_waiting: Vec::new(),
         }
     }
 
@@ -152,6 +164,17 @@ impl Host {
         (Duration::from_micros(2_000 + (12_000.0 * (1.0 - score)) as u64 + jitter), score)
     }
 
+    /// The hosts alive as far as this one knows: itself, and every other one whose
+    /// status was heard lately; None until this host has listened long enough to
+    /// have heard every live one.
+    fn live_hosts(&self) -> Option<std::collections::HashSet<String>> {
+        if self.started.elapsed() < PEER_STALE {
+            return None;
+        }
+        let peers = self.peers.iter().filter(|(_, (_, seen))| seen.elapsed() < PEER_STALE).map(|(h, _)| h.clone());
+        Some(peers.chain(std::iter::once(self.env.host_id.clone())).collect())
+    }
+
     /// Whether another live host has a free slot.
     fn competitor_has_room(&self) -> bool {
         self.peers.values().any(|(free, seen)| *free > 0 && seen.elapsed() < PEER_STALE)
@@ -166,9 +189,9 @@ impl Host {
         then: impl FnOnce(&mut Self, Claim, &mut Context<Self>) + 'static,
     ) {
         let claims = self.claims.clone();
-        ctx.spawn(
-            async move { claims.claim(key, delay).await }.into_actor(self).map(move |c, act, ctx| then(act, c, ctx)),
-        );
+        let live = self.live_hosts();
+        let fut = async move { claims.claim(key, delay, live).await };
+        ctx.spawn(fut.into_actor(self).map(move |c, act, ctx| then(act, c, ctx)));
     }
 
     /// Run `fut` in the background (publishing, stopping workers): its failures
@@ -226,6 +249,9 @@ impl Host {
     // ---------------------------------------------------------------- routing
 
     fn on_recipe(&mut self, recipe: RecipeV1, ctx: &mut Context<Self>) {
+        if self.env.stopping.load(std::sync::atomic::Ordering::SeqCst) {
+            return; // a stopping host takes nothing new; other hosts will
+        }
         if recipe.kind != RecipeKind::Run {
             self.on_edit_recipe(recipe, ctx);
             return;
@@ -317,8 +343,26 @@ impl Host {
         self.claim(ClaimKey::Cpu(recipe.session), Duration::ZERO, ctx, move |act, claim, ctx| {
             if claim.held() {
                 act.spawn_exec(recipe, Target::Fresh { slot: None }, ctx);
+            } else {
+                // the session's CPU worker lives on another host; should that host
+                // be lost before it claims the run, this one takes over (on a tick)
+                act.cpu_waiting.push((Instant::now(), recipe));
             }
         });
+    }
+
+    /// CPU runs another host's worker should have taken: those still unclaimed once
+    /// that host is lost are claimed again (the claim takes the lost host's over).
+    fn retry_cpu_runs(&mut self, ctx: &mut Context<Self>) {
+        self.cpu_waiting.retain(|(at, _)| at.elapsed() < ARRIVAL_MEMORY);
+        let Some(live) = self.live_hosts() else { return };
+        let holders_lost = self.peers.keys().any(|h| !live.contains(h));
+        if !holders_lost {
+            return;
+        }
+        for (_, recipe) in std::mem::take(&mut self.cpu_waiting) {
+            self.claim_cpu(recipe, ctx);
+        }
     }
 
     /// A run this host claimed without a prepared worker: a free slot, or an idle
@@ -345,9 +389,14 @@ impl Host {
         };
         let (device, session, cell_id) = (recipe.device, recipe.session, recipe.cell_id.clone());
         let arrived = self.arrived.remove(&recipe.exec_id);
+        let exec_id = recipe.exec_id;
+        self.running.insert(exec_id, session);
+        self.running_count.send_replace(self.running.len());
         let span = tracing::info_span!("execute", exec = %recipe.exec_id, %session, cell = %recipe.cell_id);
         let fut = tracing::Instrument::instrument(async move { env.execute(recipe, target, arrived).await }, span);
         ctx.spawn(fut.into_actor(self).map(move |outcome, act, ctx| {
+            act.running.remove(&exec_id);
+            act.running_count.send_replace(act.running.len());
             act.exec_done(session, &cell_id, device, kind, outcome, ctx);
         }));
     }
@@ -783,7 +832,19 @@ impl Host {
         let keys: Vec<ClaimKey> =
             self.kept.cpu_sessions().map(ClaimKey::Cpu).chain(self.slots.running().map(ClaimKey::Run)).collect();
         let claims = self.claims.clone();
-        self.background(async move { claims.renew(keys).await }, ctx);
+        let renewal = async move { claims.renew(keys).await };
+        ctx.spawn(renewal.into_actor(self).map(|lost, act, ctx| {
+            for key in lost {
+                if let ClaimKey::Cpu(session) = key {
+                    // another host took this host for lost and runs the session's CPU
+                    // cells now: this worker must not run any more of them
+                    tracing::warn!(%session, "another host took over this session's CPU worker");
+                    if let Some(w) = act.kept.cpu_worker(session).map(|k| k.worker.clone()) {
+                        act.forget_kept(&worker_id(&w), Some(w), ctx);
+                    }
+                }
+            }
+        }));
     }
 
     /// Stop every worker this host keeps or prepared (shutdown); resolves once
@@ -823,6 +884,7 @@ impl Actor for Host {
     fn started(&mut self, ctx: &mut Self::Context) {
         ctx.run_interval(TICK, |act, ctx| {
             act.arrived.retain(|_, at| at.elapsed() < ARRIVAL_MEMORY);
+            act.retry_cpu_runs(ctx);
             act.reap_lost_prepared(ctx);
             act.publish_status(ctx);
             act.renew_claims(ctx);
@@ -847,6 +909,7 @@ impl StreamHandler<Result<Envelope<SessionEventV2>, Rejected>> for Host {
                 if *host != self.env.host_id {
                     let exec = env.msg.exec_id;
                     self.pending.retain(|r| r.exec_id != exec);
+                    self.cpu_waiting.retain(|(_, r)| r.exec_id != exec);
                 }
             }
         }
@@ -881,16 +944,29 @@ impl StreamHandler<Result<Envelope<EvictV1>, Rejected>> for Host {
     }
 }
 
-/// Stop the host: stop every worker it keeps or prepared; answered once they
-/// are stopped.
+/// Stop the host (SIGTERM): take nothing new; end the cells still preparing or
+/// running (each fails saying the host stopped: nothing of it was committed); let
+/// saves under way finish (what they commit is reported as saved); then stop every
+/// worker left. Answered once all that is done.
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct Stop;
 
 impl Handler<Stop> for Host {
-    type Result = ResponseFuture<()>;
+    type Result = ResponseActFuture<Self, ()>;
 
     fn handle(&mut self, _: Stop, _ctx: &mut Self::Context) -> Self::Result {
-        Box::pin(self.stop_all())
+        self.env.stopping.store(true, std::sync::atomic::Ordering::SeqCst);
+        for w in self.env.lifecycle.snapshot() {
+            if matches!(w.state, WorkerState::Preparing | WorkerState::Running) {
+                tracing::info!(worker = %w.id, session = %w.session, "stopping a cell with the host");
+                crate::process::kill(w.pid);
+            }
+        }
+        let mut running = self.running_count.subscribe();
+        let executions_ended = async move {
+            let _ = running.wait_for(|n| *n == 0).await;
+        };
+        Box::pin(executions_ended.into_actor(self).then(|(), act, _ctx| act.stop_all().into_actor(act)))
     }
 }
