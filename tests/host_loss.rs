@@ -28,6 +28,21 @@ async fn claimed_by(events: &mut Events, exec: Uuid) -> anyhow::Result<usize> {
     Ok(host.trim_start_matches("host-").parse()?)
 }
 
+/// Start a cell that changes `x` and then sleeps; returns it once it runs, with
+/// the index of its host.
+async fn long_cell_running(
+    fe: &looseleaf_client::Frontend,
+    events: &mut Events,
+    sid: Uuid,
+) -> anyhow::Result<(Uuid, usize)> {
+    let exec = fe.run(sid, "b", "import time\nx = 0\ntime.sleep(120)").await?.exec_id;
+    let host = claimed_by(events, exec).await?;
+    events
+        .until(|i| matches!(i, StreamItem::Event { exec_id, kind: EventKind::Started { .. }, .. } if *exec_id == exec))
+        .await?;
+    Ok((exec, host))
+}
+
 /// The Done item of `exec`: (status, error).
 async fn done(events: &mut Events, exec: Uuid) -> anyhow::Result<(ExecStatus, Option<String>)> {
     match events.until(|i| matches!(i, StreamItem::Done { exec_id, .. } if *exec_id == exec)).await? {
@@ -59,11 +74,7 @@ async fn a_host_killed_mid_cell_fails_the_cell_and_the_session_goes_on() -> anyh
     let (status, _) = run(&fe, &mut events, sid, "a", "x = 41").await?;
     assert_eq!(status, ExecStatus::Ok);
 
-    let exec = fe.run(sid, "b", "import time\nx = 0\ntime.sleep(120)").await?.exec_id;
-    let host = claimed_by(&mut events, exec).await?;
-    events
-        .until(|i| matches!(i, StreamItem::Event { exec_id, kind: EventKind::Started { .. }, .. } if *exec_id == exec))
-        .await?;
+    let (exec, host) = long_cell_running(&fe, &mut events, sid).await?;
     services.signal_host(host, Signal::SIGKILL)?;
     let started = std::time::Instant::now();
     let (status, error) = done(&mut events, exec).await?;
@@ -92,11 +103,7 @@ async fn a_host_stopped_mid_cell_says_so_and_the_session_goes_on() -> anyhow::Re
     let mut events = Events::open(&fe, sid).await?;
     assert_eq!(run(&fe, &mut events, sid, "a", "x = 41").await?.0, ExecStatus::Ok);
 
-    let exec = fe.run(sid, "b", "import time\nx = 0\ntime.sleep(120)").await?.exec_id;
-    let host = claimed_by(&mut events, exec).await?;
-    events
-        .until(|i| matches!(i, StreamItem::Event { exec_id, kind: EventKind::Started { .. }, .. } if *exec_id == exec))
-        .await?;
+    let (exec, host) = long_cell_running(&fe, &mut events, sid).await?;
     services.signal_host(host, Signal::SIGTERM)?;
     let (status, error) = done(&mut events, exec).await?;
     assert_eq!(status, ExecStatus::Error);

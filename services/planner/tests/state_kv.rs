@@ -6,12 +6,17 @@ use looseleaf_planner::state::{self, NameMeta};
 use looseleaf_test_support::{random_prefix, NatsServer};
 use uuid::Uuid;
 
+/// The planner's bucket on a nats-server of the test's own (kept alive with it).
+async fn planner_bucket() -> anyhow::Result<(NatsServer, async_nats::jetstream::kv::Store)> {
+    let nats = NatsServer::start()?;
+    let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await?);
+    let kv = schemas::buckets::planner(&js, &random_prefix()).await?;
+    Ok((nats, kv))
+}
+
 #[tokio::test]
 async fn a_state_too_large_to_write_says_so() {
-    let nats = NatsServer::start().expect("nats-server");
-    let client = async_nats::connect(nats.url()).await.expect("connect");
-    let js = async_nats::jetstream::new(client);
-    let kv = schemas::buckets::planner(&js, &random_prefix()).await.expect("bucket");
+    let (_nats, kv) = planner_bucket().await.expect("planner bucket on a real nats-server");
     let session = Uuid::now_v7();
 
     // an ordinary update goes through
@@ -39,10 +44,7 @@ async fn a_state_too_large_to_write_says_so() {
 /// left in place: a silent reset would forget which cells define which names.
 #[tokio::test]
 async fn a_corrupt_state_is_reported_not_reset() {
-    let nats = NatsServer::start().expect("nats-server");
-    let client = async_nats::connect(nats.url()).await.expect("connect");
-    let js = async_nats::jetstream::new(client);
-    let kv = schemas::buckets::planner(&js, &random_prefix()).await.expect("bucket");
+    let (_nats, kv) = planner_bucket().await.expect("planner bucket on a real nats-server");
     let session = Uuid::now_v7();
     kv.put(session.to_string(), "{not json".into()).await.expect("put garbage");
 
