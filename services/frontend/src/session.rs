@@ -34,22 +34,34 @@ struct Pending {
 
 /// When each gpu-host's status was last heard, shared by the sessions: a host
 /// running a session's cell that falls silent is lost.
-#[derive(Clone, Debug, Default)]
-pub struct HostsSeen(Arc<std::sync::Mutex<HashMap<String, Instant>>>);
+#[derive(Clone, Debug)]
+pub struct HostsSeen {
+    heard: Arc<std::sync::Mutex<HashMap<String, Instant>>>,
+    /// Since when this frontend listens (a host never heard is silent since then).
+    since: Instant,
+}
+
+impl Default for HostsSeen {
+    fn default() -> Self {
+        Self { heard: Default::default(), since: Instant::now() }
+    }
+}
 
 impl HostsSeen {
     /// Record every status heard on `statuses` until the subscription ends.
     pub async fn follow(self, mut statuses: schemas::bus::Subscription<HostStatusV2>) {
         while let Some(item) = statuses.next().await {
             if let Ok(env) = item {
-                self.0.lock().unwrap_or_else(|e| e.into_inner()).insert(env.msg.host, Instant::now());
+                self.heard.lock().unwrap_or_else(|e| e.into_inner()).insert(env.msg.host, Instant::now());
             }
         }
     }
 
-    /// How long ago `host` was last heard (None: never).
-    pub fn silent_for(&self, host: &str) -> Option<Duration> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).get(host).map(Instant::elapsed)
+    /// How long `host` has been silent: since it was last heard, or, if it never
+    /// was, since this frontend started listening (a live host is heard every 2 s).
+    pub fn silent_for(&self, host: &str) -> Duration {
+        let heard = self.heard.lock().unwrap_or_else(|e| e.into_inner()).get(host).copied();
+        heard.unwrap_or(self.since).elapsed()
     }
 }
 
@@ -65,8 +77,8 @@ struct Current {
     exec_id: Uuid,
     /// A Planned or Claimed event arrived.
     taken: bool,
-    /// The host that claimed it, and when.
-    host: Option<(String, Instant)>,
+    /// The host that claimed it.
+    host: Option<String>,
     /// The cell's status from Finished, if it arrived.
     finished: Option<(CellStatus, Option<String>)>,
     /// How many outputs Finished announced.
@@ -140,8 +152,8 @@ impl SessionActor {
             let Some(cur) = act.current.as_ref().filter(|c| c.exec_id == exec_id && c.terminal.is_none()) else {
                 return;
             };
-            let lost = cur.host.as_ref().and_then(|(host, claimed)| {
-                let silent = act.hosts.silent_for(host).unwrap_or_else(|| claimed.elapsed());
+            let lost = cur.host.as_ref().and_then(|host| {
+                let silent = act.hosts.silent_for(host);
                 (silent > act.timeouts.host_lost).then(|| (host.clone(), silent))
             });
             match lost {
@@ -311,7 +323,7 @@ impl SessionActor {
             EventKind::Claimed { host, .. } => {
                 cur.taken = true;
                 if cur.host.is_none() {
-                    cur.host = Some((host, Instant::now()));
+                    cur.host = Some(host);
                     let exec_id = cur.exec_id;
                     self.watch_host(exec_id, ctx);
                 }
