@@ -105,6 +105,7 @@ impl Cluster {
             prefix: PREFIX.into(),
             debounce: Duration::from_millis(looseleaf_planner::DEFAULT_DEBOUNCE_MS),
             budget: opts.budget,
+            host_lost: Duration::from_secs(10),
         };
         self.spawn("planner", |stop| looseleaf_planner::run(planner, stop));
 

@@ -140,3 +140,31 @@ async fn a_lost_hosts_cpu_worker_does_not_block_the_next_cpu_cell() -> anyhow::R
     assert!(events.text(exec).contains("10"), "{}", events.text(exec));
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cell_needing_unsavable_state_of_a_lost_host_fails_at_once_naming_it() -> anyhow::Result<()> {
+    let mut services = services().await?;
+    let fe = services.client();
+    let cwd = tempfile::tempdir()?;
+    let sid = fe.create_session(&cwd.path().display().to_string(), false, false).await?;
+    let mut events = Events::open(&fe, sid).await?;
+    // a generator cannot be saved: it lives only in the session's CPU worker
+    let exec = fe.run(sid, "a", "g = (i for i in range(3))\nk = 7").await?.exec_id;
+    let host = claimed_by(&mut events, exec).await?;
+    assert_eq!(done(&mut events, exec).await?.0, ExecStatus::Ok);
+    services.signal_host(host, Signal::SIGKILL)?;
+
+    let started = std::time::Instant::now();
+    let exec = fe.run(sid, "b", "print(next(g))").await?.exec_id;
+    let (status, error) = done(&mut events, exec).await?;
+    assert_eq!(status, ExecStatus::Error);
+    let error = error.unwrap_or_default();
+    assert!(error.contains("variables g") && error.contains("is lost"), "{error}");
+    assert!(started.elapsed() < Duration::from_secs(45), "failed after {:?}, not at once", started.elapsed());
+
+    // what was saved is still there, on the other host
+    let (status, text) = run(&fe, &mut events, sid, "c", "print(k * 6)").await?;
+    assert_eq!(status, ExecStatus::Ok);
+    assert!(text.contains("42"), "{text}");
+    Ok(())
+}

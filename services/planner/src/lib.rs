@@ -42,6 +42,9 @@ pub struct Config {
     pub debounce: Duration,
     /// What speculation may cost.
     pub budget: speculator::Budget,
+    /// A host not heard for this long is lost: runs that must go to its worker
+    /// (it holds their unsavable variables) fail at once, naming them.
+    pub host_lost: Duration,
 }
 
 /// Run the planner until `shutdown` resolves. Must be called inside an actix system.
@@ -64,7 +67,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         ctx.add_stream(closes.into_stream());
         ctx.add_stream(events.into_stream());
         ctx.add_stream(hosts.into_stream());
-        planner::Planner::new(actor_bus, kv, config.debounce, config.budget)
+        planner::Planner::new(actor_bus, kv, config.debounce, config.budget).with_host_lost(config.host_lost)
     });
     tracing::info!(prefix = %config.prefix, "planner serving");
     // nothing to hand back: a run planned halfway is planned again by its retry

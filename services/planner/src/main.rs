@@ -16,6 +16,10 @@ struct Args {
     /// Speculation budget: idle GPU-slot seconds one session's prepared workers may spend.
     #[arg(long, env = "LOOSELEAF_IDLE_GPU_SECONDS", default_value_t = looseleaf_planner::DEFAULT_BUDGET.idle_seconds_per_session)]
     idle_gpu_seconds_per_session: f64,
+    /// Seconds without a host's status after which runs that must go to its
+    /// worker (unsavable state) fail.
+    #[arg(long, env = "LOOSELEAF_HOST_LOST_S", default_value_t = 10)]
+    host_lost_s: u64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -25,6 +29,7 @@ fn main() -> anyhow::Result<()> {
         nats_url: a.service.nats_url,
         prefix: a.service.prefix,
         debounce: std::time::Duration::from_millis(a.debounce_ms),
+        host_lost: std::time::Duration::from_secs(a.host_lost_s),
         budget: looseleaf_planner::speculator::Budget {
             prepared_per_host: a.prepared_per_host,
             idle_seconds_per_session: a.idle_gpu_seconds_per_session,

@@ -15,8 +15,8 @@ use async_nats::jetstream::kv;
 use schemas::bus::Rejected;
 use schemas::checkpoint::Manifest;
 use schemas::messages::{
-    Device, EditV1, EventKind, EvictV1, HostStatusV2, ManifestGetV2, ManifestV1, PreparedWorker, RecipeKind, RecipeV1,
-    RunV1, SessionCloseV1, SessionEventV2, SessionOptions,
+    Device, EditV1, EventKind, EvictV1, HostStatusV2, ManifestGetV2, ManifestV1, PinnedWorker, PreparedWorker,
+    RecipeKind, RecipeV1, RunV1, SessionCloseV1, SessionEventV2, SessionOptions,
 };
 use schemas::subjects::HostVerb;
 use schemas::subjects::StoreVerb;
@@ -46,6 +46,11 @@ pub struct Planner {
     debounce: Duration,
     speculator: Speculator,
     clock: Instant,
+    /// Runs sent to the worker that holds their unsavable variables, not claimed
+    /// yet: exec -> (session, that worker).
+    pinned_runs: HashMap<Uuid, (Uuid, PinnedWorker)>,
+    /// A host not heard for this long is lost (see `fail_runs_pinned_to_lost_hosts`).
+    host_lost: Duration,
 }
 
 impl Planner {
@@ -61,6 +66,50 @@ impl Planner {
             debounce,
             speculator: Speculator::new(budget),
             clock: Instant::now(),
+            pinned_runs: HashMap::new(),
+            host_lost: Duration::from_secs(10),
+        }
+    }
+
+    /// Take a host not heard for `host_lost` for lost.
+    pub fn with_host_lost(mut self, host_lost: Duration) -> Self {
+        self.host_lost = host_lost;
+        self
+    }
+
+    /// A run that must go to the worker holding its unsavable variables cannot run
+    /// once that worker's host is lost: it fails at once, naming them, instead of
+    /// waiting for a claim no host will make.
+    fn fail_runs_pinned_to_lost_hosts(&mut self, ctx: &mut Context<Self>) {
+        let now = self.now();
+        let limit = self.host_lost.as_secs_f64();
+        let lost: Vec<Uuid> = self
+            .pinned_runs
+            .iter()
+            .filter(|(_, (_, p))| self.speculator.host_silent_for(&p.host, now) > limit)
+            .map(|(exec, _)| *exec)
+            .collect();
+        for exec_id in lost {
+            let Some((session, p)) = self.pinned_runs.remove(&exec_id) else { continue };
+            let silent = self.speculator.host_silent_for(&p.host, now);
+            let error = format!(
+                "variables {} could not be saved and lived only in worker {} on host {}, which is lost (not heard \
+                 for {silent:.0} s); they are gone, so this cell cannot run: run the cells that define them again",
+                p.names.join(", "),
+                p.worker,
+                p.host
+            );
+            tracing::warn!(%session, exec = %exec_id, host = %p.host, "a run's unsavable state was on a lost host");
+            let ev = SessionEventV2 { session, exec_id, unix_ms: unix_ms(), kind: EventKind::Failed { error } };
+            let bus = self.bus.clone();
+            ctx.spawn(
+                async move {
+                    if let Err(e) = bus.publish(bus.subjects().event(session), &ev).await {
+                        tracing::error!(error = %e, "could not fail a run pinned to a lost host");
+                    }
+                }
+                .into_actor(self),
+            );
         }
     }
 
@@ -159,6 +208,7 @@ impl Actor for Planner {
             let now = act.now();
             let over = act.speculator.over_budget(now);
             act.send_evictions(over, ctx);
+            act.fail_runs_pinned_to_lost_hosts(ctx);
         });
     }
 }
@@ -233,7 +283,7 @@ async fn plan_run(
     run: RunV1,
     prepared: Option<PreparedWorker>,
     cached: Option<Arc<Manifest>>,
-) -> Result<(Arc<Manifest>, state::SessionState), PlanError> {
+) -> Result<(Arc<Manifest>, state::SessionState, Option<PinnedWorker>), PlanError> {
     let analysis = analysis::analyze(&run.code);
     // The manifest refreshed after the session's last save is the one the run
     // follows (runs of a session are sequential) and saves a round trip to the
@@ -283,7 +333,7 @@ async fn plan_run(
     };
     let r = recipe(target, revision, manifest.revision, &d, prepared);
     bus.publish(bus.subjects().recipe(run.session), &r).await.map_err(PlanError::Publish)?;
-    Ok((manifest, st))
+    Ok((manifest, st, d.pinned))
 }
 
 impl StreamHandler<Result<Envelope<RunV1>, Rejected>> for Planner {
@@ -314,8 +364,11 @@ impl StreamHandler<Result<Envelope<RunV1>, Rejected>> for Planner {
         }
         .instrument(span);
         ctx.spawn(fut.into_actor(self).map(move |planned, act, _| {
-            if let Some((m, st)) = planned {
+            if let Some((m, st, pinned)) = planned {
                 act.manifests.insert(session, (m, Arc::new(st)));
+                if let Some(p) = pinned {
+                    act.pinned_runs.insert(exec_id, (session, p));
+                }
             }
         }));
     }
@@ -378,7 +431,14 @@ impl StreamHandler<Result<Envelope<SessionEventV2>, Rejected>> for Planner {
                     .into_actor(self),
                 );
             }
-            EventKind::Saved { revision, .. } => self.refresh_manifest(session, revision, ctx),
+            EventKind::Saved { revision, .. } => {
+                self.pinned_runs.remove(&exec_id);
+                self.refresh_manifest(session, revision, ctx)
+            }
+            // taken (or ended): no longer waiting for its host
+            EventKind::Claimed { .. } | EventKind::Failed { .. } => {
+                self.pinned_runs.remove(&exec_id);
+            }
             EventKind::Ready { host, worker, cell_id, class, prepare_ms, slot, .. } => {
                 let now = self.now();
                 let ready = Ready { class, prepare_ms, holds_slot: slot.is_some() };

@@ -118,6 +118,12 @@ impl Speculator {
         self.hosts.insert(host.to_string(), now);
     }
 
+    /// Seconds `host` has been silent at `now`: since its last status, or since the
+    /// planner started (`now` 0) if it was never heard.
+    pub fn host_silent_for(&self, host: &str, now: f64) -> f64 {
+        now - self.hosts.get(host).copied().unwrap_or(0.0)
+    }
+
     /// Idle seconds `session` has spent, counting workers still waiting.
     pub fn idle_seconds(&self, session: Uuid, now: f64) -> f64 {
         let live: f64 = self
