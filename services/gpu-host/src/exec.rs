@@ -163,6 +163,15 @@ impl ExecEnv {
         }
     }
 
+    /// An error if the host is stopping (SIGTERM): a cell not yet started must not
+    /// start.
+    fn not_stopping(&self) -> Result<(), ExecError> {
+        if self.stopping.load(Ordering::SeqCst) {
+            return Err(ExecError::HostStopping { host: self.host_id.clone() });
+        }
+        Ok(())
+    }
+
     /// The session's latest committed manifest, given that revision `at_least` is
     /// committed (the recipe's `manifest_revision`).
     pub async fn manifest(&self, session: Uuid, at_least: u64) -> Result<Manifest, ExecError> {
@@ -397,6 +406,8 @@ impl ExecEnv {
 
     async fn drive(&self, recipe: &RecipeV1, w: &mut WorkerProc, start: Start) -> Result<Vec<String>, ExecError> {
         let Start { slot, prepare, claimed_at, import_hit, mut phases, manifest } = start;
+        // a host that began stopping while this worker forked starts nothing new
+        self.not_stopping()?;
         let (session, exec_id) = (recipe.session, recipe.exec_id);
         let restore_started = Instant::now();
         // a worker prepared before Run may have been prepared without its slot
@@ -449,6 +460,8 @@ impl ExecEnv {
         let held_oids = std::sync::Mutex::new(held_records(&manifest, w.held.keys().map(String::as_str)));
         let fault_files = std::sync::Mutex::new(Vec::new());
         let on_fault = |names: Vec<String>| self.fault_frame(&manifest, &held_oids, &fault_files, names, &worker_id);
+        // nor runs a cell whose restore it was still waiting for
+        self.not_stopping()?;
         let finished = w
             .run(
                 exec_id,
