@@ -330,6 +330,13 @@ pub fn manifests_dir(session: Uuid) -> String {
     format!("sessions/{session}/manifests")
 }
 
+/// Object-store key of a deleted session's tombstone: once it exists, nothing
+/// commits to the session again (a cell still saving when its session was deleted,
+/// or a gateway that remembers the session, would bring it back).
+pub fn tombstone_key(session: Uuid) -> String {
+    format!("sessions/{session}/deleted")
+}
+
 /// Object-store key of a manifest revision; zero-padded so keys sort by revision.
 pub fn manifest_key(session: Uuid, revision: u64) -> String {
     format!("{}/{revision:020}.json", manifests_dir(session))

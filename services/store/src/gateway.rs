@@ -34,6 +34,7 @@ impl Actor for Gateway {
 fn error_reply<T>(e: &ManifestError) -> Reply<T> {
     let code = match e {
         ManifestError::Stale { .. } | ManifestError::Lost { .. } => ErrorCode::Conflict,
+        ManifestError::Deleted { .. } => ErrorCode::NotFound,
         ManifestError::BadDelta { .. } | ManifestError::MissingChunks { .. } => ErrorCode::BadRequest,
         ManifestError::QuotaExceeded { .. } => ErrorCode::QuotaExceeded,
         ManifestError::Storage(_) | ManifestError::Corrupt { .. } | ManifestError::RevisionMissing { .. } => {

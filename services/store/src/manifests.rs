@@ -29,6 +29,12 @@ pub enum ManifestError {
         /// Why.
         reason: String,
     },
+    /// The session was deleted: nothing commits to it any more.
+    #[error("session {session} was deleted; nothing is saved to it any more")]
+    Deleted {
+        /// Session.
+        session: Uuid,
+    },
     /// The commit was based on an older revision than the latest.
     #[error("session {session}: commit based on revision {base} but revision {latest} is committed")]
     Stale {
@@ -204,6 +210,10 @@ impl Manifests {
             }
         }
         self.check_chunks(commit, &base).await?;
+        // last, just before the put: a delete may have come in while this ran
+        if self.is_deleted(session).await? {
+            return Err(ManifestError::Deleted { session });
+        }
 
         let key = checkpoint::manifest_key(session, next.revision);
         let body = serde_json::to_vec(&next)
@@ -303,6 +313,10 @@ impl Manifests {
 
     /// Delete every manifest of a session. Its chunks become garbage for the collector.
     pub async fn delete(&self, session: Uuid) -> Result<usize, ManifestError> {
+        // the tombstone first: from now on no commit (of a cell still saving, or
+        // through another gateway) brings the session back
+        let tombstone = Path::from(checkpoint::tombstone_key(session).as_str());
+        self.objects.put(&tombstone, Vec::<u8>::new().into()).await?;
         let prefix = Path::from(checkpoint::manifests_dir(session).as_str());
         let keys: Vec<_> = self.objects.list(Some(&prefix)).try_collect().await?;
         for meta in &keys {
@@ -315,6 +329,17 @@ impl Manifests {
             m.remove(&session);
         }
         Ok(keys.len())
+    }
+}
+
+impl Manifests {
+    /// Whether `session` was deleted (its tombstone exists).
+    async fn is_deleted(&self, session: Uuid) -> Result<bool, ManifestError> {
+        match self.objects.head(&Path::from(checkpoint::tombstone_key(session).as_str())).await {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::NotFound { .. }) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
     }
 }
 

@@ -808,6 +808,14 @@ impl Host {
     // ---------------------------------------------------------------- sessions
 
     fn close_session(&mut self, session: Uuid, ctx: &mut Context<Self>) {
+        // a deleted session's cells stop now: their slots are free at once (and the
+        // store refuses what a save under way would commit)
+        for w in self.env.lifecycle.snapshot() {
+            if w.session == session && matches!(w.state, WorkerState::Preparing | WorkerState::Running) {
+                tracing::info!(worker = %w.id, %session, "stopping a cell of a deleted session");
+                crate::process::kill(w.pid);
+            }
+        }
         self.pending.retain(|r| r.session != session);
         self.spec_waiting.retain(|(_, r)| r.session != session);
         for key in self.prepared.of_session(session) {

@@ -43,6 +43,7 @@ on_every_backend!(racing_commits_cannot_both_win);
 on_every_backend!(stale_base_and_missing_chunks_are_rejected_and_change_nothing);
 on_every_backend!(corrupt_manifest_is_an_error_not_a_panic);
 on_every_backend!(delete_removes_the_session);
+on_every_backend!(nothing_commits_to_a_deleted_session);
 on_every_backend!(a_gateway_behind_another_loses_its_commit_then_catches_up);
 on_every_backend!(only_chunks_new_to_the_base_revision_are_checked);
 on_every_backend!(a_chunk_plan_names_exactly_the_chunks_the_store_lacks);
@@ -137,6 +138,26 @@ async fn delete_removes_the_session(objects: Arc<dyn ObjectStore>) {
     m.commit(&commit(sid, 0, "x", "aa")).await.unwrap();
     assert_eq!(m.delete(sid).await.unwrap(), 1);
     assert_eq!(m.latest(sid).await.unwrap().revision, 0);
+}
+
+/// A cell still saving when its session is deleted (base 0 or later), and a
+/// gateway that still remembers the session, cannot bring it back.
+async fn nothing_commits_to_a_deleted_session(objects: Arc<dyn ObjectStore>) {
+    put_chunk(&objects, "aa").await;
+    let (a, b) = (Manifests::new(objects.clone()), Manifests::new(objects.clone()));
+    let sid = Uuid::now_v7();
+    b.commit(&commit(sid, 0, "x", "aa")).await.unwrap(); // b remembers revision 1
+    a.delete(sid).await.unwrap();
+    let late = b.commit(&commit(sid, 1, "y", "aa")).await;
+    assert!(matches!(late, Err(ManifestError::Deleted { session }) if session == sid), "{late:?}");
+    // a session deleted before its first save
+    let fresh = Uuid::now_v7();
+    a.delete(fresh).await.unwrap();
+    let first = a.commit(&commit(fresh, 0, "x", "aa")).await;
+    assert!(matches!(first, Err(ManifestError::Deleted { .. })), "{first:?}");
+    for s in [sid, fresh] {
+        assert_eq!(Manifests::new(objects.clone()).latest(s).await.unwrap().revision, 0, "nothing came back");
+    }
 }
 
 /// Two gateways on one store and a session of which `a` committed revision 1 and

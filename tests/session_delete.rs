@@ -1,0 +1,42 @@
+//! Deleting a session while its cell runs: the cell stops and its GPU slot is free
+//! at once, and nothing the cell would have saved brings the session back.
+
+use std::time::Duration;
+
+use looseleaf_client::api::StreamItem;
+use looseleaf_test_support::cluster::{bin_dir_of, Events, Services};
+use schemas::messages::{EventKind, ManifestGetV2, ManifestV1};
+use schemas::subjects::StoreVerb;
+use schemas::Bus;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn deleting_a_session_stops_its_running_cell_and_frees_its_slot() -> anyhow::Result<()> {
+    // one host with one slot: the next session's cell can only run once it is free
+    let services = Services::start(&bin_dir_of(env!("CARGO_BIN_EXE_looseleaf")), &[1], &[]).await?;
+    let fe = services.client();
+    let dir = tempfile::tempdir()?;
+    let cwd = dir.path().display().to_string();
+    let sid = fe.create_session(&cwd, true, false).await?;
+    let mut events = Events::open(&fe, sid).await?;
+    let exec = fe.run(sid, "a", "import time\nx = 1\ntime.sleep(120)").await?.exec_id;
+    events
+        .until(|i| matches!(i, StreamItem::Event { exec_id, kind: EventKind::Started { .. }, .. } if *exec_id == exec))
+        .await?;
+    fe.delete(sid).await?;
+
+    let other = fe.create_session(&cwd, true, false).await?;
+    let mut other_events = Events::open(&fe, other).await?;
+    let started = std::time::Instant::now();
+    let exec = fe.run(other, "b", "print('free')").await?.exec_id;
+    other_events.done(exec).await?;
+    assert!(other_events.text(exec).contains("free"), "{}", other_events.text(exec));
+    assert!(started.elapsed() < Duration::from_secs(60), "the slot was freed after {:?}", started.elapsed());
+
+    // the deleted session stays deleted
+    let bus = Bus::connect(services.nats.url(), &services.prefix, "delete-test").await?;
+    let get = ManifestGetV2 { session: sid, at_least: None };
+    let m: ManifestV1 =
+        bus.request(bus.subjects().store(StoreVerb::ManifestGet), &get, Duration::from_secs(10)).await?;
+    assert_eq!(m.manifest.revision, 0, "nothing was committed to the deleted session");
+    Ok(())
+}
