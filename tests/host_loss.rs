@@ -19,6 +19,19 @@ async fn services() -> anyhow::Result<Services> {
     Services::start(&bin, &[1, 1], &[("LOOSELEAF_HOST_LOST_S", HOST_LOST_S.to_string())]).await
 }
 
+/// A session (every cell a GPU cell if `all_gpu`, no speculation) in a folder of
+/// its own, and its event stream.
+async fn session(
+    services: &Services,
+    all_gpu: bool,
+) -> anyhow::Result<(looseleaf_client::Frontend, tempfile::TempDir, Uuid, Events)> {
+    let fe = services.client();
+    let cwd = tempfile::tempdir()?;
+    let sid = fe.create_session(&cwd.path().display().to_string(), all_gpu, false).await?;
+    let events = Events::open(&fe, sid).await?;
+    Ok((fe, cwd, sid, events))
+}
+
 /// The host (index in `host-{i}`) that claimed `exec`.
 async fn claimed_by(events: &mut Events, exec: Uuid) -> anyhow::Result<usize> {
     let item = events
@@ -67,10 +80,7 @@ async fn run(
 #[tokio::test(flavor = "multi_thread")]
 async fn a_host_killed_mid_cell_fails_the_cell_and_the_session_goes_on() -> anyhow::Result<()> {
     let mut services = services().await?;
-    let fe = services.client();
-    let cwd = tempfile::tempdir()?;
-    let sid = fe.create_session(&cwd.path().display().to_string(), true, false).await?;
-    let mut events = Events::open(&fe, sid).await?;
+    let (fe, _cwd, sid, mut events) = session(&services, true).await?;
     let (status, _) = run(&fe, &mut events, sid, "a", "x = 41").await?;
     assert_eq!(status, ExecStatus::Ok);
 
@@ -97,10 +107,7 @@ async fn a_host_killed_mid_cell_fails_the_cell_and_the_session_goes_on() -> anyh
 #[tokio::test(flavor = "multi_thread")]
 async fn a_host_stopped_mid_cell_says_so_and_the_session_goes_on() -> anyhow::Result<()> {
     let mut services = services().await?;
-    let fe = services.client();
-    let cwd = tempfile::tempdir()?;
-    let sid = fe.create_session(&cwd.path().display().to_string(), true, false).await?;
-    let mut events = Events::open(&fe, sid).await?;
+    let (fe, _cwd, sid, mut events) = session(&services, true).await?;
     assert_eq!(run(&fe, &mut events, sid, "a", "x = 41").await?.0, ExecStatus::Ok);
 
     let (exec, host) = long_cell_running(&fe, &mut events, sid).await?;
@@ -121,11 +128,8 @@ async fn a_host_stopped_mid_cell_says_so_and_the_session_goes_on() -> anyhow::Re
 #[tokio::test(flavor = "multi_thread")]
 async fn a_lost_hosts_cpu_worker_does_not_block_the_next_cpu_cell() -> anyhow::Result<()> {
     let mut services = services().await?;
-    let fe = services.client();
-    let cwd = tempfile::tempdir()?;
     // not --all-gpu: plain cells run on the session's CPU worker
-    let sid = fe.create_session(&cwd.path().display().to_string(), false, false).await?;
-    let mut events = Events::open(&fe, sid).await?;
+    let (fe, _cwd, sid, mut events) = session(&services, false).await?;
     let exec = fe.run(sid, "a", "y = 5").await?.exec_id;
     let host = claimed_by(&mut events, exec).await?;
     assert_eq!(done(&mut events, exec).await?.0, ExecStatus::Ok);
@@ -144,10 +148,7 @@ async fn a_lost_hosts_cpu_worker_does_not_block_the_next_cpu_cell() -> anyhow::R
 #[tokio::test(flavor = "multi_thread")]
 async fn a_cell_needing_unsavable_state_of_a_lost_host_fails_at_once_naming_it() -> anyhow::Result<()> {
     let mut services = services().await?;
-    let fe = services.client();
-    let cwd = tempfile::tempdir()?;
-    let sid = fe.create_session(&cwd.path().display().to_string(), false, false).await?;
-    let mut events = Events::open(&fe, sid).await?;
+    let (fe, _cwd, sid, mut events) = session(&services, false).await?;
     // a generator cannot be saved: it lives only in the session's CPU worker
     let exec = fe.run(sid, "a", "g = (i for i in range(3))\nk = 7").await?.exec_id;
     let host = claimed_by(&mut events, exec).await?;

@@ -89,6 +89,16 @@ struct Current {
     terminal: Option<(ExecStatus, u64, Option<String>, u64)>,
 }
 
+impl Current {
+    /// The outcome of an execution whose save was committed: the cell's own.
+    fn saved_outcome(&self) -> (ExecStatus, Option<String>) {
+        match &self.finished {
+            Some((CellStatus::Error, e)) => (ExecStatus::Error, e.clone()),
+            _ => (ExecStatus::Ok, None),
+        }
+    }
+}
+
 /// What the summary shows for one execution.
 #[derive(Clone, Debug, serde::Serialize)]
 struct ExecRecord {
@@ -179,10 +189,7 @@ impl SessionActor {
             match answer {
                 // the save landed before the host went: that is the cell's outcome
                 Ok(m) if m.manifest.exec_id == exec_id => {
-                    let (status, error) = match &cur.finished {
-                        Some((CellStatus::Error, e)) => (ExecStatus::Error, e.clone()),
-                        _ => (ExecStatus::Ok, None),
-                    };
+                    let (status, error) = cur.saved_outcome();
                     act.complete(ctx, status, m.manifest.revision, error, now);
                 }
                 Ok(m) => {
@@ -340,10 +347,7 @@ impl SessionActor {
                 None
             }
             EventKind::Saved { revision, .. } => {
-                let (status, error) = match &cur.finished {
-                    Some((CellStatus::Error, e)) => (ExecStatus::Error, e.clone()),
-                    _ => (ExecStatus::Ok, None),
-                };
+                let (status, error) = cur.saved_outcome();
                 Some((status, revision, error))
             }
             EventKind::Failed { error } => Some((ExecStatus::Error, self.revision, Some(error))),

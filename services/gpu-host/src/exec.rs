@@ -71,8 +71,8 @@ pub enum ExecError {
     #[error("{0}; the worker was lost, the session's committed state is intact")]
     WorkerLost(#[source] WorkerError),
     /// The worker refused a step, or the store refused its save.
-    #[error("{0}")]
-    Worker(#[source] WorkerError),
+    #[error(transparent)]
+    Worker(WorkerError),
     /// The host is stopping (SIGTERM): the cell was stopped before it was saved.
     #[error(
         "host {host} stopped while the cell ran (it was shut down); nothing the cell did was committed, \

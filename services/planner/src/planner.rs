@@ -29,6 +29,10 @@ use crate::recipe::{derive, Derived};
 use crate::speculator::{Budget, Eviction, Ready, Speculator};
 use crate::state;
 
+/// How long a run pinned to a worker is watched for its host's loss (the
+/// frontend's claim deadline: a run not claimed by then has failed anyway).
+const PINNED_MEMORY: Duration = Duration::from_secs(60);
+
 /// How often the speculator's idle budget is enforced.
 const BUDGET_TICK: Duration = Duration::from_secs(1);
 
@@ -48,7 +52,9 @@ pub struct Planner {
     clock: Instant,
     /// Runs sent to the worker that holds their unsavable variables, not claimed
     /// yet: exec -> (session, that worker).
-    pinned_runs: HashMap<Uuid, (Uuid, PinnedWorker)>,
+    /// Forgotten after `PINNED_MEMORY` (with several planners another one may hear
+    /// the Claimed event).
+    pinned_runs: HashMap<Uuid, (Uuid, PinnedWorker, Instant)>,
     /// A host not heard for this long is lost (see `fail_runs_pinned_to_lost_hosts`).
     host_lost: Duration,
 }
@@ -83,14 +89,15 @@ impl Planner {
     fn fail_runs_pinned_to_lost_hosts(&mut self, ctx: &mut Context<Self>) {
         let now = self.now();
         let limit = self.host_lost.as_secs_f64();
+        self.pinned_runs.retain(|_, (_, _, at)| at.elapsed() < PINNED_MEMORY);
         let lost: Vec<Uuid> = self
             .pinned_runs
             .iter()
-            .filter(|(_, (_, p))| self.speculator.host_silent_for(&p.host, now) > limit)
+            .filter(|(_, (_, p, _))| self.speculator.host_silent_for(&p.host, now) > limit)
             .map(|(exec, _)| *exec)
             .collect();
         for exec_id in lost {
-            let Some((session, p)) = self.pinned_runs.remove(&exec_id) else { continue };
+            let Some((session, p, _)) = self.pinned_runs.remove(&exec_id) else { continue };
             let silent = self.speculator.host_silent_for(&p.host, now);
             let error = format!(
                 "variables {} could not be saved and lived only in worker {} on host {}, which is lost (not heard \
@@ -367,7 +374,7 @@ impl StreamHandler<Result<Envelope<RunV1>, Rejected>> for Planner {
             if let Some((m, st, pinned)) = planned {
                 act.manifests.insert(session, (m, Arc::new(st)));
                 if let Some(p) = pinned {
-                    act.pinned_runs.insert(exec_id, (session, p));
+                    act.pinned_runs.insert(exec_id, (session, p, Instant::now()));
                 }
             }
         }));

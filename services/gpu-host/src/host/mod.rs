@@ -189,7 +189,8 @@ impl Host {
         then: impl FnOnce(&mut Self, Claim, &mut Context<Self>) + 'static,
     ) {
         let claims = self.claims.clone();
-        let live = self.live_hosts();
+        // only a CPU worker's claim can be taken over from a lost host
+        let live = if matches!(key, ClaimKey::Cpu(_)) { self.live_hosts() } else { None };
         let fut = async move { claims.claim(key, delay, live).await };
         ctx.spawn(fut.into_actor(self).map(move |c, act, ctx| then(act, c, ctx)));
     }
