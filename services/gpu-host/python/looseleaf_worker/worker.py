@@ -18,6 +18,7 @@ import time
 import traceback
 
 from . import ambient, checkpoint, faults, packages, protocol, quiet
+from .interrupt import CellInterrupts
 from .localmods import LocalModules
 from .shell import WorkerShell
 
@@ -85,6 +86,8 @@ class Worker:
         self.faulted: list[str] = []  # names brought in while the cell runs
         self._not_in_session: set[str] = set()
         faults.install(self.shell.user_ns, self.fault_in)
+        self.interrupts = CellInterrupts()
+        self.interrupts.install()
 
     # ------------------------------------------------------------- transport
     def send(self, msg: dict) -> None:
@@ -96,7 +99,8 @@ class Worker:
             # loaded again at restore): the host's log, never a cell's output.
             quiet.log(str(output.get("text") or output))
             return
-        self.send({"type": "output", "exec_id": self.exec_id, "output": output})
+        with self.interrupts.shield():
+            self.send({"type": "output", "exec_id": self.exec_id, "output": output})
 
     def expect(self, mtype: str) -> dict:
         msg = protocol.recv(self.sock)
@@ -222,22 +226,28 @@ class Worker:
         if self.exec_id is None or name in self._not_in_session:
             return False
         self.shell.flush_streams()
-        self.send({"type": "fault", "exec_id": self.exec_id, "names": [name]})
-        msg = self.expect("faulted")
-        with quiet.own_warnings():
-            _, errs = checkpoint.restore(
-                self.shell.user_ns, msg["shm_path"], msg["variables"], msg["objects"], self.oid_of
-            )
-        for n, spec in msg["variables"].items():
-            if n not in errs:
-                self.versions[n] = spec["version"]
-                self.faulted.append(n)
+        # the exchange and the bookkeeping of what arrived must not be cut short
+        with self.interrupts.shield():
+            self.send({"type": "fault", "exec_id": self.exec_id, "names": [name]})
+            msg = self.expect("faulted")
+            with quiet.own_warnings():
+                _, errs = checkpoint.restore(
+                    self.shell.user_ns, msg["shm_path"], msg["variables"], msg["objects"], self.oid_of
+                )
+            for n, spec in msg["variables"].items():
+                if n not in errs:
+                    self.versions[n] = spec["version"]
+                    self.faulted.append(n)
         if name not in self.shell.user_ns:
             self._not_in_session.add(name)  # not the session's: a NameError, asked once
             return False
         return True
 
     def on_run(self, msg: dict) -> None:
+        with self.interrupts.run():
+            self._run(msg)
+
+    def _run(self, msg: dict) -> None:
         self.faulted, self._not_in_session = [], set()
         self.exec_id = msg["exec_id"]
         count = self.shell.execution_count
@@ -252,7 +262,14 @@ class Worker:
         )
         t0 = time.perf_counter()
         try:
-            result, err = self.shell.run(msg["code"])
+            with self.interrupts.cell():
+                _, err = self.shell.run(msg["code"])
+        except KeyboardInterrupt:
+            # interrupted before the cell's code started, or in IPython's own code
+            # around it: shown as a kernel shows any interrupt
+            self.shell.last_error = None
+            self.shell.showtraceback()
+            err = self.shell.last_error or {"ename": "KeyboardInterrupt", "evalue": "", "traceback": []}
         finally:
             run_ms = (time.perf_counter() - t0) * 1000
             exec_id, self.exec_id = self.exec_id, None

@@ -148,6 +148,8 @@ def _become_worker(conn: socket.socket, zygote_id: str, params) -> None:
         conn.close()
         os.setsid()
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # cells need waitpid
+        # an interrupt reaches cells only (the worker's own handler, see interrupt.py)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         msg = params()
         wid = msg["worker_id"]
         os.environ.update(msg["env"])

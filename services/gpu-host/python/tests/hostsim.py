@@ -11,10 +11,12 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import uuid
 from pathlib import Path
 
@@ -140,10 +142,14 @@ class Worker:
         self.host, self.id, self.conn, self.pid = host, wid, conn, pid
         self.hello: dict = {}
 
-    def run(self, code: str) -> dict:
+    def run(self, code: str, interrupt_after: float | None = None) -> dict:
+        """Run a cell; with ``interrupt_after``, SIGINT the worker's process group
+        that many seconds after it started (as the Rust host interrupts)."""
         exec_id = uuid.uuid4().hex
         self.conn.send({"type": "run", "exec_id": exec_id, "cell_id": "c", "code": code})
         started = self.conn.expect("started")
+        if interrupt_after is not None:
+            threading.Timer(interrupt_after, os.killpg, (os.getpgid(self.pid), signal.SIGINT)).start()
         outputs, faults, files, sent = [], [], [], set()
         while True:
             msg = self.conn.recv()
