@@ -50,6 +50,15 @@ pub enum ZygoteError {
     /// The zygote or worker never connected.
     #[error(transparent)]
     NoHello(#[from] NoHello),
+    /// The forked worker exited before it connected (it could not enter the
+    /// session's working directory, say; the host's log has its last words).
+    #[error("worker {worker} (pid {pid}) exited before it connected")]
+    WorkerExited {
+        /// Worker id.
+        worker: String,
+        /// Its pid.
+        pid: u32,
+    },
 }
 
 /// How zygote processes are started.
@@ -182,8 +191,8 @@ impl Zygote {
             listener.forget(worker_id);
             return Err(conn_err(e));
         }
-        match self.conn.recv(FORK).await {
-            Ok(Frame::Forked { .. }) => {}
+        let pid = match self.conn.recv(FORK).await {
+            Ok(Frame::Forked { pid, .. }) => pid,
             Ok(Frame::ForkFailed { error, .. }) => {
                 listener.forget(worker_id);
                 return Err(ZygoteError::Fork { worker: worker_id.into(), reason: error });
@@ -199,8 +208,21 @@ impl Zygote {
                 listener.forget(worker_id);
                 return Err(conn_err(e));
             }
-        }
-        let hello = listener.wait(worker_id, rx, FORK).await?;
+        };
+        // a worker that dies before it connects is noticed at once, not after
+        // FORK (the caller holds the zygote cache meanwhile)
+        let exited = async {
+            while crate::process::is_alive(pid) {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        };
+        let hello = tokio::select! {
+            hello = listener.wait(worker_id, rx, FORK) => hello?,
+            () = exited => {
+                listener.forget(worker_id);
+                return Err(ZygoteError::WorkerExited { worker: worker_id.into(), pid });
+            }
+        };
         let Frame::Hello { pid, .. } = hello.frame else {
             return Err(NoHello { what: worker_id.into(), timeout: FORK }.into());
         };
