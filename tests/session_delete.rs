@@ -1,5 +1,7 @@
 //! Deleting a session while its cell runs: the cell stops and its GPU slot is free
-//! at once, and nothing the cell would have saved brings the session back.
+//! at once, and nothing the cell would have saved brings the session back. A
+//! session whose working directory is gone fails its cells saying so, without
+//! delaying any other session's.
 
 use std::time::Duration;
 
@@ -38,5 +40,29 @@ async fn deleting_a_session_stops_its_running_cell_and_frees_its_slot() -> anyho
     let m: ManifestV1 =
         bus.request(bus.subjects().store(StoreVerb::ManifestGet), &get, Duration::from_secs(10)).await?;
     assert_eq!(m.manifest.revision, 0, "nothing was committed to the deleted session");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_session_whose_directory_is_gone_fails_at_once_and_delays_no_one() -> anyhow::Result<()> {
+    let services = Services::start(&bin_dir_of(env!("CARGO_BIN_EXE_looseleaf")), &[1], &[]).await?;
+    let fe = services.client();
+    let gone = tempfile::tempdir()?;
+    let missing = gone.path().join("removed");
+    let bad = fe.create_session(&missing.display().to_string(), true, false).await?;
+    let mut bad_events = Events::open(&fe, bad).await?;
+    let started = std::time::Instant::now();
+    let exec = fe.run(bad, "a", "print(1)").await?.exec_id;
+    let (status, error) = bad_events.outcome(exec).await?;
+    assert_eq!(status, looseleaf_client::api::ExecStatus::Error);
+    let error = error.unwrap_or_default();
+    assert!(error.contains("working directory") && error.contains("removed"), "{error}");
+    assert!(started.elapsed() < Duration::from_secs(30), "the failure took {:?}", started.elapsed());
+
+    let good = tempfile::tempdir()?;
+    let sid = fe.create_session(&good.path().display().to_string(), true, false).await?;
+    let mut events = Events::open(&fe, sid).await?;
+    let exec = fe.run(sid, "a", "print('fine')").await?.exec_id;
+    assert!(events.done(exec).await?.contains("fine"));
     Ok(())
 }

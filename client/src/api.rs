@@ -57,6 +57,18 @@ pub enum ExecStatus {
     Ok,
     /// The cell raised, or it could not run.
     Error,
+    /// Never sent to run: the session was interrupted while it waited in the queue.
+    Aborted,
+}
+
+/// What `POST /v1/sessions/{sid}/interrupt` stopped.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Interrupted {
+    /// The execution that was running (it ends with a KeyboardInterrupt, or is
+    /// killed if it ignores it), if any.
+    pub interrupted: Option<Uuid>,
+    /// Queued executions that will not run (each ends with status `aborted`).
+    pub aborted: Vec<Uuid>,
 }
 
 /// One `data:` line of `GET /v1/sessions/{sid}/events`.

@@ -4,7 +4,7 @@
 
 pub mod api;
 
-use api::{spawn_item_reader, CellCode, CreateSession, RunAccepted, SessionCreated, StreamItem};
+use api::{spawn_item_reader, CellCode, CreateSession, Interrupted, RunAccepted, SessionCreated, StreamItem};
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
@@ -111,6 +111,12 @@ impl Frontend {
         let req =
             self.http.post(format!("{}/run", self.cell_url(sid, cell))).json(&CellCode { code: code.to_string() });
         self.json("run", req).await
+    }
+
+    /// Interrupt the session: the running cell gets a KeyboardInterrupt (and is
+    /// killed if it ignores it), queued cells are aborted.
+    pub async fn interrupt(&self, sid: Uuid) -> Result<Interrupted, ClientError> {
+        self.json("interrupt", self.http.post(format!("{}/v1/sessions/{sid}/interrupt", self.base))).await
     }
 
     /// The session's summary (current run, queue, revision).

@@ -43,6 +43,10 @@ pub fn planner_bucket(prefix: &str) -> String {
     format!("{}_planner", sanitize(prefix))
 }
 
+/// The holder a frontend writes into a run's claim when the run is interrupted
+/// before any host claimed it: no host can claim (and start) it afterwards.
+pub const INTERRUPTED_HOLDER: &str = "!interrupted";
+
 /// Key of a run claim.
 pub fn run_claim_key(exec: uuid::Uuid) -> String {
     format!("run-{exec}")

@@ -535,6 +535,19 @@ pub struct SessionCloseV1 {
 }
 wire!(SessionCloseV1, "session-close", 1);
 
+/// frontend -> hosts: stop execution `exec_id` of the session (the user pressed
+/// interrupt). The host running it sends SIGINT to the worker's process group and
+/// kills the group if the cell has not ended after its grace period; a host that
+/// has not started the cell never starts it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct InterruptV1 {
+    /// The session.
+    pub session: Uuid,
+    /// The execution to stop.
+    pub exec_id: Uuid,
+}
+wire!(InterruptV1, "interrupt", 1);
+
 /// One GPU slot as a host reports it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SlotStatus {

@@ -79,6 +79,16 @@ impl Subjects {
         format!("{}.v1.session.*.close", self.prefix)
     }
 
+    /// `{prefix}.v1.session.{sid}.interrupt` — frontend to hosts: stop a cell.
+    pub fn interrupt(&self, sid: Uuid) -> String {
+        format!("{}.v1.session.{sid}.interrupt", self.prefix)
+    }
+
+    /// `{prefix}.v1.session.*.interrupt` — every session's interrupts.
+    pub fn all_interrupts(&self) -> String {
+        format!("{}.v1.session.*.interrupt", self.prefix)
+    }
+
     /// `{prefix}.v1.output.{sid}.{exec}` — a cell's outputs; high volume, own root.
     pub fn output(&self, sid: Uuid, exec: Uuid) -> String {
         format!("{}.v1.output.{sid}.{exec}", self.prefix)

@@ -23,7 +23,7 @@ use schemas::Bus;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::api::{CellCode, CreateSession, RunAccepted, SessionCreated};
+use crate::api::{CellCode, CreateSession, Interrupted, RunAccepted, SessionCreated};
 use crate::session::{self, SessionActor};
 use crate::Timeouts;
 
@@ -42,6 +42,8 @@ pub struct AppState {
     pub shutdown: CancellationToken,
     /// When each gpu-host was last heard (its status), for host loss.
     pub hosts: crate::session::HostsSeen,
+    /// The run claims bucket (for interrupts of runs no host claimed yet).
+    pub claims: async_nats::jetstream::kv::Store,
 }
 
 impl AppState {
@@ -112,6 +114,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/sessions", post(create_session))
         .route("/v1/sessions/{sid}", get(summary).delete(delete_session))
         .route("/v1/sessions/{sid}/events", get(events))
+        .route("/v1/sessions/{sid}/interrupt", post(interrupt))
         .route("/v1/sessions/{sid}/cells/{cell_id}", put(edit))
         .route("/v1/sessions/{sid}/cells/{cell_id}/run", post(run))
         .fallback(|| async { ApiError(StatusCode::NOT_FOUND, "no such route".into()) })
@@ -140,12 +143,12 @@ async fn create_session(
         .subscribe::<OutputV1>(s.session_outputs(sid))
         .await
         .map_err(|e| internal(format!("cannot subscribe to the session's outputs: {e}")))?;
-    let (bus, timeouts, hosts) = (state.bus.clone(), state.timeouts, state.hosts.clone());
+    let (bus, timeouts, hosts, claims) = (state.bus.clone(), state.timeouts, state.hosts.clone(), state.claims.clone());
     let options = SessionOptions { cwd: req.cwd, all_gpu: req.all_gpu, speculate: req.speculate };
     let addr = SessionActor::start_in_arbiter(&state.arbiter, move |ctx| {
         ctx.add_stream(events.into_stream());
         ctx.add_stream(outputs.into_stream());
-        SessionActor::new(sid, bus, options, timeouts, hosts)
+        SessionActor::new(sid, bus, options, timeouts, hosts, claims)
     });
     state.insert(sid, addr);
     tracing::info!(session = %sid, "session created");
@@ -180,6 +183,11 @@ async fn run(
     let (exec_id, position) =
         addr.send(session::Run { cell_id, code: req.code, run_unix_ms }).await.map_err(mailbox)?;
     Ok(Json(RunAccepted { exec_id, position }))
+}
+
+async fn interrupt(State(state): State<AppState>, Path(sid): Path<String>) -> Result<Json<Interrupted>, ApiError> {
+    let (_sid, addr) = lookup(&state, &sid)?;
+    Ok(Json(addr.send(session::Interrupt).await.map_err(mailbox)?))
 }
 
 async fn summary(State(state): State<AppState>, Path(sid): Path<String>) -> Result<Json<serde_json::Value>, ApiError> {

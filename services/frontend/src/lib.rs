@@ -6,9 +6,11 @@
 //! - `POST /v1/sessions/{sid}/cells/{cell}/run` `{code}` -> `{exec_id, position}`
 //! - `GET /v1/sessions/{sid}/events` -> Server-Sent Events, each data line one
 //!   [`api::StreamItem`]; what happened before the client connected is replayed
+//! - `POST /v1/sessions/{sid}/interrupt` -> [`api::Interrupted`]: the running cell
+//!   gets a KeyboardInterrupt (killed if it ignores it), queued cells are aborted
 //! - `GET /v1/sessions/{sid}` (summary), `DELETE /v1/sessions/{sid}`, `GET /v1/health`
 //!
-//! Speaks: publishes `{prefix}.v1.session.{sid}.edit|run|close`, requests
+//! Speaks: publishes `{prefix}.v1.session.{sid}.edit|run|close|interrupt`, requests
 //! `{prefix}.v1.store.session.delete`; subscribes `{prefix}.v1.session.{sid}.event`
 //! and `{prefix}.v1.output.{sid}.*` per session. Creates the session-events stream.
 //!
@@ -99,6 +101,7 @@ pub async fn run_with_bound(
     schemas::buckets::events_stream(&bus.jetstream(), bus.subjects())
         .await
         .context("while creating the session-events stream (is JetStream enabled?)")?;
+    let claims = schemas::buckets::claims(&bus.jetstream(), &config.prefix).await?;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("while binding {}", config.listen))?;
@@ -114,6 +117,7 @@ pub async fn run_with_bound(
         timeouts: config.timeouts,
         shutdown: token.clone(),
         hosts,
+        claims,
     };
     let app = http::router(state.clone());
     // The HTTP server is this service's worker: if it ends by itself the service

@@ -12,15 +12,15 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use schemas::bus::Rejected;
 use schemas::messages::{
-    CellStatus, EditV1, EventKind, HostStatusV2, ManifestGetV2, ManifestV1, OutputV1, RunV1, SessionEventV2,
-    SessionOptions,
+    CellStatus, EditV1, EventKind, HostStatusV2, InterruptV1, ManifestGetV2, ManifestV1, OutputV1, RunV1,
+    SessionEventV2, SessionOptions,
 };
 use schemas::subjects::StoreVerb;
 use schemas::{Bus, Envelope};
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
-use crate::api::{ExecStatus, StreamItem};
+use crate::api::{ExecStatus, Interrupted, StreamItem};
 use crate::Timeouts;
 
 /// A run waiting for its turn.
@@ -129,12 +129,21 @@ pub struct SessionActor {
     clients: Vec<mpsc::UnboundedSender<String>>,
     closing: bool,
     hosts: HostsSeen,
+    /// The run claims (an interrupt before any host claimed the run claims it).
+    claims: async_nats::jetstream::kv::Store,
 }
 
 impl SessionActor {
     /// A session actor with everything it needs; add its two subscriptions as
     /// streams when starting it.
-    pub fn new(sid: Uuid, bus: Bus, options: SessionOptions, timeouts: Timeouts, hosts: HostsSeen) -> Self {
+    pub fn new(
+        sid: Uuid,
+        bus: Bus,
+        options: SessionOptions,
+        timeouts: Timeouts,
+        hosts: HostsSeen,
+        claims: async_nats::jetstream::kv::Store,
+    ) -> Self {
         Self {
             sid,
             bus,
@@ -150,6 +159,7 @@ impl SessionActor {
             clients: Vec::new(),
             closing: false,
             hosts,
+            claims,
         }
     }
 
@@ -510,6 +520,67 @@ impl Handler<Attach> for SessionActor {
             self.clients.push(tx);
         }
         MessageResult((self.log.clone(), rx))
+    }
+}
+
+/// Interrupt the session: abort the queued runs and stop the current one.
+#[derive(Message)]
+#[rtype(result = "Interrupted")]
+pub struct Interrupt;
+
+impl Handler<Interrupt> for SessionActor {
+    type Result = MessageResult<Interrupt>;
+
+    fn handle(&mut self, _msg: Interrupt, ctx: &mut Self::Context) -> Self::Result {
+        let now = schemas::unix_ms();
+        let mut aborted = Vec::new();
+        for p in std::mem::take(&mut self.queue) {
+            let error = Some("aborted: the session was interrupted before this cell's turn".to_string());
+            if let Some(r) = self.record(p.exec_id) {
+                r.status = ExecStatus::Aborted;
+                r.error = error.clone();
+            }
+            let item = StreamItem::Done {
+                exec_id: p.exec_id,
+                status: ExecStatus::Aborted,
+                after_revision: self.revision,
+                unix_ms: now,
+                error,
+            };
+            self.emit(&item);
+            aborted.push(p.exec_id);
+        }
+        let current = self.current.as_ref().filter(|c| c.terminal.is_none()).map(|c| (c.exec_id, c.host.is_none()));
+        let Some((exec_id, unclaimed)) = current else {
+            return MessageResult(Interrupted { interrupted: None, aborted });
+        };
+        tracing::info!(session = %self.sid, exec = %exec_id, unclaimed, "interrupt");
+        let bus = self.bus.clone();
+        let msg = InterruptV1 { session: self.sid, exec_id };
+        ctx.spawn(
+            async move {
+                if let Err(e) = bus.publish(bus.subjects().interrupt(msg.session), &msg).await {
+                    tracing::error!(error = %e, exec = %msg.exec_id, "could not publish the interrupt");
+                }
+            }
+            .into_actor(self),
+        );
+        if unclaimed {
+            // No host claimed the run yet: claim it here, so that none ever starts
+            // it, and end it now. If a host won it first, that host ends it.
+            let (claims, key) = (self.claims.clone(), schemas::buckets::run_claim_key(exec_id));
+            let claim = async move { claims.create(&key, schemas::buckets::INTERRUPTED_HOLDER.into()).await };
+            ctx.spawn(claim.into_actor(self).map(move |claimed, act, ctx| match claimed {
+                Ok(_) => {
+                    let error = "KeyboardInterrupt: the cell was interrupted before it started; nothing of it ran, \
+                                 the session keeps its last committed state";
+                    act.fail_current(ctx, exec_id, error.to_string());
+                }
+                Err(e) if e.kind() == async_nats::jetstream::kv::CreateErrorKind::AlreadyExists => {}
+                Err(e) => tracing::warn!(error = %e, exec = %exec_id, "could not claim an interrupted run"),
+            }));
+        }
+        MessageResult(Interrupted { interrupted: Some(exec_id), aborted })
     }
 }
 

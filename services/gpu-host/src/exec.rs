@@ -22,7 +22,7 @@ use crate::chunks::{ChunkError, Chunks};
 use crate::import_cache::ImportCache;
 use crate::protocol::{Frame, VarRestore};
 use crate::socket::Listener;
-use crate::worker::{RunEvent, WorkerError, WorkerProc};
+use crate::worker::{RunEvent, RunLimits, WorkerError, WorkerProc};
 use crate::zygotes::{Zygote, ZygoteError};
 
 /// How long store requests may take.
@@ -38,6 +38,14 @@ pub enum ExecError {
     /// The zygote could not fork the worker (twice, with a fresh zygote between).
     #[error("could not start a worker: {0}")]
     Fork(#[source] ZygoteError),
+    /// The session's working directory cannot be entered.
+    #[error("the session's working directory {cwd:?} cannot be used: {source}")]
+    Cwd {
+        /// The directory.
+        cwd: String,
+        /// Why.
+        source: std::io::Error,
+    },
     /// The zygote chosen for the worker went away twice.
     #[error("could not start a worker: the zygote chosen for it went away")]
     ZygoteGone,
@@ -82,6 +90,21 @@ pub enum ExecError {
         /// The host.
         host: String,
     },
+    /// The user interrupted the cell before it started here: it never ran.
+    #[error(
+        "KeyboardInterrupt: the cell was interrupted before it started; nothing of it ran, the session keeps \
+         its last committed state"
+    )]
+    Interrupted,
+    /// The cell ignored the user's interrupt and was killed.
+    #[error(
+        "the cell did not stop within {grace:?} of the interrupt and was killed with every process it started; \
+         nothing it did was committed, the session keeps its last committed state"
+    )]
+    KilledAfterInterrupt {
+        /// How long it could have taken to stop.
+        grace: Duration,
+    },
     /// The prepared worker died before the cell started and no fresh one could start.
     #[error("the prepared worker was lost and no fresh one could start: {0}")]
     PreparedLost(#[source] Box<ExecError>),
@@ -90,7 +113,7 @@ pub enum ExecError {
 impl From<WorkerError> for ExecError {
     fn from(e: WorkerError) -> Self {
         match e {
-            WorkerError::Conn { .. } => ExecError::WorkerLost(e),
+            WorkerError::Conn { .. } | WorkerError::CellTimeout { .. } => ExecError::WorkerLost(e),
             _ => ExecError::Worker(e),
         }
     }
@@ -109,8 +132,10 @@ pub struct ExecEnv {
     pub listener: Listener,
     /// The zygote tree (the base is restarted when it dies).
     pub zygotes: Arc<Mutex<ImportCache>>,
-    /// Longest a cell may run before its worker counts as hung.
-    pub cell_timeout: Duration,
+    /// How long a cell may run, and ignore the interrupt that follows.
+    pub limits: RunLimits,
+    /// Cells the user interrupted, and the runs under way (for the signals).
+    pub interrupts: crate::interrupts::Interrupts,
     /// Whether slots are real GPUs (then workers see only their device).
     pub real_gpus: bool,
     /// The last manifest read per session (for placement scores; never for restores).
@@ -168,6 +193,14 @@ impl ExecEnv {
     fn not_stopping(&self) -> Result<(), ExecError> {
         if self.stopping.load(Ordering::SeqCst) {
             return Err(ExecError::HostStopping { host: self.host_id.clone() });
+        }
+        Ok(())
+    }
+
+    /// An error if the user interrupted the execution before it started here.
+    fn not_interrupted(&self, exec_id: Uuid) -> Result<(), ExecError> {
+        if self.interrupts.asked(exec_id) {
+            return Err(ExecError::Interrupted);
         }
         Ok(())
     }
@@ -246,6 +279,9 @@ impl ExecEnv {
         let layer = self.package_layers.join(session.to_string());
         env.insert("LOOSELEAF_PACKAGE_LAYER".to_string(), layer.display().to_string());
         let worker_id = format!("w{}", Uuid::now_v7().simple());
+        if let Err(e) = std::fs::read_dir(cwd) {
+            return Err(ExecError::Cwd { cwd: cwd.to_string(), source: e });
+        }
         let mut cache = self.zygotes.lock().await;
         for attempt in 0..2 {
             let base_id = format!("z-{}-{}", self.host_id, Uuid::now_v7().simple());
@@ -262,6 +298,8 @@ impl ExecEnv {
                     self.forks.fetch_add(1, Ordering::Relaxed);
                     return Ok((WorkerProc::new(forked, session, self.lifecycle.clone()), hit));
                 }
+                // the worker's own failure, not the zygote's: no retry
+                Err(e @ ZygoteError::WorkerExited { .. }) => return Err(ExecError::Fork(e)),
                 Err(e) if attempt == 0 => {
                     tracing::warn!(error = %e, zygote = %z.id, "zygote failed to fork; dropping it");
                     if choice.is_base() {
@@ -460,39 +498,46 @@ impl ExecEnv {
         let held_oids = std::sync::Mutex::new(held_records(&manifest, w.held.keys().map(String::as_str)));
         let fault_files = std::sync::Mutex::new(Vec::new());
         let on_fault = |names: Vec<String>| self.fault_frame(&manifest, &held_oids, &fault_files, names, &worker_id);
-        // nor runs a cell whose restore it was still waiting for
+        // nor runs a cell whose restore it was still waiting for, or that the user
+        // interrupted meanwhile
         self.not_stopping()?;
+        self.not_interrupted(exec_id)?;
+        let (interrupts, pid) = (self.interrupts.clone(), w.pid);
         let finished = w
             .run(
                 exec_id,
                 &recipe.cell_id,
                 &recipe.code,
-                self.cell_timeout,
+                self.limits,
                 |ev| {
                     let p = match ev {
-                        RunEvent::Started { unix_ms, execution_count, python } => Pending::Event(SessionEventV2 {
-                            session,
-                            exec_id,
-                            unix_ms,
-                            kind: EventKind::Started {
-                                host: host.clone(),
-                                slot,
-                                worker: worker_id.clone(),
-                                device,
-                                prepare,
-                                execution_count,
-                                restored_bytes,
-                                prepare_ms,
-                                restore_ms,
-                                refreshed: restored.refreshed,
-                                import_hit,
-                                python,
-                                phases: StartPhases {
-                                    setup_ms: restored_at.elapsed().as_secs_f64() * 1000.0,
-                                    ..phases
+                        RunEvent::Started { unix_ms, execution_count, python } => {
+                            // from now on the worker takes SIGINT as the cell's
+                            interrupts.started(exec_id, pid);
+                            Pending::Event(SessionEventV2 {
+                                session,
+                                exec_id,
+                                unix_ms,
+                                kind: EventKind::Started {
+                                    host: host.clone(),
+                                    slot,
+                                    worker: worker_id.clone(),
+                                    device,
+                                    prepare,
+                                    execution_count,
+                                    restored_bytes,
+                                    prepare_ms,
+                                    restore_ms,
+                                    refreshed: restored.refreshed,
+                                    import_hit,
+                                    python,
+                                    phases: StartPhases {
+                                        setup_ms: restored_at.elapsed().as_secs_f64() * 1000.0,
+                                        ..phases
+                                    },
                                 },
-                            },
-                        }),
+                            })
+                        }
                         RunEvent::Output(output) => {
                             seq += 1;
                             Pending::Output(OutputV1 {
@@ -518,7 +563,13 @@ impl ExecEnv {
         if let Err(e) = forwarder.await {
             tracing::error!(error = %e, "output forwarder failed");
         }
-        let finished = finished?;
+        let killed = self.interrupts.ended(exec_id);
+        let finished = match finished {
+            Err(WorkerError::Conn { .. }) if killed => {
+                return Err(ExecError::KilledAfterInterrupt { grace: self.interrupts.grace() })
+            }
+            other => other?,
+        };
         for name in &finished.faulted {
             if let Some(v) = manifest.variables.get(name) {
                 w.held.insert(name.clone(), v.version);
@@ -527,7 +578,11 @@ impl ExecEnv {
         if !finished.faulted.is_empty() {
             tracing::info!(%session, %exec_id, cell = %recipe.cell_id, names = ?finished.faulted, "the closure missed names the cell read; brought them in");
         }
-        let error = finished.error.as_ref().map(|e| format!("{}: {}", e.ename, e.evalue));
+        let mut error = finished.error.as_ref().map(|e| format!("{}: {}", e.ename, e.evalue));
+        if finished.timed_out {
+            let timeout = self.limits.timeout;
+            error = Some(format!("{} (the cell ran past the cell timeout of {timeout:?})", error.unwrap_or_default()));
+        }
         let status = if finished.status == "ok" { CellStatus::Ok } else { CellStatus::Error };
         self.event(
             session,

@@ -20,6 +20,7 @@ pub mod exec;
 pub mod gpus;
 pub mod host;
 pub mod import_cache;
+pub mod interrupts;
 pub mod lifecycle;
 pub mod process;
 pub mod protocol;
@@ -35,7 +36,7 @@ use std::time::Duration;
 use actix::prelude::*;
 use anyhow::Context as _;
 use schemas::buckets;
-use schemas::messages::{EvictV1, HostStatusV2, RecipeV1, SessionCloseV1, SessionEventV2};
+use schemas::messages::{EvictV1, HostStatusV2, InterruptV1, RecipeV1, SessionCloseV1, SessionEventV2};
 use schemas::service::Service;
 use schemas::subjects::HostVerb;
 
@@ -79,7 +80,17 @@ pub struct Config {
     /// Keep a GPU worker warm with its slot after its cell (a re-run of the cell
     /// finds it ready) until the planner's budget evicts it.
     pub keep_warm: bool,
+    /// A cell running longer is interrupted (then killed after `interrupt_grace`).
+    pub cell_timeout: Duration,
+    /// How long a cell may ignore an interrupt before its worker is killed.
+    pub interrupt_grace: Duration,
 }
+
+/// The default cell timeout (seconds): a day.
+pub const DEFAULT_CELL_TIMEOUT_S: u64 = 24 * 3600;
+
+/// The default time a cell may ignore an interrupt (seconds).
+pub const DEFAULT_INTERRUPT_GRACE_S: f64 = 5.0;
 
 /// Run the host until `shutdown` resolves. Must be called inside an actix system.
 pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
@@ -126,7 +137,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         chunks: chunks::Chunks::new(objects, config.cache_bytes, shm_dir),
         listener,
         zygotes,
-        cell_timeout: Duration::from_secs(24 * 3600),
+        limits: worker::RunLimits { timeout: config.cell_timeout, grace: config.interrupt_grace },
+        interrupts: interrupts::Interrupts::new(config.interrupt_grace),
         real_gpus,
         recent_manifests: Default::default(),
         forks: Default::default(),
@@ -138,6 +150,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     let recipes = bus.subscribe::<RecipeV1>(s.all_recipes()).await?;
     let events = bus.subscribe::<SessionEventV2>(s.all_events()).await?;
     let closes = bus.subscribe::<SessionCloseV1>(s.all_closes()).await?;
+    let interrupts = bus.subscribe::<InterruptV1>(s.all_interrupts()).await?;
     let evictions = bus.subscribe::<EvictV1>(s.host_command(&config.host_id, HostVerb::Evict)).await?;
     // other hosts' status: whether anyone else could take a run (see `claim_delay`)
     let peers = bus.subscribe::<HostStatusV2>(s.all_host_status()).await?;
@@ -146,6 +159,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         ctx.add_stream(recipes.into_stream());
         ctx.add_stream(events.into_stream());
         ctx.add_stream(closes.into_stream());
+        ctx.add_stream(interrupts.into_stream());
         ctx.add_stream(evictions.into_stream());
         ctx.add_stream(peers.into_stream());
         host::Host::new(env, claims, slots, real_gpus, config.prepare_holds_slot, config.keep_warm)

@@ -46,6 +46,15 @@ struct Args {
     /// budget evicts it (a re-run of the cell starts at once; costs idle slot time).
     #[arg(long, env = "LOOSELEAF_KEEP_WARM")]
     keep_warm: bool,
+    /// A cell running longer than this many seconds is interrupted, as if the user
+    /// had pressed interrupt (default: a day).
+    #[arg(long, env = "LOOSELEAF_CELL_TIMEOUT_S", default_value_t = looseleaf_gpu_host::DEFAULT_CELL_TIMEOUT_S,
+          value_parser = clap::value_parser!(u64).range(1..=365 * 24 * 3600))]
+    cell_timeout_s: u64,
+    /// Seconds a cell may ignore an interrupt (or the cell timeout's) before its
+    /// worker is killed with every process it started.
+    #[arg(long, env = "LOOSELEAF_INTERRUPT_GRACE_S", default_value_t = looseleaf_gpu_host::DEFAULT_INTERRUPT_GRACE_S)]
+    interrupt_grace_s: f64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -65,6 +74,11 @@ fn main() -> anyhow::Result<()> {
         cache_bytes: a.cache_bytes,
         prepare_holds_slot: a.prepare_holds_slot,
         keep_warm: a.keep_warm,
+        cell_timeout: std::time::Duration::from_secs(a.cell_timeout_s),
+        interrupt_grace: std::time::Duration::try_from_secs_f64(a.interrupt_grace_s)
+            .ok()
+            .filter(|g| *g <= std::time::Duration::from_secs(3600))
+            .ok_or_else(|| anyhow::anyhow!("--interrupt-grace-s must be between 0 and 3600 seconds"))?,
     };
     actix_rt::System::new().block_on(looseleaf_gpu_host::run(config, schemas::telemetry::shutdown_signal()))
 }

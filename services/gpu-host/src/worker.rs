@@ -4,7 +4,8 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use schemas::checkpoint::Delta;
@@ -53,6 +54,28 @@ pub enum WorkerError {
     /// The store could not say which chunks it lacks.
     #[error("chunk plan failed: {0}")]
     Plan(#[source] schemas::BusError),
+    /// The cell ran past the cell timeout, ignored the interrupt that followed and
+    /// was killed with its process group.
+    #[error(
+        "the cell ran past the cell timeout ({timeout:?}) and did not stop within {grace:?} of the interrupt \
+         that followed; it was killed with every process it started"
+    )]
+    CellTimeout {
+        /// The cell timeout.
+        timeout: Duration,
+        /// How long it could have taken to stop.
+        grace: Duration,
+    },
+}
+
+/// How long a cell may run: past `timeout` it is interrupted (SIGINT), and killed
+/// `grace` later if it has not ended.
+#[derive(Clone, Copy, Debug)]
+pub struct RunLimits {
+    /// The cell timeout.
+    pub timeout: Duration,
+    /// How long a cell may ignore an interrupt.
+    pub grace: Duration,
 }
 
 /// What a finished cell reported.
@@ -72,6 +95,8 @@ pub struct Finished {
     pub outputs: u64,
     /// Names the cell reached that its closure missed, brought in while it ran.
     pub faulted: Vec<String>,
+    /// It ran past the cell timeout and stopped on the interrupt that followed.
+    pub timed_out: bool,
 }
 
 /// What a worker's restore did.
@@ -210,12 +235,13 @@ impl WorkerProc {
     /// Run a cell, reporting start and outputs through `on_event` as they come. A
     /// name the cell reaches that the worker lacks (a read its closure missed) is
     /// answered by `on_fault`, which returns the `Faulted` frame to send back.
+    #[allow(clippy::too_many_arguments)] // the run's parts and its two callbacks
     pub async fn run<FF, FFut>(
         &mut self,
         exec_id: Uuid,
         cell_id: &str,
         code: &str,
-        timeout: Duration,
+        limits: RunLimits,
         mut on_event: impl FnMut(RunEvent),
         mut on_fault: FF,
     ) -> Result<Finished, WorkerError>
@@ -227,9 +253,21 @@ impl WorkerProc {
         self.runs += 1;
         self.enter(WorkerState::Running);
         self.send("running", &Frame::Run { exec_id: exec.clone(), cell_id: cell_id.into(), code: code.into() }).await?;
+        // The timeout is enforced by signals, never by abandoning a read halfway
+        // through a frame: the worker ends the cell, or dies and closes its socket.
+        let watchdog = Watchdog::start(self.pid, limits);
         let mut outputs = 0u64;
         loop {
-            match self.recv("running", timeout).await? {
+            let frame = match self.conn.recv(limits.timeout.saturating_add(limits.grace).saturating_add(STEP)).await {
+                Ok(f) => f,
+                Err(_) if watchdog.killed() => {
+                    self.broken = true;
+                    self.enter(WorkerState::Lost);
+                    return Err(WorkerError::CellTimeout { timeout: limits.timeout, grace: limits.grace });
+                }
+                Err(e) => return Err(self.conn_err("running", e)),
+            };
+            match frame {
                 Frame::Started { unix_ms, execution_count, python, .. } => {
                     on_event(RunEvent::Started { unix_ms, execution_count, python })
                 }
@@ -242,7 +280,17 @@ impl WorkerProc {
                     self.send("answering a fault", &reply).await?;
                 }
                 Frame::Finished { status, error, execution_count, run_ms, cuda_used, faulted, .. } => {
-                    return Ok(Finished { status, error, execution_count, run_ms, cuda_used, outputs, faulted })
+                    let timed_out = watchdog.interrupted();
+                    return Ok(Finished {
+                        status,
+                        error,
+                        execution_count,
+                        run_ms,
+                        cuda_used,
+                        outputs,
+                        faulted,
+                        timed_out,
+                    });
                 }
                 other => return Err(self.unexpected("running", other)),
             }
@@ -408,6 +456,45 @@ impl Drop for WorkerProc {
     fn drop(&mut self) {
         self.kill_now();
         remove_save_files(&self.id);
+    }
+}
+
+/// Enforces a run's cell timeout: SIGINT to the worker's group at the timeout,
+/// SIGKILL a grace period later; stops when dropped (the run ended).
+struct Watchdog {
+    /// 0: quiet, 1: interrupted, 2: killed.
+    fired: Arc<AtomicU8>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Watchdog {
+    fn start(pid: u32, limits: RunLimits) -> Self {
+        let fired = Arc::new(AtomicU8::new(0));
+        let f = fired.clone();
+        let task = tokio::spawn(async move {
+            tokio::time::sleep(limits.timeout).await;
+            tracing::warn!(pid, timeout = ?limits.timeout, "a cell ran past the cell timeout; interrupting it");
+            f.store(1, Ordering::SeqCst);
+            crate::process::interrupt(pid);
+            tokio::time::sleep(limits.grace).await;
+            f.store(2, Ordering::SeqCst);
+            crate::process::kill(pid);
+        });
+        Self { fired, task }
+    }
+
+    fn interrupted(&self) -> bool {
+        self.fired.load(Ordering::SeqCst) >= 1
+    }
+
+    fn killed(&self) -> bool {
+        self.fired.load(Ordering::SeqCst) >= 2
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.task.abort();
     }
 }
 

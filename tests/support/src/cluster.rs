@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use futures::StreamExt;
-use looseleaf_client::api::StreamItem;
+use looseleaf_client::api::{ExecStatus, StreamItem};
 use looseleaf_client::Frontend;
-use schemas::messages::HostStatusV2;
+use schemas::messages::{EventKind, HostStatusV2};
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
@@ -119,6 +119,37 @@ impl Services {
     pub fn client(&self) -> Frontend {
         Frontend::new(&self.frontend)
     }
+
+    /// A session in a folder of its own (every cell a GPU cell if `all_gpu`, no
+    /// speculation), with its client and event stream.
+    pub async fn session(&self, all_gpu: bool) -> anyhow::Result<TestSession> {
+        let fe = self.client();
+        let cwd = tempfile::tempdir()?;
+        let sid = fe.create_session(&cwd.path().display().to_string(), all_gpu, false).await?;
+        let events = Events::open(&fe, sid).await?;
+        Ok(TestSession { fe, cwd, sid, events })
+    }
+}
+
+/// A session of a test cluster.
+pub struct TestSession {
+    /// The frontend's client.
+    pub fe: Frontend,
+    /// Its working directory (removed when dropped).
+    pub cwd: tempfile::TempDir,
+    /// The session.
+    pub sid: Uuid,
+    /// Its event stream.
+    pub events: Events,
+}
+
+impl TestSession {
+    /// Run `code` as cell `cell` and wait for its outcome: (status, error, outputs' text).
+    pub async fn run(&mut self, cell: &str, code: &str) -> anyhow::Result<(ExecStatus, Option<String>, String)> {
+        let exec = self.fe.run(self.sid, cell, code).await?.exec_id;
+        let (status, error) = self.events.outcome(exec).await?;
+        Ok((status, error, self.events.text(exec)))
+    }
 }
 
 /// A session's event stream, keeping everything seen.
@@ -147,6 +178,39 @@ impl Events {
                 return Ok(item);
             }
         }
+    }
+
+    /// Execution `exec`'s (status, error), once it is done (it may have been seen
+    /// already: an aborted run is done before the one that was running).
+    pub async fn outcome(&mut self, exec: Uuid) -> anyhow::Result<(ExecStatus, Option<String>)> {
+        let done = |i: &StreamItem| matches!(i, StreamItem::Done { exec_id, .. } if *exec_id == exec);
+        let seen = self.seen.iter().find(|i| done(i)).cloned();
+        let item = match seen {
+            Some(item) => item,
+            None => self.until(done).await?,
+        };
+        match item {
+            StreamItem::Done { status, error, .. } => Ok((status, error)),
+            _ => bail!("not done"),
+        }
+    }
+
+    /// Read until a host claimed `exec`; returns the index `i` of its `host-{i}`.
+    pub async fn claimed_by(&mut self, exec: Uuid) -> anyhow::Result<usize> {
+        let claimed = |i: &StreamItem| matches!(i, StreamItem::Event { exec_id, kind: EventKind::Claimed { .. }, .. } if *exec_id == exec);
+        let StreamItem::Event { kind: EventKind::Claimed { host, .. }, .. } = self.until(claimed).await? else {
+            bail!("not claimed")
+        };
+        Ok(host.trim_start_matches("host-").parse()?)
+    }
+
+    /// Read until `exec`'s cell started running.
+    pub async fn started(&mut self, exec: Uuid) -> anyhow::Result<()> {
+        self.until(
+            |i| matches!(i, StreamItem::Event { exec_id, kind: EventKind::Started { .. }, .. } if *exec_id == exec),
+        )
+        .await
+        .map(|_| ())
     }
 
     /// Read until execution `exec` is done; returns its outputs' text joined.

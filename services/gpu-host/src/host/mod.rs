@@ -32,8 +32,8 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use schemas::bus::Rejected;
 use schemas::messages::{
-    BidV1, Device, EventKind, EvictV1, HostStatusV2, Prepare, PreparedClass, PreparedOutcome, RecipeKind, RecipeV1,
-    SessionCloseV1, SessionEventV2, SlotUse, WorkerState, ZygoteStatus,
+    BidV1, Device, EventKind, EvictV1, HostStatusV2, InterruptV1, Prepare, PreparedClass, PreparedOutcome, RecipeKind,
+    RecipeV1, SessionCloseV1, SessionEventV2, SlotUse, WorkerState, ZygoteStatus,
 };
 use schemas::{unix_ms, Envelope};
 use tokio::sync::Mutex;
@@ -271,7 +271,7 @@ impl Host {
                 // gone: the execution fails naming the variable and its cell
                 None => Target::Fresh { slot: None },
             };
-            self.spawn_exec(recipe, target, ctx);
+            self.claim_run_then_exec(recipe, target, ctx);
             return;
         }
         match recipe.device {
@@ -337,17 +337,31 @@ impl Host {
     fn claim_cpu(&mut self, recipe: RecipeV1, ctx: &mut Context<Self>) {
         if let Some(k) = self.kept.cpu_worker(recipe.session) {
             let target = Target::Existing { worker: k.worker.clone(), prepare: Prepare::Persistent, slot: None };
-            self.spawn_exec(recipe, target, ctx);
+            self.claim_run_then_exec(recipe, target, ctx);
             return;
         }
         // mine already when the session's CPU worker died and this host restarts it
         self.claim(ClaimKey::Cpu(recipe.session), Duration::ZERO, ctx, move |act, claim, ctx| {
             if claim.held() {
-                act.spawn_exec(recipe, Target::Fresh { slot: None }, ctx);
+                act.claim_run_then_exec(recipe, Target::Fresh { slot: None }, ctx);
             } else {
                 // the session's CPU worker lives on another host; should that host
                 // be lost before it claims the run, this one takes over (on a tick)
                 act.cpu_waiting.push((Instant::now(), recipe));
+            }
+        });
+    }
+
+    /// A run that needs no competition (on the session's CPU worker, or on the
+    /// worker pinned for its state) still claims its run key like every other run:
+    /// nothing starts an execution twice, and one the user interrupted before any
+    /// host claimed it (the frontend claims it then) never starts.
+    fn claim_run_then_exec(&mut self, recipe: RecipeV1, target: Target, ctx: &mut Context<Self>) {
+        self.claim(ClaimKey::Run(recipe.exec_id), Duration::ZERO, ctx, move |act, claim, ctx| {
+            if claim == Claim::Won {
+                act.spawn_exec(recipe, target, ctx);
+            } else {
+                tracing::info!(exec = %recipe.exec_id, ?claim, "run not claimed (taken, or interrupted before it started)");
             }
         });
     }
@@ -837,9 +851,40 @@ impl Host {
         self.publish_status(ctx);
     }
 
+    /// The user interrupted `exec`: a run waiting here never starts (one this host
+    /// claimed fails now); one that runs gets SIGINT, and is killed after the grace
+    /// period if it ignores it (see [`crate::interrupts`]).
+    fn interrupt(&mut self, msg: InterruptV1, ctx: &mut Context<Self>) {
+        let exec = msg.exec_id;
+        self.env.interrupts.ask(exec);
+        self.pending.retain(|r| r.exec_id != exec);
+        self.cpu_waiting.retain(|(_, r)| r.exec_id != exec);
+        if let Some(i) = self.won.iter().position(|r| r.exec_id == exec) {
+            self.won.remove(i);
+            let error = crate::exec::ExecError::Interrupted.to_string();
+            let ev = SessionEventV2 {
+                session: msg.session,
+                exec_id: exec,
+                unix_ms: unix_ms(),
+                kind: EventKind::Failed { error },
+            };
+            let bus = self.env.bus.clone();
+            self.background(
+                async move {
+                    if let Err(e) = bus.publish(bus.subjects().event(ev.session), &ev).await {
+                        tracing::error!(error = %e, "could not publish a session event");
+                    }
+                },
+                ctx,
+            );
+        }
+    }
+
     fn renew_claims(&mut self, ctx: &mut Context<Self>) {
-        let keys: Vec<ClaimKey> =
-            self.kept.cpu_sessions().map(ClaimKey::Cpu).chain(self.slots.running().map(ClaimKey::Run)).collect();
+        // every run this host holds, running or waiting for a slot: an expired run
+        // claim could be taken again (by a host, or by an interrupt)
+        let runs = self.running.keys().copied().chain(self.won.iter().map(|r| r.exec_id));
+        let keys: Vec<ClaimKey> = self.kept.cpu_sessions().map(ClaimKey::Cpu).chain(runs.map(ClaimKey::Run)).collect();
         let claims = self.claims.clone();
         let renewal = async move { claims.renew(keys).await };
         ctx.spawn(renewal.into_actor(self).map(|lost, act, ctx| {
@@ -940,6 +985,14 @@ impl StreamHandler<Result<Envelope<SessionCloseV1>, Rejected>> for Host {
     fn handle(&mut self, item: Result<Envelope<SessionCloseV1>, Rejected>, ctx: &mut Self::Context) {
         if let Ok(env) = item {
             self.close_session(env.msg.session, ctx);
+        }
+    }
+}
+
+impl StreamHandler<Result<Envelope<InterruptV1>, Rejected>> for Host {
+    fn handle(&mut self, item: Result<Envelope<InterruptV1>, Rejected>, ctx: &mut Self::Context) {
+        if let Ok(env) = item {
+            self.interrupt(env.msg, ctx);
         }
     }
 }

@@ -105,14 +105,6 @@ impl Slots {
         }
     }
 
-    /// The runs holding slots (their claims are renewed).
-    pub fn running(&self) -> impl Iterator<Item = Uuid> + '_ {
-        self.0.iter().filter_map(|s| match s.state {
-            SlotState::Busy { exec, .. } => Some(exec),
-            _ => None,
-        })
-    }
-
     /// Each slot for host status; `preparing(session, cell)` says whether a
     /// prepared worker is still being prepared.
     pub fn status(&self, preparing: impl Fn(Uuid, &str) -> bool) -> Vec<SlotStatus> {
@@ -160,7 +152,7 @@ mod tests {
         s.take(0, SlotState::Claiming(Some(exec)));
         assert_eq!((s.free(), s.free_share()), (Some(1), 0.5));
         s.hand_on(0, SlotState::Busy { exec, session });
-        assert_eq!(s.running().collect::<Vec<_>>(), vec![exec]);
+        assert_eq!(s.free(), Some(1));
         s.take(1, SlotState::Prepared { session, cell_id: "c".into() });
         assert_eq!(s.free(), None);
         let st = s.status(|_, cell| cell == "c");
