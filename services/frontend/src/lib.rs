@@ -39,9 +39,11 @@ use tokio_util::sync::CancellationToken;
 /// Deadlines of the run queue.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Timeouts {
-    /// A run with no Planned/Claimed event within this fails ("no host took the cell").
+    /// A run no host claimed within this fails ("no host took the cell"), once the
+    /// frontend holds its claim (so that no host runs it later).
     pub claim: Duration,
-    /// A run with no Saved/Failed within this fails.
+    /// A run not complete within this is interrupted, as the user would (the
+    /// hosts' cell timeout is the usual limit; this is the frontend's own).
     pub execution: Duration,
     /// After Saved/Failed, how long to wait for announced outputs that are missing.
     pub output_grace: Duration,
@@ -56,7 +58,8 @@ impl Default for Timeouts {
     fn default() -> Self {
         Self {
             claim: Duration::from_secs(60),
-            execution: Duration::from_secs(3600),
+            // past the hosts' default cell timeout (a day): theirs ends a cell first
+            execution: Duration::from_secs(25 * 3600),
             output_grace: Duration::from_secs(5),
             close_grace: Duration::from_secs(2),
             host_lost: Duration::from_secs(10),

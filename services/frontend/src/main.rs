@@ -12,11 +12,13 @@ struct Args {
     /// Address to serve HTTP on; port 0 picks a free port (logged).
     #[arg(long, env = "LOOSELEAF_LISTEN", default_value = "127.0.0.1:8470")]
     listen: SocketAddr,
-    /// Seconds a run may wait for a Planned/Claimed event before it fails.
+    /// Seconds a run may wait for a host to claim it before it fails (then no host
+    /// can run it any more).
     #[arg(long, env = "LOOSELEAF_CLAIM_TIMEOUT_S", default_value_t = 60)]
     claim_timeout_s: u64,
-    /// Seconds a run may take to reach Saved/Failed before it fails.
-    #[arg(long, env = "LOOSELEAF_EXEC_DEADLINE_S", default_value_t = 3600)]
+    /// Seconds a run may take before the frontend interrupts it, as the user would
+    /// (the hosts' --cell-timeout-s, a day, usually ends it first).
+    #[arg(long, env = "LOOSELEAF_EXEC_DEADLINE_S", default_value_t = 25 * 3600)]
     exec_deadline_s: u64,
     /// Seconds without a host's status after which a cell it runs ends as lost.
     #[arg(long, env = "LOOSELEAF_HOST_LOST_S", default_value_t = 10)]

@@ -68,6 +68,10 @@ impl HostsSeen {
 /// How long the store may take to say what a lost host's cell committed.
 const STORE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How soon abandoning an unclaimed run is tried again when the claims bucket
+/// could not be reached.
+const ABANDON_RETRY: Duration = Duration::from_secs(2);
+
 /// How often a running cell's host is checked for loss.
 const HOST_CHECK: Duration = Duration::from_secs(1);
 
@@ -272,24 +276,74 @@ impl SessionActor {
         tracing::info!(session = %self.sid, exec = %exec_id, cell = %p.cell_id, after_revision = self.revision, "run sent");
         ctx.spawn(async move { bus.publish(subject, &run).await }.into_actor(self).map(move |res, act, ctx| {
             if let Err(e) = res {
+                // the client may still deliver it after a reconnect: make sure no
+                // host runs it before saying it did not run
                 tracing::error!(error = %e, exec = %exec_id, "could not publish the run");
-                act.fail_current(ctx, exec_id, format!("could not send the run to the planner: {e}"));
+                act.abandon_unclaimed(exec_id, format!("could not send the run to the planner: {e}"), ctx);
             }
         }));
         let claim_timeout = self.timeouts.claim;
         ctx.run_later(claim_timeout, move |act, ctx| {
-            if act.current.as_ref().is_some_and(|c| c.exec_id == exec_id && !c.taken) {
-                tracing::warn!(exec = %exec_id, "no Planned/Claimed in time");
-                act.fail_current(ctx, exec_id, format!("no host took the cell within {claim_timeout:?}"));
+            if act.current.as_ref().is_some_and(|c| c.exec_id == exec_id && c.host.is_none() && c.terminal.is_none()) {
+                tracing::warn!(exec = %exec_id, "no host claimed the run in time");
+                act.abandon_unclaimed(exec_id, format!("no host took the cell within {claim_timeout:?}"), ctx);
             }
         });
         let deadline = self.timeouts.execution;
         ctx.run_later(deadline, move |act, ctx| {
             if act.current.as_ref().is_some_and(|c| c.exec_id == exec_id && c.terminal.is_none()) {
-                tracing::warn!(exec = %exec_id, "execution deadline passed");
-                act.fail_current(ctx, exec_id, format!("no host took the cell: no Saved/Failed within {deadline:?}"));
+                tracing::warn!(exec = %exec_id, "execution deadline passed; interrupting the cell");
+                act.stop_current(exec_id, format!("no host ran the cell within the deadline ({deadline:?})"), ctx);
             }
         });
+    }
+
+    /// Stop the current execution `exec_id`: every host hears the interrupt (the
+    /// one running it interrupts, then kills, the cell and reports its outcome); if
+    /// no host claimed it, it is abandoned with `unclaimed_error`.
+    fn stop_current(&mut self, exec_id: Uuid, unclaimed_error: String, ctx: &mut Context<Self>) {
+        let Some(cur) = self.current.as_ref().filter(|c| c.exec_id == exec_id && c.terminal.is_none()) else {
+            return;
+        };
+        let unclaimed = cur.host.is_none();
+        let bus = self.bus.clone();
+        let msg = InterruptV1 { session: self.sid, exec_id };
+        ctx.spawn(
+            async move {
+                if let Err(e) = bus.publish(bus.subjects().interrupt(msg.session), &msg).await {
+                    tracing::error!(error = %e, exec = %msg.exec_id, "could not publish the interrupt");
+                }
+            }
+            .into_actor(self),
+        );
+        if unclaimed {
+            self.abandon_unclaimed(exec_id, unclaimed_error, ctx);
+        }
+    }
+
+    /// End the current execution `exec_id` with `error`, but only once no host can
+    /// ever run it: its run claim is taken here (holder `!interrupted`). If a host
+    /// won the claim first, that host reports the outcome; if the claims bucket
+    /// cannot be reached, this is tried again shortly (a run reported as not run
+    /// must never run later).
+    fn abandon_unclaimed(&mut self, exec_id: Uuid, error: String, ctx: &mut Context<Self>) {
+        let (claims, key) = (self.claims.clone(), schemas::buckets::run_claim_key(exec_id));
+        let claim = async move { claims.create(&key, schemas::buckets::INTERRUPTED_HOLDER.into()).await };
+        ctx.spawn(claim.into_actor(self).map(move |claimed, act, ctx| match claimed {
+            Ok(_) => act.fail_current(ctx, exec_id, error),
+            Err(e) if e.kind() == async_nats::jetstream::kv::CreateErrorKind::AlreadyExists => {
+                tracing::info!(exec = %exec_id, "a host holds the run; it reports the outcome");
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, exec = %exec_id, "could not claim the run to abandon it; retrying");
+                ctx.run_later(ABANDON_RETRY, move |act, ctx| {
+                    let pending = act.current.as_ref().is_some_and(|c| c.exec_id == exec_id && c.terminal.is_none());
+                    if pending {
+                        act.abandon_unclaimed(exec_id, error, ctx);
+                    }
+                });
+            }
+        }));
     }
 
     /// Give up on the current execution (if it is `exec_id`) and move on.
@@ -550,36 +604,13 @@ impl Handler<Interrupt> for SessionActor {
             self.emit(&item);
             aborted.push(p.exec_id);
         }
-        let current = self.current.as_ref().filter(|c| c.terminal.is_none()).map(|c| (c.exec_id, c.host.is_none()));
-        let Some((exec_id, unclaimed)) = current else {
+        let Some(exec_id) = self.current.as_ref().filter(|c| c.terminal.is_none()).map(|c| c.exec_id) else {
             return MessageResult(Interrupted { interrupted: None, aborted });
         };
-        tracing::info!(session = %self.sid, exec = %exec_id, unclaimed, "interrupt");
-        let bus = self.bus.clone();
-        let msg = InterruptV1 { session: self.sid, exec_id };
-        ctx.spawn(
-            async move {
-                if let Err(e) = bus.publish(bus.subjects().interrupt(msg.session), &msg).await {
-                    tracing::error!(error = %e, exec = %msg.exec_id, "could not publish the interrupt");
-                }
-            }
-            .into_actor(self),
-        );
-        if unclaimed {
-            // No host claimed the run yet: claim it here, so that none ever starts
-            // it, and end it now. If a host won it first, that host ends it.
-            let (claims, key) = (self.claims.clone(), schemas::buckets::run_claim_key(exec_id));
-            let claim = async move { claims.create(&key, schemas::buckets::INTERRUPTED_HOLDER.into()).await };
-            ctx.spawn(claim.into_actor(self).map(move |claimed, act, ctx| match claimed {
-                Ok(_) => {
-                    let error = "KeyboardInterrupt: the cell was interrupted before it started; nothing of it ran, \
-                                 the session keeps its last committed state";
-                    act.fail_current(ctx, exec_id, error.to_string());
-                }
-                Err(e) if e.kind() == async_nats::jetstream::kv::CreateErrorKind::AlreadyExists => {}
-                Err(e) => tracing::warn!(error = %e, exec = %exec_id, "could not claim an interrupted run"),
-            }));
-        }
+        tracing::info!(session = %self.sid, exec = %exec_id, "interrupt");
+        let error = "KeyboardInterrupt: the cell was interrupted before it started; nothing of it ran, the session \
+                     keeps its last committed state";
+        self.stop_current(exec_id, error.to_string(), ctx);
         MessageResult(Interrupted { interrupted: Some(exec_id), aborted })
     }
 }

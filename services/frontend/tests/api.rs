@@ -328,11 +328,40 @@ async fn a_run_no_host_takes_fails_and_the_queue_moves_on() -> anyhow::Result<()
         other => bail!("expected a failed done, got {other:?}"),
     }
     assert_eq!(next_run(&mut runs).await?.exec_id, a.exec_id);
+    // the frontend holds the run's claim: no host can start it after it was failed
+    let claims = schemas::buckets::claims(&bus.jetstream(), &prefix).await?;
+    let holder = claims.get(schemas::buckets::run_claim_key(a.exec_id)).await?;
+    assert_eq!(holder.as_deref(), Some(schemas::buckets::INTERRUPTED_HOLDER.as_bytes()));
     assert_eq!(next_run(&mut runs).await?.exec_id, b.exec_id);
     // a Failed event also completes an execution, leaving the revision unchanged
     event(&bus, sid, b.exec_id, planned("b")).await?;
     event(&bus, sid, b.exec_id, EventKind::Failed { error: "worker died".into() }).await?;
     let seen = items_until(&mut sse, is_done(b.exec_id)).await?;
     assert!(matches!(seen.last(), Some(StreamItem::Done { status: ExecStatus::Error, after_revision: 0, .. })));
+    Ok(())
+}
+
+#[actix_rt::test]
+async fn a_run_a_host_claimed_is_never_failed_by_the_claim_timeout() -> anyhow::Result<()> {
+    let nats = NatsServer::start()?;
+    let prefix = random_prefix();
+    let timeouts = Timeouts { claim: Duration::from_millis(300), ..Timeouts::default() };
+    let fe = start_frontend(&nats, &prefix, timeouts).await?;
+    let sid = fe.client.create_session("/tmp", true, true).await?;
+    let bus = Bus::connect(nats.url(), &prefix, "fake").await?;
+    let claims = schemas::buckets::claims(&bus.jetstream(), &prefix).await?;
+    let mut sse = fe.client.events(sid).await?;
+    let a = fe.client.run(sid, "a", "1").await?;
+    // a host won the run, and its Claimed event is late: the cell may be running
+    claims.create(schemas::buckets::run_claim_key(a.exec_id), "host-x".into()).await?;
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    event(&bus, sid, a.exec_id, EventKind::Failed { error: "the host's own outcome".into() }).await?;
+    let seen = items_until(&mut sse, is_done(a.exec_id)).await?;
+    match seen.last() {
+        Some(StreamItem::Done { status: ExecStatus::Error, error: Some(e), .. }) => {
+            assert_eq!(e, "the host's own outcome", "the frontend did not wait for the host");
+        }
+        other => bail!("expected the host's outcome, got {other:?}"),
+    }
     Ok(())
 }

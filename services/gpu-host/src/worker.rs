@@ -378,6 +378,9 @@ impl WorkerProc {
         let saved_bytes = match upload {
             Ok(n) => n,
             Err(e) => {
+                // what the worker holds is no revision now (a CPU worker must not
+                // carry uncommitted variables into the session's next cell)
+                self.broken = true;
                 let _ = self
                     .send(
                         "saving",
