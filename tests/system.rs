@@ -138,6 +138,9 @@ async fn four_services_two_hosts_on(store_env: Vec<(&'static str, String)>) -> a
     assert_eq!(cells[19]["status"], "ok", "{}", text(19));
     assert!(text(20).contains("from the layer 42"), "{}", text(20));
     assert!(text(21).contains("on the CPU worker 42"), "{}", text(21));
+    // the hosts' environment holds the store's settings (and, on S3, its keys): a
+    // cell sees none of them
+    assert!(text(22).contains("secrets []"), "{}", text(22));
 
     // GPU cells used both hosts: the generator pins one host's only slot.
     let gpu_hosts: BTreeSet<&str> =

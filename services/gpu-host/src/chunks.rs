@@ -3,7 +3,7 @@
 //! per-host chunk cache. Every chunk read is verified against its hash.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path as FsPath, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -268,7 +268,8 @@ impl Chunks {
         }
         let path = self.shm_dir.join(format!("looseleaf-restore-{name}"));
         let shm = |source| ChunkError::Shm { path: path.display().to_string(), source };
-        let file = std::fs::OpenOptions::new().create_new(true).write(true).open(&path).map_err(shm)?;
+        // owner-only: another session's cells must not read this one's state
+        let file = std::fs::OpenOptions::new().create_new(true).write(true).mode(0o600).open(&path).map_err(shm)?;
         file.set_len(total).map_err(shm)?;
         let file = Arc::new(file);
         let result: Result<Vec<()>, ChunkError> = futures::stream::iter(placements)
@@ -366,6 +367,8 @@ mod tests {
         // two chunks of one blob: the second starts CHUNK_BYTES in, so use a tiny layout check
         let rf = chunks.write_restore_file(&m, &[("o".into(), "x".into())], "t2").await.unwrap();
         assert_eq!(rf.objects["o"].record, [0, 6]);
-        assert!(rf.path.is_some());
+        let path = rf.path.unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600, "owner-only");
     }
 }

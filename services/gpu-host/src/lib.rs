@@ -15,6 +15,7 @@
 //! pid), [`import_cache`] (the zygote tree), [`chunks`] (the byte path), [`gpus`]
 //! (slots).
 
+pub mod cell_env;
 pub mod chunks;
 pub mod exec;
 pub mod gpus;
@@ -80,6 +81,9 @@ pub struct Config {
     /// Keep a GPU worker warm with its slot after its cell (a re-run of the cell
     /// finds it ready) until the planner's budget evicts it.
     pub keep_warm: bool,
+    /// Host environment variables cells may see besides the allow-list of
+    /// [`cell_env`] (the host's others, its credentials among them, stay out).
+    pub worker_env: Vec<String>,
     /// A cell running longer is interrupted (then killed after `interrupt_grace`).
     pub cell_timeout: Duration,
     /// How long a cell may ignore an interrupt before its worker is killed.
@@ -114,6 +118,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         python: config.python.clone(),
         worker_path: config.worker_path.clone(),
         packages: config.base_packages.clone(),
+        env: cell_env::cell_env(std::env::vars(), &config.worker_env),
     };
     // Start the base zygote in the background: the host serves at once, and the first
     // fork waits for the zygote's imports instead of the host's subscriptions.

@@ -46,6 +46,11 @@ struct Args {
     /// budget evicts it (a re-run of the cell starts at once; costs idle slot time).
     #[arg(long, env = "LOOSELEAF_KEEP_WARM")]
     keep_warm: bool,
+    /// Host environment variables cells may see, comma-separated, besides the
+    /// built-in allow-list (PATH, HOME, locale, CUDA_*, PIP_*, …); every other
+    /// variable of the host's, its credentials among them, stays out of cells.
+    #[arg(long, env = "LOOSELEAF_WORKER_ENV", value_delimiter = ',')]
+    worker_env: Vec<String>,
     /// A cell running longer than this many seconds is interrupted, as if the user
     /// had pressed interrupt (default: a day).
     #[arg(long, env = "LOOSELEAF_CELL_TIMEOUT_S", default_value_t = looseleaf_gpu_host::DEFAULT_CELL_TIMEOUT_S,
@@ -74,6 +79,7 @@ fn main() -> anyhow::Result<()> {
         cache_bytes: a.cache_bytes,
         prepare_holds_slot: a.prepare_holds_slot,
         keep_warm: a.keep_warm,
+        worker_env: a.worker_env,
         cell_timeout: std::time::Duration::from_secs(a.cell_timeout_s),
         interrupt_grace: std::time::Duration::try_from_secs_f64(a.interrupt_grace_s)
             .ok()

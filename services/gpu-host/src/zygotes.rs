@@ -70,6 +70,8 @@ pub struct ZygoteSpec {
     pub worker_path: PathBuf,
     /// Packages the base zygote imports.
     pub packages: Vec<String>,
+    /// The environment zygotes and their workers get (see [`crate::cell_env`]).
+    pub env: std::collections::BTreeMap<String, String>,
 }
 
 /// A live zygote.
@@ -116,7 +118,7 @@ impl Zygote {
     pub async fn start(spec: &ZygoteSpec, id: &str, listener: &Listener) -> Result<Self, ZygoteError> {
         let rx = listener.expect(id);
         let mut pythonpath = spec.worker_path.clone().into_os_string();
-        if let Some(existing) = std::env::var_os("PYTHONPATH") {
+        if let Some(existing) = spec.env.get("PYTHONPATH") {
             pythonpath.push(":");
             pythonpath.push(existing);
         }
@@ -124,6 +126,9 @@ impl Zygote {
             .args(["-m", "looseleaf_worker.zygote", "--socket"])
             .arg(listener.path())
             .args(["--id", id, "--packages", &spec.packages.join(",")])
+            // never the host's whole environment: it holds the services' credentials
+            .env_clear()
+            .envs(&spec.env)
             .env("PYTHONPATH", pythonpath)
             // a zygote never touches a GPU; workers get their device at fork
             .env("CUDA_VISIBLE_DEVICES", "")
