@@ -98,6 +98,7 @@ impl Cluster {
             prefix: PREFIX.into(),
             store_url: store_url.clone(),
             session_quota_bytes: None,
+            gc: Some(looseleaf_store::gc::Schedule::default()),
         };
         self.spawn("store", |stop| looseleaf_store::run(store, stop));
         let planner = looseleaf_planner::Config {

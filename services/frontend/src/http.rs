@@ -27,6 +27,9 @@ use crate::api::{CellCode, CreateSession, Interrupted, RunAccepted, SessionCreat
 use crate::session::{self, SessionActor};
 use crate::Timeouts;
 
+/// The largest request body (a cell's code): larger ones are refused with 413.
+pub const MAX_BODY_BYTES: usize = 8 << 20;
+
 /// What every handler shares.
 #[derive(Clone)]
 pub struct AppState {
@@ -85,10 +88,10 @@ fn internal(msg: impl Into<String>) -> ApiError {
 
 fn json_body<T>(body: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
     body.map(|Json(v)| v).map_err(|e| {
-        // a body that is not the JSON we expect is a bad request; only a missing
-        // content type keeps its own status (415)
-        let status =
-            if e.status() == StatusCode::UNSUPPORTED_MEDIA_TYPE { e.status() } else { StatusCode::BAD_REQUEST };
+        // a body that is not the JSON we expect is a bad request; a missing content
+        // type (415) and a body over the limit (413) keep their own status
+        let keep = [StatusCode::UNSUPPORTED_MEDIA_TYPE, StatusCode::PAYLOAD_TOO_LARGE];
+        let status = if keep.contains(&e.status()) { e.status() } else { StatusCode::BAD_REQUEST };
         ApiError(status, format!("bad request body: {}", e.body_text()))
     })
 }
@@ -118,6 +121,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/sessions/{sid}/cells/{cell_id}", put(edit))
         .route("/v1/sessions/{sid}/cells/{cell_id}/run", post(run))
         .fallback(|| async { ApiError(StatusCode::NOT_FOUND, "no such route".into()) })
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
 }
 

@@ -301,6 +301,18 @@ async fn bad_input_gets_4xx_with_a_json_error() -> anyhow::Result<()> {
         .await?;
     assert_eq!(resp.status(), reqwest::StatusCode::BAD_REQUEST);
 
+    // a body over the limit is refused as too large, naming the limit
+    let huge = serde_json::json!({ "code": "x".repeat(looseleaf_frontend::http::MAX_BODY_BYTES + 1) }).to_string();
+    let resp = http
+        .post(format!("{base}/v1/sessions/{sid}/cells/a/run"))
+        .header("content-type", "application/json")
+        .body(huge)
+        .send()
+        .await?;
+    assert_eq!(resp.status(), reqwest::StatusCode::PAYLOAD_TOO_LARGE);
+    let body: serde_json::Value = resp.json().await?;
+    assert!(body["error"].as_str().unwrap_or_default().contains("limit"), "{body}");
+
     let health: serde_json::Value = http.get(format!("{base}/v1/health")).send().await?.json().await?;
     assert_eq!(health["status"], "ok");
     Ok(())

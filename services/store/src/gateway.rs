@@ -18,17 +18,33 @@ use crate::manifests::{ManifestError, Manifests};
 pub struct Gateway {
     bus: Bus,
     manifests: Arc<Manifests>,
+    gc: Option<crate::gc::Schedule>,
 }
 
 impl Gateway {
-    /// A gateway answering on `bus` from `manifests`.
-    pub fn new(bus: Bus, manifests: Arc<Manifests>) -> Self {
-        Self { bus, manifests }
+    /// A gateway answering on `bus` from `manifests`, collecting garbage on `gc`'s
+    /// schedule.
+    pub fn new(bus: Bus, manifests: Arc<Manifests>, gc: Option<crate::gc::Schedule>) -> Self {
+        Self { bus, manifests, gc }
     }
 }
 
 impl Actor for Gateway {
     type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        let Some(schedule) = self.gc else { return };
+        ctx.run_interval(schedule.every, move |act, ctx| {
+            let manifests = act.manifests.clone();
+            let collect = async move {
+                match crate::gc::collect(&manifests, schedule.keep_revisions, schedule.grace).await {
+                    Ok(done) => tracing::info!(?done, "scheduled garbage collection"),
+                    Err(e) => tracing::warn!(error = %e, "scheduled garbage collection failed"),
+                }
+            };
+            ctx.spawn(collect.into_actor(act));
+        });
+    }
 }
 
 fn error_reply<T>(e: &ManifestError) -> Reply<T> {

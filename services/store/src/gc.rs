@@ -15,6 +15,26 @@ use schemas::messages::GcDoneV1;
 
 use crate::manifests::{ManifestError, Manifests};
 
+/// When the store collects by itself (every replica does; a collection is safe to
+/// run twice at once: deleting what is gone is fine).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Schedule {
+    /// How often.
+    pub every: Duration,
+    /// Revisions kept per session.
+    pub keep_revisions: u64,
+    /// Chunks younger than this are kept (a save uploads before it commits).
+    pub grace: Duration,
+}
+
+impl Default for Schedule {
+    /// Hourly, keeping each session's newest two revisions and chunks younger than
+    /// an hour.
+    fn default() -> Self {
+        Self { every: Duration::from_secs(3600), keep_revisions: 2, grace: Duration::from_secs(3600) }
+    }
+}
+
 /// Collect garbage in the store behind `manifests`.
 pub async fn collect(manifests: &Manifests, keep_revisions: u64, grace: Duration) -> Result<GcDoneV1, ManifestError> {
     let objects = manifests.objects();

@@ -31,6 +31,8 @@ pub struct Config {
     pub store_url: String,
     /// Largest state a session may hold, in bytes (None: unlimited).
     pub session_quota_bytes: Option<u64>,
+    /// Garbage collection on a schedule (None: only when asked on the bus).
+    pub gc: Option<gc::Schedule>,
 }
 
 /// Run the gateway until `shutdown` resolves. Must be called inside an actix system.
@@ -53,7 +55,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         ctx.add_stream(commits.into_stream());
         ctx.add_stream(deletes.into_stream());
         ctx.add_stream(gcs.into_stream());
-        gateway::Gateway::new(gw_bus, manifests)
+        gateway::Gateway::new(gw_bus, manifests, config.gc)
     });
     tracing::info!(store = %config.store_url, prefix = %config.prefix, "store gateway serving");
     // a commit is one create-only put: it either landed or not, nothing to hand back

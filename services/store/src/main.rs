@@ -13,6 +13,15 @@ struct Args {
     /// Largest state one session may hold, in bytes (unlimited if not set).
     #[arg(long, env = "LOOSELEAF_SESSION_QUOTA_BYTES")]
     session_quota_bytes: Option<u64>,
+    /// Collect garbage every this many seconds (0: only when asked on the bus).
+    #[arg(long, env = "LOOSELEAF_GC_INTERVAL_S", default_value_t = 3600)]
+    gc_interval_s: u64,
+    /// Manifest revisions garbage collection keeps per session.
+    #[arg(long, env = "LOOSELEAF_GC_KEEP_REVISIONS", default_value_t = 2)]
+    gc_keep_revisions: u64,
+    /// Chunks younger than this many seconds are never collected.
+    #[arg(long, env = "LOOSELEAF_GC_GRACE_S", default_value_t = 3600)]
+    gc_grace_s: u64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -23,6 +32,11 @@ fn main() -> anyhow::Result<()> {
         prefix: args.service.prefix,
         store_url: args.store_url,
         session_quota_bytes: args.session_quota_bytes,
+        gc: (args.gc_interval_s > 0).then(|| looseleaf_store::gc::Schedule {
+            every: std::time::Duration::from_secs(args.gc_interval_s),
+            keep_revisions: args.gc_keep_revisions,
+            grace: std::time::Duration::from_secs(args.gc_grace_s),
+        }),
     };
     actix_rt::System::new().block_on(looseleaf_store::run(config, schemas::telemetry::shutdown_signal()))
 }
