@@ -2,10 +2,11 @@
 //! object store and shared-memory files that workers map, through a bounded
 //! per-host chunk cache. Every chunk read is verified against its hash.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path as FsPath, PathBuf};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
@@ -55,13 +56,19 @@ pub enum ChunkError {
     },
 }
 
-/// A bounded LRU of chunk bytes plus the set of hashes known to be in the store.
+/// How long a host trusts that a chunk it uploaded or read is still stored. The
+/// store's garbage collection removes a chunk nothing references only once it is
+/// older than its grace period (an hour by default, and it must stay above this):
+/// a host that skipped uploading a chunk it remembered must not find it gone.
+pub const PRESENT_FOR: Duration = Duration::from_secs(30 * 60);
+
+/// A bounded LRU of chunk bytes plus the hashes known to be in the store (since when).
 struct Cache {
     max_bytes: u64,
     bytes: u64,
     map: HashMap<String, Bytes>,
     order: VecDeque<String>,
-    present: HashSet<String>,
+    present: HashMap<String, Instant>,
 }
 
 impl Cache {
@@ -90,7 +97,11 @@ impl Cache {
         if self.present.len() > 4_000_000 {
             self.present.clear();
         }
-        self.present.insert(hash.to_string());
+        self.present.insert(hash.to_string(), Instant::now());
+    }
+
+    fn known_present(&self, hash: &str) -> bool {
+        self.present.get(hash).is_some_and(|at| at.elapsed() < PRESENT_FOR)
     }
 }
 
@@ -123,7 +134,7 @@ impl Chunks {
             bytes: 0,
             map: HashMap::new(),
             order: VecDeque::new(),
-            present: HashSet::new(),
+            present: HashMap::new(),
         };
         Self { objects, cache: Arc::new(Mutex::new(cache)), shm_dir }
     }
@@ -158,7 +169,7 @@ impl Chunks {
     /// them, read them or was told so); the store gateway answers for the rest.
     pub fn unknown(&self, plan: &[String]) -> Result<Vec<String>, ChunkError> {
         let c = self.cache.lock().map_err(|_| poisoned())?;
-        Ok(plan.iter().filter(|h| !c.present.contains(*h)).cloned().collect())
+        Ok(plan.iter().filter(|h| !c.known_present(h)).cloned().collect())
     }
 
     /// Remember that `hashes` are stored.
@@ -325,6 +336,17 @@ mod tests {
         let text = err.to_string();
         assert!(text.contains("corrupt") && text.contains("'df'"), "{text}");
         assert!(std::fs::read_dir(dir.path()).unwrap().next().is_none(), "no half-written file left");
+    }
+
+    #[test]
+    fn a_chunk_seen_stored_long_ago_is_asked_about_again() {
+        // the store's garbage collection may have removed it since
+        let chunks = Chunks::new(Arc::new(InMemory::new()), 1 << 20, std::env::temp_dir());
+        let (old, new) = ("a".repeat(32), "b".repeat(32));
+        chunks.mark_present([&old, &new]).unwrap();
+        let long_ago = Instant::now().checked_sub(PRESENT_FOR + Duration::from_secs(1)).unwrap();
+        chunks.cache.lock().unwrap().present.insert(old.clone(), long_ago);
+        assert_eq!(chunks.unknown(&[old.clone(), new]).unwrap(), vec![old]);
     }
 
     #[tokio::test]

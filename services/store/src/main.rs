@@ -19,7 +19,8 @@ struct Args {
     /// Manifest revisions garbage collection keeps per session.
     #[arg(long, env = "LOOSELEAF_GC_KEEP_REVISIONS", default_value_t = 2)]
     gc_keep_revisions: u64,
-    /// Chunks younger than this many seconds are never collected.
+    /// Chunks younger than this many seconds are never collected (keep it above the
+    /// 30 minutes a gpu-host trusts that a chunk it saw is still stored).
     #[arg(long, env = "LOOSELEAF_GC_GRACE_S", default_value_t = 3600)]
     gc_grace_s: u64,
 }
