@@ -79,6 +79,18 @@ pub async fn claims(js: &jetstream::Context, prefix: &str) -> Result<kv::Store, 
     .await
 }
 
+/// Bucket of session records: key = session id, value = the frontend's record of
+/// the session (JSON, see the frontend's `records`), so that any frontend, or one
+/// restarted, serves every session.
+pub fn sessions_bucket(prefix: &str) -> String {
+    format!("{}_sessions", sanitize(prefix))
+}
+
+/// Get or create the session records bucket.
+pub async fn sessions(js: &jetstream::Context, prefix: &str) -> Result<kv::Store, BucketError> {
+    ensure_bucket(js, kv::Config { bucket: sessions_bucket(prefix), history: 1, ..Default::default() }).await
+}
+
 /// Get or create the planner bucket.
 pub async fn planner(js: &jetstream::Context, prefix: &str) -> Result<kv::Store, BucketError> {
     ensure_bucket(js, kv::Config { bucket: planner_bucket(prefix), history: 1, ..Default::default() }).await

@@ -19,13 +19,12 @@ use axum::{Json, Router};
 use futures::StreamExt;
 use schemas::messages::{DoneV1, OutputV1, SessionCloseV1, SessionDeleteV1, SessionEventV2, SessionOptions};
 use schemas::subjects::StoreVerb;
-use schemas::Bus;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::api::{CellCode, CreateSession, Interrupted, RunAccepted, SessionCreated};
+use crate::records::{SessionRecord, RECORD_VERSION};
 use crate::session::{self, SessionActor};
-use crate::Timeouts;
 
 /// The largest request body (a cell's code): larger ones are refused with 413.
 pub const MAX_BODY_BYTES: usize = 8 << 20;
@@ -33,20 +32,14 @@ pub const MAX_BODY_BYTES: usize = 8 << 20;
 /// What every handler shares.
 #[derive(Clone)]
 pub struct AppState {
-    /// The service's bus.
-    pub bus: Bus,
+    /// What session actors share (bus, timeouts, hosts, claims, records).
+    pub shared: session::Shared,
     /// The arbiter session actors run on.
     pub arbiter: actix::ArbiterHandle,
-    /// Live sessions.
+    /// Sessions this frontend serves now.
     pub sessions: Arc<RwLock<HashMap<Uuid, Addr<SessionActor>>>>,
-    /// Timeouts for session actors.
-    pub timeouts: Timeouts,
     /// Cancelled at shutdown; ends SSE streams.
     pub shutdown: CancellationToken,
-    /// When each gpu-host was last heard (its status), for host loss.
-    pub hosts: crate::session::HostsSeen,
-    /// The run claims bucket (for interrupts of runs no host claimed yet).
-    pub claims: async_nats::jetstream::kv::Store,
 }
 
 impl AppState {
@@ -100,10 +93,50 @@ fn parse_sid(raw: &str) -> Result<Uuid, ApiError> {
     Uuid::parse_str(raw).map_err(|e| bad_request(format!("session id {raw:?} is not a uuid: {e}")))
 }
 
-fn lookup(state: &AppState, raw: &str) -> Result<(Uuid, Addr<SessionActor>), ApiError> {
+/// The session named `raw`: the one this frontend serves, or one it adopts from
+/// its record (created by another frontend, or by this one before it restarted).
+async fn lookup(state: &AppState, raw: &str) -> Result<(Uuid, Addr<SessionActor>), ApiError> {
     let sid = parse_sid(raw)?;
-    let addr = state.session(sid).ok_or_else(|| ApiError(StatusCode::NOT_FOUND, format!("no session {sid}")))?;
-    Ok((sid, addr))
+    if let Some(addr) = state.session(sid) {
+        return Ok((sid, addr));
+    }
+    let record = state
+        .shared
+        .records
+        .get(sid)
+        .await
+        .map_err(|e| ApiError(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?
+        .ok_or_else(|| ApiError(StatusCode::NOT_FOUND, format!("no session {sid}")))?;
+    let adopted = start_session(state, record).await?;
+    let mut sessions = state.sessions.write().unwrap_or_else(|e| e.into_inner());
+    // two requests may adopt it at once: the first one in serves it
+    if let Some(existing) = sessions.get(&sid) {
+        adopted.do_send(session::Close { grace: Duration::ZERO });
+        return Ok((sid, existing.clone()));
+    }
+    sessions.insert(sid, adopted.clone());
+    tracing::info!(session = %sid, "session adopted from its record");
+    Ok((sid, adopted))
+}
+
+/// Start the actor of the session `record` describes, with its subscriptions.
+async fn start_session(state: &AppState, record: SessionRecord) -> Result<Addr<SessionActor>, ApiError> {
+    let (sid, bus) = (record.session_id, &state.shared.bus);
+    let s = bus.subjects().clone();
+    let events = bus
+        .subscribe::<SessionEventV2>(s.event(sid))
+        .await
+        .map_err(|e| internal(format!("cannot subscribe to the session's events: {e}")))?;
+    let outputs = bus
+        .subscribe::<OutputV1>(s.session_outputs(sid))
+        .await
+        .map_err(|e| internal(format!("cannot subscribe to the session's outputs: {e}")))?;
+    let shared = state.shared.clone();
+    Ok(SessionActor::start_in_arbiter(&state.arbiter, move |ctx| {
+        ctx.add_stream(events.into_stream());
+        ctx.add_stream(outputs.into_stream());
+        SessionActor::new(record, shared)
+    }))
 }
 
 fn mailbox(e: MailboxError) -> ApiError {
@@ -136,24 +169,17 @@ async fn create_session(
 ) -> Result<Json<SessionCreated>, ApiError> {
     let req = json_body(body)?;
     let sid = Uuid::now_v7();
-    let s = state.bus.subjects().clone();
-    let events = state
-        .bus
-        .subscribe::<SessionEventV2>(s.event(sid))
-        .await
-        .map_err(|e| internal(format!("cannot subscribe to the session's events: {e}")))?;
-    let outputs = state
-        .bus
-        .subscribe::<OutputV1>(s.session_outputs(sid))
-        .await
-        .map_err(|e| internal(format!("cannot subscribe to the session's outputs: {e}")))?;
-    let (bus, timeouts, hosts, claims) = (state.bus.clone(), state.timeouts, state.hosts.clone(), state.claims.clone());
-    let options = SessionOptions { cwd: req.cwd, all_gpu: req.all_gpu, speculate: req.speculate };
-    let addr = SessionActor::start_in_arbiter(&state.arbiter, move |ctx| {
-        ctx.add_stream(events.into_stream());
-        ctx.add_stream(outputs.into_stream());
-        SessionActor::new(sid, bus, options, timeouts, hosts, claims)
-    });
+    let record = SessionRecord {
+        version: RECORD_VERSION,
+        session_id: sid,
+        options: SessionOptions { cwd: req.cwd, all_gpu: req.all_gpu, speculate: req.speculate },
+        created_unix_ms: schemas::unix_ms(),
+        revision: 0,
+        last_exec: None,
+    };
+    // recorded first: a session is never served that a restarted frontend would lose
+    state.shared.records.put(&record).await.map_err(|e| ApiError(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;
+    let addr = start_session(&state, record).await?;
     state.insert(sid, addr);
     tracing::info!(session = %sid, "session created");
     Ok(Json(SessionCreated { session_id: sid }))
@@ -164,12 +190,13 @@ async fn edit(
     Path((sid, cell_id)): Path<(String, String)>,
     body: Result<Json<CellCode>, JsonRejection>,
 ) -> Result<StatusCode, ApiError> {
-    let (sid, addr) = lookup(&state, &sid)?;
+    let (sid, addr) = lookup(&state, &sid).await?;
     let req = json_body(body)?;
     let msg = addr.send(session::Edit { cell_id, code: req.code }).await.map_err(mailbox)?;
     state
+        .shared
         .bus
-        .publish(state.bus.subjects().edit(sid), &msg)
+        .publish(state.shared.bus.subjects().edit(sid), &msg)
         .await
         .map_err(|e| internal(format!("could not publish the edit: {e}")))?;
     Ok(StatusCode::ACCEPTED)
@@ -182,7 +209,7 @@ async fn run(
 ) -> Result<Json<RunAccepted>, ApiError> {
     // Run is the moment the request arrived (DESIGN.md section 10)
     let run_unix_ms = schemas::unix_ms();
-    let (_sid, addr) = lookup(&state, &sid)?;
+    let (_sid, addr) = lookup(&state, &sid).await?;
     let req = json_body(body)?;
     let (exec_id, position) =
         addr.send(session::Run { cell_id, code: req.code, run_unix_ms }).await.map_err(mailbox)?;
@@ -190,17 +217,17 @@ async fn run(
 }
 
 async fn interrupt(State(state): State<AppState>, Path(sid): Path<String>) -> Result<Json<Interrupted>, ApiError> {
-    let (_sid, addr) = lookup(&state, &sid)?;
+    let (_sid, addr) = lookup(&state, &sid).await?;
     Ok(Json(addr.send(session::Interrupt).await.map_err(mailbox)?))
 }
 
 async fn summary(State(state): State<AppState>, Path(sid): Path<String>) -> Result<Json<serde_json::Value>, ApiError> {
-    let (_sid, addr) = lookup(&state, &sid)?;
+    let (_sid, addr) = lookup(&state, &sid).await?;
     Ok(Json(addr.send(session::Summary).await.map_err(mailbox)?))
 }
 
 async fn events(State(state): State<AppState>, Path(sid): Path<String>) -> Result<Response, ApiError> {
-    let (_sid, addr) = lookup(&state, &sid)?;
+    let (_sid, addr) = lookup(&state, &sid).await?;
     let (replay, rx) = addr.send(session::Attach).await.map_err(mailbox)?;
     let live = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|line| (line, rx)) });
     let stream = futures::stream::iter(replay)
@@ -214,16 +241,24 @@ async fn delete_session(
     State(state): State<AppState>,
     Path(sid): Path<String>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let (sid, addr) = lookup(&state, &sid)?;
+    let (sid, addr) = lookup(&state, &sid).await?;
     state.remove(sid);
-    addr.do_send(session::Close { grace: state.timeouts.close_grace });
-    let s = state.bus.subjects().clone();
+    addr.do_send(session::Close { grace: state.shared.timeouts.close_grace });
+    let s = state.shared.bus.subjects().clone();
     state
+        .shared
         .bus
         .publish(s.close(sid), &SessionCloseV1 { session: sid })
         .await
         .map_err(|e| internal(format!("could not publish the close: {e}")))?;
+    state
+        .shared
+        .records
+        .remove(sid)
+        .await
+        .map_err(|e| internal(format!("could not remove the session's record: {e}")))?;
     let store = state
+        .shared
         .bus
         .request::<SessionDeleteV1, DoneV1>(
             s.store(StoreVerb::SessionDelete),

@@ -22,6 +22,7 @@
 /// The HTTP API's JSON, shared with its one client crate.
 pub use looseleaf_client::api;
 pub mod http;
+pub mod records;
 pub mod session;
 
 use std::collections::HashMap;
@@ -113,14 +114,12 @@ pub async fn run_with_bound(
     let hosts = session::HostsSeen::default();
     let statuses = bus.subscribe::<HostStatusV2>(bus.subjects().all_host_status()).await?;
     tokio::spawn(hosts.clone().follow(statuses));
+    let records = records::Records::new(schemas::buckets::sessions(&bus.jetstream(), &config.prefix).await?);
     let state = http::AppState {
-        bus: bus.clone(),
+        shared: session::Shared { bus: bus.clone(), timeouts: config.timeouts, hosts, claims, records },
         arbiter: actix::Arbiter::current(),
         sessions: Arc::new(RwLock::new(HashMap::new())),
-        timeouts: config.timeouts,
         shutdown: token.clone(),
-        hosts,
-        claims,
     };
     let app = http::router(state.clone());
     // The HTTP server is this service's worker: if it ends by itself the service

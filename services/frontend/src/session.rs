@@ -21,6 +21,7 @@ use tokio::sync::mpsc;
 use uuid::Uuid;
 
 use crate::api::{ExecStatus, Interrupted, StreamItem};
+use crate::records::{Records, SessionRecord, RECORD_VERSION};
 use crate::Timeouts;
 
 /// A run waiting for its turn.
@@ -114,12 +115,29 @@ struct ExecRecord {
     error: Option<String>,
 }
 
+/// What every session actor of a frontend shares.
+#[derive(Clone)]
+pub struct Shared {
+    /// The service's bus.
+    pub bus: Bus,
+    /// Run-queue deadlines.
+    pub timeouts: Timeouts,
+    /// When each gpu-host was last heard.
+    pub hosts: HostsSeen,
+    /// The run claims (an interrupt before any host claimed the run claims it).
+    pub claims: async_nats::jetstream::kv::Store,
+    /// Session records (any frontend serves any session).
+    pub records: Records,
+}
+
 /// The per-session actor.
 pub struct SessionActor {
     sid: Uuid,
-    bus: Bus,
+    shared: Shared,
     options: SessionOptions,
-    timeouts: Timeouts,
+    created_unix_ms: u64,
+    /// The record's writer: the latest record is written, in order.
+    record_tx: mpsc::UnboundedSender<SessionRecord>,
     queue: VecDeque<Pending>,
     current: Option<Current>,
     /// Pieces of outputs too large for one message, per (execution, seq).
@@ -132,38 +150,41 @@ pub struct SessionActor {
     log: Vec<String>,
     clients: Vec<mpsc::UnboundedSender<String>>,
     closing: bool,
-    hosts: HostsSeen,
-    /// The run claims (an interrupt before any host claimed the run claims it).
-    claims: async_nats::jetstream::kv::Store,
 }
 
 impl SessionActor {
-    /// A session actor with everything it needs; add its two subscriptions as
-    /// streams when starting it.
-    pub fn new(
-        sid: Uuid,
-        bus: Bus,
-        options: SessionOptions,
-        timeouts: Timeouts,
-        hosts: HostsSeen,
-        claims: async_nats::jetstream::kv::Store,
-    ) -> Self {
+    /// The actor of the session `record` describes (a new one, or one adopted from
+    /// its record); add its two subscriptions as streams when starting it.
+    pub fn new(record: SessionRecord, shared: Shared) -> Self {
+        let (record_tx, mut rx) = mpsc::unbounded_channel::<SessionRecord>();
+        let records = shared.records.clone();
+        // one writer per session: records land in order, and only the latest of
+        // those waiting is written
+        tokio::spawn(async move {
+            while let Some(mut latest) = rx.recv().await {
+                while let Ok(newer) = rx.try_recv() {
+                    latest = newer;
+                }
+                if let Err(e) = records.put(&latest).await {
+                    tracing::warn!(session = %latest.session_id, error = %e, "could not update the session's record");
+                }
+            }
+        });
         Self {
-            sid,
-            bus,
-            options,
-            timeouts,
+            sid: record.session_id,
+            shared,
+            options: record.options,
+            created_unix_ms: record.created_unix_ms,
+            record_tx,
             queue: VecDeque::new(),
             current: None,
             pieces: HashMap::new(),
-            revision: 0,
+            revision: record.revision,
             edit_seq: HashMap::new(),
             executions: Vec::new(),
             log: Vec::new(),
             clients: Vec::new(),
             closing: false,
-            hosts,
-            claims,
         }
     }
 
@@ -177,8 +198,8 @@ impl SessionActor {
                 return;
             };
             let lost = cur.host.as_ref().and_then(|host| {
-                let silent = act.hosts.silent_for(host);
-                (silent > act.timeouts.host_lost).then(|| (host.clone(), silent))
+                let silent = act.shared.hosts.silent_for(host);
+                (silent > act.shared.timeouts.host_lost).then(|| (host.clone(), silent))
             });
             match lost {
                 Some((host, silent)) => act.host_lost(exec_id, host, silent, ctx),
@@ -190,7 +211,7 @@ impl SessionActor {
     /// The host of the current execution is lost: ask the store what was committed.
     fn host_lost(&mut self, exec_id: Uuid, host: String, silent: Duration, ctx: &mut Context<Self>) {
         tracing::warn!(session = %self.sid, exec = %exec_id, %host, ?silent, "host lost while it ran a cell");
-        let bus = self.bus.clone();
+        let bus = self.shared.bus.clone();
         let get = ManifestGetV2 { session: self.sid, at_least: None };
         let ask = async move {
             bus.request::<_, ManifestV1>(bus.subjects().store(StoreVerb::ManifestGet), &get, STORE_TIMEOUT).await
@@ -271,7 +292,7 @@ impl SessionActor {
             r.status = ExecStatus::Running;
         }
         let exec_id = p.exec_id;
-        let bus = self.bus.clone();
+        let bus = self.shared.bus.clone();
         let subject = bus.subjects().run(self.sid);
         tracing::info!(session = %self.sid, exec = %exec_id, cell = %p.cell_id, after_revision = self.revision, "run sent");
         ctx.spawn(async move { bus.publish(subject, &run).await }.into_actor(self).map(move |res, act, ctx| {
@@ -282,14 +303,14 @@ impl SessionActor {
                 act.abandon_unclaimed(exec_id, format!("could not send the run to the planner: {e}"), ctx);
             }
         }));
-        let claim_timeout = self.timeouts.claim;
+        let claim_timeout = self.shared.timeouts.claim;
         ctx.run_later(claim_timeout, move |act, ctx| {
             if act.current.as_ref().is_some_and(|c| c.exec_id == exec_id && c.host.is_none() && c.terminal.is_none()) {
                 tracing::warn!(exec = %exec_id, "no host claimed the run in time");
                 act.abandon_unclaimed(exec_id, format!("no host took the cell within {claim_timeout:?}"), ctx);
             }
         });
-        let deadline = self.timeouts.execution;
+        let deadline = self.shared.timeouts.execution;
         ctx.run_later(deadline, move |act, ctx| {
             if act.current.as_ref().is_some_and(|c| c.exec_id == exec_id && c.terminal.is_none()) {
                 tracing::warn!(exec = %exec_id, "execution deadline passed; interrupting the cell");
@@ -306,7 +327,7 @@ impl SessionActor {
             return;
         };
         let unclaimed = cur.host.is_none();
-        let bus = self.bus.clone();
+        let bus = self.shared.bus.clone();
         let msg = InterruptV1 { session: self.sid, exec_id };
         ctx.spawn(
             async move {
@@ -327,7 +348,7 @@ impl SessionActor {
     /// cannot be reached, this is tried again shortly (a run reported as not run
     /// must never run later).
     fn abandon_unclaimed(&mut self, exec_id: Uuid, error: String, ctx: &mut Context<Self>) {
-        let (claims, key) = (self.claims.clone(), schemas::buckets::run_claim_key(exec_id));
+        let (claims, key) = (self.shared.claims.clone(), schemas::buckets::run_claim_key(exec_id));
         let claim = async move { claims.create(&key, schemas::buckets::INTERRUPTED_HOLDER.into()).await };
         ctx.spawn(claim.into_actor(self).map(move |claimed, act, ctx| match claimed {
             Ok(_) => act.fail_current(ctx, exec_id, error),
@@ -364,6 +385,15 @@ impl SessionActor {
     ) {
         let Some(cur) = self.current.take() else { return };
         self.revision = revision;
+        let record = SessionRecord {
+            version: RECORD_VERSION,
+            session_id: self.sid,
+            options: self.options.clone(),
+            created_unix_ms: self.created_unix_ms,
+            revision,
+            last_exec: Some(cur.exec_id),
+        };
+        let _ = self.record_tx.send(record); // the writer lives as long as the actor
         if let Some(r) = self.record(cur.exec_id) {
             r.status = status;
             r.after_revision = Some(revision);
@@ -422,7 +452,7 @@ impl SessionActor {
         cur.terminal = Some((status, revision, error, ev.unix_ms));
         self.maybe_complete(ctx);
         if self.current.as_ref().is_some_and(|c| c.exec_id == exec_id) {
-            let grace = self.timeouts.output_grace;
+            let grace = self.shared.timeouts.output_grace;
             ctx.run_later(grace, move |act, ctx| {
                 if let Some(c) = act.current.as_ref().filter(|c| c.exec_id == exec_id) {
                     tracing::warn!(

@@ -377,3 +377,47 @@ async fn a_run_a_host_claimed_is_never_failed_by_the_claim_timeout() -> anyhow::
     }
     Ok(())
 }
+
+#[actix_rt::test]
+async fn a_restarted_frontend_serves_every_session_from_its_record() -> anyhow::Result<()> {
+    let nats = NatsServer::start()?;
+    let prefix = random_prefix();
+    let first = start_frontend(&nats, &prefix, Timeouts::default()).await?;
+    let cwd = tempfile::tempdir()?;
+    let sid = first.client.create_session(&cwd.path().display().to_string(), true, false).await?;
+    let bus = Bus::connect(nats.url(), &prefix, "fake").await?;
+    let mut runs = bus.subscribe::<RunV1>(bus.subjects().run(sid)).await?;
+    bus.flush().await?;
+    let mut sse = first.client.events(sid).await?;
+    let a = first.client.run(sid, "a", "x = 1").await?;
+    assert_eq!(next_run(&mut runs).await?.after_revision, 0);
+    event(&bus, sid, a.exec_id, saved(3)).await?;
+    items_until(&mut sse, is_done(a.exec_id)).await?;
+    // the record is written behind the run queue: wait until it says revision 3
+    let records =
+        looseleaf_frontend::records::Records::new(schemas::buckets::sessions(&bus.jetstream(), &prefix).await?);
+    looseleaf_test_support::wait_for_async(WAIT, || {
+        let records = records.clone();
+        async move { records.get(sid).await.ok().flatten().is_some_and(|r| r.revision == 3) }
+    })
+    .await?;
+    drop(first); // the frontend stops
+
+    // another frontend (or the same one restarted) serves the session as it was
+    let second = start_frontend(&nats, &prefix, Timeouts::default()).await?;
+    let summary = second.client.summary(sid).await?;
+    assert_eq!(summary["revision"], 3, "{summary}");
+    assert_eq!(summary["cwd"], cwd.path().display().to_string(), "{summary}");
+    let b = second.client.run(sid, "b", "print(x)").await?;
+    let run = next_run(&mut runs).await?;
+    assert_eq!((run.exec_id, run.after_revision), (b.exec_id, 3));
+    assert_eq!(run.options.cwd, cwd.path().display().to_string());
+
+    // deleted: gone for every frontend
+    second.client.delete(sid).await?;
+    let third = start_frontend(&nats, &prefix, Timeouts::default()).await?;
+    let err = third.client.summary(sid).await.expect_err("a deleted session");
+    assert_eq!(err.status(), Some(reqwest::StatusCode::NOT_FOUND), "{err}");
+    assert!(records.get(sid).await?.is_none());
+    Ok(())
+}

@@ -1,0 +1,92 @@
+//! Session records in JetStream KV (`{prefix}_sessions`, key = session id): what a
+//! frontend needs to serve a session it did not create, or created before it
+//! restarted. The record is JSON (a frontend of another version reads what it
+//! knows and ignores the rest) and carries its own version.
+//!
+//! Written when a session is created, updated when an execution completes (the
+//! revision it left), removed when the session is deleted. A frontend asked about
+//! a session it does not hold looks the record up and adopts the session.
+
+use async_nats::jetstream::kv;
+use schemas::messages::SessionOptions;
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+/// The version of [`SessionRecord`] this frontend writes.
+pub const RECORD_VERSION: u32 = 1;
+
+/// What outlives the frontend that serves a session.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SessionRecord {
+    /// The record's format version.
+    pub version: u32,
+    /// The session.
+    pub session_id: Uuid,
+    /// Its options (working directory, placement, speculation).
+    pub options: SessionOptions,
+    /// When it was created (unix ms).
+    pub created_unix_ms: u64,
+    /// The manifest revision its last completed execution left.
+    pub revision: u64,
+    /// Its last completed execution.
+    pub last_exec: Option<Uuid>,
+}
+
+/// Why a record could not be read or written.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    /// The bucket could not be reached.
+    #[error("session records: {0}")]
+    Bucket(String),
+    /// The record is not one this frontend can read.
+    #[error("the record of session {session} cannot be read: {reason}")]
+    Corrupt {
+        /// The session.
+        session: Uuid,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// The session records bucket.
+#[derive(Clone)]
+pub struct Records {
+    kv: kv::Store,
+}
+
+impl Records {
+    /// Records in `kv`.
+    pub fn new(kv: kv::Store) -> Self {
+        Self { kv }
+    }
+
+    /// Write (or overwrite) a session's record.
+    pub async fn put(&self, record: &SessionRecord) -> Result<(), RecordError> {
+        let bytes = serde_json::to_vec(record).map_err(|e| RecordError::Bucket(e.to_string()))?;
+        self.kv
+            .put(record.session_id.to_string(), bytes.into())
+            .await
+            .map_err(|e| RecordError::Bucket(e.to_string()))?;
+        Ok(())
+    }
+
+    /// A session's record, if it has one.
+    pub async fn get(&self, session: Uuid) -> Result<Option<SessionRecord>, RecordError> {
+        let Some(bytes) = self.kv.get(session.to_string()).await.map_err(|e| RecordError::Bucket(e.to_string()))?
+        else {
+            return Ok(None);
+        };
+        let record: SessionRecord =
+            serde_json::from_slice(&bytes).map_err(|e| RecordError::Corrupt { session, reason: e.to_string() })?;
+        if record.version > RECORD_VERSION || record.session_id != session {
+            let reason = format!("version {} for session {}", record.version, record.session_id);
+            return Err(RecordError::Corrupt { session, reason });
+        }
+        Ok(Some(record))
+    }
+
+    /// Remove a session's record (the session is deleted).
+    pub async fn remove(&self, session: Uuid) -> Result<(), RecordError> {
+        self.kv.delete(session.to_string()).await.map_err(|e| RecordError::Bucket(e.to_string()))
+    }
+}
