@@ -137,6 +137,7 @@ impl Cluster {
                 prepare_holds_slot: opts.prepare_holds_slot,
                 keep_warm: false,
                 worker_env: Vec::new(),
+                worker_limits: Default::default(),
                 cell_timeout: Duration::from_secs(looseleaf_gpu_host::DEFAULT_CELL_TIMEOUT_S),
                 interrupt_grace: Duration::from_secs_f64(looseleaf_gpu_host::DEFAULT_INTERRUPT_GRACE_S),
             };

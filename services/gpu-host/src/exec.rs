@@ -46,6 +46,19 @@ pub enum ExecError {
         /// Why.
         source: std::io::Error,
     },
+    /// The worker's limits could not be applied.
+    #[error("could not start a worker within its limits: {0}")]
+    Limits(#[source] crate::cgroups::CgroupError),
+    /// The worker went past its memory limit and the kernel killed it.
+    #[error(
+        "the cell used more memory than a worker may ({} MiB) and was killed; nothing it did was committed, \
+         the session keeps its last committed state",
+        .limit_bytes >> 20
+    )]
+    MemoryLimit {
+        /// The limit.
+        limit_bytes: u64,
+    },
     /// The zygote chosen for the worker went away twice.
     #[error("could not start a worker: the zygote chosen for it went away")]
     ZygoteGone,
@@ -134,6 +147,8 @@ pub struct ExecEnv {
     pub zygotes: Arc<Mutex<ImportCache>>,
     /// How long a cell may run, and ignore the interrupt that follows.
     pub limits: RunLimits,
+    /// Per-worker limits (None: unlimited).
+    pub cgroups: Option<crate::cgroups::Cgroups>,
     /// Cells the user interrupted, and the runs under way (for the signals).
     pub interrupts: crate::interrupts::Interrupts,
     /// Whether slots are real GPUs (then workers see only their device).
@@ -296,7 +311,13 @@ impl ExecEnv {
             match z.fork(&self.listener, &worker_id, env.clone(), cwd).await {
                 Ok(forked) => {
                     self.forks.fetch_add(1, Ordering::Relaxed);
-                    return Ok((WorkerProc::new(forked, session, self.lifecycle.clone()), hit));
+                    let pid = forked.pid;
+                    let mut worker = WorkerProc::new(forked, session, self.lifecycle.clone());
+                    if let Some(cgroups) = &self.cgroups {
+                        // a worker the limits cannot hold does not run (dropped: killed)
+                        worker.set_cgroup(cgroups.attach(&worker_id, pid).map_err(ExecError::Limits)?);
+                    }
+                    return Ok((worker, hit));
                 }
                 // the worker's own failure, not the zygote's: no retry
                 Err(e @ ZygoteError::WorkerExited { .. }) => return Err(ExecError::Fork(e)),
@@ -432,6 +453,9 @@ impl ExecEnv {
             }
         }
         let broken = w.is_broken();
+        if let (true, Some(limit_bytes), Err(ExecError::WorkerLost(_))) = (broken, w.memory_exceeded(), &result) {
+            result = Err(ExecError::MemoryLimit { limit_bytes });
+        }
         drop(w);
         match result {
             Err(e) if broken => {
@@ -579,6 +603,9 @@ impl ExecEnv {
             tracing::info!(%session, %exec_id, cell = %recipe.cell_id, names = ?finished.faulted, "the closure missed names the cell read; brought them in");
         }
         let mut error = finished.error.as_ref().map(|e| format!("{}: {}", e.ename, e.evalue));
+        if let (Some(e), Some(limit)) = (&mut error, w.pids_exceeded()) {
+            e.push_str(&format!(" (the worker reached its limit of {limit} processes and threads)"));
+        }
         if finished.timed_out {
             let timeout = self.limits.timeout;
             error = Some(format!("{} (the cell ran past the cell timeout of {timeout:?})", error.unwrap_or_default()));

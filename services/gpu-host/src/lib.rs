@@ -16,6 +16,7 @@
 //! (slots).
 
 pub mod cell_env;
+pub mod cgroups;
 pub mod chunks;
 pub mod exec;
 pub mod gpus;
@@ -84,6 +85,8 @@ pub struct Config {
     /// Host environment variables cells may see besides the allow-list of
     /// [`cell_env`] (the host's others, its credentials among them, stay out).
     pub worker_env: Vec<String>,
+    /// What each worker may use (memory, processes), through cgroups.
+    pub worker_limits: cgroups::Limits,
     /// A cell running longer is interrupted (then killed after `interrupt_grace`).
     pub cell_timeout: Duration,
     /// How long a cell may ignore an interrupt before its worker is killed.
@@ -144,6 +147,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         zygotes,
         limits: worker::RunLimits { timeout: config.cell_timeout, grace: config.interrupt_grace },
         interrupts: interrupts::Interrupts::new(config.interrupt_grace),
+        cgroups: cgroups::Cgroups::new(&config.host_id, config.worker_limits)
+            .context("while setting up the workers' limits")?,
         real_gpus,
         recent_manifests: Default::default(),
         forks: Default::default(),
@@ -160,6 +165,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     // other hosts' status: whether anyone else could take a run (see `claim_delay`)
     let peers = bus.subscribe::<HostStatusV2>(s.all_host_status()).await?;
     let zygote_handle = env.zygotes.clone();
+    let cgroups = env.cgroups.clone();
     let addr = host::Host::create(move |ctx| {
         ctx.add_stream(recipes.into_stream());
         ctx.add_stream(events.into_stream());
@@ -175,6 +181,11 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
             tracing::warn!(error = %e, "host actor already stopped");
         }
         zygote_handle.lock().await.shutdown().await;
+        if let Some(cgroups) = &cgroups {
+            // the workers' processes are gone now; their cgroups go too
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            cgroups.remove_all();
+        }
     };
     let served = service.serve(shutdown, || addr.connected(), drain).await;
     let _ = std::fs::remove_file(socket_path(&config));

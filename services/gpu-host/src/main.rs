@@ -51,6 +51,14 @@ struct Args {
     /// variable of the host's, its credentials among them, stays out of cells.
     #[arg(long, env = "LOOSELEAF_WORKER_ENV", value_delimiter = ',')]
     worker_env: Vec<String>,
+    /// Memory each worker (with everything its cells start) may use, in bytes;
+    /// past it the kernel kills the worker and the cell fails naming the limit.
+    /// Through cgroups (v2, or the v1 memory hierarchy).
+    #[arg(long, env = "LOOSELEAF_WORKER_MEMORY_BYTES")]
+    worker_memory_bytes: Option<u64>,
+    /// Processes and threads each worker may have (cgroup pids controller).
+    #[arg(long, env = "LOOSELEAF_WORKER_PIDS")]
+    worker_pids: Option<u64>,
     /// A cell running longer than this many seconds is interrupted, as if the user
     /// had pressed interrupt (default: a day).
     #[arg(long, env = "LOOSELEAF_CELL_TIMEOUT_S", default_value_t = looseleaf_gpu_host::DEFAULT_CELL_TIMEOUT_S,
@@ -80,6 +88,7 @@ fn main() -> anyhow::Result<()> {
         prepare_holds_slot: a.prepare_holds_slot,
         keep_warm: a.keep_warm,
         worker_env: a.worker_env,
+        worker_limits: looseleaf_gpu_host::cgroups::Limits { memory_bytes: a.worker_memory_bytes, pids: a.worker_pids },
         cell_timeout: std::time::Duration::from_secs(a.cell_timeout_s),
         interrupt_grace: std::time::Duration::try_from_secs_f64(a.interrupt_grace_s)
             .ok()

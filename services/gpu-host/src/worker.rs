@@ -161,6 +161,8 @@ pub struct WorkerProc {
     broken: bool,
     lifecycle: Lifecycle,
     killed: AtomicBool,
+    /// Its cgroups, when workers are limited.
+    cgroup: Option<crate::cgroups::WorkerCgroup>,
 }
 
 impl WorkerProc {
@@ -178,7 +180,23 @@ impl WorkerProc {
             broken: false,
             lifecycle,
             killed: AtomicBool::new(false),
+            cgroup: None,
         }
+    }
+
+    /// Keep the worker's cgroups (removed with it).
+    pub fn set_cgroup(&mut self, cgroup: crate::cgroups::WorkerCgroup) {
+        self.cgroup = Some(cgroup);
+    }
+
+    /// The memory limit, if the kernel killed the worker (or a process of its) for it.
+    pub fn memory_exceeded(&self) -> Option<u64> {
+        self.cgroup.as_ref().and_then(|c| c.memory_exceeded())
+    }
+
+    /// The process limit, if a fork in the worker was refused for it.
+    pub fn pids_exceeded(&self) -> Option<u64> {
+        self.cgroup.as_ref().and_then(|c| c.pids_exceeded())
     }
 
     /// Move to `to` in the lifecycle (see [`Lifecycle::advance`]).

@@ -940,6 +940,9 @@ impl Actor for Host {
             act.arrived.retain(|_, at| at.elapsed() < ARRIVAL_MEMORY);
             act.retry_cpu_runs(ctx);
             act.reap_lost_prepared(ctx);
+            if let Some(cgroups) = &act.env.cgroups {
+                cgroups.sweep();
+            }
             act.publish_status(ctx);
             act.renew_claims(ctx);
         });
