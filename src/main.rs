@@ -95,6 +95,9 @@ enum Command {
         /// Use this frontend (e.g. http://127.0.0.1:8470) instead of an embedded cluster.
         #[arg(long, env = "LOOSELEAF_FRONTEND")]
         frontend: Option<String>,
+        /// The bearer token for that frontend, if its API asks for one.
+        #[arg(long, env = "LOOSELEAF_TOKEN", hide_env_values = true)]
+        token: Option<String>,
         /// CPU-backed GPU slots per host of the embedded cluster.
         #[arg(long, env = "LOOSELEAF_VIRTUAL_GPUS", default_value_t = 2)]
         virtual_gpus: u32,
@@ -198,6 +201,7 @@ fn main() -> anyhow::Result<()> {
             allow_errors,
             all_gpu,
             frontend,
+            token,
             virtual_gpus,
             typing_cps,
             no_speculation,
@@ -218,6 +222,7 @@ fn main() -> anyhow::Result<()> {
                 notebook,
                 all_gpu,
                 frontend,
+                token,
                 typing_cps,
                 speculate: !no_speculation,
                 allow_errors,

@@ -24,6 +24,8 @@ pub struct RunRequest {
     pub report: PathBuf,
     pub all_gpu: bool,
     pub frontend: Option<String>,
+    /// Its bearer token, if its API asks for one.
+    pub token: Option<String>,
     /// Replay each cell as typed at this many characters a second (edits as the
     /// text grows, then Run); None: one edit with the whole cell, then Run.
     pub typing_cps: Option<f64>,
@@ -50,7 +52,14 @@ pub async fn run(req: RunRequest, cluster: ClusterOptions) -> anyhow::Result<()>
     let mut nb = notebook::load(&req.notebook)?;
     notebook::prepare(&mut nb).with_context(|| format!("in {}", req.notebook.display()))?;
     match &req.frontend {
-        Some(url) => drive(&req, nb, &Frontend::new(url)).await,
+        Some(url) => {
+            let fe = Frontend::new(url);
+            let fe = match &req.token {
+                Some(token) => fe.with_token(token),
+                None => fe,
+            };
+            drive(&req, nb, &fe).await
+        }
         None => {
             eprintln!("starting an embedded cluster in {}", cluster.data_dir.display());
             let c = Cluster::start(&cluster).await.context("while starting the embedded cluster")?;

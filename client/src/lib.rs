@@ -56,12 +56,20 @@ impl ClientError {
 pub struct Frontend {
     base: String,
     http: reqwest::Client,
+    /// The bearer token sent with every request, if the API asks for one.
+    token: Option<String>,
 }
 
 impl Frontend {
     /// A client of the frontend at `base` (e.g. `http://127.0.0.1:8470`).
     pub fn new(base: &str) -> Self {
-        Self { base: base.trim_end_matches('/').to_string(), http: reqwest::Client::new() }
+        Self { base: base.trim_end_matches('/').to_string(), http: reqwest::Client::new(), token: None }
+    }
+
+    /// The same client, sending `token` as its bearer token.
+    pub fn with_token(mut self, token: impl Into<String>) -> Self {
+        self.token = Some(token.into());
+        self
     }
 
     /// The base URL.
@@ -70,6 +78,10 @@ impl Frontend {
     }
 
     async fn send(&self, what: &'static str, req: reqwest::RequestBuilder) -> Result<reqwest::Response, ClientError> {
+        let req = match &self.token {
+            Some(token) => req.bearer_auth(token),
+            None => req,
+        };
         let resp =
             req.send().await.map_err(|source| ClientError::Unreachable { what, base: self.base.clone(), source })?;
         let status = resp.status();

@@ -15,7 +15,7 @@ use axum::http::StatusCode;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
 use futures::StreamExt;
 use schemas::messages::{DoneV1, OutputV1, SessionCloseV1, SessionDeleteV1, SessionEventV2, SessionOptions};
 use schemas::subjects::StoreVerb;
@@ -23,6 +23,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::api::{CellCode, CreateSession, Interrupted, RunAccepted, SessionCreated};
+use crate::auth::{Caller, Tokens};
 use crate::records::{SessionRecord, RECORD_VERSION};
 use crate::session::{self, SessionActor};
 
@@ -37,27 +38,36 @@ pub struct AppState {
     /// The arbiter session actors run on.
     pub arbiter: actix::ArbiterHandle,
     /// Sessions this frontend serves now.
-    pub sessions: Arc<RwLock<HashMap<Uuid, Addr<SessionActor>>>>,
+    pub sessions: Arc<RwLock<HashMap<Uuid, Served>>>,
     /// Cancelled at shutdown; ends SSE streams.
     pub shutdown: CancellationToken,
+    /// The API's bearer tokens (see [`crate::auth`]).
+    pub tokens: Tokens,
+}
+
+/// A session this frontend serves: its actor, and the user it belongs to.
+#[derive(Clone)]
+pub struct Served {
+    addr: Addr<SessionActor>,
+    owner: Option<String>,
 }
 
 impl AppState {
-    fn session(&self, sid: Uuid) -> Option<Addr<SessionActor>> {
+    fn session(&self, sid: Uuid) -> Option<Served> {
         self.sessions.read().unwrap_or_else(|e| e.into_inner()).get(&sid).cloned()
     }
 
-    fn insert(&self, sid: Uuid, addr: Addr<SessionActor>) {
-        self.sessions.write().unwrap_or_else(|e| e.into_inner()).insert(sid, addr);
+    fn insert(&self, sid: Uuid, served: Served) {
+        self.sessions.write().unwrap_or_else(|e| e.into_inner()).insert(sid, served);
     }
 
-    fn remove(&self, sid: Uuid) -> Option<Addr<SessionActor>> {
+    fn remove(&self, sid: Uuid) -> Option<Served> {
         self.sessions.write().unwrap_or_else(|e| e.into_inner()).remove(&sid)
     }
 
     /// Every session's address (for shutdown).
     pub fn drain(&self) -> Vec<Addr<SessionActor>> {
-        self.sessions.write().unwrap_or_else(|e| e.into_inner()).drain().map(|(_, a)| a).collect()
+        self.sessions.write().unwrap_or_else(|e| e.into_inner()).drain().map(|(_, s)| s.addr).collect()
     }
 }
 
@@ -93,12 +103,14 @@ fn parse_sid(raw: &str) -> Result<Uuid, ApiError> {
     Uuid::parse_str(raw).map_err(|e| bad_request(format!("session id {raw:?} is not a uuid: {e}")))
 }
 
-/// The session named `raw`: the one this frontend serves, or one it adopts from
-/// its record (created by another frontend, or by this one before it restarted).
-async fn lookup(state: &AppState, raw: &str) -> Result<(Uuid, Addr<SessionActor>), ApiError> {
+/// The session named `raw` if it is `caller`'s: the one this frontend serves, or
+/// one it adopts from its record (created by another frontend, or by this one
+/// before it restarted). Another user's session is not found, as if it did not exist.
+async fn lookup(state: &AppState, raw: &str, caller: &Caller) -> Result<(Uuid, Addr<SessionActor>), ApiError> {
     let sid = parse_sid(raw)?;
-    if let Some(addr) = state.session(sid) {
-        return Ok((sid, addr));
+    let not_found = || ApiError(StatusCode::NOT_FOUND, format!("no session {sid}"));
+    if let Some(served) = state.session(sid) {
+        return if served.owner == caller.0 { Ok((sid, served.addr)) } else { Err(not_found()) };
     }
     let record = state
         .shared
@@ -106,15 +118,17 @@ async fn lookup(state: &AppState, raw: &str) -> Result<(Uuid, Addr<SessionActor>
         .get(sid)
         .await
         .map_err(|e| ApiError(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?
-        .ok_or_else(|| ApiError(StatusCode::NOT_FOUND, format!("no session {sid}")))?;
+        .filter(|r| r.owner == caller.0)
+        .ok_or_else(not_found)?;
+    let owner = record.owner.clone();
     let adopted = start_session(state, record).await?;
     let mut sessions = state.sessions.write().unwrap_or_else(|e| e.into_inner());
     // two requests may adopt it at once: the first one in serves it
     if let Some(existing) = sessions.get(&sid) {
         adopted.do_send(session::Close { grace: Duration::ZERO });
-        return Ok((sid, existing.clone()));
+        return Ok((sid, existing.addr.clone()));
     }
-    sessions.insert(sid, adopted.clone());
+    sessions.insert(sid, Served { addr: adopted.clone(), owner });
     tracing::info!(session = %sid, "session adopted from its record");
     Ok((sid, adopted))
 }
@@ -155,6 +169,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/sessions/{sid}/cells/{cell_id}/run", post(run))
         .fallback(|| async { ApiError(StatusCode::NOT_FOUND, "no such route".into()) })
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(axum::middleware::from_fn_with_state(state.tokens.clone(), crate::auth::require_token))
         .with_state(state)
 }
 
@@ -165,6 +180,7 @@ async fn health(State(state): State<AppState>) -> Json<serde_json::Value> {
 
 async fn create_session(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     body: Result<Json<CreateSession>, JsonRejection>,
 ) -> Result<Json<SessionCreated>, ApiError> {
     let req = json_body(body)?;
@@ -176,21 +192,23 @@ async fn create_session(
         created_unix_ms: schemas::unix_ms(),
         revision: 0,
         last_exec: None,
+        owner: caller.0.clone(),
     };
     // recorded first: a session is never served that a restarted frontend would lose
     state.shared.records.put(&record).await.map_err(|e| ApiError(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;
     let addr = start_session(&state, record).await?;
-    state.insert(sid, addr);
+    state.insert(sid, Served { addr, owner: caller.0 });
     tracing::info!(session = %sid, "session created");
     Ok(Json(SessionCreated { session_id: sid }))
 }
 
 async fn edit(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     Path((sid, cell_id)): Path<(String, String)>,
     body: Result<Json<CellCode>, JsonRejection>,
 ) -> Result<StatusCode, ApiError> {
-    let (sid, addr) = lookup(&state, &sid).await?;
+    let (sid, addr) = lookup(&state, &sid, &caller).await?;
     let req = json_body(body)?;
     let msg = addr.send(session::Edit { cell_id, code: req.code }).await.map_err(mailbox)?;
     state
@@ -204,30 +222,43 @@ async fn edit(
 
 async fn run(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     Path((sid, cell_id)): Path<(String, String)>,
     body: Result<Json<CellCode>, JsonRejection>,
 ) -> Result<Json<RunAccepted>, ApiError> {
     // Run is the moment the request arrived (DESIGN.md section 10)
     let run_unix_ms = schemas::unix_ms();
-    let (_sid, addr) = lookup(&state, &sid).await?;
+    let (_sid, addr) = lookup(&state, &sid, &caller).await?;
     let req = json_body(body)?;
     let (exec_id, position) =
         addr.send(session::Run { cell_id, code: req.code, run_unix_ms }).await.map_err(mailbox)?;
     Ok(Json(RunAccepted { exec_id, position }))
 }
 
-async fn interrupt(State(state): State<AppState>, Path(sid): Path<String>) -> Result<Json<Interrupted>, ApiError> {
-    let (_sid, addr) = lookup(&state, &sid).await?;
+async fn interrupt(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    Path(sid): Path<String>,
+) -> Result<Json<Interrupted>, ApiError> {
+    let (_sid, addr) = lookup(&state, &sid, &caller).await?;
     Ok(Json(addr.send(session::Interrupt).await.map_err(mailbox)?))
 }
 
-async fn summary(State(state): State<AppState>, Path(sid): Path<String>) -> Result<Json<serde_json::Value>, ApiError> {
-    let (_sid, addr) = lookup(&state, &sid).await?;
+async fn summary(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    Path(sid): Path<String>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let (_sid, addr) = lookup(&state, &sid, &caller).await?;
     Ok(Json(addr.send(session::Summary).await.map_err(mailbox)?))
 }
 
-async fn events(State(state): State<AppState>, Path(sid): Path<String>) -> Result<Response, ApiError> {
-    let (_sid, addr) = lookup(&state, &sid).await?;
+async fn events(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    Path(sid): Path<String>,
+) -> Result<Response, ApiError> {
+    let (_sid, addr) = lookup(&state, &sid, &caller).await?;
     let (replay, rx) = addr.send(session::Attach).await.map_err(mailbox)?;
     let live = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|line| (line, rx)) });
     let stream = futures::stream::iter(replay)
@@ -239,9 +270,10 @@ async fn events(State(state): State<AppState>, Path(sid): Path<String>) -> Resul
 
 async fn delete_session(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     Path(sid): Path<String>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let (sid, addr) = lookup(&state, &sid).await?;
+    let (sid, addr) = lookup(&state, &sid, &caller).await?;
     state.remove(sid);
     addr.do_send(session::Close { grace: state.shared.timeouts.close_grace });
     let s = state.shared.bus.subjects().clone();

@@ -21,6 +21,7 @@
 
 /// The HTTP API's JSON, shared with its one client crate.
 pub use looseleaf_client::api;
+pub mod auth;
 pub mod http;
 pub mod records;
 pub mod session;
@@ -79,12 +80,20 @@ pub struct Config {
     pub listen: SocketAddr,
     /// Run-queue deadlines.
     pub timeouts: Timeouts,
+    /// The API's bearer tokens (open: none asked).
+    pub tokens: auth::Tokens,
 }
 
 impl Config {
     /// A config with the default deadlines.
     pub fn new(nats_url: impl Into<String>, prefix: impl Into<String>, listen: SocketAddr) -> Self {
-        Self { nats_url: nats_url.into(), prefix: prefix.into(), listen, timeouts: Timeouts::default() }
+        Self {
+            nats_url: nats_url.into(),
+            prefix: prefix.into(),
+            listen,
+            timeouts: Timeouts::default(),
+            tokens: auth::Tokens::open(),
+        }
     }
 }
 
@@ -120,7 +129,11 @@ pub async fn run_with_bound(
         arbiter: actix::Arbiter::current(),
         sessions: Arc::new(RwLock::new(HashMap::new())),
         shutdown: token.clone(),
+        tokens: config.tokens.clone(),
     };
+    if !config.tokens.required() {
+        tracing::warn!("the HTTP API asks for no token: anyone who reaches {bound} can use every session");
+    }
     let app = http::router(state.clone());
     // The HTTP server is this service's worker: if it ends by itself the service
     // stops with an error (the skeleton notices through `serving`).

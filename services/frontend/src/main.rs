@@ -20,6 +20,10 @@ struct Args {
     /// (the hosts' --cell-timeout-s, a day, usually ends it first).
     #[arg(long, env = "LOOSELEAF_EXEC_DEADLINE_S", default_value_t = 25 * 3600)]
     exec_deadline_s: u64,
+    /// File of `USER TOKEN` lines: the API then needs `Authorization: Bearer TOKEN`
+    /// and each session belongs to its creator (without it the API is open).
+    #[arg(long, env = "LOOSELEAF_TOKENS_FILE")]
+    tokens_file: Option<std::path::PathBuf>,
     /// Seconds without a host's status after which a cell it runs ends as lost.
     #[arg(long, env = "LOOSELEAF_HOST_LOST_S", default_value_t = 10)]
     host_lost_s: u64,
@@ -32,5 +36,8 @@ fn main() -> anyhow::Result<()> {
     config.timeouts.claim = std::time::Duration::from_secs(args.claim_timeout_s);
     config.timeouts.execution = std::time::Duration::from_secs(args.exec_deadline_s);
     config.timeouts.host_lost = std::time::Duration::from_secs(args.host_lost_s);
+    if let Some(path) = &args.tokens_file {
+        config.tokens = looseleaf_frontend::auth::Tokens::load(path)?;
+    }
     actix_rt::System::new().block_on(looseleaf_frontend::run(config, schemas::telemetry::shutdown_signal()))
 }

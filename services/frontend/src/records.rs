@@ -30,6 +30,9 @@ pub struct SessionRecord {
     pub revision: u64,
     /// Its last completed execution.
     pub last_exec: Option<Uuid>,
+    /// The user it belongs to (None: made on an API without tokens).
+    #[serde(default)]
+    pub owner: Option<String>,
 }
 
 /// Why a record could not be read or written.

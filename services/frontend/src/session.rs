@@ -136,6 +136,7 @@ pub struct SessionActor {
     shared: Shared,
     options: SessionOptions,
     created_unix_ms: u64,
+    owner: Option<String>,
     /// The record's writer: the latest record is written, in order.
     record_tx: mpsc::UnboundedSender<SessionRecord>,
     queue: VecDeque<Pending>,
@@ -175,6 +176,7 @@ impl SessionActor {
             shared,
             options: record.options,
             created_unix_ms: record.created_unix_ms,
+            owner: record.owner,
             record_tx,
             queue: VecDeque::new(),
             current: None,
@@ -392,6 +394,7 @@ impl SessionActor {
             created_unix_ms: self.created_unix_ms,
             revision,
             last_exec: Some(cur.exec_id),
+            owner: self.owner.clone(),
         };
         let _ = self.record_tx.send(record); // the writer lives as long as the actor
         if let Some(r) = self.record(cur.exec_id) {

@@ -5,6 +5,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use looseleaf_client::api::{ExecStatus, StreamItem};
 use looseleaf_client::Frontend;
+use looseleaf_frontend::auth::Tokens;
 use looseleaf_frontend::{Config, Timeouts};
 use looseleaf_test_support::{random_prefix, NatsServer};
 use schemas::messages::{CellStatus, Device, EditV1, EventKind, OutputV1, Prepare, RunV1, SessionEventV2};
@@ -22,8 +23,18 @@ struct Served {
 }
 
 async fn start_frontend(nats: &NatsServer, prefix: &str, timeouts: Timeouts) -> anyhow::Result<Served> {
+    start_frontend_with(nats, prefix, timeouts, Tokens::open()).await
+}
+
+async fn start_frontend_with(
+    nats: &NatsServer,
+    prefix: &str,
+    timeouts: Timeouts,
+    tokens: Tokens,
+) -> anyhow::Result<Served> {
     let mut config = Config::new(nats.url(), prefix, "127.0.0.1:0".parse()?);
     config.timeouts = timeouts;
+    config.tokens = tokens;
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
     let (bound_tx, bound_rx) = oneshot::channel();
     actix_rt::spawn(async move {
@@ -419,5 +430,46 @@ async fn a_restarted_frontend_serves_every_session_from_its_record() -> anyhow::
     let err = third.client.summary(sid).await.expect_err("a deleted session");
     assert_eq!(err.status(), Some(reqwest::StatusCode::NOT_FOUND), "{err}");
     assert!(records.get(sid).await?.is_none());
+    Ok(())
+}
+
+#[actix_rt::test]
+async fn with_tokens_only_a_sessions_owner_reaches_it() -> anyhow::Result<()> {
+    let nats = NatsServer::start()?;
+    let prefix = random_prefix();
+    let (alice, bob) = ("alice-token-0123456789", "bob-token-0123456789ab");
+    let tokens = Tokens::parse(&format!("alice {alice}\nbob {bob}\n"))?;
+    let fe = start_frontend_with(&nats, &prefix, Timeouts::default(), tokens.clone()).await?;
+    let anonymous = fe.client.clone();
+    let as_alice = fe.client.clone().with_token(alice);
+    let as_bob = fe.client.clone().with_token(bob);
+
+    // no token, or a wrong one: 401, nothing made
+    let err = anonymous.create_session("/tmp", true, false).await.expect_err("no token");
+    assert_eq!(err.status(), Some(reqwest::StatusCode::UNAUTHORIZED), "{err}");
+    let wrong = fe.client.clone().with_token("not-a-token-at-all-000");
+    let err = wrong.create_session("/tmp", true, false).await.expect_err("a wrong token");
+    assert_eq!(err.status(), Some(reqwest::StatusCode::UNAUTHORIZED), "{err}");
+    // health needs none (probes)
+    let health = reqwest::get(format!("{}/v1/health", fe.base)).await?;
+    assert_eq!(health.status(), reqwest::StatusCode::OK);
+
+    let sid = as_alice.create_session("/tmp", true, false).await?;
+    assert_eq!(as_alice.summary(sid).await?["session_id"], sid.to_string());
+    // bob cannot see, run in, interrupt or delete alice's session: it does not exist for him
+    let not_found = Some(reqwest::StatusCode::NOT_FOUND);
+    assert_eq!(as_bob.summary(sid).await.expect_err("bob reads").status(), not_found);
+    assert_eq!(as_bob.run(sid, "a", "1").await.expect_err("bob runs").status(), not_found);
+    assert_eq!(as_bob.interrupt(sid).await.expect_err("bob interrupts").status(), not_found);
+    assert_eq!(as_bob.delete(sid).await.expect_err("bob deletes").status(), not_found);
+    assert_eq!(anonymous.summary(sid).await.expect_err("no token").status(), Some(reqwest::StatusCode::UNAUTHORIZED));
+
+    // nor through another frontend that adopts it from its record
+    drop(fe);
+    let other = start_frontend_with(&nats, &prefix, Timeouts::default(), tokens).await?;
+    let as_bob = other.client.clone().with_token(bob);
+    assert_eq!(as_bob.summary(sid).await.expect_err("bob reads").status(), not_found);
+    let as_alice = other.client.clone().with_token(alice);
+    assert_eq!(as_alice.summary(sid).await?["session_id"], sid.to_string());
     Ok(())
 }
