@@ -12,6 +12,7 @@ use schemas::local_nats::{self, LocalNats};
 use tokio::process::Command;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
 
 /// The subject prefix of the embedded cluster.
 pub const PREFIX: &str = "ll";
@@ -50,6 +51,17 @@ pub struct Cluster {
     pub frontend_url: String,
     /// The NATS URL.
     pub nats_url: String,
+    /// The bearer token of the frontend's API (also in `DATA_DIR/api-token`).
+    pub api_token: String,
+}
+
+/// Write `text` to a new file only its owner may read.
+fn write_private(path: &Path, text: &str) -> std::io::Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let _ = std::fs::remove_file(path);
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path)?;
+    f.write_all(text.as_bytes())
 }
 
 /// Whether `python -c "import torch"` works (bounded, so a broken install cannot hang `up`).
@@ -76,8 +88,12 @@ impl Cluster {
             .context("while starting nats-server")??;
         let nats_url = nats.url().to_string();
         let token = CancellationToken::new();
+        // a fresh API token per start, readable by this user only
+        let api_token = format!("{}{}", Uuid::new_v4().simple(), Uuid::new_v4().simple());
+        let token_file = data_dir.join("api-token");
+        write_private(&token_file, &api_token).with_context(|| format!("while writing {}", token_file.display()))?;
         let mut cluster =
-            Cluster { nats, token: token.clone(), tasks: Vec::new(), frontend_url: String::new(), nats_url };
+            Cluster { nats, token: token.clone(), tasks: Vec::new(), frontend_url: String::new(), nats_url, api_token };
         match cluster.start_services(opts, &data_dir).await {
             Ok(url) => {
                 cluster.frontend_url = url;
@@ -145,7 +161,8 @@ impl Cluster {
         }
 
         let listen = SocketAddr::from(([127, 0, 0, 1], opts.port));
-        let config = looseleaf_frontend::Config::new(nats_url, PREFIX, listen);
+        let mut config = looseleaf_frontend::Config::new(nats_url, PREFIX, listen);
+        config.tokens = looseleaf_frontend::auth::Tokens::parse(&format!("local {}\n", self.api_token))?;
         let (tx, rx) = tokio::sync::oneshot::channel();
         self.spawn("frontend", move |stop| {
             looseleaf_frontend::run_with_bound(config, stop, move |addr| {

@@ -174,6 +174,7 @@ async fn up(opts: ClusterOptions) -> anyhow::Result<()> {
     let mut cluster = Cluster::start(&opts).await?;
     cluster.wait_ready(opts.hosts, std::time::Duration::from_secs(180)).await?;
     println!("LooseLeaf is up: frontend {} (NATS {}); Ctrl-C stops it", cluster.frontend_url, cluster.nats_url);
+    println!("API token (also in {}): {}", opts.data_dir.join("api-token").display(), cluster.api_token);
     let res = tokio::select! {
         () = schemas::telemetry::shutdown_signal() => Ok(()),
         (name, res) = cluster.any_exit() => match res {

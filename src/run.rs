@@ -67,7 +67,7 @@ pub async fn run(req: RunRequest, cluster: ClusterOptions) -> anyhow::Result<()>
                 c.stop().await;
                 return Err(e.context("while waiting for the gpu-hosts"));
             }
-            let fe = Frontend::new(&c.frontend_url);
+            let fe = Frontend::new(&c.frontend_url).with_token(&c.api_token);
             let res = tokio::select! {
                 res = drive(&req, nb, &fe) => res,
                 () = schemas::telemetry::shutdown_signal() => {

@@ -161,7 +161,7 @@ fn corpus_matches_a_pinned_kernel() {
                 let mut run = Command::new(env!("CARGO_BIN_EXE_looseleaf"));
                 // corpus notebooks raise on purpose (the errors must match too)
                 run.args(["run", "--allow-errors"]).arg(&source).arg("--output").arg(&out).arg("--report").arg(&report);
-                run.args(["--frontend", &frontend]).stdout(Stdio::null());
+                run.args(["--frontend", &frontend]).env("LOOSELEAF_TOKEN", cluster.token()).stdout(Stdio::null());
                 if all_gpu {
                     run.args(["--all-gpu", "--typing-cps", "400"]);
                 }

@@ -60,13 +60,24 @@ fn looseleaf_run_behaves_like_a_notebook_runner() {
     let nb = notebook(dir.path(), "nb.ipynb", &["print('one')", "1 / 0", "print('three')"]);
     let run = |extra: &[&str]| {
         Command::new(looseleaf())
-            .args(["run", "--frontend", &cluster.url()])
+            .args(["run", "--frontend", &cluster.url(), "--token", cluster.token()])
             .args(extra)
             .arg(&nb)
             .stdin(Stdio::null())
             .output()
             .unwrap()
     };
+
+    // `looseleaf up`'s API asks for the token it printed
+    let refused = Command::new(looseleaf())
+        .args(["run", "--frontend", &cluster.url()])
+        .arg(&nb)
+        .env_remove("LOOSELEAF_TOKEN")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && err.contains("401") && err.contains("bearer token"), "{err}");
 
     // stops at the error, non-zero, the notebook so far at the default path
     let out = run(&[]);
@@ -109,7 +120,7 @@ fn looseleaf_run_behaves_like_a_notebook_runner() {
     let slow = notebook(dir.path(), "slow.ipynb", &["print('done before')", "import time\ntime.sleep(20)"]);
     let partial = dir.path().join("partial.ipynb");
     let mut child = Command::new(looseleaf())
-        .args(["run", "--frontend", &cluster.url(), "--output"])
+        .args(["run", "--frontend", &cluster.url(), "--token", cluster.token(), "--output"])
         .arg(&partial)
         .arg(&slow)
         .stdout(Stdio::null())

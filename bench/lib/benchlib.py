@@ -120,6 +120,8 @@ class Cluster:
             m = re.search(r"LooseLeaf is up: frontend (\S+) \(NATS (\S+)\)", text)
             if m:
                 self.url, self.nats_url = m.group(1), m.group(2)
+                # the API's bearer token, for `looseleaf run --frontend` (see run_notebook)
+                API_TOKENS[self.url] = (self.data_dir / "api-token").read_text().strip()
                 return
             if self.proc.poll() is not None:
                 raise RuntimeError(f"looseleaf up exited ({self.proc.returncode}):\n{text}")
@@ -157,6 +159,10 @@ class Cluster:
         self._log.close()
 
 
+# The bearer token of each frontend a Cluster started, by URL.
+API_TOKENS: dict[str, str] = {}
+
+
 def run_notebook(
     nb: Path, frontend: str, out_dir: Path, all_gpu: bool = True, timeout: float = 300, extra: list[str] | None = None
 ) -> dict:
@@ -180,7 +186,8 @@ def run_notebook(
         args.append("--all-gpu")
     args += extra or []
     with open(out_dir / f"{stem}.run.log", "w") as logf:
-        subprocess.run(args, cwd=REPO, stdout=logf, stderr=subprocess.STDOUT, check=True, timeout=timeout)
+        env = {**os.environ, "LOOSELEAF_TOKEN": API_TOKENS.get(frontend, "")}
+        subprocess.run(args, cwd=REPO, stdout=logf, stderr=subprocess.STDOUT, check=True, timeout=timeout, env=env)
     return json.loads(report.read_text())
 
 

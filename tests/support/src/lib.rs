@@ -175,6 +175,7 @@ pub struct LocalCluster {
     child: Child,
     port: u16,
     _data: tempfile::TempDir,
+    token: String,
 }
 
 impl LocalCluster {
@@ -189,15 +190,24 @@ impl LocalCluster {
             .stdout(Stdio::null())
             .spawn()
             .context("while starting looseleaf up")?;
-        let up = LocalCluster { child, port, _data: data };
+        let token_file = data.path().join("api-token");
+        let mut up = LocalCluster { child, port, _data: data, token: String::new() };
         wait_for(Duration::from_secs(180), || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok())
             .context("looseleaf up: no frontend")?;
+        // written before the frontend listens
+        let token = std::fs::read_to_string(&token_file).context("looseleaf up wrote no API token")?;
+        up.token = token.trim().to_string();
         Ok(up)
     }
 
     /// The frontend's URL.
     pub fn url(&self) -> String {
         format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// The bearer token of its API (what `looseleaf up` printed).
+    pub fn token(&self) -> &str {
+        &self.token
     }
 }
 
