@@ -11,7 +11,7 @@ use std::time::Duration;
 use actix::prelude::*;
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, State};
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
@@ -257,13 +257,24 @@ async fn events(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     Path(sid): Path<String>,
+    headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     let (_sid, addr) = lookup(&state, &sid, &caller).await?;
-    let (replay, rx) = addr.send(session::Attach).await.map_err(mailbox)?;
-    let live = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|line| (line, rx)) });
+    // a client that reconnects says the last id it saw: it gets only what came after
+    let after = match headers.get("last-event-id") {
+        None => None,
+        Some(v) => Some(
+            v.to_str()
+                .ok()
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .ok_or_else(|| bad_request("Last-Event-ID must be the id of an event of this stream"))?,
+        ),
+    };
+    let (replay, rx) = addr.send(session::Attach { after }).await.map_err(mailbox)?;
+    let live = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item, rx)) });
     let stream = futures::stream::iter(replay)
         .chain(live)
-        .map(|line| Ok::<_, Infallible>(Event::default().data(line)))
+        .map(|(id, line)| Ok::<_, Infallible>(Event::default().id(id.to_string()).data(line)))
         .take_until(state.shutdown.clone().cancelled_owned());
     Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))).into_response())
 }

@@ -5,7 +5,9 @@
 //! - `PUT /v1/sessions/{sid}/cells/{cell}` `{code}` -> 202, publishes an edit
 //! - `POST /v1/sessions/{sid}/cells/{cell}/run` `{code}` -> `{exec_id, position}`
 //! - `GET /v1/sessions/{sid}/events` -> Server-Sent Events, each data line one
-//!   [`api::StreamItem`]; what happened before the client connected is replayed
+//!   [`api::StreamItem`] with an id (1, 2, …); what happened before the client
+//!   connected is replayed (the newest `--history-items`), or with `Last-Event-ID: N`
+//!   only what came after event N
 //! - `POST /v1/sessions/{sid}/interrupt` -> [`api::Interrupted`]: the running cell
 //!   gets a KeyboardInterrupt (killed if it ignores it), queued cells are aborted
 //! - `GET /v1/sessions/{sid}` (summary), `DELETE /v1/sessions/{sid}`, `GET /v1/health`
@@ -69,6 +71,10 @@ impl Default for Timeouts {
     }
 }
 
+/// Stream items a session keeps by default (about a notebook's worth of outputs
+/// and events, many times over).
+pub const DEFAULT_HISTORY_ITEMS: usize = 20_000;
+
 /// What the frontend needs.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -82,6 +88,8 @@ pub struct Config {
     pub timeouts: Timeouts,
     /// The API's bearer tokens (open: none asked).
     pub tokens: auth::Tokens,
+    /// Stream items each session keeps for clients that connect or reconnect later.
+    pub history_items: usize,
 }
 
 impl Config {
@@ -93,6 +101,7 @@ impl Config {
             listen,
             timeouts: Timeouts::default(),
             tokens: auth::Tokens::open(),
+            history_items: DEFAULT_HISTORY_ITEMS,
         }
     }
 }
@@ -125,7 +134,14 @@ pub async fn run_with_bound(
     tokio::spawn(hosts.clone().follow(statuses));
     let records = records::Records::new(schemas::buckets::sessions(&bus.jetstream(), &config.prefix).await?);
     let state = http::AppState {
-        shared: session::Shared { bus: bus.clone(), timeouts: config.timeouts, hosts, claims, records },
+        shared: session::Shared {
+            bus: bus.clone(),
+            timeouts: config.timeouts,
+            hosts,
+            claims,
+            records,
+            history_items: config.history_items.max(1),
+        },
         arbiter: actix::Arbiter::current(),
         sessions: Arc::new(RwLock::new(HashMap::new())),
         shutdown: token.clone(),

@@ -24,6 +24,10 @@ struct Args {
     /// and each session belongs to its creator (without it the API is open).
     #[arg(long, env = "LOOSELEAF_TOKENS_FILE")]
     tokens_file: Option<std::path::PathBuf>,
+    /// Stream items (events, outputs) each session keeps for clients that connect
+    /// or reconnect later (`Last-Event-ID`); older ones are dropped.
+    #[arg(long, env = "LOOSELEAF_HISTORY_ITEMS", default_value_t = looseleaf_frontend::DEFAULT_HISTORY_ITEMS)]
+    history_items: usize,
     /// Seconds without a host's status after which a cell it runs ends as lost.
     #[arg(long, env = "LOOSELEAF_HOST_LOST_S", default_value_t = 10)]
     host_lost_s: u64,
@@ -36,6 +40,7 @@ fn main() -> anyhow::Result<()> {
     config.timeouts.claim = std::time::Duration::from_secs(args.claim_timeout_s);
     config.timeouts.execution = std::time::Duration::from_secs(args.exec_deadline_s);
     config.timeouts.host_lost = std::time::Duration::from_secs(args.host_lost_s);
+    config.history_items = args.history_items;
     if let Some(path) = &args.tokens_file {
         config.tokens = looseleaf_frontend::auth::Tokens::load(path)?;
     }

@@ -128,6 +128,8 @@ pub struct Shared {
     pub claims: async_nats::jetstream::kv::Store,
     /// Session records (any frontend serves any session).
     pub records: Records,
+    /// Stream items each session keeps for clients that connect or reconnect later.
+    pub history_items: usize,
 }
 
 /// The per-session actor.
@@ -148,8 +150,11 @@ pub struct SessionActor {
     edit_seq: HashMap<String, u64>,
     executions: Vec<ExecRecord>,
     /// Every stream item so far, for clients that connect later.
-    log: Vec<String>,
-    clients: Vec<mpsc::UnboundedSender<String>>,
+    /// The newest stream items (id, JSON line), at most `HISTORY_ITEMS`.
+    log: VecDeque<(u64, String)>,
+    /// The id the next stream item gets.
+    next_id: u64,
+    clients: Vec<mpsc::UnboundedSender<(u64, String)>>,
     closing: bool,
 }
 
@@ -184,7 +189,8 @@ impl SessionActor {
             revision: record.revision,
             edit_seq: HashMap::new(),
             executions: Vec::new(),
-            log: Vec::new(),
+            log: VecDeque::new(),
+            next_id: 1,
             clients: Vec::new(),
             closing: false,
         }
@@ -258,8 +264,14 @@ impl SessionActor {
                 return;
             }
         };
-        self.clients.retain(|c| c.send(line.clone()).is_ok());
-        self.log.push(line);
+        let id = self.next_id;
+        self.next_id += 1;
+        self.clients.retain(|c| c.send((id, line.clone())).is_ok());
+        self.log.push_back((id, line));
+        // bounded: a client that reconnects after more than this misses the oldest
+        if self.log.len() > self.shared.history_items {
+            self.log.pop_front();
+        }
     }
 
     fn record(&mut self, exec_id: Uuid) -> Option<&mut ExecRecord> {
@@ -593,20 +605,26 @@ impl Handler<Run> for SessionActor {
     }
 }
 
-/// Attach an SSE client: every item so far, then a channel of the items to come.
+/// Attach an SSE client: the items kept after id `after` (all kept, if None), then
+/// a channel of the items to come. Each item is (id, JSON line); ids grow by one.
 #[derive(Message)]
-#[rtype(result = "(Vec<String>, mpsc::UnboundedReceiver<String>)")]
-pub struct Attach;
+#[rtype(result = "(Vec<(u64, String)>, mpsc::UnboundedReceiver<(u64, String)>)")]
+pub struct Attach {
+    /// The last id the client saw (`Last-Event-ID`).
+    pub after: Option<u64>,
+}
 
 impl Handler<Attach> for SessionActor {
     type Result = MessageResult<Attach>;
 
-    fn handle(&mut self, _msg: Attach, _ctx: &mut Self::Context) -> Self::Result {
+    fn handle(&mut self, msg: Attach, _ctx: &mut Self::Context) -> Self::Result {
         let (tx, rx) = mpsc::unbounded_channel();
         if !self.closing {
             self.clients.push(tx);
         }
-        MessageResult((self.log.clone(), rx))
+        let after = msg.after.unwrap_or(0);
+        let replay = self.log.iter().filter(|(id, _)| *id > after).cloned().collect();
+        MessageResult((replay, rx))
     }
 }
 

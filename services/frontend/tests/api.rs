@@ -23,18 +23,16 @@ struct Served {
 }
 
 async fn start_frontend(nats: &NatsServer, prefix: &str, timeouts: Timeouts) -> anyhow::Result<Served> {
-    start_frontend_with(nats, prefix, timeouts, Tokens::open()).await
+    start_frontend_with(nats, prefix, |c| c.timeouts = timeouts).await
 }
 
 async fn start_frontend_with(
     nats: &NatsServer,
     prefix: &str,
-    timeouts: Timeouts,
-    tokens: Tokens,
+    configure: impl FnOnce(&mut Config),
 ) -> anyhow::Result<Served> {
     let mut config = Config::new(nats.url(), prefix, "127.0.0.1:0".parse()?);
-    config.timeouts = timeouts;
-    config.tokens = tokens;
+    configure(&mut config);
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
     let (bound_tx, bound_rx) = oneshot::channel();
     actix_rt::spawn(async move {
@@ -439,7 +437,7 @@ async fn with_tokens_only_a_sessions_owner_reaches_it() -> anyhow::Result<()> {
     let prefix = random_prefix();
     let (alice, bob) = ("alice-token-0123456789", "bob-token-0123456789ab");
     let tokens = Tokens::parse(&format!("alice {alice}\nbob {bob}\n"))?;
-    let fe = start_frontend_with(&nats, &prefix, Timeouts::default(), tokens.clone()).await?;
+    let fe = start_frontend_with(&nats, &prefix, |c| c.tokens = tokens.clone()).await?;
     let anonymous = fe.client.clone();
     let as_alice = fe.client.clone().with_token(alice);
     let as_bob = fe.client.clone().with_token(bob);
@@ -466,10 +464,67 @@ async fn with_tokens_only_a_sessions_owner_reaches_it() -> anyhow::Result<()> {
 
     // nor through another frontend that adopts it from its record
     drop(fe);
-    let other = start_frontend_with(&nats, &prefix, Timeouts::default(), tokens).await?;
+    let other = start_frontend_with(&nats, &prefix, |c| c.tokens = tokens).await?;
     let as_bob = other.client.clone().with_token(bob);
     assert_eq!(as_bob.summary(sid).await.expect_err("bob reads").status(), not_found);
     let as_alice = other.client.clone().with_token(alice);
     assert_eq!(as_alice.summary(sid).await?["session_id"], sid.to_string());
+    Ok(())
+}
+
+/// The (id, data) of the first `n` events of `sid`'s SSE stream, asked with
+/// `Last-Event-ID: last` if given.
+async fn sse_events(base: &str, sid: Uuid, last: Option<&str>, n: usize) -> anyhow::Result<Vec<(u64, String)>> {
+    use futures::StreamExt;
+    let mut req = reqwest::Client::new().get(format!("{base}/v1/sessions/{sid}/events"));
+    if let Some(last) = last {
+        req = req.header("Last-Event-ID", last);
+    }
+    let resp = req.send().await?.error_for_status()?;
+    let mut body = resp.bytes_stream();
+    let (mut text, mut events) = (String::new(), Vec::new());
+    while events.len() < n {
+        let chunk = tokio::time::timeout(WAIT, body.next()).await?.context("the stream ended")??;
+        text.push_str(&String::from_utf8_lossy(&chunk));
+        while let Some(end) = text.find("\n\n") {
+            let block: String = text.drain(..end + 2).collect();
+            let field = |name: &str| block.lines().find_map(|l| l.strip_prefix(name)).map(str::to_string);
+            if let (Some(id), Some(data)) = (field("id: "), field("data: ")) {
+                events.push((id.parse()?, data));
+            }
+        }
+    }
+    Ok(events)
+}
+
+#[actix_rt::test]
+async fn a_reconnecting_client_gets_what_came_after_its_last_event_and_history_is_bounded() -> anyhow::Result<()> {
+    let nats = NatsServer::start()?;
+    let prefix = random_prefix();
+    let fe = start_frontend_with(&nats, &prefix, |c| c.history_items = 4).await?;
+    let sid = fe.client.create_session("/tmp", true, false).await?;
+    let bus = Bus::connect(nats.url(), &prefix, "fake").await?;
+    let a = fe.client.run(sid, "a", "1").await?;
+    fe.client.run(sid, "b", "2").await?;
+    fe.client.run(sid, "c", "3").await?;
+    event(&bus, sid, a.exec_id, saved(1)).await?; // an event, then a's done: 5 items
+    let mut sse = fe.client.events(sid).await?;
+    items_until(&mut sse, is_done(a.exec_id)).await?;
+
+    // only the newest 4 are kept; ids go on counting
+    let all = sse_events(&fe.base, sid, None, 4).await?;
+    assert_eq!(all.iter().map(|e| e.0).collect::<Vec<_>>(), [2, 3, 4, 5]);
+    // after the third: the fourth and fifth, nothing repeated
+    let rest = sse_events(&fe.base, sid, Some("3"), 2).await?;
+    assert_eq!(rest.iter().map(|e| e.0).collect::<Vec<_>>(), [4, 5]);
+    assert_eq!(rest, all[2..].to_vec());
+    assert!(rest[1].1.contains("\"done\""), "{}", rest[1].1);
+    // a Last-Event-ID that is not one of ours
+    let resp = reqwest::Client::new()
+        .get(format!("{}/v1/sessions/{sid}/events", fe.base))
+        .header("Last-Event-ID", "yesterday")
+        .send()
+        .await?;
+    assert_eq!(resp.status(), reqwest::StatusCode::BAD_REQUEST);
     Ok(())
 }
