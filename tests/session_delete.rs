@@ -1,12 +1,14 @@
 //! Deleting a session while its cell runs: the cell stops and its GPU slot is free
 //! at once, and nothing the cell would have saved brings the session back. A
 //! session whose working directory is gone fails its cells saying so, without
-//! delaying any other session's.
+//! delaying any other session's. A session culled for idleness loses its workers,
+//! not its state.
 
 use std::time::Duration;
 
+use anyhow::Context as _;
 use looseleaf_client::api::StreamItem;
-use looseleaf_test_support::cluster::{bin_dir_of, Events, Services};
+use looseleaf_test_support::cluster::{bin_dir_of, Events, Services, TestSession};
 use schemas::messages::{EventKind, ManifestGetV2, ManifestV1};
 use schemas::subjects::StoreVerb;
 use schemas::Bus;
@@ -64,5 +66,35 @@ async fn a_session_whose_directory_is_gone_fails_at_once_and_delays_no_one() -> 
     let mut events = Events::open(&fe, sid).await?;
     let exec = fe.run(sid, "a", "print('fine')").await?.exec_id;
     assert!(events.done(exec).await?.contains("fine"));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_culled_session_stops_its_cpu_worker_and_reopens_with_its_state() -> anyhow::Result<()> {
+    let env = [("LOOSELEAF_CULL_IDLE_S", "1".to_string())];
+    let services = Services::start(&bin_dir_of(env!("CARGO_BIN_EXE_looseleaf")), &[1], &env).await?;
+    let mut s = services.session(false).await?;
+    let exec = s.fe.run(s.sid, "a", "a = 41").await?.exec_id;
+    assert_eq!(s.events.outcome(exec).await?.0, looseleaf_client::api::ExecStatus::Ok);
+    let worker_of = |events: &Events, exec| {
+        events.seen.iter().find_map(|i| match i {
+            StreamItem::Event { exec_id, kind: EventKind::Started { worker, .. }, .. } if *exec_id == exec => {
+                Some(worker.clone())
+            }
+            _ => None,
+        })
+    };
+    let first = worker_of(&s.events, exec).context("no start")?;
+    // nobody watches it now: it is culled after a second of idleness
+    let TestSession { fe, sid, cwd: _cwd, events } = s;
+    drop(events);
+    // the frontend sees the client gone at its next keep-alive (5 s), then the cull
+    tokio::time::sleep(Duration::from_secs(8)).await;
+
+    let mut events = Events::open(&fe, sid).await?;
+    let exec = fe.run(sid, "b", "print(a + 1)").await?.exec_id;
+    assert!(events.done(exec).await?.contains("42"), "its state stays: {}", events.text(exec));
+    let second = worker_of(&events, exec).context("no start")?;
+    assert_ne!(first, second, "the culled session's CPU worker was stopped; a fresh one restored its state");
     Ok(())
 }

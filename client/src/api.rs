@@ -158,6 +158,7 @@ impl SseParser {
 
 /// Read a session's event stream (the body of `GET …/events`, as byte chunks) on a
 /// task; items arrive on the channel, which closes when the stream ends or breaks.
+/// Dropping the receiver closes the connection.
 /// An item that does not parse is logged and skipped.
 pub fn spawn_item_reader<B, E>(
     mut body: impl futures::Stream<Item = Result<B, E>> + Send + Unpin + 'static,
@@ -170,7 +171,14 @@ where
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     tokio::spawn(async move {
         let mut parser = SseParser::new();
-        while let Some(chunk) = body.next().await {
+        loop {
+            // a reader nobody reads from any more lets go of the connection at once
+            // (the frontend counts a session with a connected client as watched)
+            let chunk = tokio::select! {
+                chunk = body.next() => chunk,
+                () = tx.closed() => return,
+            };
+            let Some(chunk) = chunk else { return };
             let chunk = match chunk {
                 Ok(c) => c,
                 Err(e) => {

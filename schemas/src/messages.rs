@@ -535,6 +535,16 @@ pub struct SessionCloseV1 {
 }
 wire!(SessionCloseV1, "session-close", 1);
 
+/// frontend -> hosts: the session was idle long enough to be culled. Its state
+/// stays in the store and the session can be reopened; hosts stop the workers they
+/// keep for it (its CPU worker, workers holding unsavable state) and free their slots.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SessionIdleV1 {
+    /// The session.
+    pub session: Uuid,
+}
+wire!(SessionIdleV1, "session-idle", 1);
+
 /// frontend -> hosts: stop execution `exec_id` of the session (the user pressed
 /// interrupt). The host running it sends SIGINT to the worker's process group and
 /// kills the group if the cell has not ended after its grace period; a host that

@@ -79,6 +79,17 @@ impl Subjects {
         format!("{}.v1.session.*.close", self.prefix)
     }
 
+    /// `{prefix}.v1.session.{sid}.idle` — frontend to hosts: the session was culled
+    /// for idleness; its kept workers stop (its state stays in the store).
+    pub fn idle(&self, sid: Uuid) -> String {
+        format!("{}.v1.session.{sid}.idle", self.prefix)
+    }
+
+    /// `{prefix}.v1.session.*.idle` — every session's culls.
+    pub fn all_idles(&self) -> String {
+        format!("{}.v1.session.*.idle", self.prefix)
+    }
+
     /// `{prefix}.v1.session.{sid}.interrupt` — frontend to hosts: stop a cell.
     pub fn interrupt(&self, sid: Uuid) -> String {
         format!("{}.v1.session.{sid}.interrupt", self.prefix)

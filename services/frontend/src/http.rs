@@ -17,7 +17,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::{Extension, Json, Router};
 use futures::StreamExt;
-use schemas::messages::{DoneV1, OutputV1, SessionCloseV1, SessionDeleteV1, SessionEventV2, SessionOptions};
+use schemas::messages::{
+    DoneV1, OutputV1, SessionCloseV1, SessionDeleteV1, SessionEventV2, SessionIdleV1, SessionOptions,
+};
 use schemas::subjects::StoreVerb;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -26,6 +28,11 @@ use crate::api::{CellCode, CreateSession, Interrupted, RunAccepted, SessionCreat
 use crate::auth::{Caller, Tokens};
 use crate::records::{SessionRecord, RECORD_VERSION};
 use crate::session::{self, SessionActor};
+
+/// How often an idle event stream carries a comment: it keeps proxies from closing
+/// it, and a write to a client that went away ends the stream (its session counts
+/// as watched until then).
+const SSE_KEEP_ALIVE: Duration = Duration::from_secs(5);
 
 /// The largest request body (a cell's code): larger ones are refused with 413.
 pub const MAX_BODY_BYTES: usize = 8 << 20;
@@ -63,6 +70,34 @@ impl AppState {
 
     fn remove(&self, sid: Uuid) -> Option<Served> {
         self.sessions.write().unwrap_or_else(|e| e.into_inner()).remove(&sid)
+    }
+
+    /// Stop serving the sessions idle for longer than `after`: their actors stop
+    /// and hosts stop the workers they keep for them (`SessionIdleV1`); their state
+    /// and records stay, and the next request adopts them again.
+    pub async fn cull_idle(&self, after: Duration) {
+        let served: Vec<(Uuid, Served)> =
+            self.sessions.read().unwrap_or_else(|e| e.into_inner()).iter().map(|(k, v)| (*k, v.clone())).collect();
+        for (sid, s) in served {
+            let Ok(Some(idle)) = s.addr.send(session::IdleFor).await else { continue };
+            if idle < after {
+                continue;
+            }
+            {
+                let mut sessions = self.sessions.write().unwrap_or_else(|e| e.into_inner());
+                // only the actor asked: a session adopted again meanwhile stays
+                if !sessions.get(&sid).is_some_and(|now| now.addr == s.addr) {
+                    continue;
+                }
+                sessions.remove(&sid);
+            }
+            s.addr.do_send(session::Close { grace: Duration::ZERO });
+            let bus = &self.shared.bus;
+            if let Err(e) = bus.publish(bus.subjects().idle(sid), &SessionIdleV1 { session: sid }).await {
+                tracing::warn!(session = %sid, error = %e, "could not tell the hosts a session was culled");
+            }
+            tracing::info!(session = %sid, idle = ?idle, "session culled for idleness (its state stays)");
+        }
     }
 
     /// Every session's address (for shutdown).
@@ -276,7 +311,7 @@ async fn events(
         .chain(live)
         .map(|(id, line)| Ok::<_, Infallible>(Event::default().id(id.to_string()).data(line)))
         .take_until(state.shutdown.clone().cancelled_owned());
-    Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))).into_response())
+    Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(SSE_KEEP_ALIVE)).into_response())
 }
 
 async fn delete_session(

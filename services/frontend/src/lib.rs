@@ -75,6 +75,9 @@ impl Default for Timeouts {
 /// and events, many times over).
 pub const DEFAULT_HISTORY_ITEMS: usize = 20_000;
 
+/// Sessions idle this long are culled by default: a day.
+pub const DEFAULT_CULL_IDLE: Duration = Duration::from_secs(24 * 3600);
+
 /// What the frontend needs.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -90,6 +93,8 @@ pub struct Config {
     pub tokens: auth::Tokens,
     /// Stream items each session keeps for clients that connect or reconnect later.
     pub history_items: usize,
+    /// Sessions idle this long are culled (None: never).
+    pub cull_idle: Option<Duration>,
 }
 
 impl Config {
@@ -102,6 +107,7 @@ impl Config {
             timeouts: Timeouts::default(),
             tokens: auth::Tokens::open(),
             history_items: DEFAULT_HISTORY_ITEMS,
+            cull_idle: Some(DEFAULT_CULL_IDLE),
         }
     }
 }
@@ -149,6 +155,15 @@ pub async fn run_with_bound(
     };
     if !config.tokens.required() {
         tracing::warn!("the HTTP API asks for no token: anyone who reaches {bound} can use every session");
+    }
+    if let Some(after) = config.cull_idle {
+        let (culler, stop) = (state.clone(), token.clone());
+        let every = (after / 4).clamp(Duration::from_millis(200), Duration::from_secs(60));
+        tokio::spawn(async move {
+            while tokio::time::timeout(every, stop.cancelled()).await.is_err() {
+                culler.cull_idle(after).await;
+            }
+        });
     }
     let app = http::router(state.clone());
     // The HTTP server is this service's worker: if it ends by itself the service

@@ -28,6 +28,11 @@ struct Args {
     /// or reconnect later (`Last-Event-ID`); older ones are dropped.
     #[arg(long, env = "LOOSELEAF_HISTORY_ITEMS", default_value_t = looseleaf_frontend::DEFAULT_HISTORY_ITEMS)]
     history_items: usize,
+    /// Seconds a session may be idle (nothing running or queued, nobody watching
+    /// its events, no request) before it is culled: its workers stop, its state
+    /// stays and the session reopens on its next request (0: never).
+    #[arg(long, env = "LOOSELEAF_CULL_IDLE_S", default_value_t = looseleaf_frontend::DEFAULT_CULL_IDLE.as_secs_f64())]
+    cull_idle_s: f64,
     /// Seconds without a host's status after which a cell it runs ends as lost.
     #[arg(long, env = "LOOSELEAF_HOST_LOST_S", default_value_t = 10)]
     host_lost_s: u64,
@@ -41,6 +46,10 @@ fn main() -> anyhow::Result<()> {
     config.timeouts.execution = std::time::Duration::from_secs(args.exec_deadline_s);
     config.timeouts.host_lost = std::time::Duration::from_secs(args.host_lost_s);
     config.history_items = args.history_items;
+    config.cull_idle = (args.cull_idle_s > 0.0)
+        .then(|| std::time::Duration::try_from_secs_f64(args.cull_idle_s))
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("--cull-idle-s: {e}"))?;
     if let Some(path) = &args.tokens_file {
         config.tokens = looseleaf_frontend::auth::Tokens::load(path)?;
     }

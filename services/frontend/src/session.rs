@@ -156,6 +156,8 @@ pub struct SessionActor {
     next_id: u64,
     clients: Vec<mpsc::UnboundedSender<(u64, String)>>,
     closing: bool,
+    /// When a client last did something with the session, or a cell last ended.
+    last_active: Instant,
 }
 
 impl SessionActor {
@@ -193,6 +195,7 @@ impl SessionActor {
             next_id: 1,
             clients: Vec::new(),
             closing: false,
+            last_active: Instant::now(),
         }
     }
 
@@ -399,6 +402,7 @@ impl SessionActor {
     ) {
         let Some(cur) = self.current.take() else { return };
         self.revision = revision;
+        self.last_active = Instant::now();
         let record = SessionRecord {
             version: RECORD_VERSION,
             session_id: self.sid,
@@ -560,6 +564,7 @@ impl Handler<Edit> for SessionActor {
     type Result = MessageResult<Edit>;
 
     fn handle(&mut self, msg: Edit, _ctx: &mut Self::Context) -> Self::Result {
+        self.last_active = Instant::now();
         let seq = self.edit_seq.entry(msg.cell_id.clone()).or_insert(0);
         *seq += 1;
         MessageResult(EditV1 {
@@ -588,6 +593,7 @@ impl Handler<Run> for SessionActor {
     type Result = MessageResult<Run>;
 
     fn handle(&mut self, msg: Run, ctx: &mut Self::Context) -> Self::Result {
+        self.last_active = Instant::now();
         let exec_id = Uuid::now_v7();
         let position = self.queue.len() + usize::from(self.current.is_some());
         self.executions.push(ExecRecord {
@@ -618,6 +624,7 @@ impl Handler<Attach> for SessionActor {
     type Result = MessageResult<Attach>;
 
     fn handle(&mut self, msg: Attach, _ctx: &mut Self::Context) -> Self::Result {
+        self.last_active = Instant::now();
         let (tx, rx) = mpsc::unbounded_channel();
         if !self.closing {
             self.clients.push(tx);
@@ -637,6 +644,7 @@ impl Handler<Interrupt> for SessionActor {
     type Result = MessageResult<Interrupt>;
 
     fn handle(&mut self, _msg: Interrupt, ctx: &mut Self::Context) -> Self::Result {
+        self.last_active = Instant::now();
         let now = schemas::unix_ms();
         let mut aborted = Vec::new();
         for p in std::mem::take(&mut self.queue) {
@@ -666,6 +674,23 @@ impl Handler<Interrupt> for SessionActor {
     }
 }
 
+/// How long the session has been idle: nothing running or queued, no client
+/// watching its events, no request; None while it is not idle.
+#[derive(Message)]
+#[rtype(result = "Option<Duration>")]
+pub struct IdleFor;
+
+impl Handler<IdleFor> for SessionActor {
+    type Result = Option<Duration>;
+
+    fn handle(&mut self, _msg: IdleFor, _ctx: &mut Self::Context) -> Self::Result {
+        // as Jupyter's culler by default: a session someone watches is not idle
+        self.clients.retain(|c| !c.is_closed());
+        let busy = self.current.is_some() || !self.queue.is_empty() || !self.clients.is_empty();
+        (!busy).then(|| self.last_active.elapsed())
+    }
+}
+
 /// The session's summary as JSON.
 #[derive(Message)]
 #[rtype(result = "serde_json::Value")]
@@ -675,6 +700,7 @@ impl Handler<Summary> for SessionActor {
     type Result = MessageResult<Summary>;
 
     fn handle(&mut self, _msg: Summary, _ctx: &mut Self::Context) -> Self::Result {
+        self.last_active = Instant::now();
         MessageResult(serde_json::json!({
             "session_id": self.sid,
             "cwd": self.options.cwd,

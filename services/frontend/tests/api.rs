@@ -528,3 +528,29 @@ async fn a_reconnecting_client_gets_what_came_after_its_last_event_and_history_i
     assert_eq!(resp.status(), reqwest::StatusCode::BAD_REQUEST);
     Ok(())
 }
+
+#[actix_rt::test]
+async fn an_idle_session_is_culled_and_reopens_while_a_watched_one_stays() -> anyhow::Result<()> {
+    let nats = NatsServer::start()?;
+    let prefix = random_prefix();
+    let fe = start_frontend_with(&nats, &prefix, |c| c.cull_idle = Some(Duration::from_millis(400))).await?;
+    let bus = Bus::connect(nats.url(), &prefix, "fake").await?;
+    let mut idles = bus.subscribe::<schemas::messages::SessionIdleV1>(bus.subjects().all_idles()).await?;
+    bus.flush().await?;
+    let idle = fe.client.create_session("/tmp/idle", true, false).await?;
+    let watched = fe.client.create_session("/tmp/watched", true, false).await?;
+    let _watching = fe.client.events(watched).await?;
+
+    let culled = tokio::time::timeout(WAIT, idles.next()).await?.context("no cull")?;
+    assert_eq!(culled.map_err(|e| anyhow::anyhow!("{e:?}"))?.msg.session, idle);
+    let health: serde_json::Value = reqwest::get(format!("{}/v1/health", fe.base)).await?.json().await?;
+    assert_eq!(health["sessions"], 1, "only the watched session is served: {health}");
+    // nothing else is culled while its events are watched
+    assert!(
+        tokio::time::timeout(Duration::from_millis(1500), idles.next()).await.is_err(),
+        "the watched one was culled"
+    );
+    // the culled session reopens from its record
+    assert_eq!(fe.client.summary(idle).await?["cwd"], "/tmp/idle");
+    Ok(())
+}

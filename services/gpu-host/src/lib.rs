@@ -38,7 +38,7 @@ use std::time::Duration;
 use actix::prelude::*;
 use anyhow::Context as _;
 use schemas::buckets;
-use schemas::messages::{EvictV1, HostStatusV2, InterruptV1, RecipeV1, SessionCloseV1, SessionEventV2};
+use schemas::messages::{EvictV1, HostStatusV2, InterruptV1, RecipeV1, SessionCloseV1, SessionEventV2, SessionIdleV1};
 use schemas::service::Service;
 use schemas::subjects::HostVerb;
 
@@ -161,6 +161,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     let events = bus.subscribe::<SessionEventV2>(s.all_events()).await?;
     let closes = bus.subscribe::<SessionCloseV1>(s.all_closes()).await?;
     let interrupts = bus.subscribe::<InterruptV1>(s.all_interrupts()).await?;
+    let idles = bus.subscribe::<SessionIdleV1>(s.all_idles()).await?;
     let evictions = bus.subscribe::<EvictV1>(s.host_command(&config.host_id, HostVerb::Evict)).await?;
     // other hosts' status: whether anyone else could take a run (see `claim_delay`)
     let peers = bus.subscribe::<HostStatusV2>(s.all_host_status()).await?;
@@ -171,6 +172,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         ctx.add_stream(events.into_stream());
         ctx.add_stream(closes.into_stream());
         ctx.add_stream(interrupts.into_stream());
+        ctx.add_stream(idles.into_stream());
         ctx.add_stream(evictions.into_stream());
         ctx.add_stream(peers.into_stream());
         host::Host::new(env, claims, slots, real_gpus, config.prepare_holds_slot, config.keep_warm)

@@ -33,7 +33,7 @@ use actix::prelude::*;
 use schemas::bus::Rejected;
 use schemas::messages::{
     BidV1, Device, EventKind, EvictV1, HostStatusV2, InterruptV1, Prepare, PreparedClass, PreparedOutcome, RecipeKind,
-    RecipeV1, SessionCloseV1, SessionEventV2, SlotUse, WorkerState, ZygoteStatus,
+    RecipeV1, SessionCloseV1, SessionEventV2, SessionIdleV1, SlotUse, WorkerState, ZygoteStatus,
 };
 use schemas::{unix_ms, Envelope};
 use tokio::sync::Mutex;
@@ -840,6 +840,14 @@ impl Host {
                 None => {}
             }
         }
+        self.stop_kept(session, ctx);
+    }
+
+    /// Stop the workers this host keeps for `session` (its CPU worker, workers
+    /// holding unsavable state), free their slots and give up its CPU claim: on a
+    /// delete, or when the session is culled for idleness (its committed state
+    /// stays; its next cell starts a fresh worker).
+    fn stop_kept(&mut self, session: Uuid, ctx: &mut Context<Self>) {
         for k in self.kept.remove_session(session) {
             self.stop_worker(k.worker, ctx);
             if let Some(index) = k.slot {
@@ -988,6 +996,15 @@ impl StreamHandler<Result<Envelope<SessionCloseV1>, Rejected>> for Host {
     fn handle(&mut self, item: Result<Envelope<SessionCloseV1>, Rejected>, ctx: &mut Self::Context) {
         if let Ok(env) = item {
             self.close_session(env.msg.session, ctx);
+        }
+    }
+}
+
+impl StreamHandler<Result<Envelope<SessionIdleV1>, Rejected>> for Host {
+    fn handle(&mut self, item: Result<Envelope<SessionIdleV1>, Rejected>, ctx: &mut Self::Context) {
+        if let Ok(env) = item {
+            tracing::info!(session = %env.msg.session, "session culled for idleness; stopping its kept workers");
+            self.stop_kept(env.msg.session, ctx);
         }
     }
 }
