@@ -27,6 +27,15 @@ async fn long_cell_running(s: &mut TestSession) -> anyhow::Result<(Uuid, usize)>
     Ok((exec, host))
 }
 
+/// Run `code` (it must succeed), then kill the host that ran it; its index.
+async fn run_then_kill_its_host(services: &mut Services, s: &mut TestSession, code: &str) -> anyhow::Result<usize> {
+    let exec = s.fe.run(s.sid, "a", code).await?.exec_id;
+    let host = s.events.claimed_by(exec).await?;
+    assert_eq!(s.events.outcome(exec).await?.0, ExecStatus::Ok);
+    services.signal_host(host, Signal::SIGKILL)?;
+    Ok(host)
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_host_killed_mid_cell_fails_the_cell_and_the_session_goes_on() -> anyhow::Result<()> {
     let mut services = services().await?;
@@ -79,10 +88,7 @@ async fn a_lost_hosts_cpu_worker_does_not_block_the_next_cpu_cell() -> anyhow::R
     let mut services = services().await?;
     // not --all-gpu: plain cells run on the session's CPU worker
     let mut s = services.session(false).await?;
-    let exec = s.fe.run(s.sid, "a", "y = 5").await?.exec_id;
-    let host = s.events.claimed_by(exec).await?;
-    assert_eq!(s.events.outcome(exec).await?.0, ExecStatus::Ok);
-    services.signal_host(host, Signal::SIGKILL)?;
+    let host = run_then_kill_its_host(&mut services, &mut s, "y = 5").await?;
 
     // the other host takes the CPU worker's claim over once it no longer hears the
     // lost one, and restores y from the committed state
@@ -99,10 +105,7 @@ async fn a_cell_needing_unsavable_state_of_a_lost_host_fails_at_once_naming_it()
     let mut services = services().await?;
     let mut s = services.session(false).await?;
     // a generator cannot be saved: it lives only in the session's CPU worker
-    let exec = s.fe.run(s.sid, "a", "g = (i for i in range(3))\nk = 7").await?.exec_id;
-    let host = s.events.claimed_by(exec).await?;
-    assert_eq!(s.events.outcome(exec).await?.0, ExecStatus::Ok);
-    services.signal_host(host, Signal::SIGKILL)?;
+    run_then_kill_its_host(&mut services, &mut s, "g = (i for i in range(3))\nk = 7").await?;
 
     let started = std::time::Instant::now();
     let exec = s.fe.run(s.sid, "b", "print(next(g))").await?.exec_id;

@@ -545,6 +545,11 @@ pub struct SessionIdleV1 {
 }
 wire!(SessionIdleV1, "session-idle", 1);
 
+/// What a run interrupted before it started ends with, whoever ends it (the
+/// frontend, when no host had claimed it; the host that had).
+pub const INTERRUPTED_BEFORE_START: &str = "KeyboardInterrupt: the cell was interrupted before it started; nothing \
+     of it ran, the session keeps its last committed state";
+
 /// frontend -> hosts: stop execution `exec_id` of the session (the user pressed
 /// interrupt). The host running it sends SIGINT to the worker's process group and
 /// kills the group if the cell has not ended after its grace period; a host that

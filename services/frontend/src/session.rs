@@ -13,7 +13,7 @@ use actix::prelude::*;
 use schemas::bus::Rejected;
 use schemas::messages::{
     CellStatus, EditV1, EventKind, HostStatusV2, InterruptV1, ManifestGetV2, ManifestV1, OutputV1, RunV1,
-    SessionEventV2, SessionOptions,
+    SessionEventV2,
 };
 use schemas::subjects::StoreVerb;
 use schemas::{Bus, Envelope};
@@ -21,7 +21,7 @@ use tokio::sync::mpsc;
 use uuid::Uuid;
 
 use crate::api::{ExecStatus, Interrupted, StreamItem};
-use crate::records::{Records, SessionRecord, RECORD_VERSION};
+use crate::records::{Records, SessionRecord};
 use crate::Timeouts;
 
 /// A run waiting for its turn.
@@ -80,8 +80,6 @@ const HOST_CHECK: Duration = Duration::from_secs(1);
 #[derive(Debug)]
 struct Current {
     exec_id: Uuid,
-    /// A Planned or Claimed event arrived.
-    taken: bool,
     /// The host that claimed it.
     host: Option<String>,
     /// The cell's status from Finished, if it arrived.
@@ -136,21 +134,19 @@ pub struct Shared {
 pub struct SessionActor {
     sid: Uuid,
     shared: Shared,
-    options: SessionOptions,
-    created_unix_ms: u64,
-    owner: Option<String>,
+    /// What outlives this actor (options, owner, the revision the last completed
+    /// execution left), as written to the session's record.
+    stored: SessionRecord,
     /// The record's writer: the latest record is written, in order.
     record_tx: mpsc::UnboundedSender<SessionRecord>,
     queue: VecDeque<Pending>,
     current: Option<Current>,
     /// Pieces of outputs too large for one message, per (execution, seq).
     pieces: HashMap<(Uuid, u64), Vec<Option<String>>>,
-    /// Revision committed by the last Saved (0 at start).
-    revision: u64,
     edit_seq: HashMap<String, u64>,
     executions: Vec<ExecRecord>,
-    /// Every stream item so far, for clients that connect later.
-    /// The newest stream items (id, JSON line), at most `HISTORY_ITEMS`.
+    /// The newest stream items (id, JSON line), for clients that connect or
+    /// reconnect later: at most `shared.history_items`.
     log: VecDeque<(u64, String)>,
     /// The id the next stream item gets.
     next_id: u64,
@@ -180,15 +176,12 @@ impl SessionActor {
         });
         Self {
             sid: record.session_id,
+            stored: record,
             shared,
-            options: record.options,
-            created_unix_ms: record.created_unix_ms,
-            owner: record.owner,
             record_tx,
             queue: VecDeque::new(),
             current: None,
             pieces: HashMap::new(),
-            revision: record.revision,
             edit_seq: HashMap::new(),
             executions: Vec::new(),
             log: VecDeque::new(),
@@ -253,7 +246,7 @@ impl SessionActor {
                          say what was committed ({e}); run the cell again",
                         silent.as_secs_f64()
                     );
-                    act.complete(ctx, ExecStatus::Error, act.revision, Some(error), now);
+                    act.complete(ctx, ExecStatus::Error, act.stored.revision, Some(error), now);
                 }
             }
         }));
@@ -293,12 +286,11 @@ impl SessionActor {
             cell_id: p.cell_id.clone(),
             code: p.code,
             run_unix_ms: p.run_unix_ms,
-            after_revision: self.revision,
-            options: self.options.clone(),
+            after_revision: self.stored.revision,
+            options: self.stored.options.clone(),
         };
         self.current = Some(Current {
             exec_id: p.exec_id,
-            taken: false,
             host: None,
             finished: None,
             expected_outputs: None,
@@ -311,7 +303,7 @@ impl SessionActor {
         let exec_id = p.exec_id;
         let bus = self.shared.bus.clone();
         let subject = bus.subjects().run(self.sid);
-        tracing::info!(session = %self.sid, exec = %exec_id, cell = %p.cell_id, after_revision = self.revision, "run sent");
+        tracing::info!(session = %self.sid, exec = %exec_id, cell = %p.cell_id, after_revision = self.stored.revision, "run sent");
         ctx.spawn(async move { bus.publish(subject, &run).await }.into_actor(self).map(move |res, act, ctx| {
             if let Err(e) = res {
                 // the client may still deliver it after a reconnect: make sure no
@@ -387,7 +379,7 @@ impl SessionActor {
     /// Give up on the current execution (if it is `exec_id`) and move on.
     fn fail_current(&mut self, ctx: &mut Context<Self>, exec_id: Uuid, error: String) {
         if self.current.as_ref().is_some_and(|c| c.exec_id == exec_id) {
-            self.complete(ctx, ExecStatus::Error, self.revision, Some(error), schemas::unix_ms());
+            self.complete(ctx, ExecStatus::Error, self.stored.revision, Some(error), schemas::unix_ms());
         }
     }
 
@@ -401,18 +393,10 @@ impl SessionActor {
         unix_ms: u64,
     ) {
         let Some(cur) = self.current.take() else { return };
-        self.revision = revision;
         self.last_active = Instant::now();
-        let record = SessionRecord {
-            version: RECORD_VERSION,
-            session_id: self.sid,
-            options: self.options.clone(),
-            created_unix_ms: self.created_unix_ms,
-            revision,
-            last_exec: Some(cur.exec_id),
-            owner: self.owner.clone(),
-        };
-        let _ = self.record_tx.send(record); // the writer lives as long as the actor
+        self.stored.revision = revision;
+        self.stored.last_exec = Some(cur.exec_id);
+        let _ = self.record_tx.send(self.stored.clone()); // the writer lives as long as the actor
         if let Some(r) = self.record(cur.exec_id) {
             r.status = status;
             r.after_revision = Some(revision);
@@ -441,7 +425,6 @@ impl SessionActor {
         }
         let terminal = match ev.kind {
             EventKind::Claimed { host, .. } => {
-                cur.taken = true;
                 if cur.host.is_none() {
                     cur.host = Some(host);
                     let exec_id = cur.exec_id;
@@ -449,12 +432,8 @@ impl SessionActor {
                 }
                 return;
             }
-            EventKind::Planned { .. } | EventKind::Started { .. } => {
-                cur.taken = true;
-                None
-            }
+            EventKind::Planned { .. } | EventKind::Started { .. } => None,
             EventKind::Finished { status, error, outputs, .. } => {
-                cur.taken = true;
                 cur.finished = Some((status, error));
                 cur.expected_outputs = Some(outputs);
                 None
@@ -463,7 +442,7 @@ impl SessionActor {
                 let (status, error) = cur.saved_outcome();
                 Some((status, revision, error))
             }
-            EventKind::Failed { error } => Some((ExecStatus::Error, self.revision, Some(error))),
+            EventKind::Failed { error } => Some((ExecStatus::Error, self.stored.revision, Some(error))),
             EventKind::SlotReleased { .. } | EventKind::Ready { .. } | EventKind::PreparedEnded { .. } => None,
         };
         let Some((status, revision, error)) = terminal else { return };
@@ -572,7 +551,7 @@ impl Handler<Edit> for SessionActor {
             cell_id: msg.cell_id,
             code: msg.code,
             seq: *seq,
-            options: self.options.clone(),
+            options: self.stored.options.clone(),
         })
     }
 }
@@ -656,7 +635,7 @@ impl Handler<Interrupt> for SessionActor {
             let item = StreamItem::Done {
                 exec_id: p.exec_id,
                 status: ExecStatus::Aborted,
-                after_revision: self.revision,
+                after_revision: self.stored.revision,
                 unix_ms: now,
                 error,
             };
@@ -667,9 +646,7 @@ impl Handler<Interrupt> for SessionActor {
             return MessageResult(Interrupted { interrupted: None, aborted });
         };
         tracing::info!(session = %self.sid, exec = %exec_id, "interrupt");
-        let error = "KeyboardInterrupt: the cell was interrupted before it started; nothing of it ran, the session \
-                     keeps its last committed state";
-        self.stop_current(exec_id, error.to_string(), ctx);
+        self.stop_current(exec_id, schemas::messages::INTERRUPTED_BEFORE_START.to_string(), ctx);
         MessageResult(Interrupted { interrupted: Some(exec_id), aborted })
     }
 }
@@ -703,9 +680,9 @@ impl Handler<Summary> for SessionActor {
         self.last_active = Instant::now();
         MessageResult(serde_json::json!({
             "session_id": self.sid,
-            "cwd": self.options.cwd,
-            "all_gpu": self.options.all_gpu,
-            "revision": self.revision,
+            "cwd": self.stored.options.cwd,
+            "all_gpu": self.stored.options.all_gpu,
+            "revision": self.stored.revision,
             "current": self.current.as_ref().map(|c| c.exec_id),
             "queue": self.queue.iter().map(|p| p.exec_id).collect::<Vec<_>>(),
             "executions": self.executions,

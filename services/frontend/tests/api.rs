@@ -327,14 +327,29 @@ async fn bad_input_gets_4xx_with_a_json_error() -> anyhow::Result<()> {
     Ok(())
 }
 
-#[actix_rt::test]
-async fn a_run_no_host_takes_fails_and_the_queue_moves_on() -> anyhow::Result<()> {
+/// A frontend whose runs must be claimed within 300 ms, one session of it, and a
+/// bus to play the other services on.
+struct ShortClaims {
+    nats: NatsServer,
+    prefix: String,
+    fe: Served,
+    sid: Uuid,
+    bus: Bus,
+}
+
+async fn short_claims() -> anyhow::Result<ShortClaims> {
     let nats = NatsServer::start()?;
     let prefix = random_prefix();
     let timeouts = Timeouts { claim: Duration::from_millis(300), ..Timeouts::default() };
     let fe = start_frontend(&nats, &prefix, timeouts).await?;
     let sid = fe.client.create_session("/tmp", true, true).await?;
     let bus = Bus::connect(nats.url(), &prefix, "fake").await?;
+    Ok(ShortClaims { nats, prefix, fe, sid, bus })
+}
+
+#[actix_rt::test]
+async fn a_run_no_host_takes_fails_and_the_queue_moves_on() -> anyhow::Result<()> {
+    let ShortClaims { nats: _nats, prefix, fe, sid, bus } = short_claims().await?;
     let mut runs = bus.subscribe::<RunV1>(bus.subjects().run(sid)).await?;
     // the server must know the subscription before the first run is published
     bus.flush().await?;
@@ -364,12 +379,7 @@ async fn a_run_no_host_takes_fails_and_the_queue_moves_on() -> anyhow::Result<()
 
 #[actix_rt::test]
 async fn a_run_a_host_claimed_is_never_failed_by_the_claim_timeout() -> anyhow::Result<()> {
-    let nats = NatsServer::start()?;
-    let prefix = random_prefix();
-    let timeouts = Timeouts { claim: Duration::from_millis(300), ..Timeouts::default() };
-    let fe = start_frontend(&nats, &prefix, timeouts).await?;
-    let sid = fe.client.create_session("/tmp", true, true).await?;
-    let bus = Bus::connect(nats.url(), &prefix, "fake").await?;
+    let ShortClaims { nats: _nats, prefix, fe, sid, bus } = short_claims().await?;
     let claims = schemas::buckets::claims(&bus.jetstream(), &prefix).await?;
     let mut sse = fe.client.events(sid).await?;
     let a = fe.client.run(sid, "a", "1").await?;

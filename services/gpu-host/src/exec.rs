@@ -104,10 +104,7 @@ pub enum ExecError {
         host: String,
     },
     /// The user interrupted the cell before it started here: it never ran.
-    #[error(
-        "KeyboardInterrupt: the cell was interrupted before it started; nothing of it ran, the session keeps \
-         its last committed state"
-    )]
+    #[error("{}", schemas::messages::INTERRUPTED_BEFORE_START)]
     Interrupted,
     /// The cell ignored the user's interrupt and was killed.
     #[error(
