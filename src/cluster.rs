@@ -64,6 +64,17 @@ fn write_private(path: &Path, text: &str) -> std::io::Result<()> {
     f.write_all(text.as_bytes())
 }
 
+/// The data directory's manifest key, made on the first start and kept: manifests
+/// signed with a lost key no longer load.
+fn manifest_key(data_dir: &Path) -> anyhow::Result<PathBuf> {
+    let path = data_dir.join("manifest-key");
+    if !path.exists() {
+        let key = format!("{}{}", Uuid::new_v4().simple(), Uuid::new_v4().simple());
+        write_private(&path, &key).with_context(|| format!("while writing {}", path.display()))?;
+    }
+    Ok(path)
+}
+
 /// Whether `python -c "import torch"` works (bounded, so a broken install cannot hang `up`).
 async fn has_torch(python: &Path) -> bool {
     let child = Command::new(python)
@@ -115,6 +126,7 @@ impl Cluster {
             store_url: store_url.clone(),
             session_quota_bytes: None,
             gc: Some(looseleaf_store::gc::Schedule::default()),
+            manifest_key_file: Some(manifest_key(data_dir)?),
         };
         self.spawn("store", |stop| looseleaf_store::run(store, stop));
         let planner = looseleaf_planner::Config {

@@ -53,9 +53,10 @@ fn error_reply<T>(e: &ManifestError) -> Reply<T> {
         ManifestError::Deleted { .. } => ErrorCode::NotFound,
         ManifestError::BadDelta { .. } | ManifestError::MissingChunks { .. } => ErrorCode::BadRequest,
         ManifestError::QuotaExceeded { .. } => ErrorCode::QuotaExceeded,
-        ManifestError::Storage(_) | ManifestError::Corrupt { .. } | ManifestError::RevisionMissing { .. } => {
-            ErrorCode::Storage
-        }
+        ManifestError::Storage(_)
+        | ManifestError::Corrupt { .. }
+        | ManifestError::Unverified { .. }
+        | ManifestError::RevisionMissing { .. } => ErrorCode::Storage,
     };
     Reply::Err { code, message: e.to_string() }
 }

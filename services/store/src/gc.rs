@@ -10,10 +10,11 @@ use std::time::Duration;
 
 use futures::TryStreamExt;
 use object_store::path::Path;
-use schemas::checkpoint::{self, Manifest};
+use schemas::checkpoint;
 use schemas::messages::GcDoneV1;
 
 use crate::manifests::{ManifestError, Manifests};
+use crate::signing::Opened;
 
 /// When the store collects by itself (every replica does; a collection is safe to
 /// run twice at once: deleting what is gone is fine).
@@ -53,12 +54,23 @@ pub async fn collect(manifests: &Manifests, keep_revisions: u64, grace: Duration
             .try_collect()
             .await?;
         keys.sort_by_key(|k| std::cmp::Reverse(k.0));
-        for (i, (_, key)) in keys.iter().enumerate() {
-            if i < keep {
+        let mut kept = 0;
+        for (_, key) in &keys {
+            if kept < keep {
                 let bytes = objects.get(key).await?.bytes().await?;
-                let m: Manifest = serde_json::from_slice(&bytes)
-                    .map_err(|e| ManifestError::Corrupt { key: key.to_string(), reason: e.to_string() })?;
-                referenced.extend(m.chunks());
+                match manifests.open(key.as_ref(), &bytes)? {
+                    Opened::Verified(m) => {
+                        kept += 1;
+                        referenced.extend(m.chunks());
+                    }
+                    // Not ours (forged, or an old key): neither a revision to keep nor
+                    // one to delete, or a forger could push real revisions out. Its
+                    // chunks stay: keeping is always safe.
+                    Opened::Unverified(m, why) => {
+                        tracing::warn!(manifest = %key, %why, "garbage collection skips a manifest that does not verify");
+                        referenced.extend(m.chunks());
+                    }
+                }
             } else {
                 match objects.delete(key).await {
                     Ok(()) | Err(object_store::Error::NotFound { .. }) => done.manifests_deleted += 1,

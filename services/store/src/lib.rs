@@ -10,6 +10,7 @@
 pub mod gateway;
 pub mod gc;
 pub mod manifests;
+pub mod signing;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -33,15 +34,25 @@ pub struct Config {
     pub session_quota_bytes: Option<u64>,
     /// Garbage collection on a schedule (None: only when asked on the bus).
     pub gc: Option<gc::Schedule>,
+    /// The file holding the key manifests are signed with (None: unsigned, and
+    /// whoever can write the bucket can make a worker unpickle what they wrote).
+    pub manifest_key_file: Option<std::path::PathBuf>,
 }
 
 /// Run the gateway until `shutdown` resolves. Must be called inside an actix system.
 pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
     let objects = schemas::objects::open(&config.store_url).context("while opening the object store")?;
+    let key = match &config.manifest_key_file {
+        Some(path) => Some(signing::ManifestKey::from_file(path)?),
+        None => {
+            tracing::warn!("no --manifest-key-file: manifests are not signed, so write access to the store is code execution in workers");
+            None
+        }
+    };
     let description = "checkpoint-store gateway: manifests and atomic commits";
     let service = Service::start("looseleaf-store", None, description, &config.nats_url, &config.prefix).await?;
     let bus = service.bus().clone();
-    let manifests = Arc::new(manifests::Manifests::new(objects).with_quota(config.session_quota_bytes));
+    let manifests = Arc::new(manifests::Manifests::new(objects).with_quota(config.session_quota_bytes).with_key(key));
     let s = bus.subjects().clone();
     let gets = bus.queue_subscribe::<ManifestGetV2>(s.store(StoreVerb::ManifestGet), "store").await?;
     let plans = bus.queue_subscribe::<ChunkPlanV1>(s.store(StoreVerb::ChunkPlan), "store").await?;

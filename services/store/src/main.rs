@@ -23,6 +23,10 @@ struct Args {
     /// 30 minutes a gpu-host trusts that a chunk it saw is still stored).
     #[arg(long, env = "LOOSELEAF_GC_GRACE_S", default_value_t = 3600)]
     gc_grace_s: u64,
+    /// File holding the key (32 bytes or more) manifests are signed and verified with.
+    /// Keep it; manifests signed with a lost key no longer load.
+    #[arg(long, env = "LOOSELEAF_MANIFEST_KEY_FILE")]
+    manifest_key_file: Option<std::path::PathBuf>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -38,6 +42,7 @@ fn main() -> anyhow::Result<()> {
             keep_revisions: args.gc_keep_revisions,
             grace: std::time::Duration::from_secs(args.gc_grace_s),
         }),
+        manifest_key_file: args.manifest_key_file,
     };
     actix_rt::System::new().block_on(looseleaf_store::run(config, schemas::telemetry::shutdown_signal()))
 }

@@ -15,12 +15,23 @@ use schemas::checkpoint::{self, Manifest, SaveOrigin};
 use schemas::messages::{CommitV2, CommittedV1};
 use uuid::Uuid;
 
+use crate::signing::{self, ManifestKey};
+
 /// Why a manifest operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ManifestError {
     /// The object store failed.
     #[error("object store: {0}")]
     Storage(#[from] object_store::Error),
+    /// A stored manifest does not verify under the platform's key: restore never
+    /// loads it (the bucket was written by something other than this platform).
+    #[error("manifest {key} was refused: {reason}")]
+    Unverified {
+        /// Its key.
+        key: String,
+        /// Why.
+        reason: crate::signing::Unverified,
+    },
     /// A stored manifest is not valid JSON of the format.
     #[error("manifest {key} is corrupt: {reason}")]
     Corrupt {
@@ -98,12 +109,26 @@ pub struct Manifests {
     objects: Arc<dyn ObjectStore>,
     latest: Mutex<HashMap<Uuid, Arc<Manifest>>>,
     quota_bytes: Option<u64>,
+    key: Option<ManifestKey>,
 }
 
 impl Manifests {
     /// Manifests in `objects`.
     pub fn new(objects: Arc<dyn ObjectStore>) -> Self {
-        Self { objects, latest: Mutex::new(HashMap::new()), quota_bytes: None }
+        Self { objects, latest: Mutex::new(HashMap::new()), quota_bytes: None, key: None }
+    }
+
+    /// Sign every manifest committed from now on with `key`, and load only
+    /// manifests that verify under it (None: unsigned, nothing verified).
+    pub fn with_key(mut self, key: Option<ManifestKey>) -> Self {
+        self.key = key;
+        self
+    }
+
+    /// Parse the manifest stored at `key`, checking its MAC.
+    pub fn open(&self, key: &str, bytes: &[u8]) -> Result<signing::Opened, ManifestError> {
+        signing::open(bytes, self.key.as_ref())
+            .map_err(|e| ManifestError::Corrupt { key: key.to_string(), reason: e.to_string() })
     }
 
     /// Limit each session's state to `bytes` (records, payloads and ambient state).
@@ -134,8 +159,10 @@ impl Manifests {
             Err(object_store::Error::NotFound { .. }) => return Ok(None),
             Err(e) => return Err(e.into()),
         };
-        let manifest: Manifest = serde_json::from_slice(&bytes)
-            .map_err(|e| ManifestError::Corrupt { key: key.clone(), reason: e.to_string() })?;
+        let manifest = match self.open(&key, &bytes)? {
+            signing::Opened::Verified(m) => m,
+            signing::Opened::Unverified(_, reason) => return Err(ManifestError::Unverified { key, reason }),
+        };
         if manifest.revision != revision || manifest.session != session {
             return Err(ManifestError::Corrupt { key, reason: "revision or session does not match its key".into() });
         }
@@ -216,7 +243,7 @@ impl Manifests {
         }
 
         let key = checkpoint::manifest_key(session, next.revision);
-        let body = serde_json::to_vec(&next)
+        let body = signing::seal(&next, self.key.as_ref())
             .map_err(|e| ManifestError::Corrupt { key: key.clone(), reason: e.to_string() })?;
         let opts = PutOptions { mode: PutMode::Create, ..Default::default() };
         match self.objects.put_opts(&Path::from(key.as_str()), body.into(), opts).await {

@@ -50,12 +50,16 @@ impl Services {
         let nats = NatsServer::start()?;
         let prefix = random_prefix();
         let dir = tempfile::tempdir()?;
+        // the store signs manifests as a deployment's does (ADR 24)
+        let key_file = dir.path().join("manifest-key");
+        std::fs::write(&key_file, uuid::Uuid::new_v4().simple().to_string().repeat(2))?;
         let mut common: Vec<(String, String)> = vec![
             ("LOOSELEAF_NATS_URL".into(), nats.url().to_string()),
             ("LOOSELEAF_PREFIX".into(), prefix.clone()),
             ("LOOSELEAF_STORE_URL".into(), dir.path().join("store").display().to_string()),
             ("LOOSELEAF_PYTHON".into(), venv_python().display().to_string()),
             ("LOOSELEAF_LOG".into(), "warn".into()),
+            ("LOOSELEAF_MANIFEST_KEY_FILE".into(), key_file.display().to_string()),
         ];
         common.extend(env.iter().map(|(k, v)| (k.to_string(), v.clone())));
         let client = async_nats::connect(nats.url()).await?;

@@ -49,6 +49,7 @@ on_every_backend!(only_chunks_new_to_the_base_revision_are_checked);
 on_every_backend!(a_chunk_plan_names_exactly_the_chunks_the_store_lacks);
 on_every_backend!(chunks_the_host_uploaded_are_not_looked_up_again);
 on_every_backend!(a_get_at_a_known_revision_is_answered_from_memory);
+on_every_backend!(only_manifests_signed_with_the_key_load);
 
 async fn put_chunk(objects: &Arc<dyn ObjectStore>, hash: &str) {
     objects.put(&Path::from(chunk_key(hash).as_str()), vec![1u8, 2, 3].into()).await.unwrap();
@@ -232,4 +233,50 @@ async fn a_get_at_a_known_revision_is_answered_from_memory(objects: Arc<dyn Obje
     // a revision said to be committed that the store does not have is an error, not older state
     let ahead = fresh.latest_from(sid, Some(3)).await;
     assert!(matches!(ahead, Err(ManifestError::RevisionMissing { revision: 3, latest: 2, .. })), "{ahead:?}");
+}
+
+fn signed(objects: &Arc<dyn ObjectStore>, key_byte: u8) -> Manifests {
+    let key = crate::signing::ManifestKey::new(&[key_byte; crate::signing::MIN_KEY_BYTES]);
+    Manifests::new(objects.clone()).with_key(Some(key))
+}
+
+/// Whoever can write the bucket cannot make a worker load their manifest: an
+/// unsigned one, a signed one they changed, or a real one moved under another
+/// session's key are each refused with an error naming the object.
+async fn only_manifests_signed_with_the_key_load(objects: Arc<dyn ObjectStore>) {
+    put_chunk(&objects, "aa").await;
+    let (victim, attacker) = (Uuid::now_v7(), Uuid::now_v7());
+    let m = signed(&objects, 7);
+    m.commit(&commit(victim, 0, "x", "aa")).await.unwrap();
+    m.commit(&commit(attacker, 0, "x", "aa")).await.unwrap();
+    // a restarted gateway with the same key reads what the first one signed
+    assert_eq!(signed(&objects, 7).latest(victim).await.unwrap().revision, 1);
+    // one with another key (or none of the platform's) refuses it
+    let err = signed(&objects, 8).latest(victim).await.unwrap_err();
+    assert!(matches!(err, ManifestError::Unverified { .. }), "{err}");
+
+    let key2 = schemas::checkpoint::manifest_key(victim, 2);
+    let put = |bytes: Vec<u8>| {
+        let (objects, key2) = (objects.clone(), key2.clone());
+        async move { objects.put(&Path::from(key2.as_str()), bytes.into()).await.unwrap() }
+    };
+    // 1. an unsigned revision 2 pointing x at the attacker's record
+    let mut forged = (*m.latest(victim).await.unwrap()).clone();
+    forged.revision = 2;
+    forged.objects.values_mut().for_each(|o| o.record.len = 99);
+    put(serde_json::to_vec(&forged).unwrap()).await;
+    let err = signed(&objects, 7).latest(victim).await.unwrap_err();
+    assert!(matches!(&err, ManifestError::Unverified { key, .. } if key == &key2), "{err}");
+    assert!(err.to_string().contains("carries no MAC"), "{err}");
+    // 2. the real revision 1, changed, its MAC kept
+    let real = objects.get(&Path::from(schemas::checkpoint::manifest_key(victim, 1))).await.unwrap();
+    let text = String::from_utf8(real.bytes().await.unwrap().to_vec()).unwrap();
+    put(text.replace("\"revision\":1", "\"revision\":2").into_bytes()).await;
+    let err = signed(&objects, 7).latest(victim).await.unwrap_err();
+    assert!(err.to_string().contains("does not verify"), "{err}");
+    // 3. the attacker's own signed manifest, copied under the victim's revision 2
+    let theirs = objects.get(&Path::from(schemas::checkpoint::manifest_key(attacker, 1))).await.unwrap();
+    put(theirs.bytes().await.unwrap().to_vec()).await;
+    let err = signed(&objects, 7).latest(victim).await.unwrap_err();
+    assert!(matches!(err, ManifestError::Corrupt { .. }), "{err}");
 }
