@@ -24,8 +24,10 @@ use schemas::subjects::StoreVerb;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use crate::admission::Limits;
 use crate::api::{CellCode, CreateSession, Interrupted, RunAccepted, SessionCreated};
 use crate::auth::{Caller, Tokens};
+use crate::origins::Origins;
 use crate::records::{SessionRecord, RECORD_VERSION};
 use crate::session::{self, SessionActor};
 
@@ -50,6 +52,10 @@ pub struct AppState {
     pub shutdown: CancellationToken,
     /// The API's bearer tokens (see [`crate::auth`]).
     pub tokens: Tokens,
+    /// What a user may ask for (see [`crate::admission`]).
+    pub limits: Limits,
+    /// Host names and browser origins the API answers (see [`crate::origins`]).
+    pub origins: Origins,
 }
 
 /// A session this frontend serves: its actor, and the user it belongs to.
@@ -118,6 +124,10 @@ impl IntoResponse for ApiError {
 
 fn bad_request(msg: impl Into<String>) -> ApiError {
     ApiError(StatusCode::BAD_REQUEST, msg.into())
+}
+
+fn unavailable(e: impl std::fmt::Display) -> ApiError {
+    ApiError(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
 }
 
 fn internal(msg: impl Into<String>) -> ApiError {
@@ -192,8 +202,8 @@ fn mailbox(e: MailboxError) -> ApiError {
     ApiError(StatusCode::GONE, format!("the session is closing: {e}"))
 }
 
-/// The router of the API.
-pub fn router(state: AppState) -> Router {
+/// The router of the API (bodies must arrive within `body_timeout`).
+pub fn router(state: AppState, body_timeout: Duration) -> Router {
     Router::new()
         .route("/v1/health", get(health))
         .route("/v1/sessions", post(create_session))
@@ -204,7 +214,13 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/sessions/{sid}/cells/{cell_id}/run", post(run))
         .fallback(|| async { ApiError(StatusCode::NOT_FOUND, "no such route".into()) })
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(axum::middleware::from_fn(move |req, next| {
+            crate::serve::read_body_in_time(MAX_BODY_BYTES, body_timeout, req, next)
+        }))
         .layer(axum::middleware::from_fn_with_state(state.tokens.clone(), crate::auth::require_token))
+        // outermost: a request for a host not allowed, or a CORS preflight, never
+        // reaches the token check
+        .layer(axum::middleware::from_fn_with_state(state.origins.clone(), crate::origins::check))
         .with_state(state)
 }
 
@@ -219,6 +235,15 @@ async fn create_session(
     body: Result<Json<CreateSession>, JsonRejection>,
 ) -> Result<Json<SessionCreated>, ApiError> {
     let req = json_body(body)?;
+    state.limits.check_cwd(&req.cwd).map_err(bad_request)?;
+    if let Some(limit) = state.limits.sessions_per_user {
+        let held = state.shared.records.count_owned_by(&caller.0).await.map_err(unavailable)?;
+        if held >= limit {
+            let who = caller.0.as_deref().unwrap_or("anonymous");
+            let msg = format!("user {who} holds {held} sessions, the most allowed; delete one first");
+            return Err(ApiError(StatusCode::TOO_MANY_REQUESTS, msg));
+        }
+    }
     let sid = Uuid::now_v7();
     let record = SessionRecord {
         version: RECORD_VERSION,
@@ -230,7 +255,7 @@ async fn create_session(
         owner: caller.0.clone(),
     };
     // recorded first: a session is never served that a restarted frontend would lose
-    state.shared.records.put(&record).await.map_err(|e| ApiError(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;
+    state.shared.records.put(&record).await.map_err(unavailable)?;
     let addr = start_session(&state, record).await?;
     state.insert(sid, Served { addr, owner: caller.0 });
     tracing::info!(session = %sid, "session created");
@@ -265,8 +290,11 @@ async fn run(
     let run_unix_ms = schemas::unix_ms();
     let (_sid, addr) = lookup(&state, &sid, &caller).await?;
     let req = json_body(body)?;
-    let (exec_id, position) =
-        addr.send(session::Run { cell_id, code: req.code, run_unix_ms }).await.map_err(mailbox)?;
+    let accepted = addr.send(session::Run { cell_id, code: req.code, run_unix_ms }).await.map_err(mailbox)?;
+    let (exec_id, position) = accepted.map_err(|queued| {
+        let msg = format!("the session has {queued} runs queued, the most allowed; wait or interrupt");
+        ApiError(StatusCode::TOO_MANY_REQUESTS, msg)
+    })?;
     Ok(Json(RunAccepted { exec_id, position }))
 }
 

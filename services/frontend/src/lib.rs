@@ -23,9 +23,12 @@
 
 /// The HTTP API's JSON, shared with its one client crate.
 pub use looseleaf_client::api;
+pub mod admission;
 pub mod auth;
 pub mod http;
+pub mod origins;
 pub mod records;
+pub mod serve;
 pub mod session;
 
 use std::collections::HashMap;
@@ -95,6 +98,13 @@ pub struct Config {
     pub history_items: usize,
     /// Sessions idle this long are culled (None: never).
     pub cull_idle: Option<Duration>,
+    /// Working-directory root, sessions per user, queued runs per session.
+    pub limits: admission::Limits,
+    /// Host names the API answers and browser origins that may read it (None: the
+    /// defaults for `listen`).
+    pub origins: Option<origins::Origins>,
+    /// How long a client may take to send a request's headers and body.
+    pub http_timeouts: serve::HttpTimeouts,
 }
 
 impl Config {
@@ -108,6 +118,9 @@ impl Config {
             tokens: auth::Tokens::open(),
             history_items: DEFAULT_HISTORY_ITEMS,
             cull_idle: Some(DEFAULT_CULL_IDLE),
+            limits: admission::Limits::default(),
+            origins: None,
+            http_timeouts: serve::HttpTimeouts::default(),
         }
     }
 }
@@ -147,11 +160,14 @@ pub async fn run_with_bound(
             claims,
             records,
             history_items: config.history_items.max(1),
+            queued_runs: config.limits.queued_runs.max(1),
         },
         arbiter: actix::Arbiter::current(),
         sessions: Arc::new(RwLock::new(HashMap::new())),
         shutdown: token.clone(),
         tokens: config.tokens.clone(),
+        limits: config.limits.clone(),
+        origins: config.origins.clone().unwrap_or_else(|| origins::Origins::new(bound, &[], &[])),
     };
     if !config.tokens.required() {
         tracing::warn!("the HTTP API asks for no token: anyone who reaches {bound} can use every session");
@@ -165,14 +181,15 @@ pub async fn run_with_bound(
             }
         });
     }
-    let app = http::router(state.clone());
+    let app = http::router(state.clone(), config.http_timeouts.body);
+    let header_timeout = config.http_timeouts.header;
     // The HTTP server is this service's worker: if it ends by itself the service
     // stops with an error (the skeleton notices through `serving`).
     let serving = Arc::new(AtomicBool::new(true));
     let (ended_tx, ended_rx) = tokio::sync::oneshot::channel();
     let (server_token, flag) = (token.clone(), serving.clone());
     let server = tokio::spawn(async move {
-        let result = axum::serve(listener, app).with_graceful_shutdown(server_token.cancelled_owned()).await;
+        let result = serve::serve(listener, app, header_timeout, server_token).await;
         if let Err(e) = &result {
             tracing::error!(error = %e, "the HTTP server stopped");
         }

@@ -36,6 +36,24 @@ struct Args {
     /// Seconds without a host's status after which a cell it runs ends as lost.
     #[arg(long, env = "LOOSELEAF_HOST_LOST_S", default_value_t = 10)]
     host_lost_s: u64,
+    /// Sessions' working directories must lie under this directory (else 400).
+    #[arg(long, env = "LOOSELEAF_CWD_ROOT")]
+    cwd_root: Option<std::path::PathBuf>,
+    /// Sessions one user may hold (429 past it); a session runs one cell at a time,
+    /// so this also bounds a user's concurrent cells.
+    #[arg(long, env = "LOOSELEAF_MAX_SESSIONS_PER_USER")]
+    max_sessions_per_user: Option<usize>,
+    /// Runs a session may have queued behind the running one (429 past it).
+    #[arg(long, env = "LOOSELEAF_MAX_QUEUED_RUNS", default_value_t = looseleaf_frontend::admission::DEFAULT_QUEUED_RUNS)]
+    max_queued_runs: usize,
+    /// A host name the API answers (the Host header, without port; repeat the flag
+    /// for more). Default: loopback names when --listen is a loopback address, else any.
+    #[arg(long = "allowed-host", env = "LOOSELEAF_ALLOWED_HOSTS", value_delimiter = ',')]
+    allowed_hosts: Vec<String>,
+    /// A browser origin (`https://lab.example.org`) allowed to read the API through
+    /// CORS (repeat for more; none by default).
+    #[arg(long = "cors-origin", env = "LOOSELEAF_CORS_ORIGINS", value_delimiter = ',')]
+    cors_origins: Vec<String>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -50,6 +68,13 @@ fn main() -> anyhow::Result<()> {
         .then(|| std::time::Duration::try_from_secs_f64(args.cull_idle_s))
         .transpose()
         .map_err(|e| anyhow::anyhow!("--cull-idle-s: {e}"))?;
+    config.limits = looseleaf_frontend::admission::Limits {
+        cwd_root: args.cwd_root,
+        sessions_per_user: args.max_sessions_per_user,
+        queued_runs: args.max_queued_runs,
+    };
+    config.origins =
+        Some(looseleaf_frontend::origins::Origins::new(args.listen, &args.allowed_hosts, &args.cors_origins));
     if let Some(path) = &args.tokens_file {
         config.tokens = looseleaf_frontend::auth::Tokens::load(path)?;
     }

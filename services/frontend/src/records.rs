@@ -88,6 +88,31 @@ impl Records {
         Ok(Some(record))
     }
 
+    /// How many sessions `owner` holds (every record is read: sessions are created
+    /// rarely, and only a frontend with a per-user limit asks).
+    pub async fn count_owned_by(&self, owner: &Option<String>) -> Result<usize, RecordError> {
+        use futures::TryStreamExt as _;
+        let keys: Vec<String> = self
+            .kv
+            .keys()
+            .await
+            .map_err(|e| RecordError::Bucket(e.to_string()))?
+            .try_collect()
+            .await
+            .map_err(|e| RecordError::Bucket(e.to_string()))?;
+        let mut held = 0;
+        for key in keys {
+            let Ok(session) = Uuid::parse_str(&key) else { continue };
+            match self.get(session).await {
+                Ok(Some(r)) if &r.owner == owner => held += 1,
+                // another user's, gone meanwhile, or unreadable here (whose it is unknown)
+                Ok(_) | Err(RecordError::Corrupt { .. }) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(held)
+    }
+
     /// Remove a session's record (the session is deleted).
     pub async fn remove(&self, session: Uuid) -> Result<(), RecordError> {
         self.kv.delete(session.to_string()).await.map_err(|e| RecordError::Bucket(e.to_string()))

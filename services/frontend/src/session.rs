@@ -128,6 +128,8 @@ pub struct Shared {
     pub records: Records,
     /// Stream items each session keeps for clients that connect or reconnect later.
     pub history_items: usize,
+    /// Runs a session may have waiting behind the running one.
+    pub queued_runs: usize,
 }
 
 /// The per-session actor.
@@ -556,9 +558,10 @@ impl Handler<Edit> for SessionActor {
     }
 }
 
-/// Queue a run; answers the exec id and the queue position.
+/// Queue a run; answers the exec id and the queue position, or, when the queue is
+/// full, how many runs wait.
 #[derive(Message)]
-#[rtype(result = "(Uuid, usize)")]
+#[rtype(result = "Result<(Uuid, usize), usize>")]
 pub struct Run {
     /// The cell.
     pub cell_id: String,
@@ -573,6 +576,9 @@ impl Handler<Run> for SessionActor {
 
     fn handle(&mut self, msg: Run, ctx: &mut Self::Context) -> Self::Result {
         self.last_active = Instant::now();
+        if self.queue.len() >= self.shared.queued_runs {
+            return MessageResult(Err(self.queue.len()));
+        }
         let exec_id = Uuid::now_v7();
         let position = self.queue.len() + usize::from(self.current.is_some());
         self.executions.push(ExecRecord {
@@ -586,7 +592,7 @@ impl Handler<Run> for SessionActor {
         self.emit(&StreamItem::Queued { exec_id, cell_id: msg.cell_id.clone(), run_unix_ms: msg.run_unix_ms });
         self.queue.push_back(Pending { exec_id, cell_id: msg.cell_id, code: msg.code, run_unix_ms: msg.run_unix_ms });
         self.start_next(ctx);
-        MessageResult((exec_id, position))
+        MessageResult(Ok((exec_id, position)))
     }
 }
 

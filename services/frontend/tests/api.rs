@@ -564,3 +564,111 @@ async fn an_idle_session_is_culled_and_reopens_while_a_watched_one_stays() -> an
     assert_eq!(fe.client.summary(idle).await?["cwd"], "/tmp/idle");
     Ok(())
 }
+
+#[actix_rt::test]
+async fn working_directories_sessions_and_queues_are_bounded() -> anyhow::Result<()> {
+    let nats = NatsServer::start()?;
+    let prefix = random_prefix();
+    let root = tempfile::tempdir()?;
+    let (alice, bob) = ("alice-token-0123456789", "bob-token-0123456789ab");
+    let tokens = Tokens::parse(&format!("alice {alice}\nbob {bob}\n"))?;
+    let root_path = root.path().to_path_buf();
+    let fe = start_frontend_with(&nats, &prefix, |c| {
+        c.tokens = tokens;
+        c.limits = looseleaf_frontend::admission::Limits {
+            cwd_root: Some(root_path),
+            sessions_per_user: Some(2),
+            queued_runs: 1,
+        };
+    })
+    .await?;
+    let as_alice = fe.client.clone().with_token(alice);
+    let as_bob = fe.client.clone().with_token(bob);
+    let inside = root.path().join("alice").display().to_string();
+
+    // a working directory outside the root: 400 naming it
+    let err = as_alice.create_session("/etc", true, false).await.expect_err("outside the root");
+    assert_eq!(err.status(), Some(reqwest::StatusCode::BAD_REQUEST), "{err}");
+    assert!(format!("{err:#}").contains("--cwd-root"), "{err:#}");
+
+    // two sessions each; a third is 429 for alice, bob is not affected
+    let first = as_alice.create_session(&inside, true, false).await?;
+    as_alice.create_session(&inside, true, false).await?;
+    let err = as_alice.create_session(&inside, true, false).await.expect_err("a third session");
+    assert_eq!(err.status(), Some(reqwest::StatusCode::TOO_MANY_REQUESTS), "{err}");
+    as_bob.create_session(&inside, true, false).await?;
+    // deleting one frees a place
+    as_alice.delete(first).await?;
+    let sid = as_alice.create_session(&inside, true, false).await?;
+
+    // one run waits for a host, one more may queue behind it, the next is 429
+    as_alice.run(sid, "a", "1").await?;
+    as_alice.run(sid, "b", "2").await?;
+    let err = as_alice.run(sid, "c", "3").await.expect_err("a full queue");
+    assert_eq!(err.status(), Some(reqwest::StatusCode::TOO_MANY_REQUESTS), "{err}");
+    Ok(())
+}
+
+/// Send `raw` on a fresh connection to `base` and read what comes back until the
+/// server closes it (or 10 s pass).
+async fn raw_exchange(base: &str, raw: &str) -> anyhow::Result<String> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let addr = base.trim_start_matches("http://");
+    let mut conn = tokio::net::TcpStream::connect(addr).await?;
+    conn.write_all(raw.as_bytes()).await?;
+    let mut answer = Vec::new();
+    tokio::time::timeout(WAIT, conn.read_to_end(&mut answer)).await.context("the server kept the connection")??;
+    Ok(String::from_utf8_lossy(&answer).into_owned())
+}
+
+#[actix_rt::test]
+async fn slow_clients_are_cut_off_and_only_allowed_hosts_and_origins_are_answered() -> anyhow::Result<()> {
+    let nats = NatsServer::start()?;
+    let prefix = random_prefix();
+    let short = Duration::from_millis(500);
+    let fe = start_frontend_with(&nats, &prefix, |c| {
+        c.http_timeouts = looseleaf_frontend::serve::HttpTimeouts { header: short, body: short };
+        c.origins = Some(looseleaf_frontend::origins::Origins::new(
+            std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+            &[],
+            &["https://lab.example.org".into()],
+        ));
+    })
+    .await?;
+
+    // headers that never end: the connection is closed, not held
+    let answer = raw_exchange(&fe.base, "GET /v1/health HTTP/1.1\r\nHost: 127.0.0.1\r\n").await?;
+    assert!(!answer.contains("200 OK"), "{answer}");
+    // a body shorter than its Content-Length: 408 once the body timeout passes
+    let partial = "POST /v1/sessions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+                   Content-Length: 100\r\nConnection: close\r\n\r\n{\"cwd\":";
+    let answer = raw_exchange(&fe.base, partial).await?;
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+
+    // a name that is not the loopback's (DNS rebinding): 403
+    let client = reqwest::Client::new();
+    let health = format!("{}/v1/health", fe.base);
+    let resp = client.get(&health).header("Host", "evil.example:80").send().await?;
+    assert_eq!(resp.status(), reqwest::StatusCode::FORBIDDEN);
+    assert!(resp.text().await?.contains("evil.example"));
+    assert_eq!(client.get(&health).send().await?.status(), reqwest::StatusCode::OK);
+
+    // CORS: the listed origin may read and gets its preflight; another may not
+    let resp = client.get(&health).header("Origin", "https://lab.example.org").send().await?;
+    assert_eq!(resp.headers()["access-control-allow-origin"], "https://lab.example.org");
+    let resp = client.get(&health).header("Origin", "https://evil.example").send().await?;
+    assert!(!resp.headers().contains_key("access-control-allow-origin"));
+    let preflight = |origin: &'static str| {
+        client
+            .request(reqwest::Method::OPTIONS, format!("{}/v1/sessions", fe.base))
+            .header("Origin", origin)
+            .header("Access-Control-Request-Method", "POST")
+            .header("Access-Control-Request-Headers", "authorization, content-type")
+            .send()
+    };
+    let ok = preflight("https://lab.example.org").await?;
+    assert_eq!(ok.status(), reqwest::StatusCode::NO_CONTENT);
+    assert!(ok.headers()["access-control-allow-headers"].to_str()?.contains("authorization"));
+    assert_eq!(preflight("https://evil.example").await?.status(), reqwest::StatusCode::FORBIDDEN);
+    Ok(())
+}
