@@ -118,14 +118,23 @@ pub enum StreamItem {
     },
 }
 
-/// Splits a Server-Sent Events byte stream into the `data` of each event.
+/// One Server-Sent Event: its id (if it had one) and its data.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SseEvent {
+    /// The `id` field.
+    pub id: Option<String>,
+    /// The `data` lines, joined with `\n`.
+    pub data: String,
+}
+
+/// Splits a Server-Sent Events byte stream into events.
 ///
-/// Feed it chunks as they arrive; it returns every complete event's data (multi-line
-/// data joined with `\n`). Comments (`:` lines, keep-alives) and other fields are
-/// ignored.
+/// Feed it chunks as they arrive; it returns every complete event (multi-line data
+/// joined with `\n`). Comments (`:` lines, keep-alives) and other fields are ignored.
 #[derive(Debug, Default)]
 pub struct SseParser {
     buf: Vec<u8>,
+    id: Option<String>,
     data: Vec<String>,
 }
 
@@ -135,70 +144,104 @@ impl SseParser {
         Self::default()
     }
 
-    /// Add bytes; returns the data of each event they completed.
-    pub fn push(&mut self, bytes: &[u8]) -> Vec<String> {
+    /// Add bytes; returns each event they completed.
+    pub fn push_events(&mut self, bytes: &[u8]) -> Vec<SseEvent> {
         self.buf.extend_from_slice(bytes);
         let mut events = Vec::new();
         while let Some(pos) = self.buf.iter().position(|&b| b == b'\n') {
             let line: Vec<u8> = self.buf.drain(..=pos).collect();
             let line = String::from_utf8_lossy(&line);
             let line = line.trim_end_matches(['\n', '\r']);
+            let field =
+                |name: &str| line.strip_prefix(name).map(|rest| rest.strip_prefix(' ').unwrap_or(rest).to_string());
             if line.is_empty() {
                 if !self.data.is_empty() {
-                    events.push(self.data.join("\n"));
+                    events.push(SseEvent { id: self.id.take(), data: self.data.join("\n") });
                     self.data.clear();
                 }
-            } else if let Some(rest) = line.strip_prefix("data:") {
-                self.data.push(rest.strip_prefix(' ').unwrap_or(rest).to_string());
+            } else if let Some(data) = field("data:") {
+                self.data.push(data);
+            } else if let Some(id) = field("id:") {
+                self.id = Some(id);
             }
         }
         events
     }
+
+    /// Add bytes; returns the data of each event they completed.
+    pub fn push(&mut self, bytes: &[u8]) -> Vec<String> {
+        self.push_events(bytes).into_iter().map(|e| e.data).collect()
+    }
 }
 
-/// Read a session's event stream (the body of `GET …/events`, as byte chunks) on a
-/// task; items arrive on the channel, which closes when the stream ends or breaks.
-/// Dropping the receiver closes the connection.
-/// An item that does not parse is logged and skipped.
-pub fn spawn_item_reader<B, E>(
-    mut body: impl futures::Stream<Item = Result<B, E>> + Send + Unpin + 'static,
-) -> tokio::sync::mpsc::UnboundedReceiver<StreamItem>
+/// Where a reader of a session's event stream is, across reconnections: the last
+/// event id seen, and a hash of every item delivered, so that items a frontend
+/// replays after a reconnection (all of them, if it adopted the session from
+/// another frontend) reach the caller once.
+#[derive(Debug, Default)]
+pub struct StreamPosition {
+    /// The last event id seen (sent as `Last-Event-ID` when reconnecting).
+    pub last_id: Option<String>,
+    delivered: std::collections::HashSet<u64>,
+}
+
+impl StreamPosition {
+    fn first_time(&mut self, data: &str) -> bool {
+        use std::hash::{Hash as _, Hasher as _};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        data.hash(&mut h);
+        self.delivered.insert(h.finish())
+    }
+}
+
+/// Read one connection's event stream (the body of `GET …/events`, as byte
+/// chunks), sending each item not delivered before to `tx` and noting where it
+/// is in `pos`. Returns true if the receiver went away (stop), false if the stream
+/// ended or broke (the caller may reconnect). An item that does not parse is
+/// logged and skipped.
+pub async fn read_items<B, E>(
+    mut body: impl futures::Stream<Item = Result<B, E>> + Unpin,
+    tx: &tokio::sync::mpsc::UnboundedSender<StreamItem>,
+    pos: &mut StreamPosition,
+) -> bool
 where
-    B: AsRef<[u8]> + Send,
-    E: std::fmt::Display + Send,
+    B: AsRef<[u8]>,
+    E: std::fmt::Display,
 {
     use futures::StreamExt as _;
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        let mut parser = SseParser::new();
-        loop {
-            // a reader nobody reads from any more lets go of the connection at once
-            // (the frontend counts a session with a connected client as watched)
-            let chunk = tokio::select! {
-                chunk = body.next() => chunk,
-                () = tx.closed() => return,
-            };
-            let Some(chunk) = chunk else { return };
-            let chunk = match chunk {
-                Ok(c) => c,
-                Err(e) => {
-                    tracing::warn!(error = %e, "event stream broke");
-                    return;
-                }
-            };
-            for data in parser.push(chunk.as_ref()) {
-                match serde_json::from_str::<StreamItem>(&data) {
-                    Ok(item) => {
-                        if tx.send(item).is_err() {
-                            return;
-                        }
+    let mut parser = SseParser::new();
+    loop {
+        // a reader nobody reads from any more lets go of the connection at once
+        // (the frontend counts a session with a connected client as watched)
+        let chunk = tokio::select! {
+            chunk = body.next() => chunk,
+            () = tx.closed() => return true,
+        };
+        let chunk = match chunk {
+            Some(Ok(c)) => c,
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "event stream broke");
+                return false;
+            }
+            None => return false,
+        };
+        for event in parser.push_events(chunk.as_ref()) {
+            if event.id.is_some() {
+                pos.last_id = event.id;
+            }
+            if !pos.first_time(&event.data) {
+                continue;
+            }
+            match serde_json::from_str::<StreamItem>(&event.data) {
+                Ok(item) => {
+                    if tx.send(item).is_err() {
+                        return true;
                     }
-                    Err(e) => tracing::warn!(error = %e, %data, "unreadable stream item"),
                 }
+                Err(e) => tracing::warn!(error = %e, data = %event.data, "unreadable stream item"),
             }
         }
-    });
-    rx
+    }
 }
 
 #[cfg(test)]
@@ -210,6 +253,9 @@ mod tests {
         let mut p = SseParser::new();
         assert!(p.push(b"data: {\"a\"").is_empty());
         assert_eq!(p.push(b":1}\n\n: keep-alive\n\ndata: x\r\ndata: y\n\n"), vec!["{\"a\":1}", "x\ny"]);
+        let events = p.push_events(b"id: 7\ndata: a\n\ndata: b\n\n");
+        assert_eq!(events[0], SseEvent { id: Some("7".into()), data: "a".into() });
+        assert_eq!(events[1], SseEvent { id: None, data: "b".into() });
     }
 
     #[test]

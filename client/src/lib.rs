@@ -4,7 +4,7 @@
 
 pub mod api;
 
-use api::{spawn_item_reader, CellCode, CreateSession, Interrupted, RunAccepted, SessionCreated, StreamItem};
+use api::{read_items, CellCode, CreateSession, Interrupted, RunAccepted, SessionCreated, StreamItem, StreamPosition};
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
@@ -50,6 +50,10 @@ impl ClientError {
         }
     }
 }
+
+/// How long an event stream that broke is tried again (a frontend restarting, a
+/// network blip) before the reader gives up and its channel closes.
+pub const RECONNECT_FOR: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// The frontend at one base URL.
 #[derive(Clone, Debug)]
@@ -142,10 +146,59 @@ impl Frontend {
     }
 
     /// Open the session's event stream (what happened before is replayed first);
-    /// items arrive on the channel, which closes when the stream ends.
+    /// items arrive on the channel, each once. A stream that breaks (a frontend
+    /// restarting) is resumed; the channel closes when the session is gone or no
+    /// frontend answers for [`RECONNECT_FOR`].
     pub async fn events(&self, sid: Uuid) -> Result<mpsc::UnboundedReceiver<StreamItem>, ClientError> {
-        let resp = self.send("events", self.http.get(format!("{}/v1/sessions/{sid}/events", self.base))).await?;
-        Ok(spawn_item_reader(resp.bytes_stream()))
+        let url = format!("{}/v1/sessions/{sid}/events", self.base);
+        let resp = self.send("events", self.http.get(&url)).await?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let client = self.clone();
+        tokio::spawn(async move {
+            let mut pos = StreamPosition::default();
+            let mut body = resp;
+            loop {
+                if read_items(body.bytes_stream(), &tx, &mut pos).await {
+                    return; // the receiver was dropped
+                }
+                // the stream ended or broke: the frontend restarted or the network
+                // failed; resume after the last event seen (a frontend that adopted
+                // the session in the meantime replays what it has)
+                match client.reconnect(&url, pos.last_id.as_deref(), &tx).await {
+                    Some(resp) => body = resp,
+                    None => return,
+                }
+            }
+        });
+        Ok(rx)
+    }
+
+    /// Open the event stream at `url` again, resuming after `last_id`: tried every
+    /// half second for [`RECONNECT_FOR`]; None if that passed, the session is gone
+    /// (404, 401) or the receiver was dropped.
+    async fn reconnect(
+        &self,
+        url: &str,
+        last_id: Option<&str>,
+        tx: &mpsc::UnboundedSender<StreamItem>,
+    ) -> Option<reqwest::Response> {
+        let deadline = tokio::time::Instant::now() + RECONNECT_FOR;
+        while tokio::time::Instant::now() < deadline && !tx.is_closed() {
+            let mut req = self.http.get(url);
+            if let Some(id) = last_id {
+                req = req.header("Last-Event-ID", id);
+            }
+            match self.send("events", req).await {
+                Ok(resp) => return Some(resp),
+                Err(e) if e.status().is_some_and(|s| s.is_client_error()) => {
+                    tracing::info!(error = %e, "the event stream cannot be resumed");
+                    return None;
+                }
+                Err(e) => tracing::debug!(error = %e, "the event stream is not back yet"),
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        }
+        None
     }
 }
 

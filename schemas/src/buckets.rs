@@ -26,6 +26,16 @@ pub enum BucketError {
         /// What JetStream said.
         source: CreateStreamError,
     },
+    /// A stream could not be read back.
+    #[error("replaying {subject} from stream {stream}: {reason}")]
+    Replay {
+        /// The stream.
+        stream: String,
+        /// The subject asked for.
+        subject: String,
+        /// What went wrong.
+        reason: String,
+    },
 }
 
 /// How long a claim lives without renewal; a dead host's claims expire after this.
@@ -109,6 +119,73 @@ async fn ensure_bucket(js: &jetstream::Context, config: kv::Config) -> Result<kv
                 source,
             }),
         },
+    }
+}
+
+/// Outputs the outputs stream keeps per execution, and in all (oldest go first).
+pub const OUTPUTS_PER_EXEC: i64 = 10_000;
+/// Bytes the outputs stream keeps in all (oldest go first).
+pub const OUTPUTS_BYTES: i64 = 1 << 30;
+
+/// Get or create the stream that keeps cells' outputs for a day, bounded per
+/// execution and in bytes: a frontend that adopts a session with a cell in flight
+/// replays what that cell printed before it took over.
+pub async fn outputs_stream(
+    js: &jetstream::Context,
+    subjects: &crate::Subjects,
+) -> Result<stream::Stream, BucketError> {
+    js.get_or_create_stream(stream::Config {
+        name: subjects.outputs_stream(),
+        subjects: vec![subjects.all_outputs()],
+        max_age: Duration::from_secs(24 * 3600),
+        max_messages_per_subject: OUTPUTS_PER_EXEC,
+        max_bytes: OUTPUTS_BYTES,
+        ..Default::default()
+    })
+    .await
+    .map_err(|source| BucketError::Stream { stream: subjects.outputs_stream(), source })
+}
+
+/// Every message `stream` holds on `subject` published since `since_unix_ms`, in
+/// order (an ordered consumer, read until nothing is pending).
+pub async fn replay(
+    js: &jetstream::Context,
+    stream: &str,
+    subject: &str,
+    since_unix_ms: u64,
+) -> Result<Vec<jetstream::Message>, BucketError> {
+    use futures::StreamExt as _;
+    let fail = |reason: String| BucketError::Replay { stream: stream.into(), subject: subject.into(), reason };
+    let start_time =
+        async_nats::datetime::from_nanos(i128::from(since_unix_ms) * 1_000_000).map_err(|e| fail(e.to_string()))?;
+    let handle = js.get_stream(stream).await.map_err(|e| fail(e.to_string()))?;
+    let mut consumer = handle
+        .create_consumer(jetstream::consumer::pull::OrderedConfig {
+            filter_subject: subject.into(),
+            deliver_policy: jetstream::consumer::DeliverPolicy::ByStartTime { start_time },
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| fail(e.to_string()))?;
+    let pending = consumer.info().await.map_err(|e| fail(e.to_string()))?.num_pending;
+    let mut out = Vec::new();
+    if pending == 0 {
+        return Ok(out);
+    }
+    let mut messages = consumer.messages().await.map_err(|e| fail(e.to_string()))?;
+    loop {
+        let next = tokio::time::timeout(Duration::from_secs(5), messages.next()).await;
+        let msg = match next {
+            Ok(Some(Ok(m))) => m,
+            Ok(Some(Err(e))) => return Err(fail(e.to_string())),
+            Ok(None) => return Ok(out),
+            Err(_) => return Err(fail(format!("stalled after {} messages", out.len()))),
+        };
+        let left = msg.info().map(|i| i.pending).unwrap_or(0);
+        out.push(msg);
+        if left == 0 {
+            return Ok(out);
+        }
     }
 }
 

@@ -105,6 +105,11 @@ impl Subjects {
         format!("{}.v1.output.{sid}.{exec}", self.prefix)
     }
 
+    /// `{prefix}.v1.output.*.*` — every session's outputs.
+    pub fn all_outputs(&self) -> String {
+        format!("{}.v1.output.*.*", self.prefix)
+    }
+
     /// `{prefix}.v1.output.{sid}.*` — every output of one session.
     pub fn session_outputs(&self, sid: Uuid) -> String {
         format!("{}.v1.output.{sid}.*", self.prefix)
@@ -150,6 +155,12 @@ impl Subjects {
     /// Name of the JetStream stream that keeps session events for replay.
     pub fn events_stream(&self) -> String {
         format!("{}_session_events", self.prefix.replace(['.', '*', '>'], "_"))
+    }
+
+    /// The JetStream stream that keeps cells' outputs, for a frontend that adopts a
+    /// session with a cell in flight.
+    pub fn outputs_stream(&self) -> String {
+        format!("{}_outputs", self.prefix.replace(['.', '*', '>'], "_"))
     }
 }
 

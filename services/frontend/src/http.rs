@@ -253,6 +253,7 @@ async fn create_session(
         revision: 0,
         last_exec: None,
         owner: caller.0.clone(),
+        in_flight: None,
     };
     // recorded first: a session is never served that a restarted frontend would lose
     state.shared.records.put(&record).await.map_err(unavailable)?;

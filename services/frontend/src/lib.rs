@@ -142,6 +142,9 @@ pub async fn run_with_bound(
     schemas::buckets::events_stream(&bus.jetstream(), bus.subjects())
         .await
         .context("while creating the session-events stream (is JetStream enabled?)")?;
+    schemas::buckets::outputs_stream(&bus.jetstream(), bus.subjects())
+        .await
+        .context("while creating the outputs stream")?;
     let claims = schemas::buckets::claims(&bus.jetstream(), &config.prefix).await?;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await

@@ -33,6 +33,21 @@ pub struct SessionRecord {
     /// The user it belongs to (None: made on an API without tokens).
     #[serde(default)]
     pub owner: Option<String>,
+    /// The run sent to the planner and not complete yet: a frontend that adopts the
+    /// session follows it to its outcome (written before the run is sent).
+    #[serde(default)]
+    pub in_flight: Option<InFlight>,
+}
+
+/// A run in flight, as its session's record keeps it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct InFlight {
+    /// The execution.
+    pub exec_id: Uuid,
+    /// Its cell.
+    pub cell_id: String,
+    /// When Run was pressed (unix ms).
+    pub run_unix_ms: u64,
 }
 
 /// Why a record could not be read or written.

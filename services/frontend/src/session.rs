@@ -21,8 +21,18 @@ use tokio::sync::mpsc;
 use uuid::Uuid;
 
 use crate::api::{ExecStatus, Interrupted, StreamItem};
-use crate::records::{Records, SessionRecord};
+use crate::records::{InFlight, Records, SessionRecord};
 use crate::Timeouts;
+
+/// A record to write, and who waits until it landed.
+type RecordWrite = (SessionRecord, Option<tokio::sync::oneshot::Sender<()>>);
+
+/// How long a run waits for its in-flight record before it is sent anyway.
+const RECORD_WAIT: Duration = Duration::from_secs(5);
+
+/// How far back a frontend that adopts a run in flight reads the streams, before
+/// the run was pressed (clocks of machines differ).
+const ADOPT_CLOCK_SKEW_MS: u64 = 60_000;
 
 /// A run waiting for its turn.
 #[derive(Clone, Debug)]
@@ -93,6 +103,10 @@ struct Current {
 }
 
 impl Current {
+    fn new(exec_id: Uuid) -> Self {
+        Self { exec_id, host: None, finished: None, expected_outputs: None, outputs: HashSet::new(), terminal: None }
+    }
+
     /// The outcome of an execution whose save was committed: the cell's own.
     fn saved_outcome(&self) -> (ExecStatus, Option<String>) {
         match &self.finished {
@@ -140,7 +154,7 @@ pub struct SessionActor {
     /// execution left), as written to the session's record.
     stored: SessionRecord,
     /// The record's writer: the latest record is written, in order.
-    record_tx: mpsc::UnboundedSender<SessionRecord>,
+    record_tx: mpsc::UnboundedSender<RecordWrite>,
     queue: VecDeque<Pending>,
     current: Option<Current>,
     /// Pieces of outputs too large for one message, per (execution, seq).
@@ -152,30 +166,44 @@ pub struct SessionActor {
     log: VecDeque<(u64, String)>,
     /// The id the next stream item gets.
     next_id: u64,
+    /// The id of this incarnation's first item: the time it started (unix ms)
+    /// times a thousand, so a later incarnation's ids are above any earlier one's
+    /// (unless one emitted more than a thousand items a millisecond) and every id
+    /// stays exact in a JavaScript number.
+    first_id: u64,
     clients: Vec<mpsc::UnboundedSender<(u64, String)>>,
     closing: bool,
     /// When a client last did something with the session, or a cell last ended.
     last_active: Instant,
+    /// Keys of the messages replayed from the streams for an adopted run, which
+    /// the live subscriptions may deliver again.
+    replayed: HashSet<String>,
 }
 
 impl SessionActor {
     /// The actor of the session `record` describes (a new one, or one adopted from
     /// its record); add its two subscriptions as streams when starting it.
     pub fn new(record: SessionRecord, shared: Shared) -> Self {
-        let (record_tx, mut rx) = mpsc::unbounded_channel::<SessionRecord>();
+        let (record_tx, mut rx) = mpsc::unbounded_channel::<RecordWrite>();
         let records = shared.records.clone();
         // one writer per session: records land in order, and only the latest of
-        // those waiting is written
+        // those waiting is written (everyone waiting hears when it landed)
         tokio::spawn(async move {
-            while let Some(mut latest) = rx.recv().await {
-                while let Ok(newer) = rx.try_recv() {
+            while let Some((mut latest, ack)) = rx.recv().await {
+                let mut acks: Vec<_> = ack.into_iter().collect();
+                while let Ok((newer, ack)) = rx.try_recv() {
                     latest = newer;
+                    acks.extend(ack);
                 }
                 if let Err(e) = records.put(&latest).await {
                     tracing::warn!(session = %latest.session_id, error = %e, "could not update the session's record");
                 }
+                for ack in acks {
+                    let _ = ack.send(());
+                }
             }
         });
+        let first_id = schemas::unix_ms().saturating_mul(1000);
         Self {
             sid: record.session_id,
             stored: record,
@@ -187,10 +215,12 @@ impl SessionActor {
             edit_seq: HashMap::new(),
             executions: Vec::new(),
             log: VecDeque::new(),
-            next_id: 1,
+            next_id: first_id,
+            first_id,
             clients: Vec::new(),
             closing: false,
             last_active: Instant::now(),
+            replayed: HashSet::new(),
         }
     }
 
@@ -291,22 +321,23 @@ impl SessionActor {
             after_revision: self.stored.revision,
             options: self.stored.options.clone(),
         };
-        self.current = Some(Current {
-            exec_id: p.exec_id,
-            host: None,
-            finished: None,
-            expected_outputs: None,
-            outputs: HashSet::new(),
-            terminal: None,
-        });
+        self.current = Some(Current::new(p.exec_id));
         if let Some(r) = self.record(p.exec_id) {
             r.status = ExecStatus::Running;
         }
         let exec_id = p.exec_id;
+        // recorded before it is sent: a frontend that adopts the session follows it
+        self.stored.in_flight = Some(InFlight { exec_id, cell_id: p.cell_id.clone(), run_unix_ms: p.run_unix_ms });
+        let (ack_tx, ack_rx) = tokio::sync::oneshot::channel();
+        let _ = self.record_tx.send((self.stored.clone(), Some(ack_tx)));
         let bus = self.shared.bus.clone();
         let subject = bus.subjects().run(self.sid);
         tracing::info!(session = %self.sid, exec = %exec_id, cell = %p.cell_id, after_revision = self.stored.revision, "run sent");
-        ctx.spawn(async move { bus.publish(subject, &run).await }.into_actor(self).map(move |res, act, ctx| {
+        let send = async move {
+            let _ = tokio::time::timeout(RECORD_WAIT, ack_rx).await;
+            bus.publish(subject, &run).await
+        };
+        ctx.spawn(send.into_actor(self).map(move |res, act, ctx| {
             if let Err(e) = res {
                 // the client may still deliver it after a reconnect: make sure no
                 // host runs it before saying it did not run
@@ -314,6 +345,12 @@ impl SessionActor {
                 act.abandon_unclaimed(exec_id, format!("could not send the run to the planner: {e}"), ctx);
             }
         }));
+        self.arm_deadlines(exec_id, ctx);
+    }
+
+    /// The current execution's deadlines: unclaimed after the claim timeout, it is
+    /// abandoned; not complete after the execution deadline, it is interrupted.
+    fn arm_deadlines(&mut self, exec_id: Uuid, ctx: &mut Context<Self>) {
         let claim_timeout = self.shared.timeouts.claim;
         ctx.run_later(claim_timeout, move |act, ctx| {
             if act.current.as_ref().is_some_and(|c| c.exec_id == exec_id && c.host.is_none() && c.terminal.is_none()) {
@@ -398,7 +435,8 @@ impl SessionActor {
         self.last_active = Instant::now();
         self.stored.revision = revision;
         self.stored.last_exec = Some(cur.exec_id);
-        let _ = self.record_tx.send(self.stored.clone()); // the writer lives as long as the actor
+        self.stored.in_flight = None;
+        let _ = self.record_tx.send((self.stored.clone(), None)); // the writer lives as long as the actor
         if let Some(r) = self.record(cur.exec_id) {
             r.status = status;
             r.after_revision = Some(revision);
@@ -495,6 +533,91 @@ impl SessionActor {
 
 impl Actor for SessionActor {
     type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        if let Some(run) = self.stored.in_flight.clone() {
+            self.adopt_in_flight(run, ctx);
+        }
+    }
+}
+
+impl SessionActor {
+    /// The session's record names a run in flight (its frontend went away while
+    /// it ran): it is current here at once (nothing else is sent before it ends),
+    /// and what it did so far is read back from the events and outputs streams
+    /// before anything else is handled (the live subscriptions wait meanwhile, and
+    /// what both deliver is relayed once). Then it ends as any run does: by its
+    /// outcome event, host loss, or the claim timeout if no host ever took it.
+    fn adopt_in_flight(&mut self, run: InFlight, ctx: &mut Context<Self>) {
+        let exec_id = run.exec_id;
+        tracing::info!(session = %self.sid, exec = %exec_id, "adopting the run in flight from the session's record");
+        self.executions.push(ExecRecord {
+            exec_id,
+            cell_id: run.cell_id.clone(),
+            run_unix_ms: run.run_unix_ms,
+            status: ExecStatus::Running,
+            after_revision: None,
+            error: None,
+        });
+        self.emit(&StreamItem::Queued { exec_id, cell_id: run.cell_id, run_unix_ms: run.run_unix_ms });
+        self.current = Some(Current::new(exec_id));
+        let (bus, sid) = (self.shared.bus.clone(), self.sid);
+        let since = run.run_unix_ms.saturating_sub(ADOPT_CLOCK_SKEW_MS);
+        let read = async move {
+            let (js, s) = (bus.jetstream(), bus.subjects());
+            let events = schemas::buckets::replay(&js, &s.events_stream(), &s.event(sid), since).await;
+            let outputs = schemas::buckets::replay(&js, &s.outputs_stream(), &s.output(sid, exec_id), since).await;
+            (events, outputs)
+        };
+        ctx.wait(read.into_actor(self).map(move |(events, outputs), act, ctx| {
+            match events {
+                Ok(msgs) => {
+                    for m in &msgs {
+                        match schemas::codec::decode::<SessionEventV2>(m.headers.as_ref(), &m.payload) {
+                            Ok(ev) if ev.exec_id == exec_id => {
+                                act.replayed.insert(event_key(&ev));
+                                act.on_event(ctx, ev);
+                            }
+                            Ok(_) => {}
+                            Err(e) => tracing::warn!(error = %e, "a replayed event does not decode; skipped"),
+                        }
+                    }
+                }
+                Err(e) => tracing::warn!(session = %sid, error = %e, "could not replay the adopted run's events"),
+            }
+            match outputs {
+                Ok(msgs) => {
+                    for m in &msgs {
+                        match schemas::codec::decode::<OutputV1>(m.headers.as_ref(), &m.payload) {
+                            Ok(out) => {
+                                act.replayed.insert(output_key(&out));
+                                act.on_output(ctx, out);
+                            }
+                            Err(e) => tracing::warn!(error = %e, "a replayed output does not decode; skipped"),
+                        }
+                    }
+                }
+                Err(e) => tracing::warn!(session = %sid, error = %e, "could not replay the adopted run's outputs"),
+            }
+            if act.current.as_ref().is_some_and(|c| c.exec_id == exec_id) {
+                act.arm_deadlines(exec_id, ctx);
+            }
+        }));
+    }
+
+    /// Whether the live subscription delivers what the adoption replay already
+    /// did (both can, for messages published around the adoption).
+    fn replayed_already(&mut self, key: impl FnOnce() -> String) -> bool {
+        !self.replayed.is_empty() && self.replayed.remove(&key())
+    }
+}
+
+fn event_key(ev: &SessionEventV2) -> String {
+    format!("{ev:?}")
+}
+
+fn output_key(out: &OutputV1) -> String {
+    format!("output {} {} {}", out.exec_id, out.seq, out.part)
 }
 
 impl StreamHandler<Result<Envelope<SessionEventV2>, Rejected>> for SessionActor {
@@ -506,6 +629,9 @@ impl StreamHandler<Result<Envelope<SessionEventV2>, Rejected>> for SessionActor 
                 return;
             }
             let _entered = env.span("frontend.event").entered();
+            if self.replayed_already(|| event_key(&env.msg)) {
+                return;
+            }
             self.on_event(ctx, env.msg);
         }
     }
@@ -520,6 +646,9 @@ impl StreamHandler<Result<Envelope<OutputV1>, Rejected>> for SessionActor {
         if let Ok(env) = item {
             if env.msg.session != self.sid {
                 tracing::error!(subject = %env.subject, "output names another session; dropped");
+                return;
+            }
+            if self.replayed_already(|| output_key(&env.msg)) {
                 return;
             }
             self.on_output(ctx, env.msg);
@@ -596,8 +725,9 @@ impl Handler<Run> for SessionActor {
     }
 }
 
-/// Attach an SSE client: the items kept after id `after` (all kept, if None), then
-/// a channel of the items to come. Each item is (id, JSON line); ids grow by one.
+/// Attach an SSE client: the items kept after id `after` (all kept, if None or an
+/// id of an earlier incarnation), then a channel of the items to come. Each item is
+/// (id, JSON line); ids grow by one.
 #[derive(Message)]
 #[rtype(result = "(Vec<(u64, String)>, mpsc::UnboundedReceiver<(u64, String)>)")]
 pub struct Attach {
@@ -614,7 +744,9 @@ impl Handler<Attach> for SessionActor {
         if !self.closing {
             self.clients.push(tx);
         }
-        let after = msg.after.unwrap_or(0);
+        // ids of an earlier incarnation of the session (another frontend, or this
+        // one before it restarted) are below this one's first: replay everything
+        let after = msg.after.filter(|a| (self.first_id..self.next_id).contains(a)).unwrap_or(0);
         let replay = self.log.iter().filter(|(id, _)| *id > after).cloned().collect();
         MessageResult((replay, rx))
     }

@@ -441,6 +441,62 @@ async fn a_restarted_frontend_serves_every_session_from_its_record() -> anyhow::
     Ok(())
 }
 
+/// The text of every stdout output among `items`, in order.
+fn printed(items: &[StreamItem]) -> Vec<String> {
+    items
+        .iter()
+        .filter_map(|i| match i {
+            StreamItem::Output { output, .. } => output["text"].as_str().map(str::to_string),
+            _ => None,
+        })
+        .collect()
+}
+
+#[actix_rt::test]
+async fn a_run_in_flight_survives_a_frontend_restart_with_every_output_once() -> anyhow::Result<()> {
+    let nats = NatsServer::start()?;
+    let prefix = random_prefix();
+    // both on one port, as a frontend restarted in place
+    let listen: std::net::SocketAddr = format!("127.0.0.1:{}", looseleaf_test_support::free_port()?).parse()?;
+    let first = start_frontend_with(&nats, &prefix, |c| c.listen = listen).await?;
+    let sid = first.client.create_session("/tmp", true, false).await?;
+    let bus = Bus::connect(nats.url(), &prefix, "fake").await?;
+    let mut runs = bus.subscribe::<RunV1>(bus.subjects().run(sid)).await?;
+    bus.flush().await?;
+    // a client watching from before the restart: its reader reconnects and resumes
+    let mut watching = first.client.events(sid).await?;
+    let a = first.client.run(sid, "a", "print(1); print(2); print(3)").await?;
+    next_run(&mut runs).await?;
+    let claimed = EventKind::Claimed { host: "fake".into(), slot: Some(0), prepare: Prepare::Cold };
+    event(&bus, sid, a.exec_id, claimed).await?;
+    event(&bus, sid, a.exec_id, started()).await?;
+    output(&bus, sid, a.exec_id, 0, "before ").await?;
+    drop(first); // the frontend goes away mid-cell
+
+    // the cell goes on while no frontend listens
+    output(&bus, sid, a.exec_id, 1, "while-gone ").await?;
+    event(&bus, sid, a.exec_id, finished(3)).await?;
+    let second = start_frontend_with(&nats, &prefix, |c| c.listen = listen).await?;
+    let summary = second.client.summary(sid).await?;
+    assert_eq!(summary["current"], a.exec_id.to_string(), "the run in flight is adopted: {summary}");
+    let mut sse = second.client.events(sid).await?;
+    output(&bus, sid, a.exec_id, 2, "after").await?;
+    event(&bus, sid, a.exec_id, saved(1)).await?;
+    let items = items_until(&mut sse, is_done(a.exec_id)).await?;
+    assert_eq!(printed(&items), ["before ", "while-gone ", "after"], "each output once, in order");
+    assert!(matches!(items.last(), Some(StreamItem::Done { status: ExecStatus::Ok, after_revision: 1, .. })));
+    let resumed = items_until(&mut watching, is_done(a.exec_id)).await?;
+    assert_eq!(printed(&resumed), ["before ", "while-gone ", "after"], "the resumed reader: each output once");
+    let queued = resumed.iter().filter(|i| matches!(i, StreamItem::Queued { .. })).count();
+    assert_eq!(queued, 1, "{resumed:?}");
+
+    // the queue moves on from the revision the adopted run left
+    let b = second.client.run(sid, "b", "2").await?;
+    let run = next_run(&mut runs).await?;
+    assert_eq!((run.exec_id, run.after_revision), (b.exec_id, 1));
+    Ok(())
+}
+
 #[actix_rt::test]
 async fn with_tokens_only_a_sessions_owner_reaches_it() -> anyhow::Result<()> {
     let nats = NatsServer::start()?;
@@ -523,10 +579,11 @@ async fn a_reconnecting_client_gets_what_came_after_its_last_event_and_history_i
 
     // only the newest 4 are kept; ids go on counting
     let all = sse_events(&fe.base, sid, None, 4).await?;
-    assert_eq!(all.iter().map(|e| e.0).collect::<Vec<_>>(), [2, 3, 4, 5]);
+    let first = all[0].0 - 1; // the first item's id (dropped)
+    assert_eq!(all.iter().map(|e| e.0 - first).collect::<Vec<_>>(), [1, 2, 3, 4]);
     // after the third: the fourth and fifth, nothing repeated
-    let rest = sse_events(&fe.base, sid, Some("3"), 2).await?;
-    assert_eq!(rest.iter().map(|e| e.0).collect::<Vec<_>>(), [4, 5]);
+    let rest = sse_events(&fe.base, sid, Some(&all[1].0.to_string()), 2).await?;
+    assert_eq!(rest.iter().map(|e| e.0 - first).collect::<Vec<_>>(), [3, 4]);
     assert_eq!(rest, all[2..].to_vec());
     assert!(rest[1].1.contains("\"done\""), "{}", rest[1].1);
     // a Last-Event-ID that is not one of ours
