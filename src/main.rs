@@ -89,6 +89,10 @@ enum Command {
         /// first cell that raises and exits with status 1 (as nbconvert and papermill).
         #[arg(long, env = "LOOSELEAF_ALLOW_ERRORS")]
         allow_errors: bool,
+        /// Run a cell again, as a user would, up to this many times when the
+        /// platform failed it (a lost host, no host free: nothing of it was committed).
+        #[arg(long, env = "LOOSELEAF_RETRIES", default_value_t = 0)]
+        retries: u32,
         /// Treat every code cell as a GPU cell.
         #[arg(long, env = "LOOSELEAF_ALL_GPU")]
         all_gpu: bool,
@@ -200,6 +204,7 @@ fn main() -> anyhow::Result<()> {
             output,
             report,
             allow_errors,
+            retries,
             all_gpu,
             frontend,
             token,
@@ -227,6 +232,7 @@ fn main() -> anyhow::Result<()> {
                 typing_cps,
                 speculate: !no_speculation,
                 allow_errors,
+                retries,
             };
             system.block_on(run::run(req, opts))
         }

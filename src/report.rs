@@ -177,11 +177,16 @@ impl CellReport {
         }
         let (status, done_ms, done_error) = match &t.done {
             Some((s, ms, e)) => (*s, Some(*ms), e.clone()),
-            None => (ExecStatus::Error, None, Some("the execution never completed".into())),
+            None => (ExecStatus::Failed, None, Some("the execution never completed".into())),
         };
         r.done_unix_ms = done_ms;
         r.error = cell_error.or(done_error);
-        r.status = if status == ExecStatus::Ok && r.error.is_none() { "ok" } else { "error" }.into();
+        r.status = match status {
+            ExecStatus::Ok if r.error.is_none() => "ok",
+            ExecStatus::Failed => "failed",
+            _ => "error",
+        }
+        .into();
         r
     }
 }

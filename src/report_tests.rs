@@ -66,13 +66,13 @@ fn start_delay_counts_from_run_or_the_previous_cells_end_whichever_is_later() {
 fn a_start_before_run_never_underflows_and_failed_cells_count_as_errors() {
     let mut t = trace(0, 1000, 900, 2000, Device::Gpu);
     t.events.push((1950, EventKind::Failed { error: "worker died".into() }));
-    t.done = Some((ExecStatus::Error, 2000, Some("worker died".into())));
+    t.done = Some((ExecStatus::Failed, 2000, Some("worker died".into())));
     let never = Trace { index: 1, exec_id: Uuid::now_v7(), run_unix_ms: 2100, ..Default::default() };
     let r = build("nb", &[t, never], &SessionLog::default(), 1.0, std::time::UNIX_EPOCH);
     assert_eq!(r.cells[0].start_delay_ms, Some(0));
-    assert_eq!(r.cells[0].status, "error");
+    assert_eq!(r.cells[0].status, "failed", "the platform failed it: not the cell's own error");
     assert_eq!(r.cells[0].error.as_deref(), Some("worker died"));
-    assert_eq!(r.cells[1].status, "error");
+    assert_eq!(r.cells[1].status, "failed");
     assert_eq!(r.cells[1].start_delay_ms, None);
     assert_eq!((r.totals.ok, r.totals.errors), (0, 2));
     assert_eq!(r.totals.median_start_delay_ms, Some(0.0));

@@ -34,6 +34,9 @@ pub struct RunRequest {
     /// Run every cell even after one raises; without it the run stops at the first
     /// cell that raises and fails, as nbconvert and papermill do.
     pub allow_errors: bool,
+    /// Run a cell again, as a user would, up to this many times when the platform
+    /// failed it (status `failed`: nothing of it was committed).
+    pub retries: u32,
 }
 
 /// `NB.ipynb` -> `NB.looseleaf.ipynb` and `NB.looseleaf.json` beside it (nbconvert
@@ -125,7 +128,7 @@ fn progress(t: &Trace, total: usize, report: &report::CellReport) -> String {
 /// error output for a failure outside the cell (no host, worker lost).
 fn messages_of(t: &Trace) -> Vec<serde_json::Value> {
     let mut messages = t.sorted_outputs();
-    if let Some((ExecStatus::Error, _, Some(err))) = &t.done {
+    if let Some((ExecStatus::Error | ExecStatus::Failed, _, Some(err))) = &t.done {
         let raised = messages.iter().any(|o| o.get("output_type").and_then(|v| v.as_str()) == Some("error"));
         if !raised {
             messages.push(notebook::error_output("LooseLeafError", err));
@@ -185,6 +188,9 @@ fn echo(output: &serde_json::Value) {
     let _ = std::io::Write::flush(&mut std::io::stdout());
 }
 
+/// How long `--retries` waits before it runs a failed cell again.
+const RETRY_PAUSE: Duration = Duration::from_secs(1);
+
 async fn drive(req: &RunRequest, mut nb: serde_json::Value, fe: &Frontend) -> anyhow::Result<()> {
     let started = Instant::now();
     let started_at = std::time::SystemTime::now();
@@ -213,29 +219,46 @@ async fn drive(req: &RunRequest, mut nb: serde_json::Value, fe: &Frontend) -> an
                 Some(cps) => type_cell(fe, sid, &cell.cell_id, &cell.source, cps).await?,
                 None => fe.edit(sid, &cell.cell_id, &cell.source).await?,
             }
-            let accepted = fe.run(sid, &cell.cell_id, &cell.source).await?;
-            traces.insert(
-                accepted.exec_id,
-                Trace {
+            let mut attempt = 0;
+            let exec_id = loop {
+                let accepted = fe.run(sid, &cell.cell_id, &cell.source).await?;
+                let trace = Trace {
                     index: cell.index,
                     cell_id: cell.cell_id.clone(),
                     exec_id: accepted.exec_id,
                     ..Default::default()
-                },
-            );
-            order.push(accepted.exec_id);
-            loop {
-                let Some(item) = rx.recv().await else { bail!("the frontend's event stream ended") };
-                if let StreamItem::Output { exec_id, output, .. } = &item {
-                    if *exec_id == accepted.exec_id {
-                        bar.suspend(|| echo(output));
+                };
+                traces.insert(accepted.exec_id, trace);
+                order.push(accepted.exec_id);
+                loop {
+                    let Some(item) = rx.recv().await else { bail!("the frontend's event stream ended") };
+                    if let StreamItem::Output { exec_id, output, .. } = &item {
+                        if *exec_id == accepted.exec_id {
+                            bar.suspend(|| echo(output));
+                        }
+                    }
+                    if absorb(item, &mut traces, &mut log) == Some(accepted.exec_id) {
+                        break;
                     }
                 }
-                if absorb(item, &mut traces, &mut log) == Some(accepted.exec_id) {
-                    break;
+                let failed =
+                    traces.get(&accepted.exec_id).and_then(|t| t.done.as_ref()).filter(|d| d.0 == ExecStatus::Failed);
+                match failed {
+                    Some((_, _, error)) if attempt < req.retries => {
+                        attempt += 1;
+                        let why = error.as_deref().unwrap_or("the platform failed it");
+                        bar.suspend(|| {
+                            eprintln!(
+                                "cell {} failed ({why}); running it again ({attempt}/{})",
+                                cell.cell_id, req.retries
+                            )
+                        });
+                        tokio::time::sleep(RETRY_PAUSE).await;
+                    }
+                    _ => break accepted.exec_id,
                 }
-            }
-            let Some(t) = traces.get(&accepted.exec_id) else { continue };
+            };
+            let Some(t) = traces.get(&exec_id) else { continue };
             let r = report::CellReport::from_trace(t, prev_done);
             prev_done = r.done_unix_ms.or(prev_done);
             let line = progress(t, total, &r);

@@ -46,7 +46,7 @@ async fn a_host_killed_mid_cell_fails_the_cell_and_the_session_goes_on() -> anyh
     services.signal_host(host, Signal::SIGKILL)?;
     let started = std::time::Instant::now();
     let (status, error) = s.events.outcome(exec).await?;
-    assert_eq!(status, ExecStatus::Error);
+    assert_eq!(status, ExecStatus::Failed);
     let error = error.unwrap_or_default();
     assert!(error.contains(&format!("host-{host}")) && error.contains("lost"), "{error}");
     assert!(error.contains("nothing the cell did was committed"), "{error}");
@@ -71,7 +71,7 @@ async fn a_host_stopped_mid_cell_says_so_and_the_session_goes_on() -> anyhow::Re
     let (exec, host) = long_cell_running(&mut s).await?;
     services.signal_host(host, Signal::SIGTERM)?;
     let (status, error) = s.events.outcome(exec).await?;
-    assert_eq!(status, ExecStatus::Error);
+    assert_eq!(status, ExecStatus::Failed);
     let error = error.unwrap_or_default();
     assert!(error.contains(&format!("host-{host} stopped")), "{error}");
     // it exits on its own once its cells are ended
@@ -110,7 +110,7 @@ async fn a_cell_needing_unsavable_state_of_a_lost_host_fails_at_once_naming_it()
     let started = std::time::Instant::now();
     let exec = s.fe.run(s.sid, "b", "print(next(g))").await?.exec_id;
     let (status, error) = s.events.outcome(exec).await?;
-    assert_eq!(status, ExecStatus::Error);
+    assert_eq!(status, ExecStatus::Failed);
     let error = error.unwrap_or_default();
     assert!(error.contains("variables g") && error.contains("is lost"), "{error}");
     assert!(started.elapsed() < Duration::from_secs(45), "failed after {:?}, not at once", started.elapsed());

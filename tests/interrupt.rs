@@ -77,7 +77,7 @@ async fn an_interrupted_gpu_cell_stops_as_in_a_kernel_and_one_that_ignores_it_is
     assert!(pid > 0 && !gone(pid), "the cell's child runs");
     s.fe.interrupt(s.sid).await?;
     let (status, error) = s.events.outcome(exec).await?;
-    assert_eq!(status, ExecStatus::Error);
+    assert_eq!(status, ExecStatus::Failed);
     let error = error.unwrap_or_default();
     assert!(error.contains("did not stop within") && error.contains("nothing it did was committed"), "{error}");
     assert_eq!(after_revision(&s.events.seen, exec), committed, "the killed cell committed nothing");
@@ -116,7 +116,7 @@ async fn a_cell_interrupted_while_it_waits_for_a_slot_never_runs() -> anyhow::Re
     let stopped = b.fe.interrupt(b.sid).await?;
     assert_eq!(stopped.interrupted, Some(waiting));
     let (status, error) = b.events.outcome(waiting).await?;
-    assert_eq!(status, ExecStatus::Error);
+    assert_eq!(status, ExecStatus::Failed);
     assert!(error.unwrap_or_default().contains("interrupted before it started"));
 
     // the slot frees; b's interrupted cell still never runs, and b goes on

@@ -23,7 +23,7 @@ async fn a_worker_past_its_memory_or_process_limit_fails_the_cell_naming_the_lim
         // 2 GB, touched: far past 600 MiB
         let (status, error, text) =
             s.run("b", "import numpy as np\nx = 0\nbig = np.ones(2 << 30, dtype=np.uint8)").await?;
-        assert_eq!(status, ExecStatus::Error, "{text}");
+        assert_eq!(status, ExecStatus::Failed, "{text}");
         let error = error.unwrap_or_default();
         assert!(error.contains("more memory than a worker may (600 MiB)"), "{error}");
         let (status, error, text) = s.run("c", "print(x + 1)").await?;

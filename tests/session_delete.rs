@@ -56,7 +56,7 @@ async fn a_session_whose_directory_is_gone_fails_at_once_and_delays_no_one() -> 
     let started = std::time::Instant::now();
     let exec = fe.run(bad, "a", "print(1)").await?.exec_id;
     let (status, error) = bad_events.outcome(exec).await?;
-    assert_eq!(status, looseleaf_client::api::ExecStatus::Error);
+    assert_eq!(status, looseleaf_client::api::ExecStatus::Failed);
     let error = error.unwrap_or_default();
     assert!(error.contains("working directory") && error.contains("removed"), "{error}");
     assert!(started.elapsed() < Duration::from_secs(30), "the failure took {:?}", started.elapsed());

@@ -84,7 +84,7 @@ async fn four_services_two_hosts_on(store_env: Vec<(&'static str, String)>) -> a
     // CPU cells on the persistent CPU worker; GPU cells on fresh or pinned workers.
     for (i, c) in cells.iter().enumerate() {
         let is_gpu = i != 0 && i != 6 && i != 21;
-        if c["status"] == "error" && (10..=13).contains(&i) {
+        if c["status"] == "failed" && (10..=13).contains(&i) {
             continue; // failed before a worker started: no device recorded
         }
         assert_eq!(c["device"], if is_gpu { "gpu" } else { "cpu" }, "cell {i}: {c}");
@@ -109,9 +109,9 @@ async fn four_services_two_hosts_on(store_env: Vec<(&'static str, String)>) -> a
     // the worker holding the generator dies mid-cell: that cell fails clearly, a later
     // cell needing the generator fails naming it and the cell that defined it, and
     // the session goes on
-    assert_eq!(cells[10]["status"], "error");
+    assert_eq!(cells[10]["status"], "failed");
     assert!(cells[10]["error"].as_str().unwrap_or("").contains("lost"), "{}", cells[10]);
-    assert_eq!(cells[11]["status"], "error");
+    assert_eq!(cells[11]["status"], "failed");
     let err = cells[11]["error"].as_str().unwrap_or("");
     assert!(err.contains("'g'") && err.contains("c3"), "{err}");
     assert_eq!(cells[12]["status"], "ok");
@@ -119,7 +119,7 @@ async fn four_services_two_hosts_on(store_env: Vec<(&'static str, String)>) -> a
     // a worker killed in the middle of its save: the cell fails, the last committed
     // revision is intact (a is without the 5 the dead cell appended), the next cell runs
     assert!(text(13).contains("ran"), "{}", text(13));
-    assert_eq!(cells[13]["status"], "error");
+    assert_eq!(cells[13]["status"], "failed");
     assert!(cells[13]["error"].as_str().unwrap_or("").contains("saving"), "{}", cells[13]);
     assert_eq!(cells[14]["status"], "ok");
     assert!(text(14).contains("after the crash [1, 2, 3, 4]"), "{}", text(14));

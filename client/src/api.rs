@@ -55,8 +55,12 @@ pub enum ExecStatus {
     Running,
     /// Ran to the end.
     Ok,
-    /// The cell raised, or it could not run.
+    /// The cell raised (what it did before is committed, as a kernel keeps it).
     Error,
+    /// The platform could not run or save it (no host took it, its host was lost,
+    /// it was killed, its save failed): nothing it did was committed, and running
+    /// it again is safe.
+    Failed,
     /// Never sent to run: the session was interrupted while it waited in the queue.
     Aborted,
 }

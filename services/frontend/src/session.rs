@@ -270,7 +270,7 @@ impl SessionActor {
                         silent.as_secs_f64(),
                         m.manifest.revision
                     );
-                    act.complete(ctx, ExecStatus::Error, m.manifest.revision, Some(error), now);
+                    act.complete(ctx, ExecStatus::Failed, m.manifest.revision, Some(error), now);
                 }
                 Err(e) => {
                     let error = format!(
@@ -278,7 +278,7 @@ impl SessionActor {
                          say what was committed ({e}); run the cell again",
                         silent.as_secs_f64()
                     );
-                    act.complete(ctx, ExecStatus::Error, act.stored.revision, Some(error), now);
+                    act.complete(ctx, ExecStatus::Failed, act.stored.revision, Some(error), now);
                 }
             }
         }));
@@ -418,7 +418,7 @@ impl SessionActor {
     /// Give up on the current execution (if it is `exec_id`) and move on.
     fn fail_current(&mut self, ctx: &mut Context<Self>, exec_id: Uuid, error: String) {
         if self.current.as_ref().is_some_and(|c| c.exec_id == exec_id) {
-            self.complete(ctx, ExecStatus::Error, self.stored.revision, Some(error), schemas::unix_ms());
+            self.complete(ctx, ExecStatus::Failed, self.stored.revision, Some(error), schemas::unix_ms());
         }
     }
 
@@ -482,7 +482,7 @@ impl SessionActor {
                 let (status, error) = cur.saved_outcome();
                 Some((status, revision, error))
             }
-            EventKind::Failed { error } => Some((ExecStatus::Error, self.stored.revision, Some(error))),
+            EventKind::Failed { error } => Some((ExecStatus::Failed, self.stored.revision, Some(error))),
             EventKind::SlotReleased { .. } | EventKind::Ready { .. } | EventKind::PreparedEnded { .. } => None,
         };
         let Some((status, revision, error)) = terminal else { return };

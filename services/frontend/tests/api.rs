@@ -358,7 +358,7 @@ async fn a_run_no_host_takes_fails_and_the_queue_moves_on() -> anyhow::Result<()
     let b = fe.client.run(sid, "b", "2").await?;
     let seen = items_until(&mut sse, is_done(a.exec_id)).await?;
     match seen.last() {
-        Some(StreamItem::Done { status: ExecStatus::Error, error: Some(e), after_revision: 0, .. }) => {
+        Some(StreamItem::Done { status: ExecStatus::Failed, error: Some(e), after_revision: 0, .. }) => {
             assert!(e.contains("no host took the cell"), "{e}");
         }
         other => bail!("expected a failed done, got {other:?}"),
@@ -373,7 +373,7 @@ async fn a_run_no_host_takes_fails_and_the_queue_moves_on() -> anyhow::Result<()
     event(&bus, sid, b.exec_id, planned("b")).await?;
     event(&bus, sid, b.exec_id, EventKind::Failed { error: "worker died".into() }).await?;
     let seen = items_until(&mut sse, is_done(b.exec_id)).await?;
-    assert!(matches!(seen.last(), Some(StreamItem::Done { status: ExecStatus::Error, after_revision: 0, .. })));
+    assert!(matches!(seen.last(), Some(StreamItem::Done { status: ExecStatus::Failed, after_revision: 0, .. })));
     Ok(())
 }
 
@@ -389,7 +389,7 @@ async fn a_run_a_host_claimed_is_never_failed_by_the_claim_timeout() -> anyhow::
     event(&bus, sid, a.exec_id, EventKind::Failed { error: "the host's own outcome".into() }).await?;
     let seen = items_until(&mut sse, is_done(a.exec_id)).await?;
     match seen.last() {
-        Some(StreamItem::Done { status: ExecStatus::Error, error: Some(e), .. }) => {
+        Some(StreamItem::Done { status: ExecStatus::Failed, error: Some(e), .. }) => {
             assert_eq!(e, "the host's own outcome", "the frontend did not wait for the host");
         }
         other => bail!("expected the host's outcome, got {other:?}"),
