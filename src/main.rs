@@ -93,6 +93,10 @@ enum Command {
         /// platform failed it (a lost host, no host free: nothing of it was committed).
         #[arg(long, env = "LOOSELEAF_RETRIES", default_value_t = 0)]
         retries: u32,
+        /// Keep the session and its state after the run (its id is in the report);
+        /// by default it is deleted.
+        #[arg(long)]
+        keep_session: bool,
         /// Treat every code cell as a GPU cell.
         #[arg(long, env = "LOOSELEAF_ALL_GPU")]
         all_gpu: bool,
@@ -205,6 +209,7 @@ fn main() -> anyhow::Result<()> {
             report,
             allow_errors,
             retries,
+            keep_session,
             all_gpu,
             frontend,
             token,
@@ -233,6 +238,7 @@ fn main() -> anyhow::Result<()> {
                 speculate: !no_speculation,
                 allow_errors,
                 retries,
+                keep_session,
             };
             system.block_on(run::run(req, opts))
         }

@@ -276,6 +276,8 @@ pub struct Report {
     /// When the run started (UTC, RFC 3339).
     pub started_at: String,
     pub notebook: String,
+    /// The session the notebook ran in.
+    pub session_id: Option<Uuid>,
     pub cells: Vec<CellReport>,
     pub totals: Totals,
 }
@@ -347,6 +349,7 @@ pub fn build(
         looseleaf_version: env!("CARGO_PKG_VERSION").into(),
         started_at: rfc3339(started_at),
         notebook: notebook.to_string(),
+        session_id: None,
         cells,
         totals,
     }

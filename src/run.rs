@@ -37,6 +37,8 @@ pub struct RunRequest {
     /// Run a cell again, as a user would, up to this many times when the platform
     /// failed it (status `failed`: nothing of it was committed).
     pub retries: u32,
+    /// Keep the session (and its state) after the run instead of deleting it.
+    pub keep_session: bool,
 }
 
 /// `NB.ipynb` -> `NB.looseleaf.ipynb` and `NB.looseleaf.json` beside it (nbconvert
@@ -281,7 +283,9 @@ async fn drive(req: &RunRequest, mut nb: serde_json::Value, fe: &Frontend) -> an
     }
     .await;
     bar.finish_and_clear();
-    if let Err(e) = fe.delete(sid).await {
+    if req.keep_session {
+        eprintln!("kept session {sid}");
+    } else if let Err(e) = fe.delete(sid).await {
         tracing::warn!(error = format!("{e:#}"), "could not delete the session");
     }
     drain(&mut rx, &mut traces, &mut log).await;
@@ -289,8 +293,9 @@ async fn drive(req: &RunRequest, mut nb: serde_json::Value, fe: &Frontend) -> an
 
     let ordered: Vec<Trace> = order.iter().filter_map(|e| traces.get(e).cloned()).collect();
     write_notebook(&mut nb, &ordered.iter().collect::<Vec<_>>(), &outputs, &req.output)?;
-    let report =
+    let mut report =
         report::build(&req.notebook.display().to_string(), &ordered, &log, started.elapsed().as_secs_f64(), started_at);
+    report.session_id = Some(sid);
     report::write(&report, &req.report)?;
     let t = &report.totals;
     eprintln!(

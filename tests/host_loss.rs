@@ -62,6 +62,27 @@ async fn a_host_killed_mid_cell_fails_the_cell_and_the_session_goes_on() -> anyh
     Ok(())
 }
 
+/// A host killed and started again at once under the same id is heard again
+/// before it could be taken for silent; the new one does not know the cell, and
+/// does not renew its claim: that ends the cell.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_host_restarted_under_its_id_mid_cell_fails_the_cell() -> anyhow::Result<()> {
+    let mut services = services().await?;
+    let mut s = services.session(true).await?;
+    assert_eq!(s.run("a", "x = 41").await?.0, ExecStatus::Ok);
+
+    let (exec, host) = long_cell_running(&mut s).await?;
+    services.restart(&format!("host-{host}"))?;
+    let (status, error) = s.events.outcome(exec).await?;
+    assert_eq!(status, ExecStatus::Failed);
+    let error = error.unwrap_or_default();
+    assert!(error.contains("claim on the cell was not renewed"), "{error}");
+    let (status, _, text) = s.run("c", "print(x + 1)").await?;
+    assert_eq!(status, ExecStatus::Ok);
+    assert!(text.contains("42"), "{text}");
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_host_stopped_mid_cell_says_so_and_the_session_goes_on() -> anyhow::Result<()> {
     let mut services = services().await?;

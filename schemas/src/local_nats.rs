@@ -56,6 +56,46 @@ pub fn binary(explicit: Option<&Path>, repo: &Path) -> PathBuf {
 pub struct LocalNats {
     child: Option<Child>,
     url: String,
+    /// How it was started (None for an external server): to start it again.
+    started: Option<Started>,
+}
+
+#[derive(Clone, Debug)]
+struct Started {
+    bin: std::path::PathBuf,
+    store_dir: std::path::PathBuf,
+    name: String,
+    port: u16,
+}
+
+impl Started {
+    /// Spawn the server; Ok(None) if it exited before listening (port taken).
+    fn spawn(&self) -> Result<Option<Child>, LocalNatsError> {
+        let bin = self.bin.display().to_string();
+        let mut child = Command::new(&self.bin)
+            .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-n", &self.name, "-js", "-sd"])
+            .arg(&self.store_dir)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|source| LocalNatsError::Spawn { bin: bin.clone(), source })?;
+        let deadline = Instant::now() + START;
+        loop {
+            if server_name_on(self.port).is_some_and(|n| n == self.name) {
+                return Ok(Some(child));
+            }
+            if matches!(child.try_wait(), Ok(Some(_))) {
+                return Ok(None);
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(LocalNatsError::NotListening { bin });
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
 }
 
 impl LocalNats {
@@ -68,36 +108,40 @@ impl LocalNats {
                 .and_then(|l| l.local_addr())
                 .map_err(LocalNatsError::Port)?
                 .port();
-            let mut child = Command::new(bin)
-                .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-n", &name, "-js", "-sd"])
-                .arg(store_dir)
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .map_err(|source| LocalNatsError::Spawn { bin: bin.display().to_string(), source })?;
-            let deadline = Instant::now() + START;
-            loop {
-                if server_name_on(port).is_some_and(|n| n == name) {
-                    return Ok(Self { child: Some(child), url: format!("nats://127.0.0.1:{port}") });
-                }
-                if matches!(child.try_wait(), Ok(Some(_))) {
-                    break; // the port was taken before it bound: try another
-                }
-                if Instant::now() > deadline {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    return Err(LocalNatsError::NotListening { bin: bin.display().to_string() });
-                }
-                std::thread::sleep(Duration::from_millis(20));
+            let started =
+                Started { bin: bin.to_path_buf(), store_dir: store_dir.to_path_buf(), name: name.clone(), port };
+            // None: the port was taken before it bound: try another
+            if let Some(child) = started.spawn()? {
+                let url = format!("nats://127.0.0.1:{port}");
+                return Ok(Self { child: Some(child), url, started: Some(started) });
             }
         }
         Err(LocalNatsError::NoPort)
     }
 
+    /// Start it again after [`LocalNats::kill`], on the same port with the same
+    /// JetStream store (a restart, as an operator's would be). An external server
+    /// is not restarted.
+    pub fn restart(&mut self) -> Result<(), LocalNatsError> {
+        self.kill();
+        let Some(started) = self.started.clone() else { return Ok(()) };
+        let deadline = Instant::now() + START;
+        // the old server's port may take a moment to be free again
+        loop {
+            if let Some(child) = started.spawn()? {
+                self.child = Some(child);
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(LocalNatsError::NotListening { bin: started.bin.display().to_string() });
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     /// An external server, not started (nor stopped) here.
     pub fn external(url: String) -> Self {
-        Self { child: None, url }
+        Self { child: None, url, started: None }
     }
 
     /// Its URL.

@@ -154,6 +154,7 @@ pub async fn run_with_bound(
     let hosts = session::HostsSeen::default();
     let statuses = bus.subscribe::<HostStatusV2>(bus.subjects().all_host_status()).await?;
     tokio::spawn(hosts.clone().follow(statuses));
+    tokio::spawn(hosts.clone().watch_connection(bus.client().clone()));
     let records = records::Records::new(schemas::buckets::sessions(&bus.jetstream(), &config.prefix).await?);
     let state = http::AppState {
         shared: session::Shared {

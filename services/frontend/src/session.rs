@@ -50,11 +50,14 @@ pub struct HostsSeen {
     heard: Arc<std::sync::Mutex<HashMap<String, Instant>>>,
     /// Since when this frontend listens (a host never heard is silent since then).
     since: Instant,
+    /// When this frontend last could not hear anyone (its NATS connection was
+    /// down): silence before then says nothing about a host.
+    blind_at: Arc<std::sync::Mutex<Option<Instant>>>,
 }
 
 impl Default for HostsSeen {
     fn default() -> Self {
-        Self { heard: Default::default(), since: Instant::now() }
+        Self { heard: Default::default(), since: Instant::now(), blind_at: Default::default() }
     }
 }
 
@@ -72,7 +75,24 @@ impl HostsSeen {
     /// was, since this frontend started listening (a live host is heard every 2 s).
     pub fn silent_for(&self, host: &str) -> Duration {
         let heard = self.heard.lock().unwrap_or_else(|e| e.into_inner()).get(host).copied();
-        heard.unwrap_or(self.since).elapsed()
+        let blind = *self.blind_at.lock().unwrap_or_else(|e| e.into_inner());
+        heard.unwrap_or(self.since).max(blind.unwrap_or(self.since)).elapsed()
+    }
+
+    /// Note every quarter second whether `client` is connected; while it is not,
+    /// no host's silence counts (a NATS outage is not every host lost).
+    pub async fn watch_connection(self, client: async_nats::Client) {
+        loop {
+            if client.connection_state() != async_nats::connection::State::Connected {
+                *self.blind_at.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
+    /// Whether this frontend could not hear hosts within the last `window`.
+    pub fn blind_within(&self, window: Duration) -> bool {
+        self.blind_at.lock().unwrap_or_else(|e| e.into_inner()).is_some_and(|at| at.elapsed() < window)
     }
 }
 
@@ -100,11 +120,21 @@ struct Current {
     outputs: HashSet<u64>,
     /// Saved/Failed arrived: (status, revision after, error, unix ms).
     terminal: Option<(ExecStatus, u64, Option<String>, u64)>,
+    /// The run claim's revision last read, and since when it is that one.
+    claim_seen: Option<(u64, Instant)>,
 }
 
 impl Current {
     fn new(exec_id: Uuid) -> Self {
-        Self { exec_id, host: None, finished: None, expected_outputs: None, outputs: HashSet::new(), terminal: None }
+        Self {
+            exec_id,
+            host: None,
+            finished: None,
+            expected_outputs: None,
+            outputs: HashSet::new(),
+            terminal: None,
+            claim_seen: None,
+        }
     }
 
     /// The outcome of an execution whose save was committed: the cell's own.
@@ -225,28 +255,63 @@ impl SessionActor {
     }
 
     /// While execution `exec_id` is current: if the host that claimed it fell
-    /// silent, end it with what the store committed (a commit that landed before
-    /// the host was lost is the cell's outcome; otherwise it failed and nothing of
-    /// it was committed). Checked every second.
+    /// silent, or stopped renewing the run's claim (hosts renew every 2 s; one
+    /// restarted under the same id does not know the run), end it with what the
+    /// store committed (a commit that landed before the host was lost is the
+    /// cell's outcome; otherwise it failed and nothing of it was committed).
+    /// Checked every second.
     fn watch_host(&mut self, exec_id: Uuid, ctx: &mut Context<Self>) {
         ctx.run_later(HOST_CHECK, move |act, ctx| {
             let Some(cur) = act.current.as_ref().filter(|c| c.exec_id == exec_id && c.terminal.is_none()) else {
                 return;
             };
-            let lost = cur.host.as_ref().and_then(|host| {
-                let silent = act.shared.hosts.silent_for(host);
-                (silent > act.shared.timeouts.host_lost).then(|| (host.clone(), silent))
-            });
-            match lost {
-                Some((host, silent)) => act.host_lost(exec_id, host, silent, ctx),
-                None => act.watch_host(exec_id, ctx),
+            let Some(host) = cur.host.clone() else { return };
+            let silent = act.shared.hosts.silent_for(&host);
+            if silent > act.shared.timeouts.host_lost {
+                act.host_lost(exec_id, host, format!("not heard for {:.0} s", silent.as_secs_f64()), ctx);
+                return;
             }
+            let (claims, key) = (act.shared.claims.clone(), schemas::buckets::run_claim_key(exec_id));
+            let entry = async move { claims.entry(key).await };
+            ctx.spawn(entry.into_actor(act).map(move |entry, act, ctx| {
+                let host_lost = act.shared.timeouts.host_lost;
+                let Some(cur) = act.current.as_mut().filter(|c| c.exec_id == exec_id && c.terminal.is_none()) else {
+                    return;
+                };
+                // a claim that is gone or not renewed stays at one revision
+                let revision = match entry {
+                    Ok(Some(e)) if e.operation == async_nats::jetstream::kv::Operation::Put => e.revision,
+                    Ok(_) => 0,
+                    Err(e) => {
+                        // unobserved time says nothing about the host
+                        tracing::debug!(error = %e, "could not read a run's claim");
+                        cur.claim_seen = None;
+                        act.watch_host(exec_id, ctx);
+                        return;
+                    }
+                };
+                let blind = act.shared.hosts.blind_within(HOST_CHECK * 2);
+                let since = match cur.claim_seen {
+                    Some((seen, at)) if seen == revision && !blind => at,
+                    _ => {
+                        cur.claim_seen = Some((revision, Instant::now()));
+                        Instant::now()
+                    }
+                };
+                if since.elapsed() > host_lost {
+                    let why =
+                        format!("its claim on the cell was not renewed for {:.0} s", since.elapsed().as_secs_f64());
+                    act.host_lost(exec_id, host, why, ctx);
+                } else {
+                    act.watch_host(exec_id, ctx);
+                }
+            }));
         });
     }
 
     /// The host of the current execution is lost: ask the store what was committed.
-    fn host_lost(&mut self, exec_id: Uuid, host: String, silent: Duration, ctx: &mut Context<Self>) {
-        tracing::warn!(session = %self.sid, exec = %exec_id, %host, ?silent, "host lost while it ran a cell");
+    fn host_lost(&mut self, exec_id: Uuid, host: String, why: String, ctx: &mut Context<Self>) {
+        tracing::warn!(session = %self.sid, exec = %exec_id, %host, %why, "host lost while it ran a cell");
         let bus = self.shared.bus.clone();
         let get = ManifestGetV2 { session: self.sid, at_least: None };
         let ask = async move {
@@ -265,18 +330,16 @@ impl SessionActor {
                 }
                 Ok(m) => {
                     let error = format!(
-                        "host {host} was lost (not heard for {:.0} s) while the cell ran; nothing the cell did \
-                         was committed, the session keeps its last committed state (revision {})",
-                        silent.as_secs_f64(),
+                        "host {host} was lost ({why}) while the cell ran; nothing the cell did was committed, \
+                         the session keeps its last committed state (revision {})",
                         m.manifest.revision
                     );
                     act.complete(ctx, ExecStatus::Failed, m.manifest.revision, Some(error), now);
                 }
                 Err(e) => {
                     let error = format!(
-                        "host {host} was lost (not heard for {:.0} s) while the cell ran, and the store could not \
-                         say what was committed ({e}); run the cell again",
-                        silent.as_secs_f64()
+                        "host {host} was lost ({why}) while the cell ran, and the store could not say what was \
+                         committed ({e}); run the cell again"
                     );
                     act.complete(ctx, ExecStatus::Failed, act.stored.revision, Some(error), now);
                 }
@@ -397,11 +460,31 @@ impl SessionActor {
     /// must never run later).
     fn abandon_unclaimed(&mut self, exec_id: Uuid, error: String, ctx: &mut Context<Self>) {
         let (claims, key) = (self.shared.claims.clone(), schemas::buckets::run_claim_key(exec_id));
-        let claim = async move { claims.create(&key, schemas::buckets::INTERRUPTED_HOLDER.into()).await };
+        let claim = async move {
+            match claims.create(&key, schemas::buckets::INTERRUPTED_HOLDER.into()).await {
+                Ok(_) => Ok(None),
+                // who holds it: a host that died right after claiming never says
+                // Claimed, and is watched from here like one that did
+                Err(e) if e.kind() == async_nats::jetstream::kv::CreateErrorKind::AlreadyExists => {
+                    let holder = claims.get(&key).await.ok().flatten();
+                    Ok(Some(holder.map(|h| String::from_utf8_lossy(&h).into_owned()).unwrap_or_default()))
+                }
+                Err(e) => Err(e),
+            }
+        };
         ctx.spawn(claim.into_actor(self).map(move |claimed, act, ctx| match claimed {
-            Ok(_) => act.fail_current(ctx, exec_id, error),
-            Err(e) if e.kind() == async_nats::jetstream::kv::CreateErrorKind::AlreadyExists => {
-                tracing::info!(exec = %exec_id, "a host holds the run; it reports the outcome");
+            Ok(None) => act.fail_current(ctx, exec_id, error),
+            // abandoned already (by this session's frontend before it restarted)
+            Ok(Some(holder)) if holder == schemas::buckets::INTERRUPTED_HOLDER => act.fail_current(ctx, exec_id, error),
+            Ok(Some(holder)) => {
+                tracing::info!(exec = %exec_id, %holder, "a host holds the run; it reports the outcome");
+                let unwatched = act.current.as_ref().is_some_and(|c| c.exec_id == exec_id && c.host.is_none());
+                if unwatched && !holder.is_empty() {
+                    if let Some(cur) = act.current.as_mut() {
+                        cur.host = Some(holder);
+                    }
+                    act.watch_host(exec_id, ctx);
+                }
             }
             Err(e) => {
                 tracing::warn!(error = %e, exec = %exec_id, "could not claim the run to abandon it; retrying");

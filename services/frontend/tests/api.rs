@@ -377,6 +377,32 @@ async fn a_run_no_host_takes_fails_and_the_queue_moves_on() -> anyhow::Result<()
     Ok(())
 }
 
+/// A host that claimed the run and died before it said so (no Claimed event) is
+/// watched like one that did: once it is silent for the host-lost time the run
+/// ends with what the store committed, instead of waiting forever.
+#[actix_rt::test]
+async fn a_run_whose_host_died_right_after_claiming_it_ends() -> anyhow::Result<()> {
+    let nats = NatsServer::start()?;
+    let prefix = random_prefix();
+    let timeouts =
+        Timeouts { claim: Duration::from_millis(300), host_lost: Duration::from_millis(800), ..Timeouts::default() };
+    let fe = start_frontend(&nats, &prefix, timeouts).await?;
+    let sid = fe.client.create_session("/tmp", true, true).await?;
+    let bus = Bus::connect(nats.url(), &prefix, "fake").await?;
+    let claims = schemas::buckets::claims(&bus.jetstream(), &prefix).await?;
+    let mut sse = fe.client.events(sid).await?;
+    let a = fe.client.run(sid, "a", "1").await?;
+    claims.create(schemas::buckets::run_claim_key(a.exec_id), "host-gone".into()).await?;
+    let seen = items_until(&mut sse, is_done(a.exec_id)).await?;
+    match seen.last() {
+        Some(StreamItem::Done { status: ExecStatus::Failed, error: Some(e), .. }) => {
+            assert!(e.contains("host host-gone was lost"), "{e}");
+        }
+        other => bail!("expected the run to fail with its host lost, got {other:?}"),
+    }
+    Ok(())
+}
+
 #[actix_rt::test]
 async fn a_run_a_host_claimed_is_never_failed_by_the_claim_timeout() -> anyhow::Result<()> {
     let ShortClaims { nats: _nats, prefix, fe, sid, bus } = short_claims().await?;

@@ -19,11 +19,21 @@ use crate::{free_port, random_prefix, venv_python, wait_for, NatsServer};
 /// How long a test waits for one stream item.
 pub const WAIT: Duration = Duration::from_secs(120);
 
+/// One service process of a test cluster: how to start it again, and the process.
+struct Proc {
+    /// `looseleaf-store`, `looseleaf-planner`, `looseleaf-frontend` or `host-{i}`.
+    name: String,
+    bin: String,
+    args: Vec<String>,
+    child: Option<Child>,
+}
+
 /// Store, planner, frontend and gpu-hosts; every process is killed on drop.
 pub struct Services {
-    children: Vec<Child>,
-    /// Index in `children` of each gpu-host (`host-{i}`).
-    hosts: Vec<usize>,
+    procs: Vec<Proc>,
+    bin_dir: PathBuf,
+    /// What every process gets in its environment.
+    env: Vec<(String, String)>,
     /// The frontend's base URL.
     pub frontend: String,
     /// The subject prefix.
@@ -35,9 +45,11 @@ pub struct Services {
 
 impl Drop for Services {
     fn drop(&mut self) {
-        for c in &mut self.children {
-            let _ = c.kill();
-            let _ = c.wait();
+        for p in &mut self.procs {
+            if let Some(mut c) = p.child.take() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
         }
     }
 }
@@ -45,7 +57,8 @@ impl Drop for Services {
 impl Services {
     /// Start the services from `bin_dir` (where cargo put the binaries) with one
     /// gpu-host per entry of `host_slots` (its virtual GPU count), `env` added to
-    /// every process; returns once every host reported its base zygote.
+    /// every process (overriding the defaults: a store URL, for one); returns once
+    /// every host reported its base zygote.
     pub async fn start(bin_dir: &Path, host_slots: &[u32], env: &[(&str, String)]) -> anyhow::Result<Self> {
         let nats = NatsServer::start()?;
         let prefix = random_prefix();
@@ -66,29 +79,29 @@ impl Services {
         let mut statuses = client.subscribe(format!("{prefix}.v1.host.*.status")).await?;
         let port = free_port()?;
         let mut s = Self {
-            children: Vec::new(),
-            hosts: Vec::new(),
+            procs: Vec::new(),
+            bin_dir: bin_dir.to_path_buf(),
+            env: common,
             frontend: format!("http://127.0.0.1:{port}"),
             prefix,
             nats,
             _dir: dir,
         };
-        let spawn = |name: &str, args: &[String]| -> anyhow::Result<Child> {
-            let mut cmd = Command::new(bin_dir.join(name));
-            cmd.args(args).stdin(Stdio::null()).envs(common.iter().map(|(k, v)| (k, v)));
-            cmd.spawn().with_context(|| format!("while starting {name} (build the workspace's binaries first)"))
-        };
-        s.children.push(spawn("looseleaf-store", &[])?);
-        s.children.push(spawn("looseleaf-planner", &[])?);
+        s.add("looseleaf-store", "looseleaf-store", vec![])?;
+        s.add("looseleaf-planner", "looseleaf-planner", vec![])?;
         for (i, slots) in host_slots.iter().enumerate() {
             let rt = s._dir.path().join(format!("host-{i}"));
-            let args = ["--host-id".into(), format!("host-{i}"), "--virtual-gpus".into(), slots.to_string()];
-            let mut args = args.to_vec();
-            args.extend(["--runtime-dir".into(), rt.display().to_string()]);
-            s.hosts.push(s.children.len());
-            s.children.push(spawn("looseleaf-gpu-host", &args)?);
+            let args = vec![
+                "--host-id".into(),
+                format!("host-{i}"),
+                "--virtual-gpus".into(),
+                slots.to_string(),
+                "--runtime-dir".into(),
+                rt.display().to_string(),
+            ];
+            s.add(&format!("host-{i}"), "looseleaf-gpu-host", args)?;
         }
-        s.children.push(spawn("looseleaf-frontend", &["--listen".into(), format!("127.0.0.1:{port}")])?);
+        s.add("looseleaf-frontend", "looseleaf-frontend", vec!["--listen".into(), format!("127.0.0.1:{port}")])?;
         wait_for(Duration::from_secs(30), || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok())
             .context("the frontend did not start listening")?;
         let mut ready = std::collections::BTreeSet::new();
@@ -106,17 +119,94 @@ impl Services {
         Ok(s)
     }
 
+    fn spawn(&self, bin: &str, args: &[String]) -> anyhow::Result<Child> {
+        let mut cmd = Command::new(self.bin_dir.join(bin));
+        cmd.args(args).stdin(Stdio::null()).envs(self.env.iter().map(|(k, v)| (k, v)));
+        cmd.spawn().with_context(|| format!("while starting {bin} (build the workspace's binaries first)"))
+    }
+
+    fn add(&mut self, name: &str, bin: &str, args: Vec<String>) -> anyhow::Result<()> {
+        let child = self.spawn(bin, &args)?;
+        self.procs.push(Proc { name: name.into(), bin: bin.into(), args, child: Some(child) });
+        Ok(())
+    }
+
+    fn proc(&mut self, name: &str) -> anyhow::Result<&mut Proc> {
+        self.procs.iter_mut().find(|p| p.name == name).with_context(|| format!("no service {name}"))
+    }
+
+    /// The pid of service `name` (`looseleaf-store`, `looseleaf-planner`,
+    /// `looseleaf-frontend`, `host-{i}`), if it runs.
+    pub fn pid(&mut self, name: &str) -> Option<u32> {
+        self.proc(name).ok().and_then(|p| p.child.as_ref().map(Child::id))
+    }
+
+    /// Send `signal` to service `name` (SIGKILL: it dies; SIGTERM: it stops).
+    pub fn signal(&mut self, name: &str, signal: nix::sys::signal::Signal) -> anyhow::Result<()> {
+        let pid = self.pid(name).with_context(|| format!("{name} is not running"))?;
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal)?;
+        Ok(())
+    }
+
+    /// Kill service `name` (SIGKILL) and wait until it is gone.
+    pub fn kill(&mut self, name: &str) -> anyhow::Result<()> {
+        if let Some(mut c) = self.proc(name)?.child.take() {
+            let _ = c.kill();
+            c.wait()?;
+        }
+        Ok(())
+    }
+
+    /// Start service `name` again (killing it first if it still runs), with the
+    /// arguments and environment it started with.
+    pub fn restart(&mut self, name: &str) -> anyhow::Result<()> {
+        self.kill(name)?;
+        let (bin, args) = {
+            let p = self.proc(name)?;
+            (p.bin.clone(), p.args.clone())
+        };
+        let child = self.spawn(&bin, &args)?;
+        self.proc(name)?.child = Some(child);
+        Ok(())
+    }
+
+    /// Kill (SIGKILL) the workers of gpu-host `host-{i}`: every process its zygotes
+    /// forked, and their children. Returns how many processes were killed.
+    pub fn kill_workers(&mut self, i: usize) -> anyhow::Result<usize> {
+        let host = self.pid(&format!("host-{i}")).context("the host is not running")?;
+        let parents = process_parents()?;
+        // depth 1: the host's zygotes (and helpers); depth 2 and below: workers
+        let depth_of = |mut pid: u32| -> Option<usize> {
+            let mut depth = 0;
+            while let Some(&parent) = parents.get(&pid) {
+                depth += 1;
+                if parent == host {
+                    return Some(depth);
+                }
+                if parent <= 1 || depth > 16 {
+                    return None;
+                }
+                pid = parent;
+            }
+            None
+        };
+        let workers: Vec<u32> = parents.keys().copied().filter(|&p| depth_of(p).is_some_and(|d| d >= 2)).collect();
+        for &pid in &workers {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL);
+        }
+        Ok(workers.len())
+    }
+
     /// Send `signal` to gpu-host `host-{i}` (SIGKILL: it dies; SIGTERM: it stops).
     pub fn signal_host(&mut self, i: usize, signal: nix::sys::signal::Signal) -> anyhow::Result<()> {
-        let child = self.hosts.get(i).and_then(|&c| self.children.get(c)).context("no such host")?;
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), signal)?;
-        Ok(())
+        self.signal(&format!("host-{i}"), signal)
     }
 
     /// Wait until gpu-host `host-{i}` has exited.
     pub fn wait_host(&mut self, i: usize) -> anyhow::Result<std::process::ExitStatus> {
-        let c = *self.hosts.get(i).context("no such host")?;
-        Ok(self.children[c].wait()?)
+        let p = self.proc(&format!("host-{i}"))?;
+        let child = p.child.as_mut().context("the host is not running")?;
+        Ok(child.wait()?)
     }
 
     /// A client of the frontend.
@@ -234,6 +324,21 @@ impl Events {
             .collect::<Vec<_>>()
             .join("\n")
     }
+}
+
+/// Every process's parent, from /proc.
+fn process_parents() -> anyhow::Result<std::collections::HashMap<u32, u32>> {
+    let mut parents = std::collections::HashMap::new();
+    for entry in std::fs::read_dir("/proc")? {
+        let Ok(pid) = entry?.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+        // `pid (comm) state ppid ...`: comm may hold spaces, so split after its ')'
+        let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse().ok());
+        if let Some(ppid) = ppid {
+            parents.insert(pid, ppid);
+        }
+    }
+    Ok(parents)
 }
 
 /// Where cargo put this test's binaries (next to the test executable's deps dir).

@@ -60,6 +60,11 @@ impl NatsServer {
     pub fn kill(&mut self) {
         self.nats.kill();
     }
+
+    /// Kill it and start it again on the same port with the same JetStream store.
+    pub fn restart(&mut self) -> anyhow::Result<()> {
+        Ok(self.nats.restart()?)
+    }
 }
 
 /// A local S3 server (moto, installed in the venv by scripts/setup) with one bucket,
@@ -108,6 +113,14 @@ impl S3Server {
             self.bucket,
             reply.lines().next().unwrap_or("")
         );
+        Ok(())
+    }
+
+    /// Stop the server (SIGSTOP: connections hang, as with a store that stopped
+    /// answering) or let it go on (SIGCONT); its data stays.
+    pub fn pause(&self, paused: bool) -> anyhow::Result<()> {
+        let signal = if paused { nix::sys::signal::Signal::SIGSTOP } else { nix::sys::signal::Signal::SIGCONT };
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), signal)?;
         Ok(())
     }
 
