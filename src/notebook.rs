@@ -249,4 +249,62 @@ mod tests {
         assert!(parse(r#"{"nbformat": 3, "cells": []}"#).is_err());
         assert!(parse("not json").is_err());
     }
+
+    /// Any JSON value as a cell: cells of every shape.
+    fn any_json() -> impl proptest::strategy::Strategy<Value = Value> {
+        use proptest::prelude::*;
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            "[a-z_ ]{0,8}".prop_map(Value::from),
+            prop_oneof![Just("code"), Just("markdown"), Just("raw"), Just("id"), Just("source")].prop_map(Value::from),
+        ];
+        leaf.prop_recursive(3, 24, 4, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::from),
+                proptest::collection::btree_map(
+                    prop_oneof![Just("cell_type"), Just("source"), Just("id"), Just("outputs"), Just("metadata")]
+                        .prop_map(String::from),
+                    inner,
+                    0..5
+                )
+                .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    /// What `looseleaf run` does with a notebook it read, short of running it.
+    fn read_like_run(text: &str) {
+        let Ok(mut nb) = parse(text) else { return };
+        if prepare(&mut nb).is_err() {
+            return;
+        }
+        for cell in code_cells(&nb) {
+            let _ = set_outputs(&mut nb, cell.index, vec![error_output("E", "v")], Some(1));
+        }
+        set_language_info(&mut nb, "3.11.7");
+        let _ = to_string(&nb);
+    }
+
+    proptest::proptest! {
+        /// The notebook reader never panics: on a valid notebook changed anywhere,
+        /// cut short, or with cells of any shape, it reads it or says what is wrong.
+        #[test]
+        fn the_notebook_reader_never_panics(
+            at in proptest::prelude::any::<proptest::sample::Index>(),
+            with in proptest::prelude::any::<char>(),
+            cut in proptest::prelude::any::<proptest::sample::Index>(),
+            cells in proptest::collection::vec(any_json(), 0..5),
+        ) {
+            let mut chars: Vec<char> = NB.chars().collect();
+            let i = at.index(chars.len());
+            chars[i] = with;
+            let changed: String = chars.iter().collect();
+            read_like_run(&changed);
+            read_like_run(&changed[..changed.char_indices().nth(cut.index(chars.len())).map_or(0, |(b, _)| b)]);
+            let shaped = serde_json::json!({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 4});
+            read_like_run(&shaped.to_string());
+        }
+    }
 }

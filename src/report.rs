@@ -104,8 +104,9 @@ pub struct CellReport {
     pub slot_released: Option<bool>,
     pub status: String,
     pub error: Option<String>,
+    /// When Run was pressed (unix ms, the frontend's clock).
+    pub run_unix_ms: Option<u64>,
     /// When the cell completed (unix ms), for the next cell's start delay.
-    #[serde(skip)]
     pub done_unix_ms: Option<u64>,
 }
 
@@ -113,7 +114,13 @@ impl CellReport {
     /// The report of one execution; `prev_done_unix_ms` is when the session's
     /// previous cell completed.
     pub fn from_trace(t: &Trace, prev_done_unix_ms: Option<u64>) -> Self {
-        let mut r = CellReport { index: t.index, exec_id: t.exec_id, cell_id: t.cell_id.clone(), ..Default::default() };
+        let mut r = CellReport {
+            index: t.index,
+            exec_id: t.exec_id,
+            cell_id: t.cell_id.clone(),
+            run_unix_ms: (t.run_unix_ms > 0).then_some(t.run_unix_ms),
+            ..Default::default()
+        };
         let mut cell_error = None;
         for (unix_ms, kind) in &t.events {
             match kind {

@@ -252,7 +252,6 @@ async fn check(
         Some(sid) => cluster.committed(sid).await?,
         None => HashSet::new(),
     };
-    let mut prev_done: Option<u64> = None;
     let mut done_ok: Vec<u64> = Vec::new();
     let mut spans: Vec<(u64, u64)> = Vec::new();
     for row in &rows {
@@ -273,13 +272,12 @@ async fn check(
             v.runs_lost.push(format!("{name} {exec}: reported {status} ({error}), committed: {did_commit}"));
         }
         let done = row["done_unix_ms"].as_u64();
-        if let (Some(start), Some(end)) = (prev_done, done) {
+        if let (Some(start), Some(end)) = (row["run_unix_ms"].as_u64(), done) {
             spans.push((start, end));
         }
         if status == "ok" {
             done_ok.extend(done);
         }
-        prev_done = done.or(prev_done);
     }
     // affected: a cell of this session was in flight when the fault struck
     for (at, _) in faults {
@@ -420,7 +418,7 @@ async fn bench_chaos() -> anyhow::Result<()> {
     let sessions = 6;
     let plan = Plan {
         sessions,
-        cells: 24,
+        cells: 60,
         sleep_s: 1.0,
         schedule,
         first: Duration::from_secs(8),

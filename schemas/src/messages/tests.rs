@@ -187,3 +187,110 @@ proptest! {
         prop_assert_eq!(joined, json);
     }
 }
+
+/// Every bus decoder, fed bytes it did not encode: random bytes, and valid
+/// messages with bytes changed, cut short or extended. Decoding fails with an
+/// error or yields a message; it never panics (a service decodes what the
+/// network sends it).
+mod fuzz {
+    use super::*;
+
+    fn headers_of<M: WireMessage>() -> async_nats::HeaderMap {
+        let mut h = async_nats::HeaderMap::new();
+        h.insert(codec::TYPE_HEADER, M::TYPE);
+        h.insert(codec::VERSION_HEADER, M::VERSION.to_string().as_str());
+        h
+    }
+
+    /// Decode `bytes` as every message type at its current version and at 1 (the
+    /// upgrade paths): only errors or messages come back.
+    fn decode_all(bytes: &[u8]) {
+        macro_rules! each {
+            ($($m:ty),* $(,)?) => {$(
+                let _ = codec::decode::<$m>(Some(&headers_of::<$m>()), bytes);
+                let mut old = headers_of::<$m>();
+                old.insert(codec::VERSION_HEADER, "1");
+                let _ = codec::decode::<$m>(Some(&old), bytes);
+            )*};
+        }
+        each!(
+            EditV1,
+            RunV1,
+            RecipeV1,
+            SessionEventV2,
+            OutputV1,
+            SessionCloseV1,
+            SessionIdleV1,
+            InterruptV1,
+            HostStatusV2,
+            BidV1,
+            EvictV1,
+            ManifestGetV2,
+            ChunkPlanV1,
+            ChunkPlannedV1,
+            ManifestV1,
+            CommitV2,
+            CommittedV1,
+            SessionDeleteV1,
+            GcV1,
+            GcDoneV1,
+            DoneV1,
+            Reply<ManifestV1>,
+            Reply<CommittedV1>,
+        );
+    }
+
+    fn valid_payloads() -> Vec<Vec<u8>> {
+        let ev = SessionEventV2 {
+            session: Uuid::nil(),
+            exec_id: Uuid::nil(),
+            unix_ms: 5,
+            kind: EventKind::Failed { error: "worker died".into() },
+        };
+        let run = RunV1 {
+            session: Uuid::nil(),
+            exec_id: Uuid::nil(),
+            cell_id: "c".into(),
+            code: "x = 1".into(),
+            run_unix_ms: 1,
+            after_revision: 2,
+            options: SessionOptions { cwd: "/tmp".into(), all_gpu: true, speculate: false },
+        };
+        let manifest = ManifestV1 { manifest: crate::checkpoint::Manifest::empty(Uuid::nil()) };
+        vec![
+            codec::encode(&ev).map(|e| e.1.to_vec()).unwrap_or_default(),
+            codec::encode(&run).map(|e| e.1.to_vec()).unwrap_or_default(),
+            codec::encode(&manifest).map(|e| e.1.to_vec()).unwrap_or_default(),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+
+        #[test]
+        fn random_bytes_never_panic_a_decoder(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+            decode_all(&bytes);
+        }
+
+        #[test]
+        fn changed_valid_messages_never_panic_a_decoder(
+            which in 0usize..3,
+            flips in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..6),
+            cut in any::<prop::sample::Index>(),
+            tail in proptest::collection::vec(any::<u8>(), 0..8),
+        ) {
+            let mut bytes = valid_payloads().swap_remove(which);
+            prop_assume!(!bytes.is_empty());
+            for (at, b) in &flips {
+                let i = at.index(bytes.len());
+                bytes[i] ^= b | 1;
+            }
+            decode_all(&bytes);
+            let mut short = bytes.clone();
+            short.truncate(cut.index(bytes.len()));
+            decode_all(&short);
+            bytes.extend(tail);
+            decode_all(&bytes);
+        }
+    }
+}
