@@ -8,7 +8,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use schemas::local_nats::{self, LocalNats};
+use schemas::local_nats::{self, LocalNats, NatsUser};
 use tokio::process::Command;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -42,14 +42,41 @@ pub struct ClusterOptions {
     pub prepare_holds_slot: bool,
 }
 
+/// The NATS users of the embedded cluster: one per service, and the operator's
+/// (`looseleaf status`). Workers get none: a cell cannot use the bus.
+struct NatsUsers {
+    frontend: NatsUser,
+    planner: NatsUser,
+    store: NatsUser,
+    host: NatsUser,
+    operator: NatsUser,
+}
+
+impl NatsUsers {
+    fn new() -> Self {
+        Self {
+            frontend: NatsUser::new("frontend"),
+            planner: NatsUser::new("planner"),
+            store: NatsUser::new("store"),
+            host: NatsUser::new("gpu-host"),
+            operator: NatsUser::new("operator"),
+        }
+    }
+
+    fn all(&self) -> Vec<NatsUser> {
+        [&self.frontend, &self.planner, &self.store, &self.host, &self.operator].into_iter().cloned().collect()
+    }
+}
+
 /// A running embedded cluster.
 pub struct Cluster {
     nats: LocalNats,
+    users: NatsUsers,
     token: CancellationToken,
     tasks: Vec<(String, JoinHandle<anyhow::Result<()>>)>,
     /// The frontend's base URL.
     pub frontend_url: String,
-    /// The NATS URL.
+    /// The NATS URL, with the operator's credentials.
     pub nats_url: String,
     /// The bearer token of the frontend's API (also in `DATA_DIR/api-token`).
     pub api_token: String,
@@ -94,17 +121,27 @@ impl Cluster {
         let data_dir = opts.data_dir.canonicalize().context("while resolving the data dir")?;
         let bin = local_nats::binary(opts.nats_server.as_deref(), &opts.repo);
         let store = data_dir.join("nats");
-        let nats = tokio::task::spawn_blocking(move || LocalNats::start(&bin, &store))
+        // every client logs in; each service as itself, fresh passwords each start
+        let users = NatsUsers::new();
+        let all = users.all();
+        let nats = tokio::task::spawn_blocking(move || LocalNats::start_with_users(&bin, &store, &all))
             .await
             .context("while starting nats-server")??;
-        let nats_url = nats.url().to_string();
+        let nats_url = nats.url_for(&users.operator);
         let token = CancellationToken::new();
         // a fresh API token per start, readable by this user only
         let api_token = format!("{}{}", Uuid::new_v4().simple(), Uuid::new_v4().simple());
         let token_file = data_dir.join("api-token");
         write_private(&token_file, &api_token).with_context(|| format!("while writing {}", token_file.display()))?;
-        let mut cluster =
-            Cluster { nats, token: token.clone(), tasks: Vec::new(), frontend_url: String::new(), nats_url, api_token };
+        let mut cluster = Cluster {
+            nats,
+            users,
+            token: token.clone(),
+            tasks: Vec::new(),
+            frontend_url: String::new(),
+            nats_url,
+            api_token,
+        };
         match cluster.start_services(opts, &data_dir).await {
             Ok(url) => {
                 cluster.frontend_url = url;
@@ -118,10 +155,12 @@ impl Cluster {
     }
 
     async fn start_services(&mut self, opts: &ClusterOptions, data_dir: &Path) -> anyhow::Result<String> {
-        let nats_url = self.nats_url.clone();
+        let url_of = |user: &NatsUser| self.nats.url_for(user);
+        let (store_nats, planner_nats) = (url_of(&self.users.store), url_of(&self.users.planner));
+        let (host_nats, frontend_nats) = (url_of(&self.users.host), url_of(&self.users.frontend));
         let store_url = opts.store_url.clone().unwrap_or_else(|| data_dir.join("store").display().to_string());
         let store = looseleaf_store::Config {
-            nats_url: nats_url.clone(),
+            nats_url: store_nats,
             prefix: PREFIX.into(),
             store_url: store_url.clone(),
             session_quota_bytes: None,
@@ -130,7 +169,7 @@ impl Cluster {
         };
         self.spawn("store", |stop| looseleaf_store::run(store, stop));
         let planner = looseleaf_planner::Config {
-            nats_url: nats_url.clone(),
+            nats_url: planner_nats,
             prefix: PREFIX.into(),
             debounce: Duration::from_millis(looseleaf_planner::DEFAULT_DEBOUNCE_MS),
             budget: opts.budget,
@@ -149,7 +188,7 @@ impl Cluster {
             std::fs::create_dir_all(&runtime_dir)
                 .with_context(|| format!("while creating {}", runtime_dir.display()))?;
             let config = looseleaf_gpu_host::Config {
-                nats_url: nats_url.clone(),
+                nats_url: host_nats.clone(),
                 prefix: PREFIX.into(),
                 store_url: store_url.clone(),
                 host_id: host_id.clone(),
@@ -173,7 +212,7 @@ impl Cluster {
         }
 
         let listen = SocketAddr::from(([127, 0, 0, 1], opts.port));
-        let mut config = looseleaf_frontend::Config::new(nats_url, PREFIX, listen);
+        let mut config = looseleaf_frontend::Config::new(frontend_nats, PREFIX, listen);
         config.tokens = looseleaf_frontend::auth::Tokens::parse(&format!("local {}\n", self.api_token))?;
         let (tx, rx) = tokio::sync::oneshot::channel();
         self.spawn("frontend", move |stop| {
@@ -209,7 +248,9 @@ impl Cluster {
     /// the first cell does not pay for the base imports.
     pub async fn wait_ready(&self, hosts: u32, timeout: Duration) -> anyhow::Result<()> {
         use futures::StreamExt;
-        let client = async_nats::connect(&self.nats_url).await.context("while watching host status")?;
+        let client = schemas::bus::connect_with_login(&self.nats_url, async_nats::ConnectOptions::new())
+            .await
+            .context("while watching host status")?;
         let subjects = schemas::Subjects::new(PREFIX);
         let mut sub = client.subscribe(subjects.all_host_status()).await?;
         let mut ready = std::collections::BTreeSet::new();

@@ -62,12 +62,21 @@ pub struct Frontend {
     http: reqwest::Client,
     /// The bearer token sent with every request, if the API asks for one.
     token: Option<String>,
+    /// Whether a request ever reached this frontend: from then on a request it
+    /// refuses to connect (it restarts) is tried again for [`RECONNECT_FOR`]; a
+    /// wrong address fails at once.
+    reached: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Frontend {
     /// A client of the frontend at `base` (e.g. `http://127.0.0.1:8470`).
     pub fn new(base: &str) -> Self {
-        Self { base: base.trim_end_matches('/').to_string(), http: reqwest::Client::new(), token: None }
+        Self {
+            base: base.trim_end_matches('/').to_string(),
+            http: reqwest::Client::new(),
+            token: None,
+            reached: Default::default(),
+        }
     }
 
     /// The same client, sending `token` as its bearer token.
@@ -86,8 +95,26 @@ impl Frontend {
             Some(token) => req.bearer_auth(token),
             None => req,
         };
-        let resp =
-            req.send().await.map_err(|source| ClientError::Unreachable { what, base: self.base.clone(), source })?;
+        use std::sync::atomic::Ordering;
+        let deadline = tokio::time::Instant::now() + RECONNECT_FOR;
+        let mut req = req;
+        let resp = loop {
+            // a request that could not connect was never sent: sending it again is safe
+            let again = req.try_clone();
+            match (req.send().await, again) {
+                (Ok(resp), _) => break resp,
+                (Err(e), Some(again)) if e.is_connect() && self.reached.load(Ordering::Relaxed) => {
+                    if tokio::time::Instant::now() > deadline {
+                        return Err(ClientError::Unreachable { what, base: self.base.clone(), source: e });
+                    }
+                    tracing::debug!(error = %e, what, "the frontend is not there; trying again");
+                    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                    req = again;
+                }
+                (Err(source), _) => return Err(ClientError::Unreachable { what, base: self.base.clone(), source }),
+            }
+        };
+        self.reached.store(true, Ordering::Relaxed);
         let status = resp.status();
         if status.is_success() {
             return Ok(resp);

@@ -131,15 +131,39 @@ impl<M> Envelope<M> {
     }
 }
 
+/// `url` without its password, for messages and logs.
+pub fn shown_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => format!("{}{}", &url[..scheme + 3], &url[at + 1..]),
+        _ => url.to_string(),
+    }
+}
+
+/// Connect to `url` with `options`, logging in as the user and password the URL
+/// names, if any (async-nats does not read them from the URL itself).
+pub async fn connect_with_login(url: &str, options: async_nats::ConnectOptions) -> Result<Client, BusError> {
+    let shown = shown_url(url);
+    let addr: async_nats::ServerAddr = url.parse().map_err(|source| BusError::Connect {
+        url: shown.clone(),
+        source: async_nats::ConnectError::with_source(async_nats::ConnectErrorKind::ServerParse, source),
+    })?;
+    let options = match (addr.username(), addr.password()) {
+        (Some(user), Some(password)) => options.user_and_password(user.to_string(), password.to_string()),
+        _ => options,
+    };
+    options
+        .connection_timeout(Duration::from_secs(5))
+        .connect(addr)
+        .await
+        .map_err(|source| BusError::Connect { url: shown, source })
+}
+
 impl Bus {
     /// Connect to `url` as `name`, with subjects under `prefix`.
+    /// A URL may carry a user and password (`nats://user:pass@host:4222`): the
+    /// client logs in with them (errors show the URL without them).
     pub async fn connect(url: &str, prefix: &str, name: &str) -> Result<Self, BusError> {
-        let client = async_nats::ConnectOptions::new()
-            .name(name)
-            .connection_timeout(Duration::from_secs(5))
-            .connect(url)
-            .await
-            .map_err(|source| BusError::Connect { url: url.to_string(), source })?;
+        let client = connect_with_login(url, async_nats::ConnectOptions::new().name(name)).await?;
         Ok(Self { client, subjects: Subjects::new(prefix) })
     }
 
@@ -335,5 +359,14 @@ impl Rejected {
         if let Err(e) = bus.respond(self.reply.clone(), &reply).await {
             tracing::warn!(error = %e, "could not answer a rejected request");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_url_is_shown_without_its_password() {
+        assert_eq!(super::shown_url("nats://store:s3cret@127.0.0.1:4222"), "nats://127.0.0.1:4222");
+        assert_eq!(super::shown_url("nats://127.0.0.1:4222"), "nats://127.0.0.1:4222");
     }
 }

@@ -34,6 +34,49 @@ pub enum LocalNatsError {
     /// No free port could be found at all.
     #[error("no free port: {0}")]
     Port(#[source] std::io::Error),
+    /// Its configuration file could not be written.
+    #[error("could not write the nats-server configuration {path}: {source}")]
+    Config {
+        /// The file.
+        path: String,
+        /// What the OS said.
+        source: std::io::Error,
+    },
+}
+
+/// A NATS user of a local server: a name and a password.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NatsUser {
+    /// The user name.
+    pub name: String,
+    /// Its password (random; hex, so it needs no quoting in a URL or the config).
+    pub password: String,
+}
+
+impl NatsUser {
+    /// A user `name` with a fresh random password.
+    pub fn new(name: &str) -> Self {
+        Self {
+            name: name.into(),
+            password: format!("{}{}", uuid::Uuid::new_v4().simple(), uuid::Uuid::new_v4().simple()),
+        }
+    }
+}
+
+/// The server configuration that makes every client log in as one of `users`.
+fn auth_config(users: &[NatsUser]) -> String {
+    let lines: Vec<String> =
+        users.iter().map(|u| format!("    {{user: \"{}\", password: \"{}\"}}", u.name, u.password)).collect();
+    format!("authorization {{\n  users = [\n{}\n  ]\n}}\n", lines.join("\n"))
+}
+
+/// Write `text` to a new file only its owner may read.
+fn write_private(path: &Path, text: &str) -> std::io::Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let _ = std::fs::remove_file(path);
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path)?;
+    f.write_all(text.as_bytes())
 }
 
 /// The nats-server binary: `explicit`, else `LOOSELEAF_NATS_SERVER`, else the one
@@ -66,6 +109,8 @@ struct Started {
     store_dir: std::path::PathBuf,
     name: String,
     port: u16,
+    /// Its configuration file (users), if it asks clients to log in.
+    config: Option<PathBuf>,
 }
 
 impl Started {
@@ -75,6 +120,7 @@ impl Started {
         let mut child = Command::new(&self.bin)
             .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-n", &self.name, "-js", "-sd"])
             .arg(&self.store_dir)
+            .args(self.config.iter().flat_map(|c| [std::ffi::OsStr::new("-c"), c.as_os_str()]))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -102,14 +148,35 @@ impl LocalNats {
     /// Start `bin` with JetStream storing in `store_dir`, and wait until it listens.
     /// Blocks for up to 15 s (call it from `spawn_blocking` in async code).
     pub fn start(bin: &Path, store_dir: &Path) -> Result<Self, LocalNatsError> {
+        Self::start_with_users(bin, store_dir, &[])
+    }
+
+    /// [`LocalNats::start`], where every client must log in as one of `users` (none:
+    /// anyone may connect). The configuration is written beside the store, readable
+    /// by this user only.
+    pub fn start_with_users(bin: &Path, store_dir: &Path, users: &[NatsUser]) -> Result<Self, LocalNatsError> {
+        let config = match users {
+            [] => None,
+            users => {
+                let path = store_dir.with_extension("conf");
+                write_private(&path, &auth_config(users))
+                    .map_err(|source| LocalNatsError::Config { path: path.display().to_string(), source })?;
+                Some(path)
+            }
+        };
         let name = format!("looseleaf-{}", uuid::Uuid::new_v4().simple());
         for _ in 0..5 {
             let port = std::net::TcpListener::bind("127.0.0.1:0")
                 .and_then(|l| l.local_addr())
                 .map_err(LocalNatsError::Port)?
                 .port();
-            let started =
-                Started { bin: bin.to_path_buf(), store_dir: store_dir.to_path_buf(), name: name.clone(), port };
+            let started = Started {
+                bin: bin.to_path_buf(),
+                store_dir: store_dir.to_path_buf(),
+                name: name.clone(),
+                port,
+                config: config.clone(),
+            };
             // None: the port was taken before it bound: try another
             if let Some(child) = started.spawn()? {
                 let url = format!("nats://127.0.0.1:{port}");
@@ -149,6 +216,12 @@ impl LocalNats {
         &self.url
     }
 
+    /// Its URL with `user`'s credentials in it (what a client of a server that asks
+    /// for users connects to).
+    pub fn url_for(&self, user: &NatsUser) -> String {
+        self.url.replacen("nats://", &format!("nats://{}:{}@", user.name, user.password), 1)
+    }
+
     /// Kill it now (stopping, or a test of what services do when NATS goes away).
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
@@ -173,4 +246,37 @@ fn server_name_on(port: u16) -> Option<String> {
     BufReader::new(conn).read_line(&mut line).ok()?;
     let info: serde_json::Value = serde_json::from_str(line.strip_prefix("INFO ")?.trim()).ok()?;
     info["server_name"].as_str().map(str::to_string)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A server with users refuses clients without a user or with a wrong
+    /// password, and takes each user with theirs.
+    #[tokio::test]
+    async fn a_server_with_users_lets_in_only_them() {
+        let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let bin = binary(None, &repo);
+        let dir = tempfile::tempdir().unwrap();
+        let (store, host) = (NatsUser::new("store"), NatsUser::new("gpu-host"));
+        let users = [store.clone(), host.clone()];
+        let nats = match LocalNats::start_with_users(&bin, &dir.path().join("nats"), &users) {
+            Ok(n) => n,
+            Err(e) => panic!("nats-server (run scripts/setup): {e}"),
+        };
+        let conf = dir.path().join("nats.conf");
+        let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&conf).unwrap().permissions());
+        assert_eq!(mode & 0o077, 0, "the credentials are the owner's only");
+        let connect =
+            |url: String| async move { crate::bus::connect_with_login(&url, async_nats::ConnectOptions::new()).await };
+        assert!(connect(nats.url().to_string()).await.is_err(), "no user");
+        let wrong = NatsUser { name: "store".into(), password: "guess".into() };
+        assert!(connect(nats.url_for(&wrong)).await.is_err(), "a wrong password");
+        for u in &users {
+            let client = connect(nats.url_for(u)).await.unwrap();
+            client.publish("ll.test", "x".into()).await.unwrap();
+            client.flush().await.unwrap();
+        }
+    }
 }
