@@ -207,6 +207,23 @@ async fn replay(frontend: &str, dir: &Path, name: &str, nb: &serde_json::Value) 
     Ok(Replay { report: read(&report), executed: read(&output), exit_ok: status.success() })
 }
 
+/// Start `n` replays of `nb` at once, named `{name}0`, `{name}1`, ….
+fn start_replays(
+    cluster: &Cluster,
+    work: &Path,
+    name: &str,
+    n: usize,
+    nb: &serde_json::Value,
+) -> Vec<tokio::task::JoinHandle<anyhow::Result<Replay>>> {
+    (0..n)
+        .map(|i| {
+            let (frontend, work, nb) = (cluster.services.frontend.clone(), work.to_path_buf(), nb.clone());
+            let name = format!("{name}{i}");
+            tokio::spawn(async move { replay(&frontend, &work, &name, &nb).await })
+        })
+        .collect()
+}
+
 /// The text a code cell of an executed notebook printed.
 fn printed(executed: &serde_json::Value, k: usize) -> String {
     let code: Vec<&serde_json::Value> = executed["cells"]
@@ -318,14 +335,7 @@ async fn chaos_run(
     plan: &Plan,
 ) -> anyhow::Result<(Verdict, Vec<(u64, &'static str)>)> {
     let Plan { sessions, cells, sleep_s, ref schedule, first, every } = *plan;
-    let nb = notebook(cells, sleep_s);
-    let frontend = cluster.services.frontend.clone();
-    let replays: Vec<_> = (0..sessions)
-        .map(|i| {
-            let (frontend, work, nb) = (frontend.clone(), work.to_path_buf(), nb.clone());
-            tokio::spawn(async move { replay(&frontend, &work, &format!("s{i}"), &nb).await })
-        })
-        .collect();
+    let replays = start_replays(cluster, work, "s", sessions, &notebook(cells, sleep_s));
     let mut faults = Vec::new();
     tokio::time::sleep(first).await;
     for fault in schedule {
@@ -431,15 +441,7 @@ async fn bench_chaos() -> anyhow::Result<()> {
     // load: many sessions at once, no faults
     let cluster = Cluster::start(&[4, 4]).await?;
     let load_sessions = 64;
-    let nb = notebook(4, 0.0);
-    let load_work = work_dir("chaos-load")?;
-    let frontend = cluster.services.frontend.clone();
-    let replays: Vec<_> = (0..load_sessions)
-        .map(|i| {
-            let (frontend, work, nb) = (frontend.clone(), load_work.clone(), nb.clone());
-            tokio::spawn(async move { replay(&frontend, &work, &format!("l{i}"), &nb).await })
-        })
-        .collect();
+    let replays = start_replays(&cluster, &work_dir("chaos-load")?, "l", load_sessions, &notebook(4, 0.0));
     let mut starts = Vec::new();
     let mut load = Verdict::default();
     for (i, handle) in replays.into_iter().enumerate() {
