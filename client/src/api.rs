@@ -187,16 +187,32 @@ pub struct StreamPosition {
     /// The last event id seen (sent as `Last-Event-ID` when reconnecting).
     pub last_id: Option<String>,
     delivered: std::collections::HashSet<u64>,
+    /// Outputs delivered, by (execution, seq): a frontend that adopted the session
+    /// replays them.
+    outputs: std::collections::HashSet<(Uuid, u64)>,
+    /// Executions whose Done was delivered: one outcome each, even if a frontend
+    /// that adopted a run decided it again in other words.
+    done: std::collections::HashSet<Uuid>,
 }
 
 impl StreamPosition {
-    fn first_time(&mut self, data: &str) -> bool {
+    fn first_time(&mut self, item: &StreamItem, data: &str) -> bool {
         use std::hash::{Hash as _, Hasher as _};
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        data.hash(&mut h);
-        self.delivered.insert(h.finish())
+        match item {
+            StreamItem::Output { exec_id, seq, .. } => self.outputs.insert((*exec_id, *seq)),
+            StreamItem::Done { exec_id, .. } => self.done.insert(*exec_id),
+            _ => {
+                let mut h = std::collections::hash_map::DefaultHasher::new();
+                data.hash(&mut h);
+                self.delivered.insert(h.finish())
+            }
+        }
     }
 }
+
+/// A stream that carries nothing, not even a keep-alive (sent every 5 s), for this
+/// long is taken for broken (a frontend's machine gone without closing it).
+pub const STREAM_SILENCE: std::time::Duration = std::time::Duration::from_secs(15);
 
 /// Read one connection's event stream (the body of `GET …/events`, as byte
 /// chunks), sending each item not delivered before to `tx` and noting where it
@@ -218,8 +234,15 @@ where
         // a reader nobody reads from any more lets go of the connection at once
         // (the frontend counts a session with a connected client as watched)
         let chunk = tokio::select! {
-            chunk = body.next() => chunk,
+            chunk = tokio::time::timeout(STREAM_SILENCE, body.next()) => chunk,
             () = tx.closed() => return true,
+        };
+        let chunk = match chunk {
+            Err(_) => {
+                tracing::warn!("event stream silent for {STREAM_SILENCE:?}; reconnecting");
+                return false;
+            }
+            Ok(chunk) => chunk,
         };
         let chunk = match chunk {
             Some(Ok(c)) => c,
@@ -233,11 +256,11 @@ where
             if event.id.is_some() {
                 pos.last_id = event.id;
             }
-            if !pos.first_time(&event.data) {
-                continue;
-            }
             match serde_json::from_str::<StreamItem>(&event.data) {
                 Ok(item) => {
+                    if !pos.first_time(&item, &event.data) {
+                        continue;
+                    }
                     if tx.send(item).is_err() {
                         return true;
                     }
@@ -260,6 +283,31 @@ mod tests {
         let events = p.push_events(b"id: 7\ndata: a\n\ndata: b\n\n");
         assert_eq!(events[0], SseEvent { id: Some("7".into()), data: "a".into() });
         assert_eq!(events[1], SseEvent { id: None, data: "b".into() });
+    }
+
+    /// A frontend that adopted a session replays what the client saw, and may
+    /// decide an outcome again in other words: each output and each Done once.
+    #[tokio::test]
+    async fn replayed_items_reach_the_caller_once() {
+        let exec = Uuid::now_v7();
+        let out = |text: &str| {
+            format!("data: {{\"type\":\"output\",\"exec_id\":\"{exec}\",\"seq\":0,\"output\":\"{text}\"}}\n\n")
+        };
+        let done = |e: &str| {
+            format!("data: {{\"type\":\"done\",\"exec_id\":\"{exec}\",\"status\":\"failed\",\"after_revision\":1,\"unix_ms\":5,\"error\":\"{e}\"}}\n\n")
+        };
+        let chunks: Vec<Result<Vec<u8>, String>> =
+            [out("a"), done("lost"), out("a"), done("lost (again, in other words)")].map(|c| Ok(c.into_bytes())).into();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut pos = StreamPosition::default();
+        assert!(!read_items(futures::stream::iter(chunks), &tx, &mut pos).await, "the stream ended");
+        drop(tx);
+        let mut got = Vec::new();
+        while let Some(item) = rx.recv().await {
+            got.push(item);
+        }
+        assert_eq!(got.len(), 2, "{got:?}");
+        assert!(matches!(&got[1], StreamItem::Done { error: Some(e), .. } if e == "lost"));
     }
 
     #[test]

@@ -151,9 +151,11 @@ pub async fn connect_with_login(url: &str, options: async_nats::ConnectOptions) 
         (Some(user), Some(password)) => options.user_and_password(user.to_string(), password.to_string()),
         _ => options,
     };
+    // the address without them: the client logs addresses at debug level
+    let bare: async_nats::ServerAddr = shown.parse().unwrap_or(addr);
     options
         .connection_timeout(Duration::from_secs(5))
-        .connect(addr)
+        .connect(bare)
         .await
         .map_err(|source| BusError::Connect { url: shown, source })
 }

@@ -109,18 +109,32 @@ struct Started {
     store_dir: std::path::PathBuf,
     name: String,
     port: u16,
-    /// Its configuration file (users), if it asks clients to log in.
-    config: Option<PathBuf>,
+    /// Its configuration (users), if it asks clients to log in: where it is
+    /// written for the server to read at start, and the text. The file is removed
+    /// once the server listens, so that the passwords lie on disk only meanwhile.
+    config: Option<(PathBuf, String)>,
 }
 
 impl Started {
     /// Spawn the server; Ok(None) if it exited before listening (port taken).
     fn spawn(&self) -> Result<Option<Child>, LocalNatsError> {
+        if let Some((path, text)) = &self.config {
+            write_private(path, text)
+                .map_err(|source| LocalNatsError::Config { path: path.display().to_string(), source })?;
+        }
+        let child = self.spawn_and_wait();
+        if let Some((path, _)) = &self.config {
+            let _ = std::fs::remove_file(path);
+        }
+        child
+    }
+
+    fn spawn_and_wait(&self) -> Result<Option<Child>, LocalNatsError> {
         let bin = self.bin.display().to_string();
         let mut child = Command::new(&self.bin)
             .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-n", &self.name, "-js", "-sd"])
             .arg(&self.store_dir)
-            .args(self.config.iter().flat_map(|c| [std::ffi::OsStr::new("-c"), c.as_os_str()]))
+            .args(self.config.iter().flat_map(|(c, _)| [std::ffi::OsStr::new("-c"), c.as_os_str()]))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -153,16 +167,11 @@ impl LocalNats {
 
     /// [`LocalNats::start`], where every client must log in as one of `users` (none:
     /// anyone may connect). The configuration is written beside the store, readable
-    /// by this user only.
+    /// by this user only, while the server starts.
     pub fn start_with_users(bin: &Path, store_dir: &Path, users: &[NatsUser]) -> Result<Self, LocalNatsError> {
         let config = match users {
             [] => None,
-            users => {
-                let path = store_dir.with_extension("conf");
-                write_private(&path, &auth_config(users))
-                    .map_err(|source| LocalNatsError::Config { path: path.display().to_string(), source })?;
-                Some(path)
-            }
+            users => Some((store_dir.with_extension("conf"), auth_config(users))),
         };
         let name = format!("looseleaf-{}", uuid::Uuid::new_v4().simple());
         for _ in 0..5 {
@@ -265,9 +274,7 @@ mod tests {
             Ok(n) => n,
             Err(e) => panic!("nats-server (run scripts/setup): {e}"),
         };
-        let conf = dir.path().join("nats.conf");
-        let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&conf).unwrap().permissions());
-        assert_eq!(mode & 0o077, 0, "the credentials are the owner's only");
+        assert!(!dir.path().join("nats.conf").exists(), "the passwords are not left on disk");
         let connect =
             |url: String| async move { crate::bus::connect_with_login(&url, async_nats::ConnectOptions::new()).await };
         assert!(connect(nats.url().to_string()).await.is_err(), "no user");

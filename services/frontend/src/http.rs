@@ -56,6 +56,9 @@ pub struct AppState {
     pub limits: Limits,
     /// Host names and browser origins the API answers (see [`crate::origins`]).
     pub origins: Origins,
+    /// Held from counting a user's sessions to recording a new one, so that
+    /// requests at once cannot pass the per-user limit together (on this frontend).
+    pub creating: Arc<tokio::sync::Mutex<()>>,
 }
 
 /// A session this frontend serves: its actor, and the user it belongs to.
@@ -236,6 +239,10 @@ async fn create_session(
 ) -> Result<Json<SessionCreated>, ApiError> {
     let req = json_body(body)?;
     state.limits.check_cwd(&req.cwd).map_err(bad_request)?;
+    let _creating = match state.limits.sessions_per_user {
+        Some(_) => Some(state.creating.lock().await),
+        None => None,
+    };
     if let Some(limit) = state.limits.sessions_per_user {
         let held = state.shared.records.count_owned_by(&caller.0).await.map_err(unavailable)?;
         if held >= limit {

@@ -172,6 +172,7 @@ pub async fn run_with_bound(
         tokens: config.tokens.clone(),
         limits: config.limits.clone(),
         origins: config.origins.clone().unwrap_or_else(|| origins::Origins::new(bound, &[], &[])),
+        creating: Default::default(),
     };
     if !config.tokens.required() {
         tracing::warn!("the HTTP API asks for no token: anyone who reaches {bound} can use every session");

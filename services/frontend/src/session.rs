@@ -27,8 +27,15 @@ use crate::Timeouts;
 /// A record to write, and who waits until it landed.
 type RecordWrite = (SessionRecord, Option<tokio::sync::oneshot::Sender<()>>);
 
-/// How long a run waits for its in-flight record before it is sent anyway.
-const RECORD_WAIT: Duration = Duration::from_secs(5);
+/// How long a run waits for its in-flight record to land; if it does not, the run
+/// is not sent (a frontend that adopts the session could not follow it).
+const RECORD_WAIT: Duration = Duration::from_secs(10);
+
+/// How soon a record write that failed is tried again.
+const RECORD_RETRY: Duration = Duration::from_secs(1);
+
+/// How soon the store is asked again what a run committed, when it did not say.
+const STORE_RETRY: Duration = Duration::from_secs(2);
 
 /// How far back a frontend that adopts a run in flight reads the streams, before
 /// the run was pressed (clocks of machines differ).
@@ -216,17 +223,24 @@ impl SessionActor {
     pub fn new(record: SessionRecord, shared: Shared) -> Self {
         let (record_tx, mut rx) = mpsc::unbounded_channel::<RecordWrite>();
         let records = shared.records.clone();
-        // one writer per session: records land in order, and only the latest of
-        // those waiting is written (everyone waiting hears when it landed)
+        // one writer per session: records land in order, only the latest of those
+        // waiting is written, a failed write is tried again until it lands or a
+        // newer record replaces it, and those waiting hear once it landed
         tokio::spawn(async move {
             while let Some((mut latest, ack)) = rx.recv().await {
                 let mut acks: Vec<_> = ack.into_iter().collect();
-                while let Ok((newer, ack)) = rx.try_recv() {
-                    latest = newer;
-                    acks.extend(ack);
-                }
-                if let Err(e) = records.put(&latest).await {
-                    tracing::warn!(session = %latest.session_id, error = %e, "could not update the session's record");
+                loop {
+                    while let Ok((newer, ack)) = rx.try_recv() {
+                        latest = newer;
+                        acks.extend(ack);
+                    }
+                    match records.put(&latest).await {
+                        Ok(()) => break,
+                        Err(e) => {
+                            tracing::warn!(session = %latest.session_id, error = %e, "could not update the session's record; trying again");
+                            tokio::time::sleep(RECORD_RETRY).await;
+                        }
+                    }
                 }
                 for ack in acks {
                     let _ = ack.send(());
@@ -309,9 +323,24 @@ impl SessionActor {
         });
     }
 
-    /// The host of the current execution is lost: ask the store what was committed.
+    /// The host of the current execution is lost: it ends with what the store committed.
     fn host_lost(&mut self, exec_id: Uuid, host: String, why: String, ctx: &mut Context<Self>) {
         tracing::warn!(session = %self.sid, exec = %exec_id, %host, %why, "host lost while it ran a cell");
+        let failure = move |revision| {
+            format!(
+                "host {host} was lost ({why}) while the cell ran; nothing the cell did was committed, the session \
+                 keeps its last committed state (revision {revision})"
+            )
+        };
+        self.settle(exec_id, Arc::new(failure), ctx);
+    }
+
+    /// End the current execution `exec_id` with what the store committed: its commit
+    /// if its save landed (a host may have run it though this frontend heard
+    /// nothing), else a failure, `failure(revision)`, at the session's revision. A
+    /// store that does not answer is asked again: never say nothing was committed
+    /// without knowing.
+    fn settle(&mut self, exec_id: Uuid, failure: Arc<dyn Fn(u64) -> String>, ctx: &mut Context<Self>) {
         let bus = self.shared.bus.clone();
         let get = ManifestGetV2 { session: self.sid, at_least: None };
         let ask = async move {
@@ -323,25 +352,18 @@ impl SessionActor {
             };
             let now = schemas::unix_ms();
             match answer {
-                // the save landed before the host went: that is the cell's outcome
+                // the save landed: that is the cell's outcome
                 Ok(m) if m.manifest.exec_id == exec_id => {
                     let (status, error) = cur.saved_outcome();
                     act.complete(ctx, status, m.manifest.revision, error, now);
                 }
                 Ok(m) => {
-                    let error = format!(
-                        "host {host} was lost ({why}) while the cell ran; nothing the cell did was committed, \
-                         the session keeps its last committed state (revision {})",
-                        m.manifest.revision
-                    );
+                    let error = failure(m.manifest.revision);
                     act.complete(ctx, ExecStatus::Failed, m.manifest.revision, Some(error), now);
                 }
                 Err(e) => {
-                    let error = format!(
-                        "host {host} was lost ({why}) while the cell ran, and the store could not say what was \
-                         committed ({e}); run the cell again"
-                    );
-                    act.complete(ctx, ExecStatus::Failed, act.stored.revision, Some(error), now);
+                    tracing::warn!(exec = %exec_id, error = %e, "the store could not say what a run committed; asking again");
+                    ctx.run_later(STORE_RETRY, move |act, ctx| act.settle(exec_id, failure, ctx));
                 }
             }
         }));
@@ -397,8 +419,10 @@ impl SessionActor {
         let subject = bus.subjects().run(self.sid);
         tracing::info!(session = %self.sid, exec = %exec_id, cell = %p.cell_id, after_revision = self.stored.revision, "run sent");
         let send = async move {
-            let _ = tokio::time::timeout(RECORD_WAIT, ack_rx).await;
-            bus.publish(subject, &run).await
+            match tokio::time::timeout(RECORD_WAIT, ack_rx).await {
+                Ok(Ok(())) => bus.publish(subject, &run).await.map_err(|e| e.to_string()),
+                _ => Err(format!("the session's record could not be written within {RECORD_WAIT:?}")),
+            }
         };
         ctx.spawn(send.into_actor(self).map(move |res, act, ctx| {
             if let Err(e) = res {
@@ -473,9 +497,17 @@ impl SessionActor {
             }
         };
         ctx.spawn(claim.into_actor(self).map(move |claimed, act, ctx| match claimed {
-            Ok(None) => act.fail_current(ctx, exec_id, error),
+            // no host can start it now; one may have run it before (a claim expires
+            // after CLAIM_TTL unrenewed): the store says whether it committed
+            Ok(None) => {
+                let error = error.clone();
+                act.settle(exec_id, Arc::new(move |_| error.clone()), ctx)
+            }
             // abandoned already (by this session's frontend before it restarted)
-            Ok(Some(holder)) if holder == schemas::buckets::INTERRUPTED_HOLDER => act.fail_current(ctx, exec_id, error),
+            Ok(Some(holder)) if holder == schemas::buckets::INTERRUPTED_HOLDER => {
+                let error = error.clone();
+                act.settle(exec_id, Arc::new(move |_| error.clone()), ctx)
+            }
             Ok(Some(holder)) => {
                 tracing::info!(exec = %exec_id, %holder, "a host holds the run; it reports the outcome");
                 let unwatched = act.current.as_ref().is_some_and(|c| c.exec_id == exec_id && c.host.is_none());
@@ -498,13 +530,6 @@ impl SessionActor {
         }));
     }
 
-    /// Give up on the current execution (if it is `exec_id`) and move on.
-    fn fail_current(&mut self, ctx: &mut Context<Self>, exec_id: Uuid, error: String) {
-        if self.current.as_ref().is_some_and(|c| c.exec_id == exec_id) {
-            self.complete(ctx, ExecStatus::Failed, self.stored.revision, Some(error), schemas::unix_ms());
-        }
-    }
-
     /// The current execution is complete: emit done, start the next one.
     fn complete(
         &mut self,
@@ -519,7 +544,10 @@ impl SessionActor {
         self.stored.revision = revision;
         self.stored.last_exec = Some(cur.exec_id);
         self.stored.in_flight = None;
-        let _ = self.record_tx.send((self.stored.clone(), None)); // the writer lives as long as the actor
+        // a deleted session's record stays deleted (its cells' late ends are relayed only)
+        if !self.closing {
+            let _ = self.record_tx.send((self.stored.clone(), None)); // the writer lives as long as the actor
+        }
         if let Some(r) = self.record(cur.exec_id) {
             r.status = status;
             r.after_revision = Some(revision);
@@ -653,6 +681,22 @@ impl SessionActor {
             (events, outputs)
         };
         ctx.wait(read.into_actor(self).map(move |(events, outputs), act, ctx| {
+            // outputs first: an execution that ends without Finished (its worker
+            // lost) completes on its outcome event, and outputs after Done are dropped
+            match outputs {
+                Ok(msgs) => {
+                    for m in &msgs {
+                        match schemas::codec::decode::<OutputV1>(m.headers.as_ref(), &m.payload) {
+                            Ok(out) => {
+                                act.replayed.insert(output_key(&out));
+                                act.on_output(ctx, out);
+                            }
+                            Err(e) => tracing::warn!(error = %e, "a replayed output does not decode; skipped"),
+                        }
+                    }
+                }
+                Err(e) => tracing::warn!(session = %sid, error = %e, "could not replay the adopted run's outputs"),
+            }
             match events {
                 Ok(msgs) => {
                     for m in &msgs {
@@ -667,20 +711,6 @@ impl SessionActor {
                     }
                 }
                 Err(e) => tracing::warn!(session = %sid, error = %e, "could not replay the adopted run's events"),
-            }
-            match outputs {
-                Ok(msgs) => {
-                    for m in &msgs {
-                        match schemas::codec::decode::<OutputV1>(m.headers.as_ref(), &m.payload) {
-                            Ok(out) => {
-                                act.replayed.insert(output_key(&out));
-                                act.on_output(ctx, out);
-                            }
-                            Err(e) => tracing::warn!(error = %e, "a replayed output does not decode; skipped"),
-                        }
-                    }
-                }
-                Err(e) => tracing::warn!(session = %sid, error = %e, "could not replay the adopted run's outputs"),
             }
             if act.current.as_ref().is_some_and(|c| c.exec_id == exec_id) {
                 act.arm_deadlines(exec_id, ctx);

@@ -33,6 +33,7 @@ async fn start_frontend_with(
 ) -> anyhow::Result<Served> {
     let mut config = Config::new(nats.url(), prefix, "127.0.0.1:0".parse()?);
     configure(&mut config);
+    fake_store(nats, prefix).await?;
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
     let (bound_tx, bound_rx) = oneshot::channel();
     actix_rt::spawn(async move {
@@ -53,6 +54,23 @@ async fn start_frontend_with(
     let addr = tokio::time::timeout(WAIT, bound_rx).await.context("frontend did not bind")??;
     let base = format!("http://{addr}");
     Ok(Served { client: Frontend::new(&base), base, _stop: stop_tx })
+}
+
+/// Play the store for the frontend's questions: every session is empty (revision
+/// 0, nothing committed). One answer per question across the test's frontends.
+async fn fake_store(nats: &NatsServer, prefix: &str) -> anyhow::Result<()> {
+    use schemas::messages::{ManifestGetV2, ManifestV1, Reply};
+    let bus = Bus::connect(nats.url(), prefix, "fake-store").await?;
+    let subject = bus.subjects().store(schemas::subjects::StoreVerb::ManifestGet);
+    let mut gets = bus.queue_subscribe::<ManifestGetV2>(subject, "fake-store").await?;
+    bus.flush().await?;
+    actix_rt::spawn(async move {
+        while let Some(Ok(env)) = gets.next().await {
+            let manifest = schemas::checkpoint::Manifest::empty(env.msg.session);
+            let _ = bus.respond(env.reply, &Reply::Ok(ManifestV1 { manifest })).await;
+        }
+    });
+    Ok(())
 }
 
 async fn next_item(rx: &mut mpsc::UnboundedReceiver<StreamItem>) -> anyhow::Result<StreamItem> {

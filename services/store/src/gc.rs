@@ -55,12 +55,29 @@ pub async fn collect(manifests: &Manifests, keep_revisions: u64, grace: Duration
             .await?;
         keys.sort_by_key(|k| std::cmp::Reverse(k.0));
         let mut kept = 0;
-        for (_, key) in &keys {
+        for (revision, key) in &keys {
             if kept < keep {
                 let bytes = objects.get(key).await?.bytes().await?;
-                match manifests.open(key.as_ref(), &bytes)? {
-                    Opened::Verified(m) => {
+                let opened = match manifests.open(key.as_ref(), &bytes) {
+                    Ok(o) => o,
+                    // one unreadable object must not stop collection everywhere
+                    Err(e) => {
+                        tracing::warn!(manifest = %key, error = %e, "garbage collection skips an unreadable manifest");
+                        continue;
+                    }
+                };
+                match opened {
+                    // a real revision of this session, under its own key
+                    Opened::Verified(m)
+                        if checkpoint::manifest_key(m.session, m.revision) == key.as_ref()
+                            && m.revision == *revision =>
+                    {
                         kept += 1;
+                        referenced.extend(m.chunks());
+                    }
+                    // verified but moved (a copy under another key): not a revision to keep
+                    Opened::Verified(m) => {
+                        tracing::warn!(manifest = %key, "garbage collection skips a manifest stored under another key");
                         referenced.extend(m.chunks());
                     }
                     // Not ours (forged, or an old key): neither a revision to keep nor

@@ -195,7 +195,13 @@ impl Manifests {
             None => {
                 let prefix = Path::from(checkpoint::manifests_dir(session).as_str());
                 let keys: Vec<_> = self.objects.list(Some(&prefix)).try_collect().await?;
-                let top = keys.iter().filter_map(|m| checkpoint::revision_of_key(m.location.as_ref())).max();
+                // only keys of the format count: a stray object must not look like the top
+                let top = keys
+                    .iter()
+                    .filter_map(|m| checkpoint::revision_of_key(m.location.as_ref()).map(|r| (r, m.location.as_ref())))
+                    .filter(|(r, key)| checkpoint::manifest_key(session, *r) == *key)
+                    .map(|(r, _)| r)
+                    .max();
                 match top {
                     Some(rev) => Arc::new(self.read(session, rev).await?.unwrap_or_else(|| Manifest::empty(session))),
                     None => Arc::new(Manifest::empty(session)),

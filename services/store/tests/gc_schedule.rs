@@ -1,7 +1,8 @@
 //! The store collects garbage by itself on its schedule: old manifest revisions and
 //! chunks nothing references go (a full disk recovers without an operator asking).
-//! A manifest that does not verify under the store's key (a forger's) is neither
-//! kept as a revision nor deleted, so it cannot push a real revision out.
+//! A manifest that does not verify under the store's key (a forger's), or a real one
+//! copied under another key, is neither kept as a revision nor deleted, so it
+//! cannot push a real revision out.
 
 use std::time::Duration;
 
@@ -30,6 +31,9 @@ async fn old_revisions_and_orphan_chunks_are_collected_on_schedule() -> anyhow::
         let body = signing::seal(&m, signed_by)?;
         objects.put(&Path::from(checkpoint::manifest_key(session, revision)), body.into()).await?;
     }
+    // revision 5: a real signed manifest (revision 3's) copied under another key
+    let three = objects.get(&Path::from(checkpoint::manifest_key(session, 3))).await?.bytes().await?;
+    objects.put(&Path::from(checkpoint::manifest_key(session, 5)), three.to_vec().into()).await?;
     let orphan = Path::from(checkpoint::chunk_key(&checkpoint::chunk_hash(b"nothing references me")));
     objects.put(&orphan, b"nothing references me".to_vec().into()).await?;
 
@@ -54,7 +58,7 @@ async fn old_revisions_and_orphan_chunks_are_collected_on_schedule() -> anyhow::
             let mut left: Vec<Path> = left.into_iter().map(|m| m.location).collect();
             left.sort();
             let newest_and_forged: Vec<Path> =
-                [3, 4].into_iter().map(|r| Path::from(checkpoint::manifest_key(session, r))).collect();
+                [3, 4, 5].into_iter().map(|r| Path::from(checkpoint::manifest_key(session, r))).collect();
             left == newest_and_forged && objects.head(&orphan).await.is_err()
         }
     })

@@ -118,28 +118,30 @@ impl Claims {
     }
 
     /// Renew claims this host holds (they expire after `CLAIM_TTL` otherwise, so a
-    /// dead host's claims free themselves). Returns the CPU worker claims another
-    /// host took over meanwhile (this host was taken for lost): their workers are
-    /// no longer the sessions' CPU workers.
+    /// dead host's claims free themselves). Returns the claims another holder took
+    /// meanwhile: a CPU worker claim another host took over (this host was taken for
+    /// lost: its worker is no longer the session's CPU worker), or a run claim its
+    /// frontend gave up (`!interrupted`; never overwritten here).
     pub async fn renew(&self, keys: Vec<ClaimKey>) -> Vec<ClaimKey> {
         let me = self.host_id.clone().into_bytes();
         let mut lost = Vec::new();
         for key in keys {
             let k = key.key();
-            let renewed = match key {
-                // never overwrite a takeover: renew only what is still this host's
-                ClaimKey::Cpu(_) => match self.kv.entry(&k).await {
-                    Ok(Some(e)) if e.value.as_ref() != me.as_slice() && e.operation == kv::Operation::Put => {
-                        lost.push(key);
-                        continue;
+            // never overwrite a takeover (another host's CPU worker claim, or a run
+            // the frontend gave up: `!interrupted`): renew only what is still this host's
+            let renewed = match self.kv.entry(&k).await {
+                Ok(Some(e)) if e.value.as_ref() != me.as_slice() && e.operation == kv::Operation::Put => {
+                    if matches!(key, ClaimKey::Run(_)) {
+                        tracing::warn!(key = %k, "a run this host holds was given up by its frontend");
                     }
-                    Ok(Some(e)) if e.operation == kv::Operation::Put => {
-                        self.kv.update(&k, me.clone().into(), e.revision).await.map(|_| ()).map_err(|e| e.to_string())
-                    }
-                    Ok(_) => self.kv.create(&k, me.clone().into()).await.map(|_| ()).map_err(|e| e.to_string()),
-                    Err(e) => Err(e.to_string()),
-                },
-                _ => self.kv.put(&k, me.clone().into()).await.map(|_| ()).map_err(|e| e.to_string()),
+                    lost.push(key);
+                    continue;
+                }
+                Ok(Some(e)) if e.operation == kv::Operation::Put => {
+                    self.kv.update(&k, me.clone().into(), e.revision).await.map(|_| ()).map_err(|e| e.to_string())
+                }
+                Ok(_) => self.kv.create(&k, me.clone().into()).await.map(|_| ()).map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
             };
             if let Err(e) = renewed {
                 tracing::warn!(error = %e, key = %k, "could not renew a claim");

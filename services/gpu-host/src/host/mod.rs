@@ -889,10 +889,13 @@ impl Host {
     }
 
     fn renew_claims(&mut self, ctx: &mut Context<Self>) {
-        // every run this host holds, running or waiting for a slot: an expired run
-        // claim could be taken again (by a host, or by an interrupt)
+        // every run this host holds, running, waiting for a slot or for a prepared
+        // worker: an expired run claim could be taken again (by a host, or by an
+        // interrupt), and the frontend takes a claim not renewed for a lost host
         let runs = self.running.keys().copied().chain(self.won.iter().map(|r| r.exec_id));
-        let keys: Vec<ClaimKey> = self.kept.cpu_sessions().map(ClaimKey::Cpu).chain(runs.map(ClaimKey::Run)).collect();
+        let runs = runs.chain(self.prepared.claimed_runs()).collect::<std::collections::BTreeSet<_>>();
+        let keys: Vec<ClaimKey> =
+            self.kept.cpu_sessions().map(ClaimKey::Cpu).chain(runs.into_iter().map(ClaimKey::Run)).collect();
         let claims = self.claims.clone();
         let renewal = async move { claims.renew(keys).await };
         ctx.spawn(renewal.into_actor(self).map(|lost, act, ctx| {

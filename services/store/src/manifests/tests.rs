@@ -279,4 +279,10 @@ async fn only_manifests_signed_with_the_key_load(objects: Arc<dyn ObjectStore>) 
     put(theirs.bytes().await.unwrap().to_vec()).await;
     let err = signed(&objects, 7).latest(victim).await.unwrap_err();
     assert!(matches!(err, ManifestError::Corrupt { .. }), "{err}");
+
+    // a stray object beside the manifests, not of their key format, is not taken
+    // for the newest revision by a gateway that has to list them
+    let stray = format!("{}/99.json", schemas::checkpoint::manifests_dir(attacker));
+    objects.put(&Path::from(stray.as_str()), b"{}".to_vec().into()).await.unwrap();
+    assert_eq!(signed(&objects, 7).latest(attacker).await.unwrap().revision, 1);
 }
