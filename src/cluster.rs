@@ -8,7 +8,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use schemas::local_nats::{self, LocalNats, NatsUser};
+use schemas::local_nats::{self, write_private, LocalNats, NatsUser};
 use tokio::process::Command;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -80,15 +80,6 @@ pub struct Cluster {
     pub nats_url: String,
     /// The bearer token of the frontend's API (also in `DATA_DIR/api-token`).
     pub api_token: String,
-}
-
-/// Write `text` to a new file only its owner may read.
-fn write_private(path: &Path, text: &str) -> std::io::Result<()> {
-    use std::io::Write as _;
-    use std::os::unix::fs::OpenOptionsExt as _;
-    let _ = std::fs::remove_file(path);
-    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path)?;
-    f.write_all(text.as_bytes())
 }
 
 /// The data directory's manifest key, made on the first start and kept: manifests

@@ -70,8 +70,8 @@ fn auth_config(users: &[NatsUser]) -> String {
     format!("authorization {{\n  users = [\n{}\n  ]\n}}\n", lines.join("\n"))
 }
 
-/// Write `text` to a new file only its owner may read.
-fn write_private(path: &Path, text: &str) -> std::io::Result<()> {
+/// Write `text` to a new file only its owner may read (a file there is replaced).
+pub fn write_private(path: &Path, text: &str) -> std::io::Result<()> {
     use std::io::Write as _;
     use std::os::unix::fs::OpenOptionsExt as _;
     let _ = std::fs::remove_file(path);
