@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use schemas::checkpoint::Manifest;
 use schemas::messages::{
-    CellStatus, ChunkPlanV1, ChunkPlannedV1, CommitV2, CommittedV1, Device, EventKind, ManifestGetV2, ManifestV1,
-    OutputV1, Prepare, RecipeV1, SessionEventV2, StartPhases, WorkerState, OUTPUT_PART_BYTES,
+    CellStatus, ChunkPlanV1, ChunkPlannedV1, CommitV2, CommittedV1, Device, ErrorCode, EventKind, ManifestGetV2,
+    ManifestV1, OutputV1, Prepare, RecipeV1, SessionEventV2, StartPhases, WorkerState, OUTPUT_PART_BYTES,
 };
 use schemas::subjects::StoreVerb;
 use schemas::{unix_ms, Bus, BusError};
@@ -626,7 +626,6 @@ impl ExecEnv {
         let base_revision = manifest.revision;
         let worker_name = w.id.clone();
         let commit = |delta, uploaded| {
-            let bus = self.bus.clone();
             let msg = CommitV2 {
                 session,
                 base_revision,
@@ -637,11 +636,7 @@ impl ExecEnv {
                 delta,
                 uploaded,
             };
-            async move {
-                bus.request::<_, CommittedV1>(bus.subjects().store(StoreVerb::Commit), &msg, STORE_TIMEOUT)
-                    .await
-                    .map(|c| (c.revision, c.versions))
-            }
+            commit_until_known(self.bus.clone(), msg, STORE_TIMEOUT)
         };
         let ask_missing = |hashes| {
             let bus = self.bus.clone();
@@ -917,4 +912,128 @@ struct RestorePlan {
     drop: Vec<String>,
     variables: BTreeMap<String, VarRestore>,
     objects: Vec<(String, String)>,
+}
+
+/// How long a commit whose answer never came is sent again before the save is
+/// given up (the store's answer is what the run's outcome says).
+const COMMIT_PATIENCE: Duration = Duration::from_secs(600);
+
+/// How soon a commit without an answer is sent again.
+const COMMIT_RETRY: Duration = Duration::from_secs(2);
+
+/// Commit `msg` and learn for sure whether it landed: a commit without an answer
+/// (store restarting, object store stalled) may land later, so reporting it failed
+/// would tell the user something other than what was committed. It is sent again
+/// (a create-only put of revision base + 1: at most one copy lands) until an answer
+/// comes; a conflict then means a copy landed if the session's latest revision is
+/// this execution's.
+async fn commit_until_known(
+    bus: Bus,
+    msg: CommitV2,
+    answer_within: Duration,
+) -> Result<(u64, Vec<(String, Uuid)>), BusError> {
+    let subject = bus.subjects().store(StoreVerb::Commit);
+    let deadline = tokio::time::Instant::now() + COMMIT_PATIENCE;
+    let mut unanswered = false;
+    loop {
+        match bus.request::<_, CommittedV1>(subject.clone(), &msg, answer_within).await {
+            Ok(c) => return Ok((c.revision, c.versions)),
+            Err(BusError::Remote { code: ErrorCode::Conflict, .. }) if unanswered => {
+                return landed_copy(&bus, &msg, answer_within).await;
+            }
+            Err(e @ (BusError::TimedOut { .. } | BusError::NoResponders { .. }))
+                if tokio::time::Instant::now() < deadline =>
+            {
+                tracing::warn!(exec = %msg.exec_id, error = %e, "a commit got no answer; sending it again");
+                unanswered = true;
+                tokio::time::sleep(COMMIT_RETRY).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// After a commit that got no answer and a copy of it that conflicted: the
+/// commit's result if the session's latest revision is its execution's, else the
+/// conflict.
+async fn landed_copy(
+    bus: &Bus,
+    msg: &CommitV2,
+    answer_within: Duration,
+) -> Result<(u64, Vec<(String, Uuid)>), BusError> {
+    let get = ManifestGetV2 { session: msg.session, at_least: None };
+    let m = bus.request::<_, ManifestV1>(bus.subjects().store(StoreVerb::ManifestGet), &get, answer_within).await?;
+    let m = m.manifest;
+    if m.exec_id != msg.exec_id {
+        return Err(BusError::Remote {
+            subject: bus.subjects().store(StoreVerb::Commit),
+            code: ErrorCode::Conflict,
+            message: format!("revision {} was committed by another execution", m.revision),
+        });
+    }
+    let names = msg.delta.variables.keys().chain(msg.delta.unsavable.keys());
+    let versions = names
+        .filter_map(|n| {
+            let v = m.variables.get(n).map(|v| v.version).or_else(|| m.unsavable.get(n).map(|u| u.version));
+            v.map(|v| (n.clone(), v))
+        })
+        .collect();
+    Ok((m.revision, versions))
+}
+
+#[cfg(test)]
+mod commit_tests {
+    use super::*;
+    use looseleaf_test_support::{random_prefix, NatsServer};
+    use schemas::checkpoint::{Delta, DeltaVar, VarEntry};
+    use schemas::messages::Reply;
+
+    /// The store commits the first copy but its answer is lost (it stalled past the
+    /// deadline); the second copy conflicts: the save is the first copy's, not a
+    /// failure (which would tell the user nothing was committed).
+    #[actix_rt::test]
+    async fn a_commit_whose_answer_was_lost_is_found_committed() -> anyhow::Result<()> {
+        let nats = NatsServer::start()?;
+        let prefix = random_prefix();
+        let store = Bus::connect(nats.url(), &prefix, "fake-store").await?;
+        let host = Bus::connect(nats.url(), &prefix, "host").await?;
+        let (session, exec) = (Uuid::now_v7(), Uuid::now_v7());
+        let mut commits = store.subscribe::<CommitV2>(store.subjects().store(StoreVerb::Commit)).await?;
+        let mut gets = store.subscribe::<ManifestGetV2>(store.subjects().store(StoreVerb::ManifestGet)).await?;
+        store.flush().await?;
+        let fake = async move {
+            // the first copy: committed, answer never sent
+            let _first = commits.next().await;
+            let second = commits.next().await.and_then(Result::ok);
+            let conflict: Reply<CommittedV1> =
+                Reply::Err { code: ErrorCode::Conflict, message: "revision 1 exists".into() };
+            store.respond(second.and_then(|e| e.reply), &conflict).await.ok();
+            let get = gets.next().await.and_then(Result::ok);
+            let mut manifest = Manifest::empty(session);
+            (manifest.revision, manifest.exec_id) = (1, exec);
+            manifest.variables.insert(
+                "x".into(),
+                VarEntry { version: exec, oid: Some("o".into()), module: None, global_reads: vec![] },
+            );
+            store.respond(get.and_then(|e| e.reply), &Reply::Ok(ManifestV1 { manifest })).await.ok();
+            store.flush().await.ok(); // the fake ends here: what it sent must leave first
+        };
+        actix_rt::spawn(fake);
+        let mut delta = Delta::default();
+        delta.variables.insert("x".into(), DeltaVar { oid: Some("o".into()), module: None, global_reads: vec![] });
+        let msg = CommitV2 {
+            session,
+            base_revision: 0,
+            exec_id: exec,
+            host: "h".into(),
+            worker: "w".into(),
+            cell_id: "c".into(),
+            delta,
+            uploaded: vec![],
+        };
+        let (revision, versions) = commit_until_known(host, msg, Duration::from_millis(300)).await?;
+        assert_eq!(revision, 1);
+        assert_eq!(versions, vec![("x".to_string(), exec)]);
+        Ok(())
+    }
 }
