@@ -5,9 +5,10 @@
 
 use std::time::Duration;
 
-use looseleaf_client::api::ExecStatus;
+use looseleaf_client::api::{ExecStatus, StreamItem};
 use looseleaf_test_support::cluster::{bin_dir_of, Services, TestSession};
 use nix::sys::signal::Signal;
+use schemas::messages::EventKind;
 use uuid::Uuid;
 
 /// The frontend takes a host for lost after this long without its status.
@@ -140,5 +141,42 @@ async fn a_cell_needing_unsavable_state_of_a_lost_host_fails_at_once_naming_it()
     let (status, _, text) = s.run("c", "print(k * 6)").await?;
     assert_eq!(status, ExecStatus::Ok);
     assert!(text.contains("42"), "{text}");
+    Ok(())
+}
+
+/// A host cut off (stopped, not dead) while its cell runs is taken for lost and
+/// the run reported failed; when it comes back and its cell finishes, its commit
+/// is refused (the store fenced the run's revision when the frontend settled it),
+/// so what the user was told stays what was committed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_host_cut_off_mid_cell_cannot_commit_after_the_run_was_reported_failed() -> anyhow::Result<()> {
+    let mut services = services().await?;
+    let mut s = services.session(true).await?;
+    assert_eq!(s.run("a", "x = 41").await?.0, ExecStatus::Ok);
+
+    let exec = s.fe.run(s.sid, "b", "import time\nx = 0\ntime.sleep(8)\nprint('finished')").await?.exec_id;
+    let host = s.events.claimed_by(exec).await?;
+    s.events.started(exec).await?;
+    services.signal_host(host, Signal::SIGSTOP)?;
+    let (status, error) = s.events.outcome(exec).await?;
+    services.signal_host(host, Signal::SIGCONT)?;
+    assert_eq!(status, ExecStatus::Failed, "{error:?}");
+    assert!(error.unwrap_or_default().contains("lost"));
+
+    // the host wakes, its cell ends, and its save is refused: it says so
+    let late = s
+        .events
+        .until(|i| {
+            matches!(i, StreamItem::Event { exec_id, kind: EventKind::Saved { .. } | EventKind::Failed { .. }, .. }
+                if *exec_id == exec)
+        })
+        .await?;
+    assert!(
+        matches!(&late, StreamItem::Event { kind: EventKind::Failed { .. }, .. }),
+        "the late save must be refused: {late:?}"
+    );
+    let (status, _, text) = s.run("c", "print(x + 1)").await?;
+    assert_eq!(status, ExecStatus::Ok);
+    assert!(text.contains("42"), "the session keeps what was committed before the lost run: {text}");
     Ok(())
 }

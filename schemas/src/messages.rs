@@ -738,6 +738,21 @@ pub struct ManifestGetV2 {
 
 wire!(ManifestGetV2, "manifest-get", 2, upgrades ManifestGetV1 from 1);
 
+/// frontend -> store: settle a run its frontend gave up (host lost, claim
+/// timeout, interrupted before it started): reply the manifest that decides its
+/// outcome, its own commit at `base_revision + 1` if its save landed, else a fence
+/// the store commits there so that the run can never commit later (ADR 22).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SettleV1 {
+    /// The session.
+    pub session: Uuid,
+    /// The run.
+    pub exec_id: Uuid,
+    /// The revision the run was based on (its `after_revision`).
+    pub base_revision: u64,
+}
+wire!(SettleV1, "settle", 1);
+
 /// host -> store: which of these chunks (content hashes) does the store lack? Asked
 /// during a save, so the worker places only those in shared memory.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

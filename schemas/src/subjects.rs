@@ -191,6 +191,8 @@ pub enum StoreVerb {
     Commit,
     /// Delete a session's manifests (its chunks are collected later).
     SessionDelete,
+    /// Settle a run its frontend gave up: its commit, or a fence in its place.
+    Settle,
     /// Collect chunks no manifest references.
     Gc,
 }
@@ -203,6 +205,7 @@ impl StoreVerb {
             StoreVerb::ChunkPlan => "chunk.plan",
             StoreVerb::Commit => "commit",
             StoreVerb::SessionDelete => "session.delete",
+            StoreVerb::Settle => "settle",
             StoreVerb::Gc => "gc",
         }
     }

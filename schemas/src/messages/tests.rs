@@ -232,6 +232,7 @@ mod fuzz {
             CommitV2,
             CommittedV1,
             SessionDeleteV1,
+            SettleV1,
             GcV1,
             GcDoneV1,
             DoneV1,

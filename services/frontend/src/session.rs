@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use schemas::bus::Rejected;
 use schemas::messages::{
-    CellStatus, EditV1, EventKind, HostStatusV2, InterruptV1, ManifestGetV2, ManifestV1, OutputV1, RunV1,
-    SessionEventV2,
+    CellStatus, EditV1, ErrorCode, EventKind, HostStatusV2, InterruptV1, ManifestV1, OutputV1, RunV1, SessionEventV2,
+    SettleV1,
 };
 use schemas::subjects::StoreVerb;
 use schemas::{Bus, Envelope};
@@ -337,14 +337,15 @@ impl SessionActor {
 
     /// End the current execution `exec_id` with what the store committed: its commit
     /// if its save landed (a host may have run it though this frontend heard
-    /// nothing), else a failure, `failure(revision)`, at the session's revision. A
-    /// store that does not answer is asked again: never say nothing was committed
-    /// without knowing.
+    /// nothing), else a failure, `failure(revision)`. The store settles the run: it
+    /// fences the run's revision so that a host cut off while it ran can never
+    /// commit it afterwards (ADR 22). A store that does not answer is asked again:
+    /// never say nothing was committed without knowing.
     fn settle(&mut self, exec_id: Uuid, failure: Arc<dyn Fn(u64) -> String>, ctx: &mut Context<Self>) {
         let bus = self.shared.bus.clone();
-        let get = ManifestGetV2 { session: self.sid, at_least: None };
+        let req = SettleV1 { session: self.sid, exec_id, base_revision: self.stored.revision };
         let ask = async move {
-            bus.request::<_, ManifestV1>(bus.subjects().store(StoreVerb::ManifestGet), &get, STORE_TIMEOUT).await
+            bus.request::<_, ManifestV1>(bus.subjects().store(StoreVerb::Settle), &req, STORE_TIMEOUT).await
         };
         ctx.spawn(ask.into_actor(self).map(move |answer, act, ctx| {
             let Some(cur) = act.current.as_ref().filter(|c| c.exec_id == exec_id && c.terminal.is_none()) else {
@@ -360,6 +361,11 @@ impl SessionActor {
                 Ok(m) => {
                     let error = failure(m.manifest.revision);
                     act.complete(ctx, ExecStatus::Failed, m.manifest.revision, Some(error), now);
+                }
+                // deleted meanwhile: nothing commits to it any more
+                Err(schemas::bus::BusError::Remote { code: ErrorCode::NotFound, message, .. }) => {
+                    let revision = act.stored.revision;
+                    act.complete(ctx, ExecStatus::Failed, revision, Some(format!("{}; {message}", failure(revision))), now);
                 }
                 Err(e) => {
                     tracing::warn!(exec = %exec_id, error = %e, "the store could not say what a run committed; asking again");

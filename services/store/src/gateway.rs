@@ -7,7 +7,7 @@ use actix::prelude::*;
 use schemas::bus::Rejected;
 use schemas::messages::{
     ChunkPlanV1, ChunkPlannedV1, CommitV2, CommittedV1, DoneV1, ErrorCode, GcDoneV1, GcV1, ManifestGetV2, ManifestV1,
-    Reply, SessionDeleteV1,
+    Reply, SessionDeleteV1, SettleV1,
 };
 use schemas::{Bus, Envelope, WireMessage};
 use tracing::Instrument;
@@ -132,6 +132,14 @@ impl StreamHandler<Result<Envelope<GcV1>, Rejected>> for Gateway {
                 crate::gc::collect(&m, req.keep_revisions, std::time::Duration::from_secs(req.grace_secs)).await?;
             tracing::info!(?done, "garbage collected");
             Ok(done)
+        });
+    }
+}
+
+impl StreamHandler<Result<Envelope<SettleV1>, Rejected>> for Gateway {
+    fn handle(&mut self, item: Result<Envelope<SettleV1>, Rejected>, ctx: &mut Self::Context) {
+        serve(self, ctx, item, "store.settle", |m, req: SettleV1| async move {
+            Ok(ManifestV1 { manifest: (*m.settle(req.session, req.exec_id, req.base_revision).await?).clone() })
         });
     }
 }

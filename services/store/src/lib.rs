@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use actix::prelude::*;
 use anyhow::Context as _;
-use schemas::messages::{ChunkPlanV1, CommitV2, GcV1, ManifestGetV2, SessionDeleteV1};
+use schemas::messages::{ChunkPlanV1, CommitV2, GcV1, ManifestGetV2, SessionDeleteV1, SettleV1};
 use schemas::service::Service;
 use schemas::subjects::StoreVerb;
 
@@ -59,6 +59,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     let commits = bus.queue_subscribe::<CommitV2>(s.store(StoreVerb::Commit), "store").await?;
     let deletes = bus.queue_subscribe::<SessionDeleteV1>(s.store(StoreVerb::SessionDelete), "store").await?;
     let gcs = bus.queue_subscribe::<GcV1>(s.store(StoreVerb::Gc), "store").await?;
+    let settles = bus.queue_subscribe::<SettleV1>(s.store(StoreVerb::Settle), "store").await?;
     let gw_bus = bus.clone();
     let addr = gateway::Gateway::create(move |ctx| {
         ctx.add_stream(gets.into_stream());
@@ -66,6 +67,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         ctx.add_stream(commits.into_stream());
         ctx.add_stream(deletes.into_stream());
         ctx.add_stream(gcs.into_stream());
+        ctx.add_stream(settles.into_stream());
         gateway::Gateway::new(gw_bus, manifests, config.gc)
     });
     tracing::info!(store = %config.store_url, prefix = %config.prefix, "store gateway serving");

@@ -344,6 +344,47 @@ impl Manifests {
         Ok(missing)
     }
 
+    /// Settle run `exec_id`, based on revision `base`, that its frontend gave up (its
+    /// host was lost, or no host took it): the manifest that decides its outcome.
+    /// If its save landed at `base + 1`, that commit; else revision `base + 1` is
+    /// taken here by a fence (the base's state again, under the nil execution), so
+    /// a host cut off while it ran can never commit it later: its commit on `base`
+    /// finds the revision taken (ADR 22). Idempotent: asking again answers the same.
+    pub async fn settle(&self, session: Uuid, exec_id: Uuid, base: u64) -> Result<Arc<Manifest>, ManifestError> {
+        let latest = self.latest(session).await?;
+        if latest.revision < base {
+            return Err(ManifestError::RevisionMissing { session, revision: base, latest: latest.revision });
+        }
+        if latest.revision == base {
+            if self.is_deleted(session).await? {
+                return Err(ManifestError::Deleted { session });
+            }
+            let mut fence = (*latest).clone();
+            fence.revision = base + 1;
+            fence.exec_id = Uuid::nil();
+            let key = checkpoint::manifest_key(session, fence.revision);
+            let body = signing::seal(&fence, self.key.as_ref())
+                .map_err(|e| ManifestError::Corrupt { key: key.clone(), reason: e.to_string() })?;
+            let opts = PutOptions { mode: PutMode::Create, ..Default::default() };
+            match self.objects.put_opts(&Path::from(key.as_str()), body.into(), opts).await {
+                Ok(_) => {
+                    tracing::info!(%session, exec = %exec_id, revision = fence.revision, "run given up: revision fenced");
+                    let fence = Arc::new(fence);
+                    self.remember(fence.clone());
+                    return Ok(fence);
+                }
+                // the run's commit (or an earlier settle) took it first
+                Err(object_store::Error::AlreadyExists { .. }) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        match self.read(session, base + 1).await? {
+            Some(next) if next.exec_id == exec_id => Ok(Arc::new(next)),
+            // another execution or a fence holds base + 1: this run never commits
+            _ => self.latest(session).await,
+        }
+    }
+
     /// Delete every manifest of a session. Its chunks become garbage for the collector.
     pub async fn delete(&self, session: Uuid) -> Result<usize, ManifestError> {
         // the tombstone first: from now on no commit (of a cell still saving, or

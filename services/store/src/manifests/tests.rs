@@ -50,6 +50,8 @@ on_every_backend!(a_chunk_plan_names_exactly_the_chunks_the_store_lacks);
 on_every_backend!(chunks_the_host_uploaded_are_not_looked_up_again);
 on_every_backend!(a_get_at_a_known_revision_is_answered_from_memory);
 on_every_backend!(only_manifests_signed_with_the_key_load);
+on_every_backend!(a_run_given_up_never_commits_later);
+on_every_backend!(settling_a_run_whose_save_landed_answers_its_commit);
 
 async fn put_chunk(objects: &Arc<dyn ObjectStore>, hash: &str) {
     objects.put(&Path::from(chunk_key(hash).as_str()), vec![1u8, 2, 3].into()).await.unwrap();
@@ -130,6 +132,39 @@ async fn corrupt_manifest_is_an_error_not_a_panic(objects: Arc<dyn ObjectStore>)
     objects.put(&Path::from(key.as_str()), b"{not json".to_vec().into()).await.unwrap();
     let err = Manifests::new(objects).latest(sid).await.unwrap_err();
     assert!(matches!(err, ManifestError::Corrupt { .. }), "{err}");
+}
+
+/// A host cut off while its cell ran (taken for lost) commits after its frontend
+/// settled the run as failed: the fence at `base + 1` refuses it, through any gateway.
+async fn a_run_given_up_never_commits_later(objects: Arc<dyn ObjectStore>) {
+    put_chunk(&objects, "aa").await;
+    let (frontends, hosts) = (Manifests::new(objects.clone()), Manifests::new(objects.clone()));
+    let sid = Uuid::now_v7();
+    hosts.commit(&commit(sid, 0, "x", "aa")).await.unwrap();
+    let late = commit(sid, 1, "y", "aa");
+    let settled = frontends.settle(sid, late.exec_id, 1).await.unwrap();
+    assert_eq!(settled.revision, 2, "the fence takes the run's revision");
+    assert_ne!(settled.exec_id, late.exec_id, "the run is settled as not committed");
+    assert!(settled.variables.contains_key("x") && !settled.variables.contains_key("y"), "the fence keeps the state");
+    let refused = hosts.commit(&late).await;
+    assert!(matches!(refused, Err(ManifestError::Lost { .. } | ManifestError::Stale { .. })), "{refused:?}");
+    let again = frontends.settle(sid, late.exec_id, 1).await.unwrap();
+    assert_eq!((again.revision, again.exec_id), (2, Uuid::nil()), "settling twice answers the same");
+    let latest = Manifests::new(objects).latest(sid).await.unwrap();
+    assert_eq!(latest.revision, 2);
+    assert!(!latest.variables.contains_key("y"), "nothing of the given-up run landed");
+}
+
+/// The run's save landed before its frontend gave it up: settling reports it.
+async fn settling_a_run_whose_save_landed_answers_its_commit(objects: Arc<dyn ObjectStore>) {
+    put_chunk(&objects, "aa").await;
+    let m = Manifests::new(objects.clone());
+    let sid = Uuid::now_v7();
+    let landed = commit(sid, 0, "x", "aa");
+    m.commit(&landed).await.unwrap();
+    let settled = Manifests::new(objects.clone()).settle(sid, landed.exec_id, 0).await.unwrap();
+    assert_eq!((settled.revision, settled.exec_id), (1, landed.exec_id));
+    assert_eq!(Manifests::new(objects).latest(sid).await.unwrap().revision, 1, "no fence after a commit");
 }
 
 async fn delete_removes_the_session(objects: Arc<dyn ObjectStore>) {
