@@ -261,6 +261,7 @@ async fn create_session(
         last_exec: None,
         owner: caller.0.clone(),
         in_flight: None,
+        queued: Default::default(),
     };
     // recorded first: a session is never served that a restarted frontend would lose
     state.shared.records.put(&record).await.map_err(unavailable)?;
@@ -299,10 +300,17 @@ async fn run(
     let (_sid, addr) = lookup(&state, &sid, &caller).await?;
     let req = json_body(body)?;
     let accepted = addr.send(session::Run { cell_id, code: req.code, run_unix_ms }).await.map_err(mailbox)?;
-    let (exec_id, position) = accepted.map_err(|queued| {
-        let msg = format!("the session has {queued} runs queued, the most allowed; wait or interrupt");
-        ApiError(StatusCode::TOO_MANY_REQUESTS, msg)
-    })?;
+    let (exec_id, position, recorded) =
+        accepted.map_err(|full| ApiError(StatusCode::TOO_MANY_REQUESTS, full.to_string()))?;
+    // answered once the run is in the session's record: no frontend loses it now
+    if !matches!(tokio::time::timeout(session::RECORD_WAIT, recorded).await, Ok(Ok(()))) {
+        let reason = format!("the session's record could not be written within {:?}", session::RECORD_WAIT);
+        addr.do_send(session::Withdraw { exec_id, reason: format!("aborted: {reason}") });
+        return Err(ApiError(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("{reason}: the run was not accepted; try again"),
+        ));
+    }
     Ok(Json(RunAccepted { exec_id, position }))
 }
 

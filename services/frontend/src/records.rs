@@ -3,9 +3,11 @@
 //! restarted. The record is JSON (a frontend of another version reads what it
 //! knows and ignores the rest) and carries its own version.
 //!
-//! Written when a session is created, updated when an execution completes (the
-//! revision it left), removed when the session is deleted. A frontend asked about
+//! Written when a session is created, when a run is queued or sent, and when an
+//! execution completes (the revision it left); removed when the session is deleted. A frontend asked about
 //! a session it does not hold looks the record up and adopts the session.
+
+use std::collections::VecDeque;
 
 use async_nats::jetstream::kv;
 use schemas::messages::SessionOptions;
@@ -37,6 +39,24 @@ pub struct SessionRecord {
     /// session follows it to its outcome (written before the run is sent).
     #[serde(default)]
     pub in_flight: Option<InFlight>,
+    /// Runs accepted and waiting behind the one in flight, in order: a frontend
+    /// that adopts the session runs them (each is in the record before its run
+    /// request is answered).
+    #[serde(default)]
+    pub queued: VecDeque<QueuedRun>,
+}
+
+/// A run waiting for its turn, as its session's record keeps it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct QueuedRun {
+    /// The execution.
+    pub exec_id: Uuid,
+    /// Its cell.
+    pub cell_id: String,
+    /// The code submitted with Run.
+    pub code: String,
+    /// When Run was pressed (unix ms).
+    pub run_unix_ms: u64,
 }
 
 /// A run in flight, as its session's record keeps it.

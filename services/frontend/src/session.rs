@@ -21,7 +21,7 @@ use tokio::sync::mpsc;
 use uuid::Uuid;
 
 use crate::api::{ExecStatus, Interrupted, StreamItem};
-use crate::records::{InFlight, Records, SessionRecord};
+use crate::records::{InFlight, QueuedRun, Records, SessionRecord};
 use crate::Timeouts;
 
 /// A record to write, and who waits until it landed.
@@ -29,7 +29,7 @@ type RecordWrite = (SessionRecord, Option<tokio::sync::oneshot::Sender<()>>);
 
 /// How long a run waits for its in-flight record to land; if it does not, the run
 /// is not sent (a frontend that adopts the session could not follow it).
-const RECORD_WAIT: Duration = Duration::from_secs(10);
+pub const RECORD_WAIT: Duration = Duration::from_secs(10);
 
 /// How soon a record write that failed is tried again.
 const RECORD_RETRY: Duration = Duration::from_secs(1);
@@ -40,15 +40,6 @@ const STORE_RETRY: Duration = Duration::from_secs(2);
 /// How far back a frontend that adopts a run in flight reads the streams, before
 /// the run was pressed (clocks of machines differ).
 const ADOPT_CLOCK_SKEW_MS: u64 = 60_000;
-
-/// A run waiting for its turn.
-#[derive(Clone, Debug)]
-struct Pending {
-    exec_id: Uuid,
-    cell_id: String,
-    code: String,
-    run_unix_ms: u64,
-}
 
 /// When each gpu-host's status was last heard, shared by the sessions: a host
 /// running a session's cell that falls silent is lost.
@@ -192,7 +183,6 @@ pub struct SessionActor {
     stored: SessionRecord,
     /// The record's writer: the latest record is written, in order.
     record_tx: mpsc::UnboundedSender<RecordWrite>,
-    queue: VecDeque<Pending>,
     current: Option<Current>,
     /// Pieces of outputs too large for one message, per (execution, seq).
     pieces: HashMap<(Uuid, u64), Vec<Option<String>>>,
@@ -253,7 +243,6 @@ impl SessionActor {
             stored: record,
             shared,
             record_tx,
-            queue: VecDeque::new(),
             current: None,
             pieces: HashMap::new(),
             edit_seq: HashMap::new(),
@@ -393,6 +382,23 @@ impl SessionActor {
         }
     }
 
+    /// End queued run `exec_id` (taken out of the queue) without running it.
+    fn abort(&mut self, exec_id: Uuid, reason: String) {
+        let error = Some(reason);
+        if let Some(r) = self.record(exec_id) {
+            r.status = ExecStatus::Aborted;
+            r.error = error.clone();
+        }
+        let after_revision = self.stored.revision;
+        self.emit(&StreamItem::Done {
+            exec_id,
+            status: ExecStatus::Aborted,
+            after_revision,
+            unix_ms: schemas::unix_ms(),
+            error,
+        });
+    }
+
     fn record(&mut self, exec_id: Uuid) -> Option<&mut ExecRecord> {
         self.executions.iter_mut().rev().find(|r| r.exec_id == exec_id)
     }
@@ -402,7 +408,7 @@ impl SessionActor {
         if self.current.is_some() || self.closing {
             return;
         }
-        let Some(p) = self.queue.pop_front() else { return };
+        let Some(p) = self.stored.queued.pop_front() else { return };
         let run = RunV1 {
             session: self.sid,
             exec_id: p.exec_id,
@@ -417,7 +423,8 @@ impl SessionActor {
             r.status = ExecStatus::Running;
         }
         let exec_id = p.exec_id;
-        // recorded before it is sent: a frontend that adopts the session follows it
+        // recorded (out of the queue, in flight) before it is sent: a frontend that
+        // adopts the session follows it
         self.stored.in_flight = Some(InFlight { exec_id, cell_id: p.cell_id.clone(), run_unix_ms: p.run_unix_ms });
         let (ack_tx, ack_rx) = tokio::sync::oneshot::channel();
         let _ = self.record_tx.send((self.stored.clone(), Some(ack_tx)));
@@ -655,6 +662,19 @@ impl Actor for SessionActor {
         if let Some(run) = self.stored.in_flight.clone() {
             self.adopt_in_flight(run, ctx);
         }
+        // runs accepted by the frontend that served the session before, in order
+        for q in self.stored.queued.clone() {
+            self.executions.push(ExecRecord {
+                exec_id: q.exec_id,
+                cell_id: q.cell_id.clone(),
+                run_unix_ms: q.run_unix_ms,
+                status: ExecStatus::Queued,
+                after_revision: None,
+                error: None,
+            });
+            self.emit(&StreamItem::Queued { exec_id: q.exec_id, cell_id: q.cell_id, run_unix_ms: q.run_unix_ms });
+        }
+        self.start_next(ctx);
     }
 }
 
@@ -806,10 +826,11 @@ impl Handler<Edit> for SessionActor {
     }
 }
 
-/// Queue a run; answers the exec id and the queue position, or, when the queue is
-/// full, how many runs wait.
+/// Queue a run; answers the exec id, the queue position and a receiver that hears
+/// once the run is in the session's record (answer the client only then: a run
+/// accepted is never lost with this frontend), or why the queue takes no more.
 #[derive(Message)]
-#[rtype(result = "Result<(Uuid, usize), usize>")]
+#[rtype(result = "Result<(Uuid, usize, tokio::sync::oneshot::Receiver<()>), QueueFull>")]
 pub struct Run {
     /// The cell.
     pub cell_id: String,
@@ -819,16 +840,37 @@ pub struct Run {
     pub run_unix_ms: u64,
 }
 
+/// Why a run was not queued.
+#[derive(Debug, thiserror::Error)]
+pub enum QueueFull {
+    /// As many runs wait as allowed.
+    #[error("the session has {0} runs queued, the most allowed; wait or interrupt")]
+    Runs(usize),
+    /// The queued runs' code would not fit the session's record.
+    #[error("the session's queued cells hold {0} bytes of code, the most a session's record keeps ({QUEUED_CODE_BYTES}); wait or interrupt")]
+    Code(usize),
+}
+
+/// The most code the queued runs of a session hold: the queue lives in the
+/// session's record, one KV value under NATS's payload limit (1 MiB by default).
+pub const QUEUED_CODE_BYTES: usize = 512 * 1024;
+
 impl Handler<Run> for SessionActor {
     type Result = MessageResult<Run>;
 
     fn handle(&mut self, msg: Run, ctx: &mut Self::Context) -> Self::Result {
         self.last_active = Instant::now();
-        if self.queue.len() >= self.shared.queued_runs {
-            return MessageResult(Err(self.queue.len()));
+        let queued = &self.stored.queued;
+        if queued.len() >= self.shared.queued_runs {
+            return MessageResult(Err(QueueFull::Runs(queued.len())));
+        }
+        // a run that starts at once is not kept with its code
+        let code_bytes = queued.iter().map(|q| q.code.len()).sum::<usize>() + msg.code.len();
+        if self.current.is_some() && code_bytes > QUEUED_CODE_BYTES {
+            return MessageResult(Err(QueueFull::Code(code_bytes - msg.code.len())));
         }
         let exec_id = Uuid::now_v7();
-        let position = self.queue.len() + usize::from(self.current.is_some());
+        let position = queued.len() + usize::from(self.current.is_some());
         self.executions.push(ExecRecord {
             exec_id,
             cell_id: msg.cell_id.clone(),
@@ -838,9 +880,38 @@ impl Handler<Run> for SessionActor {
             error: None,
         });
         self.emit(&StreamItem::Queued { exec_id, cell_id: msg.cell_id.clone(), run_unix_ms: msg.run_unix_ms });
-        self.queue.push_back(Pending { exec_id, cell_id: msg.cell_id, code: msg.code, run_unix_ms: msg.run_unix_ms });
+        self.stored.queued.push_back(QueuedRun {
+            exec_id,
+            cell_id: msg.cell_id,
+            code: msg.code,
+            run_unix_ms: msg.run_unix_ms,
+        });
         self.start_next(ctx);
-        MessageResult(Ok((exec_id, position)))
+        let (ack_tx, ack_rx) = tokio::sync::oneshot::channel();
+        let _ = self.record_tx.send((self.stored.clone(), Some(ack_tx)));
+        MessageResult(Ok((exec_id, position, ack_rx)))
+    }
+}
+
+/// Take back run `exec_id` if it still waits for its turn: its acceptance could
+/// not be recorded, and its client is told it was not accepted. It ends aborted.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Withdraw {
+    /// The run.
+    pub exec_id: Uuid,
+    /// Why.
+    pub reason: String,
+}
+
+impl Handler<Withdraw> for SessionActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Withdraw, _ctx: &mut Self::Context) {
+        let Some(at) = self.stored.queued.iter().position(|q| q.exec_id == msg.exec_id) else { return };
+        self.stored.queued.remove(at);
+        self.abort(msg.exec_id, msg.reason);
+        let _ = self.record_tx.send((self.stored.clone(), None));
     }
 }
 
@@ -881,23 +952,13 @@ impl Handler<Interrupt> for SessionActor {
 
     fn handle(&mut self, _msg: Interrupt, ctx: &mut Self::Context) -> Self::Result {
         self.last_active = Instant::now();
-        let now = schemas::unix_ms();
         let mut aborted = Vec::new();
-        for p in std::mem::take(&mut self.queue) {
-            let error = Some("aborted: the session was interrupted before this cell's turn".to_string());
-            if let Some(r) = self.record(p.exec_id) {
-                r.status = ExecStatus::Aborted;
-                r.error = error.clone();
-            }
-            let item = StreamItem::Done {
-                exec_id: p.exec_id,
-                status: ExecStatus::Aborted,
-                after_revision: self.stored.revision,
-                unix_ms: now,
-                error,
-            };
-            self.emit(&item);
+        for p in std::mem::take(&mut self.stored.queued) {
+            self.abort(p.exec_id, "aborted: the session was interrupted before this cell's turn".to_string());
             aborted.push(p.exec_id);
+        }
+        if !aborted.is_empty() && !self.closing {
+            let _ = self.record_tx.send((self.stored.clone(), None));
         }
         let Some(exec_id) = self.current.as_ref().filter(|c| c.terminal.is_none()).map(|c| c.exec_id) else {
             return MessageResult(Interrupted { interrupted: None, aborted });
@@ -920,7 +981,7 @@ impl Handler<IdleFor> for SessionActor {
     fn handle(&mut self, _msg: IdleFor, _ctx: &mut Self::Context) -> Self::Result {
         // as Jupyter's culler by default: a session someone watches is not idle
         self.clients.retain(|c| !c.is_closed());
-        let busy = self.current.is_some() || !self.queue.is_empty() || !self.clients.is_empty();
+        let busy = self.current.is_some() || !self.stored.queued.is_empty() || !self.clients.is_empty();
         (!busy).then(|| self.last_active.elapsed())
     }
 }
@@ -941,7 +1002,7 @@ impl Handler<Summary> for SessionActor {
             "all_gpu": self.stored.options.all_gpu,
             "revision": self.stored.revision,
             "current": self.current.as_ref().map(|c| c.exec_id),
-            "queue": self.queue.iter().map(|p| p.exec_id).collect::<Vec<_>>(),
+            "queue": self.stored.queued.iter().map(|p| p.exec_id).collect::<Vec<_>>(),
             "executions": self.executions,
         }))
     }
@@ -961,7 +1022,7 @@ impl Handler<Close> for SessionActor {
 
     fn handle(&mut self, msg: Close, ctx: &mut Self::Context) {
         self.closing = true;
-        self.queue.clear();
+        self.stored.queued.clear();
         ctx.run_later(msg.grace, |act, ctx| {
             act.clients.clear();
             ctx.stop();

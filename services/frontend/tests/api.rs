@@ -551,6 +551,50 @@ async fn a_run_in_flight_survives_a_frontend_restart_with_every_output_once() ->
     Ok(())
 }
 
+/// Runs accepted behind the one in flight are in the session's record before the
+/// client hears of them: a frontend restarted meanwhile runs them, in order, from
+/// the revision the run in flight left.
+#[actix_rt::test]
+async fn runs_queued_behind_the_one_in_flight_survive_a_frontend_restart() -> anyhow::Result<()> {
+    let nats = NatsServer::start()?;
+    let prefix = random_prefix();
+    let listen: std::net::SocketAddr = format!("127.0.0.1:{}", looseleaf_test_support::free_port()?).parse()?;
+    let first = start_frontend_with(&nats, &prefix, |c| c.listen = listen).await?;
+    let sid = first.client.create_session("/tmp", true, false).await?;
+    let bus = Bus::connect(nats.url(), &prefix, "fake").await?;
+    let mut runs = bus.subscribe::<RunV1>(bus.subjects().run(sid)).await?;
+    bus.flush().await?;
+    let a = first.client.run(sid, "a", "x = 1").await?;
+    next_run(&mut runs).await?;
+    event(&bus, sid, a.exec_id, EventKind::Claimed { host: "fake".into(), slot: Some(0), prepare: Prepare::Cold })
+        .await?;
+    let b = first.client.run(sid, "b", "y = x + 1").await?;
+    let c = first.client.run(sid, "c", "print(y)").await?;
+    assert_eq!((b.position, c.position), (1, 2));
+    drop(first); // the frontend goes away with two runs queued
+
+    event(&bus, sid, a.exec_id, started()).await?;
+    event(&bus, sid, a.exec_id, finished(0)).await?;
+    let second = start_frontend_with(&nats, &prefix, |c| c.listen = listen).await?;
+    let summary = second.client.summary(sid).await?;
+    assert_eq!(summary["queue"], serde_json::json!([b.exec_id, c.exec_id]), "{summary}");
+    let mut sse = second.client.events(sid).await?;
+    event(&bus, sid, a.exec_id, saved(1)).await?;
+    items_until(&mut sse, is_done(a.exec_id)).await?;
+
+    // the queued runs go on, in order, each from the revision the one before left
+    let run = next_run(&mut runs).await?;
+    assert_eq!((run.exec_id, run.code.as_str(), run.after_revision), (b.exec_id, "y = x + 1", 1));
+    event(&bus, sid, b.exec_id, EventKind::Claimed { host: "fake".into(), slot: Some(0), prepare: Prepare::Cold })
+        .await?;
+    event(&bus, sid, b.exec_id, started()).await?;
+    event(&bus, sid, b.exec_id, finished(0)).await?;
+    event(&bus, sid, b.exec_id, saved(2)).await?;
+    let run = next_run(&mut runs).await?;
+    assert_eq!((run.exec_id, run.after_revision), (c.exec_id, 2));
+    Ok(())
+}
+
 #[actix_rt::test]
 async fn with_tokens_only_a_sessions_owner_reaches_it() -> anyhow::Result<()> {
     let nats = NatsServer::start()?;
