@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use schemas::local_nats::{self, write_private, LocalNats, NatsUser};
+use schemas::permissions::Role;
 use tokio::process::Command;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -53,12 +54,13 @@ struct NatsUsers {
 }
 
 impl NatsUsers {
-    fn new() -> Self {
+    /// Each service allowed only what it uses under `prefix` (ADR 27).
+    fn new(prefix: &str) -> Self {
         Self {
-            frontend: NatsUser::new("frontend"),
-            planner: NatsUser::new("planner"),
-            store: NatsUser::new("store"),
-            host: NatsUser::new("gpu-host"),
+            frontend: NatsUser::service(Role::Frontend, prefix),
+            planner: NatsUser::service(Role::Planner, prefix),
+            store: NatsUser::service(Role::Store, prefix),
+            host: NatsUser::service(Role::GpuHost, prefix),
             operator: NatsUser::new("operator"),
         }
     }
@@ -113,7 +115,7 @@ impl Cluster {
         let bin = local_nats::binary(opts.nats_server.as_deref(), &opts.repo);
         let store = data_dir.join("nats");
         // every client logs in; each service as itself, fresh passwords each start
-        let users = NatsUsers::new();
+        let users = NatsUsers::new(PREFIX);
         let all = users.all();
         let nats = tokio::task::spawn_blocking(move || LocalNats::start_with_users(&bin, &store, &all))
             .await

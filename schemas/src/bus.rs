@@ -147,8 +147,12 @@ pub async fn connect_with_login(url: &str, options: async_nats::ConnectOptions) 
         url: shown.clone(),
         source: async_nats::ConnectError::with_source(async_nats::ConnectErrorKind::ServerParse, source),
     })?;
+    // a user's requests are answered under its own inbox prefix, the only one its
+    // permissions let it read (ADR 27)
     let options = match (addr.username(), addr.password()) {
-        (Some(user), Some(password)) => options.user_and_password(user.to_string(), password.to_string()),
+        (Some(user), Some(password)) => options
+            .user_and_password(user.to_string(), password.to_string())
+            .custom_inbox_prefix(crate::permissions::inbox_prefix(user)),
         _ => options,
     };
     // the address without them: the client logs addresses at debug level

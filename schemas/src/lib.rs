@@ -21,6 +21,7 @@ pub mod checkpoint;
 pub mod codec;
 pub mod local_nats;
 pub mod messages;
+pub mod permissions;
 pub mod service;
 pub mod subjects;
 pub mod telemetry;

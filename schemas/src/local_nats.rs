@@ -8,6 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::permissions::{self, Permissions, Role};
+
 /// How long a nats-server may take to listen.
 const START: Duration = Duration::from_secs(15);
 
@@ -51,22 +53,36 @@ pub struct NatsUser {
     pub name: String,
     /// Its password (random; hex, so it needs no quoting in a URL or the config).
     pub password: String,
+    /// What it may publish and subscribe to (None: everything, the operator).
+    pub permissions: Option<Permissions>,
 }
 
 impl NatsUser {
-    /// A user `name` with a fresh random password.
+    /// A user `name` with a fresh random password, allowed everything.
     pub fn new(name: &str) -> Self {
         Self {
             name: name.into(),
             password: format!("{}{}", uuid::Uuid::new_v4().simple(), uuid::Uuid::new_v4().simple()),
+            permissions: None,
         }
+    }
+
+    /// The user of a service in `role`, allowed only what the role uses under `prefix`.
+    pub fn service(role: Role, prefix: &str) -> Self {
+        Self { permissions: Some(role.permissions(prefix)), ..Self::new(role.user()) }
     }
 }
 
 /// The server configuration that makes every client log in as one of `users`.
 fn auth_config(users: &[NatsUser]) -> String {
-    let lines: Vec<String> =
-        users.iter().map(|u| format!("    {{user: \"{}\", password: \"{}\"}}", u.name, u.password)).collect();
+    let lines: Vec<String> = users
+        .iter()
+        .map(|u| {
+            let permissions =
+                u.permissions.as_ref().map(|p| format!(", {}", permissions::render(p))).unwrap_or_default();
+            format!("    {{user: \"{}\", password: \"{}\"{permissions}}}", u.name, u.password)
+        })
+        .collect();
     format!("authorization {{\n  users = [\n{}\n  ]\n}}\n", lines.join("\n"))
 }
 
@@ -278,7 +294,7 @@ mod tests {
         let connect =
             |url: String| async move { crate::bus::connect_with_login(&url, async_nats::ConnectOptions::new()).await };
         assert!(connect(nats.url().to_string()).await.is_err(), "no user");
-        let wrong = NatsUser { name: "store".into(), password: "guess".into() };
+        let wrong = NatsUser { password: "guess".into(), ..store.clone() };
         assert!(connect(nats.url_for(&wrong)).await.is_err(), "a wrong password");
         for u in &users {
             let client = connect(nats.url_for(u)).await.unwrap();
