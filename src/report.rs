@@ -2,7 +2,7 @@
 //! needed, where and how it ran, how long it waited, and the session's totals.
 
 use looseleaf_client::api::{ExecStatus, StreamItem};
-use schemas::messages::{CellStatus, EventKind, PreparedClass, PreparedOutcome, SlotUse, StartPhases};
+use looseleaf_client::events::{CellStatus, Event, PreparedClass, PreparedOutcome, SlotUse, StartPhases};
 use serde::Serialize;
 use uuid::Uuid;
 
@@ -18,7 +18,7 @@ pub struct Trace {
     /// When the frontend received Run.
     pub run_unix_ms: u64,
     /// Session events of this execution, in order: (unix ms, kind).
-    pub events: Vec<(u64, EventKind)>,
+    pub events: Vec<(u64, Event)>,
     /// Outputs, in arrival order: (seq, output).
     pub outputs: Vec<(u64, serde_json::Value)>,
     /// The done item: (status, unix ms, error).
@@ -30,7 +30,7 @@ impl Trace {
     pub fn push(&mut self, item: StreamItem) {
         match item {
             StreamItem::Queued { run_unix_ms, .. } => self.run_unix_ms = run_unix_ms,
-            StreamItem::Event { unix_ms, kind, .. } => self.events.push((unix_ms, kind)),
+            StreamItem::Event { unix_ms, event, .. } => self.events.push((unix_ms, event)),
             StreamItem::Output { seq, output, .. } => self.outputs.push((seq, output)),
             StreamItem::Done { status, unix_ms, error, .. } => self.done = Some((status, unix_ms, error)),
         }
@@ -39,7 +39,7 @@ impl Trace {
     /// The Python version of the worker that ran the cell.
     pub fn python(&self) -> Option<String> {
         self.events.iter().find_map(|(_, k)| match k {
-            EventKind::Started { python, .. } if !python.is_empty() => Some(python.clone()),
+            Event::Started { python, .. } if !python.is_empty() => Some(python.clone()),
             _ => None,
         })
     }
@@ -49,8 +49,8 @@ impl Trace {
         let mut count = None;
         for (_, k) in &self.events {
             match k {
-                EventKind::Finished { execution_count, .. } => return Some(*execution_count),
-                EventKind::Started { execution_count, .. } => count = Some(*execution_count),
+                Event::Finished { execution_count, .. } => return Some(*execution_count),
+                Event::Started { execution_count, .. } => count = Some(*execution_count),
                 _ => {}
             }
         }
@@ -124,7 +124,7 @@ impl CellReport {
         let mut cell_error = None;
         for (unix_ms, kind) in &t.events {
             match kind {
-                EventKind::Planned { closure, imports, device, conservative, pinned, .. } => {
+                Event::Planned { closure, imports, device, conservative, pinned, .. } => {
                     r.closure = closure.clone();
                     r.imports = imports.clone();
                     r.device = Some(device.as_str().into());
@@ -132,12 +132,12 @@ impl CellReport {
                     r.conservative_reason = conservative.clone();
                     r.pinned = pinned.clone();
                 }
-                EventKind::Claimed { host, slot, prepare } => {
+                Event::Claimed { host, slot, prepare } => {
                     r.host = Some(host.clone());
                     r.slot = *slot;
                     r.prepare = Some(prepare.as_str().into());
                 }
-                EventKind::Started {
+                Event::Started {
                     host,
                     slot,
                     worker,
@@ -165,21 +165,21 @@ impl CellReport {
                     let from = prev_done_unix_ms.map_or(t.run_unix_ms, |p| p.max(t.run_unix_ms));
                     r.start_delay_ms = Some(unix_ms.saturating_sub(from));
                 }
-                EventKind::Finished { status, error, run_ms, faulted, .. } => {
+                Event::Finished { status, error, run_ms, faulted, .. } => {
                     r.run_ms = Some(*run_ms);
                     r.faulted = faulted.clone();
                     if *status == CellStatus::Error {
                         cell_error = Some(error.clone().unwrap_or_else(|| "the cell raised".into()));
                     }
                 }
-                EventKind::Saved { save_ms, saved_bytes, chunks_written, slot_released, .. } => {
+                Event::Saved { save_ms, saved_bytes, chunks_written, slot_released, .. } => {
                     r.save_ms = Some(*save_ms);
                     r.saved_bytes = Some(*saved_bytes);
                     r.chunks_written = Some(*chunks_written);
                     r.slot_released = Some(*slot_released);
                 }
-                EventKind::Failed { error } => cell_error = Some(error.clone()),
-                EventKind::SlotReleased { .. } | EventKind::Ready { .. } | EventKind::PreparedEnded { .. } => {}
+                Event::Failed { error } => cell_error = Some(error.clone()),
+                Event::SlotReleased { .. } | Event::Ready { .. } | Event::PreparedEnded { .. } | Event::Other => {}
             }
         }
         let (status, done_ms, done_error) = match &t.done {
@@ -250,13 +250,13 @@ pub struct SessionLog {
 
 impl SessionLog {
     /// Record a session event (those of executions go to their traces).
-    pub fn absorb(&mut self, kind: &EventKind) {
+    pub fn absorb(&mut self, kind: &Event) {
         match kind {
-            EventKind::SlotReleased { held_ms, reason, .. } => self.slot_releases.push((*held_ms, *reason)),
-            EventKind::PreparedEnded { class, idle_ms, outcome, slot, .. } => {
+            Event::SlotReleased { held_ms, reason, .. } => self.slot_releases.push((*held_ms, *reason)),
+            Event::PreparedEnded { class, idle_ms, outcome, slot, .. } => {
                 self.prepared_ended.push((*class, *idle_ms, *outcome, slot.is_some()));
             }
-            EventKind::Ready { .. } => self.ready += 1,
+            Event::Ready { .. } => self.ready += 1,
             _ => {}
         }
     }

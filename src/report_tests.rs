@@ -1,10 +1,10 @@
 use super::*;
-use schemas::messages::{Device, Prepare, PreparedOutcome, SlotUse, StartPhases};
+use looseleaf_client::events::{Device, Prepare, PreparedOutcome, SlotUse, StartPhases};
 
-fn started(at: u64, device: Device) -> (u64, EventKind) {
+fn started(at: u64, device: Device) -> (u64, Event) {
     (
         at,
-        EventKind::Started {
+        Event::Started {
             host: "host-0".into(),
             slot: Some(1),
             worker: "w".into(),
@@ -46,7 +46,7 @@ fn start_delay_counts_from_run_or_the_previous_cells_end_whichever_is_later() {
     ];
     let mut log = SessionLog::default();
     for (held_ms, reason) in [(1500.0, SlotUse::Cell), (2500.0, SlotUse::UnsavableState)] {
-        log.absorb(&EventKind::SlotReleased { host: "h".into(), slot: 0, held_ms, reason });
+        log.absorb(&Event::SlotReleased { host: "h".into(), slot: 0, held_ms, reason });
     }
     let r = build("nb.ipynb", &traces, &log, 7.5, std::time::UNIX_EPOCH);
     let delays: Vec<_> = r.cells.iter().map(|c| c.start_delay_ms).collect();
@@ -65,7 +65,7 @@ fn start_delay_counts_from_run_or_the_previous_cells_end_whichever_is_later() {
 #[test]
 fn a_start_before_run_never_underflows_and_failed_cells_count_as_errors() {
     let mut t = trace(0, 1000, 900, 2000, Device::Gpu);
-    t.events.push((1950, EventKind::Failed { error: "worker died".into() }));
+    t.events.push((1950, Event::Failed { error: "worker died".into() }));
     t.done = Some((ExecStatus::Failed, 2000, Some("worker died".into())));
     let never = Trace { index: 1, exec_id: Uuid::now_v7(), run_unix_ms: 2100, ..Default::default() };
     let r = build("nb", &[t, never], &SessionLog::default(), 1.0, std::time::UNIX_EPOCH);
@@ -83,7 +83,7 @@ fn a_cell_that_raised_reports_the_error() {
     let mut t = trace(0, 0, 10, 20, Device::Cpu);
     t.events.push((
         15,
-        EventKind::Finished {
+        Event::Finished {
             faulted: vec!["shown".into()],
             status: CellStatus::Error,
             error: Some("ZeroDivisionError: division by zero".into()),
@@ -110,16 +110,16 @@ fn median_of_even_and_empty_lists() {
 fn speculation_totals_count_clean_hits_and_idle_time_by_class() {
     let mut hit = trace(0, 1000, 1010, 2000, Device::Gpu);
     let mut refreshed = trace(1, 3000, 3010, 4000, Device::Gpu);
-    if let EventKind::Started { refreshed: r, .. } = &mut refreshed.events[0].1 {
+    if let Event::Started { refreshed: r, .. } = &mut refreshed.events[0].1 {
         *r = 2;
     }
     let mut cold = trace(2, 5000, 5100, 6000, Device::Gpu);
-    if let EventKind::Started { prepare, .. } = &mut cold.events[0].1 {
+    if let Event::Started { prepare, .. } = &mut cold.events[0].1 {
         *prepare = Prepare::Cold;
     }
     hit.cell_id = "a".into();
     let mut log = SessionLog::default();
-    let ended = |class, idle_ms, outcome, slot| EventKind::PreparedEnded {
+    let ended = |class, idle_ms, outcome, slot| Event::PreparedEnded {
         host: "h".into(),
         slot,
         worker: "w".into(),
@@ -128,7 +128,7 @@ fn speculation_totals_count_clean_hits_and_idle_time_by_class() {
         idle_ms,
         outcome,
     };
-    log.absorb(&EventKind::Ready {
+    log.absorb(&Event::Ready {
         host: "h".into(),
         slot: Some(0),
         worker: "w".into(),

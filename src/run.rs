@@ -90,8 +90,8 @@ pub async fn run(req: RunRequest, cluster: ClusterOptions) -> anyhow::Result<()>
 fn absorb(item: StreamItem, traces: &mut HashMap<Uuid, Trace>, log: &mut SessionLog) -> Option<Uuid> {
     let (exec, done) = match &item {
         StreamItem::Queued { exec_id, .. } | StreamItem::Output { exec_id, .. } => (*exec_id, false),
-        StreamItem::Event { exec_id, kind, .. } => {
-            log.absorb(kind);
+        StreamItem::Event { exec_id, event, .. } => {
+            log.absorb(event);
             (*exec_id, false)
         }
         StreamItem::Done { exec_id, .. } => (*exec_id, true),

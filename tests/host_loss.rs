@@ -6,9 +6,9 @@
 use std::time::Duration;
 
 use looseleaf_client::api::{ExecStatus, StreamItem};
+use looseleaf_client::events::Event;
 use looseleaf_test_support::cluster::{bin_dir_of, Services, TestSession};
 use nix::sys::signal::Signal;
-use schemas::messages::EventKind;
 use uuid::Uuid;
 
 /// The frontend takes a host for lost after this long without its status.
@@ -167,12 +167,12 @@ async fn a_host_cut_off_mid_cell_cannot_commit_after_the_run_was_reported_failed
     let late = s
         .events
         .until(|i| {
-            matches!(i, StreamItem::Event { exec_id, kind: EventKind::Saved { .. } | EventKind::Failed { .. }, .. }
+            matches!(i, StreamItem::Event { exec_id, event: Event::Saved { .. } | Event::Failed { .. }, .. }
                 if *exec_id == exec)
         })
         .await?;
     assert!(
-        matches!(&late, StreamItem::Event { kind: EventKind::Failed { .. }, .. }),
+        matches!(&late, StreamItem::Event { event: Event::Failed { .. }, .. }),
         "the late save must be refused: {late:?}"
     );
     let (status, _, text) = s.run("c", "print(x + 1)").await?;

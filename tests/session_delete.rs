@@ -8,8 +8,9 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use looseleaf_client::api::StreamItem;
+use looseleaf_client::events::Event;
 use looseleaf_test_support::cluster::{bin_dir_of, Events, Services, TestSession};
-use schemas::messages::{EventKind, ManifestGetV2, ManifestV1};
+use schemas::messages::{ManifestGetV2, ManifestV1};
 use schemas::subjects::StoreVerb;
 use schemas::Bus;
 
@@ -24,7 +25,7 @@ async fn deleting_a_session_stops_its_running_cell_and_frees_its_slot() -> anyho
     let mut events = Events::open(&fe, sid).await?;
     let exec = fe.run(sid, "a", "import time\nx = 1\ntime.sleep(120)").await?.exec_id;
     events
-        .until(|i| matches!(i, StreamItem::Event { exec_id, kind: EventKind::Started { .. }, .. } if *exec_id == exec))
+        .until(|i| matches!(i, StreamItem::Event { exec_id, event: Event::Started { .. }, .. } if *exec_id == exec))
         .await?;
     fe.delete(sid).await?;
 
@@ -78,7 +79,7 @@ async fn a_culled_session_stops_its_cpu_worker_and_reopens_with_its_state() -> a
     assert_eq!(s.events.outcome(exec).await?.0, looseleaf_client::api::ExecStatus::Ok);
     let worker_of = |events: &Events, exec| {
         events.seen.iter().find_map(|i| match i {
-            StreamItem::Event { exec_id, kind: EventKind::Started { worker, .. }, .. } if *exec_id == exec => {
+            StreamItem::Event { exec_id, event: Event::Started { worker, .. }, .. } if *exec_id == exec => {
                 Some(worker.clone())
             }
             _ => None,

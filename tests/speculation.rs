@@ -5,8 +5,9 @@
 use std::time::Duration;
 
 use looseleaf_client::api::StreamItem;
+use looseleaf_client::events::{Event, Prepare, PreparedClass, PreparedOutcome};
 use looseleaf_test_support::cluster::{bin_dir_of, Events, Services, WAIT};
-use schemas::messages::{EventKind, HostStatusV2, Prepare, PreparedOutcome, WorkerState, WorkerStatus};
+use schemas::messages::{HostStatusV2, WorkerState, WorkerStatus};
 use schemas::Bus;
 use uuid::Uuid;
 
@@ -17,10 +18,10 @@ fn services_bin() -> std::path::PathBuf {
 /// Wait for a Ready of `cell` at `revision` or later; returns (worker, revision).
 async fn ready(events: &mut Events, cell: &str, revision: u64) -> anyhow::Result<(String, u64)> {
     let item = events
-        .until(|i| matches!(i, StreamItem::Event { kind: EventKind::Ready { cell_id, revision: r, .. }, .. } if cell_id == cell && *r >= revision))
+        .until(|i| matches!(i, StreamItem::Event { event: Event::Ready { cell_id, revision: r, .. }, .. } if cell_id == cell && *r >= revision))
         .await?;
     match item {
-        StreamItem::Event { kind: EventKind::Ready { worker, revision, .. }, .. } => Ok((worker, revision)),
+        StreamItem::Event { event: Event::Ready { worker, revision, .. }, .. } => Ok((worker, revision)),
         _ => unreachable!("matched above"),
     }
 }
@@ -28,7 +29,7 @@ async fn ready(events: &mut Events, cell: &str, revision: u64) -> anyhow::Result
 /// The Started event of `exec` seen so far: (prepare, refreshed, worker).
 fn started(events: &Events, exec: Uuid) -> Option<(Prepare, u32, String)> {
     events.seen.iter().find_map(|i| match i {
-        StreamItem::Event { exec_id, kind: EventKind::Started { prepare, refreshed, worker, .. }, .. }
+        StreamItem::Event { exec_id, event: Event::Started { prepare, refreshed, worker, .. }, .. }
             if *exec_id == exec =>
         {
             Some((*prepare, *refreshed, worker.clone()))
@@ -43,7 +44,7 @@ fn ended(events: &Events, cell: &str) -> Vec<PreparedOutcome> {
         .seen
         .iter()
         .filter_map(|i| match i {
-            StreamItem::Event { kind: EventKind::PreparedEnded { cell_id, outcome, .. }, .. } if cell_id == cell => {
+            StreamItem::Event { event: Event::PreparedEnded { cell_id, outcome, .. }, .. } if cell_id == cell => {
                 Some(*outcome)
             }
             _ => None,
@@ -154,7 +155,7 @@ async fn prepared_workers_never_run_the_cell_and_follow_the_session() -> anyhow:
         .seen
         .iter()
         .filter_map(|i| match i {
-            StreamItem::Event { kind: EventKind::Ready { slot, .. }, .. } => Some(*slot),
+            StreamItem::Event { event: Event::Ready { slot, .. }, .. } => Some(*slot),
             _ => None,
         })
         .collect();
@@ -182,7 +183,7 @@ async fn more_typing_sessions_than_slots_stay_within_the_budget() -> anyhow::Res
     }
     // the older sessions' workers were evicted, oldest first, by the planner's budget
     for (_, _, events) in sessions.iter_mut().take(2) {
-        events.until(|i| matches!(i, StreamItem::Event { kind: EventKind::PreparedEnded { .. }, .. })).await?;
+        events.until(|i| matches!(i, StreamItem::Event { event: Event::PreparedEnded { .. }, .. })).await?;
         assert_eq!(ended(events, "c"), [PreparedOutcome::Evicted]);
     }
     // a run of another session does not wait for c's prepared worker: it takes the slot
@@ -192,7 +193,7 @@ async fn more_typing_sessions_than_slots_stay_within_the_budget() -> anyhow::Res
     assert!(out.contains("ran"), "{out}");
     assert_eq!(started(events_a, run.exec_id).map(|s| s.0), Some(Prepare::Cold));
     let (_, _, events_c) = &mut sessions[2];
-    events_c.until(|i| matches!(i, StreamItem::Event { kind: EventKind::PreparedEnded { .. }, .. })).await?;
+    events_c.until(|i| matches!(i, StreamItem::Event { event: Event::PreparedEnded { .. }, .. })).await?;
     assert_eq!(ended(events_c, "c"), [PreparedOutcome::EvictedForRun]);
     Ok(())
 }
@@ -208,9 +209,9 @@ async fn a_prepared_worker_that_dies_costs_the_run_nothing() -> anyhow::Result<(
     events.done(r.exec_id).await?;
     fe.edit(sid, "c1", "print(x + 2)").await?;
     let item = events
-        .until(|i| matches!(i, StreamItem::Event { kind: EventKind::Ready { cell_id, .. }, .. } if cell_id == "c1"))
+        .until(|i| matches!(i, StreamItem::Event { event: Event::Ready { cell_id, .. }, .. } if cell_id == "c1"))
         .await?;
-    let StreamItem::Event { kind: EventKind::Ready { pid, .. }, .. } = item else { unreachable!("matched above") };
+    let StreamItem::Event { event: Event::Ready { pid, .. }, .. } = item else { unreachable!("matched above") };
     assert!(pid > 1);
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL)?;
     let r1 = fe.run(sid, "c1", "print(x + 2)").await?;
@@ -233,7 +234,7 @@ async fn warm_workers_serve_a_rerun_and_are_evicted_before_speculative_ones() ->
     let cwd = tempfile::tempdir()?;
     let sid = fe.create_session(&cwd.path().display().to_string(), true, true).await?;
     let mut events = Events::open(&fe, sid).await?;
-    let warm_ready = |i: &StreamItem| matches!(i, StreamItem::Event { kind: EventKind::Ready { cell_id, class: schemas::messages::PreparedClass::Warm, .. }, .. } if cell_id == "a");
+    let warm_ready = |i: &StreamItem| matches!(i, StreamItem::Event { event: Event::Ready { cell_id, class: PreparedClass::Warm, .. }, .. } if cell_id == "a");
     let code = "n = globals().get('n', 0) + 1\nprint('run', n)";
     let r1 = fe.run(sid, "a", code).await?;
     assert!(events.done(r1.exec_id).await?.contains("run 1"));
@@ -269,12 +270,12 @@ async fn a_worker_killed_while_preparing_fails_nothing() -> anyhow::Result<()> {
     fe.edit(sid, "c1", code).await?;
     let preparing = worker_where(&services, sid, |w| w.state == WorkerState::Preparing).await?;
     sigkill(preparing.pid)?;
-    events.until(|i| matches!(i, StreamItem::Event { kind: EventKind::PreparedEnded { .. }, .. })).await?;
+    events.until(|i| matches!(i, StreamItem::Event { event: Event::PreparedEnded { .. }, .. })).await?;
     assert_eq!(ended(&events, "c1"), [PreparedOutcome::Lost]);
     assert!(events
         .seen
         .iter()
-        .all(|i| !matches!(i, StreamItem::Event { kind: EventKind::Ready { cell_id, .. }, .. } if cell_id == "c1")));
+        .all(|i| !matches!(i, StreamItem::Event { event: Event::Ready { cell_id, .. }, .. } if cell_id == "c1")));
 
     // the run starts cold on a fresh worker; the committed state is intact
     let r1 = fe.run(sid, "c1", code).await?;
@@ -300,14 +301,9 @@ async fn a_warm_worker_killed_while_waiting_costs_the_rerun_nothing() -> anyhow:
     let r1 = fe.run(sid, "a", code).await?;
     assert!(events.done(r1.exec_id).await?.contains("run 1"));
     let item = events
-        .until(|i| {
-            matches!(
-                i,
-                StreamItem::Event { kind: EventKind::Ready { class: schemas::messages::PreparedClass::Warm, .. }, .. }
-            )
-        })
+        .until(|i| matches!(i, StreamItem::Event { event: Event::Ready { class: PreparedClass::Warm, .. }, .. }))
         .await?;
-    let StreamItem::Event { kind: EventKind::Ready { worker, .. }, .. } = item else { unreachable!("matched above") };
+    let StreamItem::Event { event: Event::Ready { worker, .. }, .. } = item else { unreachable!("matched above") };
     let warm = worker_where(&services, sid, |w| w.id == worker).await?;
     assert_eq!(warm.state, WorkerState::Warm);
     sigkill(warm.pid)?;
@@ -343,7 +339,7 @@ async fn a_cell_that_stops_being_a_gpu_cell_cancels_its_prepared_worker() -> any
     let (worker, _) = ready(&mut events, "c1", 1).await?;
     // the user turns it into a CPU cell: the GPU worker prepared for it is of no use
     fe.edit(sid, "c1", "%%cpu\nprint(x * 2)").await?;
-    events.until(|i| matches!(i, StreamItem::Event { kind: EventKind::PreparedEnded { .. }, .. })).await?;
+    events.until(|i| matches!(i, StreamItem::Event { event: Event::PreparedEnded { .. }, .. })).await?;
     assert_eq!(ended(&events, "c1"), [PreparedOutcome::Superseded]);
     worker_gone(&services, &worker).await?;
     let r1 = fe.run(sid, "c1", "%%cpu\nprint(x * 2)").await?;

@@ -1,7 +1,6 @@
 //! The JSON of the frontend's HTTP API, shared by the server, the `looseleaf` CLI and
 //! tests, plus a small parser for its Server-Sent Events stream.
 
-use schemas::messages::EventKind;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
@@ -94,8 +93,8 @@ pub enum StreamItem {
         exec_id: Uuid,
         /// When it happened (unix ms).
         unix_ms: u64,
-        /// What happened.
-        kind: EventKind,
+        /// What happened (`crate::events`: the public JSON, not the bus's).
+        event: crate::events::Event,
     },
     /// One nbformat v4 output of an execution.
     Output {
@@ -312,8 +311,11 @@ mod tests {
 
     #[test]
     fn stream_items_round_trip_through_json() {
-        let item =
-            StreamItem::Event { exec_id: Uuid::now_v7(), unix_ms: 5, kind: EventKind::Failed { error: "boom".into() } };
+        let item = StreamItem::Event {
+            exec_id: Uuid::now_v7(),
+            unix_ms: 5,
+            event: crate::events::Event::Failed { error: "boom".into() },
+        };
         let json = serde_json::to_string(&item).unwrap_or_default();
         assert!(json.contains("\"type\":\"event\""));
         let back: StreamItem = serde_json::from_str(&json).unwrap_or(StreamItem::Queued {

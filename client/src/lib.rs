@@ -3,6 +3,7 @@
 //! Jupyter kernel and the tests all use this one.
 
 pub mod api;
+pub mod events;
 
 use api::{read_items, CellCode, CreateSession, Interrupted, RunAccepted, SessionCreated, StreamItem, StreamPosition};
 use tokio::sync::mpsc;

@@ -582,7 +582,7 @@ impl SessionActor {
 
     fn on_event(&mut self, ctx: &mut Context<Self>, ev: SessionEventV2) {
         tracing::debug!(session = %self.sid, exec = %ev.exec_id, kind = ?ev.kind, "event");
-        self.emit(&StreamItem::Event { exec_id: ev.exec_id, unix_ms: ev.unix_ms, kind: ev.kind.clone() });
+        self.emit(&StreamItem::Event { exec_id: ev.exec_id, unix_ms: ev.unix_ms, event: (&ev.kind).into() });
         let Some(cur) = self.current.as_mut().filter(|c| c.exec_id == ev.exec_id) else { return };
         if cur.terminal.is_some() {
             return;

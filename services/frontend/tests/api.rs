@@ -237,8 +237,10 @@ async fn run_queue_waits_for_saved_and_relays_outputs_before_done() -> anyhow::R
     output(&host, sid, first.exec_id, 0, "hello\n").await?;
     event(&host, sid, first.exec_id, finished(1)).await?;
     // the frontend saw Finished (it relays events in order) ...
-    let mut seen =
-        items_until(&mut sse, |i| matches!(i, StreamItem::Event { kind: EventKind::Finished { .. }, .. })).await?;
+    let mut seen = items_until(&mut sse, |i| {
+        matches!(i, StreamItem::Event { event: looseleaf_client::events::Event::Finished { .. }, .. })
+    })
+    .await?;
     assert!(matches!(seen.first(), Some(StreamItem::Queued { exec_id, .. }) if *exec_id == first.exec_id));
     // ... and still holds the second run back until Saved
     let summary = fe.client.summary(sid).await?;

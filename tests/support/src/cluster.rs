@@ -9,8 +9,9 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use futures::StreamExt;
 use looseleaf_client::api::{ExecStatus, StreamItem};
+use looseleaf_client::events::Event;
 use looseleaf_client::Frontend;
-use schemas::messages::{EventKind, HostStatusV2};
+use schemas::messages::HostStatusV2;
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
@@ -291,8 +292,8 @@ impl Events {
 
     /// Read until a host claimed `exec`; returns the index `i` of its `host-{i}`.
     pub async fn claimed_by(&mut self, exec: Uuid) -> anyhow::Result<usize> {
-        let claimed = |i: &StreamItem| matches!(i, StreamItem::Event { exec_id, kind: EventKind::Claimed { .. }, .. } if *exec_id == exec);
-        let StreamItem::Event { kind: EventKind::Claimed { host, .. }, .. } = self.until(claimed).await? else {
+        let claimed = |i: &StreamItem| matches!(i, StreamItem::Event { exec_id, event: Event::Claimed { .. }, .. } if *exec_id == exec);
+        let StreamItem::Event { event: Event::Claimed { host, .. }, .. } = self.until(claimed).await? else {
             bail!("not claimed")
         };
         Ok(host.trim_start_matches("host-").parse()?)
@@ -300,11 +301,9 @@ impl Events {
 
     /// Read until `exec`'s cell started running.
     pub async fn started(&mut self, exec: Uuid) -> anyhow::Result<()> {
-        self.until(
-            |i| matches!(i, StreamItem::Event { exec_id, kind: EventKind::Started { .. }, .. } if *exec_id == exec),
-        )
-        .await
-        .map(|_| ())
+        self.until(|i| matches!(i, StreamItem::Event { exec_id, event: Event::Started { .. }, .. } if *exec_id == exec))
+            .await
+            .map(|_| ())
     }
 
     /// Read until execution `exec` is done; returns its outputs' text joined.
