@@ -5,9 +5,10 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 /// `POST /v1/sessions` body.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct CreateSession {
     /// Working directory of the session's cells.
+    #[schema(example = "/tmp")]
     pub cwd: String,
     /// Treat every code cell as a GPU cell.
     #[serde(default)]
@@ -22,21 +23,22 @@ fn yes() -> bool {
 }
 
 /// `POST /v1/sessions` answer.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct SessionCreated {
     /// The new session.
     pub session_id: Uuid,
 }
 
 /// Body of `PUT …/cells/{cell}` and `POST …/cells/{cell}/run`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct CellCode {
     /// The cell's full code.
+    #[schema(example = "x = 1\nprint(x)")]
     pub code: String,
 }
 
 /// `POST …/cells/{cell}/run` answer.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct RunAccepted {
     /// The execution.
     pub exec_id: Uuid,
@@ -45,7 +47,7 @@ pub struct RunAccepted {
 }
 
 /// Outcome of an execution as the frontend reports it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ExecStatus {
     /// Waiting behind another execution.
@@ -65,7 +67,7 @@ pub enum ExecStatus {
 }
 
 /// What `POST /v1/sessions/{sid}/interrupt` stopped.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Interrupted {
     /// The execution that was running (it ends with a KeyboardInterrupt, or is
     /// killed if it ignores it), if any.
@@ -74,8 +76,72 @@ pub struct Interrupted {
     pub aborted: Vec<Uuid>,
 }
 
+/// `GET /v1/health` answer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Health {
+    /// Always `ok` when it answers.
+    pub status: String,
+    /// Sessions this frontend serves now.
+    pub sessions: usize,
+}
+
+/// What every error answer holds.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ApiErrorBody {
+    /// What was wrong, naming it.
+    pub error: String,
+}
+
+/// `GET /v1/sessions/{sid}` answer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct SessionSummary {
+    /// The session.
+    pub session_id: Uuid,
+    /// Its working directory.
+    pub cwd: String,
+    /// Every code cell is a GPU cell.
+    pub all_gpu: bool,
+    /// The manifest revision its last completed execution left.
+    pub revision: u64,
+    /// The execution running now.
+    pub current: Option<Uuid>,
+    /// Executions waiting, in order.
+    pub queue: Vec<Uuid>,
+    /// The executions this frontend has seen, oldest first.
+    pub executions: Vec<ExecutionSummary>,
+}
+
+/// One execution in a session's summary.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ExecutionSummary {
+    /// The execution.
+    pub exec_id: Uuid,
+    /// Its cell.
+    pub cell_id: String,
+    /// When Run was pressed (unix ms).
+    pub run_unix_ms: u64,
+    /// Where it stands.
+    pub status: ExecStatus,
+    /// The revision it left, once complete.
+    pub after_revision: Option<u64>,
+    /// What went wrong, if anything.
+    pub error: Option<String>,
+}
+
+/// `DELETE /v1/sessions/{sid}` answer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct SessionDeleted {
+    /// The session.
+    pub session_id: Uuid,
+    /// Always true: it is no longer served and its record is gone.
+    pub deleted: bool,
+    /// Why the store did not delete its state, if it did not (the collector
+    /// removes it later).
+    pub store_error: Option<String>,
+}
+
 /// One `data:` line of `GET /v1/sessions/{sid}/events`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum StreamItem {
     /// A run was accepted and queued.
@@ -103,6 +169,7 @@ pub enum StreamItem {
         /// Order within the execution.
         seq: u64,
         /// The output.
+        #[schema(value_type = Object)]
         output: serde_json::Value,
     },
     /// The execution is complete: its state is saved (or it failed) and every output

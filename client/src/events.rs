@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 pub const EVENTS_VERSION: u32 = 1;
 
 /// What happened to an execution (or to a prepared worker of the session).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Event {
     /// The planner derived the recipe for a run.
@@ -161,7 +161,7 @@ pub enum Event {
 }
 
 /// Where a cell runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Device {
     /// The session's persistent CPU worker.
@@ -171,7 +171,7 @@ pub enum Device {
 }
 
 /// How the worker that runs a cell was prepared.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Prepare {
     /// While the user edited.
@@ -187,7 +187,7 @@ pub enum Prepare {
 }
 
 /// The cell's own outcome.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum CellStatus {
     /// Ran to the end.
@@ -197,7 +197,7 @@ pub enum CellStatus {
 }
 
 /// Why a prepared worker existed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum PreparedClass {
     /// Prepared from an edit.
@@ -207,7 +207,7 @@ pub enum PreparedClass {
 }
 
 /// Why a prepared worker ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum PreparedOutcome {
     /// A run used it.
@@ -225,7 +225,7 @@ pub enum PreparedOutcome {
 }
 
 /// What held a GPU slot.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum SlotUse {
     /// A cell ran.
@@ -237,7 +237,7 @@ pub enum SlotUse {
 }
 
 /// Where a cell's start went on its host (ms; 0 for a step that did not happen).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct StartPhases {
     /// Recipe received to claim won.
     pub claim_ms: f64,

@@ -25,7 +25,10 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::admission::Limits;
-use crate::api::{CellCode, CreateSession, Interrupted, RunAccepted, SessionCreated};
+use crate::api::{
+    ApiErrorBody, CellCode, CreateSession, Health, Interrupted, RunAccepted, SessionCreated, SessionDeleted,
+    SessionSummary, StreamItem,
+};
 use crate::auth::{Caller, Tokens};
 use crate::origins::Origins;
 use crate::records::{SessionRecord, RECORD_VERSION};
@@ -209,6 +212,7 @@ fn mailbox(e: MailboxError) -> ApiError {
 pub fn router(state: AppState, body_timeout: Duration) -> Router {
     Router::new()
         .route("/v1/health", get(health))
+        .route("/v1/openapi.json", get(openapi_json))
         .route("/v1/sessions", post(create_session))
         .route("/v1/sessions/{sid}", get(summary).delete(delete_session))
         .route("/v1/sessions/{sid}/events", get(events))
@@ -227,11 +231,15 @@ pub fn router(state: AppState, body_timeout: Duration) -> Router {
         .with_state(state)
 }
 
-async fn health(State(state): State<AppState>) -> Json<serde_json::Value> {
-    let n = state.sessions.read().unwrap_or_else(|e| e.into_inner()).len();
-    Json(serde_json::json!({ "status": "ok", "sessions": n }))
+/// Whether the frontend answers (no token needed: for probes).
+#[utoipa::path(get, path = "/v1/health", security(()), responses((status = 200, body = Health)))]
+async fn health(State(state): State<AppState>) -> Json<Health> {
+    let sessions = state.sessions.read().unwrap_or_else(|e| e.into_inner()).len();
+    Json(Health { status: "ok".into(), sessions })
 }
 
+/// Create a session whose cells run in `cwd` (under the operator's root).
+#[utoipa::path(post, path = "/v1/sessions", request_body = CreateSession, responses((status = 200, body = SessionCreated)))]
 async fn create_session(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
@@ -271,6 +279,9 @@ async fn create_session(
     Ok(Json(SessionCreated { session_id: sid }))
 }
 
+/// The cell as the user edits it: workers are prepared for it (speculation).
+#[utoipa::path(put, path = "/v1/sessions/{sid}/cells/{cell_id}", params(("sid" = uuid::Uuid, Path, description = "the session"), ("cell_id" = String, Path, description = "the cell (any text)")),
+    request_body = CellCode, responses((status = 202, description = "the edit was sent to the planner")))]
 async fn edit(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
@@ -289,6 +300,9 @@ async fn edit(
     Ok(StatusCode::ACCEPTED)
 }
 
+/// Run the cell; answered once the run is recorded (it outlives this frontend).
+#[utoipa::path(post, path = "/v1/sessions/{sid}/cells/{cell_id}/run", params(("sid" = uuid::Uuid, Path, description = "the session"), ("cell_id" = String, Path, description = "the cell (any text)")),
+    request_body = CellCode, responses((status = 200, body = RunAccepted)))]
 async fn run(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
@@ -314,6 +328,8 @@ async fn run(
     Ok(Json(RunAccepted { exec_id, position }))
 }
 
+/// Interrupt the running cell and abort the queued ones.
+#[utoipa::path(post, path = "/v1/sessions/{sid}/interrupt", params(("sid" = uuid::Uuid, Path, description = "the session")), responses((status = 200, body = Interrupted)))]
 async fn interrupt(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
@@ -323,15 +339,22 @@ async fn interrupt(
     Ok(Json(addr.send(session::Interrupt).await.map_err(mailbox)?))
 }
 
+/// The session's revision, current run, queue and executions.
+#[utoipa::path(get, path = "/v1/sessions/{sid}", params(("sid" = uuid::Uuid, Path, description = "the session")), responses((status = 200, body = SessionSummary)))]
 async fn summary(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     Path(sid): Path<String>,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<Json<SessionSummary>, ApiError> {
     let (_sid, addr) = lookup(&state, &sid, &caller).await?;
     Ok(Json(addr.send(session::Summary).await.map_err(mailbox)?))
 }
 
+/// The session's event stream (Server-Sent Events, one `StreamItem` per `data:`
+/// line; `Last-Event-ID` resumes after the item with that id).
+#[utoipa::path(get, path = "/v1/sessions/{sid}/events",
+    params(("sid" = uuid::Uuid, Path, description = "the session"), ("Last-Event-ID" = Option<String>, Header, description = "the id of the last item seen")),
+    responses((status = 200, content_type = "text/event-stream", body = StreamItem)))]
 async fn events(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
@@ -358,11 +381,13 @@ async fn events(
     Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(SSE_KEEP_ALIVE)).into_response())
 }
 
+/// Stop the session's cells and delete it with its state.
+#[utoipa::path(delete, path = "/v1/sessions/{sid}", params(("sid" = uuid::Uuid, Path, description = "the session")), responses((status = 200, body = SessionDeleted)))]
 async fn delete_session(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     Path(sid): Path<String>,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<Json<SessionDeleted>, ApiError> {
     let (sid, addr) = lookup(&state, &sid, &caller).await?;
     state.remove(sid);
     addr.do_send(session::Close { grace: state.shared.timeouts.close_grace });
@@ -396,5 +421,61 @@ async fn delete_session(
         }
     };
     tracing::info!(session = %sid, "session deleted");
-    Ok(Json(serde_json::json!({ "session_id": sid, "deleted": true, "store_error": store_error })))
+    Ok(Json(SessionDeleted { session_id: sid, deleted: true, store_error }))
+}
+
+/// The API's OpenAPI description, derived from the handlers and the client
+/// crate's types (`docs/api.md` explains it in words).
+#[derive(utoipa::OpenApi)]
+#[openapi(
+    info(title = "LooseLeaf frontend API", version = "1", description = "Sessions, edits, runs and their event stream"),
+    paths(health, openapi_json, create_session, summary, delete_session, edit, run, interrupt, events),
+    components(schemas(ApiErrorBody)),
+    modifiers(&Errors),
+    security(("bearer" = []))
+)]
+pub struct ApiDoc;
+
+/// Every error an operation may answer, with the JSON body all errors share, and
+/// the bearer scheme.
+struct Errors;
+
+impl utoipa::Modify for Errors {
+    fn modify(&self, api: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::{security, ContentBuilder, Ref, ResponseBuilder};
+        let components = api.components.get_or_insert_with(Default::default);
+        let bearer = security::HttpBuilder::new().scheme(security::HttpAuthScheme::Bearer).build();
+        components.add_security_scheme("bearer", security::SecurityScheme::Http(bearer));
+        let errors = [
+            ("400", "the request is malformed (the message names what)"),
+            ("401", "no token, or not a token of this API"),
+            ("403", "a browser origin not allowed"),
+            ("404", "no such session (or another user's)"),
+            ("408", "the body did not arrive in time"),
+            ("410", "the session is closing"),
+            ("413", "the body is larger than the limit"),
+            ("415", "the body is not JSON"),
+            ("421", "a Host this API does not answer"),
+            ("429", "a limit (sessions per user, queued runs) is reached"),
+            ("500", "the frontend could not do it (it says why)"),
+            ("503", "a service it needs did not answer in time"),
+        ];
+        for item in api.paths.paths.values_mut() {
+            let operations = [&mut item.get, &mut item.put, &mut item.post, &mut item.delete];
+            for op in operations.into_iter().flatten() {
+                for (code, why) in errors {
+                    let body = ContentBuilder::new().schema(Some(Ref::from_schema_name("ApiErrorBody"))).build();
+                    let response = ResponseBuilder::new().description(why).content("application/json", body).build();
+                    op.responses.responses.entry(code.to_string()).or_insert(response.into());
+                }
+            }
+        }
+    }
+}
+
+/// This API's OpenAPI description (no token needed).
+#[utoipa::path(get, path = "/v1/openapi.json", security(()), responses((status = 200, description = "OpenAPI 3.1", content_type = "application/json")))]
+async fn openapi_json() -> Json<utoipa::openapi::OpenApi> {
+    use utoipa::OpenApi as _;
+    Json(ApiDoc::openapi())
 }

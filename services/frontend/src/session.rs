@@ -145,15 +145,7 @@ impl Current {
 }
 
 /// What the summary shows for one execution.
-#[derive(Clone, Debug, serde::Serialize)]
-struct ExecRecord {
-    exec_id: Uuid,
-    cell_id: String,
-    run_unix_ms: u64,
-    status: ExecStatus,
-    after_revision: Option<u64>,
-    error: Option<String>,
-}
+type ExecRecord = crate::api::ExecutionSummary;
 
 /// What every session actor of a frontend shares.
 #[derive(Clone)]
@@ -986,9 +978,9 @@ impl Handler<IdleFor> for SessionActor {
     }
 }
 
-/// The session's summary as JSON.
+/// The session's summary.
 #[derive(Message)]
-#[rtype(result = "serde_json::Value")]
+#[rtype(result = "crate::api::SessionSummary")]
 pub struct Summary;
 
 impl Handler<Summary> for SessionActor {
@@ -996,15 +988,15 @@ impl Handler<Summary> for SessionActor {
 
     fn handle(&mut self, _msg: Summary, _ctx: &mut Self::Context) -> Self::Result {
         self.last_active = Instant::now();
-        MessageResult(serde_json::json!({
-            "session_id": self.sid,
-            "cwd": self.stored.options.cwd,
-            "all_gpu": self.stored.options.all_gpu,
-            "revision": self.stored.revision,
-            "current": self.current.as_ref().map(|c| c.exec_id),
-            "queue": self.stored.queued.iter().map(|p| p.exec_id).collect::<Vec<_>>(),
-            "executions": self.executions,
-        }))
+        MessageResult(crate::api::SessionSummary {
+            session_id: self.sid,
+            cwd: self.stored.options.cwd.clone(),
+            all_gpu: self.stored.options.all_gpu,
+            revision: self.stored.revision,
+            current: self.current.as_ref().map(|c| c.exec_id),
+            queue: self.stored.queued.iter().map(|p| p.exec_id).collect(),
+            executions: self.executions.clone(),
+        })
     }
 }
 

@@ -829,3 +829,45 @@ async fn slow_clients_are_cut_off_and_only_allowed_hosts_and_origins_are_answere
     assert_eq!(preflight("https://evil.example").await?.status(), reqwest::StatusCode::FORBIDDEN);
     Ok(())
 }
+
+/// The API's OpenAPI description holds for what the frontend really answers:
+/// schemathesis generates valid and invalid requests for every operation (the
+/// event stream aside: it never ends) and checks that none is a server error,
+/// every status, content type and body is the described one, and invalid input
+/// is refused.
+#[actix_rt::test]
+async fn the_api_answers_as_its_openapi_description_says() -> anyhow::Result<()> {
+    let nats = NatsServer::start()?;
+    let prefix = random_prefix();
+    let token = "schemathesis-token-0123456789";
+    let tokens = Tokens::parse(&format!("fuzzer {token}\n"))?;
+    let fe = start_frontend_with(&nats, &prefix, |c| c.tokens = tokens).await?;
+    let described: serde_json::Value = reqwest::get(format!("{}/v1/openapi.json", fe.base)).await?.json().await?;
+    assert!(described["paths"]["/v1/sessions/{sid}/cells/{cell_id}/run"]["post"].is_object(), "{described}");
+
+    // requests name a session that exists (or one the stateful phase created)
+    let sid = fe.client.clone().with_token(token).create_session("/tmp", true, false).await?;
+    let dir = tempfile::tempdir()?;
+    let config = dir.path().join("schemathesis.toml");
+    std::fs::write(&config, format!("[parameters]\nsid = \"{sid}\"\n"))?;
+    let bin = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/schemathesis");
+    let url = format!("{}/v1/openapi.json", fe.base);
+    let auth = format!("Authorization: Bearer {token}");
+    let run = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(&bin)
+            .arg("--config-file")
+            .arg(&config)
+            .args(["run", &url, "-H", &auth, "--exclude-path", "/v1/sessions/{sid}/events"])
+            .args(["--checks", "not_a_server_error,status_code_conformance,content_type_conformance"])
+            .args(["--checks", "response_schema_conformance,negative_data_rejection"])
+            .args(["--max-examples", "25", "--seed", "1", "--workers", "1", "--request-timeout", "20"])
+            .args(["--no-color", "--generation-database", "none"])
+            .output()
+    })
+    .await?
+    .with_context(|| "schemathesis (run scripts/setup)".to_string())?;
+    let out = String::from_utf8_lossy(&run.stdout);
+    eprintln!("{out}");
+    assert!(run.status.success(), "schemathesis found failures:\n{out}\n{}", String::from_utf8_lossy(&run.stderr));
+    Ok(())
+}
