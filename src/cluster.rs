@@ -200,6 +200,9 @@ impl Cluster {
                 worker_limits: Default::default(),
                 cell_timeout: Duration::from_secs(looseleaf_gpu_host::DEFAULT_CELL_TIMEOUT_S),
                 interrupt_grace: Duration::from_secs_f64(looseleaf_gpu_host::DEFAULT_INTERRUPT_GRACE_S),
+                // cells write where the notebook lies, as its owner: the embedded
+                // cluster runs them as the user who started it (ADR 29)
+                session_uids: None,
             };
             self.spawn(&host_id, |stop| looseleaf_gpu_host::run(config, stop));
         }

@@ -56,7 +56,16 @@ pub fn open_with(url: &str, settings: &[(&str, &str)]) -> Result<Arc<dyn ObjectS
     } else {
         url
     };
-    std::fs::create_dir_all(path).map_err(|e| OpenError::Local { path: path.to_string(), reason: e.to_string() })?;
+    // made owner-only: sessions' checkpoints are theirs alone, and cells may run
+    // as other users on this machine (ADR 29)
+    if !std::path::Path::new(path).exists() {
+        use std::os::unix::fs::DirBuilderExt as _;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(path)
+            .map_err(|e| OpenError::Local { path: path.to_string(), reason: e.to_string() })?;
+    }
     let fs = LocalFileSystem::new_with_prefix(path)
         .map_err(|e| OpenError::Local { path: path.to_string(), reason: e.to_string() })?;
     Ok(Arc::new(fs))

@@ -240,6 +240,7 @@ impl Chunks {
         manifest: &Manifest,
         oids: &[(String, String)],
         name: &str,
+        owner: Option<u32>,
     ) -> Result<RestoreFile, ChunkError> {
         // Lay out every blob: (offset, chunk hashes); chunks are fetched once each.
         let mut placements: Vec<(u64, String, Option<String>)> = Vec::new(); // (offset, hash, variable)
@@ -281,6 +282,10 @@ impl Chunks {
         let shm = |source| ChunkError::Shm { path: path.display().to_string(), source };
         // owner-only: another session's cells must not read this one's state
         let file = std::fs::OpenOptions::new().create_new(true).write(true).mode(0o600).open(&path).map_err(shm)?;
+        // a worker running as its session's uid reads it; no other session can
+        if let Some(uid) = owner {
+            std::os::unix::fs::fchown(&file, Some(uid), Some(uid)).map_err(shm)?;
+        }
         file.set_len(total).map_err(shm)?;
         let file = Arc::new(file);
         let result: Result<Vec<()>, ChunkError> = futures::stream::iter(placements)
@@ -332,7 +337,7 @@ mod tests {
         );
         let dir = tempfile::tempdir().unwrap();
         let chunks = Chunks::new(objects, 1 << 20, dir.path().to_path_buf());
-        let err = chunks.write_restore_file(&m, &[("o1".into(), "df".into())], "t1").await.unwrap_err();
+        let err = chunks.write_restore_file(&m, &[("o1".into(), "df".into())], "t1", None).await.unwrap_err();
         let text = err.to_string();
         assert!(text.contains("corrupt") && text.contains("'df'"), "{text}");
         assert!(std::fs::read_dir(dir.path()).unwrap().next().is_none(), "no half-written file left");
@@ -387,7 +392,7 @@ mod tests {
         m.objects
             .insert("o".into(), ObjectEntry { record: Blob { len: 6, chunks: vec![ha, hb] }, ..Default::default() });
         // two chunks of one blob: the second starts CHUNK_BYTES in, so use a tiny layout check
-        let rf = chunks.write_restore_file(&m, &[("o".into(), "x".into())], "t2").await.unwrap();
+        let rf = chunks.write_restore_file(&m, &[("o".into(), "x".into())], "t2", None).await.unwrap();
         assert_eq!(rf.objects["o"].record, [0, 6]);
         let path = rf.path.unwrap();
         use std::os::unix::fs::PermissionsExt;

@@ -46,6 +46,17 @@ pub enum ExecError {
         /// Why.
         source: std::io::Error,
     },
+    /// The session's workers cannot get a uid of their own.
+    #[error("could not start a worker: {0}")]
+    SessionUid(#[from] crate::session_uids::UidError),
+    /// The session's package layer could not be made its uid's.
+    #[error("could not prepare the session's package layer {path}: {source}")]
+    PackageLayer {
+        /// The layer.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
     /// The worker's limits could not be applied.
     #[error("could not start a worker within its limits: {0}")]
     Limits(#[source] crate::cgroups::CgroupError),
@@ -161,6 +172,8 @@ pub struct ExecEnv {
     /// Set when the host is stopping: a worker lost from then on was stopped with
     /// the host, and its execution fails saying so.
     pub stopping: Arc<std::sync::atomic::AtomicBool>,
+    /// Each session's workers' uid, when they run as one of their own (ADR 29).
+    pub session_uids: Option<Arc<crate::session_uids::SessionUids>>,
 }
 
 /// Sessions whose last manifest a host remembers for scoring.
@@ -294,6 +307,19 @@ impl ExecEnv {
         if let Err(e) = std::fs::read_dir(cwd) {
             return Err(ExecError::Cwd { cwd: cwd.to_string(), source: e });
         }
+        let uid = match &self.session_uids {
+            Some(uids) => {
+                let uid = uids.of(session)?;
+                // pip installs from its cells land in its layer: its uid owns it
+                let own = |path: &std::path::Path| {
+                    std::fs::create_dir_all(path)?;
+                    std::os::unix::fs::chown(path, Some(uid), Some(uid))
+                };
+                own(&layer).map_err(|source| ExecError::PackageLayer { path: layer.display().to_string(), source })?;
+                Some(uid)
+            }
+            None => None,
+        };
         let mut cache = self.zygotes.lock().await;
         for attempt in 0..2 {
             let base_id = format!("z-{}-{}", self.host_id, Uuid::now_v7().simple());
@@ -305,11 +331,12 @@ impl ExecEnv {
                 self.spawn_child_zygote(&mut cache, tail).await;
             }
             let Some(z) = cache.zygote(&choice) else { continue };
-            match z.fork(&self.listener, &worker_id, env.clone(), cwd).await {
+            match z.fork(&self.listener, &worker_id, env.clone(), cwd, uid).await {
                 Ok(forked) => {
                     self.forks.fetch_add(1, Ordering::Relaxed);
                     let pid = forked.pid;
                     let mut worker = WorkerProc::new(forked, session, self.lifecycle.clone());
+                    worker.uid = uid;
                     if let Some(cgroups) = &self.cgroups {
                         // a worker the limits cannot hold does not run (dropped: killed)
                         worker.set_cgroup(cgroups.attach(&worker_id, pid).map_err(ExecError::Limits)?);
@@ -518,7 +545,9 @@ impl ExecEnv {
         // holds are not sent again.
         let held_oids = std::sync::Mutex::new(held_records(&manifest, w.held.keys().map(String::as_str)));
         let fault_files = std::sync::Mutex::new(Vec::new());
-        let on_fault = |names: Vec<String>| self.fault_frame(&manifest, &held_oids, &fault_files, names, &worker_id);
+        let owner = w.uid;
+        let on_fault =
+            |names: Vec<String>| self.fault_frame(&manifest, &held_oids, &fault_files, names, &worker_id, owner);
         // nor runs a cell whose restore it was still waiting for, or that the user
         // interrupted meanwhile
         self.not_stopping()?;
@@ -678,12 +707,13 @@ impl ExecEnv {
         files: &std::sync::Mutex<Vec<std::path::PathBuf>>,
         names: Vec<String>,
         worker: &str,
+        owner: Option<u32>,
     ) -> Frame {
         let (variables, objects) = {
             let mut held = held_oids.lock().unwrap_or_else(|e| e.into_inner());
             restore_entries(manifest, names, &mut held)
         };
-        match self.chunks.write_restore_file(manifest, &objects, worker).await {
+        match self.chunks.write_restore_file(manifest, &objects, worker, owner).await {
             Ok(file) => {
                 if let Some(p) = &file.path {
                     files.lock().unwrap_or_else(|e| e.into_inner()).push(p.clone());
@@ -719,8 +749,11 @@ impl ExecEnv {
         };
         let got_manifest = started.elapsed();
         let restore = self.plan_restore(recipe, w, &manifest)?;
-        let file =
-            self.chunks.write_restore_file(&manifest, &restore.objects, &w.id).await.map_err(ExecError::RestoreFile)?;
+        let file = self
+            .chunks
+            .write_restore_file(&manifest, &restore.objects, &w.id, w.uid)
+            .await
+            .map_err(ExecError::RestoreFile)?;
         let wrote_file = started.elapsed();
         let frame = Frame::Restore {
             shm_path: file.path.as_ref().map(|p| p.display().to_string()),

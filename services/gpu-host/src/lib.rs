@@ -26,6 +26,7 @@ pub mod interrupts;
 pub mod lifecycle;
 pub mod process;
 pub mod protocol;
+pub mod session_uids;
 pub mod socket;
 pub mod worker;
 pub mod zygotes;
@@ -91,6 +92,9 @@ pub struct Config {
     pub cell_timeout: Duration,
     /// How long a cell may ignore an interrupt before its worker is killed.
     pub interrupt_grace: Duration,
+    /// Run each session's workers as a uid of its own from this range
+    /// (`FIRST-LAST`; the host must be root). None: as the host's user.
+    pub session_uids: Option<String>,
 }
 
 /// The default cell timeout (seconds): a day.
@@ -155,6 +159,10 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         lifecycle: Default::default(),
         package_layers: config.package_layers.clone(),
         stopping: Default::default(),
+        session_uids: match &config.session_uids {
+            Some(range) => Some(Arc::new(session_uids::SessionUids::new(range)?)),
+            None => None,
+        },
     };
     let s = bus.subjects().clone();
     let recipes = bus.subscribe::<RecipeV1>(s.all_recipes()).await?;

@@ -68,6 +68,12 @@ struct Args {
     /// worker is killed with every process it started.
     #[arg(long, env = "LOOSELEAF_INTERRUPT_GRACE_S", default_value_t = looseleaf_gpu_host::DEFAULT_INTERRUPT_GRACE_S)]
     interrupt_grace_s: f64,
+    /// Run each session's workers as a uid of its own from this range (e.g.
+    /// `200000-265535`; the host must run as root): a cell cannot read other
+    /// sessions' files or the host's. The session's working directory must be
+    /// usable by that uid. Unset: workers run as the host's user.
+    #[arg(long, env = "LOOSELEAF_SESSION_UIDS")]
+    session_uids: Option<String>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -94,6 +100,7 @@ fn main() -> anyhow::Result<()> {
             .ok()
             .filter(|g| *g <= std::time::Duration::from_secs(3600))
             .ok_or_else(|| anyhow::anyhow!("--interrupt-grace-s must be between 0 and 3600 seconds"))?,
+        session_uids: a.session_uids,
     };
     actix_rt::System::new().block_on(looseleaf_gpu_host::run(config, schemas::telemetry::shutdown_signal()))
 }

@@ -94,6 +94,9 @@ pub enum Frame {
         cwd: String,
         /// Socket the child connects to.
         socket: String,
+        /// The uid (and gid) it runs as once connected; absent: the zygote's.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        uid: Option<u32>,
     },
     /// host -> zygote: fork a child zygote that adds tail packages.
     SpawnZygote {
@@ -419,7 +422,13 @@ mod tests {
                 zygote_id: None,
             },
             Frame::SpawnZygote { zygote_id: "z".into(), packages: vec!["sklearn".into()] },
-            Frame::Fork { worker_id: "w".into(), env: BTreeMap::new(), cwd: "/".into(), socket: "/s".into() },
+            Frame::Fork {
+                worker_id: "w".into(),
+                env: BTreeMap::new(),
+                cwd: "/".into(),
+                socket: "/s".into(),
+                uid: Some(7),
+            },
             Frame::Forked { worker_id: "w".into(), pid: 2 },
             Frame::ForkFailed { worker_id: "w".into(), error: "e".into() },
             Frame::Restore {

@@ -163,6 +163,8 @@ pub struct WorkerProc {
     killed: AtomicBool,
     /// Its cgroups, when workers are limited.
     cgroup: Option<crate::cgroups::WorkerCgroup>,
+    /// The uid it runs as, when sessions have their own (restore files are its).
+    pub uid: Option<u32>,
 }
 
 impl WorkerProc {
@@ -181,6 +183,7 @@ impl WorkerProc {
             lifecycle,
             killed: AtomicBool::new(false),
             cgroup: None,
+            uid: None,
         }
     }
 

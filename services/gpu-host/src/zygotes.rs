@@ -176,13 +176,14 @@ impl Zygote {
         Self::from_hello(child_id, hello, None)
     }
 
-    /// Fork a worker with `env` in `cwd`, and wait for it to connect.
+    /// Fork a worker with `env` in `cwd` (as `uid`, if given), and wait for it to connect.
     pub async fn fork(
         &mut self,
         listener: &Listener,
         worker_id: &str,
         env: BTreeMap<String, String>,
         cwd: &str,
+        uid: Option<u32>,
     ) -> Result<Forked, ZygoteError> {
         let rx = listener.expect(worker_id);
         let conn_err = |source| ZygoteError::Conn { id: self.id.clone(), source };
@@ -191,6 +192,7 @@ impl Zygote {
             env,
             cwd: cwd.to_string(),
             socket: listener.path().display().to_string(),
+            uid,
         };
         if let Err(e) = self.conn.send(&fork).await {
             listener.forget(worker_id);

@@ -66,7 +66,7 @@ impl Services {
         let dir = tempfile::tempdir()?;
         // the store signs manifests as a deployment's does (ADR 24)
         let key_file = dir.path().join("manifest-key");
-        std::fs::write(&key_file, uuid::Uuid::new_v4().simple().to_string().repeat(2))?;
+        schemas::local_nats::write_private(&key_file, &uuid::Uuid::new_v4().simple().to_string().repeat(2))?;
         let mut common: Vec<(String, String)> = vec![
             ("LOOSELEAF_NATS_URL".into(), nats.url().to_string()),
             ("LOOSELEAF_PREFIX".into(), prefix.clone()),
@@ -208,6 +208,11 @@ impl Services {
         let p = self.proc(&format!("host-{i}"))?;
         let child = p.child.as_mut().context("the host is not running")?;
         Ok(child.wait()?)
+    }
+
+    /// Where the services keep their data (the store, the manifest key).
+    pub fn data_dir(&self) -> &Path {
+        self._dir.path()
     }
 
     /// A client of the frontend.

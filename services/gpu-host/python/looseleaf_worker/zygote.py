@@ -23,6 +23,7 @@ import signal
 import socket
 import struct
 import sys
+import tempfile
 import time
 
 from . import protocol
@@ -153,9 +154,12 @@ def _become_worker(conn: socket.socket, zygote_id: str, params) -> None:
         msg = params()
         wid = msg["worker_id"]
         os.environ.update(msg["env"])
-        os.chdir(msg["cwd"])
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(msg["socket"])
+        uid = msg.get("uid")
+        if uid is not None:
+            _become_session_user(uid)
+        os.chdir(msg["cwd"])
         from . import worker
 
         worker.main(sock, wid, zygote_id)
@@ -165,6 +169,22 @@ def _become_worker(conn: socket.socket, zygote_id: str, params) -> None:
         code = 1
     finally:
         os._exit(code)
+
+
+def _become_session_user(uid: int) -> None:
+    """Drop to the session's own uid (gid = uid, no supplementary groups), once
+    connected to the host: from here the cell can reach only what that uid can
+    (ADR 29). Its home is a directory of its own, as a user's would be."""
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+    home = os.path.join(tempfile.gettempdir(), f"looseleaf-home-{uid}")
+    try:
+        os.makedirs(home, mode=0o700, exist_ok=True)
+        if os.stat(home).st_uid == uid:
+            os.environ["HOME"] = home
+    except OSError:
+        pass  # a home it cannot make: it keeps the host's (read-only to it)
 
 
 def _fork_worker(conn: socket.socket, msg: dict, zygote_id: str, spare: Spare | None) -> Spare | None:

@@ -856,6 +856,10 @@ impl Host {
         }
         let claims = self.claims.clone();
         self.background(async move { claims.release(ClaimKey::Cpu(session)).await }, ctx);
+        // its workers are stopped: its uid may serve another session (ADR 29)
+        if let Some(uids) = &self.env.session_uids {
+            uids.release(session);
+        }
         self.publish_status(ctx);
     }
 

@@ -1,0 +1,107 @@
+//! A uid of its own for each session's workers (ADR 29), where the host runs as
+//! root and the operator gives a range (`--session-uids FIRST-LAST`): a cell then
+//! cannot read another session's files or restore files, the host's data (the
+//! manifest key, the store directory), or signal the services' processes.
+//!
+//! Uids are handed out per host, lowest free first, and taken back when the
+//! session is deleted or culled here. The gid is the uid; workers keep no
+//! supplementary groups.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use uuid::Uuid;
+
+/// Why session uids cannot be used as configured.
+#[derive(Debug, thiserror::Error)]
+pub enum UidError {
+    /// The range is not `FIRST-LAST` with 0 < FIRST <= LAST.
+    #[error("--session-uids {0:?} is not a range FIRST-LAST of uids above 0")]
+    Range(String),
+    /// Only root can run workers as other users.
+    #[error("--session-uids needs the gpu-host to run as root (it runs as uid {0})")]
+    NotRoot(u32),
+    /// Every uid of the range is taken by a session on this host.
+    #[error("every session uid of {first}-{last} is taken by a session on this host; widen --session-uids")]
+    Exhausted {
+        /// The range's first uid.
+        first: u32,
+        /// Its last.
+        last: u32,
+    },
+}
+
+/// The uids this host gives sessions' workers.
+#[derive(Debug)]
+pub struct SessionUids {
+    first: u32,
+    last: u32,
+    assigned: Mutex<HashMap<Uuid, u32>>,
+}
+
+impl SessionUids {
+    /// The range `FIRST-LAST` (checked: the host must be root to use it).
+    pub fn new(range: &str) -> Result<Self, UidError> {
+        let bad = || UidError::Range(range.to_string());
+        let (first, last) = range.split_once('-').ok_or_else(bad)?;
+        let (first, last): (u32, u32) =
+            (first.trim().parse().map_err(|_| bad())?, last.trim().parse().map_err(|_| bad())?);
+        if first == 0 || first > last {
+            return Err(bad());
+        }
+        let euid = effective_uid();
+        if euid != 0 {
+            return Err(UidError::NotRoot(euid));
+        }
+        Ok(Self { first, last, assigned: Mutex::new(HashMap::new()) })
+    }
+
+    /// The uid of `session`'s workers on this host (the same for all of them).
+    pub fn of(&self, session: Uuid) -> Result<u32, UidError> {
+        let mut assigned = self.assigned.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(uid) = assigned.get(&session) {
+            return Ok(*uid);
+        }
+        let taken: std::collections::HashSet<u32> = assigned.values().copied().collect();
+        let uid = (self.first..=self.last)
+            .find(|u| !taken.contains(u))
+            .ok_or(UidError::Exhausted { first: self.first, last: self.last })?;
+        assigned.insert(session, uid);
+        Ok(uid)
+    }
+
+    /// `session` has no workers here any more: its uid may go to another session.
+    pub fn release(&self, session: Uuid) {
+        self.assigned.lock().unwrap_or_else(|e| e.into_inner()).remove(&session);
+    }
+}
+
+/// This process's effective uid (`/proc/self` belongs to it).
+fn effective_uid() -> u32 {
+    use std::os::unix::fs::MetadataExt as _;
+    std::fs::metadata("/proc/self").map_or(u32::MAX, |m| m.uid())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_session_gets_its_own_uid_until_released() {
+        if effective_uid() != 0 {
+            assert!(matches!(SessionUids::new("1000-1001"), Err(UidError::NotRoot(_))));
+            return;
+        }
+        for bad in ["", "5", "0-10", "10-5", "a-b"] {
+            assert!(matches!(SessionUids::new(bad), Err(UidError::Range(_))), "{bad}");
+        }
+        let uids = SessionUids::new("7000-7001").unwrap();
+        let (a, b, c) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
+        let (ua, ub) = (uids.of(a).unwrap(), uids.of(b).unwrap());
+        assert_ne!(ua, ub);
+        assert_eq!(uids.of(a).unwrap(), ua, "stable for a session");
+        assert!(matches!(uids.of(c), Err(UidError::Exhausted { .. })));
+        uids.release(a);
+        assert_eq!(uids.of(c).unwrap(), ua, "a released uid is given again");
+    }
+}
