@@ -43,3 +43,45 @@ async fn a_worker_past_its_memory_or_process_limit_fails_the_cell_naming_the_lim
     }
     Ok(())
 }
+
+/// Chunk files the store holds (a directory store: every object but manifests).
+fn stored_chunks(store: &std::path::Path) -> usize {
+    fn walk(dir: &std::path::Path, n: &mut usize) {
+        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                walk(&path, n);
+            } else if path.to_string_lossy().contains("chunks") {
+                *n += 1;
+            }
+        }
+    }
+    let mut n = 0;
+    walk(store, &mut n);
+    n
+}
+
+/// A save that would take the session over its quota is refused before any of
+/// its bytes are uploaded, naming the quota; the session keeps its state.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_save_over_the_sessions_quota_is_refused_before_upload() -> anyhow::Result<()> {
+    let bin = bin_dir_of(env!("CARGO_BIN_EXE_looseleaf"));
+    let quota = (4u64 << 20).to_string();
+    let services = Services::start(&bin, &[1], &[("LOOSELEAF_SESSION_QUOTA_BYTES", quota)]).await?;
+    let mut s = services.session(true).await?;
+    assert_eq!(s.run("a", "small = list(range(1000))").await?.0, ExecStatus::Ok);
+    let store = services.data_dir().join("store");
+    let before = stored_chunks(&store);
+    assert!(before > 0, "the first save stored chunks in {}", store.display());
+
+    let (status, error, _) = s.run("b", "import os\nbig = os.urandom(16 << 20)").await?;
+    assert_eq!(status, ExecStatus::Failed);
+    let error = error.unwrap_or_default();
+    assert!(error.contains("quota"), "the error names the quota: {error}");
+    assert_eq!(stored_chunks(&store), before, "nothing of the refused save was uploaded");
+
+    let (status, _, text) = s.run("c", "print(len(small), 'big' in dir())").await?;
+    assert_eq!(status, ExecStatus::Ok);
+    assert!(text.contains("1000 False"), "{text}");
+    Ok(())
+}

@@ -195,6 +195,12 @@ impl Manifest {
         }
     }
 
+    /// Bytes the revision holds: every record and payload, and the ambient state
+    /// (what a session's quota counts).
+    pub fn stored_bytes(&self) -> u64 {
+        self.objects.values().map(ObjectEntry::bytes).sum::<u64>() + self.ambient.as_ref().map_or(0, |a| a.len)
+    }
+
     /// Bytes a variable's restore reads.
     pub fn bytes_of_name(&self, name: &str) -> u64 {
         self.reachable_from_name(name).iter().filter_map(|oid| self.objects.get(oid)).map(ObjectEntry::bytes).sum()

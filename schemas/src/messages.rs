@@ -14,7 +14,7 @@ use crate::checkpoint::{Delta, Manifest};
 use crate::codec::WireMessage;
 
 pub mod frozen;
-pub use frozen::{CommitV1, HostStatusV1, ManifestGetV1, SessionEventV1};
+pub use frozen::{ChunkPlanV1, CommitV1, HostStatusV1, ManifestGetV1, SessionEventV1};
 
 macro_rules! wire {
     ($ty:ty, $name:literal, $version:literal) => {
@@ -754,15 +754,20 @@ pub struct SettleV1 {
 wire!(SettleV1, "settle", 1);
 
 /// host -> store: which of these chunks (content hashes) does the store lack? Asked
-/// during a save, so the worker places only those in shared memory.
+/// during a save, so the worker places only those in shared memory. Refused
+/// (quota exceeded) when the session would hold more than its quota after the
+/// save: nothing is uploaded then.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct ChunkPlanV1 {
+pub struct ChunkPlanV2 {
     /// The saving session (its latest revision's chunks are known to be stored).
     pub session: Uuid,
     /// Chunk hashes the host does not know to be stored.
     pub hashes: Vec<String>,
+    /// The bytes the session would hold after the save (its base revision with
+    /// the save's delta applied), when the host knows them.
+    pub bytes_after: Option<u64>,
 }
-wire!(ChunkPlanV1, "chunk-plan", 1);
+wire!(ChunkPlanV2, "chunk-plan", 2, upgrades ChunkPlanV1 from 1);
 
 /// store ->: the chunks of a plan the store lacks.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

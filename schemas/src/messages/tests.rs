@@ -226,7 +226,7 @@ mod fuzz {
             BidV1,
             EvictV1,
             ManifestGetV2,
-            ChunkPlanV1,
+            ChunkPlanV2,
             ChunkPlannedV1,
             ManifestV1,
             CommitV2,

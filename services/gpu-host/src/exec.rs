@@ -8,9 +8,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use schemas::checkpoint::Manifest;
+use schemas::checkpoint::{Delta, Manifest, SaveOrigin};
 use schemas::messages::{
-    CellStatus, ChunkPlanV1, ChunkPlannedV1, CommitV2, CommittedV1, Device, ErrorCode, EventKind, ManifestGetV2,
+    CellStatus, ChunkPlanV2, ChunkPlannedV1, CommitV2, CommittedV1, Device, ErrorCode, EventKind, ManifestGetV2,
     ManifestV1, OutputV1, Prepare, RecipeV1, SessionEventV2, StartPhases, WorkerState, OUTPUT_PART_BYTES,
 };
 use schemas::subjects::StoreVerb;
@@ -667,12 +667,18 @@ impl ExecEnv {
             };
             commit_until_known(self.bus.clone(), msg, STORE_TIMEOUT)
         };
-        let ask_missing = |hashes| {
+        // what the session would hold after the save: the store refuses a plan over
+        // its quota before anything is uploaded
+        let origin = SaveOrigin { exec_id, host: &self.host_id, worker: &worker_name, cell_id: &recipe.cell_id };
+        let bytes_after =
+            |delta: Option<&Delta>| delta.and_then(|d| manifest.apply(d, &origin).ok()).map(|m| m.stored_bytes());
+        let ask_missing = |hashes, delta: Option<Delta>| {
             let bus = self.bus.clone();
+            let bytes_after = bytes_after(delta.as_ref());
             async move {
                 bus.request::<_, ChunkPlannedV1>(
                     bus.subjects().store(StoreVerb::ChunkPlan),
-                    &ChunkPlanV1 { session, hashes },
+                    &ChunkPlanV2 { session, hashes, bytes_after },
                     STORE_TIMEOUT,
                 )
                 .await

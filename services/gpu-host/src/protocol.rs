@@ -226,6 +226,10 @@ pub enum Frame {
         exec_id: String,
         /// Every distinct chunk hash.
         chunks: Vec<String>,
+        /// The delta the save will commit (the store checks the session's quota
+        /// on it before anything is uploaded); absent from older workers.
+        #[serde(default)]
+        delta: Option<Delta>,
     },
     /// host -> worker: the chunks the store lacks.
     SaveMissing {
@@ -456,7 +460,7 @@ mod tests {
                 faulted: vec!["x".into()],
             },
             Frame::Save { exec_id: "e".into() },
-            Frame::SavePlan { exec_id: "e".into(), chunks: vec![] },
+            Frame::SavePlan { exec_id: "e".into(), chunks: vec![], delta: None },
             Frame::SaveMissing { exec_id: "e".into(), missing: vec![] },
             Frame::SavePart { exec_id: "e".into(), shm_path: "/dev/shm/p".into(), chunks: BTreeMap::new() },
             Frame::SaveReady {

@@ -331,7 +331,7 @@ impl WorkerProc {
         commit: F,
     ) -> Result<Saved, WorkerError>
     where
-        P: FnOnce(Vec<String>) -> PFut,
+        P: FnOnce(Vec<String>, Option<Delta>) -> PFut,
         PFut: std::future::Future<Output = Result<Vec<String>, schemas::BusError>>,
         F: FnOnce(Delta, Vec<String>) -> Fut,
         Fut: std::future::Future<Output = Result<(u64, Vec<(String, Uuid)>), schemas::BusError>>,
@@ -340,8 +340,8 @@ impl WorkerProc {
         let exec = exec_id.to_string();
         self.enter(WorkerState::Saving);
         self.send("saving", &Frame::Save { exec_id: exec.clone() }).await?;
-        let plan = match self.recv("saving", STEP).await? {
-            Frame::SavePlan { chunks, .. } => chunks,
+        let (plan, planned_delta) = match self.recv("saving", STEP).await? {
+            Frame::SavePlan { chunks, delta, .. } => (chunks, delta),
             other => return Err(self.unexpected("saving", other)),
         };
         let planned = started.elapsed();
@@ -349,7 +349,7 @@ impl WorkerProc {
         let missing = if unknown.is_empty() {
             Vec::new()
         } else {
-            match ask_missing(unknown.clone()).await {
+            match ask_missing(unknown.clone(), planned_delta).await {
                 Ok(m) => m,
                 Err(e) => {
                     // the worker waits mid-save for an answer it will not get

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use actix::prelude::*;
 use schemas::bus::Rejected;
 use schemas::messages::{
-    ChunkPlanV1, ChunkPlannedV1, CommitV2, CommittedV1, DoneV1, ErrorCode, GcDoneV1, GcV1, ManifestGetV2, ManifestV1,
+    ChunkPlanV2, ChunkPlannedV1, CommitV2, CommittedV1, DoneV1, ErrorCode, GcDoneV1, GcV1, ManifestGetV2, ManifestV1,
     Reply, SessionDeleteV1, SettleV1,
 };
 use schemas::{Bus, Envelope, WireMessage};
@@ -107,9 +107,11 @@ impl StreamHandler<Result<Envelope<ManifestGetV2>, Rejected>> for Gateway {
     }
 }
 
-impl StreamHandler<Result<Envelope<ChunkPlanV1>, Rejected>> for Gateway {
-    fn handle(&mut self, item: Result<Envelope<ChunkPlanV1>, Rejected>, ctx: &mut Self::Context) {
-        serve(self, ctx, item, "store.chunk.plan", |m, req: ChunkPlanV1| async move {
+impl StreamHandler<Result<Envelope<ChunkPlanV2>, Rejected>> for Gateway {
+    fn handle(&mut self, item: Result<Envelope<ChunkPlanV2>, Rejected>, ctx: &mut Self::Context) {
+        serve(self, ctx, item, "store.chunk.plan", |m, req: ChunkPlanV2| async move {
+            // over the quota: refused before a byte is uploaded
+            m.within_quota(req.session, req.bytes_after)?;
             Ok(ChunkPlannedV1 { missing: m.missing_chunks(req.session, &req.hashes).await? })
         });
     }

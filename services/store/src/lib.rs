@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use actix::prelude::*;
 use anyhow::Context as _;
-use schemas::messages::{ChunkPlanV1, CommitV2, GcV1, ManifestGetV2, SessionDeleteV1, SettleV1};
+use schemas::messages::{ChunkPlanV2, CommitV2, GcV1, ManifestGetV2, SessionDeleteV1, SettleV1};
 use schemas::service::Service;
 use schemas::subjects::StoreVerb;
 
@@ -55,7 +55,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     let manifests = Arc::new(manifests::Manifests::new(objects).with_quota(config.session_quota_bytes).with_key(key));
     let s = bus.subjects().clone();
     let gets = bus.queue_subscribe::<ManifestGetV2>(s.store(StoreVerb::ManifestGet), "store").await?;
-    let plans = bus.queue_subscribe::<ChunkPlanV1>(s.store(StoreVerb::ChunkPlan), "store").await?;
+    let plans = bus.queue_subscribe::<ChunkPlanV2>(s.store(StoreVerb::ChunkPlan), "store").await?;
     let commits = bus.queue_subscribe::<CommitV2>(s.store(StoreVerb::Commit), "store").await?;
     let deletes = bus.queue_subscribe::<SessionDeleteV1>(s.store(StoreVerb::SessionDelete), "store").await?;
     let gcs = bus.queue_subscribe::<GcV1>(s.store(StoreVerb::Gc), "store").await?;

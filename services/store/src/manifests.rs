@@ -235,13 +235,7 @@ impl Manifests {
             cell_id: &commit.cell_id,
         };
         let next = base.apply(&commit.delta, &origin).map_err(|source| ManifestError::BadDelta { session, source })?;
-        if let Some(quota) = self.quota_bytes {
-            let bytes =
-                next.objects.values().map(|o| o.bytes()).sum::<u64>() + next.ambient.as_ref().map_or(0, |a| a.len);
-            if bytes > quota {
-                return Err(ManifestError::QuotaExceeded { session, bytes, quota });
-            }
-        }
+        self.within_quota(session, Some(next.stored_bytes()))?;
         self.check_chunks(commit, &base).await?;
         // last, just before the put: a delete may have come in while this ran
         if self.is_deleted(session).await? {
@@ -382,6 +376,14 @@ impl Manifests {
             Some(next) if next.exec_id == exec_id => Ok(Arc::new(next)),
             // another execution or a fence holds base + 1: this run never commits
             _ => self.latest(session).await,
+        }
+    }
+
+    /// An error if a session holding `bytes` (None: not known) is over its quota.
+    pub fn within_quota(&self, session: Uuid, bytes: Option<u64>) -> Result<(), ManifestError> {
+        match (self.quota_bytes, bytes) {
+            (Some(quota), Some(bytes)) if bytes > quota => Err(ManifestError::QuotaExceeded { session, bytes, quota }),
+            _ => Ok(()),
         }
     }
 

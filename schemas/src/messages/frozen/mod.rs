@@ -3,11 +3,13 @@
 //! of every type it encodes, so nothing outside it can change its bytes, and its
 //! `upgrade` to the current version; `tests` pins each one's bytes.
 
+mod chunk_plan_v1;
 mod commit_v1;
 mod host_status_v1;
 mod manifest_get_v1;
 mod session_event_v1;
 
+pub use chunk_plan_v1::ChunkPlanV1;
 pub use commit_v1::CommitV1;
 pub use host_status_v1::HostStatusV1;
 pub use manifest_get_v1::ManifestGetV1;

@@ -7,7 +7,9 @@ use uuid::Uuid;
 
 use super::*;
 use crate::codec::{decode_bincode, encode_bincode, WireMessage};
-use crate::messages::{self as live, CommitV2, HostStatusV2, ManifestGetV2, PreparedOutcome, SessionEventV2, SlotUse};
+use crate::messages::{
+    self as live, ChunkPlanV2, CommitV2, HostStatusV2, ManifestGetV2, PreparedOutcome, SessionEventV2, SlotUse,
+};
 
 const SESSION: Uuid = Uuid::from_u128(0x0190_0000_0000_7000_8000_0000_0000_0001);
 const EXEC: Uuid = Uuid::from_u128(0x0190_0000_0000_7000_8000_0000_0000_0002);
@@ -27,6 +29,13 @@ fn pinned<Old: serde::Serialize + serde::de::DeserializeOwned + PartialEq + std:
     assert_eq!(&decode_bincode::<Old>(&bytes).unwrap(), msg);
     New::decode_version(1, &bytes).unwrap()
 }
+
+#[test]
+fn chunk_plan_v1_bytes() {
+    let now: ChunkPlanV2 = pinned(&ChunkPlanV1 { session: SESSION, hashes: vec!["ab".into()] }, CHUNK_PLAN_V1);
+    assert_eq!(now, ChunkPlanV2 { session: SESSION, hashes: vec!["ab".into()], bytes_after: None });
+}
+const CHUNK_PLAN_V1: &str = "100190000000007000800000000000000101026162";
 
 #[test]
 fn manifest_get_v1_bytes() {

@@ -295,7 +295,8 @@ class Worker:
         with quiet.own_warnings():
             res = checkpoint.build_delta(self.shell.user_ns, names, self.oid_of, set(self.versions), blob)
         self.shell.flush_streams()  # a __reduce__ that printed: the log
-        self.send({"type": "save_plan", "exec_id": exec_id, "chunks": list(res.chunks)})
+        # the delta too: the store refuses a save over the session's quota before any upload
+        self.send({"type": "save_plan", "exec_id": exec_id, "chunks": list(res.chunks), "delta": res.delta})
         missing = self.expect("save_missing")["missing"]
         path, regions = self._place_chunks(exec_id, res.chunks, missing)
         self.send(
