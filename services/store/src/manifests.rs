@@ -345,14 +345,15 @@ impl Manifests {
     /// a host cut off while it ran can never commit it later: its commit on `base`
     /// finds the revision taken (ADR 22). Idempotent: asking again answers the same.
     pub async fn settle(&self, session: Uuid, exec_id: Uuid, base: u64) -> Result<Arc<Manifest>, ManifestError> {
+        // a deleted session's manifests are gone: say so, not that a revision is missing
+        if self.is_deleted(session).await? {
+            return Err(ManifestError::Deleted { session });
+        }
         let latest = self.latest(session).await?;
         if latest.revision < base {
             return Err(ManifestError::RevisionMissing { session, revision: base, latest: latest.revision });
         }
         if latest.revision == base {
-            if self.is_deleted(session).await? {
-                return Err(ManifestError::Deleted { session });
-            }
             let mut fence = (*latest).clone();
             fence.revision = base + 1;
             fence.exec_id = Uuid::nil();

@@ -150,9 +150,13 @@ async fn a_run_given_up_never_commits_later(objects: Arc<dyn ObjectStore>) {
     assert!(matches!(refused, Err(ManifestError::Lost { .. } | ManifestError::Stale { .. })), "{refused:?}");
     let again = frontends.settle(sid, late.exec_id, 1).await.unwrap();
     assert_eq!((again.revision, again.exec_id), (2, Uuid::nil()), "settling twice answers the same");
-    let latest = Manifests::new(objects).latest(sid).await.unwrap();
+    let latest = Manifests::new(objects.clone()).latest(sid).await.unwrap();
     assert_eq!(latest.revision, 2);
     assert!(!latest.variables.contains_key("y"), "nothing of the given-up run landed");
+    // a run of a session deleted meanwhile settles as deleted (the frontend stops asking)
+    frontends.delete(sid).await.unwrap();
+    let deleted = frontends.settle(sid, Uuid::now_v7(), 2).await;
+    assert!(matches!(deleted, Err(ManifestError::Deleted { .. })), "{deleted:?}");
 }
 
 /// The run's save landed before its frontend gave it up: settling reports it.
