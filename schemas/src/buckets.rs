@@ -53,6 +53,11 @@ pub fn planner_bucket(prefix: &str) -> String {
     format!("{}_planner", sanitize(prefix))
 }
 
+/// Object store bucket of message bodies too large for one message (ADR 30).
+pub fn bodies_bucket(prefix: &str) -> String {
+    format!("{}_bodies", sanitize(prefix))
+}
+
 /// The holder a frontend writes into a run's claim when the run is interrupted
 /// before any host claimed it: no host can claim (and start) it afterwards.
 pub const INTERRUPTED_HOLDER: &str = "!interrupted";

@@ -2,7 +2,9 @@
 //! the message type and version in headers and W3C trace context on every message.
 //!
 //! A payload that does not decode is yielded as an error by [`Subscription::next`];
-//! services log it and keep serving (CONVENTIONS.md 14).
+//! services log it and keep serving (CONVENTIONS.md 14). A payload too large for
+//! one message travels as a body beside it ([`crate::bodies`], ADR 30): sending
+//! and receiving here store and fetch it, so callers never see the difference.
 
 use std::marker::PhantomData;
 use std::time::Duration;
@@ -10,6 +12,7 @@ use std::time::Duration;
 use async_nats::{Client, HeaderMap, Message};
 use futures::StreamExt;
 
+use crate::bodies::{Bodies, BodyError, BODY_HEADER, INLINE_MAX_BYTES};
 use crate::codec::{self, CodecError, WireMessage};
 use crate::messages::{ErrorCode, Reply};
 use crate::subjects::Subjects;
@@ -74,6 +77,14 @@ pub enum BusError {
         /// The codec error.
         source: CodecError,
     },
+    /// A message's body (ADR 30) could not be stored.
+    #[error("{subject}: {source}")]
+    Body {
+        /// The subject.
+        subject: String,
+        /// What failed.
+        source: BodyError,
+    },
     /// The responder answered with a typed error.
     #[error("{subject} answered {code:?}: {message}")]
     Remote {
@@ -101,6 +112,7 @@ impl BusError {
 pub struct Bus {
     client: Client,
     subjects: Subjects,
+    bodies: Bodies,
 }
 
 /// A decoded message with what came with it.
@@ -170,12 +182,13 @@ impl Bus {
     /// client logs in with them (errors show the URL without them).
     pub async fn connect(url: &str, prefix: &str, name: &str) -> Result<Self, BusError> {
         let client = connect_with_login(url, async_nats::ConnectOptions::new().name(name)).await?;
-        Ok(Self { client, subjects: Subjects::new(prefix) })
+        Ok(Self::from_client(client, prefix))
     }
 
     /// Wrap an existing client.
     pub fn from_client(client: Client, prefix: &str) -> Self {
-        Self { client, subjects: Subjects::new(prefix) }
+        let bodies = Bodies::new(client.clone(), prefix);
+        Self { client, subjects: Subjects::new(prefix), bodies }
     }
 
     /// The subjects of this bus's prefix.
@@ -193,18 +206,33 @@ impl Bus {
         async_nats::jetstream::new(self.client.clone())
     }
 
-    fn encode<M: WireMessage>(subject: &str, msg: &M) -> Result<(HeaderMap, Vec<u8>), BusError> {
+    /// Encode `msg`; a payload too large to travel inline is stored as a body.
+    async fn encode<M: WireMessage>(&self, subject: &str, msg: &M) -> Result<(HeaderMap, bytes::Bytes), BusError> {
         let (mut headers, payload) =
             codec::encode(msg).map_err(|source| BusError::Codec { subject: subject.to_string(), source })?;
         telemetry::inject_current(&mut headers);
-        Ok((headers, payload))
+        if payload.len() <= INLINE_MAX_BYTES {
+            return Ok((headers, payload.into()));
+        }
+        let body = self
+            .bodies
+            .put(&payload)
+            .await
+            .map_err(|source| BusError::Body { subject: subject.to_string(), source })?;
+        headers.insert(BODY_HEADER, body.header().as_str());
+        Ok((headers, bytes::Bytes::new()))
+    }
+
+    /// Decode a message received on this bus (fetching its body if it has one).
+    pub async fn decode<M: WireMessage>(&self, headers: Option<&HeaderMap>, payload: &[u8]) -> Result<M, CodecError> {
+        decode_with(&self.bodies, headers, payload).await
     }
 
     /// Publish a message.
     pub async fn publish<M: WireMessage>(&self, subject: String, msg: &M) -> Result<(), BusError> {
-        let (headers, payload) = Self::encode(&subject, msg)?;
+        let (headers, payload) = self.encode(&subject, msg).await?;
         self.client
-            .publish_with_headers(subject.clone(), headers, payload.into())
+            .publish_with_headers(subject.clone(), headers, payload)
             .await
             .map_err(|source| BusError::Publish { subject, source })
     }
@@ -217,41 +245,44 @@ impl Bus {
         msg: &Req,
         timeout: Duration,
     ) -> Result<Resp, BusError> {
-        let (headers, payload) = Self::encode(&subject, msg)?;
-        let request = async_nats::Request::new().headers(headers).payload(payload.into()).timeout(Some(timeout));
+        let (headers, payload) = self.encode(&subject, msg).await?;
+        let request = async_nats::Request::new().headers(headers).payload(payload).timeout(Some(timeout));
         let reply = self
             .client
             .send_request(subject.clone(), request)
             .await
             .map_err(|e| BusError::from_request(subject.clone(), timeout, e))?;
-        let reply: Reply<Resp> = codec::decode(reply.headers.as_ref(), &reply.payload)
-            .map_err(|source| BusError::Codec { subject: subject.clone(), source })?;
+        let decoded = self.decode::<Reply<Resp>>(reply.headers.as_ref(), &reply.payload).await;
+        // a reply has exactly one reader: its body can go once read
+        if let Some(body) = reply.headers.as_ref().and_then(|h| h.get(BODY_HEADER)) {
+            let (bodies, body) = (self.bodies.clone(), body.as_str().to_string());
+            tokio::spawn(async move { bodies.delete(&body).await });
+        }
+        let reply = decoded.map_err(|source| BusError::Codec { subject: subject.clone(), source })?;
         match reply {
             Reply::Ok(v) => Ok(v),
             Reply::Err { code, message } => Err(BusError::Remote { subject, code, message }),
         }
     }
 
-    /// Answer a request with a reply envelope. A reply larger than the server
-    /// takes in one message is answered with an error that says so, never left
-    /// unsent (the asker would only see a time-out).
+    /// Answer a request with a reply envelope. A reply that cannot be sent (its
+    /// body could not be stored) is answered with an error that says so, never
+    /// left unsent (the asker would only see a time-out).
     pub async fn respond<T: WireMessage>(&self, reply_to: Option<String>, reply: &Reply<T>) -> Result<(), BusError> {
         let Some(subject) = reply_to else { return Ok(()) };
-        let (headers, payload) = Self::encode(&subject, reply)?;
-        let max = self.client.server_info().max_payload;
-        if max > 0 && payload.len() > max {
-            let too_large: Reply<T> = Reply::Err {
-                code: ErrorCode::Internal,
-                message: format!(
-                    "the answer ({} bytes) is larger than the bus takes in one message ({max} bytes); \
-                     the session's state has outgrown what one message can describe",
-                    payload.len()
-                ),
-            };
-            return self.publish(subject, &too_large).await;
-        }
+        let (headers, payload) = match self.encode(&subject, reply).await {
+            Ok(encoded) => encoded,
+            Err(BusError::Body { source, .. }) => {
+                let unsent: Reply<T> = Reply::Err {
+                    code: ErrorCode::Internal,
+                    message: format!("the answer could not be sent: {source}"),
+                };
+                return self.publish(subject, &unsent).await;
+            }
+            Err(e) => return Err(e),
+        };
         self.client
-            .publish_with_headers(subject.clone(), headers, payload.into())
+            .publish_with_headers(subject.clone(), headers, payload)
             .await
             .map_err(|source| BusError::Publish { subject, source })
     }
@@ -263,7 +294,7 @@ impl Bus {
             .subscribe(subject.clone())
             .await
             .map_err(|e| BusError::Subscribe { subject, source: e.into() })?;
-        Ok(Subscription { inner, _m: PhantomData })
+        Ok(Subscription { inner, bodies: self.bodies.clone(), _m: PhantomData })
     }
 
     /// Subscribe in a queue group (work any replica may take) and decode as `M`.
@@ -277,7 +308,7 @@ impl Bus {
             .queue_subscribe(subject.clone(), group.to_string())
             .await
             .map_err(|e| BusError::Subscribe { subject, source: e.into() })?;
-        Ok(Subscription { inner, _m: PhantomData })
+        Ok(Subscription { inner, bodies: self.bodies.clone(), _m: PhantomData })
     }
 
     /// Register with the NATS service API (`$SRV`), so `nats micro ls`, `nats micro
@@ -318,6 +349,7 @@ impl Bus {
 #[derive(Debug)]
 pub struct Subscription<M> {
     inner: async_nats::Subscriber,
+    bodies: Bodies,
     _m: PhantomData<fn() -> M>,
 }
 
@@ -336,20 +368,44 @@ impl<M: WireMessage> Subscription<M> {
     /// The next message; `None` when the subscription ends.
     pub async fn next(&mut self) -> Option<Result<Envelope<M>, Rejected>> {
         let message = self.inner.next().await?;
-        Some(decode_message(message))
+        Some(decode_message(&self.bodies, message).await)
     }
 
-    /// The decoding stream, for `ctx.add_stream` in actors.
-    pub fn into_stream(self) -> impl futures::Stream<Item = Result<Envelope<M>, Rejected>> {
-        self.inner.map(decode_message)
+    /// The decoding stream, for `ctx.add_stream` in actors (in order: a message
+    /// with a body is fetched before the next one is yielded).
+    pub fn into_stream(self) -> futures::stream::BoxStream<'static, Result<Envelope<M>, Rejected>> {
+        let bodies = self.bodies;
+        self.inner
+            .then(move |message| {
+                let bodies = bodies.clone();
+                async move { decode_message(&bodies, message).await }
+            })
+            .boxed()
+    }
+}
+
+/// Decode a payload as `M`, fetching its body first if its headers name one.
+async fn decode_with<M: WireMessage>(
+    bodies: &Bodies,
+    headers: Option<&HeaderMap>,
+    payload: &[u8],
+) -> Result<M, CodecError> {
+    match headers.and_then(|h| h.get(BODY_HEADER)) {
+        Some(body) => {
+            // a message of another type is refused before its body is fetched
+            codec::check_headers::<M>(headers)?;
+            let bytes = bodies.get(body.as_str()).await.map_err(|e| CodecError::Body(e.to_string()))?;
+            codec::decode(headers, &bytes)
+        }
+        None => codec::decode(headers, payload),
     }
 }
 
 /// Decode a raw NATS message as `M`.
-pub fn decode_message<M: WireMessage>(message: Message) -> Result<Envelope<M>, Rejected> {
+async fn decode_message<M: WireMessage>(bodies: &Bodies, message: Message) -> Result<Envelope<M>, Rejected> {
     let subject = message.subject.to_string();
     let reply = message.reply.as_ref().map(|r| r.to_string());
-    match codec::decode::<M>(message.headers.as_ref(), &message.payload) {
+    match decode_with::<M>(bodies, message.headers.as_ref(), &message.payload).await {
         Ok(msg) => Ok(Envelope { subject, reply, headers: message.headers, msg }),
         Err(error) => {
             tracing::error!(%subject, %error, "rejected a message that does not decode");

@@ -9,9 +9,9 @@ use serde::{de::DeserializeOwned, Serialize};
 pub const TYPE_HEADER: &str = "ll-type";
 /// Header carrying the message version.
 pub const VERSION_HEADER: &str = "ll-version";
-/// Largest payload we will decode; NATS' default max_payload is 1 MiB and bulk bytes
+/// Largest payload we will decode: the largest message body (ADR 30); bulk bytes
 /// never travel on the bus, so anything bigger is corrupt or hostile.
-pub const MAX_DECODE_BYTES: usize = 8 << 20;
+pub const MAX_DECODE_BYTES: usize = crate::bodies::MAX_BODY_BYTES;
 
 /// A message that travels on the bus.
 ///
@@ -67,6 +67,9 @@ pub enum CodecError {
     /// The message could not be encoded.
     #[error("message does not encode: {0}")]
     Encode(String),
+    /// The message's body (ADR 30) could not be read.
+    #[error("{0}")]
+    Body(String),
 }
 
 fn config() -> impl bincode::config::Config {
@@ -99,14 +102,19 @@ pub fn encode<M: WireMessage>(msg: &M) -> Result<(HeaderMap, Vec<u8>), CodecErro
     Ok((headers, encode_bincode(msg)?))
 }
 
-/// Decode a message, checking its type header and dispatching on its version.
-pub fn decode<M: WireMessage>(headers: Option<&HeaderMap>, payload: &[u8]) -> Result<M, CodecError> {
+/// Check that headers name message type `M`; returns the version they name.
+pub fn check_headers<M: WireMessage>(headers: Option<&HeaderMap>) -> Result<u16, CodecError> {
     let headers = headers.ok_or(CodecError::MissingHeaders)?;
     let ty = headers.get(TYPE_HEADER).ok_or(CodecError::MissingHeaders)?.as_str();
     if ty != M::TYPE {
         return Err(CodecError::WrongType { expected: M::TYPE, got: ty.to_string() });
     }
     let version = headers.get(VERSION_HEADER).ok_or(CodecError::MissingHeaders)?.as_str();
-    let version: u16 = version.parse().map_err(|_| CodecError::BadVersion(version.to_string()))?;
+    version.parse().map_err(|_| CodecError::BadVersion(version.to_string()))
+}
+
+/// Decode a message, checking its type header and dispatching on its version.
+pub fn decode<M: WireMessage>(headers: Option<&HeaderMap>, payload: &[u8]) -> Result<M, CodecError> {
+    let version = check_headers::<M>(headers)?;
     M::decode_version(version, payload)
 }

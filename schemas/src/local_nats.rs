@@ -74,6 +74,17 @@ impl NatsUser {
 }
 
 /// The server configuration that makes every client log in as one of `users`.
+/// The server's configuration: the bus's message limit (ADR 30: a server that
+/// refuses anything larger keeps every test and local cluster honest about it),
+/// and the users, if clients must log in.
+fn server_config(users: &[NatsUser]) -> String {
+    let limit = format!("max_payload: {}\n", crate::bodies::BUS_MESSAGE_MAX_BYTES);
+    match users {
+        [] => limit,
+        users => limit + &auth_config(users),
+    }
+}
+
 fn auth_config(users: &[NatsUser]) -> String {
     let lines: Vec<String> = users
         .iter()
@@ -185,10 +196,7 @@ impl LocalNats {
     /// anyone may connect). The configuration is written beside the store, readable
     /// by this user only, while the server starts.
     pub fn start_with_users(bin: &Path, store_dir: &Path, users: &[NatsUser]) -> Result<Self, LocalNatsError> {
-        let config = match users {
-            [] => None,
-            users => Some((store_dir.with_extension("conf"), auth_config(users))),
-        };
+        let config = Some((store_dir.with_extension("conf"), server_config(users)));
         let name = format!("looseleaf-{}", uuid::Uuid::new_v4().simple());
         for _ in 0..5 {
             let port = std::net::TcpListener::bind("127.0.0.1:0")

@@ -491,7 +491,7 @@ pub struct OutputV1 {
     pub seq: u64,
     /// One nbformat v4 output, as JSON (or piece `part` of it).
     pub output_json: String,
-    /// An output larger than one NATS message (1 MiB by default) travels as
+    /// An output larger than one message piece (`OUTPUT_PART_BYTES`) travels as
     /// `parts` pieces of its JSON text, in order; this is piece `part` (0-based).
     pub part: u32,
     /// How many pieces the output has (1 for most).
@@ -499,8 +499,9 @@ pub struct OutputV1 {
 }
 wire!(OutputV1, "output", 1);
 
-/// Largest piece of an output's JSON per message, well under NATS' default 1 MiB.
-pub const OUTPUT_PART_BYTES: usize = 512 * 1024;
+/// Largest piece of an output's JSON per message: under the bus's inline limit
+/// (ADR 30), so outputs stay in the outputs stream itself, never as bodies.
+pub const OUTPUT_PART_BYTES: usize = 192 * 1024;
 
 impl OutputV1 {
     /// The messages that carry one output: one, or pieces of at most `max` bytes

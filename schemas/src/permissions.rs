@@ -67,6 +67,16 @@ fn bucket(name: &str) -> Vec<String> {
     p
 }
 
+/// The message-bodies bucket (ADR 30): every service sends and receives bodies,
+/// and deletes the bodies of replies it read (a purge of the bucket's stream).
+fn bodies(prefix: &str) -> Vec<String> {
+    let name = buckets::bodies_bucket(prefix);
+    let mut p = jetstream_on(&format!("OBJ_{name}"));
+    p.push(format!("$JS.API.STREAM.PURGE.OBJ_{name}"));
+    p.push(format!("$O.{name}.>"));
+    p
+}
+
 impl Role {
     /// The NATS user name of the role.
     pub fn user(self) -> &'static str {
@@ -84,6 +94,7 @@ impl Role {
         // every service: round trips through the server, `$JS.API.INFO`, its inbox, `$SRV`
         let mut publish = vec![format!("{prefix}.v1.sync.>")];
         let mut subscribe = vec![format!("{}.>", inbox_prefix(self.user())), "$SRV.>".into()];
+        publish.extend(bodies(prefix));
         match self {
             Role::Frontend => {
                 publish.extend([

@@ -39,8 +39,12 @@ use crate::session::{self, SessionActor};
 /// as watched until then).
 const SSE_KEEP_ALIVE: Duration = Duration::from_secs(5);
 
-/// The largest request body (a cell's code): larger ones are refused with 413.
-pub const MAX_BODY_BYTES: usize = 8 << 20;
+/// The largest cell (its code, in bytes of UTF-8): larger ones are refused with 413.
+pub const MAX_CELL_BYTES: usize = 16 << 20;
+
+/// The largest request body: a largest cell as JSON, with room for its escapes
+/// (the code itself is then checked against `MAX_CELL_BYTES`).
+pub const MAX_BODY_BYTES: usize = MAX_CELL_BYTES * 5 / 2;
 
 /// What every handler shares.
 #[derive(Clone)]
@@ -148,6 +152,18 @@ fn json_body<T>(body: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
         let status = if keep.contains(&e.status()) { e.status() } else { StatusCode::BAD_REQUEST };
         ApiError(status, format!("bad request body: {}", e.body_text()))
     })
+}
+
+/// A cell's code from a request body, refused (413) over `MAX_CELL_BYTES`.
+fn cell_code(body: Result<Json<CellCode>, JsonRejection>) -> Result<String, ApiError> {
+    let code = json_body(body)?.code;
+    if code.len() > MAX_CELL_BYTES {
+        return Err(ApiError(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("the cell's code is {} bytes, over the limit of {MAX_CELL_BYTES} bytes (16 MiB)", code.len()),
+        ));
+    }
+    Ok(code)
 }
 
 fn parse_sid(raw: &str) -> Result<Uuid, ApiError> {
@@ -289,8 +305,8 @@ async fn edit(
     body: Result<Json<CellCode>, JsonRejection>,
 ) -> Result<StatusCode, ApiError> {
     let (sid, addr) = lookup(&state, &sid, &caller).await?;
-    let req = json_body(body)?;
-    let msg = addr.send(session::Edit { cell_id, code: req.code }).await.map_err(mailbox)?;
+    let code = cell_code(body)?;
+    let msg = addr.send(session::Edit { cell_id, code }).await.map_err(mailbox)?;
     state
         .shared
         .bus
@@ -312,8 +328,8 @@ async fn run(
     // Run is the moment the request arrived (DESIGN.md section 10)
     let run_unix_ms = schemas::unix_ms();
     let (_sid, addr) = lookup(&state, &sid, &caller).await?;
-    let req = json_body(body)?;
-    let accepted = addr.send(session::Run { cell_id, code: req.code, run_unix_ms }).await.map_err(mailbox)?;
+    let code = cell_code(body)?;
+    let accepted = addr.send(session::Run { cell_id, code, run_unix_ms }).await.map_err(mailbox)?;
     let (exec_id, position, recorded) =
         accepted.map_err(|full| ApiError(StatusCode::TOO_MANY_REQUESTS, full.to_string()))?;
     // answered once the run is in the session's record: no frontend loses it now

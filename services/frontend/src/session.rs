@@ -696,6 +696,15 @@ impl SessionActor {
             let (js, s) = (bus.jetstream(), bus.subjects());
             let events = schemas::buckets::replay(&js, &s.events_stream(), &s.event(sid), since).await;
             let outputs = schemas::buckets::replay(&js, &s.outputs_stream(), &s.output(sid, exec_id), since).await;
+            // decoded here: a message with a body (ADR 30) is fetched first
+            let events = match events {
+                Ok(msgs) => Ok(decode_all::<SessionEventV2>(&bus, &msgs).await),
+                Err(e) => Err(e),
+            };
+            let outputs = match outputs {
+                Ok(msgs) => Ok(decode_all::<OutputV1>(&bus, &msgs).await),
+                Err(e) => Err(e),
+            };
             (events, outputs)
         };
         ctx.wait(read.into_actor(self).map(move |(events, outputs), act, ctx| {
@@ -703,8 +712,8 @@ impl SessionActor {
             // lost) completes on its outcome event, and outputs after Done are dropped
             match outputs {
                 Ok(msgs) => {
-                    for m in &msgs {
-                        match schemas::codec::decode::<OutputV1>(m.headers.as_ref(), &m.payload) {
+                    for m in msgs {
+                        match m {
                             Ok(out) => {
                                 act.replayed.insert(output_key(&out));
                                 act.on_output(ctx, out);
@@ -717,8 +726,8 @@ impl SessionActor {
             }
             match events {
                 Ok(msgs) => {
-                    for m in &msgs {
-                        match schemas::codec::decode::<SessionEventV2>(m.headers.as_ref(), &m.payload) {
+                    for m in msgs {
+                        match m {
                             Ok(ev) if ev.exec_id == exec_id => {
                                 act.replayed.insert(event_key(&ev));
                                 act.on_event(ctx, ev);
@@ -749,6 +758,18 @@ fn event_key(ev: &SessionEventV2) -> String {
 
 fn output_key(out: &OutputV1) -> String {
     format!("output {} {} {}", out.exec_id, out.seq, out.part)
+}
+
+/// Decode replayed stream messages, in order.
+async fn decode_all<M: schemas::WireMessage>(
+    bus: &Bus,
+    msgs: &[async_nats::jetstream::Message],
+) -> Vec<Result<M, schemas::CodecError>> {
+    let mut decoded = Vec::with_capacity(msgs.len());
+    for m in msgs {
+        decoded.push(bus.decode::<M>(m.headers.as_ref(), &m.payload).await);
+    }
+    decoded
 }
 
 impl StreamHandler<Result<Envelope<SessionEventV2>, Rejected>> for SessionActor {
@@ -839,13 +860,19 @@ pub enum QueueFull {
     #[error("the session has {0} runs queued, the most allowed; wait or interrupt")]
     Runs(usize),
     /// The queued runs' code would not fit the session's record.
-    #[error("the session's queued cells hold {0} bytes of code, the most a session's record keeps ({QUEUED_CODE_BYTES}); wait or interrupt")]
+    #[error("the session's queued cells hold {0} bytes of code and this cell's would pass the most a session's record keeps ({QUEUED_CODE_BYTES}); run it when the cells before it are done, or interrupt")]
     Code(usize),
 }
 
-/// The most code the queued runs of a session hold: the queue lives in the
-/// session's record, one KV value under NATS's payload limit (1 MiB by default).
-pub const QUEUED_CODE_BYTES: usize = 512 * 1024;
+/// The most code the queued runs of a session hold, as JSON: the queue lives in
+/// the session's record, one KV value, a bus message under the bus's limit
+/// (ADR 30). A larger cell runs when nothing is queued before it.
+pub const QUEUED_CODE_BYTES: usize = 256 * 1024;
+
+/// Bytes `code` takes in the session's record (JSON-escaped).
+fn recorded_bytes(code: &str) -> usize {
+    serde_json::to_string(code).map(|j| j.len()).unwrap_or(usize::MAX)
+}
 
 impl Handler<Run> for SessionActor {
     type Result = MessageResult<Run>;
@@ -857,9 +884,11 @@ impl Handler<Run> for SessionActor {
             return MessageResult(Err(QueueFull::Runs(queued.len())));
         }
         // a run that starts at once is not kept with its code
-        let code_bytes = queued.iter().map(|q| q.code.len()).sum::<usize>() + msg.code.len();
-        if self.current.is_some() && code_bytes > QUEUED_CODE_BYTES {
-            return MessageResult(Err(QueueFull::Code(code_bytes - msg.code.len())));
+        if self.current.is_some() {
+            let held = queued.iter().map(|q| recorded_bytes(&q.code)).sum::<usize>();
+            if held.saturating_add(recorded_bytes(&msg.code)) > QUEUED_CODE_BYTES {
+                return MessageResult(Err(QueueFull::Code(held)));
+            }
         }
         let exec_id = Uuid::now_v7();
         let position = queued.len() + usize::from(self.current.is_some());

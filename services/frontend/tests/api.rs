@@ -296,7 +296,8 @@ async fn run_queue_waits_for_saved_and_relays_outputs_before_done() -> anyhow::R
 #[actix_rt::test]
 async fn bad_input_gets_4xx_with_a_json_error() -> anyhow::Result<()> {
     let nats = NatsServer::start()?;
-    let fe = start_frontend(&nats, &random_prefix(), Timeouts::default()).await?;
+    let prefix = random_prefix();
+    let fe = start_frontend(&nats, &prefix, Timeouts::default()).await?;
     let http = reqwest::Client::new();
     let base = &fe.base;
 
@@ -351,6 +352,18 @@ async fn bad_input_gets_4xx_with_a_json_error() -> anyhow::Result<()> {
     assert_eq!(resp.status(), reqwest::StatusCode::PAYLOAD_TOO_LARGE);
     let body: serde_json::Value = resp.json().await?;
     assert!(body["error"].as_str().unwrap_or_default().contains("limit"), "{body}");
+
+    // a cell's code over 16 MiB is refused with its size; one of 3 MiB (over what one
+    // bus message carries) reaches the planner whole, as a message body (ADR 30)
+    let max = looseleaf_frontend::http::MAX_CELL_BYTES;
+    let over = fe.client.run(sid, "a", &"x".repeat(max + 1)).await.expect_err("a cell over 16 MiB ran");
+    assert!(over.to_string().contains("413") && over.to_string().contains(&(max + 1).to_string()), "{over}");
+    let bus = Bus::connect(nats.url(), &prefix, "fake-planner").await?;
+    let mut runs = bus.subscribe::<RunV1>(bus.subjects().run(sid)).await?;
+    bus.flush().await?;
+    let big = format!("x = '{}'\n", "y".repeat(3 << 20));
+    fe.client.run(sid, "a", &big).await?;
+    assert_eq!(next_run(&mut runs).await?.code, big);
 
     let health: serde_json::Value = http.get(format!("{base}/v1/health")).send().await?.json().await?;
     assert_eq!(health["status"], "ok");

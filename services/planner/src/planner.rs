@@ -304,7 +304,7 @@ async fn plan_run(
         let d = derive(&analysis, &run.code, &manifest, st, run.options.all_gpu, run.exec_id, &cell_id);
         let revision = st.recipes.get(&cell_id).map(|r| r.0 + 1).unwrap_or(1);
         st.recipes.insert(cell_id.clone(), (revision, d.fingerprint()));
-        st.names.extend(d.writes.clone());
+        st.learn(&d.writes);
         st.running.insert(run.exec_id, cell_id.clone());
         st.submodules.extend(analysis.imports.iter().filter(|m| m.contains('.') && !m.starts_with('.')).cloned());
         for name in &analysis.deletes {

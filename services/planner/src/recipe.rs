@@ -267,7 +267,7 @@ mod tests {
         assert!(!d.writes.contains_key("device"));
 
         let mut state = SessionState::default();
-        state.names.extend(d.writes);
+        state.learn(&d.writes);
         let code2 = "for _ in range(3):\n    loss = model(X)\n";
         let d2 = derive(&analysis::analyze(code2), code2, &m, &state, false, Uuid::now_v7(), "c");
         assert_eq!(d2.device, Device::Gpu);

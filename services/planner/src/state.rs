@@ -49,6 +49,23 @@ pub struct SessionState {
     pub faulted: BTreeMap<String, std::collections::BTreeSet<String>>,
 }
 
+impl SessionState {
+    /// Learn what a cell's run wrote. Only what the manifest cannot tell is kept
+    /// (a def or class summary, a value moved to a GPU); a name rebound to a plain
+    /// value forgets its old metadata. So the state grows with the session's
+    /// functions, classes and GPU values, not with its number of variables: a
+    /// session of 50,000 plain variables keeps none here (ADR 30).
+    pub fn learn(&mut self, writes: &BTreeMap<String, NameMeta>) {
+        for (name, meta) in writes {
+            if meta.def.is_some() || meta.on_gpu {
+                self.names.insert(name.clone(), meta.clone());
+            } else {
+                self.names.remove(name);
+            }
+        }
+    }
+}
+
 /// Why the state could not be read or written.
 #[derive(Debug, thiserror::Error)]
 pub enum StateError {
@@ -119,4 +136,31 @@ pub async fn modify<T>(
 /// Forget a session.
 pub async fn delete(kv: &kv::Store, session: Uuid) -> Result<(), StateError> {
     kv.delete(session.to_string()).await.map_err(|e| StateError::Kv { session, reason: e.to_string() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::analysis;
+
+    #[test]
+    fn plain_variables_leave_no_planner_state_and_a_rebound_def_is_forgotten() {
+        let code: String = (0..50_000).map(|i| format!("v{i} = {i}\n")).collect();
+        let writes = |code: &str| -> BTreeMap<String, NameMeta> {
+            let a = analysis::analyze(code);
+            a.writes
+                .iter()
+                .map(|n| (n.clone(), NameMeta { def: a.defs.get(n).cloned(), ..Default::default() }))
+                .collect()
+        };
+        let mut state = SessionState::default();
+        state.learn(&writes(&code));
+        assert!(state.names.is_empty(), "{} names kept", state.names.len());
+        assert!(serde_json::to_vec(&state).unwrap().len() < 1024);
+
+        state.learn(&writes("def f(x):\n    return x + v1\n"));
+        assert!(state.names["f"].def.is_some());
+        state.learn(&writes("f = 3\n"));
+        assert!(!state.names.contains_key("f"), "a rebound name kept its def");
+    }
 }
