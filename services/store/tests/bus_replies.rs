@@ -1,7 +1,7 @@
-//! What a service asking the store over the bus is told when no good answer comes:
-//! a reply larger than the bus takes in one message (a manifest of very many
-//! variables) is an error that says so, not a time-out; no store running is told
-//! apart from a store too slow to answer.
+//! What a service asking the store over the bus is told: a reply larger than one
+//! message (a manifest of very many variables) arrives whole, as a body (ADR 30);
+//! one larger than the bus carries at all is an error that says so, not a
+//! time-out; no store running is told apart from a store too slow to answer.
 
 use std::time::Duration;
 
@@ -11,15 +11,32 @@ use schemas::messages::{ManifestV1, Reply};
 use schemas::{Bus, BusError};
 use uuid::Uuid;
 
-#[tokio::test]
-async fn an_answer_too_large_for_one_message_is_an_error_not_silence() {
-    let nats = NatsServer::start().expect("nats-server");
-    let prefix = random_prefix();
-    let server = Bus::connect(nats.url(), &prefix, "answering").await.expect("connect");
-    let client = Bus::connect(nats.url(), &prefix, "asking").await.expect("connect");
+/// Ask `subject` and have another connection answer with `answer`.
+async fn ask_and_answer(
+    nats: &NatsServer,
+    prefix: &str,
+    answer: ManifestV1,
+) -> (Result<ManifestV1, BusError>, Result<(), BusError>) {
+    let server = Bus::connect(nats.url(), prefix, "answering").await.expect("connect");
+    let client = Bus::connect(nats.url(), prefix, "asking").await.expect("connect");
     let subject = format!("{prefix}.v1.test.big");
     let mut sub = server.subscribe::<ManifestV1>(subject.clone()).await.expect("subscribe");
     server.flush().await.expect("flush");
+    let answering = tokio::spawn(async move {
+        let Some(Ok(env)) = sub.next().await else { panic!("no request") };
+        let sent = server.respond(env.reply, &Reply::Ok(answer)).await;
+        server.flush().await.expect("flush");
+        sent
+    });
+    let asked = ManifestV1 { manifest: Manifest::default() };
+    let got = client.request::<_, ManifestV1>(subject, &asked, Duration::from_secs(20)).await;
+    (got, answering.await.expect("task"))
+}
+
+#[tokio::test]
+async fn an_answer_larger_than_a_message_arrives_and_one_larger_than_the_bus_carries_says_so() {
+    let nats = NatsServer::start().expect("nats-server");
+    let prefix = random_prefix();
 
     let mut manifest = Manifest::default();
     for i in 0..60_000 {
@@ -27,19 +44,20 @@ async fn an_answer_too_large_for_one_message_is_an_error_not_silence() {
             VarEntry { version: Uuid::now_v7(), oid: Some(format!("oid-{i:032}")), module: None, global_reads: vec![] };
         manifest.variables.insert(format!("v{i}"), entry);
     }
-    let big = ManifestV1 { manifest };
-    let answer = tokio::spawn(async move {
-        let Some(Ok(env)) = sub.next().await else { panic!("no request") };
-        let sent = server.respond(env.reply, &Reply::Ok(big)).await;
-        server.flush().await.expect("flush");
-        sent
-    });
-    let asked = ManifestV1 { manifest: Manifest::default() };
-    match client.request::<_, ManifestV1>(subject, &asked, Duration::from_secs(10)).await {
-        Err(BusError::Remote { message, .. }) => assert!(message.contains("larger than the bus takes"), "{message}"),
+    let (got, sent) = ask_and_answer(&nats, &prefix, ManifestV1 { manifest: manifest.clone() }).await;
+    assert!(sent.is_ok());
+    assert_eq!(got.expect("a 60,000-name manifest").manifest, manifest);
+
+    let mut huge = Manifest::default();
+    let module = "m".repeat(schemas::bodies::MAX_BODY_BYTES + 1);
+    huge.variables
+        .insert("x".into(), VarEntry { version: Uuid::nil(), oid: None, module: Some(module), global_reads: vec![] });
+    let (got, sent) = ask_and_answer(&nats, &prefix, ManifestV1 { manifest: huge }).await;
+    assert!(sent.is_ok());
+    match got {
+        Err(BusError::Remote { message, .. }) => assert!(message.contains("larger than the bus carries"), "{message}"),
         other => panic!("expected a remote error, got {other:?}"),
     }
-    assert!(answer.await.expect("task").is_ok());
 }
 
 #[tokio::test]
