@@ -11,26 +11,25 @@ use schemas::messages::{ManifestV1, Reply};
 use schemas::{Bus, BusError};
 use uuid::Uuid;
 
-/// Ask `subject` and have another connection answer with `answer`.
-async fn ask_and_answer(
-    nats: &NatsServer,
-    prefix: &str,
-    answer: ManifestV1,
-) -> (Result<ManifestV1, BusError>, Result<(), BusError>) {
-    let server = Bus::connect(nats.url(), prefix, "answering").await.expect("connect");
-    let client = Bus::connect(nats.url(), prefix, "asking").await.expect("connect");
+/// Ask `subject` and have another connection answer with `answer`: what the asker
+/// got, and whether the answer was sent.
+type Asked = (Result<ManifestV1, BusError>, Result<(), BusError>);
+
+async fn ask_and_answer(nats: &NatsServer, prefix: &str, answer: ManifestV1) -> anyhow::Result<Asked> {
+    let server = Bus::connect(nats.url(), prefix, "answering").await?;
+    let client = Bus::connect(nats.url(), prefix, "asking").await?;
     let subject = format!("{prefix}.v1.test.big");
-    let mut sub = server.subscribe::<ManifestV1>(subject.clone()).await.expect("subscribe");
-    server.flush().await.expect("flush");
+    let mut sub = server.subscribe::<ManifestV1>(subject.clone()).await?;
+    server.flush().await?;
     let answering = tokio::spawn(async move {
-        let Some(Ok(env)) = sub.next().await else { panic!("no request") };
+        let Some(Ok(env)) = sub.next().await else { return Err(anyhow::anyhow!("no request")) };
         let sent = server.respond(env.reply, &Reply::Ok(answer)).await;
-        server.flush().await.expect("flush");
-        sent
+        server.flush().await?;
+        Ok(sent)
     });
     let asked = ManifestV1 { manifest: Manifest::default() };
     let got = client.request::<_, ManifestV1>(subject, &asked, Duration::from_secs(20)).await;
-    (got, answering.await.expect("task"))
+    Ok((got, answering.await??))
 }
 
 #[tokio::test]
@@ -44,7 +43,7 @@ async fn an_answer_larger_than_a_message_arrives_and_one_larger_than_the_bus_car
             VarEntry { version: Uuid::now_v7(), oid: Some(format!("oid-{i:032}")), module: None, global_reads: vec![] };
         manifest.variables.insert(format!("v{i}"), entry);
     }
-    let (got, sent) = ask_and_answer(&nats, &prefix, ManifestV1 { manifest: manifest.clone() }).await;
+    let (got, sent) = ask_and_answer(&nats, &prefix, ManifestV1 { manifest: manifest.clone() }).await.expect("asked");
     assert!(sent.is_ok());
     assert_eq!(got.expect("a 60,000-name manifest").manifest, manifest);
 
@@ -52,7 +51,7 @@ async fn an_answer_larger_than_a_message_arrives_and_one_larger_than_the_bus_car
     let module = "m".repeat(schemas::bodies::MAX_BODY_BYTES + 1);
     huge.variables
         .insert("x".into(), VarEntry { version: Uuid::nil(), oid: None, module: Some(module), global_reads: vec![] });
-    let (got, sent) = ask_and_answer(&nats, &prefix, ManifestV1 { manifest: huge }).await;
+    let (got, sent) = ask_and_answer(&nats, &prefix, ManifestV1 { manifest: huge }).await.expect("asked");
     assert!(sent.is_ok());
     match got {
         Err(BusError::Remote { message, .. }) => assert!(message.contains("larger than the bus carries"), "{message}"),
