@@ -2,6 +2,7 @@
 
 mod analyze;
 mod cluster;
+mod kernel;
 mod notebook;
 mod outputs;
 mod report;
@@ -119,6 +120,36 @@ enum Command {
         #[command(flatten)]
         embed: EmbedArgs,
     },
+    /// A Jupyter kernel whose cells run on LooseLeaf (`looseleaf kernel install`
+    /// writes its kernelspec; Jupyter starts `looseleaf kernel -f FILE`).
+    #[command(args_conflicts_with_subcommands = true)]
+    Kernel {
+        #[command(subcommand)]
+        action: Option<KernelAction>,
+        /// The connection file Jupyter gives the kernel.
+        #[arg(short = 'f', long = "connection-file")]
+        connection_file: Option<PathBuf>,
+        /// Use this frontend instead of an embedded cluster.
+        #[arg(long, env = "LOOSELEAF_FRONTEND")]
+        frontend: Option<String>,
+        /// The bearer token for that frontend.
+        #[arg(long, env = "LOOSELEAF_TOKEN", hide_env_values = true)]
+        token: Option<String>,
+        /// A file holding the bearer token (its first line).
+        #[arg(long, env = "LOOSELEAF_TOKEN_FILE")]
+        token_file: Option<PathBuf>,
+        /// Treat every code cell as a GPU cell.
+        #[arg(long, env = "LOOSELEAF_ALL_GPU")]
+        all_gpu: bool,
+        /// Do not prepare workers while cells are edited.
+        #[arg(long, env = "LOOSELEAF_NO_SPECULATION")]
+        no_speculation: bool,
+        /// CPU-backed GPU slots per host of the embedded cluster.
+        #[arg(long, env = "LOOSELEAF_VIRTUAL_GPUS", default_value_t = 2)]
+        virtual_gpus: u32,
+        #[command(flatten)]
+        embed: EmbedArgs,
+    },
     /// Print each code cell's static state closure, as the planner derives it.
     Analyze {
         /// The notebook (nbformat 4).
@@ -157,6 +188,38 @@ enum Command {
         /// How long to listen for host statuses and service replies (ms).
         #[arg(long, env = "LOOSELEAF_WAIT_MS", default_value_t = 2500)]
         wait_ms: u64,
+    },
+}
+
+/// What `looseleaf kernel` does besides serving.
+#[derive(Subcommand, Debug)]
+enum KernelAction {
+    /// Write the kernelspec, so Jupyter lists and starts the LooseLeaf kernel.
+    Install {
+        /// Into this user's Jupyter data directory (the default).
+        #[arg(long, conflicts_with_all = ["sys_prefix", "prefix"])]
+        user: bool,
+        /// Into the active Python environment (`sys.prefix`).
+        #[arg(long, conflicts_with = "prefix")]
+        sys_prefix: bool,
+        /// Into PREFIX/share/jupyter/kernels.
+        #[arg(long)]
+        prefix: Option<PathBuf>,
+        /// The kernel's name.
+        #[arg(long, default_value = "looseleaf")]
+        name: String,
+        /// The name Jupyter shows.
+        #[arg(long, default_value = "LooseLeaf (Python)")]
+        display_name: String,
+        /// The frontend the kernel uses (default: an embedded cluster per kernel).
+        #[arg(long)]
+        frontend: Option<String>,
+        /// A file holding the frontend's bearer token.
+        #[arg(long)]
+        token_file: Option<PathBuf>,
+        /// Run every cell serverless.
+        #[arg(long)]
+        all_gpu: bool,
     },
 }
 
@@ -241,6 +304,62 @@ fn main() -> anyhow::Result<()> {
                 keep_session,
             };
             system.block_on(run::run(req, opts))
+        }
+        Command::Kernel {
+            action:
+                Some(KernelAction::Install {
+                    user: _,
+                    sys_prefix,
+                    prefix,
+                    name,
+                    display_name,
+                    frontend,
+                    token_file,
+                    all_gpu,
+                }),
+            ..
+        } => {
+            let place = match (sys_prefix, prefix) {
+                (true, _) => kernel::InstallPlace::SysPrefix,
+                (false, Some(p)) => kernel::InstallPlace::Prefix(p),
+                (false, None) => kernel::InstallPlace::User,
+            };
+            let token_file = match token_file {
+                Some(f) => Some(std::path::absolute(&f).with_context(|| format!("{}", f.display()))?),
+                None => None,
+            };
+            let dir = kernel::install(&kernel::Install { place, name, display_name, frontend, token_file, all_gpu })?;
+            println!("installed the LooseLeaf kernelspec in {}", dir.display());
+            Ok(())
+        }
+        Command::Kernel {
+            action: None,
+            connection_file,
+            frontend,
+            token,
+            token_file,
+            all_gpu,
+            no_speculation,
+            virtual_gpus,
+            embed,
+        } => {
+            let connection_file =
+                connection_file.context("looseleaf kernel needs -f CONNECTION_FILE (Jupyter gives it)")?;
+            let token = match (token, token_file) {
+                (Some(t), _) => Some(t),
+                (None, Some(f)) => {
+                    let text = std::fs::read_to_string(&f)
+                        .with_context(|| format!("while reading the token file {}", f.display()))?;
+                    Some(text.lines().next().unwrap_or_default().trim().to_string())
+                }
+                (None, None) => None,
+            };
+            let python = embed.python.clone().unwrap_or_else(|| embed.repo.join(".venv/bin/python"));
+            let tmp =
+                tempfile::Builder::new().prefix("looseleaf-kernel-").tempdir().context("while making a temp dir")?;
+            let opts = options(embed, tmp.path().to_path_buf(), Some(virtual_gpus), 0);
+            let kopts = kernel::KernelOptions { frontend, token, all_gpu, speculate: !no_speculation, python };
+            system.block_on(kernel::serve(&connection_file, kopts, opts))
         }
         Command::Analyze { notebook, json, time } => analyze::analyze_command(&notebook, json.as_ref(), time),
         Command::BenchEdits { nats_url, prefix, events, json } => {

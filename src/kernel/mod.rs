@@ -1,0 +1,690 @@
+//! `looseleaf kernel`: a Jupyter kernel whose cells run on LooseLeaf (ADR 31).
+//!
+//! Jupyter starts `looseleaf kernel -f CONNECTION_FILE` (the kernelspec that
+//! `looseleaf kernel install` writes). The kernel speaks the Jupyter messaging
+//! protocol over ZeroMQ (`jupyter-zmq-client`: HMAC-signed messages on shell,
+//! control, iopub, stdin and heartbeat) and is a client of the frontend's HTTP API
+//! (`looseleaf_client`): one kernel is one LooseLeaf session whose working
+//! directory is the kernel's (Jupyter starts a kernel in the notebook's folder).
+//! An execute request is a Run of the cell Jupyter names (`metadata.cellId`); its
+//! outputs, which the worker already sends as Jupyter's own output messages, are
+//! relayed on iopub as they arrive; its Done becomes the execute reply.
+//!
+//! One task owns every socket's sending half; a reader task per socket forwards
+//! requests into channels, so that while a cell runs the kernel still answers the
+//! control channel (interrupt, shutdown, kernel info) as ipykernel does.
+
+use std::collections::VecDeque;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use jupyter_protocol::{ConnectionInfo, JupyterMessage, JupyterMessageContent};
+use jupyter_zmq_client as zmq;
+use looseleaf_client::api::{ExecStatus, StreamItem};
+use looseleaf_client::Frontend;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+use uuid::Uuid;
+
+use crate::cluster::{Cluster, ClusterOptions};
+
+mod complete;
+
+/// The protocol version the kernel speaks.
+const PROTOCOL_VERSION: &str = "5.3";
+
+/// Where the kernel's cells run.
+pub struct KernelOptions {
+    /// A running frontend; None: start an embedded cluster (ADR 31).
+    pub frontend: Option<String>,
+    /// Its bearer token.
+    pub token: Option<String>,
+    /// Every cell serverless (`--all-gpu`).
+    pub all_gpu: bool,
+    /// Prepare workers while cells are edited.
+    pub speculate: bool,
+    /// The Python that runs the cells (for `language_info`).
+    pub python: PathBuf,
+}
+
+/// Which kernelspec directory `install` writes into.
+#[derive(Clone, Debug)]
+pub enum InstallPlace {
+    /// The user's Jupyter data directory.
+    User,
+    /// The current Python environment's (`sys.prefix`).
+    SysPrefix,
+    /// `PREFIX/share/jupyter/kernels`.
+    Prefix(PathBuf),
+}
+
+/// What `looseleaf kernel install` writes.
+#[derive(Clone, Debug)]
+pub struct Install {
+    /// Where.
+    pub place: InstallPlace,
+    /// The kernel's name (its directory).
+    pub name: String,
+    /// The name Jupyter shows.
+    pub display_name: String,
+    /// The frontend the kernel uses (else it starts an embedded cluster).
+    pub frontend: Option<String>,
+    /// A file holding the frontend's token.
+    pub token_file: Option<PathBuf>,
+    /// Run every cell serverless.
+    pub all_gpu: bool,
+}
+
+/// The kernelspec (`kernel.json`) that starts `exe` as a LooseLeaf kernel.
+pub fn kernelspec(exe: &Path, install: &Install) -> Value {
+    let mut argv = vec![exe.display().to_string(), "kernel".into(), "-f".into(), "{connection_file}".into()];
+    if let Some(url) = &install.frontend {
+        argv.extend(["--frontend".into(), url.clone()]);
+    }
+    if let Some(file) = &install.token_file {
+        argv.extend(["--token-file".into(), file.display().to_string()]);
+    }
+    if install.all_gpu {
+        argv.push("--all-gpu".into());
+    }
+    json!({
+        "argv": argv,
+        "display_name": install.display_name,
+        "language": "python",
+        "interrupt_mode": "message",
+        "metadata": { "debugger": false, "looseleaf": { "all_gpu": install.all_gpu } },
+    })
+}
+
+/// The Jupyter data directory of this user (`JUPYTER_DATA_DIR`, else XDG's).
+fn user_data_dir() -> anyhow::Result<PathBuf> {
+    if let Some(dir) = std::env::var_os("JUPYTER_DATA_DIR") {
+        return Ok(PathBuf::from(dir));
+    }
+    if let Some(dir) = std::env::var_os("XDG_DATA_HOME") {
+        return Ok(PathBuf::from(dir).join("jupyter"));
+    }
+    let home = std::env::var_os("HOME").context("neither JUPYTER_DATA_DIR nor HOME is set")?;
+    Ok(PathBuf::from(home).join(".local/share/jupyter"))
+}
+
+/// `sys.prefix` of the Python environment in use: the active virtual
+/// environment, else `python3`'s.
+fn sys_prefix() -> anyhow::Result<PathBuf> {
+    if let Some(venv) = std::env::var_os("VIRTUAL_ENV") {
+        return Ok(PathBuf::from(venv));
+    }
+    let out = std::process::Command::new("python3")
+        .args(["-c", "import sys; print(sys.prefix)"])
+        .output()
+        .context("--sys-prefix: could not run python3 to find sys.prefix")?;
+    anyhow::ensure!(out.status.success(), "--sys-prefix: python3 failed: {}", String::from_utf8_lossy(&out.stderr));
+    Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+}
+
+/// Write the kernelspec; returns its directory.
+pub fn install(install: &Install) -> anyhow::Result<PathBuf> {
+    anyhow::ensure!(
+        !install.name.is_empty()
+            && install.name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')),
+        "kernel name {:?}: use letters, digits, '-', '_' and '.' (Jupyter's rule)",
+        install.name
+    );
+    let kernels = match &install.place {
+        InstallPlace::User => user_data_dir()?.join("kernels"),
+        InstallPlace::SysPrefix => sys_prefix()?.join("share/jupyter/kernels"),
+        InstallPlace::Prefix(p) => p.join("share/jupyter/kernels"),
+    };
+    let dir = kernels.join(&install.name);
+    std::fs::create_dir_all(&dir).with_context(|| format!("while creating {}", dir.display()))?;
+    let exe = std::env::current_exe().context("while finding the looseleaf binary")?;
+    let exe = exe.canonicalize().unwrap_or(exe);
+    let spec = serde_json::to_string_pretty(&kernelspec(&exe, install))?;
+    let file = dir.join("kernel.json");
+    std::fs::write(&file, spec + "\n").with_context(|| format!("while writing {}", file.display()))?;
+    Ok(dir)
+}
+
+/// The Python version of `python`, for `language_info` ("3" if it cannot be run).
+fn python_version(python: &Path) -> String {
+    let out = std::process::Command::new(python)
+        .args(["-c", "import sys; print('%d.%d.%d' % sys.version_info[:3])"])
+        .output();
+    match out {
+        Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).trim().to_string(),
+        _ => "3".into(),
+    }
+}
+
+/// The kernel's sockets, split into what the main task sends on and what the
+/// reader tasks forward.
+struct Sockets {
+    shell: zmq::RouterSendConnection,
+    control: zmq::RouterSendConnection,
+    iopub: zmq::KernelIoPubConnection,
+    shell_rx: mpsc::UnboundedReceiver<JupyterMessage>,
+    control_rx: mpsc::UnboundedReceiver<JupyterMessage>,
+}
+
+/// Forward every message a socket receives; a message that does not verify or
+/// parse is logged and dropped (a client's bad message never stops the kernel).
+fn forward(mut recv: zmq::RouterRecvConnection, channel: &'static str) -> mpsc::UnboundedReceiver<JupyterMessage> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        loop {
+            match recv.read().await {
+                Ok(msg) => {
+                    if tx.send(msg).is_err() {
+                        return;
+                    }
+                }
+                Err(e) => tracing::warn!(channel, error = %e, "dropped a message that does not verify or parse"),
+            }
+        }
+    });
+    rx
+}
+
+async fn bind(info: &ConnectionInfo) -> anyhow::Result<Sockets> {
+    let session = Uuid::new_v4().to_string();
+    let shell = zmq::create_kernel_shell_connection(info, &session).await.context("binding the shell channel")?;
+    let control = zmq::create_kernel_control_connection(info, &session).await.context("binding the control channel")?;
+    let iopub = zmq::create_kernel_iopub_connection(info, &session).await.context("binding the iopub channel")?;
+    // stdin is bound so clients can connect; cells that read input are told
+    // StdinNotImplementedError by the worker (ADR 31)
+    let stdin = zmq::create_kernel_stdin_connection(info, &session).await.context("binding the stdin channel")?;
+    let mut heartbeat = zmq::create_kernel_heartbeat_connection(info).await.context("binding the heartbeat")?;
+    tokio::spawn(async move {
+        let _stdin = stdin;
+        while heartbeat.single_heartbeat().await.is_ok() {}
+    });
+    let (shell, shell_recv) = shell.split();
+    let (control, control_recv) = control.split();
+    Ok(Sockets {
+        shell,
+        control,
+        iopub,
+        shell_rx: forward(shell_recv, "shell"),
+        control_rx: forward(control_recv, "control"),
+    })
+}
+
+/// A reply or iopub message of `msg_type` with `content`, child of `parent`.
+fn message(msg_type: &str, content: Value, parent: &JupyterMessage) -> anyhow::Result<JupyterMessage> {
+    let content = JupyterMessageContent::from_type_and_content(msg_type, content)
+        .with_context(|| format!("building a {msg_type} message"))?;
+    Ok(JupyterMessage::new(content, Some(parent)))
+}
+
+/// The session the kernel runs cells in, and the stream of what happens in it.
+struct Session {
+    fe: Frontend,
+    sid: Uuid,
+    items: mpsc::UnboundedReceiver<StreamItem>,
+}
+
+impl Session {
+    async fn open(fe: &Frontend, opts: &KernelOptions) -> anyhow::Result<Self> {
+        let cwd = std::env::current_dir().context("the kernel's working directory")?;
+        let sid = fe
+            .create_session(&cwd.display().to_string(), opts.all_gpu, opts.speculate)
+            .await
+            .with_context(|| format!("could not create a session on the LooseLeaf frontend at {}", fe.base()))?;
+        let items = fe.events(sid).await.with_context(|| format!("could not follow session {sid}"))?;
+        tracing::info!(session = %sid, frontend = fe.base(), "kernel session open");
+        Ok(Self { fe: fe.clone(), sid, items })
+    }
+}
+
+/// What the main task knows.
+struct Kernel {
+    opts: KernelOptions,
+    fe: Frontend,
+    session: Option<Session>,
+    execution_count: u64,
+    /// (execution count, code) of each stored execution.
+    history: Vec<(u64, String)>,
+    language_version: String,
+    sockets: Sockets,
+    /// Shell requests that arrived while a cell ran (answered in order after it).
+    pending: VecDeque<JupyterMessage>,
+    /// SIGINT: interrupt the running cell, as ipykernel does.
+    sigint: mpsc::UnboundedReceiver<()>,
+}
+
+/// How an execution ended, for its reply.
+struct Ended {
+    ok: bool,
+    error: Option<(String, String, Vec<String>)>,
+    payload: Vec<Value>,
+}
+
+enum Next {
+    Continue,
+    Stop,
+}
+
+impl Kernel {
+    async fn iopub(&mut self, msg_type: &str, content: Value, parent: &JupyterMessage) {
+        match message(msg_type, content, parent) {
+            Ok(m) => {
+                if let Err(e) = self.sockets.iopub.send(m).await {
+                    tracing::warn!(error = %e, "could not publish on iopub");
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "an output was not relayed"),
+        }
+    }
+
+    async fn status(&mut self, state: &str, parent: &JupyterMessage) {
+        self.iopub("status", json!({ "execution_state": state }), parent).await;
+    }
+
+    async fn reply_on(&mut self, control: bool, msg_type: &str, content: Value, parent: &JupyterMessage) {
+        let sent = match message(msg_type, content, parent) {
+            Ok(m) if control => self.sockets.control.send(m).await.map_err(anyhow::Error::from),
+            Ok(m) => self.sockets.shell.send(m).await.map_err(anyhow::Error::from),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = sent {
+            tracing::warn!(msg_type, error = %e, "could not send a reply");
+        }
+    }
+
+    fn kernel_info(&self) -> Value {
+        json!({
+            "status": "ok",
+            "protocol_version": PROTOCOL_VERSION,
+            "implementation": "looseleaf",
+            "implementation_version": env!("CARGO_PKG_VERSION"),
+            "language_info": {
+                "name": "python",
+                "version": self.language_version,
+                "mimetype": "text/x-python",
+                "file_extension": ".py",
+                "pygments_lexer": "ipython3",
+                "codemirror_mode": { "name": "ipython", "version": 3 },
+                "nbconvert_exporter": "python",
+            },
+            "banner": format!("LooseLeaf {}: IPython cells on serverless GPUs", env!("CARGO_PKG_VERSION")),
+            "help_links": [],
+            "debugger": false,
+        })
+    }
+
+    /// Open the session if there is none (a frontend that was down may be back).
+    async fn ensure_session(&mut self) -> Result<(), String> {
+        if self.session.is_some() {
+            return Ok(());
+        }
+        match Session::open(&self.fe, &self.opts).await {
+            Ok(s) => {
+                self.session = Some(s);
+                Ok(())
+            }
+            Err(e) => {
+                let why = format!("{e:#}");
+                tracing::error!(error = %why, "no LooseLeaf session");
+                Err(why)
+            }
+        }
+    }
+
+    /// Serve until shut down.
+    async fn serve(&mut self) {
+        loop {
+            let next = if let Some(msg) = self.pending.pop_front() {
+                self.on_shell(msg).await
+            } else {
+                tokio::select! {
+                    Some(msg) = self.sockets.control_rx.recv() => self.on_control(msg).await,
+                    Some(msg) = self.sockets.shell_rx.recv() => self.on_shell(msg).await,
+                    Some(()) = self.sigint.recv() => Next::Continue,
+                    else => Next::Stop,
+                }
+            };
+            if matches!(next, Next::Stop) {
+                return;
+            }
+        }
+    }
+
+    async fn on_control(&mut self, msg: JupyterMessage) -> Next {
+        match msg.message_type() {
+            "interrupt_request" => {
+                self.interrupt().await;
+                self.reply_on(true, "interrupt_reply", json!({ "status": "ok" }), &msg).await;
+                Next::Continue
+            }
+            "shutdown_request" => self.shutdown(true, msg).await,
+            "kernel_info_request" => {
+                let info = self.kernel_info();
+                self.reply_on(true, "kernel_info_reply", info, &msg).await;
+                Next::Continue
+            }
+            other => {
+                self.unsupported(true, other, &msg).await;
+                Next::Continue
+            }
+        }
+    }
+
+    async fn interrupt(&mut self) {
+        if let Some(s) = &self.session {
+            if let Err(e) = s.fe.interrupt(s.sid).await {
+                tracing::warn!(error = %e, "could not interrupt");
+            }
+        }
+    }
+
+    async fn shutdown(&mut self, control: bool, msg: JupyterMessage) -> Next {
+        let restart = match &msg.content {
+            JupyterMessageContent::ShutdownRequest(r) => r.restart,
+            _ => false,
+        };
+        // the session's workers and slots are freed at once (the API's delete)
+        if let Some(s) = self.session.take() {
+            if let Err(e) = s.fe.delete(s.sid).await {
+                tracing::warn!(session = %s.sid, error = %e, "could not delete the session");
+            }
+        }
+        if restart {
+            self.execution_count = 0;
+            let _ = self.ensure_session().await;
+        }
+        self.reply_on(control, "shutdown_reply", json!({ "status": "ok", "restart": restart }), &msg).await;
+        if restart {
+            Next::Continue
+        } else {
+            Next::Stop
+        }
+    }
+
+    async fn unsupported(&mut self, control: bool, msg_type: &str, msg: &JupyterMessage) {
+        tracing::warn!(msg_type, "a request the kernel does not serve");
+        if let Some(reply) = msg_type.strip_suffix("_request").map(|t| format!("{t}_reply")) {
+            let content = json!({
+                "status": "error",
+                "ename": "NotImplementedError",
+                "evalue": format!("the LooseLeaf kernel does not serve {msg_type}"),
+                "traceback": [],
+            });
+            self.reply_on(control, &reply, content, msg).await;
+        }
+    }
+
+    async fn on_shell(&mut self, msg: JupyterMessage) -> Next {
+        self.status("busy", &msg).await;
+        let next = match msg.message_type() {
+            "kernel_info_request" => {
+                let info = self.kernel_info();
+                self.reply_on(false, "kernel_info_reply", info, &msg).await;
+                Next::Continue
+            }
+            "execute_request" => {
+                self.execute(&msg).await;
+                Next::Continue
+            }
+            "is_complete_request" => {
+                let code = match &msg.content {
+                    JupyterMessageContent::IsCompleteRequest(r) => r.code.clone(),
+                    _ => String::new(),
+                };
+                let (status, indent) = complete::is_complete(&code);
+                self.reply_on(false, "is_complete_reply", json!({ "status": status, "indent": indent }), &msg).await;
+                Next::Continue
+            }
+            "history_request" => {
+                let history: Vec<Value> = self.history.iter().map(|(n, code)| json!([0, n, code])).collect();
+                self.reply_on(false, "history_reply", json!({ "status": "ok", "history": history }), &msg).await;
+                Next::Continue
+            }
+            "comm_info_request" => {
+                self.reply_on(false, "comm_info_reply", json!({ "status": "ok", "comms": {} }), &msg).await;
+                Next::Continue
+            }
+            "complete_request" => {
+                let cursor = match &msg.content {
+                    JupyterMessageContent::CompleteRequest(r) => r.cursor_pos,
+                    _ => 0,
+                };
+                let content = json!({ "status": "ok", "matches": [], "cursor_start": cursor,
+                                      "cursor_end": cursor, "metadata": {} });
+                self.reply_on(false, "complete_reply", content, &msg).await;
+                Next::Continue
+            }
+            "inspect_request" => {
+                let content = json!({ "status": "ok", "found": false, "data": {}, "metadata": {} });
+                self.reply_on(false, "inspect_reply", content, &msg).await;
+                Next::Continue
+            }
+            "shutdown_request" => self.shutdown(false, msg.clone()).await,
+            other => {
+                let other = other.to_string();
+                self.unsupported(false, &other, &msg).await;
+                Next::Continue
+            }
+        };
+        self.status("idle", &msg).await;
+        next
+    }
+
+    async fn execute(&mut self, msg: &JupyterMessage) {
+        let JupyterMessageContent::ExecuteRequest(req) = &msg.content else { return };
+        let (code, silent) = (req.code.clone(), req.silent);
+        let store_history = req.store_history && !silent;
+        let stop_on_error = req.stop_on_error;
+        if store_history {
+            self.execution_count += 1;
+        }
+        let count = self.execution_count;
+        if !silent {
+            self.iopub("execute_input", json!({ "code": code, "execution_count": count }), msg).await;
+        }
+        // JupyterLab names the cell; for a client that does not (nbclient), the
+        // same code is the same cell (ADR 31)
+        let cell_id = msg
+            .metadata
+            .get("cellId")
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+            .unwrap_or_else(|| format!("code-{:016x}", xxhash_rust::xxh3::xxh3_64(code.as_bytes())));
+        let ended = match self.ensure_session().await {
+            Ok(()) => self.run_cell(msg, &cell_id, &code, silent, count).await,
+            Err(why) => {
+                let evalue = format!("no LooseLeaf session: {why}");
+                Ended { ok: false, error: Some(("LooseLeafUnavailable".into(), evalue, vec![])), payload: vec![] }
+            }
+        };
+        if let (false, Some((ename, evalue, traceback))) = (ended.ok, &ended.error) {
+            if !silent && traceback.is_empty() {
+                // a platform failure (no output said so): shown as the cell's error
+                let tb = vec![format!("{ename}: {evalue}")];
+                self.iopub("error", json!({ "ename": ename, "evalue": evalue, "traceback": tb }), msg).await;
+            }
+        }
+        if store_history {
+            self.history.push((count, code));
+        }
+        let content = match &ended.error {
+            None => json!({ "status": "ok", "execution_count": count, "payload": ended.payload,
+                            "user_expressions": {} }),
+            Some((ename, evalue, traceback)) => json!({
+                "status": "error", "execution_count": count, "ename": ename, "evalue": evalue,
+                "traceback": traceback, "payload": ended.payload, "user_expressions": {},
+            }),
+        };
+        // after a failed cell with `stop_on_error`, the execute requests that arrived
+        // while it ran are aborted (as ipykernel does); later ones run
+        if !ended.ok && stop_on_error {
+            self.abort_queued_executions().await;
+        }
+        self.reply_on(false, "execute_reply", content, msg).await;
+    }
+
+    /// Abort the execute requests queued now; other requests are kept.
+    async fn abort_queued_executions(&mut self) {
+        while let Ok(m) = self.sockets.shell_rx.try_recv() {
+            self.pending.push_back(m);
+        }
+        let queued = std::mem::take(&mut self.pending);
+        for m in queued {
+            if m.message_type() == "execute_request" {
+                self.status("busy", &m).await;
+                let content = json!({ "status": "aborted", "execution_count": self.execution_count });
+                self.reply_on(false, "execute_reply", content, &m).await;
+                self.status("idle", &m).await;
+            } else {
+                self.pending.push_back(m);
+            }
+        }
+    }
+
+    /// Run the cell and relay what it prints until it is done; the control
+    /// channel is served meanwhile.
+    async fn run_cell(&mut self, msg: &JupyterMessage, cell_id: &str, code: &str, silent: bool, count: u64) -> Ended {
+        let mut ended = Ended { ok: false, error: None, payload: vec![] };
+        let Some(session) = &self.session else { return ended };
+        let (fe, sid) = (session.fe.clone(), session.sid);
+        let exec_id = match fe.run(sid, cell_id, code).await {
+            Ok(accepted) => accepted.exec_id,
+            Err(e) => {
+                ended.error = Some(("LooseLeafError".into(), format!("the cell was not accepted: {e}"), vec![]));
+                return ended;
+            }
+        };
+        loop {
+            let item = tokio::select! {
+                item = async { self.session.as_mut()?.items.recv().await } => item,
+                Some(control) = self.sockets.control_rx.recv() => {
+                    if matches!(self.on_control(control).await, Next::Stop) {
+                        ended.error = Some(("LooseLeafError".into(), "the kernel was shut down".into(), vec![]));
+                        return ended;
+                    }
+                    continue;
+                }
+                Some(()) = self.sigint.recv() => {
+                    self.interrupt().await;
+                    continue;
+                }
+            };
+            let Some(item) = item else {
+                // the event stream ended: the frontend went away
+                self.session = None;
+                let why = "lost the LooseLeaf frontend while the cell ran; its outcome is unknown here".to_string();
+                ended.error = Some(("LooseLeafError".into(), why, vec![]));
+                return ended;
+            };
+            match item {
+                StreamItem::Output { exec_id: e, output, .. } if e == exec_id => {
+                    self.relay(msg, output, silent, count, &mut ended).await;
+                }
+                StreamItem::Done { exec_id: e, status, error, .. } if e == exec_id => {
+                    ended.ok = status == ExecStatus::Ok;
+                    if !ended.ok && ended.error.is_none() {
+                        let why = error.unwrap_or_else(|| "the cell failed".into());
+                        ended.error = Some(("LooseLeafError".into(), why, vec![]));
+                    }
+                    return ended;
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Relay one of the cell's outputs (the worker's own output message) on iopub.
+    async fn relay(&mut self, msg: &JupyterMessage, mut output: Value, silent: bool, count: u64, ended: &mut Ended) {
+        let Some(obj) = output.as_object_mut() else { return };
+        let kind = obj.remove("output_type").and_then(|k| k.as_str().map(str::to_owned)).unwrap_or_default();
+        match kind.as_str() {
+            "error" => {
+                let text = |k: &str| obj.get(k).and_then(Value::as_str).unwrap_or_default().to_string();
+                let traceback = obj
+                    .get("traceback")
+                    .and_then(Value::as_array)
+                    .map(|t| t.iter().filter_map(|l| l.as_str().map(str::to_owned)).collect())
+                    .unwrap_or_default();
+                ended.error = Some((text("ename"), text("evalue"), traceback));
+            }
+            // the text of `obj?` goes to Jupyter's pager, as the reply's payload
+            "pager" => {
+                let data = obj.get("data").cloned().unwrap_or_else(|| json!({}));
+                ended.payload.push(json!({ "source": "page", "data": data, "start": 0 }));
+                return;
+            }
+            "execute_result" => {
+                obj.insert("execution_count".into(), json!(count));
+            }
+            _ => {}
+        }
+        if silent {
+            return;
+        }
+        self.iopub(&kind, output, msg).await;
+    }
+}
+
+/// `looseleaf kernel -f CONNECTION_FILE`.
+pub async fn serve(connection_file: &Path, opts: KernelOptions, cluster: ClusterOptions) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(connection_file)
+        .with_context(|| format!("while reading the connection file {}", connection_file.display()))?;
+    let info: ConnectionInfo = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a Jupyter connection file", connection_file.display()))?;
+    anyhow::ensure!(
+        info.signature_scheme == "hmac-sha256" || info.key.is_empty(),
+        "signature scheme {:?} is not supported (hmac-sha256 is)",
+        info.signature_scheme
+    );
+    let (fe, embedded) = match &opts.frontend {
+        Some(url) => {
+            let fe = Frontend::new(url);
+            (opts.token.as_ref().map_or(fe.clone(), |t| fe.with_token(t)), None)
+        }
+        None => {
+            tracing::info!(data_dir = %cluster.data_dir.display(), "starting an embedded cluster");
+            let c = Cluster::start(&cluster).await.context("while starting the embedded cluster")?;
+            if let Err(e) = c.wait_ready(cluster.hosts, Duration::from_secs(180)).await {
+                c.stop().await;
+                return Err(e.context("while waiting for the gpu-hosts"));
+            }
+            (Frontend::new(&c.frontend_url).with_token(&c.api_token), Some(c))
+        }
+    };
+    let sockets = bind(&info).await?;
+    let (sigint_tx, sigint) = mpsc::unbounded_channel();
+    let mut interrupts = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
+    tokio::spawn(async move {
+        while interrupts.recv().await.is_some() {
+            if sigint_tx.send(()).is_err() {
+                return;
+            }
+        }
+    });
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let mut kernel = Kernel {
+        language_version: python_version(&opts.python),
+        opts,
+        fe,
+        session: None,
+        execution_count: 0,
+        history: Vec::new(),
+        sockets,
+        pending: VecDeque::new(),
+        sigint,
+    };
+    // a frontend that is not there is said in the log now, and in each cell's
+    // reply until it is back
+    let _ = kernel.ensure_session().await;
+    tokio::select! {
+        () = kernel.serve() => {}
+        _ = terminate.recv() => {}
+    }
+    if let Some(s) = kernel.session.take() {
+        let _ = s.fe.delete(s.sid).await;
+    }
+    if let Some(c) = embedded {
+        c.stop().await;
+    }
+    Ok(())
+}

@@ -1,0 +1,101 @@
+//! The Jupyter kernel (ADR 31) as Jupyter clients use it: `looseleaf kernel
+//! install` writes a kernelspec Jupyter finds; jupyter_client starts it (with an
+//! embedded cluster), executes cells and reads their outputs, is told
+//! complete/incomplete code apart, interrupts a looping cell (its state before
+//! the interrupt stays) and restarts it (a fresh session); nbclient runs a corpus
+//! notebook through it with every cell serverless, and nbequiv finds it equal to
+//! a plain kernel.
+
+use std::path::Path;
+use std::process::Command;
+
+use looseleaf_test_support::{repo_root, venv_python};
+
+fn install(prefix: &Path) -> anyhow::Result<()> {
+    let status = Command::new(env!("CARGO_BIN_EXE_looseleaf"))
+        .args(["kernel", "install", "--prefix"])
+        .arg(prefix)
+        .args(["--name", "looseleaf-test", "--all-gpu"])
+        .status()?;
+    anyhow::ensure!(status.success(), "looseleaf kernel install failed");
+    Ok(())
+}
+
+/// `python` with the venv's bin first on PATH and Jupyter looking in `prefix`.
+fn python(prefix: &Path) -> Command {
+    let mut cmd = Command::new(venv_python());
+    let venv_bin = venv_python().parent().map(Path::to_path_buf).unwrap_or_default();
+    let path = format!("{}:{}", venv_bin.display(), std::env::var("PATH").unwrap_or_default());
+    cmd.env("JUPYTER_PATH", prefix.join("share/jupyter")).env("PATH", path);
+    cmd
+}
+
+#[test]
+fn jupyter_clients_run_cells_interrupt_and_restart_through_the_kernel() -> anyhow::Result<()> {
+    let prefix = tempfile::tempdir()?;
+    install(prefix.path())?;
+    let spec: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(
+        prefix.path().join("share/jupyter/kernels/looseleaf-test/kernel.json"),
+    )?)?;
+    assert_eq!(spec["interrupt_mode"], "message");
+    assert!(spec["argv"].as_array().is_some_and(|a| a.iter().any(|x| x == "{connection_file}")), "{spec}");
+
+    let listed = python(prefix.path()).args(["-m", "jupyter_client.kernelspecapp", "list", "--json"]).output()?;
+    let listed: serde_json::Value = serde_json::from_slice(&listed.stdout)?;
+    assert!(listed["kernelspecs"]["looseleaf-test"].is_object(), "jupyter does not list the kernel: {listed}");
+
+    let work = tempfile::tempdir()?;
+    let out = python(prefix.path())
+        .arg(repo_root().join("tests/support/kernel_probe.py"))
+        .arg("looseleaf-test")
+        .current_dir(work.path())
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    anyhow::ensure!(out.status.success(), "kernel_probe.py failed:\n{stderr}");
+    let seen: serde_json::Value = serde_json::from_slice(out.stdout.trim_ascii())?;
+    eprintln!("{seen}");
+    assert_eq!(seen["language"], "python");
+    assert_eq!(seen["print"], "42\n82");
+    assert_eq!(seen["reply_count"], 2);
+    assert_eq!(seen["execute_result_count"], serde_json::json!([2]));
+    assert_eq!(seen["execute_input"], serde_json::json!(["print(x + 1)\nx * 2"]));
+    assert_eq!(seen["error"], serde_json::json!(["error", "ZeroDivisionError"]));
+    assert_eq!(seen["error_output"], serde_json::json!(["ZeroDivisionError"]));
+    assert_eq!(seen["clear_output"], serde_json::json!(["stream", "clear_output", "stream"]));
+    assert_eq!(seen["is_complete"], "incomplete");
+    assert_eq!(seen["interrupted"], serde_json::json!(["error", "KeyboardInterrupt"]));
+    assert_eq!(seen["after_interrupt"], "41 1\n");
+    assert_eq!(seen["after_restart"], serde_json::json!(["error", "NameError"]));
+    Ok(())
+}
+
+#[test]
+fn nbclient_runs_a_corpus_notebook_through_the_kernel_as_a_plain_kernel_would() -> anyhow::Result<()> {
+    let prefix = tempfile::tempdir()?;
+    install(prefix.path())?;
+    let corpus = repo_root().join("../shared/corpus");
+    let notebook = corpus.join("pdsh_02.02-The-Basics-Of-NumPy-Arrays.ipynb");
+    let executed = prefix.path().join("executed.ipynb");
+    let script = "import sys, nbformat\nfrom nbclient import NotebookClient\n\
+                  nb = nbformat.read(sys.argv[1], as_version=4)\n\
+                  NotebookClient(nb, kernel_name='looseleaf-test', timeout=600, startup_timeout=300,\n\
+                      resources={'metadata': {'path': sys.argv[3]}}).execute()\n\
+                  nbformat.write(nb, sys.argv[2])\n";
+    let status = python(prefix.path()).args(["-c", script]).arg(&notebook).arg(&executed).arg(&corpus).status()?;
+    anyhow::ensure!(status.success(), "nbclient could not run the notebook through the kernel");
+    let verdict = prefix.path().join("verdict.json");
+    let status = Command::new(venv_python())
+        .arg(repo_root().join("../shared/tools/nbequiv.py"))
+        .arg(&notebook)
+        .arg(&executed)
+        .arg("--cwd")
+        .arg(&corpus)
+        .arg("--reference-cache")
+        .arg(repo_root().join("target/nbequiv-cache"))
+        .arg("--json")
+        .arg(&verdict)
+        .status()?;
+    let text = std::fs::read_to_string(&verdict).unwrap_or_default();
+    assert!(status.success(), "nbequiv finds the kernel's notebook different: {text}");
+    Ok(())
+}

@@ -1,0 +1,101 @@
+"""Drive an installed LooseLeaf kernel as Jupyter clients do (jupyter_client), and
+print one JSON line of what it answered; tests/kernel.rs asserts on it.
+
+Usage: kernel_probe.py KERNEL_NAME (with JUPYTER_PATH naming where it is installed)
+"""
+
+import json
+import sys
+import time
+
+from jupyter_client.manager import start_new_kernel
+
+TIMEOUT = 120
+
+
+def reply_to(kc, msg_id):
+    """The shell reply to `msg_id` (replies to earlier requests are skipped)."""
+    while True:
+        reply = kc.get_shell_msg(timeout=TIMEOUT)
+        if reply["parent_header"].get("msg_id") == msg_id:
+            return reply
+
+
+def run(kc, code, **kw):
+    """Execute `code`; return (reply content, [(msg_type, content)] on iopub)."""
+    msg_id = kc.execute(code, **kw)
+    outputs = []
+    while True:
+        msg = kc.get_iopub_msg(timeout=TIMEOUT)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        kind = msg["msg_type"]
+        if kind == "status" and msg["content"]["execution_state"] == "idle":
+            break
+        if kind != "status":
+            outputs.append((kind, msg["content"]))
+    return reply_to(kc, msg_id)["content"], outputs
+
+
+def text(outputs):
+    out = []
+    for kind, c in outputs:
+        if kind == "stream":
+            out.append(c["text"])
+        elif kind in ("execute_result", "display_data"):
+            out.append(c["data"].get("text/plain", ""))
+    return "".join(out)
+
+
+def main():
+    name = sys.argv[1]
+    km, kc = start_new_kernel(kernel_name=name, startup_timeout=TIMEOUT)
+    seen = {}
+    try:
+        info = reply_to(kc, kc.kernel_info())["content"]
+        seen["language"] = info["language_info"]["name"]
+        seen["protocol_version"] = info["protocol_version"]
+
+        run(kc, "x = 41")
+        reply, outs = run(kc, "print(x + 1)\nx * 2")
+        seen["print"] = text(outs)
+        seen["execute_result_count"] = [c.get("execution_count") for k, c in outs if k == "execute_result"]
+        seen["reply_count"] = reply["execution_count"]
+        seen["execute_input"] = [c["code"] for k, c in outs if k == "execute_input"]
+
+        reply, outs = run(kc, "1/0")
+        seen["error"] = [reply["status"], reply.get("ename")]
+        seen["error_output"] = [c["ename"] for k, c in outs if k == "error"]
+
+        reply, outs = run(kc, "from IPython.display import clear_output\nprint('a')\nclear_output()\nprint('b')")
+        seen["clear_output"] = [k for k, _ in outs if k in ("stream", "clear_output")]
+
+        seen["is_complete"] = reply_to(kc, kc.is_complete("for i in range(3):"))["content"]["status"]
+
+        # interrupt a cell that loops: KeyboardInterrupt, and the state stays
+        msg_id = kc.execute("import time\ny = 1\nwhile True:\n    time.sleep(0.05)")
+        deadline = time.time() + TIMEOUT
+        started = False
+        while not started and time.time() < deadline:
+            msg = kc.get_iopub_msg(timeout=TIMEOUT)
+            started = msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "execute_input"
+        time.sleep(3)
+        km.interrupt_kernel()
+        reply = reply_to(kc, msg_id)["content"]
+        seen["interrupted"] = [reply["status"], reply.get("ename")]
+        reply, outs = run(kc, "print(x, y)")
+        seen["after_interrupt"] = text(outs) or [reply, outs]
+
+        # a restart is a fresh session
+        km.restart_kernel()
+        kc.wait_for_ready(timeout=TIMEOUT)
+        reply, outs = run(kc, "print(x)")
+        seen["after_restart"] = [reply["status"], reply.get("ename")]
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=False)
+    print(json.dumps(seen))
+
+
+if __name__ == "__main__":
+    main()
