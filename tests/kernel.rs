@@ -2,9 +2,10 @@
 //! install` writes a kernelspec Jupyter finds; jupyter_client starts it (with an
 //! embedded cluster), executes cells and reads their outputs, is told
 //! complete/incomplete code apart, interrupts a looping cell (its state before
-//! the interrupt stays) and restarts it (a fresh session); nbclient runs a corpus
-//! notebook through it with every cell serverless, and nbequiv finds it equal to
-//! a plain kernel.
+//! the interrupt stays) and restarts it (a fresh session); the Jupyter project's
+//! conformance suite (jupyter_kernel_test) passes; nbclient runs a corpus notebook
+//! through it with every cell serverless, and nbequiv finds it equal to a plain
+//! kernel.
 
 use std::path::Path;
 use std::process::Command;
@@ -97,5 +98,35 @@ fn nbclient_runs_a_corpus_notebook_through_the_kernel_as_a_plain_kernel_would() 
         .status()?;
     let text = std::fs::read_to_string(&verdict).unwrap_or_default();
     assert!(status.success(), "nbequiv finds the kernel's notebook different: {text}");
+    Ok(())
+}
+
+#[test]
+fn the_jupyter_kernel_conformance_suite_passes() -> anyhow::Result<()> {
+    let prefix = tempfile::tempdir()?;
+    install(prefix.path())?;
+    let out = python(prefix.path())
+        .args(["-m", "unittest", "-v", "kernel_conformance"])
+        .env("LOOSELEAF_TEST_KERNEL", "looseleaf-test")
+        .env("LOOSELEAF_LOG", "error")
+        .current_dir(repo_root().join("tests/support"))
+        .output()?;
+    let report = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "jupyter_kernel_test failed:\n{report}");
+    // the suite's samples ran: a test that skips for want of a sample would pass vacuously
+    for test in [
+        "test_execute_stdout",
+        "test_execute_stderr",
+        "test_is_complete",
+        "test_pager",
+        "test_error",
+        "test_execute_result",
+        "test_display_data",
+        "test_history",
+        "test_clear_output",
+        "test_kernel_info",
+    ] {
+        assert!(report.lines().any(|l| l.starts_with(test) && l.ends_with("ok")), "{test} did not pass:\n{report}");
+    }
     Ok(())
 }

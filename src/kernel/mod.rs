@@ -167,13 +167,25 @@ struct Sockets {
     control_rx: mpsc::UnboundedReceiver<JupyterMessage>,
 }
 
-/// Forward every message a socket receives; a message that does not verify or
-/// parse is logged and dropped (a client's bad message never stops the kernel).
+/// Forward every message a socket receives. A message that does not verify (its
+/// HMAC) or has no header is logged and dropped; one whose content is not what
+/// its type says is forwarded with its content as it came (`UnknownMessage`), so
+/// that it gets an error reply rather than none (a client never hangs on it).
 fn forward(mut recv: zmq::RouterRecvConnection, channel: &'static str) -> mpsc::UnboundedReceiver<JupyterMessage> {
+    use zeromq::SocketRecv as _;
     let (tx, rx) = mpsc::unbounded_channel();
     tokio::spawn(async move {
         loop {
-            match recv.read().await {
+            let parsed = match recv.socket.recv().await {
+                Ok(multipart) => zmq::RawMessage::from_multipart(multipart, &recv.mac)
+                    .map_err(anyhow::Error::from)
+                    .and_then(parse_raw),
+                Err(e) => {
+                    tracing::error!(channel, error = %e, "the channel's socket failed");
+                    return;
+                }
+            };
+            match parsed {
                 Ok(msg) => {
                     if tx.send(msg).is_err() {
                         return;
@@ -184,6 +196,44 @@ fn forward(mut recv: zmq::RouterRecvConnection, channel: &'static str) -> mpsc::
         }
     });
     rx
+}
+
+/// A verified message's parts as a message; content that does not parse as its
+/// type is kept as it came.
+fn parse_raw(raw: zmq::RawMessage) -> anyhow::Result<JupyterMessage> {
+    let [header, parent, metadata, content, buffers @ ..] = raw.jparts.as_slice() else {
+        anyhow::bail!("a message of {} parts (at least 4 are needed)", raw.jparts.len());
+    };
+    let header: jupyter_protocol::Header = serde_json::from_slice(header).context("its header")?;
+    let content: Value = serde_json::from_slice(content).context("its content is not JSON")?;
+    let content = JupyterMessageContent::from_type_and_content(&header.msg_type, content.clone()).unwrap_or_else(|e| {
+        tracing::debug!(msg_type = %header.msg_type, error = %e, "content that does not parse as its type; kept as it came");
+        JupyterMessageContent::UnknownMessage(jupyter_protocol::UnknownMessage {
+            msg_type: header.msg_type.clone(),
+            content,
+        })
+    });
+    Ok(JupyterMessage {
+        zmq_identities: raw.zmq_identities,
+        header,
+        parent_header: serde_json::from_slice(parent).ok(),
+        metadata: serde_json::from_slice(metadata).unwrap_or_else(|_| json!({})),
+        content,
+        buffers: buffers.to_vec(),
+        channel: None,
+    })
+}
+
+/// Whether `text` matches the glob `pattern` (`*` any run, `?` one character), as
+/// IPython's history search matches.
+fn glob_match(pattern: &[char], text: &[char]) -> bool {
+    match (pattern.first(), text.first()) {
+        (None, None) => true,
+        (Some('*'), _) => glob_match(&pattern[1..], text) || (!text.is_empty() && glob_match(pattern, &text[1..])),
+        (Some('?'), Some(_)) => glob_match(&pattern[1..], &text[1..]),
+        (Some(p), Some(t)) if p == t => glob_match(&pattern[1..], &text[1..]),
+        _ => false,
+    }
 }
 
 async fn bind(info: &ConnectionInfo) -> anyhow::Result<Sockets> {
@@ -210,10 +260,15 @@ async fn bind(info: &ConnectionInfo) -> anyhow::Result<Sockets> {
     })
 }
 
-/// A reply or iopub message of `msg_type` with `content`, child of `parent`.
+/// A reply or iopub message of `msg_type` with `content`, child of `parent`. The
+/// content goes out exactly as given (the worker's outputs are already Jupyter's
+/// own messages; a typed round trip would add `null` fields the spec forbids).
 fn message(msg_type: &str, content: Value, parent: &JupyterMessage) -> anyhow::Result<JupyterMessage> {
-    let content = JupyterMessageContent::from_type_and_content(msg_type, content)
-        .with_context(|| format!("building a {msg_type} message"))?;
+    anyhow::ensure!(content.is_object(), "a {msg_type} message's content must be a JSON object");
+    let content = JupyterMessageContent::UnknownMessage(jupyter_protocol::UnknownMessage {
+        msg_type: msg_type.to_string(),
+        content,
+    });
     Ok(JupyterMessage::new(content, Some(parent)))
 }
 
@@ -436,7 +491,8 @@ impl Kernel {
                 Next::Continue
             }
             "history_request" => {
-                let history: Vec<Value> = self.history.iter().map(|(n, code)| json!([0, n, code])).collect();
+                let request = serde_json::to_value(&msg.content).unwrap_or_default();
+                let history = self.history_entries(&request);
                 self.reply_on(false, "history_reply", json!({ "status": "ok", "history": history }), &msg).await;
                 Next::Continue
             }
@@ -468,6 +524,45 @@ impl Kernel {
         };
         self.status("idle", &msg).await;
         next
+    }
+
+    /// The history a `history_request` asks for (tail, range or search) of this
+    /// kernel's stored executions; the session number is 0, the current one.
+    fn history_entries(&self, request: &Value) -> Vec<Value> {
+        let output = request["output"].as_bool().unwrap_or(false);
+        fn last(mut entries: Vec<&(u64, String)>, n: Option<u64>) -> Vec<&(u64, String)> {
+            let n = n.map_or(entries.len(), |n| usize::try_from(n).unwrap_or(usize::MAX));
+            entries.split_off(entries.len().saturating_sub(n))
+        }
+        let all: Vec<&(u64, String)> = self.history.iter().collect();
+        let chosen = match request["hist_access_type"].as_str() {
+            Some("tail") => last(all, Some(request["n"].as_u64().unwrap_or(10))),
+            Some("range") => {
+                let start = request["start"].as_u64().unwrap_or(0);
+                let stop = request["stop"].as_u64().filter(|s| *s > 0).unwrap_or(u64::MAX);
+                all.into_iter().filter(|(n, _)| *n >= start && *n < stop).collect()
+            }
+            Some("search") => {
+                let pattern: Vec<char> = request["pattern"].as_str().unwrap_or("*").chars().collect();
+                let mut found: Vec<&(u64, String)> = all
+                    .into_iter()
+                    .filter(|(_, code)| glob_match(&pattern, &code.chars().collect::<Vec<_>>()))
+                    .collect();
+                if request["unique"].as_bool().unwrap_or(false) {
+                    // the latest run of each distinct input
+                    let mut seen = std::collections::HashSet::new();
+                    found.reverse();
+                    found.retain(|(_, code)| seen.insert(code.clone()));
+                    found.reverse();
+                }
+                last(found, request["n"].as_u64())
+            }
+            _ => all,
+        };
+        chosen
+            .into_iter()
+            .map(|(n, code)| if output { json!([0, n, [code, ""]]) } else { json!([0, n, code]) })
+            .collect()
     }
 
     async fn execute(&mut self, msg: &JupyterMessage) {
