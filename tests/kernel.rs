@@ -5,7 +5,7 @@
 //! the interrupt stays) and restarts it (a fresh session); the Jupyter project's
 //! conformance suite (jupyter_kernel_test) passes; nbclient runs a corpus notebook
 //! through it with every cell serverless, and nbequiv finds it equal to a plain
-//! kernel.
+//! kernel; papermill runs a parameterised notebook through it.
 
 use std::path::Path;
 use std::process::Command;
@@ -128,5 +128,36 @@ fn the_jupyter_kernel_conformance_suite_passes() -> anyhow::Result<()> {
     ] {
         assert!(report.lines().any(|l| l.starts_with(test) && l.ends_with("ok")), "{test} did not pass:\n{report}");
     }
+    Ok(())
+}
+
+#[test]
+fn papermill_runs_a_parameterised_notebook_through_the_kernel() -> anyhow::Result<()> {
+    let prefix = tempfile::tempdir()?;
+    install(prefix.path())?;
+    let cell = |source: &str, tags: &[&str]| {
+        serde_json::json!({"cell_type": "code", "execution_count": null, "metadata": {"tags": tags},
+                           "outputs": [], "source": source})
+    };
+    let notebook = serde_json::json!({
+        "nbformat": 4, "nbformat_minor": 5,
+        "metadata": {"kernelspec": {"name": "looseleaf-test", "display_name": "LooseLeaf", "language": "python"}},
+        "cells": [cell("alpha = 1\nlabel = 'default'", &["parameters"]), cell("print(label, alpha * 2)", &[])],
+    });
+    let input = prefix.path().join("params.ipynb");
+    let output = prefix.path().join("params.out.ipynb");
+    std::fs::write(&input, serde_json::to_string(&notebook)?)?;
+    let status = python(prefix.path())
+        .args(["-m", "papermill"])
+        .arg(&input)
+        .arg(&output)
+        .args(["-k", "looseleaf-test", "-p", "alpha", "21", "-p", "label", "answer", "--cwd"])
+        .arg(prefix.path())
+        .env("LOOSELEAF_LOG", "error")
+        .status()?;
+    assert!(status.success(), "papermill failed");
+    let out: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&output)?)?;
+    let text = out["cells"].to_string();
+    assert!(text.contains("answer 42"), "the parameters did not reach the cells: {text}");
     Ok(())
 }

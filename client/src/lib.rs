@@ -99,12 +99,18 @@ impl Frontend {
         use std::sync::atomic::Ordering;
         let deadline = tokio::time::Instant::now() + RECONNECT_FOR;
         let mut req = req;
+        // A request that could not connect was never sent: sending it again is
+        // safe. One whose connection broke may have reached the frontend (it was
+        // stopped meanwhile): sent again only if it is idempotent (an edit, a
+        // read, a delete), never a run.
+        let idempotent = req.try_clone().and_then(|r| r.build().ok()).is_some_and(|r| r.method().is_idempotent());
         let resp = loop {
-            // a request that could not connect was never sent: sending it again is safe
             let again = req.try_clone();
             match (req.send().await, again) {
                 (Ok(resp), _) => break resp,
-                (Err(e), Some(again)) if e.is_connect() && self.reached.load(Ordering::Relaxed) => {
+                (Err(e), Some(again))
+                    if (e.is_connect() || (idempotent && e.is_request())) && self.reached.load(Ordering::Relaxed) =>
+                {
                     if tokio::time::Instant::now() > deadline {
                         return Err(ClientError::Unreachable { what, base: self.base.clone(), source: e });
                     }
@@ -245,9 +251,51 @@ fn encode(segment: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
     #[test]
     fn cell_ids_are_percent_encoded() {
         assert_eq!(super::encode("a b/c?é"), "a%20b%2Fc%3F%C3%A9");
         assert_eq!(super::encode("0f3e-_.~"), "0f3e-_.~");
+    }
+
+    /// A frontend that goes away while a request is in flight (it read the request
+    /// and closed the connection): an edit is sent again and lands; a run is not
+    /// sent again (it may have been accepted) and fails, naming the frontend.
+    #[tokio::test]
+    async fn a_broken_connection_retries_an_edit_but_never_a_run() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let server = tokio::spawn(async move {
+            let mut seen = Vec::new();
+            // answered, dropped, answered, dropped
+            for answer in [true, false, true, false] {
+                let (mut conn, _) = listener.accept().await.unwrap();
+                let mut buf = vec![0u8; 64 * 1024];
+                let n = conn.read(&mut buf).await.unwrap();
+                let head = String::from_utf8_lossy(&buf[..n]).lines().next().unwrap_or_default().to_string();
+                seen.push(head);
+                if answer {
+                    let body = "{}";
+                    let resp = format!("HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}", body.len());
+                    conn.write_all(resp.as_bytes()).await.unwrap();
+                }
+            }
+            // nothing more may come: a second run would be accepted here
+            let more = tokio::time::timeout(std::time::Duration::from_secs(2), listener.accept()).await;
+            (seen, more.is_ok())
+        });
+        let fe = super::Frontend::new(&base);
+        let sid = uuid::Uuid::nil();
+        fe.summary(sid).await.unwrap();
+        fe.edit(sid, "a", "x = 1").await.unwrap();
+        let run = fe.run(sid, "a", "x = 1").await;
+        assert!(matches!(run, Err(super::ClientError::Unreachable { .. })), "{run:?}");
+        let (seen, more) = server.await.unwrap();
+        assert_eq!(
+            seen.iter().map(|l| l.split(' ').next().unwrap_or_default()).collect::<Vec<_>>(),
+            ["GET", "PUT", "PUT", "POST"]
+        );
+        assert!(!more, "a run was sent twice");
     }
 }

@@ -1,0 +1,120 @@
+"""bench/kernel: round trips through the LooseLeaf Jupyter kernel (the Kernel issue),
+each as a ratio to ipykernel's own, measured in the same run.
+
+For each kernel (ipykernel's `python3`, and LooseLeaf's installed into a scratch
+prefix, its cells on the session's CPU worker), a jupyter_client client times
+execute_request to the idle status that ends it: an empty cell and a cell that
+prints 1 MB, `--reps` times each after a warm-up, and complete_request round trips.
+Writes bench/results/kernel.json: `empty_cell_ratio` and `print_1mb_ratio` (p50,
+with `_p99` beside them; targets 4 and 2 for a CPU cell), `complete_ms_p50` (target
+under 50) and every kernel's raw figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+from benchlib import LOOSELEAF, PYTHON, REPO, ensure_release, log, percentile, scratch, write_result
+from jupyter_client.manager import start_new_kernel
+
+TIMEOUT = 300
+EMPTY = ""
+PRINT_1MB = "print('x' * 1_000_000)"
+
+
+def round_trip(kc, code: str) -> float:
+    """Seconds from execute_request to the idle status it ends with."""
+    t0 = time.perf_counter()
+    msg_id = kc.execute(code)
+    while True:
+        msg = kc.get_iopub_msg(timeout=TIMEOUT)
+        if (
+            msg["parent_header"].get("msg_id") == msg_id
+            and msg["msg_type"] == "status"
+            and msg["content"]["execution_state"] == "idle"
+        ):
+            break
+    elapsed = time.perf_counter() - t0
+    while True:  # its reply
+        reply = kc.get_shell_msg(timeout=TIMEOUT)
+        if reply["parent_header"].get("msg_id") == msg_id:
+            assert reply["content"]["status"] == "ok", reply["content"]
+            return elapsed
+
+
+def complete_trip(kc, code: str) -> float:
+    t0 = time.perf_counter()
+    msg_id = kc.complete(code)
+    while True:
+        reply = kc.get_shell_msg(timeout=TIMEOUT)
+        if reply["parent_header"].get("msg_id") == msg_id:
+            return time.perf_counter() - t0
+
+
+def measure(kernel: str, reps: int) -> dict:
+    log(f"{kernel}: starting")
+    km, kc = start_new_kernel(kernel_name=kernel, startup_timeout=TIMEOUT)
+    try:
+        for _ in range(5):  # warm up: the session's CPU worker, imports
+            round_trip(kc, EMPTY)
+            round_trip(kc, PRINT_1MB)
+        figures = {}
+        for name, code in (("empty_cell", EMPTY), ("print_1mb", PRINT_1MB)):
+            ms = [1000 * round_trip(kc, code) for _ in range(reps)]
+            figures[name] = {"p50_ms": percentile(ms, 0.5), "p99_ms": percentile(ms, 0.99), "runs": len(ms)}
+            log(f"{kernel}: {name} p50 {figures[name]['p50_ms']:.1f} ms p99 {figures[name]['p99_ms']:.1f} ms")
+        ms = [1000 * complete_trip(kc, "import o") for _ in range(50)]
+        figures["complete"] = {"p50_ms": percentile(ms, 0.5), "runs": len(ms)}
+        return figures
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=200, help="timed runs of each cell per kernel")
+    args = ap.parse_args()
+    ensure_release()
+    work = scratch("kernel")
+    prefix = work / "prefix"
+    subprocess.run(
+        [str(LOOSELEAF), "kernel", "install", "--prefix", str(prefix), "--name", "looseleaf-bench"], check=True
+    )
+    os.environ["JUPYTER_PATH"] = str(prefix / "share" / "jupyter")
+    os.environ.setdefault("LOOSELEAF_PYTHON", str(PYTHON))
+    os.environ.setdefault("LOOSELEAF_NATS_SERVER", str(REPO / ".venv" / "bin" / "nats-server"))
+    os.environ["PATH"] = f"{PYTHON.parent}:{os.environ.get('PATH', '')}"
+    os.chdir(work)
+    ipykernel = measure("python3", args.reps)
+    looseleaf = measure("looseleaf-bench", args.reps)
+
+    def ratio(name: str, q: str) -> float:
+        return looseleaf[name][q] / ipykernel[name][q]
+
+    result = {
+        "empty_cell_ratio": ratio("empty_cell", "p50_ms"),
+        "empty_cell_ratio_p99": ratio("empty_cell", "p99_ms"),
+        "print_1mb_ratio": ratio("print_1mb", "p50_ms"),
+        "print_1mb_ratio_p99": ratio("print_1mb", "p99_ms"),
+        "complete_ms_p50": looseleaf["complete"]["p50_ms"],
+        # completion is answered empty until it is served from the session's objects
+        "complete_served_from_objects": False,
+        "targets": {"empty_cell_ratio": 4, "print_1mb_ratio": 2, "complete_ms_p50": 50},
+        "placement": "CPU cells (the session's persistent CPU worker)",
+        "ipykernel": ipykernel,
+        "looseleaf": looseleaf,
+        "reps": args.reps,
+        "machine_cores": os.cpu_count(),
+    }
+    write_result("kernel", result)
+    print(json.dumps({k: v for k, v in result.items() if not isinstance(v, dict)}, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
