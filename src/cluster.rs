@@ -41,6 +41,9 @@ pub struct ClusterOptions {
     pub budget: looseleaf_planner::speculator::Budget,
     /// Hosts prepare every worker on a GPU slot.
     pub prepare_holds_slot: bool,
+    /// Each session's workers run as a uid of their own from this range
+    /// (`FIRST-LAST`; the hosts must run as root; ADR 29).
+    pub session_uids: Option<String>,
 }
 
 /// The NATS users of the embedded cluster: one per service, and the operator's
@@ -202,7 +205,7 @@ impl Cluster {
                 interrupt_grace: Duration::from_secs_f64(looseleaf_gpu_host::DEFAULT_INTERRUPT_GRACE_S),
                 // cells write where the notebook lies, as its owner: the embedded
                 // cluster runs them as the user who started it (ADR 29)
-                session_uids: None,
+                session_uids: opts.session_uids.clone(),
             };
             self.spawn(&host_id, |stop| looseleaf_gpu_host::run(config, stop));
         }

@@ -71,6 +71,10 @@ enum Command {
         /// Directory for NATS data, the object store and host sockets.
         #[arg(long, env = "LOOSELEAF_DATA_DIR", default_value = ".looseleaf")]
         data_dir: PathBuf,
+        /// Run each session's workers as a uid of its own from FIRST-LAST (needs
+        /// root; a session's working directory must be writable by its uid; ADR 29).
+        #[arg(long, env = "LOOSELEAF_SESSION_UIDS")]
+        session_uids: Option<String>,
         #[command(flatten)]
         embed: EmbedArgs,
     },
@@ -238,6 +242,7 @@ fn options(embed: EmbedArgs, data_dir: PathBuf, virtual_gpus: Option<u32>, port:
         },
         prepare_holds_slot: embed.prepare_holds_slot,
         port,
+        session_uids: None,
     }
 }
 
@@ -263,8 +268,9 @@ fn main() -> anyhow::Result<()> {
     schemas::telemetry::init("looseleaf", &cli.log);
     let system = actix_rt::System::new();
     match cli.command {
-        Command::Up { virtual_gpus, port, data_dir, embed } => {
-            system.block_on(up(options(embed, data_dir, virtual_gpus, port)))
+        Command::Up { virtual_gpus, port, data_dir, session_uids, embed } => {
+            let opts = ClusterOptions { session_uids, ..options(embed, data_dir, virtual_gpus, port) };
+            system.block_on(up(opts))
         }
         Command::Run {
             notebook,

@@ -66,6 +66,7 @@ fn jupyter_clients_run_cells_interrupt_and_restart_through_the_kernel() -> anyho
     assert_eq!(seen["is_complete"], "incomplete");
     assert_eq!(seen["interrupted"], serde_json::json!(["error", "KeyboardInterrupt"]));
     assert_eq!(seen["after_interrupt"], "41 1\n");
+    assert_eq!(seen["sigint"], serde_json::json!(["error", "KeyboardInterrupt"]));
     assert_eq!(seen["after_restart"], serde_json::json!(["error", "NameError"]));
     Ok(())
 }
@@ -159,5 +160,32 @@ fn papermill_runs_a_parameterised_notebook_through_the_kernel() -> anyhow::Resul
     let out: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&output)?)?;
     let text = out["cells"].to_string();
     assert!(text.contains("answer 42"), "the parameters did not reach the cells: {text}");
+    Ok(())
+}
+
+/// A kernel whose frontend is not there starts, and says so in the cell's reply
+/// and output (naming the frontend), instead of hanging or running elsewhere.
+#[test]
+fn a_kernel_without_its_frontend_says_so_in_the_notebook() -> anyhow::Result<()> {
+    let prefix = tempfile::tempdir()?;
+    let dead = format!("http://127.0.0.1:{}", looseleaf_test_support::free_port()?);
+    let status = Command::new(env!("CARGO_BIN_EXE_looseleaf"))
+        .args(["kernel", "install", "--prefix"])
+        .arg(prefix.path())
+        .args(["--name", "looseleaf-test", "--frontend", &dead])
+        .status()?;
+    anyhow::ensure!(status.success(), "looseleaf kernel install failed");
+    let out = python(prefix.path())
+        .arg(repo_root().join("tests/support/kernel_probe.py"))
+        .args(["looseleaf-test", "--one-cell"])
+        .env("LOOSELEAF_LOG", "error")
+        .output()?;
+    anyhow::ensure!(out.status.success(), "kernel_probe.py failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    let seen: serde_json::Value = serde_json::from_slice(out.stdout.trim_ascii())?;
+    assert_eq!(seen["reply"]["status"], "error", "{seen}");
+    assert_eq!(seen["reply"]["ename"], "LooseLeafUnavailable", "{seen}");
+    assert!(seen["reply"]["evalue"].as_str().is_some_and(|e| e.contains(&dead)), "{seen}");
+    let shown = seen["outputs"].to_string();
+    assert!(shown.contains("\"error\"") && shown.contains(&dead), "the notebook does not say why: {shown}");
     Ok(())
 }

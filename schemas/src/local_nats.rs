@@ -4,6 +4,7 @@
 //! took meanwhile is noticed and another one tried), and killed when dropped.
 
 use std::io::{BufRead, BufReader};
+use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -165,6 +166,10 @@ impl Started {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
+            // a group of its own: a Ctrl-C (or Jupyter's SIGINT to a kernel's group)
+            // meant for the process that started it does not stop the bus under
+            // the services; they stop it
+            .process_group(0)
             .spawn()
             .map_err(|source| LocalNatsError::Spawn { bin: bin.clone(), source })?;
         let deadline = Instant::now() + START;

@@ -5,6 +5,7 @@ Usage: kernel_probe.py KERNEL_NAME (with JUPYTER_PATH naming where it is install
 """
 
 import json
+import signal
 import sys
 import time
 
@@ -51,6 +52,15 @@ def main():
     name = sys.argv[1]
     km, kc = start_new_kernel(kernel_name=name, startup_timeout=TIMEOUT)
     seen = {}
+    if len(sys.argv) > 2 and sys.argv[2] == "--one-cell":
+        # only what one cell is answered (a kernel whose frontend is not there)
+        try:
+            reply, outs = run(kc, "1 + 1")
+            print(json.dumps({"reply": reply, "outputs": outs}))
+        finally:
+            kc.stop_channels()
+            km.shutdown_kernel(now=True)
+        return
     try:
         info = reply_to(kc, kc.kernel_info())["content"]
         seen["language"] = info["language_info"]["name"]
@@ -85,6 +95,17 @@ def main():
         seen["interrupted"] = [reply["status"], reply.get("ename")]
         reply, outs = run(kc, "print(x, y)")
         seen["after_interrupt"] = text(outs) or [reply, outs]
+
+        # SIGINT to the kernel process interrupts the cell too, as with ipykernel
+        msg_id = kc.execute("while True:\n    time.sleep(0.05)")
+        started = False
+        while not started and time.time() < deadline:
+            msg = kc.get_iopub_msg(timeout=TIMEOUT)
+            started = msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "execute_input"
+        time.sleep(3)
+        km.signal_kernel(signal.SIGINT)
+        reply = reply_to(kc, msg_id)["content"]
+        seen["sigint"] = [reply["status"], reply.get("ename")]
 
         # a restart is a fresh session
         km.restart_kernel()

@@ -133,6 +133,10 @@ impl Zygote {
             // a zygote never touches a GPU; workers get their device at fork
             .env("CUDA_VISIBLE_DEVICES", "")
             .stdin(Stdio::null())
+            // a group of its own: a Ctrl-C (or Jupyter's SIGINT to a kernel's group)
+            // meant for the process that embeds the host never reaches the zygote;
+            // the host stops it
+            .process_group(0)
             .kill_on_drop(true)
             .spawn()
             .map_err(|e| ZygoteError::Spawn { python: spec.python.display().to_string(), reason: e.to_string() })?;
