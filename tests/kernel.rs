@@ -3,9 +3,10 @@
 //! embedded cluster), executes cells and reads their outputs, is told
 //! complete/incomplete code apart, interrupts a looping cell (its state before
 //! the interrupt stays) and restarts it (a fresh session); the Jupyter project's
-//! conformance suite (jupyter_kernel_test) passes; nbclient runs a corpus notebook
-//! through it with every cell serverless, and nbequiv finds it equal to a plain
-//! kernel; papermill runs a parameterised notebook through it.
+//! conformance suite (jupyter_kernel_test) passes; nbclient runs corpus notebooks
+//! (a pdsh one, a torch one, fidelity/displays) through it with every cell
+//! serverless, and nbequiv finds them equal to a plain kernel; papermill runs a
+//! parameterised notebook through it.
 
 use std::path::Path;
 use std::process::Command;
@@ -72,33 +73,47 @@ fn jupyter_clients_run_cells_interrupt_and_restart_through_the_kernel() -> anyho
 }
 
 #[test]
-fn nbclient_runs_a_corpus_notebook_through_the_kernel_as_a_plain_kernel_would() -> anyhow::Result<()> {
+fn nbclient_runs_corpus_notebooks_through_the_kernel_as_a_plain_kernel_would() -> anyhow::Result<()> {
     let prefix = tempfile::tempdir()?;
     install(prefix.path())?;
     let corpus = repo_root().join("../shared/corpus");
-    let notebook = corpus.join("pdsh_02.02-The-Basics-Of-NumPy-Arrays.ipynb");
-    let executed = prefix.path().join("executed.ipynb");
-    let script = "import sys, nbformat\nfrom nbclient import NotebookClient\n\
-                  nb = nbformat.read(sys.argv[1], as_version=4)\n\
-                  NotebookClient(nb, kernel_name='looseleaf-test', timeout=600, startup_timeout=300,\n\
-                      resources={'metadata': {'path': sys.argv[3]}}).execute()\n\
-                  nbformat.write(nb, sys.argv[2])\n";
-    let status = python(prefix.path()).args(["-c", script]).arg(&notebook).arg(&executed).arg(&corpus).status()?;
-    anyhow::ensure!(status.success(), "nbclient could not run the notebook through the kernel");
-    let verdict = prefix.path().join("verdict.json");
-    let status = Command::new(venv_python())
-        .arg(repo_root().join("../shared/tools/nbequiv.py"))
-        .arg(&notebook)
-        .arg(&executed)
-        .arg("--cwd")
-        .arg(&corpus)
-        .arg("--reference-cache")
-        .arg(repo_root().join("target/nbequiv-cache"))
-        .arg("--json")
-        .arg(&verdict)
-        .status()?;
-    let text = std::fs::read_to_string(&verdict).unwrap_or_default();
-    assert!(status.success(), "nbequiv finds the kernel's notebook different: {text}");
+    // a pdsh one, a torch one, and ipykernel's display semantics
+    for notebook in [
+        "pdsh_02.02-The-Basics-Of-NumPy-Arrays.ipynb",
+        "torch/mrdbourke_01_pytorch_workflow.ipynb",
+        "fidelity/displays/training_displays.ipynb",
+    ] {
+        let notebook = corpus.join(notebook);
+        let folder = notebook.parent().map(Path::to_path_buf).unwrap_or_else(|| corpus.clone());
+        let executed = prefix.path().join("executed.ipynb");
+        let script = "import sys, nbformat\nfrom nbclient import NotebookClient\n\
+                      nb = nbformat.read(sys.argv[1], as_version=4)\n\
+                      NotebookClient(nb, kernel_name='looseleaf-test', timeout=600, startup_timeout=300,\n\
+                          resources={'metadata': {'path': sys.argv[3]}}).execute()\n\
+                      nbformat.write(nb, sys.argv[2])\n";
+        let status = python(prefix.path())
+            .args(["-c", script])
+            .arg(&notebook)
+            .arg(&executed)
+            .arg(&folder)
+            .env("LOOSELEAF_LOG", "error")
+            .status()?;
+        anyhow::ensure!(status.success(), "nbclient could not run {} through the kernel", notebook.display());
+        let verdict = prefix.path().join("verdict.json");
+        let status = Command::new(venv_python())
+            .arg(repo_root().join("../shared/tools/nbequiv.py"))
+            .arg(&notebook)
+            .arg(&executed)
+            .arg("--cwd")
+            .arg(&folder)
+            .arg("--reference-cache")
+            .arg(repo_root().join("target/nbequiv-cache"))
+            .arg("--json")
+            .arg(&verdict)
+            .status()?;
+        let text = std::fs::read_to_string(&verdict).unwrap_or_default();
+        assert!(status.success(), "nbequiv finds {} different through the kernel: {text}", notebook.display());
+    }
     Ok(())
 }
 

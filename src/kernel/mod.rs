@@ -225,15 +225,32 @@ fn parse_raw(raw: zmq::RawMessage) -> anyhow::Result<JupyterMessage> {
 }
 
 /// Whether `text` matches the glob `pattern` (`*` any run, `?` one character), as
-/// IPython's history search matches.
+/// IPython's history search matches. Iterative (a cell may be megabytes long):
+/// on a mismatch, the last `*` takes one more character.
 fn glob_match(pattern: &[char], text: &[char]) -> bool {
-    match (pattern.first(), text.first()) {
-        (None, None) => true,
-        (Some('*'), _) => glob_match(&pattern[1..], text) || (!text.is_empty() && glob_match(pattern, &text[1..])),
-        (Some('?'), Some(_)) => glob_match(&pattern[1..], &text[1..]),
-        (Some(p), Some(t)) if p == t => glob_match(&pattern[1..], &text[1..]),
-        _ => false,
+    let (mut p, mut t) = (0, 0);
+    let mut star: Option<(usize, usize)> = None;
+    while t < text.len() {
+        match pattern.get(p) {
+            Some('*') => {
+                star = Some((p, t));
+                p += 1;
+            }
+            Some(c) if *c == '?' || *c == text[t] => {
+                p += 1;
+                t += 1;
+            }
+            _ => match star {
+                Some((sp, st)) => {
+                    p = sp + 1;
+                    t = st + 1;
+                    star = Some((sp, st + 1));
+                }
+                None => return false,
+            },
+        }
     }
+    pattern[p.min(pattern.len())..].iter().all(|c| *c == '*')
 }
 
 async fn bind(info: &ConnectionInfo) -> anyhow::Result<Sockets> {
@@ -679,7 +696,14 @@ impl Kernel {
                     ended.ok = status == ExecStatus::Ok;
                     if !ended.ok && ended.error.is_none() {
                         let why = error.unwrap_or_else(|| "the cell failed".into());
-                        ended.error = Some(("LooseLeafError".into(), why, vec![]));
+                        // interrupted before it started: to the user, an interrupt
+                        // like any other (a plain kernel says KeyboardInterrupt)
+                        let ename = if why == schemas::messages::INTERRUPTED_BEFORE_START {
+                            "KeyboardInterrupt"
+                        } else {
+                            "LooseLeafError"
+                        };
+                        ended.error = Some((ename.into(), why, vec![]));
                     }
                     return ended;
                 }
@@ -782,4 +806,18 @@ pub async fn serve(connection_file: &Path, opts: KernelOptions, cluster: Cluster
         c.stop().await;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::glob_match;
+
+    #[test]
+    fn history_search_globs_match_as_ipython_does_even_on_huge_cells() {
+        let m = |p: &str, t: &str| glob_match(&p.chars().collect::<Vec<_>>(), &t.chars().collect::<Vec<_>>());
+        assert!(m("1?2*", "1+2+3") && m("*", "") && m("a*b*c", "aXbYc") && m("??", "ab"));
+        assert!(!m("1?2*", "12+3") && !m("a*b", "ac") && !m("?", "") && !m("abc", "ab"));
+        let huge = "x".repeat(4 << 20) + "y";
+        assert!(m("*y", &huge) && !m("*z*", &huge));
+    }
 }

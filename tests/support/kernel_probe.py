@@ -38,6 +38,16 @@ def run(kc, code, **kw):
     return reply_to(kc, msg_id)["content"], outputs
 
 
+def wait_for_output(kc, msg_id):
+    """Wait until the cell `msg_id` printed: it runs in its worker."""
+    deadline = time.time() + TIMEOUT
+    while time.time() < deadline:
+        msg = kc.get_iopub_msg(timeout=TIMEOUT)
+        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+            return
+    raise TimeoutError("the cell never printed")
+
+
 def text(outputs):
     out = []
     for kind, c in outputs:
@@ -83,13 +93,8 @@ def main():
         seen["is_complete"] = reply_to(kc, kc.is_complete("for i in range(3):"))["content"]["status"]
 
         # interrupt a cell that loops: KeyboardInterrupt, and the state stays
-        msg_id = kc.execute("import time\ny = 1\nwhile True:\n    time.sleep(0.05)")
-        deadline = time.time() + TIMEOUT
-        started = False
-        while not started and time.time() < deadline:
-            msg = kc.get_iopub_msg(timeout=TIMEOUT)
-            started = msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "execute_input"
-        time.sleep(3)
+        msg_id = kc.execute("import time\ny = 1\nprint('looping', flush=True)\nwhile True:\n    time.sleep(0.05)")
+        wait_for_output(kc, msg_id)
         km.interrupt_kernel()
         reply = reply_to(kc, msg_id)["content"]
         seen["interrupted"] = [reply["status"], reply.get("ename")]
@@ -97,12 +102,8 @@ def main():
         seen["after_interrupt"] = text(outs) or [reply, outs]
 
         # SIGINT to the kernel process interrupts the cell too, as with ipykernel
-        msg_id = kc.execute("while True:\n    time.sleep(0.05)")
-        started = False
-        while not started and time.time() < deadline:
-            msg = kc.get_iopub_msg(timeout=TIMEOUT)
-            started = msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "execute_input"
-        time.sleep(3)
+        msg_id = kc.execute("print('looping', flush=True)\nwhile True:\n    time.sleep(0.05)")
+        wait_for_output(kc, msg_id)
         km.signal_kernel(signal.SIGINT)
         reply = reply_to(kc, msg_id)["content"]
         seen["sigint"] = [reply["status"], reply.get("ename")]
