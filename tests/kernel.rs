@@ -65,6 +65,18 @@ fn jupyter_clients_run_cells_interrupt_and_restart_through_the_kernel() -> anyho
     assert_eq!(seen["error_output"], serde_json::json!(["ZeroDivisionError"]));
     assert_eq!(seen["clear_output"], serde_json::json!(["stream", "clear_output", "stream"]));
     assert_eq!(seen["is_complete"], "incomplete");
+    assert_eq!(seen["stdin_asked"], serde_json::json!([["name? ", false, true], ["pw: ", true, true]]));
+    assert_eq!(seen["stdin_answered"], serde_json::json!(["ok", "asking\nAda 6\n"]));
+    assert_eq!(
+        seen["no_stdin"],
+        serde_json::json!([
+            "error",
+            "StdinNotImplementedError",
+            "raw_input was called, but this frontend does not support input requests."
+        ])
+    );
+    assert_eq!(seen["stdin_interrupted"], serde_json::json!(["error", "KeyboardInterrupt"]));
+    assert_eq!(seen["after_stdin_interrupt"], "5\n");
     assert_eq!(seen["interrupted"], serde_json::json!(["error", "KeyboardInterrupt"]));
     assert_eq!(seen["after_interrupt"], "41 1\n");
     assert_eq!(seen["sigint"], serde_json::json!(["error", "KeyboardInterrupt"]));

@@ -29,12 +29,35 @@ pub struct SessionCreated {
     pub session_id: Uuid,
 }
 
-/// Body of `PUT …/cells/{cell}` and `POST …/cells/{cell}/run`.
+/// Body of `PUT …/cells/{cell}`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct CellCode {
     /// The cell's full code.
     #[schema(example = "x = 1\nprint(x)")]
     pub code: String,
+}
+
+/// Body of `POST …/cells/{cell}/run`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct RunCell {
+    /// The cell's full code.
+    #[schema(example = "name = input('name? ')")]
+    pub code: String,
+    /// The client answers the cell's `input()` and `getpass()`: each arrives as an
+    /// output `{"output_type": "input_request", "prompt", "password"}` and is
+    /// answered with `POST …/executions/{exec}/input`. Without it (default), the
+    /// cell gets StdinNotImplementedError, as from ipykernel for a client without
+    /// a stdin channel.
+    #[serde(default)]
+    pub allow_stdin: bool,
+}
+
+/// Body of `POST /v1/sessions/{sid}/executions/{exec}/input`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct InputLine {
+    /// What the user typed, without the newline.
+    #[schema(example = "Ada")]
+    pub value: String,
 }
 
 /// `POST …/cells/{cell}/run` answer.

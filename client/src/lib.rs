@@ -5,7 +5,10 @@
 pub mod api;
 pub mod events;
 
-use api::{read_items, CellCode, CreateSession, Interrupted, RunAccepted, SessionCreated, StreamItem, StreamPosition};
+use api::{
+    read_items, CellCode, CreateSession, InputLine, Interrupted, RunAccepted, RunCell, SessionCreated, StreamItem,
+    StreamPosition,
+};
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
@@ -158,9 +161,20 @@ impl Frontend {
 
     /// Run a cell: it is queued behind the session's earlier runs.
     pub async fn run(&self, sid: Uuid, cell: &str, code: &str) -> Result<RunAccepted, ClientError> {
-        let req =
-            self.http.post(format!("{}/run", self.cell_url(sid, cell))).json(&CellCode { code: code.to_string() });
-        self.json("run", req).await
+        self.run_cell(sid, cell, &RunCell { code: code.to_string(), allow_stdin: false }).await
+    }
+
+    /// Run a cell as `run` does; with `allow_stdin`, its input requests come to
+    /// this client (answer them with [`Frontend::input`]).
+    pub async fn run_cell(&self, sid: Uuid, cell: &str, run: &RunCell) -> Result<RunAccepted, ClientError> {
+        self.json("run", self.http.post(format!("{}/run", self.cell_url(sid, cell))).json(run)).await
+    }
+
+    /// Answer execution `exec`'s input request with `value`.
+    pub async fn input(&self, sid: Uuid, exec: Uuid, value: &str) -> Result<(), ClientError> {
+        let url = format!("{}/v1/sessions/{sid}/executions/{exec}/input", self.base);
+        let req = self.http.post(url).json(&InputLine { value: value.to_string() });
+        self.send("input", req).await.map(|_| ())
     }
 
     /// Interrupt the session: the running cell gets a KeyboardInterrupt (and is

@@ -564,6 +564,23 @@ pub struct InterruptV1 {
 }
 wire!(InterruptV1, "interrupt", 1);
 
+/// frontend -> hosts: the answer to a running cell's `input()` or `getpass()`
+/// (`session.{sid}.input`). The host running execution `exec_id` hands it to the
+/// worker waiting on it; other hosts drop it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct InputReplyV1 {
+    /// The session.
+    pub session: Uuid,
+    /// The execution whose cell asked.
+    pub exec_id: Uuid,
+    /// What the user typed (without the newline).
+    pub value: String,
+    /// Set when no one can answer (the run's client has no stdin channel): the
+    /// cell gets StdinNotImplementedError with this text, as in a kernel.
+    pub refused: Option<String>,
+}
+wire!(InputReplyV1, "input-reply", 1);
+
 /// One GPU slot as a host reports it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SlotStatus {

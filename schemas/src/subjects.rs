@@ -100,6 +100,17 @@ impl Subjects {
         format!("{}.v1.session.*.interrupt", self.prefix)
     }
 
+    /// `{prefix}.v1.session.{sid}.input` — frontend to hosts: what the user typed
+    /// for a cell's `input()` (or that the cell's client cannot be asked).
+    pub fn input(&self, sid: Uuid) -> String {
+        format!("{}.v1.session.{sid}.input", self.prefix)
+    }
+
+    /// `{prefix}.v1.session.*.input` — every session's input replies.
+    pub fn all_inputs(&self) -> String {
+        format!("{}.v1.session.*.input", self.prefix)
+    }
+
     /// `{prefix}.v1.output.{sid}.{exec}` — a cell's outputs; high volume, own root.
     pub fn output(&self, sid: Uuid, exec: Uuid) -> String {
         format!("{}.v1.output.{sid}.{exec}", self.prefix)

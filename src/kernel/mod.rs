@@ -8,7 +8,9 @@
 //! directory is the kernel's (Jupyter starts a kernel in the notebook's folder).
 //! An execute request is a Run of the cell Jupyter names (`metadata.cellId`); its
 //! outputs, which the worker already sends as Jupyter's own output messages, are
-//! relayed on iopub as they arrive; its Done becomes the execute reply.
+//! relayed on iopub as they arrive; its Done becomes the execute reply. A cell's
+//! `input()` reaches the client on the stdin channel and the client's answer goes
+//! back through the API (ADR 32).
 //!
 //! One task owns every socket's sending half; a reader task per socket forwards
 //! requests into channels, so that while a cell runs the kernel still answers the
@@ -21,7 +23,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use jupyter_protocol::{ConnectionInfo, JupyterMessage, JupyterMessageContent};
 use jupyter_zmq_client as zmq;
-use looseleaf_client::api::{ExecStatus, StreamItem};
+use looseleaf_client::api::{ExecStatus, RunCell, StreamItem};
 use looseleaf_client::Frontend;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
@@ -163,8 +165,10 @@ struct Sockets {
     shell: zmq::RouterSendConnection,
     control: zmq::RouterSendConnection,
     iopub: zmq::KernelIoPubConnection,
+    stdin: zmq::RouterSendConnection,
     shell_rx: mpsc::UnboundedReceiver<JupyterMessage>,
     control_rx: mpsc::UnboundedReceiver<JupyterMessage>,
+    stdin_rx: mpsc::UnboundedReceiver<JupyterMessage>,
 }
 
 /// Forward every message a socket receives. A message that does not verify (its
@@ -258,22 +262,20 @@ async fn bind(info: &ConnectionInfo) -> anyhow::Result<Sockets> {
     let shell = zmq::create_kernel_shell_connection(info, &session).await.context("binding the shell channel")?;
     let control = zmq::create_kernel_control_connection(info, &session).await.context("binding the control channel")?;
     let iopub = zmq::create_kernel_iopub_connection(info, &session).await.context("binding the iopub channel")?;
-    // stdin is bound so clients can connect; cells that read input are told
-    // StdinNotImplementedError by the worker (ADR 31)
     let stdin = zmq::create_kernel_stdin_connection(info, &session).await.context("binding the stdin channel")?;
     let mut heartbeat = zmq::create_kernel_heartbeat_connection(info).await.context("binding the heartbeat")?;
-    tokio::spawn(async move {
-        let _stdin = stdin;
-        while heartbeat.single_heartbeat().await.is_ok() {}
-    });
+    tokio::spawn(async move { while heartbeat.single_heartbeat().await.is_ok() {} });
     let (shell, shell_recv) = shell.split();
     let (control, control_recv) = control.split();
+    let (stdin, stdin_recv) = stdin.split();
     Ok(Sockets {
         shell,
         control,
         iopub,
+        stdin,
         shell_rx: forward(shell_recv, "shell"),
         control_rx: forward(control_recv, "control"),
+        stdin_rx: forward(stdin_recv, "stdin"),
     })
 }
 
@@ -413,6 +415,11 @@ impl Kernel {
                     Some(msg) = self.sockets.control_rx.recv() => self.on_control(msg).await,
                     Some(msg) = self.sockets.shell_rx.recv() => self.on_shell(msg).await,
                     Some(()) = self.sigint.recv() => Next::Continue,
+                    Some(msg) = self.sockets.stdin_rx.recv() => {
+                        // an answer after its cell ended (interrupted meanwhile)
+                        tracing::debug!(msg_type = msg.message_type(), "a stdin message with no cell waiting; dropped");
+                        Next::Continue
+                    }
                     else => Next::Stop,
                 }
             };
@@ -584,7 +591,7 @@ impl Kernel {
 
     async fn execute(&mut self, msg: &JupyterMessage) {
         let JupyterMessageContent::ExecuteRequest(req) = &msg.content else { return };
-        let (code, silent) = (req.code.clone(), req.silent);
+        let (code, silent, allow_stdin) = (req.code.clone(), req.silent, req.allow_stdin);
         let store_history = req.store_history && !silent;
         let stop_on_error = req.stop_on_error;
         if store_history {
@@ -603,7 +610,7 @@ impl Kernel {
             .map(str::to_owned)
             .unwrap_or_else(|| format!("code-{:016x}", xxhash_rust::xxh3::xxh3_64(code.as_bytes())));
         let ended = match self.ensure_session().await {
-            Ok(()) => self.run_cell(msg, &cell_id, &code, silent, count).await,
+            Ok(()) => self.run_cell(msg, &cell_id, &code, silent, allow_stdin, count).await,
             Err(why) => {
                 let evalue = format!("no LooseLeaf session: {why}");
                 Ended { ok: false, error: Some(("LooseLeafUnavailable".into(), evalue, vec![])), payload: vec![] }
@@ -655,11 +662,20 @@ impl Kernel {
 
     /// Run the cell and relay what it prints until it is done; the control
     /// channel is served meanwhile.
-    async fn run_cell(&mut self, msg: &JupyterMessage, cell_id: &str, code: &str, silent: bool, count: u64) -> Ended {
+    async fn run_cell(
+        &mut self,
+        msg: &JupyterMessage,
+        cell_id: &str,
+        code: &str,
+        silent: bool,
+        allow_stdin: bool,
+        count: u64,
+    ) -> Ended {
         let mut ended = Ended { ok: false, error: None, payload: vec![] };
         let Some(session) = &self.session else { return ended };
         let (fe, sid) = (session.fe.clone(), session.sid);
-        let exec_id = match fe.run(sid, cell_id, code).await {
+        let run = RunCell { code: code.to_string(), allow_stdin };
+        let exec_id = match fe.run_cell(sid, cell_id, &run).await {
             Ok(accepted) => accepted.exec_id,
             Err(e) => {
                 ended.error = Some(("LooseLeafError".into(), format!("the cell was not accepted: {e}"), vec![]));
@@ -678,6 +694,10 @@ impl Kernel {
                 }
                 Some(()) = self.sigint.recv() => {
                     self.interrupt().await;
+                    continue;
+                }
+                Some(reply) = self.sockets.stdin_rx.recv() => {
+                    self.answer_input(&fe, sid, exec_id, reply).await;
                     continue;
                 }
             };
@@ -712,6 +732,25 @@ impl Kernel {
         }
     }
 
+    /// The client's answer to the running cell's input request, passed on to it.
+    async fn answer_input(&mut self, fe: &Frontend, sid: Uuid, exec_id: Uuid, reply: JupyterMessage) {
+        let value = match &reply.content {
+            JupyterMessageContent::InputReply(r) => Some(r.value.clone()),
+            JupyterMessageContent::UnknownMessage(m) => {
+                m.content.get("value").and_then(Value::as_str).map(str::to_owned)
+            }
+            _ => None,
+        };
+        let Some(value) = value.filter(|_| reply.message_type() == "input_reply") else {
+            tracing::warn!(msg_type = reply.message_type(), "a stdin message that is not an input reply; dropped");
+            return;
+        };
+        if let Err(e) = fe.input(sid, exec_id, &value).await {
+            // the cell was interrupted or ended meanwhile: nobody waits for it
+            tracing::warn!(%exec_id, error = %e, "the cell did not take the input");
+        }
+    }
+
     /// Relay one of the cell's outputs (the worker's own output message) on iopub.
     async fn relay(&mut self, msg: &JupyterMessage, mut output: Value, silent: bool, count: u64, ended: &mut Ended) {
         let Some(obj) = output.as_object_mut() else { return };
@@ -725,6 +764,23 @@ impl Kernel {
                     .map(|t| t.iter().filter_map(|l| l.as_str().map(str::to_owned)).collect())
                     .unwrap_or_default();
                 ended.error = Some((text("ename"), text("evalue"), traceback));
+            }
+            // the cell called input(): the client is asked on the stdin channel
+            // (the frontend sends this only for a run made with allow_stdin)
+            "input_request" => {
+                let content = json!({
+                    "prompt": obj.get("prompt").cloned().unwrap_or_else(|| json!("")),
+                    "password": obj.get("password").cloned().unwrap_or(json!(false)),
+                });
+                match message("input_request", content, msg) {
+                    Ok(m) => {
+                        if let Err(e) = self.sockets.stdin.send(m).await {
+                            tracing::warn!(error = %e, "could not ask for input on the stdin channel");
+                        }
+                    }
+                    Err(e) => tracing::error!(error = %e, "could not build an input request"),
+                }
+                return;
             }
             // the text of `obj?` goes to Jupyter's pager, as the reply's payload
             "pager" => {

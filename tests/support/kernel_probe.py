@@ -24,7 +24,11 @@ def reply_to(kc, msg_id):
 
 def run(kc, code, **kw):
     """Execute `code`; return (reply content, [(msg_type, content)] on iopub)."""
-    msg_id = kc.execute(code, **kw)
+    return finish(kc, kc.execute(code, **kw))
+
+
+def finish(kc, msg_id):
+    """The reply and iopub messages of the execution `msg_id`."""
     outputs = []
     while True:
         msg = kc.get_iopub_msg(timeout=TIMEOUT)
@@ -92,12 +96,37 @@ def main():
 
         seen["is_complete"] = reply_to(kc, kc.is_complete("for i in range(3):"))["content"]["status"]
 
+        # input() and getpass() ask on the stdin channel, as with ipykernel
+        code = "print('asking')\nname = input('name? ')\nimport getpass\npw = getpass.getpass('pw: ')\n"
+        code += "print(name, len(pw))"
+        msg_id = kc.execute(code, allow_stdin=True)
+        asked = []
+        for answer in ("Ada", "secret"):
+            req = kc.get_stdin_msg(timeout=TIMEOUT)
+            content, parent = req["content"], req["parent_header"]["msg_id"]
+            asked.append([content["prompt"], content["password"], parent == msg_id])
+            kc.input(answer)
+        reply, outs = finish(kc, msg_id)
+        seen["stdin_asked"] = asked
+        seen["stdin_answered"] = [reply["status"], text(outs)]
+        # a client without a stdin channel: StdinNotImplementedError, as from ipykernel
+        reply, outs = run(kc, "input('name? ')", allow_stdin=False)
+        seen["no_stdin"] = [reply["status"], reply.get("ename"), reply.get("evalue")]
+        # an interrupt while the cell waits for input: KeyboardInterrupt, state kept
+        msg_id = kc.execute("z = 5\ninput('waiting? ')\nz = 6", allow_stdin=True)
+        kc.get_stdin_msg(timeout=TIMEOUT)
+        km.interrupt_kernel()
+        reply, outs = finish(kc, msg_id)
+        seen["stdin_interrupted"] = [reply["status"], reply.get("ename")]
+        seen["after_stdin_interrupt"] = text(run(kc, "print(z)")[1])
+
         # interrupt a cell that loops: KeyboardInterrupt, and the state stays
         msg_id = kc.execute("import time\ny = 1\nprint('looping', flush=True)\nwhile True:\n    time.sleep(0.05)")
         wait_for_output(kc, msg_id)
         km.interrupt_kernel()
-        reply = reply_to(kc, msg_id)["content"]
+        reply, outs = finish(kc, msg_id)
         seen["interrupted"] = [reply["status"], reply.get("ename")]
+        seen["interrupted_outputs"] = outs
         reply, outs = run(kc, "print(x, y)")
         seen["after_interrupt"] = text(outs) or [reply, outs]
 
@@ -107,6 +136,7 @@ def main():
         km.signal_kernel(signal.SIGINT)
         reply = reply_to(kc, msg_id)["content"]
         seen["sigint"] = [reply["status"], reply.get("ename")]
+        seen["sigint_evalue"] = reply.get("evalue")
 
         # a restart is a fresh session
         km.restart_kernel()

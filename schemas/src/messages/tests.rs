@@ -77,6 +77,11 @@ proptest! {
     }
 
     #[test]
+    fn input_reply_roundtrips(session in uuid(), value in ".{0,200}", refused in proptest::option::of(".{0,50}")) {
+        roundtrip(&InputReplyV1 { session, exec_id: session, value, refused });
+    }
+
+    #[test]
     fn arbitrary_bytes_are_rejected_not_panicking(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
         let (headers, _) = codec::encode(&EditV1 { session: Uuid::nil(), cell_id: String::new(), code: String::new(), seq: 0, options: SessionOptions { cwd: String::new(), all_gpu: false, speculate: true } }).unwrap();
         // Whatever the bytes are, decoding either fails cleanly or yields a message
@@ -222,6 +227,7 @@ mod fuzz {
             SessionCloseV1,
             SessionIdleV1,
             InterruptV1,
+            InputReplyV1,
             HostStatusV2,
             BidV1,
             EvictV1,

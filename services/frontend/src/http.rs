@@ -26,8 +26,8 @@ use uuid::Uuid;
 
 use crate::admission::Limits;
 use crate::api::{
-    ApiErrorBody, CellCode, CreateSession, Health, Interrupted, RunAccepted, SessionCreated, SessionDeleted,
-    SessionSummary, StreamItem,
+    ApiErrorBody, CellCode, CreateSession, Health, InputLine, Interrupted, RunAccepted, RunCell, SessionCreated,
+    SessionDeleted, SessionSummary, StreamItem,
 };
 use crate::auth::{Caller, Tokens};
 use crate::origins::Origins;
@@ -155,8 +155,7 @@ fn json_body<T>(body: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
 }
 
 /// A cell's code from a request body, refused (413) over `MAX_CELL_BYTES`.
-fn cell_code(body: Result<Json<CellCode>, JsonRejection>) -> Result<String, ApiError> {
-    let code = json_body(body)?.code;
+fn cell_code(code: String) -> Result<String, ApiError> {
     if code.len() > MAX_CELL_BYTES {
         return Err(ApiError(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -233,6 +232,7 @@ pub fn router(state: AppState, body_timeout: Duration) -> Router {
         .route("/v1/sessions/{sid}", get(summary).delete(delete_session))
         .route("/v1/sessions/{sid}/events", get(events))
         .route("/v1/sessions/{sid}/interrupt", post(interrupt))
+        .route("/v1/sessions/{sid}/executions/{exec_id}/input", post(input))
         .route("/v1/sessions/{sid}/cells/{cell_id}", put(edit))
         .route("/v1/sessions/{sid}/cells/{cell_id}/run", post(run))
         .fallback(|| async { ApiError(StatusCode::NOT_FOUND, "no such route".into()) })
@@ -305,7 +305,7 @@ async fn edit(
     body: Result<Json<CellCode>, JsonRejection>,
 ) -> Result<StatusCode, ApiError> {
     let (sid, addr) = lookup(&state, &sid, &caller).await?;
-    let code = cell_code(body)?;
+    let code = cell_code(json_body(body)?.code)?;
     let msg = addr.send(session::Edit { cell_id, code }).await.map_err(mailbox)?;
     state
         .shared
@@ -318,18 +318,19 @@ async fn edit(
 
 /// Run the cell; answered once the run is recorded (it outlives this frontend).
 #[utoipa::path(post, path = "/v1/sessions/{sid}/cells/{cell_id}/run", params(("sid" = uuid::Uuid, Path, description = "the session"), ("cell_id" = String, Path, description = "the cell (any text)")),
-    request_body = CellCode, responses((status = 200, body = RunAccepted)))]
+    request_body = RunCell, responses((status = 200, body = RunAccepted)))]
 async fn run(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     Path((sid, cell_id)): Path<(String, String)>,
-    body: Result<Json<CellCode>, JsonRejection>,
+    body: Result<Json<RunCell>, JsonRejection>,
 ) -> Result<Json<RunAccepted>, ApiError> {
     // Run is the moment the request arrived (DESIGN.md section 10)
     let run_unix_ms = schemas::unix_ms();
     let (_sid, addr) = lookup(&state, &sid, &caller).await?;
-    let code = cell_code(body)?;
-    let accepted = addr.send(session::Run { cell_id, code, run_unix_ms }).await.map_err(mailbox)?;
+    let RunCell { code, allow_stdin } = json_body(body)?;
+    let code = cell_code(code)?;
+    let accepted = addr.send(session::Run { cell_id, code, run_unix_ms, allow_stdin }).await.map_err(mailbox)?;
     let (exec_id, position, recorded) =
         accepted.map_err(|full| ApiError(StatusCode::TOO_MANY_REQUESTS, full.to_string()))?;
     // answered once the run is in the session's record: no frontend loses it now
@@ -353,6 +354,33 @@ async fn interrupt(
 ) -> Result<Json<Interrupted>, ApiError> {
     let (_sid, addr) = lookup(&state, &sid, &caller).await?;
     Ok(Json(addr.send(session::Interrupt).await.map_err(mailbox)?))
+}
+
+/// Answer the running cell's `input()` or `getpass()` (a run made with
+/// `allow_stdin` that asked, through an `input_request` output).
+#[utoipa::path(post, path = "/v1/sessions/{sid}/executions/{exec_id}/input",
+    params(("sid" = uuid::Uuid, Path, description = "the session"), ("exec_id" = uuid::Uuid, Path, description = "the execution that asked")),
+    request_body = InputLine, responses((status = 202, description = "the answer was sent to the cell"), (status = 409, description = "that execution is not waiting for input", body = ApiErrorBody)))]
+async fn input(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    Path((sid, exec_id)): Path<(String, String)>,
+    body: Result<Json<InputLine>, JsonRejection>,
+) -> Result<StatusCode, ApiError> {
+    let (sid, addr) = lookup(&state, &sid, &caller).await?;
+    let exec_id =
+        Uuid::parse_str(&exec_id).map_err(|e| bad_request(format!("execution id {exec_id:?} is not a uuid: {e}")))?;
+    let value = json_body(body)?.value;
+    let reply = addr
+        .send(session::Input { exec_id, value })
+        .await
+        .map_err(mailbox)?
+        .map_err(|why| ApiError(StatusCode::CONFLICT, why))?;
+    let bus = &state.shared.bus;
+    bus.publish(bus.subjects().input(sid), &reply)
+        .await
+        .map_err(|e| internal(format!("could not send the answer to the cell: {e}")))?;
+    Ok(StatusCode::ACCEPTED)
 }
 
 /// The session's revision, current run, queue and executions.
@@ -445,7 +473,7 @@ async fn delete_session(
 #[derive(utoipa::OpenApi)]
 #[openapi(
     info(title = "LooseLeaf frontend API", version = "1", description = "Sessions, edits, runs and their event stream"),
-    paths(health, openapi_json, create_session, summary, delete_session, edit, run, interrupt, events),
+    paths(health, openapi_json, create_session, summary, delete_session, edit, run, interrupt, input, events),
     components(schemas(ApiErrorBody)),
     modifiers(&Errors),
     security(("bearer" = []))

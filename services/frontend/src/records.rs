@@ -57,6 +57,9 @@ pub struct QueuedRun {
     pub code: String,
     /// When Run was pressed (unix ms).
     pub run_unix_ms: u64,
+    /// The run's client answers the cell's input requests.
+    #[serde(default)]
+    pub allow_stdin: bool,
 }
 
 /// A run in flight, as its session's record keeps it.
@@ -68,6 +71,9 @@ pub struct InFlight {
     pub cell_id: String,
     /// When Run was pressed (unix ms).
     pub run_unix_ms: u64,
+    /// The run's client answers the cell's input requests.
+    #[serde(default)]
+    pub allow_stdin: bool,
 }
 
 /// Why a record could not be read or written.

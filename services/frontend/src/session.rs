@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use schemas::bus::Rejected;
 use schemas::messages::{
-    CellStatus, EditV1, ErrorCode, EventKind, HostStatusV2, InterruptV1, ManifestV1, OutputV1, RunV1, SessionEventV2,
-    SettleV1,
+    CellStatus, EditV1, ErrorCode, EventKind, HostStatusV2, InputReplyV1, InterruptV1, ManifestV1, OutputV1, RunV1,
+    SessionEventV2, SettleV1,
 };
 use schemas::subjects::StoreVerb;
 use schemas::{Bus, Envelope};
@@ -101,6 +101,10 @@ const STORE_TIMEOUT: Duration = Duration::from_secs(10);
 /// could not be reached.
 const ABANDON_RETRY: Duration = Duration::from_secs(2);
 
+/// What a cell that calls `input()` is told when its client has no stdin
+/// channel (ipykernel's words).
+const NO_STDIN: &str = "this frontend does not support input requests.";
+
 /// How often a running cell's host is checked for loss.
 const HOST_CHECK: Duration = Duration::from_secs(1);
 
@@ -120,11 +124,17 @@ struct Current {
     terminal: Option<(ExecStatus, u64, Option<String>, u64)>,
     /// The run claim's revision last read, and since when it is that one.
     claim_seen: Option<(u64, Instant)>,
+    /// Its client answers the cell's input requests.
+    allow_stdin: bool,
+    /// The cell waits for a line of input from its client.
+    asking: bool,
 }
 
 impl Current {
-    fn new(exec_id: Uuid) -> Self {
+    fn new(exec_id: Uuid, allow_stdin: bool) -> Self {
         Self {
+            allow_stdin,
+            asking: false,
             exec_id,
             host: None,
             finished: None,
@@ -410,14 +420,19 @@ impl SessionActor {
             after_revision: self.stored.revision,
             options: self.stored.options.clone(),
         };
-        self.current = Some(Current::new(p.exec_id));
+        self.current = Some(Current::new(p.exec_id, p.allow_stdin));
         if let Some(r) = self.record(p.exec_id) {
             r.status = ExecStatus::Running;
         }
         let exec_id = p.exec_id;
         // recorded (out of the queue, in flight) before it is sent: a frontend that
         // adopts the session follows it
-        self.stored.in_flight = Some(InFlight { exec_id, cell_id: p.cell_id.clone(), run_unix_ms: p.run_unix_ms });
+        self.stored.in_flight = Some(InFlight {
+            exec_id,
+            cell_id: p.cell_id.clone(),
+            run_unix_ms: p.run_unix_ms,
+            allow_stdin: p.allow_stdin,
+        });
         let (ack_tx, ack_rx) = tokio::sync::oneshot::channel();
         let _ = self.record_tx.send((self.stored.clone(), Some(ack_tx)));
         let bus = self.shared.bus.clone();
@@ -623,6 +638,26 @@ impl SessionActor {
         }
     }
 
+    /// The running cell called `input()`: its client is asked if it has a stdin
+    /// channel; otherwise the cell is told at once, as ipykernel tells it.
+    fn on_input_request(&mut self, exec_id: Uuid, seq: u64, output: serde_json::Value) {
+        let Some(cur) = self.current.as_mut().filter(|c| c.exec_id == exec_id && c.terminal.is_none()) else {
+            return; // replayed, or of a run that ended: nobody waits
+        };
+        if cur.allow_stdin {
+            cur.asking = true;
+            self.emit(&StreamItem::Output { exec_id, seq, output });
+            return;
+        }
+        let refused = InputReplyV1 { session: self.sid, exec_id, value: String::new(), refused: Some(NO_STDIN.into()) };
+        let bus = self.shared.bus.clone();
+        actix::spawn(async move {
+            if let Err(e) = bus.publish(bus.subjects().input(refused.session), &refused).await {
+                tracing::error!(exec = %exec_id, error = %e, "could not refuse an input request; the cell waits until interrupted");
+            }
+        });
+    }
+
     fn on_output(&mut self, ctx: &mut Context<Self>, mut out: OutputV1) {
         if out.parts > 1 {
             // an output too large for one message: gather its pieces first
@@ -637,6 +672,9 @@ impl SessionActor {
             out.output_json = self.pieces.remove(&key).unwrap_or_default().into_iter().flatten().collect();
         }
         match serde_json::from_str::<serde_json::Value>(&out.output_json) {
+            Ok(output) if output["output_type"] == "input_request" => {
+                self.on_input_request(out.exec_id, out.seq, output)
+            }
             Ok(output) => self.emit(&StreamItem::Output { exec_id: out.exec_id, seq: out.seq, output }),
             Err(e) => tracing::error!(exec = %out.exec_id, seq = out.seq, error = %e, "output is not JSON; dropped"),
         }
@@ -689,7 +727,7 @@ impl SessionActor {
             error: None,
         });
         self.emit(&StreamItem::Queued { exec_id, cell_id: run.cell_id, run_unix_ms: run.run_unix_ms });
-        self.current = Some(Current::new(exec_id));
+        self.current = Some(Current::new(exec_id, run.allow_stdin));
         let (bus, sid) = (self.shared.bus.clone(), self.sid);
         let since = run.run_unix_ms.saturating_sub(ADOPT_CLOCK_SKEW_MS);
         let read = async move {
@@ -851,6 +889,8 @@ pub struct Run {
     pub code: String,
     /// When the request was received (unix ms).
     pub run_unix_ms: u64,
+    /// The client answers the cell's input requests.
+    pub allow_stdin: bool,
 }
 
 /// Why a run was not queued.
@@ -906,6 +946,7 @@ impl Handler<Run> for SessionActor {
             cell_id: msg.cell_id,
             code: msg.code,
             run_unix_ms: msg.run_unix_ms,
+            allow_stdin: msg.allow_stdin,
         });
         self.start_next(ctx);
         let (ack_tx, ack_rx) = tokio::sync::oneshot::channel();
@@ -987,6 +1028,31 @@ impl Handler<Interrupt> for SessionActor {
         tracing::info!(session = %self.sid, exec = %exec_id, "interrupt");
         self.stop_current(exec_id, schemas::messages::INTERRUPTED_BEFORE_START.to_string(), ctx);
         MessageResult(Interrupted { interrupted: Some(exec_id), aborted })
+    }
+}
+
+/// The user's answer to the running cell's input request.
+#[derive(Message)]
+#[rtype(result = "Result<InputReplyV1, String>")]
+pub struct Input {
+    /// The execution that asked.
+    pub exec_id: Uuid,
+    /// What the user typed.
+    pub value: String,
+}
+
+impl Handler<Input> for SessionActor {
+    type Result = Result<InputReplyV1, String>;
+
+    fn handle(&mut self, msg: Input, _ctx: &mut Self::Context) -> Self::Result {
+        self.last_active = Instant::now();
+        match self.current.as_mut() {
+            Some(cur) if cur.exec_id == msg.exec_id && cur.asking && cur.terminal.is_none() => {
+                cur.asking = false;
+                Ok(InputReplyV1 { session: self.sid, exec_id: msg.exec_id, value: msg.value, refused: None })
+            }
+            _ => Err(format!("execution {} of this session is not waiting for input", msg.exec_id)),
+        }
     }
 }
 

@@ -159,6 +159,8 @@ pub struct ExecEnv {
     pub cgroups: Option<crate::cgroups::Cgroups>,
     /// Cells the user interrupted, and the runs under way (for the signals).
     pub interrupts: crate::interrupts::Interrupts,
+    /// Runs of this host waiting for their client's input.
+    pub inputs: crate::input::Inputs,
     /// Whether slots are real GPUs (then workers see only their device).
     pub real_gpus: bool,
     /// The last manifest read per session (for placement scores; never for restores).
@@ -536,7 +538,8 @@ impl ExecEnv {
                 }
             }
         });
-        let mut seq = 0u64;
+        // outputs are numbered in order, whether the cell printed them or asked for input
+        let seq = AtomicU64::new(0);
         let host = self.host_id.clone();
         let worker_id = w.id.clone();
         let device = recipe.device;
@@ -553,6 +556,32 @@ impl ExecEnv {
         self.not_stopping()?;
         self.not_interrupted(exec_id)?;
         let (interrupts, pid) = (self.interrupts.clone(), w.pid);
+        // a cell's input(): the wait is registered before its client is asked
+        let on_input = |prompt: String, password: bool| {
+            let wait = self.inputs.expect(exec_id);
+            let output = serde_json::json!({ "output_type": "input_request", "prompt": prompt, "password": password });
+            let seq = seq.fetch_add(1, Ordering::SeqCst) + 1;
+            let asked = tx.send(Pending::Output(OutputV1 {
+                session,
+                exec_id,
+                seq,
+                output_json: output.to_string(),
+                part: 0,
+                parts: 1,
+            }));
+            let interrupts = &self.interrupts;
+            async move {
+                if asked.is_err() {
+                    return Frame::InputReply {
+                        exec_id: exec_id.to_string(),
+                        value: String::new(),
+                        refused: Some("the host could not ask the cell's client.".into()),
+                        interrupted: false,
+                    };
+                }
+                wait.answer(interrupts).await
+            }
+        };
         let finished = w
             .run(
                 exec_id,
@@ -588,22 +617,20 @@ impl ExecEnv {
                                 },
                             })
                         }
-                        RunEvent::Output(output) => {
-                            seq += 1;
-                            Pending::Output(OutputV1 {
-                                session,
-                                exec_id,
-                                seq,
-                                output_json: output.to_string(),
-                                part: 0,
-                                parts: 1,
-                            })
-                        }
+                        RunEvent::Output(output) => Pending::Output(OutputV1 {
+                            session,
+                            exec_id,
+                            seq: seq.fetch_add(1, Ordering::SeqCst) + 1,
+                            output_json: output.to_string(),
+                            part: 0,
+                            parts: 1,
+                        }),
                     };
                     // the receiver lives until we drop tx below
                     let _ = tx.send(p);
                 },
                 on_fault,
+                on_input,
             )
             .await;
         drop(tx);

@@ -22,6 +22,7 @@ pub mod exec;
 pub mod gpus;
 pub mod host;
 pub mod import_cache;
+pub mod input;
 pub mod interrupts;
 pub mod lifecycle;
 pub mod process;
@@ -39,7 +40,9 @@ use std::time::Duration;
 use actix::prelude::*;
 use anyhow::Context as _;
 use schemas::buckets;
-use schemas::messages::{EvictV1, HostStatusV2, InterruptV1, RecipeV1, SessionCloseV1, SessionEventV2, SessionIdleV1};
+use schemas::messages::{
+    EvictV1, HostStatusV2, InputReplyV1, InterruptV1, RecipeV1, SessionCloseV1, SessionEventV2, SessionIdleV1,
+};
 use schemas::service::Service;
 use schemas::subjects::HostVerb;
 
@@ -151,6 +154,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         zygotes,
         limits: worker::RunLimits { timeout: config.cell_timeout, grace: config.interrupt_grace },
         interrupts: interrupts::Interrupts::new(config.interrupt_grace),
+        inputs: Default::default(),
         cgroups: cgroups::Cgroups::new(&config.host_id, config.worker_limits)
             .context("while setting up the workers' limits")?,
         real_gpus,
@@ -169,6 +173,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     let events = bus.subscribe::<SessionEventV2>(s.all_events()).await?;
     let closes = bus.subscribe::<SessionCloseV1>(s.all_closes()).await?;
     let interrupts = bus.subscribe::<InterruptV1>(s.all_interrupts()).await?;
+    let inputs = bus.subscribe::<InputReplyV1>(s.all_inputs()).await?;
     let idles = bus.subscribe::<SessionIdleV1>(s.all_idles()).await?;
     let evictions = bus.subscribe::<EvictV1>(s.host_command(&config.host_id, HostVerb::Evict)).await?;
     // other hosts' status: whether anyone else could take a run (see `claim_delay`)
@@ -180,6 +185,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         ctx.add_stream(events.into_stream());
         ctx.add_stream(closes.into_stream());
         ctx.add_stream(interrupts.into_stream());
+        ctx.add_stream(inputs.into_stream());
         ctx.add_stream(idles.into_stream());
         ctx.add_stream(evictions.into_stream());
         ctx.add_stream(peers.into_stream());

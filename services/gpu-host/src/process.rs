@@ -29,9 +29,12 @@ fn signal_group(pid: u32, signal: Signal) {
     let Some(p) = pid_of(pid) else { return };
     // A group's id is its leader's pid and lives as long as any member does, even
     // after the leader exited; a process that leads no group has no group of that
-    // id (ESRCH), so this never reaches anyone else's processes.
-    let _ = killpg(p, signal);
-    let _ = signal_pid(p, signal);
+    // id (ESRCH), so this never reaches anyone else's processes. The process
+    // itself is signalled only then: a second SIGINT to a worker that already
+    // took the first would interrupt the cell's traceback too.
+    if killpg(p, signal).is_err() {
+        let _ = signal_pid(p, signal);
+    }
 }
 
 fn pid_of(pid: u32) -> Option<Pid> {

@@ -196,6 +196,30 @@ pub enum Frame {
         /// Records to load (those the worker does not hold yet).
         objects: BTreeMap<String, ObjRestore>,
     },
+    /// worker -> host: the running cell called `input()` or `getpass()`; the
+    /// worker waits for `InputReply`.
+    InputRequest {
+        /// Execution id.
+        exec_id: String,
+        /// The prompt.
+        prompt: String,
+        /// Whether the answer is a password (not echoed).
+        password: bool,
+    },
+    /// host -> worker: the answer to `InputRequest`.
+    InputReply {
+        /// Execution id.
+        exec_id: String,
+        /// What the user typed.
+        value: String,
+        /// Why there is no answer: the cell gets StdinNotImplementedError with it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        refused: Option<String>,
+        /// The user interrupted the cell while it waited: the cell gets
+        /// KeyboardInterrupt.
+        #[serde(default)]
+        interrupted: bool,
+    },
     /// worker -> host: the cell ended.
     Finished {
         /// Execution id.
@@ -299,6 +323,8 @@ impl Frame {
             Frame::Output { .. } => "output",
             Frame::Fault { .. } => "fault",
             Frame::Faulted { .. } => "faulted",
+            Frame::InputRequest { .. } => "input_request",
+            Frame::InputReply { .. } => "input_reply",
             Frame::Finished { .. } => "finished",
             Frame::Save { .. } => "save",
             Frame::SavePlan { .. } => "save_plan",
@@ -450,6 +476,8 @@ mod tests {
             Frame::Output { exec_id: "e".into(), output: serde_json::json!({"output_type": "stream"}) },
             Frame::Fault { exec_id: "e".into(), names: vec!["x".into()] },
             Frame::Faulted { shm_path: None, variables: BTreeMap::new(), objects: BTreeMap::new() },
+            Frame::InputRequest { exec_id: "e".into(), prompt: "name? ".into(), password: false },
+            Frame::InputReply { exec_id: "e".into(), value: "Ada".into(), refused: None, interrupted: false },
             Frame::Finished {
                 exec_id: "e".into(),
                 status: "ok".into(),

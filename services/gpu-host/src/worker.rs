@@ -255,9 +255,11 @@ impl WorkerProc {
 
     /// Run a cell, reporting start and outputs through `on_event` as they come. A
     /// name the cell reaches that the worker lacks (a read its closure missed) is
-    /// answered by `on_fault`, which returns the `Faulted` frame to send back.
-    #[allow(clippy::too_many_arguments)] // the run's parts and its two callbacks
-    pub async fn run<FF, FFut>(
+    /// answered by `on_fault`, which returns the `Faulted` frame to send back; a
+    /// cell's `input()` by `on_input` (prompt, password), which returns the
+    /// `InputReply` frame.
+    #[allow(clippy::too_many_arguments)] // the run's parts and its three callbacks
+    pub async fn run<FF, FFut, FI, FIFut>(
         &mut self,
         exec_id: Uuid,
         cell_id: &str,
@@ -265,10 +267,13 @@ impl WorkerProc {
         limits: RunLimits,
         mut on_event: impl FnMut(RunEvent),
         mut on_fault: FF,
+        mut on_input: FI,
     ) -> Result<Finished, WorkerError>
     where
         FF: FnMut(Vec<String>) -> FFut,
         FFut: std::future::Future<Output = Frame>,
+        FI: FnMut(String, bool) -> FIFut,
+        FIFut: std::future::Future<Output = Frame>,
     {
         let exec = exec_id.to_string();
         self.runs += 1;
@@ -299,6 +304,22 @@ impl WorkerProc {
                 Frame::Fault { names, exec_id } if exec_id == exec => {
                     let reply = on_fault(names).await;
                     self.send("answering a fault", &reply).await?;
+                }
+                Frame::InputRequest { prompt, password, exec_id } if exec_id == exec => {
+                    outputs += 1; // the client is asked through an output message
+                                  // a cell past its timeout stops waiting as if interrupted (the
+                                  // watchdog's SIGINT then raises in the cell)
+                    let answer = on_input(prompt, password);
+                    tokio::pin!(answer);
+                    let reply = loop {
+                        tokio::select! {
+                            reply = &mut answer => break reply,
+                            _ = tokio::time::sleep(WATCHDOG_POLL) => if watchdog.interrupted() {
+                                break Frame::InputReply { exec_id, value: String::new(), refused: None, interrupted: true };
+                            }
+                        }
+                    };
+                    self.send("answering an input request", &reply).await?;
                 }
                 Frame::Finished { status, error, execution_count, run_ms, cuda_used, faulted, .. } => {
                     let timed_out = watchdog.interrupted();
@@ -485,6 +506,9 @@ impl Drop for WorkerProc {
 
 /// Enforces a run's cell timeout: SIGINT to the worker's group at the timeout,
 /// SIGKILL a grace period later; stops when dropped (the run ended).
+/// How often a run waiting for its client's input checks the watchdog.
+const WATCHDOG_POLL: Duration = Duration::from_millis(100);
+
 struct Watchdog {
     /// 0: quiet, 1: interrupted, 2: killed.
     fired: Arc<AtomicU8>,

@@ -46,13 +46,10 @@ def _fresh_entropy() -> None:
         torch.random.default_generator.seed()  # the CPU generator: CUDA stays untouched
 
 
-def _no_stdin(what: str):
-    def refuse(*args, **kwargs):
-        from IPython.core.error import StdinNotImplementedError
+def _stdin_not_implemented(why: str) -> BaseException:
+    from IPython.core.error import StdinNotImplementedError
 
-        raise StdinNotImplementedError(f"{what} was called, but this frontend does not support input requests.")
-
-    return refuse
+    return StdinNotImplementedError(why)
 
 
 # How many bytes of chunks go in one save file before it is handed to the host.
@@ -76,9 +73,9 @@ class Worker:
             sys.path.insert(0, "")
         packages.activate(os.environ.get("LOOSELEAF_PACKAGE_LAYER"))
         _fresh_entropy()
-        # As ipykernel for a client without a stdin channel (nbclient, looseleaf run)
-        builtins.input = _no_stdin("raw_input")
-        getpass.getpass = _no_stdin("getpass")
+        # As ipykernel: input() and getpass() ask the run's client for a line
+        builtins.input = self.input
+        getpass.getpass = self.getpass
         # after the shell: its own env/warnings setup is not a cell's doing
         self.base = ambient.Baseline(self.shell)
         self.local = LocalModules(self.base.path)
@@ -242,6 +239,30 @@ class Worker:
             self._not_in_session.add(name)  # not the session's: a NameError, asked once
             return False
         return True
+
+    def input(self, prompt: object = "") -> str:
+        """``input()`` in a cell: the run's client is asked for a line (the
+        frontend refuses for a client without a stdin channel, as ipykernel does)."""
+        return self._ask_client(str(prompt), password=False, what="raw_input")
+
+    def getpass(self, prompt: str = "Password: ", stream: object = None) -> str:
+        """``getpass.getpass()`` in a cell: as ``input()``, not echoed."""
+        return self._ask_client(str(prompt), password=True, what="getpass")
+
+    def _ask_client(self, prompt: str, password: bool, what: str) -> str:
+        if self.exec_id is None:
+            raise _stdin_not_implemented(f"{what} was called outside a cell; no one can answer it.")
+        self.shell.flush_streams()  # what the cell printed before it asked comes first
+        # the exchange is shielded: an interrupt meanwhile is answered by the host
+        # (the reply says so) and raised when the exchange is complete
+        with self.interrupts.shield():
+            self.send({"type": "input_request", "exec_id": self.exec_id, "prompt": prompt, "password": password})
+            reply = self.expect("input_reply")
+            if reply.get("interrupted"):
+                self.interrupts.pending = True
+        if reply.get("refused") is not None:
+            raise _stdin_not_implemented(f"{what} was called, but {reply['refused']}")
+        return reply["value"]
 
     def on_run(self, msg: dict) -> None:
         with self.interrupts.run():

@@ -26,6 +26,7 @@ from looseleaf_worker import protocol
 PYDIR = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 TIMEOUT = 90
+INTERRUPT = object()  # an answer to an input request: the user interrupts instead
 
 
 class HostError(Exception):
@@ -142,15 +143,19 @@ class Worker:
         self.host, self.id, self.conn, self.pid = host, wid, conn, pid
         self.hello: dict = {}
 
-    def run(self, code: str, interrupt_after: float | None = None) -> dict:
+    def run(self, code: str, interrupt_after: float | None = None, answers: list | None = None) -> dict:
         """Run a cell; with ``interrupt_after``, SIGINT the worker's process group
-        that many seconds after it started (as the Rust host interrupts)."""
+        that many seconds after it started (as the Rust host interrupts).
+        ``answers`` answer the cell's input requests in turn: a string is what the
+        user typed, ``INTERRUPT`` interrupts the cell while it waits; with none
+        left, the request is refused as for a client without a stdin channel."""
+        answers = list(answers or [])
         exec_id = uuid.uuid4().hex
         self.conn.send({"type": "run", "exec_id": exec_id, "cell_id": "c", "code": code})
         started = self.conn.expect("started")
         if interrupt_after is not None:
             threading.Timer(interrupt_after, os.killpg, (os.getpgid(self.pid), signal.SIGINT)).start()
-        outputs, faults, files, sent = [], [], [], set()
+        outputs, faults, files, sent, inputs = [], [], [], set(), []
         while True:
             msg = self.conn.recv()
             if msg["type"] == "output":
@@ -173,10 +178,29 @@ class Worker:
                         "objects": reply["objects"],
                     }
                 )
+            elif msg["type"] == "input_request":
+                inputs.append(msg)
+                reply = {"type": "input_reply", "exec_id": exec_id, "value": "", "interrupted": False}
+                if not answers:
+                    reply["refused"] = "this frontend does not support input requests."
+                elif answers[0] is INTERRUPT:
+                    answers.pop(0)
+                    os.killpg(os.getpgid(self.pid), signal.SIGINT)  # as the Rust host: signal, then answer
+                    reply["interrupted"] = True
+                else:
+                    reply["value"] = answers.pop(0)
+                self.conn.send(reply)
             elif msg["type"] == "finished":
                 for f in files:
                     os.unlink(f)
-                return {"started": started, "outputs": outputs, "finished": msg, "exec_id": exec_id, "faults": faults}
+                return {
+                    "started": started,
+                    "outputs": outputs,
+                    "finished": msg,
+                    "exec_id": exec_id,
+                    "faults": faults,
+                    "inputs": inputs,
+                }
             else:
                 raise HostError(f"unexpected during run: {msg}")
 

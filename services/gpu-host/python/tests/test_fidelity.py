@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 from helpers import of_type, ok, result_text, stream_text
+from hostsim import INTERRUPT
 
 
 def _write(path, text):
@@ -290,15 +291,37 @@ def test_names_reached_by_eval_are_brought_in_from_the_committed_state(zygote):
 # ------------------------------------------------------ a new kernel's defaults
 
 
-def test_each_worker_starts_with_fresh_entropy_and_no_stdin(zygote):
+def test_each_worker_starts_with_fresh_entropy(zygote):
     # forks of one zygote would share numpy's and torch's generator states: two
     # sessions' first unseeded draws must differ, as two kernels' do
     code = "import numpy as np, torch, random\nprint(np.random.rand(), torch.rand(1).item(), random.random())"
     a, b = (stream_text(ok(zygote.fork().run(code))).split() for _ in range(2))
     assert all(x != y for x, y in zip(a, b, strict=True)), (a, b)
-    # input() as in a kernel whose client has no stdin channel (nbclient)
+
+
+def test_input_and_getpass_ask_the_client_for_a_line(zygote):
+    w = zygote.fork()
+    code = "print('before')\nname = input('name? ')\nimport getpass\npw = getpass.getpass()"
+    r = ok(w.run(code, answers=["Ada", "s3"]))
+    assert [(i["prompt"], i["password"]) for i in r["inputs"]] == [("name? ", False), ("Password: ", True)]
+    # what the cell printed before it asked reaches the client first
+    assert stream_text(r) == "before\n"
+    assert stream_text(ok(w.run("print(name, pw)"))) == "Ada s3\n"
+
+
+def test_input_without_a_stdin_channel_fails_as_in_ipykernel(zygote):
+    # the frontend refuses for a client without a stdin channel (nbclient)
     w = zygote.fork()
     err = of_type(w.run("name = input('name? ')"), "error")[0]
-    assert err["ename"] == "StdinNotImplementedError" and "input requests" in err["evalue"]
-    err = of_type(w.run("import getpass\ngetpass.getpass()"), "error")[0]
     assert err["ename"] == "StdinNotImplementedError"
+    assert err["evalue"] == "raw_input was called, but this frontend does not support input requests."
+    err = of_type(w.run("import getpass\ngetpass.getpass()"), "error")[0]
+    assert err["ename"] == "StdinNotImplementedError" and err["evalue"].startswith("getpass was called")
+
+
+def test_an_interrupt_while_input_waits_is_a_keyboard_interrupt_in_the_cell(zygote):
+    w = zygote.fork()
+    r = w.run("x = 1\nname = input('name? ')\nx = 2", answers=[INTERRUPT])
+    assert r["finished"]["error"]["ename"] == "KeyboardInterrupt"
+    # the worker is in step and kept what ran before the interrupt
+    assert stream_text(ok(w.run("print(x, 'name' in dir())"))) == "1 False\n"

@@ -32,8 +32,9 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use schemas::bus::Rejected;
 use schemas::messages::{
-    BidV1, Device, EventKind, EvictV1, HostStatusV2, InterruptV1, Prepare, PreparedClass, PreparedOutcome, RecipeKind,
-    RecipeV1, SessionCloseV1, SessionEventV2, SessionIdleV1, SlotUse, WorkerState, ZygoteStatus,
+    BidV1, Device, EventKind, EvictV1, HostStatusV2, InputReplyV1, InterruptV1, Prepare, PreparedClass,
+    PreparedOutcome, RecipeKind, RecipeV1, SessionCloseV1, SessionEventV2, SessionIdleV1, SlotUse, WorkerState,
+    ZygoteStatus,
 };
 use schemas::{unix_ms, Envelope};
 use tokio::sync::Mutex;
@@ -1020,6 +1021,14 @@ impl StreamHandler<Result<Envelope<InterruptV1>, Rejected>> for Host {
     fn handle(&mut self, item: Result<Envelope<InterruptV1>, Rejected>, ctx: &mut Self::Context) {
         if let Ok(env) = item {
             self.interrupt(env.msg, ctx);
+        }
+    }
+}
+
+impl StreamHandler<Result<Envelope<InputReplyV1>, Rejected>> for Host {
+    fn handle(&mut self, item: Result<Envelope<InputReplyV1>, Rejected>, _ctx: &mut Self::Context) {
+        if let Ok(env) = item {
+            self.env.inputs.deliver(env.msg);
         }
     }
 }
