@@ -14,10 +14,14 @@ use std::process::Command;
 use looseleaf_test_support::{repo_root, venv_python};
 
 fn install(prefix: &Path) -> anyhow::Result<()> {
+    install_as(prefix, &["--name", "looseleaf-test", "--all-gpu"])
+}
+
+fn install_as(prefix: &Path, args: &[&str]) -> anyhow::Result<()> {
     let status = Command::new(env!("CARGO_BIN_EXE_looseleaf"))
         .args(["kernel", "install", "--prefix"])
         .arg(prefix)
-        .args(["--name", "looseleaf-test", "--all-gpu"])
+        .args(args)
         .status()?;
     anyhow::ensure!(status.success(), "looseleaf kernel install failed");
     Ok(())
@@ -81,6 +85,30 @@ fn jupyter_clients_run_cells_interrupt_and_restart_through_the_kernel() -> anyho
     assert_eq!(seen["after_interrupt"], "41 1\n");
     assert_eq!(seen["sigint"], serde_json::json!(["error", "KeyboardInterrupt"]));
     assert_eq!(seen["after_restart"], serde_json::json!(["error", "NameError"]));
+    Ok(())
+}
+
+/// A kernel whose CPU cells run on the session's CPU worker answers completion
+/// and inspection from that worker's live objects.
+#[test]
+fn completion_and_inspection_come_from_the_sessions_live_objects() -> anyhow::Result<()> {
+    let prefix = tempfile::tempdir()?;
+    install_as(prefix.path(), &["--name", "looseleaf-cpu"])?;
+    let work = tempfile::tempdir()?;
+    let out = python(prefix.path())
+        .arg(repo_root().join("tests/support/kernel_probe.py"))
+        .args(["looseleaf-cpu", "--complete"])
+        .current_dir(work.path())
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    anyhow::ensure!(out.status.success(), "kernel_probe.py --complete failed:\n{stderr}");
+    let seen: serde_json::Value = serde_json::from_slice(out.stdout.trim_ascii())?;
+    assert_eq!(seen["names"], serde_json::json!(["my_table", "my_tally"]), "{seen}");
+    assert_eq!(seen["names_at"], serde_json::json!([4, 9]), "{seen}");
+    assert_eq!(seen["attrs"], serde_json::json!(["move_to_end"]), "{seen}");
+    assert_eq!(seen["attrs_start"], true, "{seen}");
+    assert_eq!(seen["found"], serde_json::json!(["ok", true, true]), "{seen}");
+    assert_eq!(seen["missing"], serde_json::json!(["ok", false]), "{seen}");
     Ok(())
 }
 

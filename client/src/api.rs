@@ -52,6 +52,23 @@ pub struct RunCell {
     pub allow_stdin: bool,
 }
 
+/// Body of `POST /v1/sessions/{sid}/complete` and `…/inspect`: code being edited
+/// and the cursor in it. The answer is the content of Jupyter's `complete_reply`
+/// or `inspect_reply`, from the session's live objects.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct CodeAtCursor {
+    /// The code.
+    #[schema(example = "df.gro")]
+    pub code: String,
+    /// The cursor, in characters (Unicode code points) from the start (a cell
+    /// holds at most 16 MiB).
+    #[schema(maximum = 16777216)]
+    pub cursor_pos: u64,
+    /// Inspection only: 0 (the docstring) or 1 (the source too).
+    #[serde(default)]
+    pub detail_level: u8,
+}
+
 /// Body of `POST /v1/sessions/{sid}/executions/{exec}/input`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct InputLine {

@@ -6,8 +6,8 @@ pub mod api;
 pub mod events;
 
 use api::{
-    read_items, CellCode, CreateSession, InputLine, Interrupted, RunAccepted, RunCell, SessionCreated, StreamItem,
-    StreamPosition,
+    read_items, CellCode, CodeAtCursor, CreateSession, InputLine, Interrupted, RunAccepted, RunCell, SessionCreated,
+    StreamItem, StreamPosition,
 };
 use tokio::sync::mpsc;
 use uuid::Uuid;
@@ -168,6 +168,17 @@ impl Frontend {
     /// this client (answer them with [`Frontend::input`]).
     pub async fn run_cell(&self, sid: Uuid, cell: &str, run: &RunCell) -> Result<RunAccepted, ClientError> {
         self.json("run", self.http.post(format!("{}/run", self.cell_url(sid, cell))).json(run)).await
+    }
+
+    /// Completions at the cursor, from the session's live objects: the content of
+    /// Jupyter's `complete_reply`.
+    pub async fn complete(&self, sid: Uuid, at: &CodeAtCursor) -> Result<serde_json::Value, ClientError> {
+        self.json("complete", self.http.post(format!("{}/v1/sessions/{sid}/complete", self.base)).json(at)).await
+    }
+
+    /// What the name at the cursor is: the content of Jupyter's `inspect_reply`.
+    pub async fn inspect(&self, sid: Uuid, at: &CodeAtCursor) -> Result<serde_json::Value, ClientError> {
+        self.json("inspect", self.http.post(format!("{}/v1/sessions/{sid}/inspect", self.base)).json(at)).await
     }
 
     /// Answer execution `exec`'s input request with `value`.

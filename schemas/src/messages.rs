@@ -706,6 +706,43 @@ pub struct EvictV1 {
 }
 wire!(EvictV1, "evict", 1);
 
+/// What a query asks of a session's live objects.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum QueryKind {
+    /// Completions at the cursor (Jupyter's `complete_request`).
+    Complete,
+    /// What the name at the cursor is (Jupyter's `inspect_request`).
+    Inspect,
+}
+
+/// frontend -> the host keeping a session's CPU worker (`host.{hid}.query`):
+/// complete or inspect code against the worker's live objects. Answered with
+/// `Reply<QueryAnswerV1>`; `NotFound` when the host keeps no CPU worker for the
+/// session, `Conflict` while that worker runs a cell.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct QueryV1 {
+    /// The session.
+    pub session: Uuid,
+    /// Completion or inspection.
+    pub kind: QueryKind,
+    /// The code the user is editing.
+    pub code: String,
+    /// The cursor, in characters (Unicode code points) from the code's start.
+    pub cursor_pos: u64,
+    /// For inspection: 0 (the docstring) or 1 (the source too).
+    pub detail_level: u8,
+}
+wire!(QueryV1, "query", 1);
+
+/// The worker's answer to a query: the content of Jupyter's `complete_reply` or
+/// `inspect_reply`, as JSON.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct QueryAnswerV1 {
+    /// The reply content.
+    pub content_json: String,
+}
+wire!(QueryAnswerV1, "query-answer", 1);
+
 /// A typed error in a reply.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ErrorCode {

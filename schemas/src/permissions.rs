@@ -104,6 +104,7 @@ impl Role {
                     s.all_idles(),
                     s.all_interrupts(),
                     s.all_inputs(),
+                    s.host_command("*", HostVerb::Query),
                     s.store(StoreVerb::Settle),
                     s.store(StoreVerb::SessionDelete),
                     "$JS.API.INFO".into(),
@@ -149,6 +150,7 @@ impl Role {
                     s.all_events(),
                     s.all_host_status(),
                     s.host_command("*", HostVerb::Evict),
+                    s.host_command("*", HostVerb::Query),
                 ]);
             }
         }

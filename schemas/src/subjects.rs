@@ -181,12 +181,15 @@ impl Subjects {
 pub enum HostVerb {
     /// Stop a prepared worker that is not running a cell (the speculator's budget).
     Evict,
+    /// Complete or inspect code against the session's CPU worker (request/reply).
+    Query,
 }
 
 impl HostVerb {
     fn as_str(self) -> &'static str {
         match self {
             HostVerb::Evict => "evict",
+            HostVerb::Query => "query",
         }
     }
 }

@@ -23,7 +23,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use jupyter_protocol::{ConnectionInfo, JupyterMessage, JupyterMessageContent};
 use jupyter_zmq_client as zmq;
-use looseleaf_client::api::{ExecStatus, RunCell, StreamItem};
+use looseleaf_client::api::{CodeAtCursor, ExecStatus, RunCell, StreamItem};
 use looseleaf_client::Frontend;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
@@ -524,19 +524,10 @@ impl Kernel {
                 self.reply_on(false, "comm_info_reply", json!({ "status": "ok", "comms": {} }), &msg).await;
                 Next::Continue
             }
-            "complete_request" => {
-                let cursor = match &msg.content {
-                    JupyterMessageContent::CompleteRequest(r) => r.cursor_pos,
-                    _ => 0,
-                };
-                let content = json!({ "status": "ok", "matches": [], "cursor_start": cursor,
-                                      "cursor_end": cursor, "metadata": {} });
-                self.reply_on(false, "complete_reply", content, &msg).await;
-                Next::Continue
-            }
-            "inspect_request" => {
-                let content = json!({ "status": "ok", "found": false, "data": {}, "metadata": {} });
-                self.reply_on(false, "inspect_reply", content, &msg).await;
+            "complete_request" | "inspect_request" => {
+                let content = self.query(&msg).await;
+                let reply = if msg.message_type() == "complete_request" { "complete_reply" } else { "inspect_reply" };
+                self.reply_on(false, reply, content, &msg).await;
                 Next::Continue
             }
             "shutdown_request" => self.shutdown(false, msg.clone()).await,
@@ -548,6 +539,28 @@ impl Kernel {
         };
         self.status("idle", &msg).await;
         next
+    }
+
+    /// A completion or inspection, answered by the session's live objects (its
+    /// CPU worker, through the frontend); an error reply when that cannot be
+    /// asked, never a hang.
+    async fn query(&mut self, msg: &JupyterMessage) -> Value {
+        let raw = serde_json::to_value(&msg.content).unwrap_or_default();
+        let code = raw["code"].as_str().unwrap_or_default().to_string();
+        let cursor_pos = raw["cursor_pos"].as_u64().unwrap_or(code.chars().count() as u64);
+        let detail_level = raw["detail_level"].as_u64().map_or(0, |d| d.min(1) as u8);
+        let at = CodeAtCursor { code, cursor_pos, detail_level };
+        let opened = self.ensure_session().await;
+        let answer = match (&self.session, opened) {
+            (None, opened) => Err(format!("no LooseLeaf session: {}", opened.err().unwrap_or_default())),
+            (Some(s), _) if msg.message_type() == "complete_request" => {
+                s.fe.complete(s.sid, &at).await.map_err(|e| e.to_string())
+            }
+            (Some(s), _) => s.fe.inspect(s.sid, &at).await.map_err(|e| e.to_string()),
+        };
+        answer.unwrap_or_else(
+            |why| json!({ "status": "error", "ename": "LooseLeafError", "evalue": why, "traceback": [] }),
+        )
     }
 
     /// The history a `history_request` asks for (tail, range or search) of this

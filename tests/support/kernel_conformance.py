@@ -2,8 +2,9 @@
 installed LooseLeaf kernel: `python -m unittest kernel_conformance` with
 LOOSELEAF_TEST_KERNEL naming the kernelspec (tests/kernel.rs installs one).
 
-Completion and inspection are not in the samples yet: the kernel answers them
-empty until they are served from the session's objects (ADR 31).
+Completion and inspection are not in the samples: the suite asks before any cell
+ran, and they come from the session's CPU worker, which the first CPU cell starts
+(ADR 31); tests/kernel.rs checks them after a cell instead.
 """
 
 import os

@@ -75,6 +75,28 @@ def main():
             kc.stop_channels()
             km.shutdown_kernel(now=True)
         return
+    if len(sys.argv) > 2 and sys.argv[2] == "--complete":
+        # completion and inspection from the session's live objects (its CPU worker)
+        try:
+            run(kc, "import collections\nmy_table = collections.OrderedDict(a=1)\nmy_tally = 3")
+            names = reply_to(kc, kc.complete("x = my_ta"))["content"]
+            code = "print(1)\nmy_table.move_to\nprint(2)"
+            attrs = reply_to(kc, kc.complete(code, code.index("\nprint(2)")))["content"]
+            found = reply_to(kc, kc.inspect("my_table", 3))["content"]
+            missing = reply_to(kc, kc.inspect("not_defined_anywhere"))["content"]
+            seen = {
+                "names": sorted(m for m in names["matches"] if m.startswith("my_")),
+                "names_at": [names["cursor_start"], names["cursor_end"]],
+                "attrs": attrs["matches"],
+                "attrs_start": attrs["cursor_start"] == code.index("move_to"),
+                "found": [found["status"], found["found"], "OrderedDict" in found["data"].get("text/plain", "")],
+                "missing": [missing["status"], missing["found"]],
+            }
+            print(json.dumps(seen))
+        finally:
+            kc.stop_channels()
+            km.shutdown_kernel(now=True)
+        return
     try:
         info = reply_to(kc, kc.kernel_info())["content"]
         seen["language"] = info["language_info"]["name"]

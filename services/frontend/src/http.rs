@@ -18,16 +18,17 @@ use axum::routing::{get, post, put};
 use axum::{Extension, Json, Router};
 use futures::StreamExt;
 use schemas::messages::{
-    DoneV1, OutputV1, SessionCloseV1, SessionDeleteV1, SessionEventV2, SessionIdleV1, SessionOptions,
+    DoneV1, OutputV1, QueryAnswerV1, QueryKind, QueryV1, SessionCloseV1, SessionDeleteV1, SessionEventV2,
+    SessionIdleV1, SessionOptions,
 };
-use schemas::subjects::StoreVerb;
+use schemas::subjects::{HostVerb, StoreVerb};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::admission::Limits;
 use crate::api::{
-    ApiErrorBody, CellCode, CreateSession, Health, InputLine, Interrupted, RunAccepted, RunCell, SessionCreated,
-    SessionDeleted, SessionSummary, StreamItem,
+    ApiErrorBody, CellCode, CodeAtCursor, CreateSession, Health, InputLine, Interrupted, RunAccepted, RunCell,
+    SessionCreated, SessionDeleted, SessionSummary, StreamItem,
 };
 use crate::auth::{Caller, Tokens};
 use crate::origins::Origins;
@@ -233,6 +234,8 @@ pub fn router(state: AppState, body_timeout: Duration) -> Router {
         .route("/v1/sessions/{sid}/events", get(events))
         .route("/v1/sessions/{sid}/interrupt", post(interrupt))
         .route("/v1/sessions/{sid}/executions/{exec_id}/input", post(input))
+        .route("/v1/sessions/{sid}/complete", post(complete))
+        .route("/v1/sessions/{sid}/inspect", post(inspect))
         .route("/v1/sessions/{sid}/cells/{cell_id}", put(edit))
         .route("/v1/sessions/{sid}/cells/{cell_id}/run", post(run))
         .fallback(|| async { ApiError(StatusCode::NOT_FOUND, "no such route".into()) })
@@ -383,6 +386,75 @@ async fn input(
     Ok(StatusCode::ACCEPTED)
 }
 
+/// How long a completion or inspection waits for the session's CPU worker: an
+/// editor asks as the user types, and nothing is better than a late answer.
+const QUERY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Completions at the cursor from the session's live objects (its CPU worker):
+/// the content of Jupyter's `complete_reply`; no matches while no CPU cell has
+/// run, or while one runs.
+#[utoipa::path(post, path = "/v1/sessions/{sid}/complete", params(("sid" = uuid::Uuid, Path, description = "the session")),
+    request_body = CodeAtCursor, responses((status = 200, description = "complete_reply content", content_type = "application/json")))]
+async fn complete(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    Path(sid): Path<String>,
+    body: Result<Json<CodeAtCursor>, JsonRejection>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    query(&state, &caller, &sid, QueryKind::Complete, json_body(body)?).await
+}
+
+/// What the name at the cursor is, from the session's live objects: the content
+/// of Jupyter's `inspect_reply` (`found` false when no CPU worker knows it).
+#[utoipa::path(post, path = "/v1/sessions/{sid}/inspect", params(("sid" = uuid::Uuid, Path, description = "the session")),
+    request_body = CodeAtCursor, responses((status = 200, description = "inspect_reply content", content_type = "application/json")))]
+async fn inspect(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    Path(sid): Path<String>,
+    body: Result<Json<CodeAtCursor>, JsonRejection>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    query(&state, &caller, &sid, QueryKind::Inspect, json_body(body)?).await
+}
+
+async fn query(
+    state: &AppState,
+    caller: &Caller,
+    sid: &str,
+    kind: QueryKind,
+    at: CodeAtCursor,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let (sid, addr) = lookup(state, sid, caller).await?;
+    let code = cell_code(at.code)?;
+    if at.cursor_pos > MAX_CELL_BYTES as u64 {
+        return Err(bad_request(format!("cursor_pos {} is past the largest cell ({MAX_CELL_BYTES})", at.cursor_pos)));
+    }
+    let cursor_pos = at.cursor_pos.min(code.chars().count() as u64);
+    let nothing = match kind {
+        QueryKind::Complete => serde_json::json!({
+            "status": "ok", "matches": [], "cursor_start": cursor_pos, "cursor_end": cursor_pos, "metadata": {},
+        }),
+        QueryKind::Inspect => serde_json::json!({ "status": "ok", "found": false, "data": {}, "metadata": {} }),
+    };
+    let Some(host) = addr.send(session::CpuHost).await.map_err(mailbox)? else {
+        return Ok(Json(nothing));
+    };
+    let bus = &state.shared.bus;
+    let msg = QueryV1 { session: sid, kind, code, cursor_pos, detail_level: at.detail_level.min(1) };
+    let subject = bus.subjects().host_command(&host, HostVerb::Query);
+    match bus.request::<QueryV1, QueryAnswerV1>(subject, &msg, QUERY_TIMEOUT).await {
+        Ok(answer) => match serde_json::from_str(&answer.content_json) {
+            Ok(content) => Ok(Json(content)),
+            Err(e) => Err(internal(format!("the CPU worker's answer is not JSON: {e}"))),
+        },
+        Err(e) => {
+            // no worker there any more, or it runs a cell: nothing to offer now
+            tracing::debug!(session = %sid, error = %e, "a query found no live objects");
+            Ok(Json(nothing))
+        }
+    }
+}
+
 /// The session's revision, current run, queue and executions.
 #[utoipa::path(get, path = "/v1/sessions/{sid}", params(("sid" = uuid::Uuid, Path, description = "the session")), responses((status = 200, body = SessionSummary)))]
 async fn summary(
@@ -473,7 +545,7 @@ async fn delete_session(
 #[derive(utoipa::OpenApi)]
 #[openapi(
     info(title = "LooseLeaf frontend API", version = "1", description = "Sessions, edits, runs and their event stream"),
-    paths(health, openapi_json, create_session, summary, delete_session, edit, run, interrupt, input, events),
+    paths(health, openapi_json, create_session, summary, delete_session, edit, run, interrupt, input, complete, inspect, events),
     components(schemas(ApiErrorBody)),
     modifiers(&Errors),
     security(("bearer" = []))

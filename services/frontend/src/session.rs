@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use schemas::bus::Rejected;
 use schemas::messages::{
-    CellStatus, EditV1, ErrorCode, EventKind, HostStatusV2, InputReplyV1, InterruptV1, ManifestV1, OutputV1, RunV1,
-    SessionEventV2, SettleV1,
+    CellStatus, EditV1, ErrorCode, EventKind, HostStatusV2, InputReplyV1, InterruptV1, ManifestV1, OutputV1, Prepare,
+    RunV1, SessionEventV2, SettleV1,
 };
 use schemas::subjects::StoreVerb;
 use schemas::{Bus, Envelope};
@@ -204,6 +204,9 @@ pub struct SessionActor {
     closing: bool,
     /// When a client last did something with the session, or a cell last ended.
     last_active: Instant,
+    /// The host that keeps the session's CPU worker, as its last CPU cell said
+    /// (completions and inspections are asked there).
+    cpu_host: Option<String>,
     /// Keys of the messages replayed from the streams for an adopted run, which
     /// the live subscriptions may deliver again.
     replayed: HashSet<String>,
@@ -255,6 +258,7 @@ impl SessionActor {
             clients: Vec::new(),
             closing: false,
             last_active: Instant::now(),
+            cpu_host: None,
             replayed: HashSet::new(),
         }
     }
@@ -589,6 +593,9 @@ impl SessionActor {
 
     fn on_event(&mut self, ctx: &mut Context<Self>, ev: SessionEventV2) {
         tracing::debug!(session = %self.sid, exec = %ev.exec_id, kind = ?ev.kind, "event");
+        if let EventKind::Started { host, prepare: Prepare::Persistent, .. } = &ev.kind {
+            self.cpu_host = Some(host.clone());
+        }
         self.emit(&StreamItem::Event { exec_id: ev.exec_id, unix_ms: ev.unix_ms, event: (&ev.kind).into() });
         let Some(cur) = self.current.as_mut().filter(|c| c.exec_id == ev.exec_id) else { return };
         if cur.terminal.is_some() {
@@ -1053,6 +1060,20 @@ impl Handler<Input> for SessionActor {
             }
             _ => Err(format!("execution {} of this session is not waiting for input", msg.exec_id)),
         }
+    }
+}
+
+/// The host that keeps the session's CPU worker, if a CPU cell ran.
+#[derive(Message)]
+#[rtype(result = "Option<String>")]
+pub struct CpuHost;
+
+impl Handler<CpuHost> for SessionActor {
+    type Result = Option<String>;
+
+    fn handle(&mut self, _msg: CpuHost, _ctx: &mut Self::Context) -> Self::Result {
+        self.last_active = Instant::now();
+        self.cpu_host.clone()
     }
 }
 

@@ -220,6 +220,23 @@ pub enum Frame {
         #[serde(default)]
         interrupted: bool,
     },
+    /// host -> worker, between cells: complete or inspect code against the
+    /// worker's live objects.
+    Query {
+        /// "complete" or "inspect".
+        kind: String,
+        /// The code.
+        code: String,
+        /// The cursor, in characters.
+        cursor_pos: u64,
+        /// Inspection's detail level (0 or 1).
+        detail_level: u8,
+    },
+    /// worker -> host: the content of Jupyter's complete or inspect reply.
+    QueryAnswer {
+        /// The reply content.
+        content: serde_json::Value,
+    },
     /// worker -> host: the cell ended.
     Finished {
         /// Execution id.
@@ -325,6 +342,8 @@ impl Frame {
             Frame::Faulted { .. } => "faulted",
             Frame::InputRequest { .. } => "input_request",
             Frame::InputReply { .. } => "input_reply",
+            Frame::Query { .. } => "query",
+            Frame::QueryAnswer { .. } => "query_answer",
             Frame::Finished { .. } => "finished",
             Frame::Save { .. } => "save",
             Frame::SavePlan { .. } => "save_plan",
@@ -478,6 +497,8 @@ mod tests {
             Frame::Faulted { shm_path: None, variables: BTreeMap::new(), objects: BTreeMap::new() },
             Frame::InputRequest { exec_id: "e".into(), prompt: "name? ".into(), password: false },
             Frame::InputReply { exec_id: "e".into(), value: "Ada".into(), refused: None, interrupted: false },
+            Frame::Query { kind: "complete".into(), code: "x.".into(), cursor_pos: 2, detail_level: 0 },
+            Frame::QueryAnswer { content: serde_json::json!({"status": "ok", "matches": []}) },
             Frame::Finished {
                 exec_id: "e".into(),
                 status: "ok".into(),

@@ -339,6 +339,15 @@ impl WorkerProc {
         }
     }
 
+    /// Complete or inspect code against the worker's live objects (between cells).
+    pub async fn query(&mut self, query: Frame) -> Result<serde_json::Value, WorkerError> {
+        self.send("querying", &query).await?;
+        match self.recv("querying", STEP).await? {
+            Frame::QueryAnswer { content } => Ok(content),
+            other => Err(self.unexpected("querying", other)),
+        }
+    }
+
     /// Save: plan, upload what the store lacks, commit through `commit`, tell the
     /// worker the versions. `ask_missing` gets the hashes this host does not know to
     /// be stored and returns those the store lacks (the gateway's chunk plan);

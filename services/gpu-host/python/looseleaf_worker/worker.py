@@ -1,4 +1,4 @@
-"""The worker: serves restore/run/save/committed/shutdown over one socket.
+"""The worker: serves restore/run/save/committed/query/shutdown over one socket.
 
 A worker is forked from a zygote (or started directly in tests) and may serve
 several cells. It tracks the version of every name it holds, so that the host
@@ -16,6 +16,9 @@ import socket
 import sys
 import time
 import traceback
+
+from IPython.core.completer import provisionalcompleter, rectify_completions
+from IPython.utils.tokenutil import token_at_cursor
 
 from . import ambient, checkpoint, faults, packages, protocol, quiet
 from .interrupt import CellInterrupts
@@ -114,6 +117,7 @@ class Worker:
             "run": self.on_run,
             "save": self.on_save,
             "committed": self.on_committed,
+            "query": self.on_query,
         }
         while True:
             try:
@@ -263,6 +267,37 @@ class Worker:
         if reply.get("refused") is not None:
             raise _stdin_not_implemented(f"{what} was called, but {reply['refused']}")
         return reply["value"]
+
+    def on_query(self, msg: dict) -> None:
+        """Complete or inspect code against this worker's live objects, as
+        ipykernel answers complete_request and inspect_request."""
+        code, pos = msg["code"], max(0, min(msg["cursor_pos"], len(msg["code"])))
+        if msg["kind"] == "complete":
+            # IPython's completer (jedi on the live namespace), as ipykernel uses it
+            with provisionalcompleter():
+                found = list(rectify_completions(code, self.shell.Completer.completions(code, pos)))
+            start, end = (found[0].start, found[0].end) if found else (pos, pos)
+            types = [
+                {"start": c.start, "end": c.end, "text": c.text, "type": c.type, "signature": c.signature}
+                for c in found
+            ]
+            content = {
+                "status": "ok",
+                "matches": [c.text for c in found],
+                "cursor_start": start,
+                "cursor_end": end,
+                "metadata": {"_jupyter_types_experimental": types},
+            }
+        else:
+            name = token_at_cursor(code, pos)
+            content = {"status": "ok", "found": False, "data": {}, "metadata": {}}
+            try:
+                content["data"] = self.shell.object_inspect_mime(name, detail_level=msg["detail_level"])
+                content["data"].pop("text/html", None)  # as ipykernel without the HTML pager
+                content["found"] = True
+            except KeyError:
+                pass
+        self.send({"type": "query_answer", "content": content})
 
     def on_run(self, msg: dict) -> None:
         with self.interrupts.run():

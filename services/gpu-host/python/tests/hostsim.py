@@ -204,6 +204,13 @@ class Worker:
             else:
                 raise HostError(f"unexpected during run: {msg}")
 
+    def query(self, kind: str, code: str, cursor_pos: int | None = None, detail_level: int = 0) -> dict:
+        """Complete or inspect ``code`` (at its end unless ``cursor_pos``) between cells."""
+        pos = len(code) if cursor_pos is None else cursor_pos
+        msg = {"type": "query", "kind": kind, "code": code, "cursor_pos": pos, "detail_level": detail_level}
+        self.conn.send(msg)
+        return self.conn.expect("query_answer")["content"]
+
     def save(self) -> dict:
         exec_id = uuid.uuid4().hex
         self.conn.send({"type": "save", "exec_id": exec_id})

@@ -325,3 +325,24 @@ def test_an_interrupt_while_input_waits_is_a_keyboard_interrupt_in_the_cell(zygo
     assert r["finished"]["error"]["ename"] == "KeyboardInterrupt"
     # the worker is in step and kept what ran before the interrupt
     assert stream_text(ok(w.run("print(x, 'name' in dir())"))) == "1 False\n"
+
+
+# ------------------------------------------------- completion and inspection
+
+
+def test_completion_and_inspection_come_from_the_workers_live_objects(zygote):
+    w = zygote.fork()
+    ok(w.run("import collections\nmy_table = collections.OrderedDict(a=1)\nmy_tally = 3"))
+    names = w.query("complete", "x = my_ta")
+    assert {"my_table", "my_tally"} <= set(names["matches"]), names
+    assert (names["cursor_start"], names["cursor_end"]) == (4, 9)
+    # an attribute of the live object, with the cursor inside a longer cell
+    code = "print(1)\nmy_table.move_to\nprint(2)"
+    attrs = w.query("complete", code, cursor_pos=code.index("\nprint(2)"))
+    assert attrs["matches"] == ["move_to_end"], attrs
+    assert attrs["cursor_start"] == code.index("move_to")
+    found = w.query("inspect", "my_table", cursor_pos=3)
+    assert found["found"] and "OrderedDict" in found["data"]["text/plain"], found
+    assert w.query("inspect", "not_defined_anywhere")["found"] is False
+    # the worker is in step: the next cell runs
+    assert stream_text(ok(w.run("print(my_tally)"))) == "3\n"

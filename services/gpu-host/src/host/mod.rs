@@ -32,9 +32,9 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use schemas::bus::Rejected;
 use schemas::messages::{
-    BidV1, Device, EventKind, EvictV1, HostStatusV2, InputReplyV1, InterruptV1, Prepare, PreparedClass,
-    PreparedOutcome, RecipeKind, RecipeV1, SessionCloseV1, SessionEventV2, SessionIdleV1, SlotUse, WorkerState,
-    ZygoteStatus,
+    BidV1, Device, ErrorCode, EventKind, EvictV1, HostStatusV2, InputReplyV1, InterruptV1, Prepare, PreparedClass,
+    PreparedOutcome, QueryAnswerV1, QueryKind, QueryV1, RecipeKind, RecipeV1, Reply, SessionCloseV1, SessionEventV2,
+    SessionIdleV1, SlotUse, WorkerState, ZygoteStatus,
 };
 use schemas::{unix_ms, Envelope};
 use tokio::sync::Mutex;
@@ -42,6 +42,7 @@ use uuid::Uuid;
 
 use crate::exec::{ExecEnv, ExecError, Outcome, Target};
 use crate::gpus::Gpu;
+use crate::protocol::Frame;
 use crate::worker::WorkerProc;
 use claims::{Claim, ClaimKey, Claims};
 use kept::{KeptWorker, KeptWorkers};
@@ -1022,6 +1023,52 @@ impl StreamHandler<Result<Envelope<InterruptV1>, Rejected>> for Host {
         if let Ok(env) = item {
             self.interrupt(env.msg, ctx);
         }
+    }
+}
+
+impl StreamHandler<Result<Envelope<QueryV1>, Rejected>> for Host {
+    fn handle(&mut self, item: Result<Envelope<QueryV1>, Rejected>, _ctx: &mut Self::Context) {
+        let bus = self.env.bus.clone();
+        let env = match item {
+            Ok(env) => env,
+            Err(rejected) => {
+                actix::spawn(async move { rejected.answer::<QueryAnswerV1>(&bus).await });
+                return;
+            }
+        };
+        let worker = self.kept.cpu_worker(env.msg.session).map(|k| k.worker.clone());
+        actix::spawn(async move {
+            let reply = query_cpu_worker(worker, env.msg).await;
+            if let Err(e) = bus.respond(env.reply, &reply).await {
+                tracing::warn!(error = %e, "could not answer a query");
+            }
+        });
+    }
+}
+
+/// A completion or inspection answered by the session's CPU worker: `NotFound`
+/// when this host keeps none, `Conflict` while it runs a cell (a kernel asks
+/// between cells; an editor typing meanwhile gets nothing rather than a wait).
+async fn query_cpu_worker(worker: Option<Arc<Mutex<WorkerProc>>>, q: QueryV1) -> Reply<QueryAnswerV1> {
+    let err = |code, message: String| Reply::Err { code, message };
+    let Some(worker) = worker else {
+        return err(ErrorCode::NotFound, format!("this host keeps no CPU worker for session {}", q.session));
+    };
+    let Ok(mut w) = worker.try_lock() else {
+        return err(ErrorCode::Conflict, "the session's CPU worker is running a cell".into());
+    };
+    if w.is_broken() {
+        return err(ErrorCode::NotFound, "the session's CPU worker was lost".into());
+    }
+    let kind = match q.kind {
+        QueryKind::Complete => "complete",
+        QueryKind::Inspect => "inspect",
+    };
+    let frame =
+        Frame::Query { kind: kind.into(), code: q.code, cursor_pos: q.cursor_pos, detail_level: q.detail_level };
+    match w.query(frame).await {
+        Ok(content) => Reply::Ok(QueryAnswerV1 { content_json: content.to_string() }),
+        Err(e) => err(ErrorCode::Internal, format!("the session's CPU worker could not answer: {e}")),
     }
 }
 
