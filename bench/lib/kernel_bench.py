@@ -84,7 +84,7 @@ def measure(kernel: str, reps: int) -> dict:
         return figures
     finally:
         kc.stop_channels()
-        km.shutdown_kernel(now=True)
+        km.shutdown_kernel(now=False)  # a shutdown_request: the kernel stops its cluster
 
 
 def main() -> None:

@@ -73,7 +73,7 @@ def main():
             print(json.dumps({"reply": reply, "outputs": outs}))
         finally:
             kc.stop_channels()
-            km.shutdown_kernel(now=True)
+            km.shutdown_kernel(now=False)  # a shutdown_request: the kernel stops its cluster
         return
     if len(sys.argv) > 2 and sys.argv[2] == "--complete":
         # completion and inspection from the session's live objects (its CPU worker)
@@ -95,7 +95,7 @@ def main():
             print(json.dumps(seen))
         finally:
             kc.stop_channels()
-            km.shutdown_kernel(now=True)
+            km.shutdown_kernel(now=False)  # a shutdown_request: the kernel stops its cluster
         return
     try:
         info = reply_to(kc, kc.kernel_info())["content"]

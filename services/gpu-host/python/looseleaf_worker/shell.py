@@ -8,6 +8,7 @@ stream outputs, tracebacks become error outputs. Only the transport differs:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import sys
@@ -216,6 +217,12 @@ class WorkerShell(InteractiveShell):
         self.flush_streams()
         self.emit({"output_type": "pager", "data": _jsonable(data), "start": max(0, start)})
 
+    def _get_exc_info(self, exc_tuple=None):
+        etype, value, tb = super()._get_exc_info(exc_tuple)
+        if etype is not None and issubclass(etype, KeyboardInterrupt):
+            _drop_interrupt_frame(tb)
+        return etype, value, tb
+
     def _showtraceback(self, etype, evalue, stb):
         # ipykernel publishes an 'error' output instead of printing.
         self.flush_streams()
@@ -248,6 +255,23 @@ class WorkerShell(InteractiveShell):
         if not result.success:
             err = self.last_error or _error_from(result)
         return result, err
+
+
+_OWN_FILES = (os.path.dirname(os.path.abspath(__file__)) + os.sep, contextlib.__file__)
+
+
+def _drop_interrupt_frame(tb) -> None:
+    """An interrupt's traceback ends in the cell's code, as from ipykernel: the
+    worker's own frames that raised it (its SIGINT handler, the shield around a
+    frame exchange) are cut off the end (IPython never hides the innermost
+    frame, even one marked ``__tracebackhide__``)."""
+    last_theirs = None  # the innermost frame not of the worker's own making
+    while tb is not None:
+        if not tb.tb_frame.f_code.co_filename.startswith(_OWN_FILES):
+            last_theirs = tb
+        tb = tb.tb_next
+    if last_theirs is not None:
+        last_theirs.tb_next = None
 
 
 def strip_placement(code: str) -> str:

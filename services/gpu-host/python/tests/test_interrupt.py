@@ -2,6 +2,7 @@
 keeps after an interrupt, and a worker that serves the next cell."""
 
 import os
+import re
 import time
 
 from helpers import ok, stream_text
@@ -17,6 +18,9 @@ def test_interrupt_stops_the_cell_and_keeps_what_it_did(zygote):
         fin = r["finished"]
         assert fin["status"] == "error"
         assert fin["error"]["ename"] == "KeyboardInterrupt"
+        # as from ipykernel, the traceback ends in the cell: no frame of the worker's
+        tb = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(fin["error"]["traceback"]))
+        assert "time.sleep(0.01)" in tb and "looseleaf_worker" not in tb, tb
         # as in a kernel: what ran before the interrupt stays, what did not run did not
         out = stream_text(ok(w.run("print(x, y > 0)")))
         assert out.strip() == "1 True"

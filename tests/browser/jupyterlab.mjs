@@ -1,0 +1,139 @@
+// Drive JupyterLab in headless Chromium as a user would: open a notebook, choose
+// the LooseLeaf kernel in the kernel dialog, run all cells, see an image, interrupt
+// a looping cell, restart. Prints one JSON line of what it saw; tests/jupyterlab.rs
+// asserts on it. A step that fails leaves a screenshot in $OUT.
+//
+// Environment: LAB_URL, LAB_TOKEN, NOTEBOOK (path under the server's root),
+// KERNEL_NAME, KERNEL_DISPLAY, CHROMIUM (the browser binary), OUT (a folder).
+import { chromium } from "playwright-core";
+
+const env = (name) => {
+  const v = process.env[name];
+  if (!v) throw new Error(`${name} is not set`);
+  return v;
+};
+const [base, token, notebook, kernelName, kernelDisplay, out] = [
+  "LAB_URL", "LAB_TOKEN", "NOTEBOOK", "KERNEL_NAME", "KERNEL_DISPLAY", "OUT",
+].map(env);
+const MINUTE = 60_000;
+
+const browser = await chromium.launch({
+  executablePath: env("CHROMIUM"),
+  headless: true,
+  // the flags our machines need (Playwright gives it a fresh profile)
+  args: ["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync"],
+});
+const page = await browser.newPage({ viewport: { width: 1400, height: 1000 } });
+page.setDefaultTimeout(2 * MINUTE);
+const seen = {};
+
+async function step(name, fn) {
+  try {
+    return await fn();
+  } catch (e) {
+    await page.screenshot({ path: `${out}/${name}.png` }).catch(() => {});
+    throw new Error(`step ${name}: ${e.message}`);
+  }
+}
+
+// What the open notebook's cells hold (JupyterLab's own models).
+const cells = () => page.evaluate(() => {
+  const nb = window.jupyterapp.shell.currentWidget.content;
+  return nb.widgets.map((c) => ({
+    type: c.model.type,
+    count: c.model.type === "code" ? c.model.executionCount : null,
+    outputs: c.model.type === "code" ? c.model.outputs.toJSON() : [],
+  }));
+});
+const kernelIdle = (name) => page.waitForFunction((name) => {
+  const ctx = window.jupyterapp.shell.currentWidget?.sessionContext;
+  return ctx?.session?.kernel?.name === name && ctx.kernelDisplayStatus === "idle";
+}, name, { timeout: 2 * MINUTE });
+// a command is started, not awaited: running a cell resolves only when it ends
+const command = (id) => page.evaluate((id) => { window.jupyterapp.commands.execute(id); }, id);
+// a new last cell holding `source`, run
+async function runNewCell(source) {
+  await page.evaluate((source) => {
+    const nb = window.jupyterapp.shell.currentWidget.content;
+    nb.activeCellIndex = nb.widgets.length - 1;
+  }, source);
+  await command("notebook:insert-cell-below");
+  await page.evaluate((source) => {
+    window.jupyterapp.shell.currentWidget.content.activeCell.model.sharedModel.setSource(source);
+  }, source);
+  await command("notebook:run-cell");
+}
+const lastOutputs = async () => (await cells()).at(-1).outputs;
+
+try {
+  await step("open", async () => {
+    await page.goto(`${base}/lab/tree/${notebook}?token=${token}`);
+    await page.waitForFunction(() => window.jupyterapp?.shell.currentWidget?.sessionContext?.isReady,
+      null, { timeout: 2 * MINUTE });
+  });
+
+  await step("choose-kernel", async () => {
+    // the dialog a user opens from the kernel name in the notebook's toolbar
+    await page.evaluate(() => { window.jupyterapp.commands.execute("notebook:change-kernel"); });
+    const dialog = page.locator(".jp-Dialog");
+    await dialog.waitFor({ timeout: MINUTE });
+    await dialog.locator("select").selectOption({ label: kernelDisplay });
+    await dialog.locator(".jp-mod-accept").click();
+    await kernelIdle(kernelName);
+    seen.kernel = await page.evaluate(() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.name);
+  });
+
+  await step("run-all", async () => {
+    await command("notebook:run-all-cells");
+    await page.waitForFunction(() => {
+      const w = window.jupyterapp.shell.currentWidget;
+      const code = w.content.widgets.filter((c) => c.model.type === "code");
+      return code.every((c) => c.model.executionCount !== null) && w.sessionContext.kernelDisplayStatus === "idle";
+    }, null, { timeout: 5 * MINUTE });
+    const all = (await cells()).filter((c) => c.type === "code");
+    seen.code_cells = all.length;
+    seen.executed = all.filter((c) => c.count !== null).length;
+    seen.errors = all.flatMap((c) => c.outputs).filter((o) => o.output_type === "error").map((o) => o.ename);
+    seen.png_outputs = all.flatMap((c) => c.outputs).filter((o) => o.data && o.data["image/png"]).length;
+    // shown, not only in the model: a rendered image with pixels
+    await page.locator(".jp-RenderedImage img").first().scrollIntoViewIfNeeded();
+    seen.images_rendered = await page.locator(".jp-RenderedImage img").evaluateAll(
+      (imgs) => imgs.filter((i) => i.complete && i.naturalWidth > 0).length);
+  });
+
+  await step("interrupt", async () => {
+    await runNewCell("import time\nlooping = 1\nprint('looping', flush=True)\nwhile True:\n    time.sleep(0.1)");
+    await page.waitForFunction(() => {
+      const nb = window.jupyterapp.shell.currentWidget.content;
+      return JSON.stringify(nb.widgets.at(-1).model.outputs.toJSON()).includes("looping");
+    }, null, { timeout: 2 * MINUTE });
+    // the toolbar's interrupt button
+    await page.locator('.jp-NotebookPanel-toolbar [data-command="notebook:interrupt-kernel"]').click();
+    await kernelIdle(kernelName);
+    seen.interrupted = (await lastOutputs()).filter((o) => o.output_type === "error").map((o) => o.ename);
+    await runNewCell("print(looping)");
+    await kernelIdle(kernelName);
+    seen.after_interrupt = (await lastOutputs()).map((o) => o.text || o.ename).join("");
+  });
+
+  await step("restart", async () => {
+    await command("kernelmenu:restart");
+    const dialog = page.locator(".jp-Dialog");
+    await dialog.waitFor({ timeout: MINUTE });
+    await dialog.locator(".jp-mod-accept").click();
+    await kernelIdle(kernelName);
+    // a fresh session: what the notebook defined is gone
+    await runNewCell("print(looping)");
+    await page.waitForFunction(() => {
+      const nb = window.jupyterapp.shell.currentWidget.content;
+      return nb.widgets.at(-1).model.outputs.length > 0;
+    }, null, { timeout: 2 * MINUTE });
+    await kernelIdle(kernelName);
+    seen.after_restart = (await lastOutputs()).map((o) => o.ename || o.text).join("");
+  });
+} finally {
+  await page.screenshot({ path: `${out}/last.png` }).catch(() => {});
+  await browser.close();
+}
+console.log(JSON.stringify(seen));

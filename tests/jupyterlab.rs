@@ -1,0 +1,131 @@
+//! JupyterLab in a real browser (the Kernel issue): the test starts JupyterLab
+//! with the LooseLeaf kernelspec installed, and headless Chromium, driven by
+//! Playwright (`tests/browser/jupyterlab.mjs`), opens a corpus notebook, chooses
+//! the LooseLeaf kernel in the kernel dialog, runs all cells, sees the plots
+//! rendered, interrupts a looping cell from the toolbar (its state before the
+//! interrupt stays) and restarts the kernel (a fresh session). scripts/setup
+//! installs JupyterLab, Chromium and playwright-core.
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use looseleaf_test_support::{free_port, repo_root, venv_python, wait_for};
+
+const NOTEBOOK: &str = "pdsh_04.01-Simple-Line-Plots.ipynb";
+
+/// A JupyterLab server, stopped (with its kernels) on drop.
+struct Lab {
+    child: Child,
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        // SIGTERM: the server shuts its kernels down, and the kernels their clusters
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), nix::sys::signal::SIGTERM);
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while std::time::Instant::now() < deadline {
+            if matches!(self.child.try_wait(), Ok(Some(_))) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn venv_bin() -> std::path::PathBuf {
+    venv_python().parent().map(Path::to_path_buf).unwrap_or_default()
+}
+
+#[test]
+fn jupyterlab_in_a_browser_runs_interrupts_and_restarts_a_notebook_on_looseleaf() -> anyhow::Result<()> {
+    let chromium = ["chromium", "chromium-browser"]
+        .iter()
+        .map(|b| Path::new("/usr/bin").join(b))
+        .find(|p| p.exists())
+        .ok_or_else(|| anyhow::anyhow!("no Chromium in /usr/bin: run scripts/setup (it installs Debian's chromium)"))?;
+    let driver = repo_root().join("tests/browser/jupyterlab.mjs");
+    anyhow::ensure!(
+        repo_root().join("tests/browser/node_modules/playwright-core").exists(),
+        "playwright-core is not installed: run scripts/setup"
+    );
+    let dir = tempfile::tempdir()?;
+    let (root, prefix, state, shots) =
+        (dir.path().join("root"), dir.path().join("prefix"), dir.path().join("state"), dir.path().join("shots"));
+    for d in [&root, &state, &shots] {
+        std::fs::create_dir_all(d)?;
+    }
+    std::fs::copy(repo_root().join("../shared/corpus").join(NOTEBOOK), root.join(NOTEBOOK))?;
+    let installed = Command::new(env!("CARGO_BIN_EXE_looseleaf"))
+        .args(["kernel", "install", "--prefix"])
+        .arg(&prefix)
+        .args(["--name", "looseleaf-lab", "--display-name", "LooseLeaf (lab test)"])
+        .status()?;
+    anyhow::ensure!(installed.success(), "looseleaf kernel install failed");
+
+    let port = free_port()?;
+    let token = uuid::Uuid::new_v4().simple().to_string();
+    let path = format!("{}:{}", venv_bin().display(), std::env::var("PATH").unwrap_or_default());
+    let log = std::fs::File::create(dir.path().join("lab.log"))?;
+    let _lab = Lab {
+        child: Command::new(venv_bin().join("jupyter"))
+            .args(["lab", "--no-browser", "--allow-root", "--ip=127.0.0.1"])
+            .arg(format!("--port={port}"))
+            .arg(format!("--ServerApp.token={token}"))
+            .arg(format!("--ServerApp.root_dir={}", root.display()))
+            // the driver reaches JupyterLab's commands and models, as Galata does
+            .arg("--LabApp.expose_app_in_browser=True")
+            .env("PATH", &path)
+            .env("JUPYTER_PATH", prefix.join("share/jupyter"))
+            // a fresh user: no settings or workspace of this machine's
+            .env("JUPYTER_CONFIG_DIR", state.join("config"))
+            .env("JUPYTER_DATA_DIR", state.join("data"))
+            .env("JUPYTER_RUNTIME_DIR", state.join("runtime"))
+            .env("JUPYTERLAB_SETTINGS_DIR", state.join("settings"))
+            .env("JUPYTERLAB_WORKSPACES_DIR", state.join("workspaces"))
+            .current_dir(&root)
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()?,
+    };
+    wait_for(Duration::from_secs(120), || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok())?;
+
+    let out = Command::new("node")
+        .arg(&driver)
+        .env("LAB_URL", format!("http://127.0.0.1:{port}"))
+        .env("LAB_TOKEN", &token)
+        .env("NOTEBOOK", NOTEBOOK)
+        .env("KERNEL_NAME", "looseleaf-lab")
+        .env("KERNEL_DISPLAY", "LooseLeaf (lab test)")
+        .env("CHROMIUM", &chromium)
+        .env("OUT", &shots)
+        .stdin(Stdio::null())
+        .output()?;
+    if !out.status.success() {
+        let lab_log = std::fs::read_to_string(dir.path().join("lab.log")).unwrap_or_default();
+        let kept = dir.keep(); // the screenshots, for whoever reads the failure
+        anyhow::bail!(
+            "the browser driver failed (screenshots in {}):\n{}\n--- JupyterLab's log (tail) ---\n{}",
+            kept.join("shots").display(),
+            String::from_utf8_lossy(&out.stderr),
+            lab_log.lines().rev().take(40).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n")
+        );
+    }
+    let seen: serde_json::Value = serde_json::from_slice(out.stdout.trim_ascii())?;
+    eprintln!("{seen}");
+    assert_eq!(seen["kernel"], "looseleaf-lab", "{seen}");
+    let code_cells = seen["code_cells"].as_u64().unwrap_or(0);
+    assert!(code_cells >= 10, "{seen}");
+    assert_eq!(seen["executed"], code_cells, "every code cell ran: {seen}");
+    assert_eq!(seen["errors"], serde_json::json!([]), "{seen}");
+    // the notebook's plots came back as PNGs and the browser drew them (those
+    // JupyterLab rendered: it may leave cells far off screen unrendered)
+    assert!(seen["png_outputs"].as_u64().unwrap_or(0) >= 10, "{seen}");
+    assert!(seen["images_rendered"].as_u64().unwrap_or(0) >= 1, "{seen}");
+    assert_eq!(seen["interrupted"], serde_json::json!(["KeyboardInterrupt"]), "{seen}");
+    assert_eq!(seen["after_interrupt"], "1\n", "{seen}");
+    assert_eq!(seen["after_restart"], "NameError", "{seen}");
+    Ok(())
+}
