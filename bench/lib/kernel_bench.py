@@ -8,7 +8,10 @@ prints 1 MB, `--reps` times each after a warm-up, and complete_request and
 inspect_request round trips answered from a variable a cell made.
 Writes bench/results/kernel.json: `empty_cell_ratio` and `print_1mb_ratio` (p50,
 with `_p99` beside them; targets 4 and 2 for a CPU cell), `complete_ms_p50` (target
-under 50) and every kernel's raw figures.
+under 50) and every kernel's raw figures. Then every corpus notebook runs through
+nbclient and a `--all-gpu` LooseLeaf kernel (every cell serverless) and nbequiv
+compares it with a plain kernel: `notebooks_equal` of `notebooks_total`, and each
+notebook's verdict.
 """
 
 from __future__ import annotations
@@ -16,12 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 
-from benchlib import LOOSELEAF, PYTHON, REPO, ensure_release, log, percentile, scratch, write_result
+import nbformat
+from benchlib import CORPUS, LOOSELEAF, PYTHON, REPO, WORK, ensure_release, log, percentile, scratch, write_result
 from jupyter_client.manager import start_new_kernel
+from nbclient import NotebookClient
 
 TIMEOUT = 300
 EMPTY = ""
@@ -87,6 +93,70 @@ def measure(kernel: str, reps: int) -> dict:
         km.shutdown_kernel(now=False)  # a shutdown_request: the kernel stops its cluster
 
 
+def reads_uninitialised_memory(code: str) -> bool:
+    """A cell that shows memory it never initialised (`np.empty`, `torch.empty`):
+    what a process's allocator left there is not comparable across processes
+    (tests/corpus.rs leaves such cells out too)."""
+    return any(("empty(" in line.split("#")[0] or "empty_like(" in line.split("#")[0]) for line in code.splitlines())
+
+
+def real_mismatches(verdict_path, nb) -> list[int]:
+    """The code cells nbequiv found different, less those showing uninitialised memory."""
+    try:
+        verdict = json.loads(verdict_path.read_text())
+    except (OSError, ValueError):
+        return [-1]
+    code = ["".join(c.source) for c in nb.cells if c.cell_type == "code"]
+    mismatched = [c["cell"] for c in verdict.get("cells", []) if c["status"] == "mismatch"]
+    return [i for i in mismatched if i >= len(code) or not reads_uninitialised_memory(code[i])]
+
+
+def corpus_through_kernel(kernel: str, work) -> dict:
+    """Every corpus notebook run by nbclient through the kernel (every cell
+    serverless) and compared by nbequiv with a plain kernel's run. The notebooks
+    run in a copy of the corpus at a fixed path with a reference cache of its own
+    (outputs name the folder a notebook ran in)."""
+    corpus = work / "corpus"
+    shutil.rmtree(corpus, ignore_errors=True)
+    shutil.copytree(CORPUS, corpus)
+    results = {}
+    for source in sorted(corpus.rglob("*.ipynb")):
+        rel = str(source.relative_to(corpus))
+        executed = work / "executed" / rel
+        executed.parent.mkdir(parents=True, exist_ok=True)
+        nb = nbformat.read(source, as_version=4)
+        t0 = time.perf_counter()
+        error = None
+        try:
+            NotebookClient(
+                nb,
+                kernel_name=kernel,
+                timeout=600,
+                startup_timeout=300,
+                allow_errors=True,  # as nbequiv runs the reference
+                resources={"metadata": {"path": str(source.parent)}},
+            ).execute()
+        except Exception as e:  # noqa: BLE001 - recorded, the next notebook runs
+            error = f"{type(e).__name__}: {e}"[:800]
+        seconds = time.perf_counter() - t0
+        nbformat.write(nb, executed)
+        verdict = work / "verdicts" / (rel.replace("/", "__") + ".json")
+        verdict.parent.mkdir(parents=True, exist_ok=True)
+        cmp = subprocess.run(
+            [str(PYTHON), str(REPO.parent / "shared" / "tools" / "nbequiv.py"), str(source), str(executed)]
+            + ["--cwd", str(source.parent), "--reference-cache", str(WORK / "kernel-nbequiv-cache")]
+            + ["--json", str(verdict)],
+            capture_output=True,
+            text=True,
+        )
+        equal = error is None and (cmp.returncode == 0 or not real_mismatches(verdict, nbformat.read(source, 4)))
+        results[rel] = {"equal": equal, "seconds": round(seconds, 1), "error": error}
+        if not equal:
+            results[rel]["nbequiv"] = (cmp.stdout + cmp.stderr)[-1500:]
+        log(f"{kernel}: {rel}: {'equal' if equal else 'DIFFERENT'} ({seconds:.0f} s)")
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=200, help="timed runs of each cell per kernel")
@@ -104,6 +174,11 @@ def main() -> None:
     os.chdir(work)
     ipykernel = measure("python3", args.reps)
     looseleaf = measure("looseleaf-bench", args.reps)
+    subprocess.run(
+        [str(LOOSELEAF), "kernel", "install", "--prefix", str(prefix), "--name", "looseleaf-bench-gpu", "--all-gpu"],
+        check=True,
+    )
+    notebooks = corpus_through_kernel("looseleaf-bench-gpu", work)
 
     def ratio(name: str, q: str) -> float:
         return looseleaf[name][q] / ipykernel[name][q]
@@ -121,6 +196,10 @@ def main() -> None:
         "complete_served_from_objects": True,
         "targets": {"empty_cell_ratio": 4, "print_1mb_ratio": 2, "complete_ms_p50": 50},
         "placement": "CPU cells (the session's persistent CPU worker)",
+        # every corpus notebook through nbclient and the kernel, every cell serverless
+        "notebooks_equal": sum(r["equal"] for r in notebooks.values()),
+        "notebooks_total": len(notebooks),
+        "notebooks": notebooks,
         "ipykernel": ipykernel,
         "looseleaf": looseleaf,
         "reps": args.reps,

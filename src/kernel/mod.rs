@@ -869,7 +869,10 @@ pub async fn serve(connection_file: &Path, opts: KernelOptions, cluster: Cluster
         _ = terminate.recv() => {}
     }
     if let Some(s) = kernel.session.take() {
-        let _ = s.fe.delete(s.sid).await;
+        // its workers and slots are freed now, not when the session is culled idle
+        if let Err(e) = s.fe.delete(s.sid).await {
+            tracing::warn!(session = %s.sid, error = %e, "could not delete the kernel's session on exit");
+        }
     }
     if let Some(c) = embedded {
         c.stop().await;
