@@ -63,7 +63,7 @@ pub async fn run(req: RunRequest, cluster: ClusterOptions) -> anyhow::Result<()>
                 Some(token) => fe.with_token(token),
                 None => fe,
             };
-            drive(&req, nb, &fe).await
+            until_interrupted(drive(&req, nb, &fe), &req.output).await
         }
         None => {
             eprintln!("starting an embedded cluster in {}", cluster.data_dir.display());
@@ -73,15 +73,25 @@ pub async fn run(req: RunRequest, cluster: ClusterOptions) -> anyhow::Result<()>
                 return Err(e.context("while waiting for the gpu-hosts"));
             }
             let fe = Frontend::new(&c.frontend_url).with_token(&c.api_token);
-            let res = tokio::select! {
-                res = drive(&req, nb, &fe) => res,
-                () = schemas::telemetry::shutdown_signal() => {
-                    Err(anyhow::anyhow!("interrupted; {} holds the cells that finished", req.output.display()))
-                }
-            };
+            let res = until_interrupted(drive(&req, nb, &fe), &req.output).await;
             eprintln!("stopping the embedded cluster");
             c.stop().await;
             res
+        }
+    }
+}
+
+/// `work`, unless Ctrl-C (or SIGTERM) comes first: then the run ends with an error
+/// and `output` keeps the cells that finished. Whatever the process inherited as
+/// ignored (a job started in the background), the signal is heard.
+async fn until_interrupted(
+    work: impl std::future::Future<Output = anyhow::Result<()>>,
+    output: &std::path::Path,
+) -> anyhow::Result<()> {
+    tokio::select! {
+        res = work => res,
+        () = schemas::telemetry::shutdown_signal() => {
+            Err(anyhow::anyhow!("interrupted; {} holds the cells that finished", output.display()))
         }
     }
 }
