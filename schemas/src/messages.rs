@@ -581,6 +581,15 @@ pub struct InputReplyV1 {
 }
 wire!(InputReplyV1, "input-reply", 1);
 
+/// The `output_type` of the output that asks a run's client for a line of input
+/// (`{"output_type", "prompt", "password"}`; a Jupyter stdin request, never a
+/// notebook output): the host makes it, the frontend and the kernel read it.
+pub const INPUT_REQUEST_OUTPUT: &str = "input_request";
+
+/// Why a cell's `input()` gets no answer when its run's client has no stdin
+/// channel (ipykernel's words, after "raw_input was called, but ").
+pub const NO_STDIN: &str = "this frontend does not support input requests.";
+
 /// One GPU slot as a host reports it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SlotStatus {

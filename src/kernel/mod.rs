@@ -780,7 +780,7 @@ impl Kernel {
             }
             // the cell called input(): the client is asked on the stdin channel
             // (the frontend sends this only for a run made with allow_stdin)
-            "input_request" => {
+            schemas::messages::INPUT_REQUEST_OUTPUT => {
                 let content = json!({
                     "prompt": obj.get("prompt").cloned().unwrap_or_else(|| json!("")),
                     "password": obj.get("password").cloned().unwrap_or(json!(false)),

@@ -101,10 +101,6 @@ const STORE_TIMEOUT: Duration = Duration::from_secs(10);
 /// could not be reached.
 const ABANDON_RETRY: Duration = Duration::from_secs(2);
 
-/// What a cell that calls `input()` is told when its client has no stdin
-/// channel (ipykernel's words).
-const NO_STDIN: &str = "this frontend does not support input requests.";
-
 /// How often a running cell's host is checked for loss.
 const HOST_CHECK: Duration = Duration::from_secs(1);
 
@@ -656,7 +652,12 @@ impl SessionActor {
             self.emit(&StreamItem::Output { exec_id, seq, output });
             return;
         }
-        let refused = InputReplyV1 { session: self.sid, exec_id, value: String::new(), refused: Some(NO_STDIN.into()) };
+        let refused = InputReplyV1 {
+            session: self.sid,
+            exec_id,
+            value: String::new(),
+            refused: Some(schemas::messages::NO_STDIN.into()),
+        };
         let bus = self.shared.bus.clone();
         actix::spawn(async move {
             if let Err(e) = bus.publish(bus.subjects().input(refused.session), &refused).await {
@@ -679,7 +680,7 @@ impl SessionActor {
             out.output_json = self.pieces.remove(&key).unwrap_or_default().into_iter().flatten().collect();
         }
         match serde_json::from_str::<serde_json::Value>(&out.output_json) {
-            Ok(output) if output["output_type"] == "input_request" => {
+            Ok(output) if output["output_type"] == schemas::messages::INPUT_REQUEST_OUTPUT => {
                 self.on_input_request(out.exec_id, out.seq, output)
             }
             Ok(output) => self.emit(&StreamItem::Output { exec_id: out.exec_id, seq: out.seq, output }),

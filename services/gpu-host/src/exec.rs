@@ -559,7 +559,7 @@ impl ExecEnv {
         // a cell's input(): the wait is registered before its client is asked
         let on_input = |prompt: String, password: bool| {
             let wait = self.inputs.expect(exec_id);
-            let output = serde_json::json!({ "output_type": "input_request", "prompt": prompt, "password": password });
+            let output = serde_json::json!({ "output_type": schemas::messages::INPUT_REQUEST_OUTPUT, "prompt": prompt, "password": password });
             let seq = seq.fetch_add(1, Ordering::SeqCst) + 1;
             let asked = tx.send(Pending::Output(OutputV1 {
                 session,
