@@ -46,7 +46,8 @@ impl NotebookOutputs {
                         self.clear(index);
                     }
                 }
-                "update_display_data" | "pager" => {}
+                // not notebook outputs: the pager's text, a comm message (ADR 33)
+                "update_display_data" | "pager" | schemas::messages::COMM_OUTPUT => {}
                 _ => {
                     if clear_before_next {
                         self.clear(index);
@@ -136,13 +137,15 @@ mod tests {
     }
 
     #[test]
-    fn a_cleared_output_is_no_longer_updated_and_the_pager_is_not_an_output() {
+    fn a_cleared_output_is_no_longer_updated_and_neither_pager_nor_comm_is_an_output() {
         let mut nb = NotebookOutputs::default();
         let pager = json!({"output_type": "pager", "data": {"text/plain": "Docstring"}});
         let clear = json!({"output_type": "clear_output", "wait": false});
         let mut update = display("new", Some("p"));
         update["output_type"] = json!("update_display_data");
-        nb.apply(0, vec![display("old", Some("p")), clear, pager, stream("after\n"), update]);
+        let comm = json!({"output_type": "comm", "msg_type": "comm_open", "content": {"comm_id": "c"},
+                          "metadata": {}, "buffers": []});
+        nb.apply(0, vec![display("old", Some("p")), clear, pager, stream("after\n"), update, comm]);
         assert_eq!(nb.cell(0), vec![stream("after\n")]);
     }
 }

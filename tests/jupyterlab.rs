@@ -3,8 +3,9 @@
 //! Playwright (`tests/browser/jupyterlab.mjs`), opens a corpus notebook, chooses
 //! the LooseLeaf kernel in the kernel dialog, runs all cells, sees the plots
 //! rendered, interrupts a looping cell from the toolbar (its state before the
-//! interrupt stays) and restarts the kernel (a fresh session). scripts/setup
-//! installs JupyterLab, Chromium and playwright-core.
+//! interrupt stays), moves an ipywidgets slider with the keyboard and reads its
+//! value back in a later cell, and restarts the kernel (a fresh session).
+//! scripts/setup installs JupyterLab, Chromium and playwright-core.
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -126,6 +127,8 @@ fn jupyterlab_in_a_browser_runs_interrupts_and_restarts_a_notebook_on_looseleaf(
     assert!(seen["images_rendered"].as_u64().unwrap_or(0) >= 1, "{seen}");
     assert_eq!(seen["interrupted"], serde_json::json!(["KeyboardInterrupt"]), "{seen}");
     assert_eq!(seen["after_interrupt"], "1\n", "{seen}");
+    assert!(seen["slider_drawn"].as_u64().unwrap_or(0) >= 1, "{seen}");
+    assert_eq!(seen["slider_value"], "5\n", "the slider's value moved in the browser: {seen}");
     assert_eq!(seen["after_restart"], "NameError", "{seen}");
     Ok(())
 }

@@ -112,6 +112,35 @@ fn completion_and_inspection_come_from_the_sessions_live_objects() -> anyhow::Re
     Ok(())
 }
 
+/// ipywidgets through the kernel (ADR 33): a CPU cell's slider is shown, moved
+/// in the "browser" (comm messages on the shell channel), its observer runs and
+/// a later cell reads the value; a GPU cell's slider outlives its worker on its
+/// model id and is served by the CPU worker once a CPU cell restored it.
+#[test]
+fn a_slider_moved_in_the_browser_is_read_back_in_a_later_cell() -> anyhow::Result<()> {
+    let prefix = tempfile::tempdir()?;
+    install_as(prefix.path(), &["--name", "looseleaf-widgets"])?;
+    let work = tempfile::tempdir()?;
+    let out = python(prefix.path())
+        .arg(repo_root().join("tests/support/kernel_probe.py"))
+        .args(["looseleaf-widgets", "--widgets"])
+        .current_dir(work.path())
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    anyhow::ensure!(out.status.success(), "kernel_probe.py --widgets failed:\n{stderr}");
+    let seen: serde_json::Value = serde_json::from_slice(out.stdout.trim_ascii())?;
+    assert_eq!(seen["cpu_shown"], true, "{seen}");
+    assert_eq!(seen["comm_info"], serde_json::json!({"target_name": "jupyter.widget"}), "{seen}");
+    assert_eq!(seen["observer"], "now 7\n", "{seen}");
+    assert_eq!(seen["cpu_read_back"], "7\n", "{seen}");
+    assert_eq!(seen["gpu_shown"], true, "{seen}");
+    assert_eq!(seen["gpu_read_back"], "6 True\n", "{seen}");
+    assert_eq!(seen["gpu_reopened"], serde_json::json!([]), "{seen}");
+    assert_eq!(seen["gpu_moved"], "11\n", "{seen}");
+    assert_eq!(seen["unknown_target"], serde_json::json!([["comm_close", "c0ffee"]]), "{seen}");
+    Ok(())
+}
+
 #[test]
 fn nbclient_runs_corpus_notebooks_through_the_kernel_as_a_plain_kernel_would() -> anyhow::Result<()> {
     let prefix = tempfile::tempdir()?;

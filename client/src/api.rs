@@ -69,6 +69,46 @@ pub struct CodeAtCursor {
     pub detail_level: u8,
 }
 
+/// Body of `POST /v1/sessions/{sid}/comm`: a client's comm message (Jupyter's
+/// `comm_open`, `comm_msg`, `comm_close` or `comm_info_request`; ipywidgets),
+/// for the session's CPU worker, which serves the session's comms (ADR 33).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct CommMessage {
+    /// The Jupyter message type.
+    #[schema(example = "comm_msg")]
+    pub msg_type: String,
+    /// Its content.
+    #[schema(value_type = Object)]
+    pub content: serde_json::Value,
+    /// Its metadata.
+    #[serde(default = "empty_object")]
+    #[schema(value_type = Object)]
+    pub metadata: serde_json::Value,
+    /// Its binary buffers, base64.
+    #[serde(default)]
+    pub buffers: Vec<String>,
+}
+
+fn empty_object() -> serde_json::Value {
+    serde_json::json!({})
+}
+
+/// What a comm message caused.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct CommAnswer {
+    /// Whether a CPU worker of the session took it (false: the session has no
+    /// idle CPU worker, so no comm is open there).
+    pub held: bool,
+    /// `comm_info_reply`'s content for `comm_info_request`, else `{}`.
+    #[schema(value_type = Object)]
+    pub reply: serde_json::Value,
+    /// What handling it caused: worker outputs, among them comm messages to the
+    /// client (`output_type` "comm", with `msg_type`, `content`, `metadata` and
+    /// base64 `buffers`) and what callbacks printed (streams).
+    #[schema(value_type = Vec<Object>)]
+    pub outputs: Vec<serde_json::Value>,
+}
+
 /// Body of `POST /v1/sessions/{sid}/executions/{exec}/input`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct InputLine {

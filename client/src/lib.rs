@@ -6,8 +6,8 @@ pub mod api;
 pub mod events;
 
 use api::{
-    read_items, CellCode, CodeAtCursor, CreateSession, InputLine, Interrupted, RunAccepted, RunCell, SessionCreated,
-    StreamItem, StreamPosition,
+    read_items, CellCode, CodeAtCursor, CommAnswer, CommMessage, CreateSession, InputLine, Interrupted, RunAccepted,
+    RunCell, SessionCreated, StreamItem, StreamPosition,
 };
 use tokio::sync::mpsc;
 use uuid::Uuid;
@@ -179,6 +179,11 @@ impl Frontend {
     /// What the name at the cursor is: the content of Jupyter's `inspect_reply`.
     pub async fn inspect(&self, sid: Uuid, at: &CodeAtCursor) -> Result<serde_json::Value, ClientError> {
         self.json("inspect", self.http.post(format!("{}/v1/sessions/{sid}/inspect", self.base)).json(at)).await
+    }
+
+    /// Pass a client's comm message to the session's CPU worker (ADR 33).
+    pub async fn comm(&self, sid: Uuid, msg: &CommMessage) -> Result<CommAnswer, ClientError> {
+        self.json("comm", self.http.post(format!("{}/v1/sessions/{sid}/comm", self.base)).json(msg)).await
     }
 
     /// Answer execution `exec`'s input request with `value`.

@@ -752,6 +752,42 @@ pub struct QueryAnswerV1 {
 }
 wire!(QueryAnswerV1, "query-answer", 1);
 
+/// frontend -> the host keeping a session's CPU worker (`host.{hid}.comm`): a
+/// client's comm message (ipywidgets: a value changed in the browser), which
+/// that worker handles between cells (ADR 33). Answered with
+/// `Reply<CommAnswerV1>`; `NotFound` when the host keeps no CPU worker for the
+/// session, `Conflict` while that worker runs a cell.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CommV1 {
+    /// The session.
+    pub session: Uuid,
+    /// `comm_open`, `comm_msg`, `comm_close` or `comm_info_request`.
+    pub msg_type: String,
+    /// The Jupyter message's content, as JSON.
+    pub content_json: String,
+    /// Its metadata, as JSON.
+    pub metadata_json: String,
+    /// Its binary buffers, base64 (as the worker takes them).
+    pub buffers: Vec<String>,
+}
+wire!(CommV1, "comm", 1);
+
+/// What handling a comm message caused.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CommAnswerV1 {
+    /// `comm_info_reply`'s content for `comm_info_request` (else `{}`), as JSON.
+    pub reply_json: String,
+    /// Comm messages to the client and what callbacks printed: worker outputs
+    /// (`COMM_OUTPUT` and stream), each as JSON.
+    pub outputs_json: Vec<String>,
+}
+wire!(CommAnswerV1, "comm-answer", 1);
+
+/// The `output_type` of a comm message to the client among a worker's outputs
+/// (`msg_type`, `content`, `metadata`, base64 `buffers`): relayed as that
+/// Jupyter message, never a notebook output (ADR 33).
+pub const COMM_OUTPUT: &str = "comm";
+
 /// A typed error in a reply.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ErrorCode {

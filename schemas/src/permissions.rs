@@ -105,6 +105,7 @@ impl Role {
                     s.all_interrupts(),
                     s.all_inputs(),
                     s.host_command("*", HostVerb::Query),
+                    s.host_command("*", HostVerb::Comm),
                     s.store(StoreVerb::Settle),
                     s.store(StoreVerb::SessionDelete),
                     "$JS.API.INFO".into(),
@@ -151,6 +152,7 @@ impl Role {
                     s.all_host_status(),
                     s.host_command("*", HostVerb::Evict),
                     s.host_command("*", HostVerb::Query),
+                    s.host_command("*", HostVerb::Comm),
                 ]);
             }
         }

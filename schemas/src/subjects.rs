@@ -183,6 +183,8 @@ pub enum HostVerb {
     Evict,
     /// Complete or inspect code against the session's CPU worker (request/reply).
     Query,
+    /// A client's comm message for the session's CPU worker (request/reply).
+    Comm,
 }
 
 impl HostVerb {
@@ -190,6 +192,7 @@ impl HostVerb {
         match self {
             HostVerb::Evict => "evict",
             HostVerb::Query => "query",
+            HostVerb::Comm => "comm",
         }
     }
 }

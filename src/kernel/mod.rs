@@ -23,7 +23,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use jupyter_protocol::{ConnectionInfo, JupyterMessage, JupyterMessageContent};
 use jupyter_zmq_client as zmq;
-use looseleaf_client::api::{CodeAtCursor, ExecStatus, RunCell, StreamItem};
+use looseleaf_client::api::{CodeAtCursor, CommAnswer, CommMessage, ExecStatus, RunCell, StreamItem};
 use looseleaf_client::Frontend;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
@@ -521,7 +521,16 @@ impl Kernel {
                 Next::Continue
             }
             "comm_info_request" => {
-                self.reply_on(false, "comm_info_reply", json!({ "status": "ok", "comms": {} }), &msg).await;
+                let reply = match self.comm(&msg).await {
+                    Some(answer) if answer.reply.get("comms").is_some() => answer.reply,
+                    _ => json!({ "status": "ok", "comms": {} }),
+                };
+                self.reply_on(false, "comm_info_reply", reply, &msg).await;
+                Next::Continue
+            }
+            // ipywidgets: served by the session's CPU worker (ADR 33); no reply
+            "comm_open" | "comm_msg" | "comm_close" => {
+                let _ = self.comm(&msg).await;
                 Next::Continue
             }
             "complete_request" | "inspect_request" => {
@@ -539,6 +548,76 @@ impl Kernel {
         };
         self.status("idle", &msg).await;
         next
+    }
+
+    /// Pass a client's comm message to the session's CPU worker and publish what
+    /// it caused (comm messages, what callbacks printed) as children of it. A
+    /// `comm_open` no worker took is closed, as ipykernel closes one for a target
+    /// it lacks, so that the client does not wait on it.
+    async fn comm(&mut self, msg: &JupyterMessage) -> Option<CommAnswer> {
+        use base64::Engine as _;
+        let content = match &msg.content {
+            JupyterMessageContent::UnknownMessage(m) => m.content.clone(),
+            other => serde_json::to_value(other).unwrap_or_else(|_| json!({})),
+        };
+        let comm_id = content.get("comm_id").cloned().unwrap_or_else(|| json!(""));
+        let request = CommMessage {
+            msg_type: msg.message_type().to_string(),
+            content,
+            metadata: if msg.metadata.is_object() { msg.metadata.clone() } else { json!({}) },
+            buffers: msg.buffers.iter().map(|b| base64::engine::general_purpose::STANDARD.encode(b)).collect(),
+        };
+        let answer = match (self.ensure_session().await, &self.session) {
+            (Ok(()), Some(s)) => s.fe.comm(s.sid, &request).await.map_err(|e| e.to_string()),
+            (opened, _) => Err(format!("no LooseLeaf session: {}", opened.err().unwrap_or_default())),
+        };
+        let answer = match answer {
+            Ok(a) => a,
+            Err(why) => {
+                tracing::warn!(msg_type = msg.message_type(), error = %why, "a comm message was not taken");
+                CommAnswer { held: false, reply: json!({}), outputs: vec![] }
+            }
+        };
+        if !answer.held && msg.message_type() == "comm_open" {
+            self.iopub("comm_close", json!({ "comm_id": comm_id, "data": {} }), msg).await;
+        }
+        let mut ended = Ended { ok: true, error: None, payload: vec![] };
+        for output in answer.outputs.clone() {
+            self.relay(msg, output, false, self.execution_count, &mut ended).await;
+        }
+        Some(answer)
+    }
+
+    /// A comm message to the client among a worker's outputs, published as that
+    /// Jupyter message (its buffers decoded).
+    async fn relay_comm(&mut self, parent: &JupyterMessage, obj: &serde_json::Map<String, Value>) {
+        use base64::Engine as _;
+        let msg_type = obj.get("msg_type").and_then(Value::as_str).unwrap_or_default();
+        if !matches!(msg_type, "comm_open" | "comm_msg" | "comm_close") {
+            tracing::warn!(msg_type, "a comm output of no comm message type; dropped");
+            return;
+        }
+        let content = obj.get("content").cloned().unwrap_or_else(|| json!({}));
+        let mut m = match message(msg_type, content, parent) {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(error = %e, "a comm message was not relayed");
+                return;
+            }
+        };
+        if let Some(metadata) = obj.get("metadata").filter(|m| m.is_object()) {
+            m.metadata = metadata.clone();
+        }
+        let buffers = obj.get("buffers").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default();
+        for b in buffers {
+            match base64::engine::general_purpose::STANDARD.decode(b.as_str().unwrap_or_default()) {
+                Ok(bytes) => m.buffers.push(bytes.into()),
+                Err(e) => tracing::warn!(error = %e, "a comm message's buffer is not base64; left out"),
+            }
+        }
+        if let Err(e) = self.sockets.iopub.send(m).await {
+            tracing::warn!(error = %e, "could not publish a comm message on iopub");
+        }
     }
 
     /// A completion or inspection, answered by the session's live objects (its
@@ -793,6 +872,11 @@ impl Kernel {
                     }
                     Err(e) => tracing::error!(error = %e, "could not build an input request"),
                 }
+                return;
+            }
+            // a comm message (ipywidgets), whether or not the cell is silent
+            schemas::messages::COMM_OUTPUT => {
+                self.relay_comm(msg, obj).await;
                 return;
             }
             // the text of `obj?` goes to Jupyter's pager, as the reply's payload

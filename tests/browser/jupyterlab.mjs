@@ -1,6 +1,6 @@
 // Drive JupyterLab in headless Chromium as a user would: open a notebook, choose
 // the LooseLeaf kernel in the kernel dialog, run all cells, see an image, interrupt
-// a looping cell, restart. Prints one JSON line of what it saw; tests/jupyterlab.rs
+// a looping cell, move a slider and read its value back, restart. Prints one JSON line of what it saw; tests/jupyterlab.rs
 // asserts on it. A step that fails leaves a screenshot in $OUT.
 //
 // Environment: LAB_URL, LAB_TOKEN, NOTEBOOK (path under the server's root),
@@ -115,6 +115,28 @@ try {
     await runNewCell("print(looping)");
     await kernelIdle(kernelName);
     seen.after_interrupt = (await lastOutputs()).map((o) => o.text || o.ename).join("");
+  });
+
+  await step("widget", async () => {
+    // ipywidgets (ADR 33): a slider is drawn, the user moves it with the
+    // keyboard, and a later cell reads the value it was moved to
+    await runNewCell("import ipywidgets as W\nslider = W.IntSlider(value=3)\nslider");
+    const handle = page.locator(".widget-slider .noUi-handle").last();
+    await handle.waitFor({ timeout: 2 * MINUTE });
+    await kernelIdle(kernelName);
+    seen.slider_drawn = await page.locator(".widget-slider").count();
+    await handle.focus();
+    await page.keyboard.press("ArrowRight");
+    await page.keyboard.press("ArrowRight");
+    await page.locator(".widget-readout", { hasText: "5" }).last().waitFor({ timeout: MINUTE });
+    await kernelIdle(kernelName);
+    await runNewCell("print(slider.value)");
+    await page.waitForFunction(() => {
+      const nb = window.jupyterapp.shell.currentWidget.content;
+      return nb.widgets.at(-1).model.outputs.length > 0;
+    }, null, { timeout: 2 * MINUTE });
+    await kernelIdle(kernelName);
+    seen.slider_value = (await lastOutputs()).map((o) => o.text || o.ename).join("");
   });
 
   await step("restart", async () => {

@@ -52,6 +52,67 @@ def wait_for_output(kc, msg_id):
     raise TimeoutError("the cell never printed")
 
 
+def send_comm(kc, msg_type, content):
+    """Send a client's comm message on the shell channel (as a widget manager
+    does); return [(msg_type, content)] the kernel published for it."""
+    msg = kc.session.msg(msg_type, content)
+    kc.shell_channel.send(msg)
+    outputs = []
+    while True:
+        got = kc.get_iopub_msg(timeout=TIMEOUT)
+        if got["parent_header"].get("msg_id") != msg["header"]["msg_id"]:
+            continue
+        if got["msg_type"] == "status" and got["content"]["execution_state"] == "idle":
+            return outputs
+        if got["msg_type"] != "status":
+            outputs.append((got["msg_type"], got["content"]))
+
+
+def slider_of(outputs):
+    """The comm id of the IntSlider a cell showed, if its view names it."""
+    opened = [
+        c["comm_id"]
+        for k, c in outputs
+        if k == "comm_open" and c["data"]["state"].get("_model_name") == "IntSliderModel"
+    ]
+    views = [
+        c["data"]["application/vnd.jupyter.widget-view+json"]["model_id"]
+        for k, c in outputs
+        if k in ("display_data", "execute_result") and "application/vnd.jupyter.widget-view+json" in c["data"]
+    ]
+    return opened[0] if len(opened) == 1 and views == opened else None
+
+
+def update(comm_id, **state):
+    return {"comm_id": comm_id, "data": {"method": "update", "state": state, "buffer_paths": []}}
+
+
+def widgets(kc):
+    """ipywidgets through the kernel (ADR 33): a CPU cell's slider and a GPU cell's."""
+    seen = {}
+    code = "import ipywidgets as W\ns = W.IntSlider(value=3)\ns.observe(lambda c: print('now', c['new']), 'value')\ns"
+    _, outs = run(kc, code)
+    cid = slider_of(outs)
+    seen["cpu_shown"] = cid is not None
+    info = reply_to(kc, kc.comm_info(target_name="jupyter.widget"))["content"]
+    seen["comm_info"] = info["comms"].get(cid)
+    seen["observer"] = text(send_comm(kc, "comm_msg", update(cid, value=7)))
+    seen["cpu_read_back"] = text(run(kc, "print(s.value)")[1])
+    # a GPU cell's slider: its worker ends with the cell; the CPU cell that reads
+    # it next restores it on its model id and serves it from then on
+    _, outs = run(kc, "%%gpu\nimport ipywidgets as W\ng = W.IntSlider(value=5)\ng.value = 6\ng")
+    gid = slider_of(outs)
+    seen["gpu_shown"] = gid is not None
+    _, outs = run(kc, f"print(g.value, g.model_id == {gid!r})")
+    seen["gpu_read_back"] = text(outs)
+    seen["gpu_reopened"] = [k for k, _ in outs if k == "comm_open"]
+    send_comm(kc, "comm_msg", update(gid, value=11))
+    seen["gpu_moved"] = text(run(kc, "print(g.value)")[1])
+    closed = send_comm(kc, "comm_open", {"comm_id": "c0ffee", "target_name": "no.such.target", "data": {}})
+    seen["unknown_target"] = [[k, c.get("comm_id")] for k, c in closed]
+    return seen
+
+
 def text(outputs):
     out = []
     for kind, c in outputs:
@@ -74,6 +135,13 @@ def main():
         finally:
             kc.stop_channels()
             km.shutdown_kernel(now=False)  # a shutdown_request: the kernel stops its cluster
+        return
+    if len(sys.argv) > 2 and sys.argv[2] == "--widgets":
+        try:
+            print(json.dumps(widgets(kc)))
+        finally:
+            kc.stop_channels()
+            km.shutdown_kernel(now=False)
         return
     if len(sys.argv) > 2 and sys.argv[2] == "--complete":
         # completion and inspection from the session's live objects (its CPU worker)

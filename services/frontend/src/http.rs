@@ -17,9 +17,10 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::{Extension, Json, Router};
 use futures::StreamExt;
+use schemas::bus::BusError;
 use schemas::messages::{
-    DoneV1, OutputV1, QueryAnswerV1, QueryKind, QueryV1, SessionCloseV1, SessionDeleteV1, SessionEventV2,
-    SessionIdleV1, SessionOptions,
+    CommAnswerV1, CommV1, DoneV1, ErrorCode, OutputV1, QueryAnswerV1, QueryKind, QueryV1, SessionCloseV1,
+    SessionDeleteV1, SessionEventV2, SessionIdleV1, SessionOptions,
 };
 use schemas::subjects::{HostVerb, StoreVerb};
 use tokio_util::sync::CancellationToken;
@@ -27,8 +28,8 @@ use uuid::Uuid;
 
 use crate::admission::Limits;
 use crate::api::{
-    ApiErrorBody, CellCode, CodeAtCursor, CreateSession, Health, InputLine, Interrupted, RunAccepted, RunCell,
-    SessionCreated, SessionDeleted, SessionSummary, StreamItem,
+    ApiErrorBody, CellCode, CodeAtCursor, CommAnswer, CommMessage, CreateSession, Health, InputLine, Interrupted,
+    RunAccepted, RunCell, SessionCreated, SessionDeleted, SessionSummary, StreamItem,
 };
 use crate::auth::{Caller, Tokens};
 use crate::origins::Origins;
@@ -236,6 +237,7 @@ pub fn router(state: AppState, body_timeout: Duration) -> Router {
         .route("/v1/sessions/{sid}/executions/{exec_id}/input", post(input))
         .route("/v1/sessions/{sid}/complete", post(complete))
         .route("/v1/sessions/{sid}/inspect", post(inspect))
+        .route("/v1/sessions/{sid}/comm", post(comm))
         .route("/v1/sessions/{sid}/cells/{cell_id}", put(edit))
         .route("/v1/sessions/{sid}/cells/{cell_id}/run", post(run))
         .fallback(|| async { ApiError(StatusCode::NOT_FOUND, "no such route".into()) })
@@ -455,6 +457,72 @@ async fn query(
     }
 }
 
+/// How long a widget's callbacks may take to handle a comm message.
+const COMM_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A client's comm message (ipywidgets), for the session's CPU worker, which
+/// serves the session's comms between cells (ADR 33). `held` is false when the
+/// session has no CPU worker (no comm is open there; a `comm_open` is not taken).
+#[utoipa::path(post, path = "/v1/sessions/{sid}/comm", params(("sid" = uuid::Uuid, Path, description = "the session")),
+    request_body = CommMessage, responses((status = 200, body = CommAnswer),
+        (status = 409, description = "the session's CPU worker is running a cell", body = ApiErrorBody)))]
+async fn comm(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    Path(sid): Path<String>,
+    body: Result<Json<CommMessage>, JsonRejection>,
+) -> Result<Json<CommAnswer>, ApiError> {
+    let (sid, addr) = lookup(&state, &sid, &caller).await?;
+    let msg = json_body(body)?;
+    let kinds = ["comm_open", "comm_msg", "comm_close", "comm_info_request"];
+    if !kinds.contains(&msg.msg_type.as_str()) {
+        return Err(bad_request(format!("msg_type {:?} is not one of {}", msg.msg_type, kinds.join(", "))));
+    }
+    if !msg.content.is_object() || !msg.metadata.is_object() {
+        return Err(bad_request("a comm message's content and metadata are JSON objects"));
+    }
+    let not_held = || {
+        let reply = if msg.msg_type == "comm_info_request" {
+            serde_json::json!({ "status": "ok", "comms": {} })
+        } else {
+            serde_json::json!({})
+        };
+        Json(CommAnswer { held: false, reply, outputs: vec![] })
+    };
+    let Some(host) = addr.send(session::CpuHost).await.map_err(mailbox)? else {
+        return Ok(not_held());
+    };
+    let bus = &state.shared.bus;
+    let request = CommV1 {
+        session: sid,
+        msg_type: msg.msg_type.clone(),
+        content_json: msg.content.to_string(),
+        metadata_json: msg.metadata.to_string(),
+        buffers: msg.buffers.clone(),
+    };
+    let subject = bus.subjects().host_command(&host, HostVerb::Comm);
+    match bus.request::<CommV1, CommAnswerV1>(subject, &request, COMM_TIMEOUT).await {
+        Ok(answer) => {
+            let parse = |text: &str| serde_json::from_str::<serde_json::Value>(text);
+            let reply =
+                parse(&answer.reply_json).map_err(|e| internal(format!("the worker's reply is not JSON: {e}")))?;
+            let outputs = answer
+                .outputs_json
+                .iter()
+                .map(|o| parse(o))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| internal(format!("an output of the comm message is not JSON: {e}")))?;
+            Ok(Json(CommAnswer { held: true, reply, outputs }))
+        }
+        Err(BusError::Remote { code: ErrorCode::Conflict, message, .. }) => {
+            Err(ApiError(StatusCode::CONFLICT, message))
+        }
+        Err(BusError::Remote { code: ErrorCode::BadRequest, message, .. }) => Err(bad_request(message)),
+        Err(BusError::Remote { code: ErrorCode::NotFound, .. } | BusError::NoResponders { .. }) => Ok(not_held()),
+        Err(e) => Err(unavailable(format!("the session's CPU worker did not take the comm message: {e}"))),
+    }
+}
+
 /// The session's revision, current run, queue and executions.
 #[utoipa::path(get, path = "/v1/sessions/{sid}", params(("sid" = uuid::Uuid, Path, description = "the session")), responses((status = 200, body = SessionSummary)))]
 async fn summary(
@@ -545,7 +613,7 @@ async fn delete_session(
 #[derive(utoipa::OpenApi)]
 #[openapi(
     info(title = "LooseLeaf frontend API", version = "1", description = "Sessions, edits, runs and their event stream"),
-    paths(health, openapi_json, create_session, summary, delete_session, edit, run, interrupt, input, complete, inspect, events),
+    paths(health, openapi_json, create_session, summary, delete_session, edit, run, interrupt, input, complete, inspect, comm, events),
     components(schemas(ApiErrorBody)),
     modifiers(&Errors),
     security(("bearer" = []))

@@ -41,7 +41,8 @@ use actix::prelude::*;
 use anyhow::Context as _;
 use schemas::buckets;
 use schemas::messages::{
-    EvictV1, HostStatusV2, InputReplyV1, InterruptV1, QueryV1, RecipeV1, SessionCloseV1, SessionEventV2, SessionIdleV1,
+    CommV1, EvictV1, HostStatusV2, InputReplyV1, InterruptV1, QueryV1, RecipeV1, SessionCloseV1, SessionEventV2,
+    SessionIdleV1,
 };
 use schemas::service::Service;
 use schemas::subjects::HostVerb;
@@ -177,6 +178,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     let idles = bus.subscribe::<SessionIdleV1>(s.all_idles()).await?;
     let evictions = bus.subscribe::<EvictV1>(s.host_command(&config.host_id, HostVerb::Evict)).await?;
     let queries = bus.subscribe::<QueryV1>(s.host_command(&config.host_id, HostVerb::Query)).await?;
+    let comms = bus.subscribe::<CommV1>(s.host_command(&config.host_id, HostVerb::Comm)).await?;
     // other hosts' status: whether anyone else could take a run (see `claim_delay`)
     let peers = bus.subscribe::<HostStatusV2>(s.all_host_status()).await?;
     let zygote_handle = env.zygotes.clone();
@@ -190,6 +192,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         ctx.add_stream(idles.into_stream());
         ctx.add_stream(evictions.into_stream());
         ctx.add_stream(queries.into_stream());
+        ctx.add_stream(comms.into_stream());
         ctx.add_stream(peers.into_stream());
         host::Host::new(env, claims, slots, real_gpus, config.prepare_holds_slot, config.keep_warm)
     });

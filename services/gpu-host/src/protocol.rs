@@ -237,6 +237,24 @@ pub enum Frame {
         /// The reply content.
         content: serde_json::Value,
     },
+    /// host -> worker, between cells: a client's comm message (ipywidgets).
+    Comm {
+        /// comm_open, comm_msg, comm_close or comm_info_request.
+        msg_type: String,
+        /// The Jupyter message's content.
+        content: serde_json::Value,
+        /// Its metadata.
+        metadata: serde_json::Value,
+        /// Its buffers, base64.
+        buffers: Vec<String>,
+    },
+    /// worker -> host: what handling a comm message caused.
+    CommAnswer {
+        /// comm_info_reply's content for comm_info_request, else empty.
+        reply: serde_json::Value,
+        /// Comm messages to the client and what callbacks printed, as outputs.
+        outputs: Vec<serde_json::Value>,
+    },
     /// worker -> host: the cell ended.
     Finished {
         /// Execution id.
@@ -344,6 +362,8 @@ impl Frame {
             Frame::InputReply { .. } => "input_reply",
             Frame::Query { .. } => "query",
             Frame::QueryAnswer { .. } => "query_answer",
+            Frame::Comm { .. } => "comm",
+            Frame::CommAnswer { .. } => "comm_answer",
             Frame::Finished { .. } => "finished",
             Frame::Save { .. } => "save",
             Frame::SavePlan { .. } => "save_plan",
@@ -499,6 +519,18 @@ mod tests {
             Frame::InputReply { exec_id: "e".into(), value: "Ada".into(), refused: None, interrupted: false },
             Frame::Query { kind: "complete".into(), code: "x.".into(), cursor_pos: 2, detail_level: 0 },
             Frame::QueryAnswer { content: serde_json::json!({"status": "ok", "matches": []}) },
+            Frame::Comm {
+                msg_type: "comm_msg".into(),
+                content: serde_json::json!({"comm_id": "c", "data": {}}),
+                metadata: serde_json::json!({}),
+                buffers: vec!["AAE=".into()],
+            },
+            Frame::CommAnswer {
+                reply: serde_json::json!({}),
+                outputs: vec![
+                    serde_json::json!({"output_type": "comm", "msg_type": "comm_msg", "content": {}, "metadata": {}, "buffers": []}),
+                ],
+            },
             Frame::Finished {
                 exec_id: "e".into(),
                 status: "ok".into(),

@@ -348,6 +348,16 @@ impl WorkerProc {
         }
     }
 
+    /// A client's comm message, handled by the worker between cells: returns
+    /// (the reply content, the outputs it caused).
+    pub async fn comm(&mut self, comm: Frame) -> Result<(serde_json::Value, Vec<serde_json::Value>), WorkerError> {
+        self.send("passing a comm message", &comm).await?;
+        match self.recv("passing a comm message", STEP).await? {
+            Frame::CommAnswer { reply, outputs } => Ok((reply, outputs)),
+            other => Err(self.unexpected("passing a comm message", other)),
+        }
+    }
+
     /// Save: plan, upload what the store lacks, commit through `commit`, tell the
     /// worker the versions. `ask_missing` gets the hashes this host does not know to
     /// be stored and returns those the store lacks (the gateway's chunk plan);

@@ -30,6 +30,7 @@ from typing import Any
 import cloudpickle
 import xxhash
 
+from . import comms
 from .protocol import CHUNK_SIZE
 
 OOB_MIN_BYTES = 64 * 1024
@@ -307,6 +308,8 @@ class RecordPickler(cloudpickle.Pickler):
             return self._reduce_tensor(torch, obj)
         if t is types.CodeType:
             return _reduce_code(obj)
+        if comms.is_widget(obj):
+            return comms.reduce_widget(obj)  # its state, on its model id (ADR 33)
         return super().reducer_override(obj)
 
     def _reduce_tensor(self, torch, t):

@@ -149,6 +149,8 @@ _OUTPUT_FIELDS = {
     "update_display_data": {"data": "dict", "metadata": "dict"},
     "clear_output": {"wait": "bool"},
     "pager": {"data": "dict"},
+    # a comm message to the client (ipywidgets), never a notebook output
+    "comm": {"msg_type": "str", "content": "dict", "metadata": "dict", "buffers": "list[str]"},
 }
 
 

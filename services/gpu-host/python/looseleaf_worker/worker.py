@@ -1,4 +1,4 @@
-"""The worker: serves restore/run/save/committed/query/shutdown over one socket.
+"""The worker: serves restore/run/save/committed/query/comm/shutdown over one socket.
 
 A worker is forked from a zygote (or started directly in tests) and may serve
 several cells. It tracks the version of every name it holds, so that the host
@@ -20,7 +20,7 @@ import traceback
 from IPython.core.completer import provisionalcompleter, rectify_completions
 from IPython.utils.tokenutil import token_at_cursor
 
-from . import ambient, checkpoint, faults, packages, protocol, quiet
+from . import ambient, checkpoint, comms, faults, packages, protocol, quiet
 from .interrupt import CellInterrupts
 from .localmods import LocalModules
 from .shell import WorkerShell
@@ -88,12 +88,18 @@ class Worker:
         faults.install(self.shell.user_ns, self.fault_in)
         self.interrupts = CellInterrupts()
         self.interrupts.install()
+        # comm messages to the client (ipywidgets) are outputs (ADR 33)
+        self._collected: list[dict] | None = None  # outputs of a comm message
+        comms.install(self._emit_output)
 
     # ------------------------------------------------------------- transport
     def send(self, msg: dict) -> None:
         protocol.send(self.sock, msg)
 
     def _emit_output(self, output: dict) -> None:
+        if self._collected is not None:
+            self._collected.append(output)  # they answer the client's comm message
+            return
         if self.exec_id is None:
             # Output outside a cell (a __setstate__ that prints, an extension
             # loaded again at restore): the host's log, never a cell's output.
@@ -118,6 +124,7 @@ class Worker:
             "save": self.on_save,
             "committed": self.on_committed,
             "query": self.on_query,
+            "comm": self.on_comm,
         }
         while True:
             try:
@@ -267,6 +274,17 @@ class Worker:
         if reply.get("refused") is not None:
             raise _stdin_not_implemented(f"{what} was called, but {reply['refused']}")
         return reply["value"]
+
+    def on_comm(self, msg: dict) -> None:
+        """A client's comm message (a widget's value changed in the browser),
+        handled as ipykernel's shell handles it; what it causes is the answer."""
+        self._collected = []
+        try:
+            reply = comms.handle(msg["msg_type"], msg["content"], msg["metadata"], msg["buffers"])
+            self.shell.flush_streams()
+        finally:
+            outputs, self._collected = self._collected, None
+        self.send({"type": "comm_answer", "reply": reply, "outputs": outputs})
 
     def on_query(self, msg: dict) -> None:
         """Complete or inspect code against this worker's live objects, as

@@ -211,6 +211,13 @@ class Worker:
         self.conn.send(msg)
         return self.conn.expect("query_answer")["content"]
 
+    def comm(self, msg_type: str, content: dict, metadata: dict | None = None, buffers: list | None = None) -> dict:
+        """A client's comm message between cells; the worker's answer."""
+        msg = {"type": "comm", "msg_type": msg_type, "content": content, "metadata": metadata or {}}
+        msg["buffers"] = buffers or []
+        self.conn.send(msg)
+        return self.conn.expect("comm_answer")
+
     def save(self) -> dict:
         exec_id = uuid.uuid4().hex
         self.conn.send({"type": "save", "exec_id": exec_id})

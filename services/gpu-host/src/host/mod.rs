@@ -32,9 +32,9 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use schemas::bus::Rejected;
 use schemas::messages::{
-    BidV1, Device, ErrorCode, EventKind, EvictV1, HostStatusV2, InputReplyV1, InterruptV1, Prepare, PreparedClass,
-    PreparedOutcome, QueryAnswerV1, QueryKind, QueryV1, RecipeKind, RecipeV1, Reply, SessionCloseV1, SessionEventV2,
-    SessionIdleV1, SlotUse, WorkerState, ZygoteStatus,
+    BidV1, CommAnswerV1, CommV1, Device, ErrorCode, EventKind, EvictV1, HostStatusV2, InputReplyV1, InterruptV1,
+    Prepare, PreparedClass, PreparedOutcome, QueryAnswerV1, QueryKind, QueryV1, RecipeKind, RecipeV1, Reply,
+    SessionCloseV1, SessionEventV2, SessionIdleV1, SlotUse, WorkerState, ZygoteStatus,
 };
 use schemas::{unix_ms, Envelope};
 use tokio::sync::Mutex;
@@ -1046,20 +1046,51 @@ impl StreamHandler<Result<Envelope<QueryV1>, Rejected>> for Host {
     }
 }
 
-/// A completion or inspection answered by the session's CPU worker: `NotFound`
-/// when this host keeps none, `Conflict` while it runs a cell (a kernel asks
-/// between cells; an editor typing meanwhile gets nothing rather than a wait).
-async fn query_cpu_worker(worker: Option<Arc<Mutex<WorkerProc>>>, q: QueryV1) -> Reply<QueryAnswerV1> {
-    let err = |code, message: String| Reply::Err { code, message };
+impl StreamHandler<Result<Envelope<CommV1>, Rejected>> for Host {
+    fn handle(&mut self, item: Result<Envelope<CommV1>, Rejected>, _ctx: &mut Self::Context) {
+        let bus = self.env.bus.clone();
+        let env = match item {
+            Ok(env) => env,
+            Err(rejected) => {
+                actix::spawn(async move { rejected.answer::<CommAnswerV1>(&bus).await });
+                return;
+            }
+        };
+        let worker = self.kept.cpu_worker(env.msg.session).map(|k| k.worker.clone());
+        actix::spawn(async move {
+            let reply = comm_cpu_worker(worker, env.msg).await;
+            if let Err(e) = bus.respond(env.reply, &reply).await {
+                tracing::warn!(error = %e, "could not answer a comm message");
+            }
+        });
+    }
+}
+
+/// The session's CPU worker if it is idle: `NotFound` when this host keeps none
+/// (or lost it), `Conflict` while it runs a cell (a kernel asks between cells;
+/// an editor typing meanwhile gets nothing rather than a wait).
+fn idle_cpu_worker(
+    worker: &Option<Arc<Mutex<WorkerProc>>>,
+    session: Uuid,
+) -> Result<tokio::sync::MutexGuard<'_, WorkerProc>, (ErrorCode, String)> {
     let Some(worker) = worker else {
-        return err(ErrorCode::NotFound, format!("this host keeps no CPU worker for session {}", q.session));
+        return Err((ErrorCode::NotFound, format!("this host keeps no CPU worker for session {session}")));
     };
-    let Ok(mut w) = worker.try_lock() else {
-        return err(ErrorCode::Conflict, "the session's CPU worker is running a cell".into());
+    let Ok(w) = worker.try_lock() else {
+        return Err((ErrorCode::Conflict, "the session's CPU worker is running a cell".into()));
     };
     if w.is_broken() {
-        return err(ErrorCode::NotFound, "the session's CPU worker was lost".into());
+        return Err((ErrorCode::NotFound, "the session's CPU worker was lost".into()));
     }
+    Ok(w)
+}
+
+/// A completion or inspection answered by the session's CPU worker.
+async fn query_cpu_worker(worker: Option<Arc<Mutex<WorkerProc>>>, q: QueryV1) -> Reply<QueryAnswerV1> {
+    let mut w = match idle_cpu_worker(&worker, q.session) {
+        Ok(w) => w,
+        Err((code, message)) => return Reply::Err { code, message },
+    };
     let kind = match q.kind {
         QueryKind::Complete => "complete",
         QueryKind::Inspect => "inspect",
@@ -1068,7 +1099,38 @@ async fn query_cpu_worker(worker: Option<Arc<Mutex<WorkerProc>>>, q: QueryV1) ->
         Frame::Query { kind: kind.into(), code: q.code, cursor_pos: q.cursor_pos, detail_level: q.detail_level };
     match w.query(frame).await {
         Ok(content) => Reply::Ok(QueryAnswerV1 { content_json: content.to_string() }),
-        Err(e) => err(ErrorCode::Internal, format!("the session's CPU worker could not answer: {e}")),
+        Err(e) => {
+            Reply::Err { code: ErrorCode::Internal, message: format!("the session's CPU worker could not answer: {e}") }
+        }
+    }
+}
+
+/// A client's comm message handled by the session's CPU worker (ADR 33).
+async fn comm_cpu_worker(worker: Option<Arc<Mutex<WorkerProc>>>, c: CommV1) -> Reply<CommAnswerV1> {
+    let json = |what: &str, text: &str| {
+        serde_json::from_str::<serde_json::Value>(text)
+            .ok()
+            .filter(serde_json::Value::is_object)
+            .ok_or_else(|| format!("the comm message's {what} is not a JSON object"))
+    };
+    let (content, metadata) = match (json("content", &c.content_json), json("metadata", &c.metadata_json)) {
+        (Ok(content), Ok(metadata)) => (content, metadata),
+        (Err(message), _) | (_, Err(message)) => return Reply::Err { code: ErrorCode::BadRequest, message },
+    };
+    let mut w = match idle_cpu_worker(&worker, c.session) {
+        Ok(w) => w,
+        Err((code, message)) => return Reply::Err { code, message },
+    };
+    let frame = Frame::Comm { msg_type: c.msg_type, content, metadata, buffers: c.buffers };
+    match w.comm(frame).await {
+        Ok((reply, outputs)) => Reply::Ok(CommAnswerV1 {
+            reply_json: reply.to_string(),
+            outputs_json: outputs.iter().map(ToString::to_string).collect(),
+        }),
+        Err(e) => Reply::Err {
+            code: ErrorCode::Internal,
+            message: format!("the session's CPU worker could not take the comm message: {e}"),
+        },
     }
 }
 
