@@ -92,12 +92,23 @@ fn jupyter_clients_run_cells_interrupt_and_restart_through_the_kernel() -> anyho
 /// and inspection from that worker's live objects.
 #[test]
 fn completion_and_inspection_come_from_the_sessions_live_objects() -> anyhow::Result<()> {
+    completes_and_inspects(&["--name", "looseleaf-cpu"])
+}
+
+/// With every cell serverless there is no CPU worker: the kernel infers from the
+/// session's code (jedi on the cells it ran), with the same answers here.
+#[test]
+fn completion_and_inspection_without_a_cpu_worker_come_from_the_sessions_code() -> anyhow::Result<()> {
+    completes_and_inspects(&["--name", "looseleaf-all-gpu", "--all-gpu"])
+}
+
+fn completes_and_inspects(install_args: &[&str]) -> anyhow::Result<()> {
     let prefix = tempfile::tempdir()?;
-    install_as(prefix.path(), &["--name", "looseleaf-cpu"])?;
+    install_as(prefix.path(), install_args)?;
     let work = tempfile::tempdir()?;
     let out = python(prefix.path())
         .arg(repo_root().join("tests/support/kernel_probe.py"))
-        .args(["looseleaf-cpu", "--complete"])
+        .args([install_args[1], "--complete"])
         .current_dir(work.path())
         .output()?;
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -112,10 +123,6 @@ fn completion_and_inspection_come_from_the_sessions_live_objects() -> anyhow::Re
     Ok(())
 }
 
-/// ipywidgets through the kernel (ADR 33): a CPU cell's slider is shown, moved
-/// in the "browser" (comm messages on the shell channel), its observer runs and
-/// a later cell reads the value; a GPU cell's slider outlives its worker on its
-/// model id and is served by the CPU worker once a CPU cell restored it.
 #[test]
 fn a_slider_moved_in_the_browser_is_read_back_in_a_later_cell() -> anyhow::Result<()> {
     let prefix = tempfile::tempdir()?;
@@ -210,6 +217,8 @@ fn the_jupyter_kernel_conformance_suite_passes() -> anyhow::Result<()> {
         "test_history",
         "test_clear_output",
         "test_kernel_info",
+        "test_completion",
+        "test_inspect",
     ] {
         assert!(report.lines().any(|l| l.starts_with(test) && l.ends_with("ok")), "{test} did not pass:\n{report}");
     }

@@ -31,10 +31,15 @@ use uuid::Uuid;
 
 use crate::cluster::{Cluster, ClusterOptions};
 
+mod codehelp;
 mod complete;
 
 /// The protocol version the kernel speaks.
 const PROTOCOL_VERSION: &str = "5.3";
+
+/// How many of the session's latest cells completion reads when it infers from
+/// the code (no live objects to ask).
+const HELP_HISTORY_CELLS: usize = 500;
 
 /// Where the kernel's cells run.
 pub struct KernelOptions {
@@ -325,6 +330,8 @@ struct Kernel {
     pending: VecDeque<JupyterMessage>,
     /// SIGINT: interrupt the running cell, as ipykernel does.
     sigint: mpsc::UnboundedReceiver<()>,
+    /// Completion and inspection from the session's code (no live objects).
+    codehelp: codehelp::CodeHelp,
 }
 
 /// How an execution ended, for its reply.
@@ -637,9 +644,24 @@ impl Kernel {
             }
             (Some(s), _) => s.fe.inspect(s.sid, &at).await.map_err(|e| e.to_string()),
         };
-        answer.unwrap_or_else(
+        let answer = answer.unwrap_or_else(
             |why| json!({ "status": "error", "ename": "LooseLeafError", "evalue": why, "traceback": [] }),
-        )
+        );
+        // no live object answered (no CPU worker yet, or every cell serverless):
+        // infer from the session's code, as an editor does
+        let found_nothing = answer["status"] != "ok"
+            || answer["matches"].as_array().is_some_and(Vec::is_empty)
+            || answer["found"] == false;
+        if !found_nothing {
+            return answer;
+        }
+        let kind = if msg.message_type() == "complete_request" { "complete" } else { "inspect" };
+        let skip = self.history.len().saturating_sub(HELP_HISTORY_CELLS);
+        let history: Vec<&str> = self.history[skip..].iter().map(|(_, code)| code.as_str()).collect();
+        match self.codehelp.ask(kind, &history, &at.code, at.cursor_pos).await {
+            Some(inferred) if inferred["status"] == "ok" => inferred,
+            _ => answer,
+        }
     }
 
     /// The history a `history_request` asks for (tail, range or search) of this
@@ -936,6 +958,7 @@ pub async fn serve(connection_file: &Path, opts: KernelOptions, cluster: Cluster
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut kernel = Kernel {
         language_version: python_version(&opts.python),
+        codehelp: codehelp::CodeHelp::new(opts.python.clone()),
         opts,
         fe,
         session: None,

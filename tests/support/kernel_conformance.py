@@ -2,9 +2,8 @@
 installed LooseLeaf kernel: `python -m unittest kernel_conformance` with
 LOOSELEAF_TEST_KERNEL naming the kernelspec (tests/kernel.rs installs one).
 
-Completion and inspection are not in the samples: the suite asks before any cell
-ran, and they come from the session's CPU worker, which the first CPU cell starts
-(ADR 31); tests/kernel.rs checks them after a cell instead.
+The kernel tests.rs installs runs every cell serverless, so completion and
+inspection here come from the session's code (no CPU worker holds live objects).
 """
 
 import os
@@ -24,6 +23,8 @@ class LooseLeafKernelTests(jupyter_kernel_test.KernelTests):
     incomplete_code_samples = ["print('''hello", "def f(x):\n  x*2"]
     invalid_code_samples = ["import = 7q"]
     code_page_something = "print?"
+    completion_samples = [{"text": "zi", "matches": {"zip"}}, {"text": "import collec", "matches": {"collections"}}]
+    code_inspect_sample = "print"
     code_generate_error = "raise"
     code_execute_result = [
         {"code": "1+2+3", "result": "6"},
