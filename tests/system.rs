@@ -128,11 +128,12 @@ async fn four_services_two_hosts_on(store_env: Vec<(&'static str, String)>) -> a
     assert_eq!(cells[15]["status"], "ok", "{}", cells[15]);
     assert!(cells[15]["saved_bytes"].as_u64().unwrap_or(0) >= 160_000_000, "{}", cells[15]);
     assert!(text(16).contains("big restored True (20000000,)"), "{}", text(16));
-    // a name reached through eval of a computed string, which no closure holds, is
-    // brought in from the committed state while the cell runs, shared as restored
-    // (look('d')['k'] is a), and the report names it
-    assert!(text(18).contains("looked up [7, 8] True"), "{}", text(18));
-    assert_eq!(cells[18]["faulted"], serde_json::json!(["w"]), "{}", cells[18]);
+    // names reached through eval of computed strings, which no closure holds, are
+    // brought in from the committed state while the cell runs (each in its own
+    // restore file), shared as restored (look('d')['k'] is a), and the report
+    // names them
+    assert!(text(18).contains("looked up [7, 8] True 9"), "{}", text(18));
+    assert_eq!(cells[18]["faulted"], serde_json::json!(["w", "v"]), "{}", cells[18]);
     // a package installed from a cell is there for the session's later cells, on
     // either host and on its CPU worker (the hosts share the package-layer directory)
     assert_eq!(cells[19]["status"], "ok", "{}", text(19));

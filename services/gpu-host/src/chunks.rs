@@ -233,14 +233,16 @@ impl Chunks {
         Ok(written.iter().sum())
     }
 
-    /// Write the records and payloads of `oids` (and the ambient blob) into one new
-    /// shared-memory file for a worker to map, each blob contiguous.
+    /// Write the records and payloads of `oids` (and, with `ambient`, the ambient
+    /// blob) into one new shared-memory file for a worker to map, each blob
+    /// contiguous. `name` must be unique among the files not yet deleted.
     pub async fn write_restore_file(
         &self,
         manifest: &Manifest,
         oids: &[(String, String)],
         name: &str,
         owner: Option<u32>,
+        ambient: bool,
     ) -> Result<RestoreFile, ChunkError> {
         // Lay out every blob: (offset, chunk hashes); chunks are fetched once each.
         let mut placements: Vec<(u64, String, Option<String>)> = Vec::new(); // (offset, hash, variable)
@@ -273,7 +275,11 @@ impl Chunks {
             let payloads = obj.payloads.iter().map(|p| place(&p.chunks, p.len, variable, &mut placements)).collect();
             objects.insert(oid.clone(), ObjRestore { record, payloads });
         }
-        let ambient = manifest.ambient.as_ref().map(|a| place(&a.chunks, a.len, "<ambient state>", &mut placements));
+        let ambient = manifest
+            .ambient
+            .as_ref()
+            .filter(|_| ambient)
+            .map(|a| place(&a.chunks, a.len, "<ambient state>", &mut placements));
         let total = offset;
         if placements.is_empty() {
             return Ok(RestoreFile { path: None, objects, ambient, bytes: 0 });
@@ -337,7 +343,7 @@ mod tests {
         );
         let dir = tempfile::tempdir().unwrap();
         let chunks = Chunks::new(objects, 1 << 20, dir.path().to_path_buf());
-        let err = chunks.write_restore_file(&m, &[("o1".into(), "df".into())], "t1", None).await.unwrap_err();
+        let err = chunks.write_restore_file(&m, &[("o1".into(), "df".into())], "t1", None, true).await.unwrap_err();
         let text = err.to_string();
         assert!(text.contains("corrupt") && text.contains("'df'"), "{text}");
         assert!(std::fs::read_dir(dir.path()).unwrap().next().is_none(), "no half-written file left");
@@ -392,7 +398,7 @@ mod tests {
         m.objects
             .insert("o".into(), ObjectEntry { record: Blob { len: 6, chunks: vec![ha, hb] }, ..Default::default() });
         // two chunks of one blob: the second starts CHUNK_BYTES in, so use a tiny layout check
-        let rf = chunks.write_restore_file(&m, &[("o".into(), "x".into())], "t2", None).await.unwrap();
+        let rf = chunks.write_restore_file(&m, &[("o".into(), "x".into())], "t2", None, true).await.unwrap();
         assert_eq!(rf.objects["o"].record, [0, 6]);
         let path = rf.path.unwrap();
         use std::os::unix::fs::PermissionsExt;

@@ -746,7 +746,10 @@ impl ExecEnv {
             let mut held = held_oids.lock().unwrap_or_else(|e| e.into_inner());
             restore_entries(manifest, names, &mut held)
         };
-        match self.chunks.write_restore_file(manifest, &objects, worker, owner).await {
+        // a file of its own (a cell may fault several times, and the files are
+        // deleted when it ends), without the ambient state the worker has already
+        let name = format!("{worker}-fault-{}", Uuid::new_v4().simple());
+        match self.chunks.write_restore_file(manifest, &objects, &name, owner, false).await {
             Ok(file) => {
                 if let Some(p) = &file.path {
                     files.lock().unwrap_or_else(|e| e.into_inner()).push(p.clone());
@@ -784,7 +787,7 @@ impl ExecEnv {
         let restore = self.plan_restore(recipe, w, &manifest)?;
         let file = self
             .chunks
-            .write_restore_file(&manifest, &restore.objects, &w.id, w.uid)
+            .write_restore_file(&manifest, &restore.objects, &w.id, w.uid, true)
             .await
             .map_err(ExecError::RestoreFile)?;
         let wrote_file = started.elapsed();
