@@ -46,8 +46,12 @@ impl NotebookOutputs {
                         self.clear(index);
                     }
                 }
-                // not notebook outputs: the pager's text, a comm message (ADR 33)
-                "update_display_data" | "pager" | schemas::messages::COMM_OUTPUT => {}
+                // not notebook outputs: the pager's text, a comm message (ADR 33),
+                // the results of a run's user_expressions
+                "update_display_data"
+                | "pager"
+                | schemas::messages::COMM_OUTPUT
+                | schemas::messages::USER_EXPRESSIONS_OUTPUT => {}
                 _ => {
                     if clear_before_next {
                         self.clear(index);

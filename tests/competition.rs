@@ -6,15 +6,15 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
 use looseleaf_test_support::cluster::{bin_dir_of, Events, Services};
-use schemas::messages::{Device, EventKind, HostStatusV2, RecipeKind, RecipeV1, SessionEventV2, SessionOptions};
+use schemas::messages::{Device, EventKind, HostStatusV2, RecipeKind, RecipeV2, SessionEventV2, SessionOptions};
 use schemas::Bus;
 use uuid::Uuid;
 
 const RECIPES: usize = 1000;
 
-fn recipe(cwd: &str) -> RecipeV1 {
+fn recipe(cwd: &str) -> RecipeV2 {
     let session = Uuid::now_v7();
-    RecipeV1 {
+    RecipeV2 {
         session,
         cell_id: "c".into(),
         kind: RecipeKind::Run,
@@ -33,6 +33,7 @@ fn recipe(cwd: &str) -> RecipeV1 {
         options: SessionOptions { cwd: cwd.into(), all_gpu: true, speculate: false },
         prepared: None,
         speculate: false,
+        user_expressions: Default::default(),
     }
 }
 
@@ -52,7 +53,7 @@ async fn three_hosts_prepare_each_of_a_thousand_recipes_exactly_once() -> anyhow
     let mut statuses = bus.subscribe::<HostStatusV2>(bus.subjects().all_host_status()).await?;
     bus.flush().await?;
     let cwd = tempfile::tempdir()?;
-    let recipes: Vec<RecipeV1> = (0..RECIPES).map(|_| recipe(&cwd.path().display().to_string())).collect();
+    let recipes: Vec<RecipeV2> = (0..RECIPES).map(|_| recipe(&cwd.path().display().to_string())).collect();
     let base_forks = latest_forks(&mut statuses, Duration::from_secs(5)).await;
     for r in &recipes {
         bus.publish(bus.subjects().recipe(r.session), r).await?;

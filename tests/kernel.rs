@@ -65,6 +65,11 @@ fn jupyter_clients_run_cells_interrupt_and_restart_through_the_kernel() -> anyho
     assert_eq!(seen["reply_count"], 2);
     assert_eq!(seen["execute_result_count"], serde_json::json!([2]));
     assert_eq!(seen["execute_input"], serde_json::json!(["print(x + 1)\nx * 2"]));
+    assert_eq!(
+        seen["user_expressions"],
+        serde_json::json!({"double": "10", "prev": "42", "missing": "NameError"}),
+        "{seen}"
+    );
     assert_eq!(seen["error"], serde_json::json!(["error", "ZeroDivisionError"]));
     assert_eq!(seen["error_output"], serde_json::json!(["ZeroDivisionError"]));
     assert_eq!(seen["clear_output"], serde_json::json!(["stream", "clear_output", "stream"]));

@@ -1,6 +1,8 @@
 //! The JSON of the frontend's HTTP API, shared by the server, the `looseleaf` CLI and
 //! tests, plus a small parser for its Server-Sent Events stream.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
@@ -50,6 +52,12 @@ pub struct RunCell {
     /// a stdin channel.
     #[serde(default)]
     pub allow_stdin: bool,
+    /// Jupyter's `user_expressions`: name -> expression, evaluated in the cell's
+    /// namespace after it succeeds; the results arrive as an output
+    /// `{"output_type": "user_expressions", "data": {name: result}}` (each result
+    /// as in Jupyter's `execute_reply`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub user_expressions: BTreeMap<String, String>,
 }
 
 /// Body of `POST /v1/sessions/{sid}/complete` and `…/inspect`: code being edited

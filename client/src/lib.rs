@@ -161,7 +161,12 @@ impl Frontend {
 
     /// Run a cell: it is queued behind the session's earlier runs.
     pub async fn run(&self, sid: Uuid, cell: &str, code: &str) -> Result<RunAccepted, ClientError> {
-        self.run_cell(sid, cell, &RunCell { code: code.to_string(), allow_stdin: false }).await
+        self.run_cell(
+            sid,
+            cell,
+            &RunCell { code: code.to_string(), allow_stdin: false, user_expressions: Default::default() },
+        )
+        .await
     }
 
     /// Run a cell as `run` does; with `allow_stdin`, its input requests come to

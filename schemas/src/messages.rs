@@ -7,6 +7,8 @@
 //! golden-bytes test pins its encoding. Never use serde's `skip_serializing_if`
 //! here: bincode cannot skip fields.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
@@ -14,7 +16,7 @@ use crate::checkpoint::{Delta, Manifest};
 use crate::codec::WireMessage;
 
 pub mod frozen;
-pub use frozen::{ChunkPlanV1, CommitV1, HostStatusV1, ManifestGetV1, SessionEventV1};
+pub use frozen::{ChunkPlanV1, CommitV1, HostStatusV1, ManifestGetV1, RecipeV1, RunV1, SessionEventV1};
 
 macro_rules! wire {
     ($ty:ty, $name:literal, $version:literal) => {
@@ -88,7 +90,7 @@ pub struct SessionOptions {
 
 /// frontend -> planner: run a cell now (`session.{sid}.run`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct RunV1 {
+pub struct RunV2 {
     /// The session.
     pub session: Uuid,
     /// This execution.
@@ -104,8 +106,11 @@ pub struct RunV1 {
     pub after_revision: u64,
     /// Session options.
     pub options: SessionOptions,
+    /// Jupyter's `user_expressions`: name -> expression, evaluated after the cell
+    /// if it succeeds, in its namespace; the results are an output of the cell.
+    pub user_expressions: BTreeMap<String, String>,
 }
-wire!(RunV1, "run", 1);
+wire!(RunV2, "run", 2, upgrades RunV1 from 1);
 
 /// Why a recipe was published.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -157,7 +162,7 @@ pub enum PreparedClass {
 
 /// planner -> all hosts: what a cell needs (`session.{sid}.recipe`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct RecipeV1 {
+pub struct RecipeV2 {
     /// The session.
     pub session: Uuid,
     /// The cell.
@@ -195,8 +200,10 @@ pub struct RecipeV1 {
     /// For an edit-derived recipe: the speculator admitted it, so a host may prepare
     /// a worker (or update the one it prepared) for it.
     pub speculate: bool,
+    /// For a run: the run's `user_expressions` (see `RunV2`).
+    pub user_expressions: BTreeMap<String, String>,
 }
-wire!(RecipeV1, "recipe", 1);
+wire!(RecipeV2, "recipe", 2, upgrades RecipeV1 from 1);
 
 /// How the worker that ran a cell was prepared.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -782,6 +789,11 @@ pub struct CommAnswerV1 {
     pub outputs_json: Vec<String>,
 }
 wire!(CommAnswerV1, "comm-answer", 1);
+
+/// The `output_type` of the results of a run's `user_expressions` (`data`:
+/// name -> result as in Jupyter's `execute_reply`): for the run's client, never
+/// a notebook output.
+pub const USER_EXPRESSIONS_OUTPUT: &str = "user_expressions";
 
 /// The `output_type` of a comm message to the client among a worker's outputs
 /// (`msg_type`, `content`, `metadata`, base64 `buffers`): relayed as that

@@ -16,7 +16,7 @@
 //! requests into channels, so that while a cell runs the kernel still answers the
 //! control channel (interrupt, shutdown, kernel info) as ipykernel does.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -339,6 +339,8 @@ struct Ended {
     ok: bool,
     error: Option<(String, String, Vec<String>)>,
     payload: Vec<Value>,
+    /// The results of the request's `user_expressions` (the reply's field).
+    user_expressions: Value,
 }
 
 enum Next {
@@ -588,7 +590,7 @@ impl Kernel {
         if !answer.held && msg.message_type() == "comm_open" {
             self.iopub("comm_close", json!({ "comm_id": comm_id, "data": {} }), msg).await;
         }
-        let mut ended = Ended { ok: true, error: None, payload: vec![] };
+        let mut ended = Ended { ok: true, error: None, payload: vec![], user_expressions: json!({}) };
         for output in answer.outputs.clone() {
             self.relay(msg, output, false, self.execution_count, &mut ended).await;
         }
@@ -706,6 +708,8 @@ impl Kernel {
     async fn execute(&mut self, msg: &JupyterMessage) {
         let JupyterMessageContent::ExecuteRequest(req) = &msg.content else { return };
         let (code, silent, allow_stdin) = (req.code.clone(), req.silent, req.allow_stdin);
+        let user_expressions: BTreeMap<String, String> =
+            req.user_expressions.clone().unwrap_or_default().into_iter().collect();
         let store_history = req.store_history && !silent;
         let stop_on_error = req.stop_on_error;
         if store_history {
@@ -724,10 +728,14 @@ impl Kernel {
             .map(str::to_owned)
             .unwrap_or_else(|| format!("code-{:016x}", xxhash_rust::xxh3::xxh3_64(code.as_bytes())));
         let ended = match self.ensure_session().await {
-            Ok(()) => self.run_cell(msg, &cell_id, &code, silent, allow_stdin, count).await,
+            Ok(()) => {
+                let run = RunCell { code: code.clone(), allow_stdin, user_expressions };
+                self.run_cell(msg, &cell_id, &run, silent, count).await
+            }
             Err(why) => {
                 let evalue = format!("no LooseLeaf session: {why}");
-                Ended { ok: false, error: Some(("LooseLeafUnavailable".into(), evalue, vec![])), payload: vec![] }
+                let error = Some(("LooseLeafUnavailable".into(), evalue, vec![]));
+                Ended { ok: false, error, payload: vec![], user_expressions: json!({}) }
             }
         };
         if let (false, Some((ename, evalue, traceback))) = (ended.ok, &ended.error) {
@@ -742,7 +750,7 @@ impl Kernel {
         }
         let content = match &ended.error {
             None => json!({ "status": "ok", "execution_count": count, "payload": ended.payload,
-                            "user_expressions": {} }),
+                            "user_expressions": ended.user_expressions }),
             Some((ename, evalue, traceback)) => json!({
                 "status": "error", "execution_count": count, "ename": ename, "evalue": evalue,
                 "traceback": traceback, "payload": ended.payload, "user_expressions": {},
@@ -780,16 +788,14 @@ impl Kernel {
         &mut self,
         msg: &JupyterMessage,
         cell_id: &str,
-        code: &str,
+        run: &RunCell,
         silent: bool,
-        allow_stdin: bool,
         count: u64,
     ) -> Ended {
-        let mut ended = Ended { ok: false, error: None, payload: vec![] };
+        let mut ended = Ended { ok: false, error: None, payload: vec![], user_expressions: json!({}) };
         let Some(session) = &self.session else { return ended };
         let (fe, sid) = (session.fe.clone(), session.sid);
-        let run = RunCell { code: code.to_string(), allow_stdin };
-        let exec_id = match fe.run_cell(sid, cell_id, &run).await {
+        let exec_id = match fe.run_cell(sid, cell_id, run).await {
             Ok(accepted) => accepted.exec_id,
             Err(e) => {
                 ended.error = Some(("LooseLeafError".into(), format!("the cell was not accepted: {e}"), vec![]));
@@ -899,6 +905,11 @@ impl Kernel {
             // a comm message (ipywidgets), whether or not the cell is silent
             schemas::messages::COMM_OUTPUT => {
                 self.relay_comm(msg, obj).await;
+                return;
+            }
+            // the results of the request's user_expressions, for the reply
+            schemas::messages::USER_EXPRESSIONS_OUTPUT => {
+                ended.user_expressions = obj.remove("data").unwrap_or_else(|| json!({}));
                 return;
             }
             // the text of `obj?` goes to Jupyter's pager, as the reply's payload

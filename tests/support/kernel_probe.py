@@ -177,6 +177,15 @@ def main():
         seen["reply_count"] = reply["execution_count"]
         seen["execute_input"] = [c["code"] for k, c in outs if k == "execute_input"]
 
+        # user_expressions: evaluated after the cell in its namespace; `x` is not in
+        # this cell's closure (it is brought in), `nope` is nowhere
+        asked = {"double": "y * 2", "prev": "x + 1", "missing": "nope"}
+        reply, _ = run(kc, "y = 5", user_expressions=asked)
+        got = reply["user_expressions"]
+        seen["user_expressions"] = {
+            k: v["data"]["text/plain"] if v["status"] == "ok" else v["ename"] for k, v in got.items()
+        }
+
         reply, outs = run(kc, "1/0")
         seen["error"] = [reply["status"], reply.get("ename")]
         seen["error_output"] = [c["ename"] for k, c in outs if k == "error"]

@@ -30,15 +30,16 @@ proptest! {
     }
 
     #[test]
-    fn run_roundtrips(session in uuid(), exec_id in uuid(), code in ".{0,200}", t in any::<u64>(), rev in any::<u64>(), options in options()) {
-        roundtrip(&RunV1 { session, exec_id, cell_id: "c".into(), code, run_unix_ms: t, after_revision: rev, options });
+    fn run_roundtrips(session in uuid(), exec_id in uuid(), code in ".{0,200}", t in any::<u64>(), rev in any::<u64>(), options in options(),
+                      user_expressions in proptest::collection::btree_map("[a-z]{1,6}", ".{0,20}", 0..4)) {
+        roundtrip(&RunV2 { session, exec_id, cell_id: "c".into(), code, run_unix_ms: t, after_revision: rev, options, user_expressions });
     }
 
     #[test]
     fn recipe_roundtrips(session in uuid(), names in proptest::collection::vec(("[a-z_]{1,8}", uuid()), 0..8),
                          imports in proptest::collection::vec("[a-z.]{1,10}", 0..5), gpu in any::<bool>(),
                          conservative in proptest::option::of(".{0,30}"), options in options()) {
-        roundtrip(&RecipeV1 {
+        roundtrip(&RecipeV2 {
             session, cell_id: "c".into(), kind: RecipeKind::Run, exec_id: session, revision: 3,
             code: "x".into(), code_hash: 7,
             closure: names.into_iter().map(|(name, version)| ClosureVar { name, version }).collect(),
@@ -46,6 +47,7 @@ proptest! {
             conservative, pinned: Some(PinnedWorker { host: "h".into(), worker: "w".into(), names: vec!["g".into()] }),
             manifest_revision: 1, run_unix_ms: 2, options,
             prepared: Some(PreparedWorker { host: "h".into(), worker: "w2".into() }), speculate: false,
+            user_expressions: [("n".to_string(), "len(x)".to_string())].into(),
         });
     }
 
@@ -86,7 +88,7 @@ proptest! {
         let (headers, _) = codec::encode(&EditV1 { session: Uuid::nil(), cell_id: String::new(), code: String::new(), seq: 0, options: SessionOptions { cwd: String::new(), all_gpu: false, speculate: true } }).unwrap();
         // Whatever the bytes are, decoding either fails cleanly or yields a message
         // that re-encodes to the same bytes (it really was a valid payload).
-        match codec::decode::<RecipeV1>(Some(&headers), &bytes) {
+        match codec::decode::<RecipeV2>(Some(&headers), &bytes) {
             Err(CodecError::WrongType { .. }) => {}
             other => prop_assert!(false, "expected WrongType, got {other:?}"),
         }
@@ -220,8 +222,8 @@ mod fuzz {
         }
         each!(
             EditV1,
-            RunV1,
-            RecipeV1,
+            RunV2,
+            RecipeV2,
             SessionEventV2,
             OutputV1,
             SessionCloseV1,
@@ -260,7 +262,7 @@ mod fuzz {
             unix_ms: 5,
             kind: EventKind::Failed { error: "worker died".into() },
         };
-        let run = RunV1 {
+        let run = RunV2 {
             session: Uuid::nil(),
             exec_id: Uuid::nil(),
             cell_id: "c".into(),
@@ -268,6 +270,7 @@ mod fuzz {
             run_unix_ms: 1,
             after_revision: 2,
             options: SessionOptions { cwd: "/tmp".into(), all_gpu: true, speculate: false },
+            user_expressions: Default::default(),
         };
         let manifest = ManifestV1 { manifest: crate::checkpoint::Manifest::empty(Uuid::nil()) };
         vec![

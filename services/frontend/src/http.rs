@@ -321,6 +321,10 @@ async fn edit(
     Ok(StatusCode::ACCEPTED)
 }
 
+/// The most a run's `user_expressions` may hold (names and expressions): they
+/// travel in the run, the recipe and the session's record.
+const MAX_USER_EXPRESSION_BYTES: usize = 64 * 1024;
+
 /// Run the cell; answered once the run is recorded (it outlives this frontend).
 #[utoipa::path(post, path = "/v1/sessions/{sid}/cells/{cell_id}/run", params(("sid" = uuid::Uuid, Path, description = "the session"), ("cell_id" = String, Path, description = "the cell (any text)")),
     request_body = RunCell, responses((status = 200, body = RunAccepted)))]
@@ -333,9 +337,17 @@ async fn run(
     // Run is the moment the request arrived (DESIGN.md section 10)
     let run_unix_ms = schemas::unix_ms();
     let (_sid, addr) = lookup(&state, &sid, &caller).await?;
-    let RunCell { code, allow_stdin } = json_body(body)?;
+    let RunCell { code, allow_stdin, user_expressions } = json_body(body)?;
     let code = cell_code(code)?;
-    let accepted = addr.send(session::Run { cell_id, code, run_unix_ms, allow_stdin }).await.map_err(mailbox)?;
+    let asked: usize = user_expressions.iter().map(|(k, v)| k.len() + v.len()).sum();
+    if asked > MAX_USER_EXPRESSION_BYTES {
+        return Err(ApiError(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("user_expressions hold {asked} bytes; at most {MAX_USER_EXPRESSION_BYTES} are taken"),
+        ));
+    }
+    let run = session::Run { cell_id, code, run_unix_ms, allow_stdin, user_expressions };
+    let accepted = addr.send(run).await.map_err(mailbox)?;
     let (exec_id, position, recorded) =
         accepted.map_err(|full| ApiError(StatusCode::TOO_MANY_REQUESTS, full.to_string()))?;
     // answered once the run is in the session's record: no frontend loses it now

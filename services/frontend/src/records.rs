@@ -7,7 +7,7 @@
 //! execution completes (the revision it left); removed when the session is deleted. A frontend asked about
 //! a session it does not hold looks the record up and adopts the session.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 
 use async_nats::jetstream::kv;
 use schemas::messages::SessionOptions;
@@ -60,6 +60,9 @@ pub struct QueuedRun {
     /// The run's client answers the cell's input requests.
     #[serde(default)]
     pub allow_stdin: bool,
+    /// Jupyter's `user_expressions`, evaluated after the cell.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub user_expressions: BTreeMap<String, String>,
 }
 
 /// A run in flight, as its session's record keeps it.

@@ -5,7 +5,7 @@
 //! and `{prefix}.v1.output.{sid}.*`. Publishes `{prefix}.v1.session.{sid}.run`. A
 //! cell whose host falls silent ends with what the store committed (`watch_host`).
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,7 +13,7 @@ use actix::prelude::*;
 use schemas::bus::Rejected;
 use schemas::messages::{
     CellStatus, EditV1, ErrorCode, EventKind, HostStatusV2, InputReplyV1, InterruptV1, ManifestV1, OutputV1, Prepare,
-    RunV1, SessionEventV2, SettleV1,
+    RunV2, SessionEventV2, SettleV1,
 };
 use schemas::subjects::StoreVerb;
 use schemas::{Bus, Envelope};
@@ -411,7 +411,7 @@ impl SessionActor {
             return;
         }
         let Some(p) = self.stored.queued.pop_front() else { return };
-        let run = RunV1 {
+        let run = RunV2 {
             session: self.sid,
             exec_id: p.exec_id,
             cell_id: p.cell_id.clone(),
@@ -419,6 +419,7 @@ impl SessionActor {
             run_unix_ms: p.run_unix_ms,
             after_revision: self.stored.revision,
             options: self.stored.options.clone(),
+            user_expressions: p.user_expressions,
         };
         self.current = Some(Current::new(p.exec_id, p.allow_stdin));
         if let Some(r) = self.record(p.exec_id) {
@@ -899,6 +900,8 @@ pub struct Run {
     pub run_unix_ms: u64,
     /// The client answers the cell's input requests.
     pub allow_stdin: bool,
+    /// Jupyter's `user_expressions`, evaluated after the cell.
+    pub user_expressions: BTreeMap<String, String>,
 }
 
 /// Why a run was not queued.
@@ -917,9 +920,12 @@ pub enum QueueFull {
 /// (ADR 30). A larger cell runs when nothing is queued before it.
 pub const QUEUED_CODE_BYTES: usize = 256 * 1024;
 
-/// Bytes `code` takes in the session's record (JSON-escaped).
-fn recorded_bytes(code: &str) -> usize {
-    serde_json::to_string(code).map(|j| j.len()).unwrap_or(usize::MAX)
+/// Bytes a queued run's code and user expressions take in the session's record
+/// (JSON-escaped).
+fn recorded_bytes(code: &str, user_expressions: &BTreeMap<String, String>) -> usize {
+    let code = serde_json::to_string(code).map(|j| j.len()).unwrap_or(usize::MAX);
+    let asked = serde_json::to_string(user_expressions).map(|j| j.len()).unwrap_or(usize::MAX);
+    code.saturating_add(asked)
 }
 
 impl Handler<Run> for SessionActor {
@@ -933,8 +939,8 @@ impl Handler<Run> for SessionActor {
         }
         // a run that starts at once is not kept with its code
         if self.current.is_some() {
-            let held = queued.iter().map(|q| recorded_bytes(&q.code)).sum::<usize>();
-            if held.saturating_add(recorded_bytes(&msg.code)) > QUEUED_CODE_BYTES {
+            let held = queued.iter().map(|q| recorded_bytes(&q.code, &q.user_expressions)).sum::<usize>();
+            if held.saturating_add(recorded_bytes(&msg.code, &msg.user_expressions)) > QUEUED_CODE_BYTES {
                 return MessageResult(Err(QueueFull::Code(held)));
             }
         }
@@ -955,6 +961,7 @@ impl Handler<Run> for SessionActor {
             code: msg.code,
             run_unix_ms: msg.run_unix_ms,
             allow_stdin: msg.allow_stdin,
+            user_expressions: msg.user_expressions,
         });
         self.start_next(ctx);
         let (ack_tx, ack_rx) = tokio::sync::oneshot::channel();

@@ -8,7 +8,7 @@ use looseleaf_client::Frontend;
 use looseleaf_frontend::auth::Tokens;
 use looseleaf_frontend::{Config, Timeouts};
 use looseleaf_test_support::{random_prefix, NatsServer};
-use schemas::messages::{CellStatus, Device, EditV1, EventKind, OutputV1, Prepare, RunV1, SessionEventV2};
+use schemas::messages::{CellStatus, Device, EditV1, EventKind, OutputV1, Prepare, RunV2, SessionEventV2};
 use schemas::Bus;
 use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
@@ -181,7 +181,7 @@ fn saved(revision: u64) -> EventKind {
     }
 }
 
-async fn next_run(runs: &mut schemas::bus::Subscription<RunV1>) -> anyhow::Result<RunV1> {
+async fn next_run(runs: &mut schemas::bus::Subscription<RunV2>) -> anyhow::Result<RunV2> {
     match tokio::time::timeout(WAIT, runs.next()).await {
         Ok(Some(Ok(env))) => Ok(env.msg),
         Ok(Some(Err(r))) => bail!("run did not decode: {}", r.error),
@@ -197,7 +197,7 @@ async fn run_queue_waits_for_saved_and_relays_outputs_before_done() -> anyhow::R
     let fe = start_frontend(&nats, &prefix, Timeouts::default()).await?;
     let host = Bus::connect(nats.url(), &prefix, "fake-host").await?;
     let sid = fe.client.create_session("/tmp", true, true).await?;
-    let mut runs = host.subscribe::<RunV1>(host.subjects().run(sid)).await?;
+    let mut runs = host.subscribe::<RunV2>(host.subjects().run(sid)).await?;
     let mut edits = host.subscribe::<EditV1>(host.subjects().edit(sid)).await?;
     // the server must know both subscriptions before the frontend publishes
     host.flush().await?;
@@ -359,7 +359,7 @@ async fn bad_input_gets_4xx_with_a_json_error() -> anyhow::Result<()> {
     let over = fe.client.run(sid, "a", &"x".repeat(max + 1)).await.expect_err("a cell over 16 MiB ran");
     assert!(over.to_string().contains("413") && over.to_string().contains(&(max + 1).to_string()), "{over}");
     let bus = Bus::connect(nats.url(), &prefix, "fake-planner").await?;
-    let mut runs = bus.subscribe::<RunV1>(bus.subjects().run(sid)).await?;
+    let mut runs = bus.subscribe::<RunV2>(bus.subjects().run(sid)).await?;
     bus.flush().await?;
     let big = format!("x = '{}'\n", "y".repeat(3 << 20));
     fe.client.run(sid, "a", &big).await?;
@@ -393,7 +393,7 @@ async fn short_claims() -> anyhow::Result<ShortClaims> {
 #[actix_rt::test]
 async fn a_run_no_host_takes_fails_and_the_queue_moves_on() -> anyhow::Result<()> {
     let ShortClaims { nats: _nats, prefix, fe, sid, bus } = short_claims().await?;
-    let mut runs = bus.subscribe::<RunV1>(bus.subjects().run(sid)).await?;
+    let mut runs = bus.subscribe::<RunV2>(bus.subjects().run(sid)).await?;
     // the server must know the subscription before the first run is published
     bus.flush().await?;
     let mut sse = fe.client.events(sid).await?;
@@ -474,7 +474,7 @@ async fn a_restarted_frontend_serves_every_session_from_its_record() -> anyhow::
     let cwd = tempfile::tempdir()?;
     let sid = first.client.create_session(&cwd.path().display().to_string(), true, false).await?;
     let bus = Bus::connect(nats.url(), &prefix, "fake").await?;
-    let mut runs = bus.subscribe::<RunV1>(bus.subjects().run(sid)).await?;
+    let mut runs = bus.subscribe::<RunV2>(bus.subjects().run(sid)).await?;
     bus.flush().await?;
     let mut sse = first.client.events(sid).await?;
     let a = first.client.run(sid, "a", "x = 1").await?;
@@ -530,7 +530,7 @@ async fn a_run_in_flight_survives_a_frontend_restart_with_every_output_once() ->
     let first = start_frontend_with(&nats, &prefix, |c| c.listen = listen).await?;
     let sid = first.client.create_session("/tmp", true, false).await?;
     let bus = Bus::connect(nats.url(), &prefix, "fake").await?;
-    let mut runs = bus.subscribe::<RunV1>(bus.subjects().run(sid)).await?;
+    let mut runs = bus.subscribe::<RunV2>(bus.subjects().run(sid)).await?;
     bus.flush().await?;
     // a client watching from before the restart: its reader reconnects and resumes
     let mut watching = first.client.events(sid).await?;
@@ -577,7 +577,7 @@ async fn runs_queued_behind_the_one_in_flight_survive_a_frontend_restart() -> an
     let first = start_frontend_with(&nats, &prefix, |c| c.listen = listen).await?;
     let sid = first.client.create_session("/tmp", true, false).await?;
     let bus = Bus::connect(nats.url(), &prefix, "fake").await?;
-    let mut runs = bus.subscribe::<RunV1>(bus.subjects().run(sid)).await?;
+    let mut runs = bus.subscribe::<RunV2>(bus.subjects().run(sid)).await?;
     bus.flush().await?;
     let a = first.client.run(sid, "a", "x = 1").await?;
     next_run(&mut runs).await?;

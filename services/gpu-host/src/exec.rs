@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use schemas::checkpoint::{Delta, Manifest, SaveOrigin};
 use schemas::messages::{
     CellStatus, ChunkPlanV2, ChunkPlannedV1, CommitV2, CommittedV1, Device, ErrorCode, EventKind, ManifestGetV2,
-    ManifestV1, OutputV1, Prepare, RecipeV1, SessionEventV2, StartPhases, WorkerState, OUTPUT_PART_BYTES,
+    ManifestV1, OutputV1, Prepare, RecipeV2, SessionEventV2, StartPhases, WorkerState, OUTPUT_PART_BYTES,
 };
 use schemas::subjects::StoreVerb;
 use schemas::{unix_ms, Bus, BusError};
@@ -22,7 +22,7 @@ use crate::chunks::{ChunkError, Chunks};
 use crate::import_cache::ImportCache;
 use crate::protocol::{Frame, VarRestore};
 use crate::socket::Listener;
-use crate::worker::{RunEvent, RunLimits, WorkerError, WorkerProc};
+use crate::worker::{CellToRun, RunEvent, RunLimits, WorkerError, WorkerProc};
 use crate::zygotes::{Zygote, ZygoteError};
 
 /// How long store requests may take.
@@ -256,7 +256,7 @@ impl ExecEnv {
     /// import tail the best zygote has imported, and how much of its closure's
     /// bytes the chunk cache holds (from the session's last manifest seen here;
     /// 0 if none).
-    pub fn placement(&self, recipe: &RecipeV1) -> (f64, f64) {
+    pub fn placement(&self, recipe: &RecipeV2) -> (f64, f64) {
         let coverage = self.zygotes.try_lock().map(|z| z.coverage(&recipe.imports)).unwrap_or(0.0);
         let manifest = self.recent_manifests.lock().ok().and_then(|r| r.get(&recipe.session).cloned());
         let Some(m) = manifest else { return (coverage, 0.0) };
@@ -391,7 +391,7 @@ impl ExecEnv {
     /// Run one recipe to the end. Never panics; every failure becomes a `Failed` event.
     /// `arrived`: when this host received the run recipe (the start's phases count
     /// from there).
-    pub async fn execute(&self, recipe: RecipeV1, target: Target, arrived: Option<Instant>) -> Outcome {
+    pub async fn execute(&self, recipe: RecipeV2, target: Target, arrived: Option<Instant>) -> Outcome {
         let (session, exec_id) = (recipe.session, recipe.exec_id);
         let claimed_at = Instant::now();
         let phases = StartPhases {
@@ -424,7 +424,7 @@ impl ExecEnv {
     /// it is still usable (a broken one is killed here).
     async fn run_on(
         &self,
-        recipe: &RecipeV1,
+        recipe: &RecipeV2,
         target: Target,
         slot: Option<u32>,
         prepare: Prepare,
@@ -492,7 +492,7 @@ impl ExecEnv {
         }
     }
 
-    async fn drive(&self, recipe: &RecipeV1, w: &mut WorkerProc, start: Start) -> Result<Vec<String>, ExecError> {
+    async fn drive(&self, recipe: &RecipeV2, w: &mut WorkerProc, start: Start) -> Result<Vec<String>, ExecError> {
         let Start { slot, prepare, claimed_at, import_hit, mut phases, manifest } = start;
         // a host that began stopping while this worker forked starts nothing new
         self.not_stopping()?;
@@ -585,8 +585,7 @@ impl ExecEnv {
         let finished = w
             .run(
                 exec_id,
-                &recipe.cell_id,
-                &recipe.code,
+                CellToRun { cell_id: &recipe.cell_id, code: &recipe.code, user_expressions: &recipe.user_expressions },
                 self.limits,
                 |ev| {
                     let p = match ev {
@@ -773,7 +772,7 @@ impl ExecEnv {
     /// closure. Nothing of the cell runs. Used at Run and while preparing.
     async fn restore_closure(
         &self,
-        recipe: &RecipeV1,
+        recipe: &RecipeV2,
         w: &mut WorkerProc,
         env: BTreeMap<String, String>,
         read: Option<Manifest>,
@@ -843,7 +842,7 @@ impl ExecEnv {
     /// run. On failure the worker (if any) is returned only if still usable.
     pub async fn prepare(
         &self,
-        recipe: &RecipeV1,
+        recipe: &RecipeV2,
         slot: Option<u32>,
         existing: Option<Arc<Mutex<WorkerProc>>>,
     ) -> Result<(Arc<Mutex<WorkerProc>>, f64), ExecError> {
@@ -874,7 +873,7 @@ impl ExecEnv {
     }
 
     /// Which names to drop (stale), which to restore, and which records to send.
-    fn plan_restore(&self, recipe: &RecipeV1, w: &WorkerProc, manifest: &Manifest) -> Result<RestorePlan, ExecError> {
+    fn plan_restore(&self, recipe: &RecipeV2, w: &WorkerProc, manifest: &Manifest) -> Result<RestorePlan, ExecError> {
         let mut drop = Vec::new();
         let mut current: BTreeSet<&str> = BTreeSet::new();
         for (name, held) in &w.held {

@@ -41,7 +41,7 @@ use actix::prelude::*;
 use anyhow::Context as _;
 use schemas::buckets;
 use schemas::messages::{
-    CommV1, EvictV1, HostStatusV2, InputReplyV1, InterruptV1, QueryV1, RecipeV1, SessionCloseV1, SessionEventV2,
+    CommV1, EvictV1, HostStatusV2, InputReplyV1, InterruptV1, QueryV1, RecipeV2, SessionCloseV1, SessionEventV2,
     SessionIdleV1,
 };
 use schemas::service::Service;
@@ -170,7 +170,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         },
     };
     let s = bus.subjects().clone();
-    let recipes = bus.subscribe::<RecipeV1>(s.all_recipes()).await?;
+    let recipes = bus.subscribe::<RecipeV2>(s.all_recipes()).await?;
     let events = bus.subscribe::<SessionEventV2>(s.all_events()).await?;
     let closes = bus.subscribe::<SessionCloseV1>(s.all_closes()).await?;
     let interrupts = bus.subscribe::<InterruptV1>(s.all_interrupts()).await?;

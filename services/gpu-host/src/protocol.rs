@@ -159,6 +159,10 @@ pub enum Frame {
         cell_id: String,
         /// Code.
         code: String,
+        /// Jupyter's `user_expressions`: evaluated after the cell if it succeeds;
+        /// the results come back as a `user_expressions` output.
+        #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+        user_expressions: BTreeMap<String, String>,
     },
     /// worker -> host: the cell's first line is about to run.
     Started {
@@ -510,7 +514,12 @@ mod tests {
                 env: BTreeMap::from([("CUDA_VISIBLE_DEVICES".into(), "0".into())]),
             },
             Frame::Restored { ok: true, restored_bytes: 0, ms: 0.0, imports_ms: 0.0, errors: BTreeMap::new() },
-            Frame::Run { exec_id: "e".into(), cell_id: "c".into(), code: "1".into() },
+            Frame::Run {
+                exec_id: "e".into(),
+                cell_id: "c".into(),
+                code: "1".into(),
+                user_expressions: [("n".to_string(), "1 + 1".to_string())].into(),
+            },
             Frame::Started { exec_id: "e".into(), unix_ms: 1, execution_count: 1, python: "3.11.7".into() },
             Frame::Output { exec_id: "e".into(), output: serde_json::json!({"output_type": "stream"}) },
             Frame::Fault { exec_id: "e".into(), names: vec!["x".into()] },

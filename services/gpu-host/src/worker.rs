@@ -78,6 +78,18 @@ pub struct RunLimits {
     pub grace: Duration,
 }
 
+/// The cell a worker runs: its id, code and Jupyter's `user_expressions`
+/// (evaluated after it if it succeeds).
+#[derive(Clone, Copy, Debug)]
+pub struct CellToRun<'a> {
+    /// The cell's id.
+    pub cell_id: &'a str,
+    /// Its code.
+    pub code: &'a str,
+    /// name -> expression.
+    pub user_expressions: &'a BTreeMap<String, String>,
+}
+
 /// What a finished cell reported.
 #[derive(Debug)]
 pub struct Finished {
@@ -262,8 +274,7 @@ impl WorkerProc {
     pub async fn run<FF, FFut, FI, FIFut>(
         &mut self,
         exec_id: Uuid,
-        cell_id: &str,
-        code: &str,
+        cell: CellToRun<'_>,
         limits: RunLimits,
         mut on_event: impl FnMut(RunEvent),
         mut on_fault: FF,
@@ -278,7 +289,13 @@ impl WorkerProc {
         let exec = exec_id.to_string();
         self.runs += 1;
         self.enter(WorkerState::Running);
-        self.send("running", &Frame::Run { exec_id: exec.clone(), cell_id: cell_id.into(), code: code.into() }).await?;
+        let run = Frame::Run {
+            exec_id: exec.clone(),
+            cell_id: cell.cell_id.into(),
+            code: cell.code.into(),
+            user_expressions: cell.user_expressions.clone(),
+        };
+        self.send("running", &run).await?;
         // The timeout is enforced by signals, never by abandoning a read halfway
         // through a frame: the worker ends the cell, or dies and closes its socket.
         let watchdog = Watchdog::start(self.pid, limits);

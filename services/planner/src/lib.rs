@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use actix::prelude::*;
 use schemas::buckets;
-use schemas::messages::{EditV1, HostStatusV2, RunV1, SessionCloseV1, SessionEventV2};
+use schemas::messages::{EditV1, HostStatusV2, RunV2, SessionCloseV1, SessionEventV2};
 use schemas::service::Service;
 
 /// Default edit debounce (ms): typing yields a recipe at most this often per cell.
@@ -55,7 +55,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     let bus = service.bus().clone();
     let kv = buckets::planner(&bus.jetstream(), &config.prefix).await?;
     let s = bus.subjects().clone();
-    let runs = bus.queue_subscribe::<RunV1>(s.all_runs(), "planner").await?;
+    let runs = bus.queue_subscribe::<RunV2>(s.all_runs(), "planner").await?;
     let edits = bus.queue_subscribe::<EditV1>(s.all_edits(), "planner").await?;
     let closes = bus.queue_subscribe::<SessionCloseV1>(s.all_closes(), "planner").await?;
     let events = bus.queue_subscribe::<SessionEventV2>(s.all_events(), "planner").await?;

@@ -5,7 +5,7 @@
 //! planned in its own future; a session's runs arrive one at a time (the frontend's
 //! run queue).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -16,7 +16,7 @@ use schemas::bus::Rejected;
 use schemas::checkpoint::Manifest;
 use schemas::messages::{
     Device, EditV1, EventKind, EvictV1, HostStatusV2, ManifestGetV2, ManifestV1, PinnedWorker, PreparedWorker,
-    RecipeKind, RecipeV1, RunV1, SessionCloseV1, SessionEventV2, SessionOptions,
+    RecipeKind, RecipeV2, RunV2, SessionCloseV1, SessionEventV2, SessionOptions,
 };
 use schemas::subjects::HostVerb;
 use schemas::subjects::StoreVerb;
@@ -178,6 +178,7 @@ impl Planner {
             code: edit.code,
             run_unix_ms: 0,
             options: edit.options,
+            user_expressions: BTreeMap::new(),
         };
         let mut r = recipe(target, revision, manifest.revision, &d, None);
         r.speculate = speculate;
@@ -259,10 +260,13 @@ struct For {
     code: String,
     run_unix_ms: u64,
     options: SessionOptions,
+    /// A run's `user_expressions`: their names need not be in the closure (the
+    /// worker brings in what they read, as for `eval`).
+    user_expressions: BTreeMap<String, String>,
 }
 
-fn recipe(f: For, revision: u64, manifest_revision: u64, d: &Derived, prepared: Option<PreparedWorker>) -> RecipeV1 {
-    RecipeV1 {
+fn recipe(f: For, revision: u64, manifest_revision: u64, d: &Derived, prepared: Option<PreparedWorker>) -> RecipeV2 {
+    RecipeV2 {
         session: f.session,
         cell_id: f.cell_id,
         kind: f.kind,
@@ -281,13 +285,14 @@ fn recipe(f: For, revision: u64, manifest_revision: u64, d: &Derived, prepared: 
         options: f.options,
         prepared,
         speculate: false,
+        user_expressions: f.user_expressions,
     }
 }
 
 async fn plan_run(
     bus: Bus,
     kv: kv::Store,
-    run: RunV1,
+    run: RunV2,
     prepared: Option<PreparedWorker>,
     cached: Option<Arc<Manifest>>,
 ) -> Result<(Arc<Manifest>, state::SessionState, Option<PinnedWorker>), PlanError> {
@@ -337,14 +342,15 @@ async fn plan_run(
         code: run.code,
         run_unix_ms: run.run_unix_ms,
         options: run.options,
+        user_expressions: run.user_expressions,
     };
     let r = recipe(target, revision, manifest.revision, &d, prepared);
     bus.publish(bus.subjects().recipe(run.session), &r).await.map_err(PlanError::Publish)?;
     Ok((manifest, st, d.pinned))
 }
 
-impl StreamHandler<Result<Envelope<RunV1>, Rejected>> for Planner {
-    fn handle(&mut self, item: Result<Envelope<RunV1>, Rejected>, ctx: &mut Self::Context) {
+impl StreamHandler<Result<Envelope<RunV2>, Rejected>> for Planner {
+    fn handle(&mut self, item: Result<Envelope<RunV2>, Rejected>, ctx: &mut Self::Context) {
         let Ok(env) = item else { return };
         let span = env.span("planner.run");
         let (bus, kv, run) = (self.bus.clone(), self.kv.clone(), env.msg);

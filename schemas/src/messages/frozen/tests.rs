@@ -8,7 +8,8 @@ use uuid::Uuid;
 use super::*;
 use crate::codec::{decode_bincode, encode_bincode, WireMessage};
 use crate::messages::{
-    self as live, ChunkPlanV2, CommitV2, HostStatusV2, ManifestGetV2, PreparedOutcome, SessionEventV2, SlotUse,
+    self as live, ChunkPlanV2, CommitV2, HostStatusV2, ManifestGetV2, PreparedOutcome, RecipeV2, RunV2, SessionEventV2,
+    SlotUse,
 };
 
 const SESSION: Uuid = Uuid::from_u128(0x0190_0000_0000_7000_8000_0000_0000_0001);
@@ -43,6 +44,57 @@ fn manifest_get_v1_bytes() {
     assert_eq!(now, ManifestGetV2 { session: SESSION, at_least: None });
 }
 const MANIFEST_GET_V1: &str = "1001900000000070008000000000000001";
+
+#[test]
+fn run_v1_bytes() {
+    let options = run_v1::SessionOptions { cwd: "/nb".into(), all_gpu: true, speculate: false };
+    let v1 = RunV1 {
+        session: SESSION,
+        exec_id: EXEC,
+        cell_id: "c".into(),
+        code: "x = 1".into(),
+        run_unix_ms: 7,
+        after_revision: 3,
+        options,
+    };
+    let now: RunV2 = pinned(&v1, RUN_V1);
+    assert_eq!(now.code, "x = 1");
+    assert_eq!(now.options, live::SessionOptions { cwd: "/nb".into(), all_gpu: true, speculate: false });
+    assert!(now.user_expressions.is_empty(), "a version 1 run asks for no user expressions");
+}
+const RUN_V1: &str =
+    "1001900000000070008000000000000001100190000000007000800000000000000201630578203d20310703032f6e620100";
+
+#[test]
+fn recipe_v1_bytes() {
+    let v1 = RecipeV1 {
+        session: SESSION,
+        cell_id: "c".into(),
+        kind: recipe_v1::RecipeKind::Run,
+        exec_id: EXEC,
+        revision: 2,
+        code: "y = x".into(),
+        code_hash: 9,
+        closure: vec![recipe_v1::ClosureVar { name: "x".into(), version: EXEC }],
+        imports: vec!["numpy".into()],
+        device: recipe_v1::Device::Gpu,
+        device_reason: "torch".into(),
+        conservative: None,
+        pinned: Some(recipe_v1::PinnedWorker { host: "h".into(), worker: "w".into(), names: vec!["g".into()] }),
+        manifest_revision: 4,
+        run_unix_ms: 5,
+        options: run_v1::SessionOptions { cwd: "/nb".into(), all_gpu: false, speculate: true },
+        prepared: Some(recipe_v1::PreparedWorker { host: "h".into(), worker: "w2".into() }),
+        speculate: false,
+    };
+    let now: RecipeV2 = pinned(&v1, RECIPE_V1);
+    assert_eq!((now.kind, now.device), (live::RecipeKind::Run, live::Device::Gpu));
+    assert_eq!(now.closure, vec![live::ClosureVar { name: "x".into(), version: EXEC }]);
+    assert_eq!(now.pinned.map(|p| p.names), Some(vec!["g".to_string()]));
+    assert_eq!(now.prepared, Some(live::PreparedWorker { host: "h".into(), worker: "w2".into() }));
+    assert!(now.options.speculate && now.user_expressions.is_empty());
+}
+const RECIPE_V1: &str = "10019000000000700080000000000000010163011001900000000070008000000000000002020579203d207809010178100190000000007000800000000000000201056e756d70790105746f7263680001016801770101670405032f6e62000101016802773200";
 
 #[test]
 fn host_status_v1_bytes() {

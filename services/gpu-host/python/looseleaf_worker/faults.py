@@ -54,6 +54,12 @@ class _Names(MutableMapping):
         return len(self._local)
 
 
+def evaluate(expr: str, ns: dict, fault: Callable[[str], bool]):
+    """``eval(expr)`` in the namespace ``ns`` through the net (the runtime's own
+    evaluations of user code, such as a run's user_expressions)."""
+    return _EVAL(expr, ns, _Names(ns, ns, fault))
+
+
 def install(ns: dict, fault: Callable[[str], bool]) -> None:
     """Route ``eval``/``exec`` from code running in ``ns`` through the net;
     ``fault(name)`` brings a name into ``ns`` and says whether it could."""

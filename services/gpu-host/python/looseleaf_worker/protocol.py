@@ -151,6 +151,8 @@ _OUTPUT_FIELDS = {
     "pager": {"data": "dict"},
     # a comm message to the client (ipywidgets), never a notebook output
     "comm": {"msg_type": "str", "content": "dict", "metadata": "dict", "buffers": "list[str]"},
+    # the results of the run's user_expressions, for the client's reply
+    "user_expressions": {"data": "dict"},
 }
 
 

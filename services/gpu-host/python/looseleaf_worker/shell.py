@@ -110,13 +110,13 @@ class WorkerDisplayPublisher(DisplayPublisher):
         self.shell.flush_streams()
         out = {
             "output_type": "update_display_data" if update else "display_data",
-            "data": _jsonable(data),
-            "metadata": _jsonable(metadata or {}),
+            "data": jsonable(data),
+            "metadata": jsonable(metadata or {}),
         }
         if transient:
             # display_id lives here, as in Jupyter's message; a notebook writer
             # uses it to find the outputs an update replaces, then drops it
-            out["transient"] = _jsonable(transient)
+            out["transient"] = jsonable(transient)
         self.shell.emit(out)
 
     def clear_output(self, wait=False):
@@ -141,8 +141,8 @@ class WorkerDisplayHook(DisplayHook):
         self._msg["execution_count"] = self.prompt_count
 
     def write_format_data(self, format_dict, md_dict=None):
-        self._msg["data"] = _jsonable(format_dict)
-        self._msg["metadata"] = _jsonable(md_dict or {})
+        self._msg["data"] = jsonable(format_dict)
+        self._msg["metadata"] = jsonable(md_dict or {})
 
     def finish_displayhook(self):
         self.shell.flush_streams()
@@ -151,7 +151,7 @@ class WorkerDisplayHook(DisplayHook):
         self._msg = None
 
 
-def _jsonable(d: dict) -> dict:
+def jsonable(d: dict) -> dict:
     # Mime bundles may carry bytes (image/png before base64 in old formatters).
     import base64
 
@@ -160,7 +160,7 @@ def _jsonable(d: dict) -> dict:
         if isinstance(v, bytes):
             v = base64.b64encode(v).decode("ascii")
         elif isinstance(v, dict):
-            v = _jsonable(v)
+            v = jsonable(v)
         out[k] = v
     return out
 
@@ -215,7 +215,7 @@ class WorkerShell(InteractiveShell):
     def _page(self, shell, strg, start=0, screen_lines=0, pager_cmd=None):
         data = strg if isinstance(strg, dict) else {"text/plain": strg}
         self.flush_streams()
-        self.emit({"output_type": "pager", "data": _jsonable(data), "start": max(0, start)})
+        self.emit({"output_type": "pager", "data": jsonable(data), "start": max(0, start)})
 
     def _get_exc_info(self, exc_tuple=None):
         etype, value, tb = super()._get_exc_info(exc_tuple)

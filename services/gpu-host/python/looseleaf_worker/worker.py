@@ -23,7 +23,7 @@ from IPython.utils.tokenutil import token_at_cursor
 from . import ambient, checkpoint, comms, faults, packages, protocol, quiet
 from .interrupt import CellInterrupts
 from .localmods import LocalModules
-from .shell import WorkerShell
+from .shell import WorkerShell, jsonable
 
 
 def _cuda_used() -> bool:
@@ -338,6 +338,11 @@ class Worker:
         try:
             with self.interrupts.cell():
                 _, err = self.shell.run(msg["code"])
+                if not err and msg.get("user_expressions"):
+                    # as ipykernel: after a cell that succeeded, in its namespace
+                    # (a name the closure missed is brought in, as for eval)
+                    results = self._user_expressions(msg["user_expressions"])
+                    self._emit_output({"output_type": "user_expressions", "data": jsonable(results)})
         except KeyboardInterrupt:
             # interrupted before the cell's code started, or in IPython's own code
             # around it: shown as a kernel shows any interrupt
@@ -360,6 +365,18 @@ class Worker:
         if self.faulted:
             fin["faulted"] = self.faulted
         self.send(fin)
+
+    def _user_expressions(self, asked: dict[str, str]) -> dict[str, dict]:
+        """IPython's ``user_expressions``, with a name the cell's closure missed
+        brought in from the session (IPython's own eval would not ask)."""
+        shell, out = self.shell, {}
+        for key, expr in asked.items():
+            try:
+                value = shell._format_user_obj(faults.evaluate(expr, shell.user_ns, self.fault_in))
+            except BaseException:  # noqa: BLE001 - as IPython: the expression's error is its result
+                value = shell._user_obj_error()
+            out[key] = value
+        return out
 
     def on_save(self, msg: dict) -> None:
         t0 = time.perf_counter()

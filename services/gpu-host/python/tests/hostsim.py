@@ -143,7 +143,13 @@ class Worker:
         self.host, self.id, self.conn, self.pid = host, wid, conn, pid
         self.hello: dict = {}
 
-    def run(self, code: str, interrupt_after: float | None = None, answers: list | None = None) -> dict:
+    def run(
+        self,
+        code: str,
+        interrupt_after: float | None = None,
+        answers: list | None = None,
+        user_expressions: dict | None = None,
+    ) -> dict:
         """Run a cell; with ``interrupt_after``, SIGINT the worker's process group
         that many seconds after it started (as the Rust host interrupts).
         ``answers`` answer the cell's input requests in turn: a string is what the
@@ -151,7 +157,10 @@ class Worker:
         left, the request is refused as for a client without a stdin channel."""
         answers = list(answers or [])
         exec_id = uuid.uuid4().hex
-        self.conn.send({"type": "run", "exec_id": exec_id, "cell_id": "c", "code": code})
+        run = {"type": "run", "exec_id": exec_id, "cell_id": "c", "code": code}
+        if user_expressions:
+            run["user_expressions"] = user_expressions
+        self.conn.send(run)
         started = self.conn.expect("started")
         if interrupt_after is not None:
             threading.Timer(interrupt_after, os.killpg, (os.getpgid(self.pid), signal.SIGINT)).start()

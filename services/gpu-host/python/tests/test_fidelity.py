@@ -346,3 +346,30 @@ def test_completion_and_inspection_come_from_the_workers_live_objects(zygote):
     assert w.query("inspect", "not_defined_anywhere")["found"] is False
     # the worker is in step: the next cell runs
     assert stream_text(ok(w.run("print(my_tally)"))) == "3\n"
+
+
+def test_user_expressions_are_evaluated_after_a_cell_that_succeeded(zygote):
+    w = zygote.fork()
+    try:
+        asked = {"n": "len(xs)", "bad": "1/0", "html": "__import__('IPython').display.HTML('<b>x</b>')"}
+        r = w.run("xs = [1, 2, 3]\nprint('ran')", user_expressions=asked)
+        got = [o["data"] for o in r["outputs"] if o["output_type"] == "user_expressions"]
+        assert len(got) == 1, r["outputs"]
+        assert got[0]["n"] == {"status": "ok", "data": {"text/plain": "3"}, "metadata": {}}
+        assert got[0]["bad"]["status"] == "error" and got[0]["bad"]["ename"] == "ZeroDivisionError"
+        assert got[0]["html"]["data"]["text/html"] == "<b>x</b>"
+        # after a failed cell: none, as ipykernel
+        r = w.run("raise ValueError('no')", user_expressions={"n": "len(xs)"})
+        assert not [o for o in r["outputs"] if o["output_type"] == "user_expressions"]
+        w.save()
+    finally:
+        w.close()
+    # a later worker restored nothing: the name an expression reads is brought in
+    w2 = zygote.fork()
+    try:
+        r = w2.run("y = 1", user_expressions={"n": "len(xs) + y"})
+        got = [o["data"] for o in r["outputs"] if o["output_type"] == "user_expressions"]
+        assert got == [{"n": {"status": "ok", "data": {"text/plain": "4"}, "metadata": {}}}]
+        assert r["faults"] == [["xs"]]
+    finally:
+        w2.close()

@@ -33,7 +33,7 @@ use actix::prelude::*;
 use schemas::bus::Rejected;
 use schemas::messages::{
     BidV1, CommAnswerV1, CommV1, Device, ErrorCode, EventKind, EvictV1, HostStatusV2, InputReplyV1, InterruptV1,
-    Prepare, PreparedClass, PreparedOutcome, QueryAnswerV1, QueryKind, QueryV1, RecipeKind, RecipeV1, Reply,
+    Prepare, PreparedClass, PreparedOutcome, QueryAnswerV1, QueryKind, QueryV1, RecipeKind, RecipeV2, Reply,
     SessionCloseV1, SessionEventV2, SessionIdleV1, SlotUse, WorkerState, ZygoteStatus,
 };
 use schemas::{unix_ms, Envelope};
@@ -68,14 +68,14 @@ pub struct Host {
     kept: KeptWorkers,
     prepared: PreparedWorkers,
     /// Run recipes this host may still claim once a slot frees.
-    pending: VecDeque<RecipeV1>,
+    pending: VecDeque<RecipeV2>,
     /// Runs this host claimed that wait for a slot.
-    won: VecDeque<RecipeV1>,
+    won: VecDeque<RecipeV2>,
     /// Prepared workers (without a slot) whose run waits for a slot.
     waiting_prepared: VecDeque<PrepKey>,
     /// Admitted edit recipes that found no free slot (the planner's eviction that
     /// makes room may arrive just after): the newest per cell, tried when a slot frees.
-    spec_waiting: VecDeque<(Instant, RecipeV1)>,
+    spec_waiting: VecDeque<(Instant, RecipeV2)>,
     /// Prepare every worker with its slot (see `Config::prepare_holds_slot`).
     prepare_holds_slot: bool,
     /// Keep a GPU worker warm (with its slot) after its cell, for a re-run of
@@ -95,7 +95,7 @@ pub struct Host {
     /// When this host started (it judges other hosts lost only after a while).
     started: Instant,
     /// CPU runs whose session's CPU worker is on another host (see `retry_cpu_runs`).
-    cpu_waiting: Vec<(Instant, RecipeV1)>,
+    cpu_waiting: Vec<(Instant, RecipeV2)>,
 }
 
 /// A peer not heard from for this long (three status ticks) is not competing.
@@ -156,7 +156,7 @@ impl Host {
     /// The delay only lets a better-placed host win; with no other host that has a
     /// free slot (as their status says) nobody could, and this host claims at once.
     /// (Stale status only costs placement: the KV create still picks one host.)
-    fn claim_delay(&self, recipe: &RecipeV1) -> (Duration, f64) {
+    fn claim_delay(&self, recipe: &RecipeV2) -> (Duration, f64) {
         let (zygote, cached) = self.env.placement(recipe);
         let score = 0.5 * self.slots.free_share() + 0.25 * zygote + 0.25 * cached;
         if !self.competitor_has_room() {
@@ -251,7 +251,7 @@ impl Host {
 
     // ---------------------------------------------------------------- routing
 
-    fn on_recipe(&mut self, recipe: RecipeV1, ctx: &mut Context<Self>) {
+    fn on_recipe(&mut self, recipe: RecipeV2, ctx: &mut Context<Self>) {
         if self.env.stopping.load(std::sync::atomic::Ordering::SeqCst) {
             return; // a stopping host takes nothing new; other hosts will
         }
@@ -307,7 +307,7 @@ impl Host {
 
     // ---------------------------------------------------------------- runs
 
-    fn claim_gpu(&mut self, recipe: RecipeV1, index: u32, ctx: &mut Context<Self>) {
+    fn claim_gpu(&mut self, recipe: RecipeV2, index: u32, ctx: &mut Context<Self>) {
         // scored before the slot is reserved: a free slot is what this host offers
         let (delay, score) = self.claim_delay(&recipe);
         self.slots.take(index, SlotState::Claiming(Some(recipe.exec_id)));
@@ -326,7 +326,7 @@ impl Host {
 
     /// No slot free, but an idle prepared worker could give one up: claim first
     /// (with the longest delay, as a full host), evict only if this host won.
-    fn claim_then_evict(&mut self, recipe: RecipeV1, ctx: &mut Context<Self>) {
+    fn claim_then_evict(&mut self, recipe: RecipeV2, ctx: &mut Context<Self>) {
         let (delay, score) = self.claim_delay(&recipe);
         self.claim(ClaimKey::Run(recipe.exec_id), delay, ctx, move |act, claim, ctx| {
             act.publish_bid(recipe.exec_id, score, delay, claim == Claim::Won, ctx);
@@ -336,7 +336,7 @@ impl Host {
         });
     }
 
-    fn claim_cpu(&mut self, recipe: RecipeV1, ctx: &mut Context<Self>) {
+    fn claim_cpu(&mut self, recipe: RecipeV2, ctx: &mut Context<Self>) {
         if let Some(k) = self.kept.cpu_worker(recipe.session) {
             let target = Target::Existing { worker: k.worker.clone(), prepare: Prepare::Persistent, slot: None };
             self.claim_run_then_exec(recipe, target, ctx);
@@ -358,7 +358,7 @@ impl Host {
     /// worker pinned for its state) still claims its run key like every other run:
     /// nothing starts an execution twice, and one the user interrupted before any
     /// host claimed it (the frontend claims it then) never starts.
-    fn claim_run_then_exec(&mut self, recipe: RecipeV1, target: Target, ctx: &mut Context<Self>) {
+    fn claim_run_then_exec(&mut self, recipe: RecipeV2, target: Target, ctx: &mut Context<Self>) {
         self.claim(ClaimKey::Run(recipe.exec_id), Duration::ZERO, ctx, move |act, claim, ctx| {
             if claim == Claim::Won {
                 act.spawn_exec(recipe, target, ctx);
@@ -384,7 +384,7 @@ impl Host {
 
     /// A run this host claimed without a prepared worker: a free slot, or an idle
     /// prepared worker's slot, or wait for one.
-    fn run_won(&mut self, recipe: RecipeV1, ctx: &mut Context<Self>) {
+    fn run_won(&mut self, recipe: RecipeV2, ctx: &mut Context<Self>) {
         match self.slots.free().or_else(|| self.evict_for_slot(ctx)) {
             Some(index) => {
                 self.slots.take(index, SlotState::Busy { exec: recipe.exec_id, session: recipe.session });
@@ -395,7 +395,7 @@ impl Host {
         self.publish_status(ctx);
     }
 
-    fn spawn_exec(&mut self, recipe: RecipeV1, target: Target, ctx: &mut Context<Self>) {
+    fn spawn_exec(&mut self, recipe: RecipeV2, target: Target, ctx: &mut Context<Self>) {
         let env = self.env.clone();
         let kind = match &target {
             Target::Fresh { slot } => ExecKind::Fresh { slot: *slot },
@@ -521,7 +521,7 @@ impl Host {
 
     /// An edit-derived recipe: prepare a worker for it if the speculator admitted
     /// it and a slot is free, or update the worker this host prepared for the cell.
-    fn on_edit_recipe(&mut self, recipe: RecipeV1, ctx: &mut Context<Self>) {
+    fn on_edit_recipe(&mut self, recipe: RecipeV2, ctx: &mut Context<Self>) {
         let key = (recipe.session, recipe.cell_id.clone());
         if recipe.device != Device::Gpu || recipe.pinned.is_some() {
             // The cell no longer runs on a fresh GPU worker (now a CPU cell, or it
@@ -580,7 +580,7 @@ impl Host {
 
     /// Claim the preparation of `recipe` (exactly one host prepares a revision),
     /// holding a free slot meanwhile if the preparation needs one.
-    fn claim_preparation(&mut self, recipe: RecipeV1, needs_slot: bool, ctx: &mut Context<Self>) {
+    fn claim_preparation(&mut self, recipe: RecipeV2, needs_slot: bool, ctx: &mut Context<Self>) {
         let key = (recipe.session, recipe.cell_id.clone());
         if self.prepared.contains(&key) {
             return self.on_edit_recipe(recipe, ctx); // one got prepared meanwhile: update it
@@ -621,7 +621,7 @@ impl Host {
     }
 
     /// Fork (or update in place) the prepared worker of `key` for `recipe`.
-    fn start_prepare(&mut self, key: PrepKey, recipe: RecipeV1, ctx: &mut Context<Self>) {
+    fn start_prepare(&mut self, key: PrepKey, recipe: RecipeV2, ctx: &mut Context<Self>) {
         let Some(p) = self.prepared.get_mut(&key) else { return };
         p.begin(recipe.revision);
         let (env, existing, slot) = (self.env.clone(), p.worker.clone(), p.slot);
@@ -686,7 +686,7 @@ impl Host {
 
     /// A run for a cell this host prepared: claim it at once (no delay: the
     /// prepared worker makes this host the best place).
-    fn claim_prepared_run(&mut self, key: PrepKey, recipe: RecipeV1, ctx: &mut Context<Self>) {
+    fn claim_prepared_run(&mut self, key: PrepKey, recipe: RecipeV2, ctx: &mut Context<Self>) {
         self.claim(ClaimKey::Run(recipe.exec_id), Duration::ZERO, ctx, move |act, claim, ctx| {
             if claim != Claim::Won {
                 return; // another host runs it; the planner's budget evicts ours
@@ -701,7 +701,7 @@ impl Host {
 
     /// Run a claimed recipe on the worker prepared for its cell, binding a slot
     /// now if it was prepared without one.
-    fn run_prepared(&mut self, key: PrepKey, recipe: RecipeV1, ctx: &mut Context<Self>) {
+    fn run_prepared(&mut self, key: PrepKey, recipe: RecipeV2, ctx: &mut Context<Self>) {
         let Some(mut p) = self.prepared.remove(&key) else { return self.run_won(recipe, ctx) };
         let alive = p.worker.as_ref().is_some_and(|w| w.try_lock().is_ok_and(|w| crate::process::is_alive(w.pid)));
         let Some(worker) = p.worker.clone().filter(|_| alive) else {
@@ -931,7 +931,7 @@ impl Host {
 }
 
 /// Whether any object the closure of `recipe` reaches lives on a GPU.
-fn closure_on_gpu(m: &schemas::checkpoint::Manifest, recipe: &RecipeV1) -> bool {
+fn closure_on_gpu(m: &schemas::checkpoint::Manifest, recipe: &RecipeV2) -> bool {
     let roots = recipe.closure.iter().filter_map(|v| m.variables.get(&v.name).and_then(|e| e.oid.as_deref()));
     m.reachable(roots).iter().any(|oid| m.objects.get(oid).is_some_and(|o| o.on_gpu))
 }
@@ -967,8 +967,8 @@ impl Actor for Host {
     }
 }
 
-impl StreamHandler<Result<Envelope<RecipeV1>, Rejected>> for Host {
-    fn handle(&mut self, item: Result<Envelope<RecipeV1>, Rejected>, ctx: &mut Self::Context) {
+impl StreamHandler<Result<Envelope<RecipeV2>, Rejected>> for Host {
+    fn handle(&mut self, item: Result<Envelope<RecipeV2>, Rejected>, ctx: &mut Self::Context) {
         if let Ok(env) = item {
             let _span = env.span("host.recipe").entered();
             self.on_recipe(env.msg, ctx);

@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use schemas::messages::{PreparedClass, PreparedOutcome, RecipeV1};
+use schemas::messages::{PreparedClass, PreparedOutcome, RecipeV2};
 use tokio::sync::Mutex;
 use uuid::Uuid;
 
@@ -33,9 +33,9 @@ pub enum Phase {
     /// Being forked (its first preparation) or brought to a newer recipe.
     Preparing {
         /// A newer recipe that arrived meanwhile: applied next, in place.
-        next: Option<Box<RecipeV1>>,
+        next: Option<Box<RecipeV2>>,
         /// A run this host claimed meanwhile: runs on it once prepared.
-        run: Option<Box<RecipeV1>>,
+        run: Option<Box<RecipeV2>>,
         /// Stopped meanwhile: ends once the preparation returns.
         stop: Option<PreparedOutcome>,
     },
@@ -44,7 +44,7 @@ pub enum Phase {
     /// A run this host claimed waits with it for a slot (it was prepared without one).
     AwaitingSlot {
         /// The run.
-        run: Box<RecipeV1>,
+        run: Box<RecipeV2>,
     },
 }
 
@@ -135,14 +135,14 @@ impl PreparedWorker {
     }
 
     /// While preparing: apply `recipe` next, in place.
-    pub fn queue_next(&mut self, recipe: RecipeV1) {
+    pub fn queue_next(&mut self, recipe: RecipeV2) {
         if let Phase::Preparing { next, .. } = &mut self.phase {
             *next = Some(Box::new(recipe));
         }
     }
 
     /// While preparing: run `recipe` on it once prepared (nothing newer applies).
-    pub fn queue_run(&mut self, recipe: RecipeV1) {
+    pub fn queue_run(&mut self, recipe: RecipeV2) {
         if let Phase::Preparing { next, run, .. } = &mut self.phase {
             *next = None;
             *run = Some(Box::new(recipe));
@@ -158,7 +158,7 @@ impl PreparedWorker {
     }
 
     /// The preparation returned: what was waiting for it, and the phase is Ready.
-    pub fn prepared(&mut self) -> (Option<RecipeV1>, Option<RecipeV1>, Option<PreparedOutcome>) {
+    pub fn prepared(&mut self) -> (Option<RecipeV2>, Option<RecipeV2>, Option<PreparedOutcome>) {
         match std::mem::replace(&mut self.phase, Phase::Ready) {
             Phase::Preparing { next, run, stop } => (next.map(|r| *r), run.map(|r| *r), stop),
             Phase::Ready | Phase::AwaitingSlot { .. } => (None, None, None),
@@ -166,7 +166,7 @@ impl PreparedWorker {
     }
 
     /// The run waiting for a slot, if any (the phase goes back to Ready).
-    pub fn take_awaiting_run(&mut self) -> Option<RecipeV1> {
+    pub fn take_awaiting_run(&mut self) -> Option<RecipeV2> {
         match std::mem::replace(&mut self.phase, Phase::Ready) {
             Phase::AwaitingSlot { run } => Some(*run),
             other => {
@@ -260,8 +260,8 @@ mod tests {
     use super::*;
     use schemas::messages::{Device, RecipeKind, SessionOptions};
 
-    fn recipe(revision: u64) -> RecipeV1 {
-        RecipeV1 {
+    fn recipe(revision: u64) -> RecipeV2 {
+        RecipeV2 {
             session: Uuid::nil(),
             cell_id: "c".into(),
             kind: RecipeKind::Speculative,
@@ -280,6 +280,7 @@ mod tests {
             options: SessionOptions::default(),
             prepared: None,
             speculate: true,
+            user_expressions: Default::default(),
         }
     }
 
