@@ -8,7 +8,9 @@ prints 1 MB, `--reps` times each after a warm-up, and complete_request and
 inspect_request round trips answered from a variable a cell made.
 Writes bench/results/kernel.json: `empty_cell_ratio` and `print_1mb_ratio` (p50,
 with `_p99` beside them; targets 4 and 2 for a CPU cell), `complete_ms_p50` (target
-under 50) and every kernel's raw figures. Then every corpus notebook runs through
+under 50) and every kernel's raw figures; `complete_inferred_ms_p50` is completion
+with every cell serverless, inferred from the session's code (no CPU worker). Then
+every corpus notebook runs through
 nbclient and a `--all-gpu` LooseLeaf kernel (every cell serverless) and nbequiv
 compares it with a plain kernel: `notebooks_equal` of `notebooks_total`, and each
 notebook's verdict.
@@ -22,6 +24,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import nbformat
@@ -69,6 +72,18 @@ def query_trip(kc, kind: str, code: str) -> float:
             return elapsed
 
 
+def queries(kc, kernel: str) -> dict:
+    """complete_request and inspect_request round trips on `my_table`, 50 each
+    after one to warm up (the first use of jedi imports it)."""
+    figures = {}
+    for kind, code in (("complete", "my_table.move_"), ("inspect", "my_table")):
+        query_trip(kc, kind, code)
+        ms = [1000 * query_trip(kc, kind, code) for _ in range(50)]
+        figures[kind] = {"p50_ms": percentile(ms, 0.5), "p99_ms": percentile(ms, 0.99), "runs": len(ms)}
+        log(f"{kernel}: {kind} p50 {figures[kind]['p50_ms']:.1f} ms p99 {figures[kind]['p99_ms']:.1f} ms")
+    return figures
+
+
 def measure(kernel: str, reps: int) -> dict:
     log(f"{kernel}: starting")
     km, kc = start_new_kernel(kernel_name=kernel, startup_timeout=TIMEOUT)
@@ -82,15 +97,23 @@ def measure(kernel: str, reps: int) -> dict:
             ms = [1000 * round_trip(kc, code) for _ in range(reps)]
             figures[name] = {"p50_ms": percentile(ms, 0.5), "p99_ms": percentile(ms, 0.99), "runs": len(ms)}
             log(f"{kernel}: {name} p50 {figures[name]['p50_ms']:.1f} ms p99 {figures[name]['p99_ms']:.1f} ms")
-        for kind, code in (("complete", "my_table.move_"), ("inspect", "my_table")):
-            query_trip(kc, kind, code)  # warm up: the completer's first use imports jedi
-            ms = [1000 * query_trip(kc, kind, code) for _ in range(50)]
-            figures[kind] = {"p50_ms": percentile(ms, 0.5), "p99_ms": percentile(ms, 0.99), "runs": len(ms)}
-            log(f"{kernel}: {kind} p50 {figures[kind]['p50_ms']:.1f} ms p99 {figures[kind]['p99_ms']:.1f} ms")
-        return figures
+        return figures | queries(kc, kernel)
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=False)  # a shutdown_request: the kernel stops its cluster
+
+
+def measure_inferred(kernel: str) -> dict:
+    """Completion and inspection with every cell serverless (no CPU worker): the
+    kernel infers from the session's code (jedi), after a GPU cell made the name."""
+    log(f"{kernel}: starting")
+    km, kc = start_new_kernel(kernel_name=kernel, startup_timeout=TIMEOUT)
+    try:
+        round_trip(kc, "import collections\nmy_table = collections.OrderedDict(a=1)")
+        return queries(kc, kernel)
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=False)
 
 
 def reads_uninitialised_memory(code: str) -> bool:
@@ -109,6 +132,19 @@ def real_mismatches(verdict_path, nb) -> list[int]:
     code = ["".join(c.source) for c in nb.cells if c.cell_type == "code"]
     mismatched = [c["cell"] for c in verdict.get("cells", []) if c["status"] == "mismatch"]
     return [i for i in mismatched if i >= len(code) or not reads_uninitialised_memory(code[i])]
+
+
+def compare(source, executed, verdict, cache, runs: int):
+    """nbequiv of `executed` against `runs` plain-kernel runs of `source` (kept in
+    `cache`): (its output, whether every comparable cell matched)."""
+    cmp = subprocess.run(
+        [str(PYTHON), str(REPO.parent / "shared" / "tools" / "nbequiv.py"), str(source), str(executed)]
+        + ["--cwd", str(source.parent), "--runs", str(runs), "--reference-cache", str(cache)]
+        + ["--json", str(verdict)],
+        capture_output=True,
+        text=True,
+    )
+    return cmp, cmp.returncode == 0 or not real_mismatches(verdict, nbformat.read(source, 4))
 
 
 def corpus_through_kernel(kernel: str, work) -> dict:
@@ -142,14 +178,14 @@ def corpus_through_kernel(kernel: str, work) -> dict:
         nbformat.write(nb, executed)
         verdict = work / "verdicts" / (rel.replace("/", "__") + ".json")
         verdict.parent.mkdir(parents=True, exist_ok=True)
-        cmp = subprocess.run(
-            [str(PYTHON), str(REPO.parent / "shared" / "tools" / "nbequiv.py"), str(source), str(executed)]
-            + ["--cwd", str(source.parent), "--reference-cache", str(WORK / "kernel-nbequiv-cache")]
-            + ["--json", str(verdict)],
-            capture_output=True,
-            text=True,
-        )
-        equal = error is None and (cmp.returncode == 0 or not real_mismatches(verdict, nbformat.read(source, 4)))
+        cmp, same = compare(source, executed, verdict, WORK / "kernel-nbequiv-cache", 2)
+        if error is None and not same:
+            # a cell whose plain-kernel output varies run to run (an unseeded draw)
+            # may have agreed twice in the cached reference: four fresh reference
+            # runs, as tests/corpus.rs checks, mark it nondeterministic
+            with tempfile.TemporaryDirectory() as fresh:
+                cmp, same = compare(source, executed, verdict, fresh, 4)
+        equal = error is None and same
         results[rel] = {"equal": equal, "seconds": round(seconds, 1), "error": error}
         if not equal:
             results[rel]["nbequiv"] = (cmp.stdout + cmp.stderr)[-1500:]
@@ -178,6 +214,7 @@ def main() -> None:
         [str(LOOSELEAF), "kernel", "install", "--prefix", str(prefix), "--name", "looseleaf-bench-gpu", "--all-gpu"],
         check=True,
     )
+    inferred = measure_inferred("looseleaf-bench-gpu")
     notebooks = corpus_through_kernel("looseleaf-bench-gpu", work)
 
     def ratio(name: str, q: str) -> float:
@@ -194,6 +231,10 @@ def main() -> None:
         "inspect_ms_p50": looseleaf["inspect"]["p50_ms"],
         # every reply was checked to name the live object's attribute (or type)
         "complete_served_from_objects": True,
+        # every cell serverless (no CPU worker): inferred from the session's code
+        "complete_inferred_ms_p50": inferred["complete"]["p50_ms"],
+        "complete_inferred_ms_p99": inferred["complete"]["p99_ms"],
+        "inspect_inferred_ms_p50": inferred["inspect"]["p50_ms"],
         "targets": {"empty_cell_ratio": 4, "print_1mb_ratio": 2, "complete_ms_p50": 50},
         "placement": "CPU cells (the session's persistent CPU worker)",
         # every corpus notebook through nbclient and the kernel, every cell serverless
@@ -202,6 +243,7 @@ def main() -> None:
         "notebooks": notebooks,
         "ipykernel": ipykernel,
         "looseleaf": looseleaf,
+        "looseleaf_inferred": inferred,
         "reps": args.reps,
         "machine_cores": os.cpu_count(),
     }

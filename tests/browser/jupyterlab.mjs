@@ -65,6 +65,14 @@ async function runNewCell(source) {
   await command("notebook:run-cell");
 }
 const lastOutputs = async () => (await cells()).at(-1).outputs;
+// the last cell has an output and the kernel is idle again
+async function lastCellPrinted() {
+  await page.waitForFunction(() => {
+    const nb = window.jupyterapp.shell.currentWidget.content;
+    return nb.widgets.at(-1).model.outputs.length > 0;
+  }, null, { timeout: 2 * MINUTE });
+  await kernelIdle(kernelName);
+}
 
 try {
   await step("open", async () => {
@@ -131,11 +139,7 @@ try {
     await page.locator(".widget-readout", { hasText: "5" }).last().waitFor({ timeout: MINUTE });
     await kernelIdle(kernelName);
     await runNewCell("print(slider.value)");
-    await page.waitForFunction(() => {
-      const nb = window.jupyterapp.shell.currentWidget.content;
-      return nb.widgets.at(-1).model.outputs.length > 0;
-    }, null, { timeout: 2 * MINUTE });
-    await kernelIdle(kernelName);
+    await lastCellPrinted();
     seen.slider_value = (await lastOutputs()).map((o) => o.text || o.ename).join("");
   });
 
@@ -147,11 +151,7 @@ try {
     await kernelIdle(kernelName);
     // a fresh session: what the notebook defined is gone
     await runNewCell("print(looping)");
-    await page.waitForFunction(() => {
-      const nb = window.jupyterapp.shell.currentWidget.content;
-      return nb.widgets.at(-1).model.outputs.length > 0;
-    }, null, { timeout: 2 * MINUTE });
-    await kernelIdle(kernelName);
+    await lastCellPrinted();
     seen.after_restart = (await lastOutputs()).map((o) => o.ename || o.text).join("");
   });
 } finally {
