@@ -121,7 +121,7 @@ try {
     await kernelIdle(kernelName);
     seen.interrupted = (await lastOutputs()).filter((o) => o.output_type === "error").map((o) => o.ename);
     await runNewCell("print(looping)");
-    await kernelIdle(kernelName);
+    await lastCellPrinted(); // idle alone may be seen before the cell starts
     seen.after_interrupt = (await lastOutputs()).map((o) => o.text || o.ename).join("");
   });
 
