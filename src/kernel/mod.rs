@@ -530,16 +530,14 @@ impl Kernel {
                 Next::Continue
             }
             "comm_info_request" => {
-                let reply = match self.comm(&msg).await {
-                    Some(answer) if answer.reply.get("comms").is_some() => answer.reply,
-                    _ => json!({ "status": "ok", "comms": {} }),
-                };
+                let reply = self.comm(&msg).await;
+                let reply = if reply.get("comms").is_some() { reply } else { json!({ "status": "ok", "comms": {} }) };
                 self.reply_on(false, "comm_info_reply", reply, &msg).await;
                 Next::Continue
             }
             // ipywidgets: served by the session's CPU worker (ADR 33); no reply
             "comm_open" | "comm_msg" | "comm_close" => {
-                let _ = self.comm(&msg).await;
+                self.comm(&msg).await;
                 Next::Continue
             }
             "complete_request" | "inspect_request" => {
@@ -562,8 +560,9 @@ impl Kernel {
     /// Pass a client's comm message to the session's CPU worker and publish what
     /// it caused (comm messages, what callbacks printed) as children of it. A
     /// `comm_open` no worker took is closed, as ipykernel closes one for a target
-    /// it lacks, so that the client does not wait on it.
-    async fn comm(&mut self, msg: &JupyterMessage) -> Option<CommAnswer> {
+    /// it lacks, so that the client does not wait on it. Returns the worker's
+    /// reply content (for `comm_info_request`).
+    async fn comm(&mut self, msg: &JupyterMessage) -> Value {
         use base64::Engine as _;
         let content = match &msg.content {
             JupyterMessageContent::UnknownMessage(m) => m.content.clone(),
@@ -591,10 +590,10 @@ impl Kernel {
             self.iopub("comm_close", json!({ "comm_id": comm_id, "data": {} }), msg).await;
         }
         let mut ended = Ended { ok: true, error: None, payload: vec![], user_expressions: json!({}) };
-        for output in answer.outputs.clone() {
+        for output in answer.outputs {
             self.relay(msg, output, false, self.execution_count, &mut ended).await;
         }
-        Some(answer)
+        answer.reply
     }
 
     /// A comm message to the client among a worker's outputs, published as that
