@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use schemas::local_nats::{self, write_private, LocalNats, NatsUser};
+use schemas::nats::NatsOptions;
 use schemas::permissions::Role;
 use tokio::process::Command;
 use tokio::task::JoinHandle;
@@ -44,6 +45,9 @@ pub struct ClusterOptions {
     /// Each session's workers run as a uid of their own from this range
     /// (`FIRST-LAST`; the hosts must run as root; ADR 29).
     pub session_uids: Option<String>,
+    /// An existing NATS to use (every service connects with these options); None
+    /// starts a nats-server in the data directory, with a user per service.
+    pub nats: Option<NatsOptions>,
 }
 
 /// The NATS users of the embedded cluster: one per service, and the operator's
@@ -73,15 +77,45 @@ impl NatsUsers {
     }
 }
 
+/// The file in a data directory that records how to reach the NATS of the
+/// `looseleaf up` running there (its URL, with the operator's login), so that
+/// `looseleaf status` finds it.
+const NATS_URL_FILE: &str = "nats-url";
+
+/// The NATS that the `looseleaf up` of `data_dir` recorded, if one is running there.
+pub fn recorded_nats(data_dir: &Path) -> Option<NatsOptions> {
+    let url = std::fs::read_to_string(data_dir.join(NATS_URL_FILE)).ok()?;
+    Some(NatsOptions::url(url.trim()))
+}
+
+/// Where the services' NATS is.
+enum ClusterNats {
+    /// A nats-server started here, with a user per service.
+    Local { server: LocalNats, users: Box<NatsUsers> },
+    /// An operator's NATS, used with the options given.
+    External(NatsOptions),
+}
+
+impl ClusterNats {
+    /// How the service logged in as `user` connects (on an external NATS, every
+    /// service uses the options given).
+    fn for_user(&self, user: impl Fn(&NatsUsers) -> &NatsUser) -> NatsOptions {
+        match self {
+            Self::Local { server, users } => NatsOptions::url(server.url_for(user(users))),
+            Self::External(options) => options.clone(),
+        }
+    }
+}
+
 /// A running embedded cluster.
 pub struct Cluster {
-    nats: LocalNats,
-    users: NatsUsers,
+    nats: ClusterNats,
+    data_dir: PathBuf,
     token: CancellationToken,
     tasks: Vec<(String, JoinHandle<anyhow::Result<()>>)>,
     /// The frontend's base URL.
     pub frontend_url: String,
-    /// The NATS URL, with the operator's credentials.
+    /// The NATS URL (shown without passwords).
     pub nats_url: String,
     /// The bearer token of the frontend's API (also in `DATA_DIR/api-token`).
     pub api_token: String,
@@ -115,15 +149,25 @@ impl Cluster {
         std::fs::create_dir_all(&opts.data_dir)
             .with_context(|| format!("while creating {}", opts.data_dir.display()))?;
         let data_dir = opts.data_dir.canonicalize().context("while resolving the data dir")?;
-        let bin = local_nats::binary(opts.nats_server.as_deref(), &opts.repo);
-        let store = data_dir.join("nats");
-        // every client logs in; each service as itself, fresh passwords each start
-        let users = NatsUsers::new(PREFIX);
-        let all = users.all();
-        let nats = tokio::task::spawn_blocking(move || LocalNats::start_with_users(&bin, &store, &all))
-            .await
-            .context("while starting nats-server")??;
-        let nats_url = nats.url_for(&users.operator);
+        let nats = match &opts.nats {
+            Some(external) => ClusterNats::External(external.clone()),
+            None => {
+                let bin = local_nats::binary(opts.nats_server.as_deref(), &opts.repo);
+                let store = data_dir.join("nats");
+                // every client logs in; each service as itself, fresh passwords each start
+                let users = NatsUsers::new(PREFIX);
+                let all = users.all();
+                let server = tokio::task::spawn_blocking(move || LocalNats::start_with_users(&bin, &store, &all))
+                    .await
+                    .context("while starting nats-server")??;
+                // `looseleaf status` reads it (the file is the user's own, like the API token)
+                let record = data_dir.join(NATS_URL_FILE);
+                write_private(&record, &server.url_for(&users.operator))
+                    .with_context(|| format!("while writing {}", record.display()))?;
+                ClusterNats::Local { server, users: Box::new(users) }
+            }
+        };
+        let nats_url = nats.for_user(|u| &u.operator).shown();
         let token = CancellationToken::new();
         // a fresh API token per start, readable by this user only
         let api_token = format!("{}{}", Uuid::new_v4().simple(), Uuid::new_v4().simple());
@@ -131,7 +175,7 @@ impl Cluster {
         write_private(&token_file, &api_token).with_context(|| format!("while writing {}", token_file.display()))?;
         let mut cluster = Cluster {
             nats,
-            users,
+            data_dir: data_dir.clone(),
             token: token.clone(),
             tasks: Vec::new(),
             frontend_url: String::new(),
@@ -151,12 +195,11 @@ impl Cluster {
     }
 
     async fn start_services(&mut self, opts: &ClusterOptions, data_dir: &Path) -> anyhow::Result<String> {
-        let url_of = |user: &NatsUser| self.nats.url_for(user);
-        let (store_nats, planner_nats) = (url_of(&self.users.store), url_of(&self.users.planner));
-        let (host_nats, frontend_nats) = (url_of(&self.users.host), url_of(&self.users.frontend));
+        let (store_nats, planner_nats) = (self.nats.for_user(|u| &u.store), self.nats.for_user(|u| &u.planner));
+        let (host_nats, frontend_nats) = (self.nats.for_user(|u| &u.host), self.nats.for_user(|u| &u.frontend));
         let store_url = opts.store_url.clone().unwrap_or_else(|| data_dir.join("store").display().to_string());
         let store = looseleaf_store::Config {
-            nats_url: store_nats,
+            nats: store_nats,
             prefix: PREFIX.into(),
             store_url: store_url.clone(),
             session_quota_bytes: None,
@@ -165,7 +208,7 @@ impl Cluster {
         };
         self.spawn("store", |stop| looseleaf_store::run(store, stop));
         let planner = looseleaf_planner::Config {
-            nats_url: planner_nats,
+            nats: planner_nats,
             prefix: PREFIX.into(),
             debounce: Duration::from_millis(looseleaf_planner::DEFAULT_DEBOUNCE_MS),
             budget: opts.budget,
@@ -184,7 +227,7 @@ impl Cluster {
             std::fs::create_dir_all(&runtime_dir)
                 .with_context(|| format!("while creating {}", runtime_dir.display()))?;
             let config = looseleaf_gpu_host::Config {
-                nats_url: host_nats.clone(),
+                nats: host_nats.clone(),
                 prefix: PREFIX.into(),
                 store_url: store_url.clone(),
                 host_id: host_id.clone(),
@@ -247,9 +290,8 @@ impl Cluster {
     /// the first cell does not pay for the base imports.
     pub async fn wait_ready(&self, hosts: u32, timeout: Duration) -> anyhow::Result<()> {
         use futures::StreamExt;
-        let client = schemas::bus::connect_with_login(&self.nats_url, async_nats::ConnectOptions::new())
-            .await
-            .context("while watching host status")?;
+        let client =
+            self.nats.for_user(|u| &u.operator).connect("looseleaf-up").await.context("while watching host status")?;
         let subjects = schemas::Subjects::new(PREFIX);
         let mut sub = client.subscribe(subjects.all_host_status()).await?;
         let mut ready = std::collections::BTreeSet::new();
@@ -295,6 +337,9 @@ impl Cluster {
                 Err(_) => tracing::warn!(service = %name, "service did not stop within 10 s"),
             }
         }
-        self.nats.kill();
+        if let ClusterNats::Local { mut server, .. } = self.nats {
+            server.kill();
+            let _ = std::fs::remove_file(self.data_dir.join(NATS_URL_FILE));
+        }
     }
 }

@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
+use schemas::nats::NatsOptions;
 
 use crate::cluster::{Cluster, ClusterOptions};
 
@@ -75,6 +76,11 @@ enum Command {
         /// root; a session's working directory must be writable by its uid; ADR 29).
         #[arg(long, env = "LOOSELEAF_SESSION_UIDS")]
         session_uids: Option<String>,
+        /// Use the NATS these options name (`--nats-url` and the login and TLS
+        /// flags) instead of starting one; without `--nats-url`, a nats-server is
+        /// started in the data directory.
+        #[command(flatten)]
+        nats: NatsOptions,
         #[command(flatten)]
         embed: EmbedArgs,
     },
@@ -183,9 +189,13 @@ enum Command {
     },
     /// Show hosts (slots, zygotes, CPU sessions, cache) and the services that answer.
     Status {
-        /// NATS server URL.
-        #[arg(long, env = "LOOSELEAF_NATS_URL", default_value = "nats://127.0.0.1:4222")]
-        nats_url: String,
+        /// The NATS to ask (without `--nats-url`: the one `looseleaf up` recorded in
+        /// its data directory, else the default URL).
+        #[command(flatten)]
+        nats: NatsOptions,
+        /// The data directory of a `looseleaf up` to find.
+        #[arg(long, env = "LOOSELEAF_DATA_DIR", default_value = ".looseleaf")]
+        data_dir: PathBuf,
         /// Subject prefix.
         #[arg(long, env = "LOOSELEAF_PREFIX", default_value = "ll")]
         prefix: String,
@@ -243,7 +253,15 @@ fn options(embed: EmbedArgs, data_dir: PathBuf, virtual_gpus: Option<u32>, port:
         prepare_holds_slot: embed.prepare_holds_slot,
         port,
         session_uids: None,
+        nats: None,
     }
+}
+
+/// Whether the running subcommand's `--nats-url` was given (on the command line or
+/// in the environment) rather than left at its default.
+fn nats_url_given(matches: &clap::ArgMatches) -> bool {
+    let source = matches.subcommand().and_then(|(_, m)| m.value_source("url"));
+    matches!(source, Some(clap::parser::ValueSource::CommandLine | clap::parser::ValueSource::EnvVariable))
 }
 
 async fn up(opts: ClusterOptions) -> anyhow::Result<()> {
@@ -264,12 +282,15 @@ async fn up(opts: ClusterOptions) -> anyhow::Result<()> {
 }
 
 fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+    let matches = <Cli as clap::CommandFactory>::command().get_matches();
+    let cli = <Cli as clap::FromArgMatches>::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    let nats_given = nats_url_given(&matches);
     schemas::telemetry::init("looseleaf", &cli.log);
     let system = actix_rt::System::new();
     match cli.command {
-        Command::Up { virtual_gpus, port, data_dir, session_uids, embed } => {
-            let opts = ClusterOptions { session_uids, ..options(embed, data_dir, virtual_gpus, port) };
+        Command::Up { virtual_gpus, port, data_dir, session_uids, nats, embed } => {
+            let nats = nats_given.then_some(nats);
+            let opts = ClusterOptions { session_uids, nats, ..options(embed, data_dir, virtual_gpus, port) };
             system.block_on(up(opts))
         }
         Command::Run {
@@ -371,8 +392,14 @@ fn main() -> anyhow::Result<()> {
         Command::BenchEdits { nats_url, prefix, events, json } => {
             system.block_on(analyze::bench_edits(&nats_url, &prefix, events, json.as_ref()))
         }
-        Command::Status { nats_url, prefix, wait_ms } => {
-            system.block_on(status::status(&nats_url, &prefix, Duration::from_millis(wait_ms)))
+        Command::Status { nats, data_dir, prefix, wait_ms } => {
+            let nats = if nats_given {
+                nats
+            } else {
+                cluster::recorded_nats(&data_dir)
+                    .unwrap_or(NatsOptions { connect_wait_s: nats.connect_wait_s.min(5), ..nats })
+            };
+            system.block_on(status::status(&nats, &prefix, Duration::from_millis(wait_ms)))
         }
     }
 }

@@ -7,6 +7,7 @@ use std::time::Duration;
 use anyhow::Context;
 use futures::StreamExt;
 use schemas::messages::HostStatusV2;
+use schemas::nats::NatsOptions;
 use schemas::Bus;
 
 /// The NATS service API's discovery subject (NATS protocol, not a LooseLeaf subject).
@@ -65,8 +66,8 @@ pub fn render_hosts(hosts: &BTreeMap<String, HostStatusV2>) -> String {
 }
 
 /// Listen for `wait` and print hosts and services.
-pub async fn status(nats_url: &str, prefix: &str, wait: Duration) -> anyhow::Result<()> {
-    let bus = Bus::connect(nats_url, prefix, "looseleaf-status").await?;
+pub async fn status(nats: &NatsOptions, prefix: &str, wait: Duration) -> anyhow::Result<()> {
+    let bus = Bus::connect_with(nats, prefix, "looseleaf-status").await?;
     let mut hosts_sub = bus.subscribe::<HostStatusV2>(bus.subjects().all_host_status()).await?;
     let client = bus.client().clone();
     let inbox = client.new_inbox();

@@ -81,6 +81,7 @@ pub enum BodyError {
 pub struct Bodies {
     js: jetstream::Context,
     bucket: String,
+    replicas: usize,
     store: Arc<OnceCell<object_store::ObjectStore>>,
 }
 
@@ -133,11 +134,13 @@ impl BodyRef {
 }
 
 impl Bodies {
-    /// The bodies bucket of `prefix` on `client`'s server.
-    pub fn new(client: async_nats::Client, prefix: &str) -> Self {
+    /// The bodies bucket of `prefix` on `client`'s server (created with `replicas`
+    /// copies if it does not exist).
+    pub fn new(client: async_nats::Client, prefix: &str, replicas: usize) -> Self {
         Self {
             js: jetstream::new(client),
             bucket: crate::buckets::bodies_bucket(prefix),
+            replicas,
             store: Arc::new(OnceCell::new()),
         }
     }
@@ -153,6 +156,7 @@ impl Bodies {
                             bucket: self.bucket.clone(),
                             description: Some("LooseLeaf message bodies too large for one message (ADR 30)".into()),
                             max_age: BODY_TTL,
+                            num_replicas: self.replicas,
                             ..Default::default()
                         };
                         match self.js.create_object_store(config).await {

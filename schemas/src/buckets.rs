@@ -85,11 +85,18 @@ fn sanitize(prefix: &str) -> String {
     prefix.replace(['.', '*', '>', ' '], "_")
 }
 
-/// Get or create the claims bucket.
-pub async fn claims(js: &jetstream::Context, prefix: &str) -> Result<kv::Store, BucketError> {
+/// Get or create the claims bucket (with `replicas` copies on a cluster; an
+/// existing bucket is used as it is).
+pub async fn claims(js: &jetstream::Context, prefix: &str, replicas: usize) -> Result<kv::Store, BucketError> {
     ensure_bucket(
         js,
-        kv::Config { bucket: claims_bucket(prefix), history: 1, max_age: CLAIM_TTL, ..Default::default() },
+        kv::Config {
+            bucket: claims_bucket(prefix),
+            history: 1,
+            max_age: CLAIM_TTL,
+            num_replicas: replicas,
+            ..Default::default()
+        },
     )
     .await
 }
@@ -102,13 +109,17 @@ pub fn sessions_bucket(prefix: &str) -> String {
 }
 
 /// Get or create the session records bucket.
-pub async fn sessions(js: &jetstream::Context, prefix: &str) -> Result<kv::Store, BucketError> {
-    ensure_bucket(js, kv::Config { bucket: sessions_bucket(prefix), history: 1, ..Default::default() }).await
+pub async fn sessions(js: &jetstream::Context, prefix: &str, replicas: usize) -> Result<kv::Store, BucketError> {
+    let config =
+        kv::Config { bucket: sessions_bucket(prefix), history: 1, num_replicas: replicas, ..Default::default() };
+    ensure_bucket(js, config).await
 }
 
 /// Get or create the planner bucket.
-pub async fn planner(js: &jetstream::Context, prefix: &str) -> Result<kv::Store, BucketError> {
-    ensure_bucket(js, kv::Config { bucket: planner_bucket(prefix), history: 1, ..Default::default() }).await
+pub async fn planner(js: &jetstream::Context, prefix: &str, replicas: usize) -> Result<kv::Store, BucketError> {
+    let config =
+        kv::Config { bucket: planner_bucket(prefix), history: 1, num_replicas: replicas, ..Default::default() };
+    ensure_bucket(js, config).await
 }
 
 async fn ensure_bucket(js: &jetstream::Context, config: kv::Config) -> Result<kv::Store, BucketError> {
@@ -138,6 +149,7 @@ pub const OUTPUTS_BYTES: i64 = 1 << 30;
 pub async fn outputs_stream(
     js: &jetstream::Context,
     subjects: &crate::Subjects,
+    replicas: usize,
 ) -> Result<stream::Stream, BucketError> {
     js.get_or_create_stream(stream::Config {
         name: subjects.outputs_stream(),
@@ -145,6 +157,7 @@ pub async fn outputs_stream(
         max_age: Duration::from_secs(24 * 3600),
         max_messages_per_subject: OUTPUTS_PER_EXEC,
         max_bytes: OUTPUTS_BYTES,
+        num_replicas: replicas,
         ..Default::default()
     })
     .await
@@ -195,11 +208,16 @@ pub async fn replay(
 }
 
 /// Get or create the stream that keeps session events for replay.
-pub async fn events_stream(js: &jetstream::Context, subjects: &crate::Subjects) -> Result<stream::Stream, BucketError> {
+pub async fn events_stream(
+    js: &jetstream::Context,
+    subjects: &crate::Subjects,
+    replicas: usize,
+) -> Result<stream::Stream, BucketError> {
     js.get_or_create_stream(stream::Config {
         name: subjects.events_stream(),
         subjects: vec![subjects.all_events()],
         max_age: Duration::from_secs(24 * 3600),
+        num_replicas: replicas,
         ..Default::default()
     })
     .await

@@ -15,6 +15,7 @@ use futures::StreamExt;
 use crate::bodies::{Bodies, BodyError, BODY_HEADER, INLINE_MAX_BYTES};
 use crate::codec::{self, CodecError, WireMessage};
 use crate::messages::{ErrorCode, Reply};
+use crate::nats::NatsOptions;
 use crate::subjects::Subjects;
 use crate::telemetry;
 
@@ -30,6 +31,16 @@ pub enum BusError {
         url: String,
         /// What the client said.
         source: async_nats::ConnectError,
+    },
+    /// A login file (credentials, NKEY seed) could not be used.
+    #[error("cannot use the NATS {what} {path}: {source}")]
+    LoginFile {
+        /// Which file it is.
+        what: &'static str,
+        /// Its path.
+        path: String,
+        /// Why.
+        source: std::io::Error,
     },
     /// A publish failed.
     #[error("publish to {subject} failed: {source}")]
@@ -113,6 +124,7 @@ pub struct Bus {
     client: Client,
     subjects: Subjects,
     bodies: Bodies,
+    replicas: usize,
 }
 
 /// A decoded message with what came with it.
@@ -151,44 +163,29 @@ pub fn shown_url(url: &str) -> String {
     }
 }
 
-/// Connect to `url` with `options`, logging in as the user and password the URL
-/// names, if any (async-nats does not read them from the URL itself).
-pub async fn connect_with_login(url: &str, options: async_nats::ConnectOptions) -> Result<Client, BusError> {
-    let shown = shown_url(url);
-    let addr: async_nats::ServerAddr = url.parse().map_err(|source| BusError::Connect {
-        url: shown.clone(),
-        source: async_nats::ConnectError::with_source(async_nats::ConnectErrorKind::ServerParse, source),
-    })?;
-    // a user's requests are answered under its own inbox prefix, the only one its
-    // permissions let it read (ADR 27)
-    let options = match (addr.username(), addr.password()) {
-        (Some(user), Some(password)) => options
-            .user_and_password(user.to_string(), password.to_string())
-            .custom_inbox_prefix(crate::permissions::inbox_prefix(user)),
-        _ => options,
-    };
-    // the address without them: the client logs addresses at debug level
-    let bare: async_nats::ServerAddr = shown.parse().unwrap_or(addr);
-    options
-        .connection_timeout(Duration::from_secs(5))
-        .connect(bare)
-        .await
-        .map_err(|source| BusError::Connect { url: shown, source })
-}
-
 impl Bus {
-    /// Connect to `url` as `name`, with subjects under `prefix`.
-    /// A URL may carry a user and password (`nats://user:pass@host:4222`): the
-    /// client logs in with them (errors show the URL without them).
+    /// Connect to `url` (one server or a seed list; it may carry a user and
+    /// password) as `name`, with subjects under `prefix`.
     pub async fn connect(url: &str, prefix: &str, name: &str) -> Result<Self, BusError> {
-        let client = connect_with_login(url, async_nats::ConnectOptions::new().name(name)).await?;
-        Ok(Self::from_client(client, prefix))
+        Self::connect_with(&NatsOptions::url(url), prefix, name).await
     }
 
-    /// Wrap an existing client.
-    pub fn from_client(client: Client, prefix: &str) -> Self {
-        let bodies = Bodies::new(client.clone(), prefix);
-        Self { client, subjects: Subjects::new(prefix), bodies }
+    /// Connect as `nats` says (servers, login, TLS, replicas) as `name`, with
+    /// subjects under `prefix`.
+    pub async fn connect_with(nats: &NatsOptions, prefix: &str, name: &str) -> Result<Self, BusError> {
+        let client = nats.connect(name).await?;
+        Ok(Self::from_client(client, prefix, nats.replicas))
+    }
+
+    /// Wrap an existing client; buckets and streams it creates get `replicas` copies.
+    pub fn from_client(client: Client, prefix: &str, replicas: usize) -> Self {
+        let bodies = Bodies::new(client.clone(), prefix, replicas);
+        Self { client, subjects: Subjects::new(prefix), bodies, replicas }
+    }
+
+    /// Replicas of the buckets and streams this service creates.
+    pub fn replicas(&self) -> usize {
+        self.replicas
     }
 
     /// The subjects of this bus's prefix.

@@ -22,6 +22,7 @@ pub mod checkpoint;
 pub mod codec;
 pub mod local_nats;
 pub mod messages;
+pub mod nats;
 pub mod permissions;
 pub mod service;
 pub mod subjects;

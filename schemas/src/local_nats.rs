@@ -304,8 +304,7 @@ mod tests {
             Err(e) => panic!("nats-server (run scripts/setup): {e}"),
         };
         assert!(!dir.path().join("nats.conf").exists(), "the passwords are not left on disk");
-        let connect =
-            |url: String| async move { crate::bus::connect_with_login(&url, async_nats::ConnectOptions::new()).await };
+        let connect = |url: String| async move { crate::nats::NatsOptions::url(url).connect("test").await };
         assert!(connect(nats.url().to_string()).await.is_err(), "no user");
         let wrong = NatsUser { password: "guess".into(), ..store.clone() };
         assert!(connect(nats.url_for(&wrong)).await.is_err(), "a wrong password");

@@ -188,7 +188,7 @@ mod tests {
     /// its own).
     async fn as_user(nats: &LocalNats, user: &NatsUser) -> async_nats::Client {
         let url = nats.url_for(user);
-        crate::bus::connect_with_login(&url, async_nats::ConnectOptions::new()).await.unwrap()
+        crate::nats::NatsOptions::url(url).connect("test").await.unwrap()
     }
 
     /// Whether `who` publishing on `subject` reaches a subscriber allowed everything

@@ -12,6 +12,7 @@
 use std::future::Future;
 use std::time::Duration;
 
+use crate::nats::NatsOptions;
 use crate::{telemetry, Bus, BusError};
 
 /// Longest a service waits for its in-flight work after a stop signal.
@@ -26,9 +27,9 @@ const ALIVE_CHECK: Duration = Duration::from_millis(500);
 /// Flags every service takes (flattened into each one's own).
 #[derive(clap::Args, Clone, Debug)]
 pub struct ServiceArgs {
-    /// NATS server URL.
-    #[arg(long, env = "LOOSELEAF_NATS_URL", default_value = "nats://127.0.0.1:4222")]
-    pub nats_url: String,
+    /// Where NATS is and how to log in.
+    #[command(flatten)]
+    pub nats: NatsOptions,
     /// Subject prefix (isolates tenants and tests).
     #[arg(long, env = "LOOSELEAF_PREFIX", default_value = "ll")]
     pub prefix: String,
@@ -67,14 +68,14 @@ impl Service {
         name: &'static str,
         instance: Option<&str>,
         description: &str,
-        nats_url: &str,
+        nats: &NatsOptions,
         prefix: &str,
     ) -> Result<Self, ServiceError> {
         let client_name = match instance {
             Some(i) => format!("{name}-{i}"),
             None => name.to_string(),
         };
-        let bus = Bus::connect(nats_url, prefix, &client_name).await?;
+        let bus = Bus::connect_with(nats, prefix, &client_name).await?;
         let registration = bus.register_service(name, description).await?;
         Ok(Self { name, bus, registration, drain_timeout: DRAIN })
     }

@@ -84,8 +84,8 @@ pub const DEFAULT_CULL_IDLE: Duration = Duration::from_secs(24 * 3600);
 /// What the frontend needs.
 #[derive(Clone, Debug)]
 pub struct Config {
-    /// NATS server URL.
-    pub nats_url: String,
+    /// Where NATS is and how to log in.
+    pub nats: schemas::nats::NatsOptions,
     /// Subject prefix.
     pub prefix: String,
     /// Address to serve HTTP on; port 0 picks a free one.
@@ -109,9 +109,9 @@ pub struct Config {
 
 impl Config {
     /// A config with the default deadlines.
-    pub fn new(nats_url: impl Into<String>, prefix: impl Into<String>, listen: SocketAddr) -> Self {
+    pub fn new(nats: schemas::nats::NatsOptions, prefix: impl Into<String>, listen: SocketAddr) -> Self {
         Self {
-            nats_url: nats_url.into(),
+            nats,
             prefix: prefix.into(),
             listen,
             timeouts: Timeouts::default(),
@@ -137,15 +137,15 @@ pub async fn run_with_bound(
     on_bound: impl FnOnce(SocketAddr),
 ) -> anyhow::Result<()> {
     let description = "HTTP API, session events and run queues";
-    let service = Service::start("looseleaf-frontend", None, description, &config.nats_url, &config.prefix).await?;
+    let service = Service::start("looseleaf-frontend", None, description, &config.nats, &config.prefix).await?;
     let bus = service.bus().clone();
-    schemas::buckets::events_stream(&bus.jetstream(), bus.subjects())
+    schemas::buckets::events_stream(&bus.jetstream(), bus.subjects(), bus.replicas())
         .await
         .context("while creating the session-events stream (is JetStream enabled?)")?;
-    schemas::buckets::outputs_stream(&bus.jetstream(), bus.subjects())
+    schemas::buckets::outputs_stream(&bus.jetstream(), bus.subjects(), bus.replicas())
         .await
         .context("while creating the outputs stream")?;
-    let claims = schemas::buckets::claims(&bus.jetstream(), &config.prefix).await?;
+    let claims = schemas::buckets::claims(&bus.jetstream(), &config.prefix, bus.replicas()).await?;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("while binding {}", config.listen))?;
@@ -155,7 +155,8 @@ pub async fn run_with_bound(
     let statuses = bus.subscribe::<HostStatusV2>(bus.subjects().all_host_status()).await?;
     tokio::spawn(hosts.clone().follow(statuses));
     tokio::spawn(hosts.clone().watch_connection(bus.client().clone()));
-    let records = records::Records::new(schemas::buckets::sessions(&bus.jetstream(), &config.prefix).await?);
+    let records =
+        records::Records::new(schemas::buckets::sessions(&bus.jetstream(), &config.prefix, bus.replicas()).await?);
     let state = http::AppState {
         shared: session::Shared {
             bus: bus.clone(),

@@ -31,7 +31,7 @@ async fn start_frontend_with(
     prefix: &str,
     configure: impl FnOnce(&mut Config),
 ) -> anyhow::Result<Served> {
-    let mut config = Config::new(nats.url(), prefix, "127.0.0.1:0".parse()?);
+    let mut config = Config::new(schemas::nats::NatsOptions::url(nats.url()), prefix, "127.0.0.1:0".parse()?);
     configure(&mut config);
     fake_store(nats, prefix).await?;
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
@@ -408,7 +408,7 @@ async fn a_run_no_host_takes_fails_and_the_queue_moves_on() -> anyhow::Result<()
     }
     assert_eq!(next_run(&mut runs).await?.exec_id, a.exec_id);
     // the frontend holds the run's claim: no host can start it after it was failed
-    let claims = schemas::buckets::claims(&bus.jetstream(), &prefix).await?;
+    let claims = schemas::buckets::claims(&bus.jetstream(), &prefix, 1).await?;
     let holder = claims.get(schemas::buckets::run_claim_key(a.exec_id)).await?;
     assert_eq!(holder.as_deref(), Some(schemas::buckets::INTERRUPTED_HOLDER.as_bytes()));
     assert_eq!(next_run(&mut runs).await?.exec_id, b.exec_id);
@@ -432,7 +432,7 @@ async fn a_run_whose_host_died_right_after_claiming_it_ends() -> anyhow::Result<
     let fe = start_frontend(&nats, &prefix, timeouts).await?;
     let sid = fe.client.create_session("/tmp", true, true).await?;
     let bus = Bus::connect(nats.url(), &prefix, "fake").await?;
-    let claims = schemas::buckets::claims(&bus.jetstream(), &prefix).await?;
+    let claims = schemas::buckets::claims(&bus.jetstream(), &prefix, 1).await?;
     let mut sse = fe.client.events(sid).await?;
     let a = fe.client.run(sid, "a", "1").await?;
     claims.create(schemas::buckets::run_claim_key(a.exec_id), "host-gone".into()).await?;
@@ -449,7 +449,7 @@ async fn a_run_whose_host_died_right_after_claiming_it_ends() -> anyhow::Result<
 #[actix_rt::test]
 async fn a_run_a_host_claimed_is_never_failed_by_the_claim_timeout() -> anyhow::Result<()> {
     let ShortClaims { nats: _nats, prefix, fe, sid, bus } = short_claims().await?;
-    let claims = schemas::buckets::claims(&bus.jetstream(), &prefix).await?;
+    let claims = schemas::buckets::claims(&bus.jetstream(), &prefix, 1).await?;
     let mut sse = fe.client.events(sid).await?;
     let a = fe.client.run(sid, "a", "1").await?;
     // a host won the run, and its Claimed event is late: the cell may be running
@@ -483,7 +483,7 @@ async fn a_restarted_frontend_serves_every_session_from_its_record() -> anyhow::
     items_until(&mut sse, is_done(a.exec_id)).await?;
     // the record is written behind the run queue: wait until it says revision 3
     let records =
-        looseleaf_frontend::records::Records::new(schemas::buckets::sessions(&bus.jetstream(), &prefix).await?);
+        looseleaf_frontend::records::Records::new(schemas::buckets::sessions(&bus.jetstream(), &prefix, 1).await?);
     looseleaf_test_support::wait_for_async(WAIT, || {
         let records = records.clone();
         async move { records.get(sid).await.ok().flatten().is_some_and(|r| r.revision == 3) }

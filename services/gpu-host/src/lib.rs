@@ -57,8 +57,8 @@ const MAX_CHILD_ZYGOTE_BYTES: u64 = 4 << 30;
 /// What a gpu-host needs.
 #[derive(Clone, Debug)]
 pub struct Config {
-    /// NATS server URL.
-    pub nats_url: String,
+    /// Where NATS is and how to log in.
+    pub nats: schemas::nats::NatsOptions,
     /// Subject prefix.
     pub prefix: String,
     /// Object store URL (file:///dir or a directory).
@@ -111,8 +111,7 @@ pub const DEFAULT_INTERRUPT_GRACE_S: f64 = 5.0;
 pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
     let description = "GPU slots, zygotes and workers";
     let service =
-        Service::start("looseleaf-gpu-host", Some(&config.host_id), description, &config.nats_url, &config.prefix)
-            .await?;
+        Service::start("looseleaf-gpu-host", Some(&config.host_id), description, &config.nats, &config.prefix).await?;
     let bus = service.bus().clone();
     let objects = schemas::objects::open(&config.store_url).context("while opening the object store")?;
     std::fs::create_dir_all(&config.runtime_dir)
@@ -124,7 +123,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     tracing::info!(host = %config.host_id, slots = slots.len(), real_gpus, "gpu-host starting");
 
     let js = bus.jetstream();
-    let claims = host::claims::Claims::new(buckets::claims(&js, &config.prefix).await?, config.host_id.clone());
+    let claims =
+        host::claims::Claims::new(buckets::claims(&js, &config.prefix, bus.replicas()).await?, config.host_id.clone());
     let zygote_spec = zygotes::ZygoteSpec {
         python: config.python.clone(),
         worker_path: config.worker_path.clone(),

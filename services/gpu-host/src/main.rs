@@ -80,7 +80,7 @@ fn main() -> anyhow::Result<()> {
     let a = Args::parse();
     schemas::telemetry::init("looseleaf-gpu-host", &a.service.log);
     let config = looseleaf_gpu_host::Config {
-        nats_url: a.service.nats_url,
+        nats: a.service.nats,
         prefix: a.service.prefix,
         store_url: a.store_url,
         host_id: a.host_id,

@@ -34,8 +34,8 @@ pub const DEFAULT_BUDGET: speculator::Budget =
 /// What the planner needs.
 #[derive(Clone, Debug)]
 pub struct Config {
-    /// NATS server URL.
-    pub nats_url: String,
+    /// Where NATS is and how to log in.
+    pub nats: schemas::nats::NatsOptions,
     /// Subject prefix.
     pub prefix: String,
     /// Edits of one cell are planned at most once per this interval.
@@ -50,10 +50,9 @@ pub struct Config {
 /// Run the planner until `shutdown` resolves. Must be called inside an actix system.
 pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
     let service =
-        Service::start("looseleaf-planner", None, "cell analysis and recipes", &config.nats_url, &config.prefix)
-            .await?;
+        Service::start("looseleaf-planner", None, "cell analysis and recipes", &config.nats, &config.prefix).await?;
     let bus = service.bus().clone();
-    let kv = buckets::planner(&bus.jetstream(), &config.prefix).await?;
+    let kv = buckets::planner(&bus.jetstream(), &config.prefix, bus.replicas()).await?;
     let s = bus.subjects().clone();
     let runs = bus.queue_subscribe::<RunV2>(s.all_runs(), "planner").await?;
     let edits = bus.queue_subscribe::<EditV1>(s.all_edits(), "planner").await?;

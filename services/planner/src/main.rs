@@ -26,7 +26,7 @@ fn main() -> anyhow::Result<()> {
     let a = Args::parse();
     schemas::telemetry::init("looseleaf-planner", &a.service.log);
     let config = looseleaf_planner::Config {
-        nats_url: a.service.nats_url,
+        nats: a.service.nats,
         prefix: a.service.prefix,
         debounce: std::time::Duration::from_millis(a.debounce_ms),
         host_lost: std::time::Duration::from_secs(a.host_lost_s),

@@ -10,7 +10,7 @@ use uuid::Uuid;
 async fn planner_bucket() -> anyhow::Result<(NatsServer, async_nats::jetstream::kv::Store)> {
     let nats = NatsServer::start()?;
     let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await?);
-    let kv = schemas::buckets::planner(&js, &random_prefix()).await?;
+    let kv = schemas::buckets::planner(&js, &random_prefix(), 1).await?;
     Ok((nats, kv))
 }
 

@@ -24,8 +24,8 @@ use schemas::subjects::StoreVerb;
 /// What the store gateway needs.
 #[derive(Clone, Debug)]
 pub struct Config {
-    /// NATS server URL.
-    pub nats_url: String,
+    /// Where NATS is and how to log in.
+    pub nats: schemas::nats::NatsOptions,
     /// Subject prefix.
     pub prefix: String,
     /// Object store: `file:///dir` or a directory path.
@@ -50,7 +50,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         }
     };
     let description = "checkpoint-store gateway: manifests and atomic commits";
-    let service = Service::start("looseleaf-store", None, description, &config.nats_url, &config.prefix).await?;
+    let service = Service::start("looseleaf-store", None, description, &config.nats, &config.prefix).await?;
     let bus = service.bus().clone();
     let manifests = Arc::new(manifests::Manifests::new(objects).with_quota(config.session_quota_bytes).with_key(key));
     let s = bus.subjects().clone();

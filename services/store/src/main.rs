@@ -33,7 +33,7 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     schemas::telemetry::init("looseleaf-store", &args.service.log);
     let config = looseleaf_store::Config {
-        nats_url: args.service.nats_url,
+        nats: args.service.nats,
         prefix: args.service.prefix,
         store_url: args.store_url,
         session_quota_bytes: args.session_quota_bytes,

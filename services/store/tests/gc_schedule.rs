@@ -38,7 +38,7 @@ async fn old_revisions_and_orphan_chunks_are_collected_on_schedule() -> anyhow::
     objects.put(&orphan, b"nothing references me".to_vec().into()).await?;
 
     let config = looseleaf_store::Config {
-        nats_url: nats.url().to_string(),
+        nats: schemas::nats::NatsOptions::url(nats.url()),
         prefix: random_prefix(),
         store_url,
         session_quota_bytes: None,

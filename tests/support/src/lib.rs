@@ -13,6 +13,7 @@ use anyhow::{bail, Context};
 use schemas::local_nats::{self, LocalNats};
 
 pub mod cluster;
+pub mod secure_nats;
 
 /// The repository root (where Cargo.toml of the workspace is).
 pub fn repo_root() -> PathBuf {
@@ -194,11 +195,17 @@ pub struct LocalCluster {
 impl LocalCluster {
     /// Start one with `virtual_gpus` CPU-backed GPU slots and wait for its frontend.
     pub fn start(looseleaf: &Path, virtual_gpus: u32) -> anyhow::Result<Self> {
+        Self::start_with(looseleaf, virtual_gpus, &[])
+    }
+
+    /// [`LocalCluster::start`] with more arguments to `looseleaf up`.
+    pub fn start_with(looseleaf: &Path, virtual_gpus: u32, args: &[&str]) -> anyhow::Result<Self> {
         let port = free_port()?;
         let data = tempfile::tempdir()?;
         let child = Command::new(looseleaf)
             .args(["up", "--virtual-gpus", &virtual_gpus.to_string(), "--port", &port.to_string(), "--data-dir"])
             .arg(data.path())
+            .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .spawn()
@@ -216,6 +223,11 @@ impl LocalCluster {
     /// The frontend's URL.
     pub fn url(&self) -> String {
         format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Its data directory.
+    pub fn data_dir(&self) -> &Path {
+        self._data.path()
     }
 
     /// The bearer token of its API (what `looseleaf up` printed).
