@@ -138,34 +138,34 @@ fn looseleaf_run_behaves_like_a_notebook_runner() {
 
 /// `looseleaf status` with `args`, from a directory of its own (so that no
 /// `.looseleaf` of the checkout is found by accident).
-fn status(args: &[&str]) -> String {
-    let cwd = tempfile::tempdir().unwrap();
+fn status(args: &[&str]) -> anyhow::Result<String> {
+    let cwd = tempfile::tempdir()?;
     let out = Command::new(looseleaf())
         .args(["status", "--wait-ms", "3000"])
         .args(args)
         .current_dir(cwd.path())
         .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).into_owned()
+        .output()?;
+    anyhow::ensure!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 #[test]
-fn status_finds_the_cluster_up_started_and_up_uses_an_existing_nats() {
+fn status_finds_the_cluster_up_started_and_up_uses_an_existing_nats() -> anyhow::Result<()> {
     // `up` records its NATS in the data directory; `status --data-dir` finds it
-    let cluster = LocalCluster::start(looseleaf(), 1).expect("looseleaf up");
+    let cluster = LocalCluster::start(looseleaf(), 1)?;
     let data = cluster.data_dir().display().to_string();
-    let shown = status(&["--data-dir", &data]);
+    let shown = status(&["--data-dir", &data])?;
     assert!(shown.contains("host-0") && shown.contains("looseleaf-frontend"), "{shown}");
     let record = cluster.data_dir().join("nats-url");
     drop(cluster);
     assert!(!record.exists(), "a stopped cluster's NATS is still recorded");
 
     // `up --nats-url` uses the operator's NATS and starts none of its own
-    let nats = looseleaf_test_support::NatsServer::start().expect("nats-server");
-    let cluster = LocalCluster::start_with(looseleaf(), 1, &["--nats-url", nats.url()]).expect("looseleaf up");
+    let nats = looseleaf_test_support::NatsServer::start()?;
+    let cluster = LocalCluster::start_with(looseleaf(), 1, &["--nats-url", nats.url()])?;
     assert!(!cluster.data_dir().join("nats").exists(), "up started a nats-server of its own");
-    let shown = status(&["--nats-url", nats.url()]);
+    let shown = status(&["--nats-url", nats.url()])?;
     assert!(shown.contains("host-0") && shown.contains("looseleaf-planner"), "{shown}");
+    Ok(())
 }

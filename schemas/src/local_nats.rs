@@ -78,7 +78,7 @@ impl NatsUser {
 /// The server's configuration: the bus's message limit (ADR 30: a server that
 /// refuses anything larger keeps every test and local cluster honest about it),
 /// and the users, if clients must log in.
-fn server_config(users: &[NatsUser]) -> String {
+pub fn server_config(users: &[NatsUser]) -> String {
     let limit = format!("max_payload: {}\n", crate::bodies::BUS_MESSAGE_MAX_BYTES);
     match users {
         [] => limit,

@@ -15,10 +15,15 @@ use schemas::messages::HostStatusV2;
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
+use schemas::nats::NatsOptions;
+
 use crate::{free_port, random_prefix, venv_python, wait_for, NatsServer};
 
 /// How long a test waits for one stream item.
 pub const WAIT: Duration = Duration::from_secs(120);
+
+/// Each service's own environment variables, by the service's name.
+pub type PerService = Box<dyn Fn(&str) -> Vec<(String, String)>>;
 
 /// One service process of a test cluster: how to start it again, and the process.
 struct Proc {
@@ -26,6 +31,8 @@ struct Proc {
     name: String,
     bin: String,
     args: Vec<String>,
+    /// Its own environment, beside what every process gets.
+    env: Vec<(String, String)>,
     child: Option<Child>,
 }
 
@@ -41,6 +48,8 @@ pub struct Services {
     pub prefix: String,
     /// The NATS server (kept alive with the services).
     pub nats: NatsServer,
+    /// Each service's own environment (its NATS login, on a cluster).
+    per_service: PerService,
     _dir: tempfile::TempDir,
 }
 
@@ -62,13 +71,30 @@ impl Services {
     /// every host reported its base zygote.
     pub async fn start(bin_dir: &Path, host_slots: &[u32], env: &[(&str, String)]) -> anyhow::Result<Self> {
         let nats = NatsServer::start()?;
-        let prefix = random_prefix();
+        let mut env = env.to_vec();
+        env.push(("LOOSELEAF_NATS_URL", nats.url().to_string()));
+        let watch = NatsOptions::url(nats.url());
+        Self::start_on(bin_dir, host_slots, &env, nats, watch, random_prefix(), Box::new(|_| Vec::new())).await
+    }
+
+    /// [`Services::start`] on a NATS of the test's own: `env` must say how to reach
+    /// it (`LOOSELEAF_NATS_*`), `watch` is how the test connects, `prefix` the
+    /// subject prefix (its users' permissions name it), and `per_service` adds each
+    /// service's own variables (by name: `looseleaf-store`, `host-0`, ...).
+    pub async fn start_on(
+        bin_dir: &Path,
+        host_slots: &[u32],
+        env: &[(&str, String)],
+        nats: NatsServer,
+        watch: NatsOptions,
+        prefix: String,
+        per_service: PerService,
+    ) -> anyhow::Result<Self> {
         let dir = tempfile::tempdir()?;
         // the store signs manifests as a deployment's does (ADR 24)
         let key_file = dir.path().join("manifest-key");
         schemas::local_nats::write_private(&key_file, &uuid::Uuid::new_v4().simple().to_string().repeat(2))?;
         let mut common: Vec<(String, String)> = vec![
-            ("LOOSELEAF_NATS_URL".into(), nats.url().to_string()),
             ("LOOSELEAF_PREFIX".into(), prefix.clone()),
             ("LOOSELEAF_STORE_URL".into(), dir.path().join("store").display().to_string()),
             ("LOOSELEAF_PYTHON".into(), venv_python().display().to_string()),
@@ -76,7 +102,7 @@ impl Services {
             ("LOOSELEAF_MANIFEST_KEY_FILE".into(), key_file.display().to_string()),
         ];
         common.extend(env.iter().map(|(k, v)| (k.to_string(), v.clone())));
-        let client = async_nats::connect(nats.url()).await?;
+        let client = watch.connect("test-watch").await?;
         let mut statuses = client.subscribe(format!("{prefix}.v1.host.*.status")).await?;
         let port = free_port()?;
         let mut s = Self {
@@ -86,6 +112,7 @@ impl Services {
             frontend: format!("http://127.0.0.1:{port}"),
             prefix,
             nats,
+            per_service,
             _dir: dir,
         };
         s.add("looseleaf-store", "looseleaf-store", vec![])?;
@@ -120,15 +147,16 @@ impl Services {
         Ok(s)
     }
 
-    fn spawn(&self, bin: &str, args: &[String]) -> anyhow::Result<Child> {
+    fn spawn(&self, bin: &str, args: &[String], own: &[(String, String)]) -> anyhow::Result<Child> {
         let mut cmd = Command::new(self.bin_dir.join(bin));
-        cmd.args(args).stdin(Stdio::null()).envs(self.env.iter().map(|(k, v)| (k, v)));
+        cmd.args(args).stdin(Stdio::null()).envs(self.env.iter().chain(own).map(|(k, v)| (k, v)));
         cmd.spawn().with_context(|| format!("while starting {bin} (build the workspace's binaries first)"))
     }
 
     fn add(&mut self, name: &str, bin: &str, args: Vec<String>) -> anyhow::Result<()> {
-        let child = self.spawn(bin, &args)?;
-        self.procs.push(Proc { name: name.into(), bin: bin.into(), args, child: Some(child) });
+        let env = (self.per_service)(name);
+        let child = self.spawn(bin, &args, &env)?;
+        self.procs.push(Proc { name: name.into(), bin: bin.into(), args, env, child: Some(child) });
         Ok(())
     }
 
@@ -162,11 +190,11 @@ impl Services {
     /// arguments and environment it started with.
     pub fn restart(&mut self, name: &str) -> anyhow::Result<()> {
         self.kill(name)?;
-        let (bin, args) = {
+        let (bin, args, env) = {
             let p = self.proc(name)?;
-            (p.bin.clone(), p.args.clone())
+            (p.bin.clone(), p.args.clone(), p.env.clone())
         };
-        let child = self.spawn(&bin, &args)?;
+        let child = self.spawn(&bin, &args, &env)?;
         self.proc(name)?.child = Some(child);
         Ok(())
     }

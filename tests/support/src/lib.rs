@@ -52,6 +52,12 @@ impl NatsServer {
         Ok(Self { nats, _dir: dir })
     }
 
+    /// A server the test runs itself (a cluster of its own), not started or
+    /// stopped here.
+    pub fn external(url: String) -> anyhow::Result<Self> {
+        Ok(Self { nats: LocalNats::external(url), _dir: tempfile::tempdir()? })
+    }
+
     /// Its URL.
     pub fn url(&self) -> &str {
         self.nats.url()

@@ -60,6 +60,14 @@ impl Claim {
     }
 }
 
+/// First wait before trying a claim again that failed for want of an answer.
+const FIRST_RETRY: Duration = Duration::from_millis(250);
+/// Longest wait between tries.
+const MAX_RETRY: Duration = Duration::from_secs(2);
+/// How long a claim is tried for: enough for a NATS cluster to elect the bucket's
+/// new leader after losing a node, well within the frontend's wait for a claim.
+const RETRY_FOR: Duration = Duration::from_secs(20);
+
 /// This host's view of the claims bucket.
 #[derive(Clone)]
 pub struct Claims {
@@ -84,13 +92,52 @@ impl Claims {
         }
         let k = key.key();
         let me = self.host_id.clone().into_bytes();
-        match self.kv.create(&k, me.clone().into()).await {
+        let mut backoff = FIRST_RETRY;
+        let deadline = tokio::time::Instant::now() + RETRY_FOR;
+        let mut failed_before = false;
+        loop {
+            let created = self.kv.create(&k, me.clone().into()).await;
+            match created {
+                // the bucket's leader was lost (a NATS node died) and a new one is
+                // being elected: try again, within bounds
+                Err(e) if !matches!(e.kind(), kv::CreateErrorKind::AlreadyExists) => {
+                    if tokio::time::Instant::now() + backoff > deadline {
+                        tracing::warn!(error = %e, key = %k, "claim failed");
+                        return Claim::Failed;
+                    }
+                    tracing::info!(error = %e, key = %k, "claim failed; trying again in {backoff:?}");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(MAX_RETRY);
+                    failed_before = true;
+                }
+                // an earlier try may have created it and lost only the answer
+                Err(_) if failed_before && self.holds(&k, &me).await => return Claim::Won,
+                _ => return self.settle(&key, &k, me, live, created).await,
+            }
+        }
+    }
+
+    /// Whether this host holds key `k`.
+    async fn holds(&self, k: &str, me: &[u8]) -> bool {
+        matches!(self.kv.entry(k).await, Ok(Some(entry)) if entry.value.as_ref() == me && entry.operation == kv::Operation::Put)
+    }
+
+    /// What a create of claim `key` (KV key `k`) came to.
+    async fn settle(
+        &self,
+        key: &ClaimKey,
+        k: &str,
+        me: Vec<u8>,
+        live: Option<HashSet<String>>,
+        created: Result<u64, kv::CreateError>,
+    ) -> Claim {
+        match created {
             Ok(_) => Claim::Won,
             // Only a CPU worker's claim may be this host's already (its worker died
             // and is restarted here) or a lost host's; a run or preparation is
             // claimed once.
             Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists && matches!(key, ClaimKey::Cpu(_)) => {
-                match self.kv.entry(&k).await {
+                match self.kv.entry(k).await {
                     Ok(Some(entry)) if entry.value.as_ref() == me.as_slice() => Claim::Mine,
                     Ok(Some(entry)) => {
                         let holder = String::from_utf8_lossy(&entry.value).to_string();
@@ -98,7 +145,7 @@ impl Claims {
                             return Claim::Lost;
                         }
                         // revision-checked: of the hosts taking over, one wins
-                        match self.kv.update(&k, me.into(), entry.revision).await {
+                        match self.kv.update(k, me.into(), entry.revision).await {
                             Ok(_) => {
                                 tracing::warn!(key = %k, lost = %holder, "took over the claim of a host that is gone");
                                 Claim::Won
