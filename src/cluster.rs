@@ -8,7 +8,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use schemas::local_nats::{self, write_private, LocalNats, NatsUser};
+use schemas::local_nats::{write_private, LocalNats, NatsUser};
 use schemas::nats::NatsOptions;
 use schemas::permissions::Role;
 use tokio::process::Command;
@@ -22,8 +22,8 @@ pub const PREFIX: &str = "ll";
 /// How to start the embedded cluster.
 #[derive(Clone, Debug)]
 pub struct ClusterOptions {
-    /// The LooseLeaf repository (worker runtime, default venv).
-    pub repo: PathBuf,
+    /// The worker runtime's directory, if given (see `schemas::locate`).
+    pub worker_path: Option<PathBuf>,
     /// Where NATS, the store and the hosts' sockets live.
     pub data_dir: PathBuf,
     /// The nats-server binary, if given.
@@ -152,7 +152,7 @@ impl Cluster {
         let nats = match &opts.nats {
             Some(external) => ClusterNats::External(external.clone()),
             None => {
-                let bin = local_nats::binary(opts.nats_server.as_deref(), &opts.repo);
+                let bin = schemas::locate::nats_server(opts.nats_server.as_deref());
                 let store = data_dir.join("nats");
                 // every client logs in; each service as itself, fresh passwords each start
                 let users = NatsUsers::new(PREFIX);
@@ -216,7 +216,8 @@ impl Cluster {
         };
         self.spawn("planner", |stop| looseleaf_planner::run(planner, stop));
 
-        let python = opts.python.clone().unwrap_or_else(|| opts.repo.join(".venv/bin/python"));
+        let python = schemas::locate::python(opts.python.as_deref());
+        let worker_path = schemas::locate::worker_path(opts.worker_path.as_deref());
         let mut base_packages: Vec<String> = ["IPython", "numpy", "pandas"].map(String::from).to_vec();
         if has_torch(&python).await {
             base_packages.push("torch".into());
@@ -233,7 +234,7 @@ impl Cluster {
                 host_id: host_id.clone(),
                 virtual_gpus: opts.virtual_gpus,
                 python: python.clone(),
-                worker_path: opts.repo.join("services/gpu-host/python"),
+                worker_path: worker_path.clone(),
                 base_packages: base_packages.clone(),
                 runtime_dir,
                 // one directory for every host of the machine: a session's installs
@@ -287,30 +288,18 @@ impl Cluster {
     }
 
     /// Wait until `hosts` gpu-hosts report a ready zygote on their status subjects, so
-    /// the first cell does not pay for the base imports.
-    pub async fn wait_ready(&self, hosts: u32, timeout: Duration) -> anyhow::Result<()> {
-        use futures::StreamExt;
-        let client =
-            self.nats.for_user(|u| &u.operator).connect("looseleaf-up").await.context("while watching host status")?;
-        let subjects = schemas::Subjects::new(PREFIX);
-        let mut sub = client.subscribe(subjects.all_host_status()).await?;
-        let mut ready = std::collections::BTreeSet::new();
-        let deadline = tokio::time::Instant::now() + timeout;
-        while (ready.len() as u32) < hosts {
-            let msg = match tokio::time::timeout_at(deadline, sub.next()).await {
-                Ok(Some(m)) => m,
-                Ok(None) => bail!("status subscription ended"),
-                Err(_) => bail!("only {} of {hosts} gpu-hosts were ready within {timeout:?}", ready.len()),
-            };
-            match schemas::codec::decode::<schemas::messages::HostStatusV2>(msg.headers.as_ref(), &msg.payload) {
-                Ok(s) if !s.zygotes.is_empty() => {
-                    ready.insert(s.host);
-                }
-                Ok(_) => {}
-                Err(e) => tracing::warn!(error = %e, "undecodable host status"),
-            }
+    /// the first cell does not pay for the base imports. A service that stops
+    /// meanwhile (a host whose Python lacks the worker runtime) ends the wait with
+    /// its error.
+    pub async fn wait_ready(&mut self, hosts: u32, timeout: Duration) -> anyhow::Result<()> {
+        let ready = hosts_ready(self.nats.for_user(|u| &u.operator), hosts, timeout);
+        tokio::select! {
+            res = ready => res,
+            (name, res) = self.any_exit() => match res {
+                Ok(()) => Err(anyhow::anyhow!("{name} stopped by itself")),
+                Err(e) => Err(e.context(format!("{name} failed to start"))),
+            },
         }
-        Ok(())
     }
 
     /// Resolves when any service stops by itself (an error, usually), naming it.
@@ -342,4 +331,29 @@ impl Cluster {
             let _ = std::fs::remove_file(self.data_dir.join(NATS_URL_FILE));
         }
     }
+}
+
+/// Wait until `hosts` gpu-hosts report a ready zygote, watching as `nats` says.
+async fn hosts_ready(nats: NatsOptions, hosts: u32, timeout: Duration) -> anyhow::Result<()> {
+    use futures::StreamExt;
+    let client = nats.connect("looseleaf-up").await.context("while watching host status")?;
+    let subjects = schemas::Subjects::new(PREFIX);
+    let mut sub = client.subscribe(subjects.all_host_status()).await?;
+    let mut ready = std::collections::BTreeSet::new();
+    let deadline = tokio::time::Instant::now() + timeout;
+    while (ready.len() as u32) < hosts {
+        let msg = match tokio::time::timeout_at(deadline, sub.next()).await {
+            Ok(Some(m)) => m,
+            Ok(None) => bail!("status subscription ended"),
+            Err(_) => bail!("only {} of {hosts} gpu-hosts were ready within {timeout:?}", ready.len()),
+        };
+        match schemas::codec::decode::<schemas::messages::HostStatusV2>(msg.headers.as_ref(), &msg.payload) {
+            Ok(s) if !s.zygotes.is_empty() => {
+                ready.insert(s.host);
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "undecodable host status"),
+        }
+    }
+    Ok(())
 }

@@ -32,15 +32,18 @@ struct Cli {
 /// Where the embedded cluster finds its pieces.
 #[derive(Args, Debug, Clone)]
 struct EmbedArgs {
-    /// The nats-server binary (default: <repo>/.venv/bin/nats-server, else PATH).
+    /// The nats-server binary (default: the checkout's `.venv/bin/nats-server` when
+    /// run from one, else PATH).
     #[arg(long, env = "LOOSELEAF_NATS_SERVER")]
     nats_server: Option<PathBuf>,
-    /// Python interpreter for zygotes and workers (default: <repo>/.venv/bin/python).
+    /// Python interpreter for zygotes and workers (default: the checkout's `.venv`
+    /// when run from one, else `python3` on PATH).
     #[arg(long, env = "LOOSELEAF_PYTHON")]
     python: Option<PathBuf>,
-    /// The LooseLeaf repository (worker runtime, default venv).
-    #[arg(long, env = "LOOSELEAF_REPO", default_value = env!("CARGO_MANIFEST_DIR"))]
-    repo: PathBuf,
+    /// Directory holding the worker runtime, the `looseleaf_worker` package (default:
+    /// the checkout's when run from one, else the package installed in that Python).
+    #[arg(long, env = "LOOSELEAF_WORKER_PATH")]
+    worker_path: Option<PathBuf>,
     /// Number of gpu-hosts to run.
     #[arg(long, env = "LOOSELEAF_HOSTS", default_value_t = 1)]
     hosts: u32,
@@ -239,7 +242,7 @@ enum KernelAction {
 
 fn options(embed: EmbedArgs, data_dir: PathBuf, virtual_gpus: Option<u32>, port: u16) -> ClusterOptions {
     ClusterOptions {
-        repo: embed.repo,
+        worker_path: embed.worker_path,
         data_dir,
         nats_server: embed.nats_server,
         python: embed.python,
@@ -381,7 +384,7 @@ fn main() -> anyhow::Result<()> {
                 }
                 (None, None) => None,
             };
-            let python = embed.python.clone().unwrap_or_else(|| embed.repo.join(".venv/bin/python"));
+            let python = schemas::locate::python(embed.python.as_deref());
             let tmp =
                 tempfile::Builder::new().prefix("looseleaf-kernel-").tempdir().context("while making a temp dir")?;
             let opts = options(embed, tmp.path().to_path_buf(), Some(virtual_gpus), 0);

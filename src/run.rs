@@ -67,7 +67,7 @@ pub async fn run(req: RunRequest, cluster: ClusterOptions) -> anyhow::Result<()>
         }
         None => {
             eprintln!("starting an embedded cluster in {}", cluster.data_dir.display());
-            let c = Cluster::start(&cluster).await.context("while starting the embedded cluster")?;
+            let mut c = Cluster::start(&cluster).await.context("while starting the embedded cluster")?;
             if let Err(e) = c.wait_ready(cluster.hosts, std::time::Duration::from_secs(180)).await {
                 c.stop().await;
                 return Err(e.context("while waiting for the gpu-hosts"));

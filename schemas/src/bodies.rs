@@ -226,11 +226,10 @@ impl Bodies {
 
 #[cfg(test)]
 mod tests {
-    use std::path::Path;
 
     use super::*;
     use crate::checkpoint::{Manifest, VarEntry};
-    use crate::local_nats::{self, LocalNats, NatsUser};
+    use crate::local_nats::{LocalNats, NatsUser};
     use crate::messages::{ManifestGetV2, ManifestV1, Reply};
     use crate::permissions::Role;
     use crate::subjects::StoreVerb;
@@ -243,11 +242,10 @@ mod tests {
     /// message over 512 KiB; the asker deletes the reply's body once read.
     #[tokio::test]
     async fn an_answer_larger_than_a_message_travels_as_a_body_and_is_deleted_once_read() {
-        let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
         let dir = tempfile::tempdir().unwrap();
         let (store, host) = (NatsUser::service(Role::Store, PREFIX), NatsUser::service(Role::GpuHost, PREFIX));
         let users = [store.clone(), host.clone()];
-        let nats = match LocalNats::start_with_users(&local_nats::binary(None, &repo), &dir.path().join("n"), &users) {
+        let nats = match LocalNats::start_with_users(&crate::locate::nats_server(None), &dir.path().join("n"), &users) {
             Ok(n) => n,
             Err(e) => panic!("nats-server (run scripts/setup): {e}"),
         };

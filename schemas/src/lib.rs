@@ -21,6 +21,7 @@ pub mod bus;
 pub mod checkpoint;
 pub mod codec;
 pub mod local_nats;
+pub mod locate;
 pub mod messages;
 pub mod nats;
 pub mod permissions;

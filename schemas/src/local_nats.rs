@@ -107,22 +107,6 @@ pub fn write_private(path: &Path, text: &str) -> std::io::Result<()> {
     f.write_all(text.as_bytes())
 }
 
-/// The nats-server binary: `explicit`, else `LOOSELEAF_NATS_SERVER`, else the one
-/// scripts/setup put in `<repo>/.venv/bin`, else the first on PATH.
-pub fn binary(explicit: Option<&Path>, repo: &Path) -> PathBuf {
-    if let Some(p) = explicit {
-        return p.to_path_buf();
-    }
-    if let Some(p) = std::env::var_os("LOOSELEAF_NATS_SERVER") {
-        return PathBuf::from(p);
-    }
-    let venv = repo.join(".venv/bin/nats-server");
-    if venv.exists() {
-        return venv;
-    }
-    PathBuf::from("nats-server")
-}
-
 /// A running local nats-server.
 pub struct LocalNats {
     child: Option<Child>,
@@ -294,8 +278,7 @@ mod tests {
     /// password, and takes each user with theirs.
     #[tokio::test]
     async fn a_server_with_users_lets_in_only_them() {
-        let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-        let bin = binary(None, &repo);
+        let bin = crate::locate::nats_server(None);
         let dir = tempfile::tempdir().unwrap();
         let (store, host) = (NatsUser::new("store"), NatsUser::new("gpu-host"));
         let users = [store.clone(), host.clone()];

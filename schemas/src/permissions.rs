@@ -173,13 +173,12 @@ pub fn render(p: &Permissions) -> String {
 
 #[cfg(test)]
 mod tests {
-    use std::path::Path;
     use std::time::Duration;
 
     use futures::StreamExt as _;
 
     use super::*;
-    use crate::local_nats::{self, LocalNats, NatsUser};
+    use crate::local_nats::{LocalNats, NatsUser};
 
     const PREFIX: &str = "perm";
 
@@ -226,13 +225,12 @@ mod tests {
     /// by every `looseleaf run` test, whose services run under these permissions.)
     #[tokio::test]
     async fn each_service_is_refused_what_its_role_does_not_use() {
-        let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
         let dir = tempfile::tempdir().unwrap();
         let [frontend, planner, store, host] =
             [Role::Frontend, Role::Planner, Role::Store, Role::GpuHost].map(|r| NatsUser::service(r, PREFIX));
         let operator = NatsUser::new("operator");
         let users = [frontend.clone(), planner.clone(), store.clone(), host.clone(), operator.clone()];
-        let nats = match LocalNats::start_with_users(&local_nats::binary(None, &repo), &dir.path().join("n"), &users) {
+        let nats = match LocalNats::start_with_users(&crate::locate::nats_server(None), &dir.path().join("n"), &users) {
             Ok(n) => n,
             Err(e) => panic!("nats-server (run scripts/setup): {e}"),
         };

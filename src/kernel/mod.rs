@@ -947,7 +947,7 @@ pub async fn serve(connection_file: &Path, opts: KernelOptions, cluster: Cluster
         }
         None => {
             tracing::info!(data_dir = %cluster.data_dir.display(), "starting an embedded cluster");
-            let c = Cluster::start(&cluster).await.context("while starting the embedded cluster")?;
+            let mut c = Cluster::start(&cluster).await.context("while starting the embedded cluster")?;
             if let Err(e) = c.wait_ready(cluster.hosts, Duration::from_secs(180)).await {
                 c.stop().await;
                 return Err(e.context("while waiting for the gpu-hosts"));

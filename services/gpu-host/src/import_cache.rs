@@ -320,8 +320,12 @@ mod tests {
 
     #[test]
     fn a_tail_asked_for_twice_gets_one_child_zygote() {
-        let spec =
-            ZygoteSpec { python: "python3".into(), worker_path: ".".into(), packages: vec![], env: Default::default() };
+        let spec = ZygoteSpec {
+            python: "python3".into(),
+            worker_path: Some(".".into()),
+            packages: vec![],
+            env: Default::default(),
+        };
         let mut cache = ImportCache::new(spec, 2, 1 << 30);
         let tail = set(&["sklearn"]);
         assert!(cache.choose(&tail).spawn.is_none());

@@ -69,8 +69,9 @@ pub struct Config {
     pub virtual_gpus: Option<u32>,
     /// Python interpreter for zygotes and workers.
     pub python: PathBuf,
-    /// Directory holding the `looseleaf_worker` package (put on PYTHONPATH).
-    pub worker_path: PathBuf,
+    /// Directory holding the `looseleaf_worker` package (put on PYTHONPATH); None:
+    /// the package is installed in `python`'s environment.
+    pub worker_path: Option<PathBuf>,
     /// Packages the base zygote imports.
     pub base_packages: Vec<String>,
     /// Directory for this host's Unix sockets.
@@ -122,6 +123,10 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     let (slots, real_gpus) = gpus::slots(config.virtual_gpus);
     tracing::info!(host = %config.host_id, slots = slots.len(), real_gpus, "gpu-host starting");
 
+    // a Python without the worker runtime would fail every cell; say so at start
+    schemas::locate::check_worker_runtime(&config.python, config.worker_path.as_deref())
+        .await
+        .map_err(|why| anyhow::anyhow!("the workers' Python: {why}"))?;
     let js = bus.jetstream();
     let claims =
         host::claims::Claims::new(buckets::claims(&js, &config.prefix, bus.replicas()).await?, config.host_id.clone());

@@ -18,12 +18,14 @@ struct Args {
     /// Make N CPU-backed GPU slots instead of probing real GPUs.
     #[arg(long, env = "LOOSELEAF_VIRTUAL_GPUS")]
     virtual_gpus: Option<u32>,
-    /// Python interpreter for zygotes and workers.
-    #[arg(long, env = "LOOSELEAF_PYTHON", default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../../.venv/bin/python"))]
-    python: PathBuf,
-    /// Directory holding the looseleaf_worker package.
-    #[arg(long, env = "LOOSELEAF_WORKER_PATH", default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/python"))]
-    worker_path: PathBuf,
+    /// Python interpreter for zygotes and workers (default: the checkout's `.venv`
+    /// when run from one, else `python3` on PATH).
+    #[arg(long, env = "LOOSELEAF_PYTHON")]
+    python: Option<PathBuf>,
+    /// Directory holding the looseleaf_worker package (default: the checkout's when
+    /// run from one, else the package installed in the workers' Python).
+    #[arg(long, env = "LOOSELEAF_WORKER_PATH")]
+    worker_path: Option<PathBuf>,
     /// Packages the base zygote imports, comma-separated.
     #[arg(long, env = "LOOSELEAF_BASE_PACKAGES", default_value = "IPython,numpy,pandas", value_delimiter = ',')]
     base_packages: Vec<String>,
@@ -85,8 +87,8 @@ fn main() -> anyhow::Result<()> {
         store_url: a.store_url,
         host_id: a.host_id,
         virtual_gpus: a.virtual_gpus,
-        python: a.python,
-        worker_path: a.worker_path,
+        python: schemas::locate::python(a.python.as_deref()),
+        worker_path: schemas::locate::worker_path(a.worker_path.as_deref()),
         base_packages: a.base_packages,
         package_layers: a.package_layers.unwrap_or_else(|| a.runtime_dir.join("packages")),
         runtime_dir: a.runtime_dir,

@@ -1,4 +1,4 @@
-//! The host side of the worker protocol (`protocol/worker-protocol.json`, read by
+//! The host side of the worker protocol (`python/looseleaf_worker/worker-protocol.json`, read by
 //! both sides' tests): length-prefixed JSON frames over a Unix socket.
 //!
 //! Bulk bytes never travel here; regions point into files in /dev/shm. (These are
@@ -460,7 +460,7 @@ mod tests {
     /// required fields, and every variant is in the file.
     #[test]
     fn matches_the_shared_protocol_file() {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/protocol/worker-protocol.json");
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/python/looseleaf_worker/worker-protocol.json");
         let spec: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
         let messages = spec["messages"].as_object().unwrap();
         let samples = samples();

@@ -66,8 +66,8 @@ pub enum ZygoteError {
 pub struct ZygoteSpec {
     /// Interpreter.
     pub python: PathBuf,
-    /// Directory holding `looseleaf_worker`.
-    pub worker_path: PathBuf,
+    /// Directory holding `looseleaf_worker` (None: installed in `python`'s environment).
+    pub worker_path: Option<PathBuf>,
     /// Packages the base zygote imports.
     pub packages: Vec<String>,
     /// The environment zygotes and their workers get (see [`crate::cell_env`]).
@@ -117,9 +117,14 @@ impl Zygote {
     /// Start a zygote and wait for its hello.
     pub async fn start(spec: &ZygoteSpec, id: &str, listener: &Listener) -> Result<Self, ZygoteError> {
         let rx = listener.expect(id);
-        let mut pythonpath = spec.worker_path.clone().into_os_string();
+        let mut pythonpath = std::ffi::OsString::new();
+        for dir in spec.worker_path.iter().map(|p| p.as_os_str()) {
+            pythonpath.push(dir);
+        }
         if let Some(existing) = spec.env.get("PYTHONPATH") {
-            pythonpath.push(":");
+            if !pythonpath.is_empty() {
+                pythonpath.push(":");
+            }
             pythonpath.push(existing);
         }
         let child = tokio::process::Command::new(&spec.python)

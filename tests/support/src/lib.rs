@@ -10,7 +10,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use schemas::local_nats::{self, LocalNats};
+use schemas::local_nats::LocalNats;
 
 pub mod cluster;
 pub mod secure_nats;
@@ -48,7 +48,7 @@ impl NatsServer {
         if let Ok(url) = std::env::var("LOOSELEAF_TEST_NATS_URL") {
             return Ok(Self { nats: LocalNats::external(url), _dir: dir });
         }
-        let nats = LocalNats::start(&local_nats::binary(None, &repo_root()), dir.path())?;
+        let nats = LocalNats::start(&schemas::locate::nats_server(None), dir.path())?;
         Ok(Self { nats, _dir: dir })
     }
 

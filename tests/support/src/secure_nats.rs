@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 
-use crate::{repo_root, wait_for};
+use crate::wait_for;
 
 /// A private CA, a server certificate for 127.0.0.1 and localhost, and a client
 /// certificate, as PEM files in a directory of their own.
@@ -139,7 +139,7 @@ impl ConfiguredNats {
     }
 
     fn spawn(&mut self) -> anyhow::Result<()> {
-        let bin = schemas::local_nats::binary(None, &repo_root());
+        let bin = schemas::locate::nats_server(None);
         let child = Command::new(&bin)
             .arg("-c")
             .arg(&self.config)

@@ -2,7 +2,7 @@
 
 Map (one concern per module):
   protocol    frames (4-byte big-endian length + JSON) and the contract in
-              services/gpu-host/protocol/worker-protocol.json, checked both ways
+              services/gpu-host/python/looseleaf_worker/worker-protocol.json, checked both ways
   zygote      imports packages once (CUDA-clean only), forks workers on demand
   worker      the per-worker loop: restore / run / save / committed / shutdown
   shell       an IPython shell whose outputs equal ipykernel's

@@ -1,7 +1,7 @@
 """Frames and the message contract shared with the Rust gpu-host.
 
 A frame is a 4-byte big-endian length followed by UTF-8 JSON (one object with
-"type"). The contract lives in ``services/gpu-host/protocol/worker-protocol.json``
+"type"). The contract lives in ``worker-protocol.json`` beside this module (shipped in the package)
 and is read here at import so that Python and Rust can never disagree about
 field names: every message we send or receive is checked against it.
 """
@@ -16,7 +16,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-_DEFAULT_FILE = Path(__file__).resolve().parent.parent.parent / "protocol" / "worker-protocol.json"
+_DEFAULT_FILE = Path(__file__).resolve().parent / "worker-protocol.json"
 
 
 class ProtocolError(Exception):

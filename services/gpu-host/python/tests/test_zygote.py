@@ -64,7 +64,7 @@ def test_protocol_file_override(tmp_path):
 
     from hostsim import PYDIR
 
-    contract = json.loads((PYDIR.parent / "protocol" / "worker-protocol.json").read_text())
+    contract = json.loads((PYDIR / "looseleaf_worker" / "worker-protocol.json").read_text())
     contract["max_frame_bytes"] = 1234
     f = tmp_path / "p.json"
     f.write_text(json.dumps(contract))
