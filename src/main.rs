@@ -25,6 +25,10 @@ struct Cli {
     /// Log filter for this process and the services it embeds.
     #[arg(long, global = true, env = "LOOSELEAF_LOG", default_value = "warn")]
     log: String,
+    /// How log lines are written: text (coloured only on a terminal) or json (one
+    /// object per line, with trace and span ids).
+    #[arg(long, global = true, env = "LOOSELEAF_LOG_FORMAT", value_enum, default_value_t)]
+    log_format: schemas::telemetry::LogFormat,
     #[command(subcommand)]
     command: Command,
 }
@@ -288,7 +292,7 @@ fn main() -> anyhow::Result<()> {
     let matches = <Cli as clap::CommandFactory>::command().get_matches();
     let cli = <Cli as clap::FromArgMatches>::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let nats_given = nats_url_given(&matches);
-    schemas::telemetry::init("looseleaf", &cli.log);
+    schemas::telemetry::init("looseleaf", &cli.log, cli.log_format);
     let system = actix_rt::System::new();
     match cli.command {
         Command::Up { virtual_gpus, port, data_dir, session_uids, nats, embed } => {

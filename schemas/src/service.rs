@@ -36,6 +36,10 @@ pub struct ServiceArgs {
     /// Log filter (an `EnvFilter` directive such as `info,looseleaf_planner=debug`).
     #[arg(long, env = "LOOSELEAF_LOG", default_value = "info")]
     pub log: String,
+    /// How log lines are written: text (coloured only on a terminal) or json (one
+    /// object per line, with trace and span ids).
+    #[arg(long, env = "LOOSELEAF_LOG_FORMAT", value_enum, default_value_t)]
+    pub log_format: telemetry::LogFormat,
 }
 
 /// Why a service stopped other than by a signal.
