@@ -200,6 +200,7 @@ impl Cluster {
         let store_url = opts.store_url.clone().unwrap_or_else(|| data_dir.join("store").display().to_string());
         let store = looseleaf_store::Config {
             nats: store_nats,
+            health_listen: None,
             prefix: PREFIX.into(),
             store_url: store_url.clone(),
             session_quota_bytes: None,
@@ -209,6 +210,7 @@ impl Cluster {
         self.spawn("store", |stop| looseleaf_store::run(store, stop));
         let planner = looseleaf_planner::Config {
             nats: planner_nats,
+            health_listen: None,
             prefix: PREFIX.into(),
             debounce: Duration::from_millis(looseleaf_planner::DEFAULT_DEBOUNCE_MS),
             budget: opts.budget,
@@ -229,6 +231,7 @@ impl Cluster {
                 .with_context(|| format!("while creating {}", runtime_dir.display()))?;
             let config = looseleaf_gpu_host::Config {
                 nats: host_nats.clone(),
+                health_listen: None,
                 prefix: PREFIX.into(),
                 store_url: store_url.clone(),
                 host_id: host_id.clone(),

@@ -20,6 +20,7 @@ pub mod buckets;
 pub mod bus;
 pub mod checkpoint;
 pub mod codec;
+pub mod health;
 pub mod local_nats;
 pub mod locate;
 pub mod messages;

@@ -238,6 +238,11 @@ impl LocalNats {
         &self.url
     }
 
+    /// The server's pid, if it was started here and runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// Its URL with `user`'s credentials in it (what a client of a server that asks
     /// for users connects to).
     pub fn url_for(&self, user: &NatsUser) -> String {

@@ -40,6 +40,9 @@ pub struct ServiceArgs {
     /// object per line, with trace and span ids).
     #[arg(long, env = "LOOSELEAF_LOG_FORMAT", value_enum, default_value_t)]
     pub log_format: telemetry::LogFormat,
+    /// Serve `/healthz` and `/readyz` for probes on this address (e.g. 0.0.0.0:9090).
+    #[arg(long, env = "LOOSELEAF_HEALTH_LISTEN")]
+    pub health_listen: Option<std::net::SocketAddr>,
 }
 
 /// Why a service stopped other than by a signal.

@@ -86,6 +86,8 @@ pub const DEFAULT_CULL_IDLE: Duration = Duration::from_secs(24 * 3600);
 pub struct Config {
     /// Where NATS is and how to log in.
     pub nats: schemas::nats::NatsOptions,
+    /// Where to serve `/healthz` and `/readyz`, if anywhere.
+    pub health_listen: Option<std::net::SocketAddr>,
     /// Subject prefix.
     pub prefix: String,
     /// Address to serve HTTP on; port 0 picks a free one.
@@ -112,6 +114,7 @@ impl Config {
     pub fn new(nats: schemas::nats::NatsOptions, prefix: impl Into<String>, listen: SocketAddr) -> Self {
         Self {
             nats,
+            health_listen: None,
             prefix: prefix.into(),
             listen,
             timeouts: Timeouts::default(),
@@ -187,7 +190,13 @@ pub async fn run_with_bound(
             }
         });
     }
-    let app = http::router(state.clone(), config.http_timeouts.body);
+    // probes need no token: /healthz and /readyz sit beside the API, outside its checks
+    let sessions = schemas::health::bucket(&bus, schemas::buckets::sessions_bucket(&config.prefix));
+    let readiness = schemas::health::Readiness::new(&bus).with("sessions_bucket", sessions);
+    if let Some(listen) = config.health_listen {
+        schemas::health::serve(listen, readiness.clone()).await?;
+    }
+    let app = http::router(state.clone(), config.http_timeouts.body).merge(schemas::health::router(readiness));
     let header_timeout = config.http_timeouts.header;
     // The HTTP server is this service's worker: if it ends by itself the service
     // stops with an error (the skeleton notices through `serving`).

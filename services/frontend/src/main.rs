@@ -60,6 +60,7 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     schemas::telemetry::init("looseleaf-frontend", &args.service.log, args.service.log_format);
     let mut config = looseleaf_frontend::Config::new(args.service.nats, args.service.prefix, args.listen);
+    config.health_listen = args.service.health_listen;
     config.timeouts.claim = std::time::Duration::from_secs(args.claim_timeout_s);
     config.timeouts.execution = std::time::Duration::from_secs(args.exec_deadline_s);
     config.timeouts.host_lost = std::time::Duration::from_secs(args.host_lost_s);

@@ -59,6 +59,8 @@ const MAX_CHILD_ZYGOTE_BYTES: u64 = 4 << 30;
 pub struct Config {
     /// Where NATS is and how to log in.
     pub nats: schemas::nats::NatsOptions,
+    /// Where to serve `/healthz` and `/readyz`, if anywhere.
+    pub health_listen: Option<std::net::SocketAddr>,
     /// Subject prefix.
     pub prefix: String,
     /// Object store URL (file:///dir or a directory).
@@ -188,6 +190,22 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     let peers = bus.subscribe::<HostStatusV2>(s.all_host_status()).await?;
     let zygote_handle = env.zygotes.clone();
     let cgroups = env.cgroups.clone();
+    if let Some(listen) = config.health_listen {
+        let zygotes = env.zygotes.clone();
+        // the base zygote is up (while it starts, its cache is locked)
+        let zygote = schemas::health::check(move || {
+            let zygotes = zygotes.clone();
+            async move {
+                match tokio::time::timeout(std::time::Duration::from_secs(1), zygotes.lock()).await {
+                    Ok(mut cache) => cache.base().map(|_| ()).ok_or_else(|| "no base zygote".to_string()),
+                    Err(_) => Err("the base zygote is starting".to_string()),
+                }
+            }
+        });
+        let claims = schemas::health::bucket(&bus, buckets::claims_bucket(&config.prefix));
+        let readiness = schemas::health::Readiness::new(&bus).with("claims_bucket", claims).with("zygote", zygote);
+        schemas::health::serve(listen, readiness).await?;
+    }
     let addr = host::Host::create(move |ctx| {
         ctx.add_stream(recipes.into_stream());
         ctx.add_stream(events.into_stream());

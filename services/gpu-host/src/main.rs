@@ -83,6 +83,7 @@ fn main() -> anyhow::Result<()> {
     schemas::telemetry::init("looseleaf-gpu-host", &a.service.log, a.service.log_format);
     let config = looseleaf_gpu_host::Config {
         nats: a.service.nats,
+        health_listen: a.service.health_listen,
         prefix: a.service.prefix,
         store_url: a.store_url,
         host_id: a.host_id,

@@ -21,6 +21,7 @@ use std::time::Duration;
 
 use actix::prelude::*;
 use schemas::buckets;
+use schemas::health::Readiness;
 use schemas::messages::{EditV1, HostStatusV2, RunV2, SessionCloseV1, SessionEventV2};
 use schemas::service::Service;
 
@@ -36,6 +37,8 @@ pub const DEFAULT_BUDGET: speculator::Budget =
 pub struct Config {
     /// Where NATS is and how to log in.
     pub nats: schemas::nats::NatsOptions,
+    /// Where to serve `/healthz` and `/readyz`, if anywhere.
+    pub health_listen: Option<std::net::SocketAddr>,
     /// Subject prefix.
     pub prefix: String,
     /// Edits of one cell are planned at most once per this interval.
@@ -53,6 +56,10 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         Service::start("looseleaf-planner", None, "cell analysis and recipes", &config.nats, &config.prefix).await?;
     let bus = service.bus().clone();
     let kv = buckets::planner(&bus.jetstream(), &config.prefix, bus.replicas()).await?;
+    if let Some(listen) = config.health_listen {
+        let bucket = schemas::health::bucket(&bus, buckets::planner_bucket(&config.prefix));
+        schemas::health::serve(listen, Readiness::new(&bus).with("planner_bucket", bucket)).await?;
+    }
     let s = bus.subjects().clone();
     let runs = bus.queue_subscribe::<RunV2>(s.all_runs(), "planner").await?;
     let edits = bus.queue_subscribe::<EditV1>(s.all_edits(), "planner").await?;

@@ -27,6 +27,7 @@ fn main() -> anyhow::Result<()> {
     schemas::telemetry::init("looseleaf-planner", &a.service.log, a.service.log_format);
     let config = looseleaf_planner::Config {
         nats: a.service.nats,
+        health_listen: a.service.health_listen,
         prefix: a.service.prefix,
         debounce: std::time::Duration::from_millis(a.debounce_ms),
         host_lost: std::time::Duration::from_secs(a.host_lost_s),

@@ -26,6 +26,8 @@ use schemas::subjects::StoreVerb;
 pub struct Config {
     /// Where NATS is and how to log in.
     pub nats: schemas::nats::NatsOptions,
+    /// Where to serve `/healthz` and `/readyz`, if anywhere.
+    pub health_listen: Option<std::net::SocketAddr>,
     /// Subject prefix.
     pub prefix: String,
     /// Object store: `file:///dir` or a directory path.
@@ -52,6 +54,21 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     let description = "checkpoint-store gateway: manifests and atomic commits";
     let service = Service::start("looseleaf-store", None, description, &config.nats, &config.prefix).await?;
     let bus = service.bus().clone();
+    if let Some(listen) = config.health_listen {
+        // the object store answers (a key that does not exist is an answer)
+        let store = objects.clone();
+        let reachable = schemas::health::check(move || {
+            let store = store.clone();
+            async move {
+                match store.head(&object_store::path::Path::from("looseleaf-readyz")).await {
+                    Ok(_) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+                    Err(e) => Err(format!("the object store: {e}")),
+                }
+            }
+        });
+        let readiness = schemas::health::Readiness::new(&bus).with("object_store", reachable);
+        schemas::health::serve(listen, readiness).await?;
+    }
     let manifests = Arc::new(manifests::Manifests::new(objects).with_quota(config.session_quota_bytes).with_key(key));
     let s = bus.subjects().clone();
     let gets = bus.queue_subscribe::<ManifestGetV2>(s.store(StoreVerb::ManifestGet), "store").await?;

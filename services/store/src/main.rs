@@ -34,6 +34,7 @@ fn main() -> anyhow::Result<()> {
     schemas::telemetry::init("looseleaf-store", &args.service.log, args.service.log_format);
     let config = looseleaf_store::Config {
         nats: args.service.nats,
+        health_listen: args.service.health_listen,
         prefix: args.service.prefix,
         store_url: args.store_url,
         session_quota_bytes: args.session_quota_bytes,

@@ -39,6 +39,7 @@ async fn old_revisions_and_orphan_chunks_are_collected_on_schedule() -> anyhow::
 
     let config = looseleaf_store::Config {
         nats: schemas::nats::NatsOptions::url(nats.url()),
+        health_listen: None,
         prefix: random_prefix(),
         store_url,
         session_quota_bytes: None,

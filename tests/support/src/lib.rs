@@ -68,6 +68,15 @@ impl NatsServer {
         self.nats.kill();
     }
 
+    /// Freeze it (SIGSTOP: connections stay open and nothing answers, as with a
+    /// server that hangs) or let it go on (SIGCONT).
+    pub fn pause(&self, paused: bool) -> anyhow::Result<()> {
+        let pid = self.nats.pid().context("an external server cannot be paused")?;
+        let signal = if paused { nix::sys::signal::Signal::SIGSTOP } else { nix::sys::signal::Signal::SIGCONT };
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal)?;
+        Ok(())
+    }
+
     /// Kill it and start it again on the same port with the same JetStream store.
     pub fn restart(&mut self) -> anyhow::Result<()> {
         Ok(self.nats.restart()?)
