@@ -38,6 +38,41 @@ pub enum BucketError {
     },
 }
 
+/// How long a bucket operation that got no answer is tried again: enough for a NATS
+/// cluster to elect a bucket's new leader after losing a node (ADR 35).
+pub const LEADER_ELECTION: Duration = Duration::from_secs(20);
+
+/// The waits between tries of a bucket operation while its leader is elected:
+/// 250 ms doubling to 2 s, for up to [`LEADER_ELECTION`] in all.
+pub struct ElectionRetry {
+    deadline: tokio::time::Instant,
+    backoff: Duration,
+}
+
+impl ElectionRetry {
+    /// A schedule starting now.
+    pub fn new() -> Self {
+        Self { deadline: tokio::time::Instant::now() + LEADER_ELECTION, backoff: Duration::from_millis(250) }
+    }
+
+    /// How long to wait before the next try, or None once the election has taken
+    /// too long (the caller reports the failure).
+    pub fn next_wait(&mut self) -> Option<Duration> {
+        let wait = self.backoff;
+        if tokio::time::Instant::now() + wait > self.deadline {
+            return None;
+        }
+        self.backoff = (wait * 2).min(Duration::from_secs(2));
+        Some(wait)
+    }
+}
+
+impl Default for ElectionRetry {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 /// How long a claim lives without renewal; a dead host's claims expire after this.
 pub const CLAIM_TTL: Duration = Duration::from_secs(30);
 

@@ -90,12 +90,6 @@ impl NatsOptions {
         }
     }
 
-    /// The same servers and TLS, logged in by the URL `url` instead (the embedded
-    /// cluster gives each service its own user).
-    pub fn with_url(&self, url: impl Into<String>) -> Self {
-        Self { url: url.into(), ..self.clone() }
-    }
-
     /// The server URLs without passwords or tokens, for messages and logs.
     pub fn shown(&self) -> String {
         self.seeds().map(shown_url).collect::<Vec<_>>().join(",")

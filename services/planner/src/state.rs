@@ -89,28 +89,25 @@ pub enum StateError {
     },
 }
 
-/// How long a read or write of the state that got no good answer is tried again:
-/// enough for a NATS cluster to elect the bucket's new leader after losing a node.
-const UNAVAILABLE_FOR: std::time::Duration = std::time::Duration::from_secs(20);
-
 /// Change a session's state with `f`, atomically: a revision-checked update that
 /// retries when another planner (or another handler of this one) wrote meanwhile,
-/// and, for up to [`UNAVAILABLE_FOR`], when the bucket did not answer (its leader
+/// and, for up to `buckets::LEADER_ELECTION`, when the bucket did not answer (its leader
 /// was lost). A corrupt state is the answer at once.
 pub async fn modify<T>(
     kv: &kv::Store,
     session: Uuid,
     mut f: impl FnMut(&mut SessionState) -> T,
 ) -> Result<T, StateError> {
-    let deadline = tokio::time::Instant::now() + UNAVAILABLE_FOR;
-    let mut backoff = std::time::Duration::from_millis(250);
+    let mut retry = schemas::buckets::ElectionRetry::new();
     loop {
         match modify_once(kv, session, &mut f).await {
-            Err(StateError::Kv { reason, .. }) if tokio::time::Instant::now() + backoff < deadline => {
-                tracing::info!(%session, error = %reason, "planner state unavailable; trying again in {backoff:?}");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(std::time::Duration::from_secs(2));
-            }
+            Err(StateError::Kv { reason, .. }) => match retry.next_wait() {
+                Some(wait) => {
+                    tracing::info!(%session, error = %reason, "planner state unavailable; trying again in {wait:?}");
+                    tokio::time::sleep(wait).await;
+                }
+                None => return Err(StateError::Kv { session, reason }),
+            },
             done => return done,
         }
     }

@@ -60,14 +60,6 @@ impl Claim {
     }
 }
 
-/// First wait before trying a claim again that failed for want of an answer.
-const FIRST_RETRY: Duration = Duration::from_millis(250);
-/// Longest wait between tries.
-const MAX_RETRY: Duration = Duration::from_secs(2);
-/// How long a claim is tried for: enough for a NATS cluster to elect the bucket's
-/// new leader after losing a node, well within the frontend's wait for a claim.
-const RETRY_FOR: Duration = Duration::from_secs(20);
-
 /// This host's view of the claims bucket.
 #[derive(Clone)]
 pub struct Claims {
@@ -92,8 +84,8 @@ impl Claims {
         }
         let k = key.key();
         let me = self.host_id.clone().into_bytes();
-        let mut backoff = FIRST_RETRY;
-        let deadline = tokio::time::Instant::now() + RETRY_FOR;
+        // within the frontend's wait for a claim
+        let mut retry = buckets::ElectionRetry::new();
         let mut failed_before = false;
         loop {
             let created = self.kv.create(&k, me.clone().into()).await;
@@ -101,13 +93,12 @@ impl Claims {
                 // the bucket's leader was lost (a NATS node died) and a new one is
                 // being elected: try again, within bounds
                 Err(e) if !matches!(e.kind(), kv::CreateErrorKind::AlreadyExists) => {
-                    if tokio::time::Instant::now() + backoff > deadline {
+                    let Some(wait) = retry.next_wait() else {
                         tracing::warn!(error = %e, key = %k, "claim failed");
                         return Claim::Failed;
-                    }
-                    tracing::info!(error = %e, key = %k, "claim failed; trying again in {backoff:?}");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(MAX_RETRY);
+                    };
+                    tracing::info!(error = %e, key = %k, "claim failed; trying again in {wait:?}");
+                    tokio::time::sleep(wait).await;
                     failed_before = true;
                 }
                 // an earlier try may have created it and lost only the answer
