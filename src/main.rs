@@ -292,8 +292,15 @@ fn main() -> anyhow::Result<()> {
     let matches = <Cli as clap::CommandFactory>::command().get_matches();
     let cli = <Cli as clap::FromArgMatches>::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let nats_given = nats_url_given(&matches);
-    schemas::telemetry::init("looseleaf", &cli.log, cli.log_format);
+    schemas::telemetry::init("looseleaf", &cli.log, cli.log_format)?;
     let system = actix_rt::System::new();
+    let result = command(cli, nats_given, &system);
+    // the last spans (a run's, a kernel's) leave before the process does
+    schemas::telemetry::flush();
+    result
+}
+
+fn command(cli: Cli, nats_given: bool, system: &actix_rt::SystemRunner) -> anyhow::Result<()> {
     match cli.command {
         Command::Up { virtual_gpus, port, data_dir, session_uids, nats, embed } => {
             let nats = nats_given.then_some(nats);

@@ -95,13 +95,16 @@ impl Frontend {
     }
 
     async fn send(&self, what: &'static str, req: reqwest::RequestBuilder) -> Result<reqwest::Response, ClientError> {
-        let req = match &self.token {
+        let mut req = match &self.token {
             Some(token) => req.bearer_auth(token),
             None => req,
         };
+        // the request continues the caller's trace (a kernel's execute_request)
+        for (name, value) in schemas::telemetry::http_trace_headers() {
+            req = req.header(name, value);
+        }
         use std::sync::atomic::Ordering;
         let deadline = tokio::time::Instant::now() + RECONNECT_FOR;
-        let mut req = req;
         // A request that could not connect was never sent: sending it again is
         // safe. One whose connection broke may have reached the frontend (it was
         // stopped meanwhile): sent again only if it is idempotent (an edit, a

@@ -1,6 +1,7 @@
-//! Tracing for every service: a fmt subscriber plus an OpenTelemetry layer, and
-//! W3C trace-context propagation through NATS headers, so one cell's spans across
-//! all services form one trace.
+//! Tracing for every service: a fmt subscriber plus an OpenTelemetry layer whose
+//! spans leave the process over OTLP when `OTEL_EXPORTER_OTLP_ENDPOINT` says where
+//! (ADR 38), and W3C trace-context propagation through NATS and HTTP headers, so
+//! one cell's spans across all services form one trace.
 
 use async_nats::HeaderMap;
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
@@ -8,12 +9,13 @@ use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::SdkTracerProvider;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
+use tracing_subscriber::filter::{LevelFilter, Targets};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::Layer as _;
 
-/// The tracer provider `init` installed, kept so that `shutdown` can flush it.
+/// The tracer provider `init` installed, kept so that `flush` can export from it.
 static PROVIDER: std::sync::OnceLock<SdkTracerProvider> = std::sync::OnceLock::new();
 
 /// How log lines are written (on stderr).
@@ -27,12 +29,85 @@ pub enum LogFormat {
     Json,
 }
 
+/// A tracing setting in the environment this build cannot honour.
+#[derive(Debug, thiserror::Error)]
+pub enum TelemetryError {
+    /// `OTEL_EXPORTER_OTLP_PROTOCOL` (or its traces variant) names a protocol other
+    /// than HTTP/protobuf.
+    #[error("{var}={value}: LooseLeaf exports spans over OTLP with http/protobuf only (set {var}=http/protobuf and point the endpoint at the collector's HTTP port, usually 4318)")]
+    Protocol { var: &'static str, value: String },
+    /// The OTLP exporter could not be built from the endpoint variables.
+    #[error("the OTLP span exporter could not be set up from OTEL_EXPORTER_OTLP_* ({0})")]
+    Exporter(String),
+}
+
+/// Where spans are exported, read from the standard OpenTelemetry variables.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OtlpExport {
+    /// The variable that named the endpoint (the exporter reads it itself).
+    pub endpoint_var: &'static str,
+    /// Its value.
+    pub endpoint: String,
+}
+
+/// The OTLP export the environment asks for: none when `OTEL_SDK_DISABLED` is
+/// true or no endpoint variable is set (spans then only tie logs and messages
+/// together), an error for a protocol this build lacks.
+pub fn otlp_export(env: impl Fn(&str) -> Option<String>) -> Result<Option<OtlpExport>, TelemetryError> {
+    let set = |var: &str| env(var).map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
+    if set("OTEL_SDK_DISABLED").is_some_and(|v| v.eq_ignore_ascii_case("true")) {
+        return Ok(None);
+    }
+    for var in ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"] {
+        if let Some(value) = set(var) {
+            if value != "http/protobuf" {
+                return Err(TelemetryError::Protocol { var, value });
+            }
+            break; // the traces variable wins over the general one
+        }
+    }
+    let endpoint = ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"]
+        .into_iter()
+        .find_map(|var| set(var).map(|endpoint| OtlpExport { endpoint_var: var, endpoint }));
+    Ok(endpoint)
+}
+
+/// The resource every span carries: `OTEL_SERVICE_NAME` or the `service.name` of
+/// `OTEL_RESOURCE_ATTRIBUTES` if set, else `service`; the other attributes of
+/// `OTEL_RESOURCE_ATTRIBUTES` too.
+fn resource(service: &'static str) -> opentelemetry_sdk::Resource {
+    let builder = opentelemetry_sdk::Resource::builder();
+    let named = std::env::var("OTEL_SERVICE_NAME").is_ok_and(|v| !v.is_empty())
+        || std::env::var("OTEL_RESOURCE_ATTRIBUTES").is_ok_and(|v| v.contains("service.name="));
+    if named {
+        builder.build()
+    } else {
+        builder.with_service_name(service).build()
+    }
+}
+
 /// Install the process-wide subscriber once: logs filtered by `filter` (an
 /// `EnvFilter` directive such as `info,looseleaf=debug`) in `format`, and an
-/// OpenTelemetry layer whose span contexts travel in NATS headers. Calling it
-/// again is harmless.
-pub fn init(service: &'static str, filter: &str, format: LogFormat) {
-    let provider = PROVIDER.get_or_init(|| SdkTracerProvider::builder().build()).clone();
+/// OpenTelemetry layer that traces at info whatever the log level (so trace
+/// context always travels), exporting over OTLP where the environment says.
+/// Calling it again is harmless.
+pub fn init(service: &'static str, filter: &str, format: LogFormat) -> Result<(), TelemetryError> {
+    let export = otlp_export(|var| std::env::var(var).ok())?;
+    let provider = match PROVIDER.get() {
+        Some(p) => p.clone(),
+        None => {
+            let mut builder = SdkTracerProvider::builder().with_resource(resource(service));
+            if export.is_some() {
+                // the batch processor exports from its own thread, with the blocking client
+                let exporter = opentelemetry_otlp::SpanExporter::builder()
+                    .with_http()
+                    .build()
+                    .map_err(|e| TelemetryError::Exporter(e.to_string()))?;
+                builder = builder.with_batch_exporter(exporter);
+            }
+            PROVIDER.get_or_init(|| builder.build()).clone()
+        }
+    };
     let tracer = provider.tracer(service);
     opentelemetry::global::set_tracer_provider(provider);
     let fmt = tracing_subscriber::fmt::layer().with_target(true).with_writer(std::io::stderr);
@@ -40,11 +115,25 @@ pub fn init(service: &'static str, filter: &str, format: LogFormat) {
         LogFormat::Text => fmt.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).boxed(),
         LogFormat::Json => fmt.event_format(JsonLines { service }).boxed(),
     };
+    let logs = EnvFilter::try_new(filter).unwrap_or_else(|_| EnvFilter::new("info"));
+    // the exporter's own HTTP client and the SDK's reports must not become spans
+    // (a span per export would export itself)
+    let traced = Targets::new()
+        .with_default(LevelFilter::INFO)
+        .with_target("opentelemetry", LevelFilter::OFF)
+        .with_target("opentelemetry_sdk", LevelFilter::OFF)
+        .with_target("opentelemetry_otlp", LevelFilter::OFF)
+        .with_target("reqwest", LevelFilter::OFF)
+        .with_target("hyper", LevelFilter::OFF)
+        .with_target("hyper_util", LevelFilter::OFF);
     let _already_set = tracing_subscriber::registry()
-        .with(EnvFilter::try_new(filter).unwrap_or_else(|_| EnvFilter::new("info")))
-        .with(fmt)
-        .with(tracing_opentelemetry::layer().with_tracer(tracer))
+        .with(fmt.with_filter(logs))
+        .with(tracing_opentelemetry::layer().with_tracer(tracer).with_filter(traced))
         .try_init();
+    if let Some(export) = export {
+        tracing::info!(endpoint = %export.endpoint, from = export.endpoint_var, "exporting spans over OTLP");
+    }
+    Ok(())
 }
 
 /// `--log-format json`: one object per line with the time, level, service, target,
@@ -172,6 +261,54 @@ pub fn continue_trace(span: &tracing::Span, headers: Option<&HeaderMap>) {
     }
 }
 
+/// The current span's trace context as HTTP header pairs (`traceparent`,
+/// `tracestate`), for a request that continues this trace elsewhere.
+pub fn http_trace_headers() -> Vec<(String, String)> {
+    struct Pairs(Vec<(String, String)>);
+    impl Injector for Pairs {
+        fn set(&mut self, key: &str, value: String) {
+            self.0.push((key.to_string(), value));
+        }
+    }
+    let mut pairs = Pairs(Vec::new());
+    TraceContextPropagator::new().inject_context(&tracing::Span::current().context(), &mut pairs);
+    pairs.0
+}
+
+/// Make `span` a child of the trace context an HTTP request carried (its
+/// `traceparent` and `tracestate` headers), if it carried one.
+pub fn continue_http_trace(span: &tracing::Span, traceparent: Option<&str>, tracestate: Option<&str>) {
+    let Some(parent) = traceparent else { return };
+    let mut carrier = std::collections::HashMap::from([("traceparent".to_string(), parent.to_string())]);
+    if let Some(state) = tracestate {
+        carrier.insert("tracestate".to_string(), state.to_string());
+    }
+    span.set_parent(TraceContextPropagator::new().extract(&carrier));
+}
+
+/// Link `span` to the span `other` (a preparation to the run it prepared):
+/// related work in another trace.
+pub fn link(span: &tracing::Span, other: &tracing::Span) {
+    use opentelemetry::trace::TraceContextExt as _;
+    let cx = other.context();
+    let linked = cx.span().span_context().clone();
+    if linked.is_valid() {
+        span.add_link(linked);
+    }
+}
+
+/// Record a finished child of the current span that something else timed (a
+/// worker process reports how long its phases took): `name` from `start` to `end`.
+pub fn timed_child(name: &'static str, start: std::time::SystemTime, end: std::time::SystemTime) {
+    use opentelemetry::trace::{Span as _, TraceContextExt as _, Tracer as _};
+    let parent = tracing::Span::current().context();
+    if !parent.span().span_context().is_valid() {
+        return; // not traced
+    }
+    let tracer = opentelemetry::global::tracer("looseleaf");
+    tracer.span_builder(name).with_start_time(start).start_with_context(&tracer, &parent).end_with_timestamp(end);
+}
+
 /// Resolves on SIGINT or SIGTERM.
 pub async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
@@ -213,6 +350,59 @@ mod tests {
         fn flush(&mut self) -> std::io::Result<()> {
             Ok(())
         }
+    }
+
+    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |name| vars.iter().find(|(k, _)| *k == name).map(|(_, v)| v.to_string())
+    }
+
+    #[test]
+    fn otlp_export_follows_the_standard_variables() {
+        assert_eq!(otlp_export(env(&[])).unwrap(), None, "no endpoint, no export");
+        let base = otlp_export(env(&[("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")])).unwrap().unwrap();
+        assert_eq!(
+            (base.endpoint_var, base.endpoint.as_str()),
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")
+        );
+        let both = [
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318"),
+            ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://traces:4318/v1/traces"),
+        ];
+        assert_eq!(otlp_export(env(&both)).unwrap().unwrap().endpoint_var, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT");
+        let disabled = [("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318"), ("OTEL_SDK_DISABLED", "TRUE")];
+        assert_eq!(otlp_export(env(&disabled)).unwrap(), None);
+        let grpc = [("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4317"), ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")];
+        let e = otlp_export(env(&grpc)).unwrap_err().to_string();
+        assert!(e.contains("OTEL_EXPORTER_OTLP_PROTOCOL=grpc") && e.contains("http/protobuf"), "{e}");
+        // the traces variable decides over the general one
+        let traces = [
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4318"),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+            ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf"),
+        ];
+        assert!(otlp_export(env(&traces)).unwrap().is_some());
+        let json =
+            [("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4318"), ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json")];
+        assert!(otlp_export(env(&json)).unwrap_err().to_string().contains("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"));
+    }
+
+    #[test]
+    fn http_trace_context_round_trips() {
+        let provider = SdkTracerProvider::builder().build();
+        let subscriber =
+            tracing_subscriber::registry().with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
+        tracing::subscriber::with_default(subscriber, || {
+            let parent = tracing::info_span!("execute_request");
+            let headers = parent.in_scope(http_trace_headers);
+            let traceparent = headers.iter().find(|(k, _)| k == "traceparent").map(|(_, v)| v.clone()).unwrap();
+            let child = tracing::info_span!("run cell");
+            continue_http_trace(&child, Some(&traceparent), None);
+            use opentelemetry::trace::TraceContextExt as _;
+            let (p, c) = (parent.context(), child.context());
+            assert_eq!(p.span().span_context().trace_id(), c.span().span_context().trace_id());
+            assert!(traceparent.contains(&p.span().span_context().span_id().to_string()), "{traceparent}");
+        });
+        assert!(http_trace_headers().is_empty(), "outside any span there is no context to send");
     }
 
     #[test]

@@ -27,6 +27,7 @@ use looseleaf_client::api::{CodeAtCursor, CommAnswer, CommMessage, ExecStatus, R
 use looseleaf_client::Frontend;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
+use tracing::Instrument as _;
 use uuid::Uuid;
 
 use crate::cluster::{Cluster, ClusterOptions};
@@ -726,10 +727,12 @@ impl Kernel {
             .and_then(Value::as_str)
             .map(str::to_owned)
             .unwrap_or_else(|| format!("code-{:016x}", xxhash_rust::xxh3::xxh3_64(code.as_bytes())));
-        let ended = match self.ensure_session().await {
+        // the cell's trace starts at the request Jupyter sent
+        let span = tracing::info_span!("execute_request", otel.name = "execute_request", cell = %cell_id, msg_id = %msg.header.msg_id);
+        let ended = match self.ensure_session().instrument(span.clone()).await {
             Ok(()) => {
                 let run = RunCell { code: code.clone(), allow_stdin, user_expressions };
-                self.run_cell(msg, &cell_id, &run, silent, count).await
+                self.run_cell(msg, &cell_id, &run, silent, count).instrument(span).await
             }
             Err(why) => {
                 let evalue = format!("no LooseLeaf session: {why}");

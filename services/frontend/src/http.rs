@@ -24,6 +24,7 @@ use schemas::messages::{
 };
 use schemas::subjects::{HostVerb, StoreVerb};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
 use uuid::Uuid;
 
 use crate::admission::Limits;
@@ -293,7 +294,7 @@ async fn create_session(
         queued: Default::default(),
     };
     // recorded first: a session is never served that a restarted frontend would lose
-    state.shared.records.put(&record).await.map_err(unavailable)?;
+    state.shared.records.put_new(&record).await.map_err(unavailable)?;
     let addr = start_session(&state, record).await?;
     state.insert(sid, Served { addr, owner: caller.0 });
     tracing::info!(session = %sid, "session created");
@@ -307,18 +308,33 @@ async fn edit(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     Path((sid, cell_id)): Path<(String, String)>,
+    headers: HeaderMap,
     body: Result<Json<CellCode>, JsonRejection>,
 ) -> Result<StatusCode, ApiError> {
-    let (sid, addr) = lookup(&state, &sid, &caller).await?;
-    let code = cell_code(json_body(body)?.code)?;
-    let msg = addr.send(session::Edit { cell_id, code }).await.map_err(mailbox)?;
-    state
-        .shared
-        .bus
-        .publish(state.shared.bus.subjects().edit(sid), &msg)
-        .await
-        .map_err(|e| internal(format!("could not publish the edit: {e}")))?;
-    Ok(StatusCode::ACCEPTED)
+    // the preparation this edit starts is linked from the run it prepares
+    let span = tracing::info_span!("edit", otel.name = "cell edit", session = %sid, cell = %cell_id);
+    continue_http_trace(&span, &headers);
+    async move {
+        let (sid, addr) = lookup(&state, &sid, &caller).await?;
+        let code = cell_code(json_body(body)?.code)?;
+        let msg = addr.send(session::Edit { cell_id, code }).await.map_err(mailbox)?;
+        state
+            .shared
+            .bus
+            .publish(state.shared.bus.subjects().edit(sid), &msg)
+            .await
+            .map_err(|e| internal(format!("could not publish the edit: {e}")))?;
+        Ok(StatusCode::ACCEPTED)
+    }
+    .instrument(span)
+    .await
+}
+
+/// Continue the trace a request's `traceparent` header names (a kernel's
+/// execute_request, a caller's own trace), if it has one.
+fn continue_http_trace(span: &tracing::Span, headers: &HeaderMap) {
+    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    schemas::telemetry::continue_http_trace(span, header("traceparent"), header("tracestate"));
 }
 
 /// The most a run's `user_expressions` may hold (names and expressions): they
@@ -332,10 +348,15 @@ async fn run(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     Path((sid, cell_id)): Path<(String, String)>,
+    headers: HeaderMap,
     body: Result<Json<RunCell>, JsonRejection>,
 ) -> Result<Json<RunAccepted>, ApiError> {
     // Run is the moment the request arrived (DESIGN.md section 10)
     let run_unix_ms = schemas::unix_ms();
+    // the root of the cell's one trace (under the caller's, if it sent one); it
+    // ends when the execution does
+    let span = tracing::info_span!("cell", otel.name = "run cell", session = %sid, cell = %cell_id, exec = tracing::field::Empty);
+    continue_http_trace(&span, &headers);
     let (_sid, addr) = lookup(&state, &sid, &caller).await?;
     let RunCell { code, allow_stdin, user_expressions } = json_body(body)?;
     let code = cell_code(code)?;
@@ -346,7 +367,7 @@ async fn run(
             format!("user_expressions hold {asked} bytes; at most {MAX_USER_EXPRESSION_BYTES} are taken"),
         ));
     }
-    let run = session::Run { cell_id, code, run_unix_ms, allow_stdin, user_expressions };
+    let run = session::Run { cell_id, code, run_unix_ms, allow_stdin, user_expressions, span };
     let accepted = addr.send(run).await.map_err(mailbox)?;
     let (exec_id, position, recorded) =
         accepted.map_err(|full| ApiError(StatusCode::TOO_MANY_REQUESTS, full.to_string()))?;

@@ -58,7 +58,7 @@ struct Args {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    schemas::telemetry::init("looseleaf-frontend", &args.service.log, args.service.log_format);
+    schemas::telemetry::init("looseleaf-frontend", &args.service.log, args.service.log_format)?;
     let mut config = looseleaf_frontend::Config::new(args.service.nats, args.service.prefix, args.listen);
     config.health_listen = args.service.health_listen;
     config.timeouts.claim = std::time::Duration::from_secs(args.claim_timeout_s);

@@ -117,6 +117,25 @@ impl Records {
         Ok(())
     }
 
+    /// Write a new session's record, trying again while the bucket does not answer
+    /// for as long as a NATS cluster takes to elect its new leader (ADR 35): a put
+    /// is idempotent, and a session is not created without its record.
+    pub async fn put_new(&self, record: &SessionRecord) -> Result<(), RecordError> {
+        let mut retry = schemas::buckets::ElectionRetry::new();
+        loop {
+            match self.put(record).await {
+                Err(e) => match retry.next_wait() {
+                    Some(wait) => {
+                        tracing::info!(session = %record.session_id, error = %e, "session records unavailable; trying again in {wait:?}");
+                        tokio::time::sleep(wait).await;
+                    }
+                    None => return Err(e),
+                },
+                Ok(()) => return Ok(()),
+            }
+        }
+    }
+
     /// A session's record, if it has one.
     pub async fn get(&self, session: Uuid) -> Result<Option<SessionRecord>, RecordError> {
         let Some(bytes) = self.kv.get(session.to_string()).await.map_err(|e| RecordError::Bucket(e.to_string()))?
@@ -160,5 +179,55 @@ impl Records {
     /// Remove a session's record (the session is deleted).
     pub async fn remove(&self, session: Uuid) -> Result<(), RecordError> {
         self.kv.delete(session.to_string()).await.map_err(|e| RecordError::Bucket(e.to_string()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use looseleaf_test_support::NatsServer;
+
+    use super::*;
+
+    fn record() -> SessionRecord {
+        SessionRecord {
+            version: RECORD_VERSION,
+            session_id: Uuid::new_v4(),
+            options: schemas::messages::SessionOptions { cwd: "/tmp".into(), all_gpu: false, speculate: true },
+            created_unix_ms: 1,
+            revision: 0,
+            last_exec: None,
+            owner: None,
+            in_flight: None,
+            queued: Default::default(),
+        }
+    }
+
+    /// A NATS that stops answering for a while (as a cluster does while it elects a
+    /// bucket's leader): a plain put fails, a new session's record still lands.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_new_record_waits_through_an_election() -> anyhow::Result<()> {
+        let nats = NatsServer::start()?;
+        let client = async_nats::ConnectOptions::new()
+            .request_timeout(Some(Duration::from_millis(500)))
+            .connect(nats.url())
+            .await?;
+        let js = async_nats::jetstream::new(client);
+        let records = Records::new(schemas::buckets::sessions(&js, "rec", 1).await?);
+        nats.pause(true)?;
+        let early = record();
+        let failed = records.put(&early).await;
+        assert!(failed.is_err(), "a put to a frozen server answered: {failed:?}");
+        let waiting = record();
+        let put = tokio::spawn({
+            let (records, waiting) = (records.clone(), waiting.clone());
+            async move { records.put_new(&waiting).await }
+        });
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        nats.pause(false)?;
+        put.await??;
+        assert_eq!(records.get(waiting.session_id).await?, Some(waiting));
+        Ok(())
     }
 }

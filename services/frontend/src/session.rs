@@ -18,6 +18,7 @@ use schemas::messages::{
 use schemas::subjects::StoreVerb;
 use schemas::{Bus, Envelope};
 use tokio::sync::mpsc;
+use tracing::Instrument as _;
 use uuid::Uuid;
 
 use crate::api::{ExecStatus, Interrupted, StreamItem};
@@ -206,6 +207,9 @@ pub struct SessionActor {
     /// Keys of the messages replayed from the streams for an adopted run, which
     /// the live subscriptions may deliver again.
     replayed: HashSet<String>,
+    /// The root span of each run this frontend accepted and has not ended: the
+    /// run is sent under it, so its trace goes through planner, host and store.
+    traces: HashMap<Uuid, tracing::Span>,
 }
 
 impl SessionActor {
@@ -256,6 +260,7 @@ impl SessionActor {
             last_active: Instant::now(),
             cpu_host: None,
             replayed: HashSet::new(),
+            traces: HashMap::new(),
         }
     }
 
@@ -386,6 +391,7 @@ impl SessionActor {
 
     /// End queued run `exec_id` (taken out of the queue) without running it.
     fn abort(&mut self, exec_id: Uuid, reason: String) {
+        self.traces.remove(&exec_id);
         let error = Some(reason);
         if let Some(r) = self.record(exec_id) {
             r.status = ExecStatus::Aborted;
@@ -439,12 +445,14 @@ impl SessionActor {
         let bus = self.shared.bus.clone();
         let subject = bus.subjects().run(self.sid);
         tracing::info!(session = %self.sid, exec = %exec_id, cell = %p.cell_id, after_revision = self.stored.revision, "run sent");
+        let span = self.traces.get(&exec_id).cloned().unwrap_or_else(tracing::Span::none);
         let send = async move {
             match tokio::time::timeout(RECORD_WAIT, ack_rx).await {
                 Ok(Ok(())) => bus.publish(subject, &run).await.map_err(|e| e.to_string()),
                 _ => Err(format!("the session's record could not be written within {RECORD_WAIT:?}")),
             }
-        };
+        }
+        .instrument(span);
         ctx.spawn(send.into_actor(self).map(move |res, act, ctx| {
             if let Err(e) = res {
                 // the client may still deliver it after a reconnect: make sure no
@@ -561,6 +569,7 @@ impl SessionActor {
         unix_ms: u64,
     ) {
         let Some(cur) = self.current.take() else { return };
+        self.traces.remove(&cur.exec_id); // the cell's root span ends
         self.last_active = Instant::now();
         self.stored.revision = revision;
         self.stored.last_exec = Some(cur.exec_id);
@@ -902,6 +911,8 @@ pub struct Run {
     pub allow_stdin: bool,
     /// Jupyter's `user_expressions`, evaluated after the cell.
     pub user_expressions: BTreeMap<String, String>,
+    /// The root span of the cell's trace; it ends with the execution.
+    pub span: tracing::Span,
 }
 
 /// Why a run was not queued.
@@ -945,6 +956,8 @@ impl Handler<Run> for SessionActor {
             }
         }
         let exec_id = Uuid::now_v7();
+        msg.span.record("exec", tracing::field::display(exec_id));
+        self.traces.insert(exec_id, msg.span);
         let position = queued.len() + usize::from(self.current.is_some());
         self.executions.push(ExecRecord {
             exec_id,

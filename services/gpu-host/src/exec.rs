@@ -16,6 +16,7 @@ use schemas::messages::{
 use schemas::subjects::StoreVerb;
 use schemas::{unix_ms, Bus, BusError};
 use tokio::sync::Mutex;
+use tracing::Instrument as _;
 use uuid::Uuid;
 
 use crate::chunks::{ChunkError, Chunks};
@@ -406,6 +407,7 @@ impl ExecEnv {
             Target::Fresh { slot } => (*slot, Prepare::Cold),
             Target::Existing { prepare, slot, .. } => (*slot, *prepare),
         };
+        tracing::Span::current().record("prepare", tracing::field::debug(prepare));
         self.event(session, exec_id, EventKind::Claimed { host: self.host_id.clone(), slot, prepare }).await;
         let (worker, result) = self.run_on(&recipe, target, slot, prepare, claimed_at, phases).await;
         match result {
@@ -437,8 +439,10 @@ impl ExecEnv {
             Target::Fresh { slot } => {
                 // the manifest is read while the worker forks (off the critical path)
                 let (forked, read) = tokio::join!(
-                    self.fork(recipe.session, slot, &recipe.options.cwd, &recipe.imports),
+                    self.fork(recipe.session, slot, &recipe.options.cwd, &recipe.imports)
+                        .instrument(tracing::info_span!("fork", otel.name = "fork worker")),
                     self.manifest(recipe.session, recipe.manifest_revision)
+                        .instrument(tracing::info_span!("manifest", otel.name = "read manifest"))
                 );
                 manifest = read.ok(); // a failed read is retried, and reported, by the restore
                 match forked {
@@ -463,7 +467,8 @@ impl ExecEnv {
             w.kill_now();
             drop(w);
             let forking = Instant::now();
-            match self.fork(recipe.session, slot, &recipe.options.cwd, &recipe.imports).await {
+            let fork = self.fork(recipe.session, slot, &recipe.options.cwd, &recipe.imports);
+            match fork.instrument(tracing::info_span!("fork", otel.name = "fork worker")).await {
                 Ok((fresh, hit)) => {
                     phases.fork_ms = forking.elapsed().as_secs_f64() * 1000.0;
                     worker = Arc::new(Mutex::new(fresh));
@@ -504,7 +509,8 @@ impl ExecEnv {
         } else {
             BTreeMap::new()
         };
-        let (manifest, restored) = self.restore_closure(recipe, w, env, manifest).await?;
+        let (manifest, restored) =
+            self.restore_closure(recipe, w, env, manifest).instrument(tracing::info_span!("restore")).await?;
         let restored_at = Instant::now();
         let restored_bytes = restored.bytes;
         phases.manifest_ms = restored.manifest_ms;
@@ -518,27 +524,30 @@ impl ExecEnv {
         // forwarding task.
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Pending>();
         let bus = self.bus.clone();
-        let forwarder = tokio::spawn(async move {
-            while let Some(p) = rx.recv().await {
-                let r = match p {
-                    Pending::Event(ev) => bus.publish(bus.subjects().event(ev.session), &ev).await,
-                    Pending::Output(out) => {
-                        let subject = bus.subjects().output(out.session, out.exec_id);
-                        let mut sent = Ok(());
-                        for piece in
-                            OutputV1::pieces(out.session, out.exec_id, out.seq, out.output_json, OUTPUT_PART_BYTES)
-                        {
-                            sent = sent.and(bus.publish(subject.clone(), &piece).await);
+        let forwarder = tokio::spawn(
+            async move {
+                while let Some(p) = rx.recv().await {
+                    let r = match p {
+                        Pending::Event(ev) => bus.publish(bus.subjects().event(ev.session), &ev).await,
+                        Pending::Output(out) => {
+                            let subject = bus.subjects().output(out.session, out.exec_id);
+                            let mut sent = Ok(());
+                            for piece in
+                                OutputV1::pieces(out.session, out.exec_id, out.seq, out.output_json, OUTPUT_PART_BYTES)
+                            {
+                                sent = sent.and(bus.publish(subject.clone(), &piece).await);
+                            }
+                            sent
                         }
-                        sent
+                    };
+                    if let Err(e) = r {
+                        tracing::error!(error = %e, "could not forward a cell event");
                     }
-                };
-                if let Err(e) = r {
-                    tracing::error!(error = %e, "could not forward a cell event");
                 }
             }
-        });
-        // outputs are numbered in order, whether the cell printed them or asked for input
+            .instrument(tracing::Span::current()),
+        ); // outputs and events carry the cell's trace
+           // outputs are numbered in order, whether the cell printed them or asked for input
         let seq = AtomicU64::new(0);
         let host = self.host_id.clone();
         let worker_id = w.id.clone();
@@ -631,6 +640,7 @@ impl ExecEnv {
                 on_fault,
                 on_input,
             )
+            .instrument(tracing::info_span!("run"))
             .await;
         drop(tx);
         for path in fault_files.into_inner().unwrap_or_else(|e| e.into_inner()) {
@@ -711,7 +721,7 @@ impl ExecEnv {
                 .map(|p| p.missing)
             }
         };
-        let saved = w.save(exec_id, &self.chunks, ask_missing, commit).await?;
+        let saved = w.save(exec_id, &self.chunks, ask_missing, commit).instrument(tracing::info_span!("save")).await?;
         self.event(
             session,
             exec_id,
@@ -724,6 +734,7 @@ impl ExecEnv {
                 slot_released: slot.is_some() && saved.unsavable.is_empty(),
             },
         )
+        .instrument(tracing::info_span!("saved", otel.name = "saved event"))
         .await;
         Ok(saved.unsavable)
     }
@@ -780,13 +791,17 @@ impl ExecEnv {
         let started = Instant::now();
         let manifest = match read {
             Some(m) => m,
-            None => self.manifest(recipe.session, recipe.manifest_revision).await?,
+            None => {
+                let read = self.manifest(recipe.session, recipe.manifest_revision);
+                read.instrument(tracing::info_span!("manifest", otel.name = "read manifest")).await?
+            }
         };
         let got_manifest = started.elapsed();
         let restore = self.plan_restore(recipe, w, &manifest)?;
         let file = self
             .chunks
             .write_restore_file(&manifest, &restore.objects, &w.id, w.uid, true)
+            .instrument(tracing::info_span!("restore_file", otel.name = "write restore file"))
             .await
             .map_err(ExecError::RestoreFile)?;
         let wrote_file = started.elapsed();
@@ -799,12 +814,23 @@ impl ExecEnv {
             drop: restore.drop.clone(),
             env,
         };
-        let restored = w.restore(frame).await;
+        let worker_span = tracing::info_span!("worker_restore", otel.name = "worker restore");
+        let restored = w.restore(frame).instrument(worker_span.clone()).await;
         if let Some(p) = &file.path {
             let _ = std::fs::remove_file(p);
         }
         let restored = restored?;
         let (bytes, worker_ms) = (restored.bytes, restored.ms);
+        {
+            // the worker imports, then loads; it reports how long each took
+            let _entered = worker_span.enter();
+            let end = std::time::SystemTime::now();
+            let ms = |v: f64| Duration::from_secs_f64(v.max(0.0) / 1000.0);
+            let began = end.checked_sub(ms(worker_ms)).unwrap_or(end);
+            let imported = began + ms(restored.imports_ms.min(worker_ms));
+            schemas::telemetry::timed_child("imports", began, imported);
+            schemas::telemetry::timed_child("load", imported, end);
+        }
         tracing::debug!(worker = %w.id, ?got_manifest, ?wrote_file, worker_ms, restored = ?started.elapsed(), bytes,
             "restore phases");
         let fatal: Vec<String> = restored

@@ -80,7 +80,7 @@ struct Args {
 
 fn main() -> anyhow::Result<()> {
     let a = Args::parse();
-    schemas::telemetry::init("looseleaf-gpu-host", &a.service.log, a.service.log_format);
+    schemas::telemetry::init("looseleaf-gpu-host", &a.service.log, a.service.log_format)?;
     let config = looseleaf_gpu_host::Config {
         nats: a.service.nats,
         health_listen: a.service.health_listen,

@@ -24,7 +24,7 @@ struct Args {
 
 fn main() -> anyhow::Result<()> {
     let a = Args::parse();
-    schemas::telemetry::init("looseleaf-planner", &a.service.log, a.service.log_format);
+    schemas::telemetry::init("looseleaf-planner", &a.service.log, a.service.log_format)?;
     let config = looseleaf_planner::Config {
         nats: a.service.nats,
         health_listen: a.service.health_listen,

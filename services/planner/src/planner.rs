@@ -46,7 +46,7 @@ pub struct Planner {
     /// Per (session, cell): recipe revision and fingerprint of the last speculative recipe.
     speculative: HashMap<(Uuid, String), (u64, u64)>,
     /// The newest edit per (session, cell) waiting for its debounce timer.
-    pending_edits: HashMap<(Uuid, String), EditV1>,
+    pending_edits: HashMap<(Uuid, String), (EditV1, tracing::Span)>,
     debounce: Duration,
     speculator: Speculator,
     clock: Instant,
@@ -143,7 +143,8 @@ impl Planner {
 
     /// Plan the newest edit of a cell once its debounce timer fires.
     fn plan_edit(&mut self, key: (Uuid, String), ctx: &mut Context<Self>) {
-        let Some(edit) = self.pending_edits.remove(&key) else { return };
+        let Some((edit, span)) = self.pending_edits.remove(&key) else { return };
+        let _entered = span.enter(); // the preparation continues the newest edit's trace
         let (manifest, st) = self
             .manifests
             .get(&edit.session)
@@ -189,6 +190,7 @@ impl Planner {
                     tracing::warn!(error = %e, "could not publish a speculative recipe");
                 }
             }
+            .instrument(span.clone())
             .into_actor(self),
         );
     }
@@ -390,14 +392,15 @@ impl StreamHandler<Result<Envelope<RunV2>, Rejected>> for Planner {
 impl StreamHandler<Result<Envelope<EditV1>, Rejected>> for Planner {
     fn handle(&mut self, item: Result<Envelope<EditV1>, Rejected>, ctx: &mut Self::Context) {
         let Ok(env) = item else { return };
+        let span = env.span("planner.edit");
         let edit = env.msg;
         let key = (edit.session, edit.cell_id.clone());
-        if self.pending_edits.get(&key).is_some_and(|p| p.seq > edit.seq) {
+        if self.pending_edits.get(&key).is_some_and(|(p, _)| p.seq > edit.seq) {
             return; // arrived out of order
         }
         // Trailing-edge debounce: the first edit starts the timer, later ones replace
         // the text it will plan, so typing yields a recipe at most once per interval.
-        if self.pending_edits.insert(key.clone(), edit).is_none() {
+        if self.pending_edits.insert(key.clone(), (edit, span)).is_none() {
             ctx.run_later(self.debounce, move |act, ctx| act.plan_edit(key, ctx));
         }
     }

@@ -31,7 +31,7 @@ struct Args {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    schemas::telemetry::init("looseleaf-store", &args.service.log, args.service.log_format);
+    schemas::telemetry::init("looseleaf-store", &args.service.log, args.service.log_format)?;
     let config = looseleaf_store::Config {
         nats: args.service.nats,
         health_listen: args.service.health_listen,

@@ -83,9 +83,10 @@ pub struct Host {
     keep_warm: bool,
     /// Zygotes as last seen (the cache is locked while a fork is under way).
     last_zygotes: Vec<ZygoteStatus>,
-    /// When each run recipe arrived (a start's phases count from there); runs
-    /// other hosts took are forgotten after a while.
-    arrived: HashMap<Uuid, Instant>,
+    /// Each run recipe as it arrived (a start's phases count from there, its
+    /// spans continue the cell's trace); runs other hosts took are forgotten after
+    /// a while.
+    arrived: HashMap<Uuid, Arrival>,
     /// Other hosts as their status last said: free slots, and when it was heard.
     peers: HashMap<String, (usize, Instant)>,
     /// Executions under way (exec -> session), and their number for a stopping host
@@ -112,6 +113,17 @@ enum ExecKind {
     Prepared { slot: u32 },
     /// A kept worker (the session's CPU worker, or one with unsavable state).
     Existing { worker: Arc<Mutex<WorkerProc>> },
+}
+
+/// A run recipe as this host received it.
+struct Arrival {
+    /// When: a start's phases count from here.
+    at: Instant,
+    /// The span of its receipt, in the cell's trace: its claim and execution
+    /// are children of it.
+    span: tracing::Span,
+    /// The span of the preparation whose worker runs it, if one does.
+    prepared_by: Option<tracing::Span>,
 }
 
 impl Host {
@@ -193,8 +205,20 @@ impl Host {
         let claims = self.claims.clone();
         // only a CPU worker's claim can be taken over from a lost host
         let live = if matches!(key, ClaimKey::Cpu(_)) { self.live_hosts() } else { None };
-        let fut = async move { claims.claim(key, delay, live).await };
-        ctx.spawn(fut.into_actor(self).map(move |c, act, ctx| then(act, c, ctx)));
+        // a run's bid and claim are part of its cell's trace
+        let parent = match &key {
+            ClaimKey::Run(exec) => self.arrived.get(exec).map(|a| a.span.clone()),
+            _ => None,
+        };
+        let span = tracing::info_span!(parent: parent.as_ref().unwrap_or(&tracing::Span::current()), "claim",
+            otel.name = "bid and claim", claim = ?key, bid.delay_ms = delay.as_secs_f64() * 1000.0, outcome = tracing::field::Empty);
+        let recorded = span.clone();
+        let fut = tracing::Instrument::instrument(async move { claims.claim(key, delay, live).await }, span);
+        ctx.spawn(fut.into_actor(self).map(move |c, act, ctx| {
+            recorded.record("outcome", tracing::field::debug(&c));
+            let _entered = recorded.enter(); // what the claim leads to (prepare, execute) follows it
+            then(act, c, ctx)
+        }));
     }
 
     /// Run `fut` in the background (publishing, stopping workers): its failures
@@ -259,7 +283,12 @@ impl Host {
             self.on_edit_recipe(recipe, ctx);
             return;
         }
-        self.arrived.entry(recipe.exec_id).or_insert_with(Instant::now);
+        // the recipe's span (entered by the handler) continues the cell's trace
+        self.arrived.entry(recipe.exec_id).or_insert_with(|| Arrival {
+            at: Instant::now(),
+            span: tracing::Span::current(),
+            prepared_by: None,
+        });
         if let Some(p) = &recipe.pinned {
             if p.host != self.env.host_id {
                 return;
@@ -405,11 +434,17 @@ impl Host {
             Target::Existing { worker, .. } => ExecKind::Existing { worker: worker.clone() },
         };
         let (device, session, cell_id) = (recipe.device, recipe.session, recipe.cell_id.clone());
-        let arrived = self.arrived.remove(&recipe.exec_id);
+        let arrival = self.arrived.remove(&recipe.exec_id);
         let exec_id = recipe.exec_id;
         self.running.insert(exec_id, session);
         self.running_count.send_replace(self.running.len());
-        let span = tracing::info_span!("execute", exec = %recipe.exec_id, %session, cell = %recipe.cell_id);
+        let parent = arrival.as_ref().map_or_else(tracing::Span::current, |a| a.span.clone());
+        let span = tracing::info_span!(parent: &parent, "execute", exec = %recipe.exec_id, %session, cell = %recipe.cell_id,
+            prepare = tracing::field::Empty);
+        if let Some(prepared_by) = arrival.as_ref().and_then(|a| a.prepared_by.as_ref()) {
+            schemas::telemetry::link(&span, prepared_by); // the edit-time preparation this run used
+        }
+        let arrived = arrival.map(|a| a.at);
         let fut = tracing::Instrument::instrument(async move { env.execute(recipe, target, arrived).await }, span);
         ctx.spawn(fut.into_actor(self).map(move |outcome, act, ctx| {
             act.running.remove(&exec_id);
@@ -564,7 +599,12 @@ impl Host {
                 }
             }
         };
-        ctx.spawn(fut.into_actor(self).map(move |needs_slot, act, ctx| act.claim_preparation(recipe, needs_slot, ctx)));
+        let span = tracing::Span::current(); // the preparation stays in its edit's trace
+        let fut = tracing::Instrument::instrument(fut, span.clone());
+        ctx.spawn(fut.into_actor(self).map(move |needs_slot, act, ctx| {
+            let _entered = span.enter();
+            act.claim_preparation(recipe, needs_slot, ctx)
+        }));
     }
 
     /// Stop the worker prepared for `key` because recipe `revision` superseded it,
@@ -626,6 +666,7 @@ impl Host {
         p.begin(recipe.revision);
         let (env, existing, slot) = (self.env.clone(), p.worker.clone(), p.slot);
         let span = tracing::info_span!("prepare", session = %key.0, cell = %key.1, revision = recipe.revision);
+        p.span = span.clone();
         let fut = tracing::Instrument::instrument(async move { env.prepare(&recipe, slot, existing).await }, span);
         ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| act.prepare_done(key, res, ctx)));
     }
@@ -731,6 +772,9 @@ impl Host {
             },
         };
         self.prepared_ended(key, &p, PreparedOutcome::Used, ctx);
+        if let Some(a) = self.arrived.get_mut(&recipe.exec_id) {
+            a.prepared_by = Some(p.span.clone());
+        }
         let prepare = if p.class == PreparedClass::Warm { Prepare::Warm } else { Prepare::Speculative };
         self.spawn_exec(recipe, Target::Existing { worker, prepare, slot: Some(index) }, ctx);
     }
@@ -954,7 +998,7 @@ impl Actor for Host {
 
     fn started(&mut self, ctx: &mut Self::Context) {
         ctx.run_interval(TICK, |act, ctx| {
-            act.arrived.retain(|_, at| at.elapsed() < ARRIVAL_MEMORY);
+            act.arrived.retain(|_, a| a.at.elapsed() < ARRIVAL_MEMORY);
             act.retry_cpu_runs(ctx);
             act.reap_lost_prepared(ctx);
             if let Some(cgroups) = &act.env.cgroups {

@@ -65,6 +65,8 @@ pub struct PreparedWorker {
     pub first_ready: Option<Instant>,
     /// What is left to do.
     pub phase: Phase,
+    /// The span of its latest preparation: the run it serves links to it.
+    pub span: tracing::Span,
 }
 
 impl PreparedWorker {
@@ -78,6 +80,7 @@ impl PreparedWorker {
             class: PreparedClass::Speculative,
             first_ready: None,
             phase: Phase::Preparing { next: None, run: None, stop: None },
+            span: tracing::Span::none(),
         }
     }
 
@@ -91,6 +94,7 @@ impl PreparedWorker {
             class: PreparedClass::Warm,
             first_ready: Some(Instant::now()),
             phase: Phase::Ready,
+            span: tracing::Span::current(),
         }
     }
 

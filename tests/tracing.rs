@@ -1,0 +1,223 @@
+//! One trace per cell (issue 15, item 4; ADR 38): the four service binaries export
+//! over OTLP to a receiver of the test's own, as they would to a collector. A
+//! cell's spans form one tree from the request that ran it through the planner,
+//! the host's bid and claim, fork, restore, run, save, the store's commit and the
+//! Saved event back at the frontend; a run on a worker prepared while the cell
+//! was edited links to that preparation, which is in the edit's trace.
+
+use std::collections::{BTreeSet, HashMap};
+use std::time::Duration;
+
+use looseleaf_client::api::StreamItem;
+use looseleaf_client::events::{Event, Prepare};
+use looseleaf_test_support::cluster::{bin_dir_of, Events, Services};
+use looseleaf_test_support::otlp::{OtlpReceiver, ReceivedSpan};
+use uuid::Uuid;
+
+/// The spans of one trace, by id.
+struct Trace {
+    spans: HashMap<String, ReceivedSpan>,
+}
+
+impl Trace {
+    fn of(all: &[ReceivedSpan], trace_id: &str) -> Self {
+        Self { spans: all.iter().filter(|s| s.trace_id == trace_id).map(|s| (s.span_id.clone(), s.clone())).collect() }
+    }
+
+    fn named(&self, name: &str) -> Vec<&ReceivedSpan> {
+        self.spans.values().filter(|s| s.name == name).collect()
+    }
+
+    fn one(&self, name: &str) -> anyhow::Result<&ReceivedSpan> {
+        match self.named(name).as_slice() {
+            [one] => Ok(one),
+            many => anyhow::bail!("{} spans named {name:?} in the trace: {:?}", many.len(), self.names()),
+        }
+    }
+
+    fn names(&self) -> BTreeSet<String> {
+        self.spans.values().map(|s| format!("{}:{}", s.service, s.name)).collect()
+    }
+
+    /// Names of `span`'s ancestors in this trace, nearest first.
+    fn ancestors(&self, span: &ReceivedSpan) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut at = self.spans.get(&span.parent_id);
+        while let Some(s) = at {
+            out.push(s.name.clone());
+            at = self.spans.get(&s.parent_id);
+        }
+        out
+    }
+
+    /// Whether `child`'s parent chain reaches a span named `ancestor`.
+    fn under(&self, child: &str, ancestor: &str) -> anyhow::Result<bool> {
+        Ok(self.ancestors(self.one(child)?).iter().any(|a| a == ancestor))
+    }
+}
+
+fn has_all(spans: &[ReceivedSpan], trace_id: &str, names: &[&str]) -> bool {
+    let got: BTreeSet<&str> = spans.iter().filter(|s| s.trace_id == trace_id).map(|s| s.name.as_str()).collect();
+    names.iter().all(|n| got.contains(n))
+}
+
+/// The trace whose root `run cell` span names `exec`.
+fn trace_of_exec(spans: &[ReceivedSpan], exec: Uuid) -> Option<String> {
+    let exec = exec.to_string();
+    spans.iter().find(|s| s.name == "run cell" && s.attributes.get("exec") == Some(&exec)).map(|s| s.trace_id.clone())
+}
+
+/// What one cell's trace must hold, whatever way its worker was made.
+const EVERY_RUN: &[&str] = &[
+    "run cell",
+    "planner.run",
+    "host.recipe",
+    "bid and claim",
+    "execute",
+    "restore",
+    "worker restore",
+    "imports",
+    "load",
+    "run",
+    "save",
+    "store.commit",
+    "saved event",
+    "frontend.event",
+];
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cell_is_one_trace_from_its_request_to_its_saved_event() -> anyhow::Result<()> {
+    let receiver = OtlpReceiver::start().await?;
+    let env = [
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint().to_string()),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf".to_string()),
+        // export soon after a span ends, so the test need not wait long
+        ("OTEL_BSP_SCHEDULE_DELAY", "200".to_string()),
+        ("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test".to_string()),
+    ];
+    let services = Services::start(&bin_dir_of(env!("CARGO_BIN_EXE_looseleaf")), &[1], &env).await?;
+    let fe = services.client();
+    let cwd = tempfile::tempdir()?;
+    let sid = fe.create_session(&cwd.path().display().to_string(), true, true).await?;
+    let mut events = Events::open(&fe, sid).await?;
+
+    // A cold cell, run without trace context: its trace starts at the frontend.
+    let cold = fe.run(sid, "c1", "x = 41").await?.exec_id;
+    let (status, error) = events.outcome(cold).await?;
+    anyhow::ensure!(error.is_none(), "{status:?} {error:?}");
+    let mut all = receiver
+        .until(Duration::from_secs(60), "the cold cell's trace", |s| {
+            trace_of_exec(s, cold).is_some_and(|t| has_all(s, &t, EVERY_RUN) && has_all(s, &t, &["fork worker"]))
+        })
+        .await?;
+    let trace_id = trace_of_exec(&all, cold).unwrap_or_default();
+    let trace = Trace::of(&all, &trace_id);
+    let root = trace.one("run cell")?;
+    assert!(root.parent_id.is_empty(), "a run without trace context starts its own trace: {root:?}");
+    assert_eq!(root.service, "looseleaf-frontend");
+    let services_seen: BTreeSet<&str> = trace.spans.values().map(|s| s.service.as_str()).collect();
+    for service in ["looseleaf-frontend", "looseleaf-planner", "looseleaf-gpu-host", "looseleaf-store"] {
+        assert!(services_seen.contains(service), "{service} is missing from the trace: {:?}", trace.names());
+    }
+    // every span's parent is in the trace (no orphan) but the root's
+    for s in trace.spans.values().filter(|s| s.span_id != root.span_id) {
+        assert!(trace.spans.contains_key(&s.parent_id), "{}:{} has a parent outside the trace", s.service, s.name);
+    }
+    // the parents are the steps that led to each
+    for (child, ancestor) in [
+        ("planner.run", "run cell"),
+        ("host.recipe", "planner.run"),
+        ("bid and claim", "host.recipe"),
+        ("execute", "host.recipe"),
+        ("fork worker", "execute"),
+        ("restore", "execute"),
+        ("imports", "worker restore"),
+        ("load", "worker restore"),
+        ("run", "execute"),
+        ("save", "execute"),
+        ("store.commit", "save"),
+        ("saved event", "execute"),
+    ] {
+        assert!(
+            trace.under(child, ancestor)?,
+            "{child} is not under {ancestor}: {:?}",
+            trace.ancestors(trace.one(child)?)
+        );
+    }
+    let saved_at_frontend = trace
+        .named("frontend.event")
+        .into_iter()
+        .any(|e| trace.ancestors(e).first().map(String::as_str) == Some("saved event"));
+    assert!(saved_at_frontend, "the frontend's handling of Saved is not a child of the host's 'saved event'");
+    let execute = trace.one("execute")?;
+    assert_eq!(execute.attributes.get("prepare").map(String::as_str), Some("Cold"), "{execute:?}");
+    let imports = trace.one("imports")?;
+    let load = trace.one("load")?;
+    assert!(imports.start_ns <= imports.end_ns && imports.end_ns <= load.start_ns + 1, "{imports:?} {load:?}");
+    assert!(all.iter().all(|s| s.service.starts_with("looseleaf-")), "OTEL_RESOURCE_ATTRIBUTES named no service");
+
+    // A cell prepared while edited, run with the caller's own trace context (as
+    // the kernel sends for an execute_request): its trace continues the caller's,
+    // and its execution links to the preparation, in the edit's trace.
+    let code = "y = x + 1\nprint(y)";
+    fe.edit(sid, "c2", code).await?;
+    events
+        .until(|i| matches!(i, StreamItem::Event { event: Event::Ready { cell_id, .. }, .. } if cell_id == "c2"))
+        .await?;
+    let (caller_trace, caller_span) = (format!("{:032x}", Uuid::new_v4().as_u128()), "00f067aa0ba902b7");
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/sessions/{sid}/cells/c2/run", services.frontend))
+        .header("traceparent", format!("00-{caller_trace}-{caller_span}-01"))
+        .json(&serde_json::json!({ "code": code }))
+        .send()
+        .await?
+        .error_for_status()?;
+    let accepted: serde_json::Value = resp.json().await?;
+    let prepared = Uuid::parse_str(accepted["exec_id"].as_str().unwrap_or_default())?;
+    events.done(prepared).await?;
+    let out: serde_json::Value = serde_json::from_str(&events.text(prepared))?;
+    assert_eq!(out["text"], "42\n", "{out}");
+    let started = events.seen.iter().find_map(|i| match i {
+        StreamItem::Event { exec_id, event: Event::Started { prepare, .. }, .. } if *exec_id == prepared => {
+            Some(*prepare)
+        }
+        _ => None,
+    });
+    assert_eq!(started, Some(Prepare::Speculative), "the run did not use the prepared worker");
+    all = receiver
+        .until(Duration::from_secs(60), "the prepared cell's trace", |s| has_all(s, &caller_trace, EVERY_RUN))
+        .await?;
+    let trace = Trace::of(&all, &caller_trace);
+    let root = trace.one("run cell")?;
+    assert_eq!(root.parent_id, caller_span, "the run did not continue the caller's trace");
+    assert!(trace.named("fork worker").is_empty(), "a prepared run forks nothing: {:?}", trace.names());
+    let execute = trace.one("execute")?;
+    let [(linked_trace, linked_span)] = execute.links.as_slice() else {
+        anyhow::bail!("the prepared run's execute span has links {:?}, not one", execute.links);
+    };
+    let linked = all.iter().find(|s| &s.trace_id == linked_trace && &s.span_id == linked_span);
+    assert_eq!(linked.map(|s| s.name.as_str()), Some("prepare"), "the run links to {linked:?}");
+    let linked_trace = linked_trace.clone();
+    let all = receiver
+        .until(Duration::from_secs(30), "the edit's trace", |s| {
+            has_all(s, &linked_trace, &["cell edit", "planner.edit", "host.recipe", "bid and claim", "prepare"])
+        })
+        .await;
+    let all = match all {
+        Ok(a) => a,
+        Err(e) => {
+            for s in receiver.spans() {
+                eprintln!("{} {} {} {}:{}", &s.trace_id[..8], s.span_id, s.parent_id, s.service, s.name);
+            }
+            return Err(e);
+        }
+    };
+    let edit = Trace::of(&all, &linked_trace);
+    let prepare = edit.one("prepare")?;
+    assert_eq!(
+        edit.ancestors(prepare),
+        ["bid and claim", "host.recipe", "planner.edit", "cell edit"],
+        "the preparation is not under its edit"
+    );
+    Ok(())
+}
