@@ -81,19 +81,28 @@ pub fn bucket(bus: &Bus, name: String) -> Check {
     })
 }
 
-/// The `/healthz` and `/readyz` routes.
+/// The `/healthz`, `/readyz` and `/metrics` routes.
 pub fn router(readiness: Readiness) -> Router {
-    Router::new().route("/healthz", get(|| async { "ok\n" })).route(
-        "/readyz",
-        get(move || {
-            let readiness = readiness.clone();
-            async move {
-                let (ready, checks) = readiness.ask().await;
-                let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-                (status, Json(serde_json::json!({ "ready": ready, "checks": checks })))
-            }
-        }),
-    )
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route(
+            "/metrics",
+            get(|| async {
+                let content_type = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+                ([(axum::http::header::CONTENT_TYPE, content_type)], crate::metrics::metrics().encode())
+            }),
+        )
+        .route(
+            "/readyz",
+            get(move || {
+                let readiness = readiness.clone();
+                async move {
+                    let (ready, checks) = readiness.ask().await;
+                    let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+                    (status, Json(serde_json::json!({ "ready": ready, "checks": checks })))
+                }
+            }),
+        )
 }
 
 /// Serve the routes on `listen` until the process ends; returns the bound address.
@@ -105,6 +114,6 @@ pub async fn serve(listen: SocketAddr, readiness: Readiness) -> std::io::Result<
             tracing::warn!(error = %e, "the health endpoint stopped");
         }
     });
-    tracing::info!(%bound, "serving /healthz and /readyz");
+    tracing::info!(%bound, "serving /healthz, /readyz and /metrics");
     Ok(bound)
 }

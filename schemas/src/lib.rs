@@ -24,6 +24,7 @@ pub mod health;
 pub mod local_nats;
 pub mod locate;
 pub mod messages;
+pub mod metrics;
 pub mod nats;
 pub mod permissions;
 pub mod service;

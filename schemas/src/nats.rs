@@ -155,7 +155,25 @@ impl NatsOptions {
         if let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) {
             options = options.add_client_certificate(cert.clone(), key.clone());
         }
-        let options = options.name(name).connection_timeout(Duration::from_secs(5));
+        // a connection after a disconnection is a reconnect (the first one is not)
+        let lost = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let options = options.name(name).connection_timeout(Duration::from_secs(5)).event_callback(move |event| {
+            let lost = lost.clone();
+            async move {
+                use std::sync::atomic::Ordering;
+                match event {
+                    async_nats::Event::Connected if lost.swap(false, Ordering::SeqCst) => {
+                        crate::metrics::metrics().nats_reconnects.inc();
+                        tracing::info!("reconnected to NATS");
+                    }
+                    async_nats::Event::Disconnected => {
+                        lost.store(true, Ordering::SeqCst);
+                        tracing::warn!("disconnected from NATS; reconnecting");
+                    }
+                    other => tracing::debug!(event = %other, "NATS connection"),
+                }
+            }
+        });
         Ok((options, addrs))
     }
 

@@ -84,11 +84,16 @@ impl AppState {
     }
 
     fn insert(&self, sid: Uuid, served: Served) {
-        self.sessions.write().unwrap_or_else(|e| e.into_inner()).insert(sid, served);
+        let mut sessions = self.sessions.write().unwrap_or_else(|e| e.into_inner());
+        sessions.insert(sid, served);
+        count_sessions(&sessions);
     }
 
     fn remove(&self, sid: Uuid) -> Option<Served> {
-        self.sessions.write().unwrap_or_else(|e| e.into_inner()).remove(&sid)
+        let mut sessions = self.sessions.write().unwrap_or_else(|e| e.into_inner());
+        let removed = sessions.remove(&sid);
+        count_sessions(&sessions);
+        removed
     }
 
     /// Stop serving the sessions idle for longer than `after`: their actors stop
@@ -109,6 +114,7 @@ impl AppState {
                     continue;
                 }
                 sessions.remove(&sid);
+                count_sessions(&sessions);
             }
             s.addr.do_send(session::Close { grace: Duration::ZERO });
             let bus = &self.shared.bus;
@@ -198,6 +204,7 @@ async fn lookup(state: &AppState, raw: &str, caller: &Caller) -> Result<(Uuid, A
         return Ok((sid, existing.addr.clone()));
     }
     sessions.insert(sid, Served { addr: adopted.clone(), owner });
+    count_sessions(&sessions);
     tracing::info!(session = %sid, "session adopted from its record");
     Ok((sid, adopted))
 }
@@ -220,6 +227,11 @@ async fn start_session(state: &AppState, record: SessionRecord) -> Result<Addr<S
         ctx.add_stream(outputs.into_stream());
         SessionActor::new(record, shared)
     }))
+}
+
+/// The sessions gauge follows the sessions served.
+fn count_sessions(sessions: &HashMap<Uuid, Served>) {
+    schemas::metrics::metrics().sessions.set(sessions.len() as i64);
 }
 
 fn mailbox(e: MailboxError) -> ApiError {

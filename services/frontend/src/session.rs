@@ -599,8 +599,16 @@ impl SessionActor {
 
     fn on_event(&mut self, ctx: &mut Context<Self>, ev: SessionEventV2) {
         tracing::debug!(session = %self.sid, exec = %ev.exec_id, kind = ?ev.kind, "event");
-        if let EventKind::Started { host, prepare: Prepare::Persistent, .. } = &ev.kind {
-            self.cpu_host = Some(host.clone());
+        if let EventKind::Started { host, prepare, .. } = &ev.kind {
+            if *prepare == Prepare::Persistent {
+                self.cpu_host = Some(host.clone());
+            }
+            // Run is when the request arrived here (DESIGN.md section 10)
+            let run_ms = self.executions.iter().rev().find(|r| r.exec_id == ev.exec_id).map(|r| r.run_unix_ms);
+            if let Some(run_ms) = run_ms.filter(|ms| *ms > 0) {
+                let delay = &schemas::metrics::metrics().start_delay.get_or_create(&[("prepare", prepare.as_str())]);
+                schemas::metrics::observe_ms(delay, ev.unix_ms.saturating_sub(run_ms) as f64);
+            }
         }
         self.emit(&StreamItem::Event { exec_id: ev.exec_id, unix_ms: ev.unix_ms, event: (&ev.kind).into() });
         let Some(cur) = self.current.as_mut().filter(|c| c.exec_id == ev.exec_id) else { return };

@@ -151,9 +151,12 @@ impl Chunks {
 
     /// One chunk, from the cache or the store, verified.
     pub async fn get(&self, hash: &str) -> Result<Bytes, ChunkError> {
+        let lookups = &schemas::metrics::metrics().chunk_cache;
         if let Some(b) = self.cache.lock().ok().and_then(|mut c| c.get(hash)) {
+            lookups.get_or_create(&[("result", "hit")]).inc();
             return Ok(b);
         }
+        lookups.get_or_create(&[("result", "miss")]).inc();
         let data = self.objects.get(&Path::from(chunk_key(hash).as_str())).await?.bytes().await?;
         let actual = chunk_hash(&data);
         if actual != hash {

@@ -601,6 +601,9 @@ impl ExecEnv {
                         RunEvent::Started { unix_ms, execution_count, python } => {
                             // from now on the worker takes SIGINT as the cell's
                             interrupts.started(exec_id, pid);
+                            let phases =
+                                StartPhases { setup_ms: restored_at.elapsed().as_secs_f64() * 1000.0, ..phases };
+                            record_start(&phases, restored_bytes);
                             Pending::Event(SessionEventV2 {
                                 session,
                                 exec_id,
@@ -618,10 +621,7 @@ impl ExecEnv {
                                     refreshed: restored.refreshed,
                                     import_hit,
                                     python,
-                                    phases: StartPhases {
-                                        setup_ms: restored_at.elapsed().as_secs_f64() * 1000.0,
-                                        ..phases
-                                    },
+                                    phases,
                                 },
                             })
                         }
@@ -722,6 +722,7 @@ impl ExecEnv {
             }
         };
         let saved = w.save(exec_id, &self.chunks, ask_missing, commit).instrument(tracing::info_span!("save")).await?;
+        schemas::metrics::metrics().saved_bytes.inc_by(saved.saved_bytes);
         self.event(
             session,
             exec_id,
@@ -992,6 +993,24 @@ struct Start {
 }
 
 /// What a restore did, and how long each part took (ms).
+/// A start's phases and restored bytes, in the metrics.
+fn record_start(phases: &StartPhases, restored_bytes: u64) {
+    let m = schemas::metrics::metrics();
+    let StartPhases { claim_ms, fork_ms, manifest_ms, restore_file_ms, imports_ms, load_ms, setup_ms } = *phases;
+    for (phase, ms) in [
+        ("claim", claim_ms),
+        ("fork", fork_ms),
+        ("manifest", manifest_ms),
+        ("restore_file", restore_file_ms),
+        ("imports", imports_ms),
+        ("load", load_ms),
+        ("setup", setup_ms),
+    ] {
+        schemas::metrics::observe_ms(&m.start_phase.get_or_create(&[("phase", phase)]), ms);
+    }
+    m.restored_bytes.inc_by(restored_bytes);
+}
+
 struct Restored {
     bytes: u64,
     /// Names restored or dropped (for a prepared worker at Run: the refresh).

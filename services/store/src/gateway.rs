@@ -120,7 +120,14 @@ impl StreamHandler<Result<Envelope<ChunkPlanV2>, Rejected>> for Gateway {
 impl StreamHandler<Result<Envelope<CommitV2>, Rejected>> for Gateway {
     fn handle(&mut self, item: Result<Envelope<CommitV2>, Rejected>, ctx: &mut Self::Context) {
         serve(self, ctx, item, "store.commit", |m, req: CommitV2| async move {
-            let done: CommittedV1 = m.commit(&req).await?;
+            let result = m.commit(&req).await;
+            let counted = match &result {
+                Ok(_) => "committed",
+                Err(ManifestError::Stale { .. } | ManifestError::Lost { .. }) => "conflict",
+                Err(_) => "refused",
+            };
+            schemas::metrics::metrics().commits.get_or_create(&[("result", counted)]).inc();
+            let done: CommittedV1 = result?;
             tracing::info!(session = %req.session, revision = done.revision, changed = done.changed.len(), "committed");
             Ok(done)
         });

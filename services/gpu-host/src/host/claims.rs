@@ -54,9 +54,30 @@ pub enum Claim {
 }
 
 impl Claim {
+    /// As metrics spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Claim::Won => "won",
+            Claim::Mine => "mine",
+            Claim::Lost => "lost",
+            Claim::Failed => "failed",
+        }
+    }
+
     /// Whether this host holds the claim.
     pub fn held(self) -> bool {
         matches!(self, Claim::Won | Claim::Mine)
+    }
+}
+
+impl ClaimKey {
+    /// What is claimed, as metrics spell it.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ClaimKey::Run(_) => "run",
+            ClaimKey::Cpu(_) => "cpu",
+            ClaimKey::Prepare { .. } => "prepare",
+        }
     }
 }
 

@@ -205,6 +205,7 @@ impl Host {
         let claims = self.claims.clone();
         // only a CPU worker's claim can be taken over from a lost host
         let live = if matches!(key, ClaimKey::Cpu(_)) { self.live_hosts() } else { None };
+        let kind = key.kind();
         // a run's bid and claim are part of its cell's trace
         let parent = match &key {
             ClaimKey::Run(exec) => self.arrived.get(exec).map(|a| a.span.clone()),
@@ -216,6 +217,7 @@ impl Host {
         let fut = tracing::Instrument::instrument(async move { claims.claim(key, delay, live).await }, span);
         ctx.spawn(fut.into_actor(self).map(move |c, act, ctx| {
             recorded.record("outcome", tracing::field::debug(&c));
+            schemas::metrics::metrics().claims.get_or_create(&[("claim", kind), ("outcome", c.as_str())]).inc();
             let _entered = recorded.enter(); // what the claim leads to (prepare, execute) follows it
             then(act, c, ctx)
         }));
@@ -262,6 +264,7 @@ impl Host {
     /// Free slot `index` held by `session` for `held`, counting its time.
     fn release_slot(&mut self, index: u32, session: Uuid, held: SlotUse, ctx: &mut Context<Self>) {
         let Some(held_ms) = self.slots.release(index) else { return };
+        schemas::metrics::metrics().slot_seconds.get_or_create(&[("use", schemas::metrics::slot_use(held))]).inc_by(held_ms / 1000.0);
         let kind = EventKind::SlotReleased { host: self.env.host_id.clone(), slot: index, held_ms, reason: held };
         self.session_event(session, kind, ctx);
     }
@@ -434,6 +437,9 @@ impl Host {
             Target::Existing { worker, .. } => ExecKind::Existing { worker: worker.clone() },
         };
         let (device, session, cell_id) = (recipe.device, recipe.session, recipe.cell_id.clone());
+        if device == Device::Gpu && recipe.options.speculate && matches!(kind, ExecKind::Fresh { .. }) {
+            schemas::metrics::metrics().speculation_misses.inc();
+        }
         let arrival = self.arrived.remove(&recipe.exec_id);
         let exec_id = recipe.exec_id;
         self.running.insert(exec_id, session);
@@ -835,6 +841,7 @@ impl Host {
         let idle_ms = p.idle_ms();
         tracing::info!(session = %key.0, cell = %key.1, worker = %p.worker_id, idle_ms, outcome = outcome.as_str(),
             "prepared worker ended");
+        schemas::metrics::metrics().prepared_ended.get_or_create(&[("outcome", schemas::metrics::prepared_outcome(outcome))]).inc();
         let ev = EventKind::PreparedEnded {
             host: self.env.host_id.clone(),
             slot: p.slot,

@@ -105,6 +105,22 @@ impl Slots {
         }
     }
 
+    /// How many slots are in each state, as metrics spell them.
+    pub fn occupancy(&self) -> [(&'static str, i64); 5] {
+        let mut counts = [("free", 0), ("claiming", 0), ("busy", 0), ("pinned", 0), ("prepared", 0)];
+        for s in &self.0 {
+            let i = match s.state {
+                SlotState::Free => 0,
+                SlotState::Claiming(_) => 1,
+                SlotState::Busy { .. } => 2,
+                SlotState::Pinned { .. } => 3,
+                SlotState::Prepared { .. } => 4,
+            };
+            counts[i].1 += 1;
+        }
+        counts
+    }
+
     /// Each slot for host status; `preparing(session, cell)` says whether a
     /// prepared worker is still being prepared.
     pub fn status(&self, preparing: impl Fn(Uuid, &str) -> bool) -> Vec<SlotStatus> {

@@ -39,6 +39,10 @@ impl Host {
         let bus = self.env.bus.clone();
         let status = self.status();
         self.last_zygotes = status.zygotes.clone();
+        let slots = &schemas::metrics::metrics().slots;
+        for (state, n) in self.slots.occupancy() {
+            slots.get_or_create(&[("state", state)]).set(n);
+        }
         self.background(
             async move {
                 if let Err(e) = bus.publish(bus.subjects().host_status(&status.host), &status).await {

@@ -1,0 +1,114 @@
+//! `/metrics` on every service (issue 15, item 5; ADR 39): the four binaries with
+//! `--health-listen`, a session that runs a cold cell and a prepared one, then a
+//! NATS restart; each service's families say what happened.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use looseleaf_client::api::StreamItem;
+use looseleaf_client::events::Event;
+use looseleaf_test_support::cluster::{bin_dir_of, Events, Services};
+use looseleaf_test_support::{free_port, random_prefix, NatsServer};
+use schemas::nats::NatsOptions;
+
+/// A scrape: `name{labels}` -> value.
+type Scrape = BTreeMap<String, f64>;
+
+async fn scrape(address: &str) -> anyhow::Result<Scrape> {
+    let resp = reqwest::Client::new().get(format!("http://{address}/metrics")).send().await?.error_for_status()?;
+    let kind = resp.headers().get("content-type").and_then(|v| v.to_str().ok()).unwrap_or_default().to_string();
+    anyhow::ensure!(kind.starts_with("application/openmetrics-text"), "content type {kind}");
+    let text = resp.text().await?;
+    anyhow::ensure!(text.ends_with("# EOF\n"), "{text}");
+    Ok(text
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.rsplit_once(' '))
+        .filter_map(|(k, v)| Some((k.to_string(), v.parse().ok()?)))
+        .collect())
+}
+
+fn value(s: &Scrape, key: &str) -> f64 {
+    s.get(key).copied().unwrap_or(0.0)
+}
+
+/// Scrape `address` until `done` holds (metrics are updated as events happen).
+async fn until(address: &str, what: &str, done: impl Fn(&Scrape) -> bool) -> anyhow::Result<Scrape> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let s = scrape(address).await?;
+        if done(&s) {
+            return Ok(s);
+        }
+        anyhow::ensure!(tokio::time::Instant::now() < deadline, "{address}: never {what}: {s:#?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_service_exports_what_happened() -> anyhow::Result<()> {
+    let mut listen = HashMap::new();
+    for name in ["looseleaf-store", "looseleaf-planner", "host-0", "looseleaf-frontend"] {
+        listen.insert(name.to_string(), format!("127.0.0.1:{}", free_port()?));
+    }
+    let nats = NatsServer::start()?;
+    let url = nats.url().to_string();
+    let addresses = listen.clone();
+    let per_service = Box::new(move |name: &str| {
+        addresses.get(name).map(|a| vec![("LOOSELEAF_HEALTH_LISTEN".to_string(), a.clone())]).unwrap_or_default()
+    });
+    let env = [("LOOSELEAF_NATS_URL", url.clone())];
+    let bin = bin_dir_of(env!("CARGO_BIN_EXE_looseleaf"));
+    let mut services =
+        Services::start_on(&bin, &[1], &env, nats, NatsOptions::url(&url), random_prefix(), per_service).await?;
+    let fe = services.client();
+    let cwd = tempfile::tempdir()?;
+    let sid = fe.create_session(&cwd.path().display().to_string(), true, true).await?;
+    let mut events = Events::open(&fe, sid).await?;
+    // a cold start (Run with no edit before it), then a cell prepared while edited
+    let cold = fe.run(sid, "c1", "x = list(range(1000))").await?.exec_id;
+    anyhow::ensure!(events.outcome(cold).await?.1.is_none(), "the cold cell failed");
+    fe.edit(sid, "c2", "y = len(x)").await?;
+    events
+        .until(|i| matches!(i, StreamItem::Event { event: Event::Ready { cell_id, .. }, .. } if cell_id == "c2"))
+        .await?;
+    let prepared = fe.run(sid, "c2", "y = len(x)").await?.exec_id;
+    anyhow::ensure!(events.outcome(prepared).await?.1.is_none(), "the prepared cell failed");
+
+    let frontend = until(&listen["looseleaf-frontend"], "two start delays", |s| {
+        value(s, r#"looseleaf_start_delay_seconds_count{prepare="cold"}"#) >= 1.0
+            && value(s, r#"looseleaf_start_delay_seconds_count{prepare="speculative"}"#) >= 1.0
+    })
+    .await?;
+    assert_eq!(value(&frontend, "looseleaf_sessions"), 1.0);
+    let host = until(&listen["host-0"], "the runs' slot time", |s| {
+        value(s, r#"looseleaf_gpu_slot_seconds_total{use="cell"}"#) > 0.0
+            && value(s, r#"looseleaf_gpu_slots{state="busy"}"#) == 0.0
+    })
+    .await?;
+    for key in [
+        r#"looseleaf_start_phase_seconds_count{phase="fork"}"#,
+        r#"looseleaf_start_phase_seconds_count{phase="imports"}"#,
+        r#"looseleaf_prepared_workers_ended_total{outcome="used"}"#,
+        r#"looseleaf_claims_total{claim="prepare",outcome="won"}"#,
+        "looseleaf_speculation_misses_total",
+        "looseleaf_restored_bytes_total",
+        "looseleaf_saved_bytes_total",
+    ] {
+        assert!(value(&host, key) >= 1.0, "{key} is {} in {host:#?}", value(&host, key));
+    }
+    assert_eq!(value(&host, r#"looseleaf_claims_total{claim="run",outcome="won"}"#), 2.0, "{host:#?}");
+    let lookups = value(&host, r#"looseleaf_chunk_cache_lookups_total{result="hit"}"#)
+        + value(&host, r#"looseleaf_chunk_cache_lookups_total{result="miss"}"#);
+    assert!(lookups >= 1.0, "restoring x looked up no chunk: {host:#?}");
+    let store = scrape(&listen["looseleaf-store"]).await?;
+    assert_eq!(value(&store, r#"looseleaf_commits_total{result="committed"}"#), 2.0, "{store:#?}");
+    assert_eq!(value(&store, r#"looseleaf_commits_total{result="conflict"}"#), 0.0, "{store:#?}");
+
+    // NATS goes away and comes back: every service counts its reconnection
+    services.nats.restart()?;
+    for (name, address) in &listen {
+        until(address, &format!("{name} reconnected"), |s| value(s, "looseleaf_nats_reconnects_total") >= 1.0).await?;
+    }
+    Ok(())
+}
