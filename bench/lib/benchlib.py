@@ -6,6 +6,7 @@ Only the standard library; every bench runs with the repository's .venv python.
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -278,3 +280,38 @@ class S3Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self._log.close()
+
+
+class OtlpReceiver:
+    """An OTLP/HTTP traces endpoint on loopback that counts what it is sent (a
+    collector's stand-in: it takes the protobuf and answers 200)."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.bytes = 0
+        receiver = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+                n = int(self.headers.get("Content-Length") or 0)
+                self.rfile.read(n)
+                receiver.requests += 1
+                receiver.bytes += n
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+
+    def env(self) -> dict:
+        """The variables that make the services export their spans here."""
+        return {"OTEL_EXPORTER_OTLP_ENDPOINT": self.endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}

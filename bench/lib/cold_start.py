@@ -4,7 +4,9 @@ pinned kernel, the limit this machine allows, and the import cache (issue 5).
 One run, all baselines measured in it:
 1. limit: fork time of a process holding the base zygote's packages, and memcpy
    bandwidth (bench/lib/limit_probe.py);
-2. LooseLeaf: `looseleaf up`, then the corpus notebooks with `looseleaf run --all-gpu`
+2. LooseLeaf: `looseleaf up` exporting every cell's trace over OTLP to a receiver
+   on loopback (as a deployment does; bench/tracing measures what that costs), then
+   the corpus notebooks with `looseleaf run --all-gpu`
    (edit then Run at once, so no speculation has time to finish); cells whose
    `prepare` is "cold" and whose restored bytes are under 100 MB; the zygote's
    packages and memory while it is up;
@@ -90,10 +92,14 @@ def zygotes(cluster: B.Cluster) -> list[dict]:
     return zs
 
 
-def run_looseleaf(corpus: Path, work: Path, rounds: int) -> tuple[list[dict], list[dict], list[dict]]:
-    """Every notebook `rounds` times through one cluster. Returns (cells, runs, zygotes)."""
-    B.log("LooseLeaf: looseleaf up --virtual-gpus 2")
-    cluster = B.Cluster(work / "data", virtual_gpus=2)
+def run_looseleaf(
+    corpus: Path, work: Path, rounds: int, traces: B.OtlpReceiver
+) -> tuple[list[dict], list[dict], list[dict]]:
+    """Every notebook `rounds` times through one cluster, exporting every cell's trace
+    to `traces` as a deployment would to its collector (issue 15). Returns (cells,
+    runs, zygotes)."""
+    B.log("LooseLeaf: looseleaf up --virtual-gpus 2, tracing exported over OTLP")
+    cluster = B.Cluster(work / "data", virtual_gpus=2, env=traces.env())
     cells, runs = [], []
     try:
         cluster.wait_ready()
@@ -354,6 +360,8 @@ def summarize(
     ratio = median_cold / limit_ms if median_cold and limit_ms else None
     return {
         "bench": "cold-start",
+        # every cell's trace exported over OTLP while LooseLeaf was measured (issue 15)
+        "tracing": {"exported": True, "otlp_exports": args.otlp_exports, "otlp_bytes": args.otlp_bytes},
         "median_cold_ms": median_cold,
         "p95_cold_ms": B.percentile(cold_ms, 0.95),
         "median_naive_ms": median_naive,
@@ -492,7 +500,14 @@ def main() -> int:
     corpus = B.copy_corpus(work)
     limit = measure_limit()
     B.log(f"  fork {limit['fork_ms_median']:.2f} ms, memcpy {limit['memcpy_bytes_per_s'] / 1e9:.2f} GB/s")
-    ll_cells, runs, zs = run_looseleaf(corpus, work / "looseleaf", args.rounds)
+    traces = B.OtlpReceiver()
+    try:
+        ll_cells, runs, zs = run_looseleaf(corpus, work / "looseleaf", args.rounds, traces)
+    finally:
+        traces.stop()
+    args.otlp_exports, args.otlp_bytes = traces.requests, traces.bytes
+    if not traces.requests:
+        raise SystemExit("tracing was on but no span reached the OTLP receiver")
     cold = [c for c in ll_cells if is_cold(c)]
     if not cold:
         raise SystemExit("no cold cells measured")
