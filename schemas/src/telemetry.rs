@@ -34,7 +34,10 @@ pub enum LogFormat {
 pub enum TelemetryError {
     /// `OTEL_EXPORTER_OTLP_PROTOCOL` (or its traces variant) names a protocol other
     /// than HTTP/protobuf.
-    #[error("{var}={value}: LooseLeaf exports spans over OTLP with http/protobuf only (set {var}=http/protobuf and point the endpoint at the collector's HTTP port, usually 4318)")]
+    #[error(
+        "{var}={value}: LooseLeaf exports spans over OTLP with http/protobuf only (set {var}=http/protobuf \
+         and point the endpoint at the collector's HTTP port, usually 4318)"
+    )]
     Protocol { var: &'static str, value: String },
     /// The OTLP exporter could not be built from the endpoint variables.
     #[error("the OTLP span exporter could not be set up from OTEL_EXPORTER_OTLP_* ({0})")]

@@ -367,7 +367,8 @@ async fn run(
     let run_unix_ms = schemas::unix_ms();
     // the root of the cell's one trace (under the caller's, if it sent one); it
     // ends when the execution does
-    let span = tracing::info_span!("cell", otel.name = "run cell", session = %sid, cell = %cell_id, exec = tracing::field::Empty);
+    let span = tracing::info_span!("cell", otel.name = "run cell", session = %sid, cell = %cell_id,
+        exec = tracing::field::Empty);
     continue_http_trace(&span, &headers);
     let (_sid, addr) = lookup(&state, &sid, &caller).await?;
     let RunCell { code, allow_stdin, user_expressions } = json_body(body)?;

@@ -126,7 +126,8 @@ impl Records {
             match self.put(record).await {
                 Err(e) => match retry.next_wait() {
                     Some(wait) => {
-                        tracing::info!(session = %record.session_id, error = %e, "session records unavailable; trying again in {wait:?}");
+                        tracing::info!(session = %record.session_id, error = %e,
+                            "session records unavailable; trying again in {wait:?}");
                         tokio::time::sleep(wait).await;
                     }
                     None => return Err(e),

@@ -212,7 +212,8 @@ impl Host {
             _ => None,
         };
         let span = tracing::info_span!(parent: parent.as_ref().unwrap_or(&tracing::Span::current()), "claim",
-            otel.name = "bid and claim", claim = ?key, bid.delay_ms = delay.as_secs_f64() * 1000.0, outcome = tracing::field::Empty);
+            otel.name = "bid and claim", claim = ?key, bid.delay_ms = delay.as_secs_f64() * 1000.0,
+            outcome = tracing::field::Empty);
         let recorded = span.clone();
         let fut = tracing::Instrument::instrument(async move { claims.claim(key, delay, live).await }, span);
         ctx.spawn(fut.into_actor(self).map(move |c, act, ctx| {
@@ -264,7 +265,10 @@ impl Host {
     /// Free slot `index` held by `session` for `held`, counting its time.
     fn release_slot(&mut self, index: u32, session: Uuid, held: SlotUse, ctx: &mut Context<Self>) {
         let Some(held_ms) = self.slots.release(index) else { return };
-        schemas::metrics::metrics().slot_seconds.get_or_create(&[("use", schemas::metrics::slot_use(held))]).inc_by(held_ms / 1000.0);
+        schemas::metrics::metrics()
+            .slot_seconds
+            .get_or_create(&[("use", schemas::metrics::slot_use(held))])
+            .inc_by(held_ms / 1000.0);
         let kind = EventKind::SlotReleased { host: self.env.host_id.clone(), slot: index, held_ms, reason: held };
         self.session_event(session, kind, ctx);
     }
@@ -445,8 +449,8 @@ impl Host {
         self.running.insert(exec_id, session);
         self.running_count.send_replace(self.running.len());
         let parent = arrival.as_ref().map_or_else(tracing::Span::current, |a| a.span.clone());
-        let span = tracing::info_span!(parent: &parent, "execute", exec = %recipe.exec_id, %session, cell = %recipe.cell_id,
-            prepare = tracing::field::Empty);
+        let span = tracing::info_span!(parent: &parent, "execute", exec = %recipe.exec_id, %session,
+            cell = %recipe.cell_id, prepare = tracing::field::Empty);
         if let Some(prepared_by) = arrival.as_ref().and_then(|a| a.prepared_by.as_ref()) {
             schemas::telemetry::link(&span, prepared_by); // the edit-time preparation this run used
         }
@@ -841,7 +845,10 @@ impl Host {
         let idle_ms = p.idle_ms();
         tracing::info!(session = %key.0, cell = %key.1, worker = %p.worker_id, idle_ms, outcome = outcome.as_str(),
             "prepared worker ended");
-        schemas::metrics::metrics().prepared_ended.get_or_create(&[("outcome", schemas::metrics::prepared_outcome(outcome))]).inc();
+        schemas::metrics::metrics()
+            .prepared_ended
+            .get_or_create(&[("outcome", schemas::metrics::prepared_outcome(outcome))])
+            .inc();
         let ev = EventKind::PreparedEnded {
             host: self.env.host_id.clone(),
             slot: p.slot,
