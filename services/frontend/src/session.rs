@@ -604,7 +604,7 @@ impl SessionActor {
                 self.cpu_host = Some(host.clone());
             }
             // Run is when the request arrived here (DESIGN.md section 10)
-            let run_ms = self.executions.iter().rev().find(|r| r.exec_id == ev.exec_id).map(|r| r.run_unix_ms);
+            let run_ms = self.record(ev.exec_id).map(|r| r.run_unix_ms);
             if let Some(run_ms) = run_ms.filter(|ms| *ms > 0) {
                 let delay = &schemas::metrics::metrics().start_delay.get_or_create(&[("prepare", prepare.as_str())]);
                 schemas::metrics::observe_ms(delay, ev.unix_ms.saturating_sub(run_ms) as f64);

@@ -94,7 +94,8 @@ impl PreparedWorker {
             class: PreparedClass::Warm,
             first_ready: Some(Instant::now()),
             phase: Phase::Ready,
-            span: tracing::Span::current(),
+            // nothing prepared it before Run: a re-run on it links to no preparation
+            span: tracing::Span::none(),
         }
     }
 
