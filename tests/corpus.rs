@@ -1,5 +1,6 @@
-//! Every notebook of ../shared/corpus runs through LooseLeaf, with and without
-//! `--all-gpu`, and gives the same outputs as a plain IPython kernel
+//! Every notebook of ../shared/corpus runs through LooseLeaf, with or without
+//! `--all-gpu` (CI runs a fixed slice of the matrix, `bench/corpus` all of it: see
+//! `in_matrix`), and gives the same outputs as a plain IPython kernel
 //! (../shared/tools/nbequiv.py, reference signatures cached so each reference runs
 //! once). Without `--all-gpu`, torch cells that move models or tensors to `device`
 //! run on GPU slots and the rest on the session's CPU worker.
@@ -148,6 +149,24 @@ fn reads_uninitialised_memory(code: &str) -> bool {
     })
 }
 
+/// The two ways a notebook runs: `mixed` (CPU cells on the session's CPU worker,
+/// GPU cells on slots) and `all-gpu` (every cell on a GPU slot, typed first).
+const MODES: [bool; 2] = [false, true];
+
+/// Whether CI runs this (notebook, mode) of the matrix. `LOOSELEAF_CORPUS_MATRIX=full`
+/// (what `bench/corpus` sets) runs every notebook in both modes. Otherwise each
+/// notebook runs once: the torch notebooks in both modes (their CPU/GPU placement
+/// is checked in `mixed`), every other notebook in a folder (the fidelity probes)
+/// and ours in `all-gpu` (every cell restored on a fresh worker, the stricter
+/// mode), and the notebooks at the corpus's top level alternate between the modes
+/// by their place in the sorted list, so both paths meet every kind of notebook.
+/// The slice is fixed, so a CI failure reproduces.
+fn in_matrix(full: bool, position: usize, notebook: &Path, all_gpu: bool) -> bool {
+    let in_folder = notebook.components().count() > 1;
+    let ours = own_notebooks().iter().any(|own| own.file_name() == Some(notebook.as_os_str()));
+    full || notebook.starts_with("torch") || if in_folder || ours { all_gpu } else { all_gpu == (position % 2 == 1) }
+}
+
 #[test]
 fn corpus_matches_a_pinned_kernel() {
     let work = repo_root().join("target/corpus-run");
@@ -159,8 +178,16 @@ fn corpus_matches_a_pinned_kernel() {
     let (mut typed_cells, mut prepared_cells) = (0usize, 0usize);
     let nbequiv = repo_root().join("../shared/tools/nbequiv.py");
     let nbequiv = if nbequiv.exists() { nbequiv } else { corpus().join("../tools/nbequiv.py") };
-    for rel in notebooks() {
-        for all_gpu in [false, true] {
+    let full = std::env::var("LOOSELEAF_CORPUS_MATRIX").is_ok_and(|m| m == "full");
+    // one entry per (notebook, mode) run: what bench/corpus reports
+    let mut runs: Vec<serde_json::Value> = Vec::new();
+    for (position, rel) in notebooks().into_iter().enumerate() {
+        for all_gpu in MODES {
+            if !in_matrix(full, position, &rel, all_gpu) {
+                continue;
+            }
+            let started = std::time::Instant::now();
+            let failures_before = failures.len();
             let copy = work.join("corpus");
             let _ = std::fs::remove_dir_all(&copy);
             copy_dir(&corpus(), &copy).unwrap_or_else(|e| panic!("copy the corpus to {}: {e}", copy.display()));
@@ -184,6 +211,8 @@ fn corpus_matches_a_pinned_kernel() {
             };
             if !run_looseleaf() {
                 failures.push(format!("{} ({mode}): looseleaf run failed", rel.display()));
+                runs.push(serde_json::json!({"notebook": rel, "mode": mode, "ok": false,
+                    "seconds": started.elapsed().as_secs_f64()}));
                 continue;
             }
             let verdict = work.join(format!("{stem}.{mode}.nbequiv.json"));
@@ -328,7 +357,29 @@ fn corpus_matches_a_pinned_kernel() {
                     failures.push(format!("{}: no cell ran on the CPU worker", rel.display()));
                 }
             }
+            let seconds = started.elapsed().as_secs_f64();
+            eprintln!("{} ({mode}): {seconds:.0} s", rel.display());
+            runs.push(serde_json::json!({
+                "notebook": rel,
+                "mode": mode,
+                "ok": failures.len() == failures_before,
+                "seconds": seconds,
+                "cells": cells.len(),
+                "on_gpu": cells.iter().filter(|c| c["device"] == "gpu").count(),
+                "prepared": cells.iter().filter(|c| c["prepare"] == "speculative").count(),
+            }));
         }
+    }
+    if let Some(path) = std::env::var_os("LOOSELEAF_CORPUS_RESULTS") {
+        let summary = serde_json::json!({
+            "matrix": if full { "full" } else { "ci-slice" },
+            "runs": runs,
+            "typed_cells": typed_cells,
+            "prepared_typed_cells": prepared_cells,
+            "failures": failures,
+        });
+        std::fs::write(&path, serde_json::to_string_pretty(&summary).unwrap_or_default())
+            .unwrap_or_else(|e| panic!("{}: {e}", PathBuf::from(&path).display()));
     }
     assert!(failures.is_empty(), "corpus failures:\n{}", failures.join("\n"));
     // cells typed long enough found a worker prepared for them

@@ -1,0 +1,30 @@
+//! The root crate's integration tests, one module per file, linked into a single
+//! test binary: on two cores, linking twenty release binaries cost CI more time than
+//! most tests, and one binary lets `--test-threads 2` overlap the long corpus test
+//! with the rest (ADR 40). Run one file's tests with a filter:
+//! `cargo test --release --test integration corpus::`.
+
+mod chaos;
+mod closure_soundness;
+mod competition;
+mod compose;
+mod corpus;
+mod health;
+mod host_loss;
+mod interrupt;
+mod isolation;
+mod jupyterlab;
+mod kernel;
+mod large_state;
+mod limits;
+mod metrics;
+mod nats_cluster;
+mod operations_doc;
+mod relocatable;
+mod run_cli;
+mod session_delete;
+mod speculation;
+mod system;
+// named for what it checks: a module `tracing` would shadow the crate of that name
+#[path = "tracing.rs"]
+mod trace_tree;
