@@ -131,6 +131,11 @@ enum Command {
         /// text grows, then Run), so speculation has the editing time it would get.
         #[arg(long, env = "LOOSELEAF_TYPING_CPS")]
         typing_cps: Option<f64>,
+        /// The session's working directory as the gpu-hosts see it (default: the
+        /// notebook's folder). For a frontend whose hosts see other paths, such as
+        /// compose.yaml's `/notebooks` volume.
+        #[arg(long, env = "LOOSELEAF_CWD")]
+        cwd: Option<String>,
         /// Do not prepare workers while cells are edited (for comparison).
         #[arg(long, env = "LOOSELEAF_NO_SPECULATION")]
         no_speculation: bool,
@@ -166,6 +171,15 @@ enum Command {
         virtual_gpus: u32,
         #[command(flatten)]
         embed: EmbedArgs,
+    },
+    /// Print the nats-server configuration LooseLeaf's services log in with: the
+    /// bus's message limit, a user per service allowed only what it uses, and an
+    /// `operator` user, each password read from the server's environment
+    /// (`STORE_NATS_PASSWORD`, ...). compose.yaml's deploy/nats/auth.conf is its output.
+    NatsConfig {
+        /// Subject prefix the services use.
+        #[arg(long, env = "LOOSELEAF_PREFIX", default_value = "ll")]
+        prefix: String,
     },
     /// Print each code cell's static state closure, as the planner derives it.
     Analyze {
@@ -319,6 +333,7 @@ fn command(cli: Cli, nats_given: bool, system: &actix_rt::SystemRunner) -> anyho
             token,
             virtual_gpus,
             typing_cps,
+            cwd,
             no_speculation,
             embed,
         } => {
@@ -339,6 +354,7 @@ fn command(cli: Cli, nats_given: bool, system: &actix_rt::SystemRunner) -> anyho
                 frontend,
                 token,
                 typing_cps,
+                cwd,
                 speculate: !no_speculation,
                 allow_errors,
                 retries,
@@ -401,6 +417,10 @@ fn command(cli: Cli, nats_given: bool, system: &actix_rt::SystemRunner) -> anyho
             let opts = options(embed, tmp.path().to_path_buf(), Some(virtual_gpus), 0);
             let kopts = kernel::KernelOptions { frontend, token, all_gpu, speculate: !no_speculation, python };
             system.block_on(kernel::serve(&connection_file, kopts, opts))
+        }
+        Command::NatsConfig { prefix } => {
+            print!("{}", schemas::local_nats::deployment_config(&prefix));
+            Ok(())
         }
         Command::Analyze { notebook, json, time } => analyze::analyze_command(&notebook, json.as_ref(), time),
         Command::BenchEdits { nats_url, prefix, events, json } => {

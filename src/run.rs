@@ -29,6 +29,8 @@ pub struct RunRequest {
     /// Replay each cell as typed at this many characters a second (edits as the
     /// text grows, then Run); None: one edit with the whole cell, then Run.
     pub typing_cps: Option<f64>,
+    /// The session's working directory on the hosts; None: the notebook's folder.
+    pub cwd: Option<String>,
     /// Let the platform prepare workers while cells are edited.
     pub speculate: bool,
     /// Run every cell even after one raises; without it the run stops at the first
@@ -207,7 +209,10 @@ async fn drive(req: &RunRequest, mut nb: serde_json::Value, fe: &Frontend) -> an
     let started = Instant::now();
     let started_at = std::time::SystemTime::now();
     let abs = req.notebook.canonicalize().with_context(|| format!("while resolving {}", req.notebook.display()))?;
-    let cwd = abs.parent().map(|p| p.display().to_string()).unwrap_or_else(|| "/".into());
+    let cwd = match &req.cwd {
+        Some(cwd) => cwd.clone(),
+        None => abs.parent().map(|p| p.display().to_string()).unwrap_or_else(|| "/".into()),
+    };
     let cells = notebook::code_cells(&nb);
     let total = nb.get("cells").and_then(|c| c.as_array()).map_or(0, Vec::len);
     let sid = fe.create_session(&cwd, req.all_gpu, req.speculate).await?;

@@ -1,6 +1,7 @@
 //! LooseLeaf installed as operators install it (ADR 36): no binary holds a path of
 //! the build tree, and the worker runtime is a package (services/gpu-host/python's
-//! pyproject.toml) that a user installs into an environment of their own; a
+//! pyproject.toml) that a user installs into an environment of their own (here with
+//! scripts/install-worker-env, as the Dockerfile does); a
 //! `looseleaf` copied out of the checkout runs cells from that package, found
 //! through `--python` alone, and a Python without it is refused with a message
 //! that says what to install.
@@ -9,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
 use looseleaf_test_support::cluster::bin_dir_of;
-use looseleaf_test_support::{repo_root, venv_python};
+use looseleaf_test_support::repo_root;
 
 const BINARIES: &[&str] =
     &["looseleaf", "looseleaf-frontend", "looseleaf-gpu-host", "looseleaf-planner", "looseleaf-store"];
@@ -67,39 +68,13 @@ fn looseleaf_outside(exe: &Path, python: &Path, nb: &Path) -> anyhow::Result<Out
 fn the_worker_runtime_installs_as_a_package_and_cells_run_from_it() -> anyhow::Result<()> {
     let tmp = tempfile::tempdir()?;
     let t = tmp.path();
-    // build the wheel from a copy (setuptools writes beside the sources)
-    let src = t.join("src");
-    std::fs::create_dir_all(src.join("looseleaf_worker"))?;
-    let package = repo_root().join("services/gpu-host/python");
-    std::fs::copy(package.join("pyproject.toml"), src.join("pyproject.toml"))?;
-    for entry in std::fs::read_dir(package.join("looseleaf_worker"))? {
-        let path = entry?.path();
-        if path.extension().is_some_and(|e| e == "py" || e == "json") {
-            std::fs::copy(&path, src.join("looseleaf_worker").join(path.file_name().unwrap_or_default()))?;
-        }
-    }
-    let venv = venv_python();
-    run(Command::new(&venv)
-        .args(["-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w"])
-        .arg(t.join("wheels"))
-        .arg(&src))?;
-    let wheel = std::fs::read_dir(t.join("wheels"))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .find(|p| p.extension().is_some_and(|e| e == "whl"))
-        .ok_or_else(|| anyhow::anyhow!("pip wheel made no wheel"))?;
-
-    // a user's environment: a fresh venv with the wheel installed; its other
-    // packages (IPython, numpy) come from the project's venv through a .pth file
+    // a user's environment, made as the Dockerfile makes the image's (without torch:
+    // no GPU here): a fresh venv with the package and the libraries zygotes import
     let env = t.join("env");
-    run(Command::new("python3").args(["-m", "venv"]).arg(&env))?;
+    run(Command::new(repo_root().join("scripts/install-worker-env")).arg(&env).args(["--torch", "none"]))?;
     let python = env.join("bin/python");
-    run(Command::new(&python).args(["-m", "pip", "install", "-q", "--no-deps", "--no-index"]).arg(&wheel))?;
-    let paths = |py: &Path| -> anyhow::Result<String> {
-        let out = run(Command::new(py).args(["-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]))?;
-        Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
-    };
-    let (site, deps) = (paths(&python)?, paths(&venv)?);
-    std::fs::write(Path::new(&site).join("project-deps.pth"), format!("{deps}\n"))?;
+    let out = run(Command::new(&python).args(["-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]))?;
+    let site = String::from_utf8_lossy(&out.stdout).trim().to_string();
 
     // looseleaf out of the checkout: cells run from the installed package
     let exe = t.join("bin/looseleaf");

@@ -86,13 +86,32 @@ pub fn server_config(users: &[NatsUser]) -> String {
     }
 }
 
+/// The configuration of a deployed NATS (compose.yaml's deploy/nats/auth.conf):
+/// the message limit, a user per service with its permissions under `prefix`, and
+/// an `operator` allowed everything, each password a variable the server reads
+/// from its environment (`STORE_NATS_PASSWORD`, `GPU_HOST_NATS_PASSWORD`, ...).
+pub fn deployment_config(prefix: &str) -> String {
+    let env = |name: &str| format!("${}_NATS_PASSWORD", name.to_uppercase().replace('-', "_"));
+    let mut users: Vec<NatsUser> = [Role::Store, Role::Planner, Role::Frontend, Role::GpuHost]
+        .into_iter()
+        .map(|role| NatsUser { password: env(role.user()), ..NatsUser::service(role, prefix) })
+        .collect();
+    users.push(NatsUser { password: env("operator"), ..NatsUser::new("operator") });
+    format!(
+        "# Written by `looseleaf nats-config --prefix {prefix}`; tests/compose.rs checks it is current.\n{}",
+        server_config(&users)
+    )
+}
+
 fn auth_config(users: &[NatsUser]) -> String {
     let lines: Vec<String> = users
         .iter()
         .map(|u| {
             let permissions =
                 u.permissions.as_ref().map(|p| format!(", {}", permissions::render(p))).unwrap_or_default();
-            format!("    {{user: \"{}\", password: \"{}\"{permissions}}}", u.name, u.password)
+            // `$NAME` unquoted is a variable the server reads from its environment
+            let password = if u.password.starts_with('$') { u.password.clone() } else { format!("\"{}\"", u.password) };
+            format!("    {{user: \"{}\", password: {password}{permissions}}}", u.name)
         })
         .collect();
     format!("authorization {{\n  users = [\n{}\n  ]\n}}\n", lines.join("\n"))

@@ -102,7 +102,12 @@ async fn export(State(spans): State<Spans>, body: Bytes) -> (StatusCode, Vec<u8>
 impl OtlpReceiver {
     /// Listen on a free loopback port.
     pub async fn start() -> anyhow::Result<Self> {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        Self::start_on(std::net::SocketAddr::from(([127, 0, 0, 1], 0))).await
+    }
+
+    /// Listen on `addr` (a collector's address, for a test that stands in for one).
+    pub async fn start_on(addr: std::net::SocketAddr) -> anyhow::Result<Self> {
+        let listener = tokio::net::TcpListener::bind(addr).await?;
         let endpoint = format!("http://{}", listener.local_addr()?);
         let spans: Spans = Arc::default();
         let app = axum::Router::new().route("/v1/traces", axum::routing::post(export)).with_state(spans.clone());
