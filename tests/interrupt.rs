@@ -44,7 +44,9 @@ async fn an_interrupted_gpu_cell_stops_as_in_a_kernel_and_one_that_ignores_it_is
     assert_eq!(s.run("a", "x = 1").await?.0, ExecStatus::Ok);
 
     // a running cell, and one queued behind it
-    let loop_cell = "import time\ny = 0\nprint('looping', flush=True)\nwhile True:\n    y += 1\n    time.sleep(0.01)";
+    // it says it loops once y has changed, so that an interrupt sent at once still finds y > 0
+    let loop_cell =
+        "import time\ny = 0\nwhile True:\n    y += 1\n    if y == 1:\n        print('looping', flush=True)\n    time.sleep(0.01)";
     let exec = s.fe.run(s.sid, "b", loop_cell).await?.exec_id;
     let queued = s.fe.run(s.sid, "c", "print('queued cell ran')").await?.exec_id;
     printed(&mut s, exec, "looping").await?;
@@ -66,10 +68,12 @@ async fn an_interrupted_gpu_cell_stops_as_in_a_kernel_and_one_that_ignores_it_is
         _ => None,
     });
 
-    // a cell that ignores the interrupt, with a child process of its own
+    // a cell that ignores the interrupt, with a child process of its own; it says so
+    // only once inside its `try`, so that an interrupt sent at once is ignored too
     let stubborn = "import subprocess, time\nx = 2\nchild = subprocess.Popen(['sleep', '300'])\n\
-                    print('child', child.pid, flush=True)\nwhile True:\n    try:\n        time.sleep(0.1)\n    \
-                    except KeyboardInterrupt:\n        pass";
+                    said = False\nwhile True:\n    try:\n        if not said:\n            \
+                    print('child', child.pid, flush=True)\n            said = True\n        \
+                    time.sleep(0.1)\n    except KeyboardInterrupt:\n        pass";
     let exec = s.fe.run(s.sid, "e", stubborn).await?.exec_id;
     let child = printed(&mut s, exec, "child").await?;
     let StreamItem::Output { output, .. } = child else { anyhow::bail!("no output") };

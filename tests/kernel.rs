@@ -157,7 +157,9 @@ fn a_slider_moved_in_the_browser_is_read_back_in_a_later_cell() -> anyhow::Resul
 fn nbclient_runs_corpus_notebooks_through_the_kernel_as_a_plain_kernel_would() -> anyhow::Result<()> {
     let prefix = tempfile::tempdir()?;
     install(prefix.path())?;
-    let corpus = repo_root().join("../shared/corpus");
+    // a copy: the notebooks write files, and the corpus test copies the corpus meanwhile
+    let corpus = prefix.path().join("corpus");
+    copy_dir(&repo_root().join("../shared/corpus"), &corpus)?;
     // a pdsh one, a torch one, and ipykernel's display semantics
     for notebook in [
         "pdsh_02.02-The-Basics-Of-NumPy-Arrays.ipynb",
@@ -188,7 +190,7 @@ fn nbclient_runs_corpus_notebooks_through_the_kernel_as_a_plain_kernel_would() -
             .arg("--cwd")
             .arg(&folder)
             .arg("--reference-cache")
-            .arg(repo_root().join("target/nbequiv-cache"))
+            .arg(repo_root().join("target/nbequiv-cache-kernel"))
             .arg("--json")
             .arg(&verdict)
             .status()?;
@@ -285,5 +287,19 @@ fn a_kernel_without_its_frontend_says_so_in_the_notebook() -> anyhow::Result<()>
     assert!(seen["reply"]["evalue"].as_str().is_some_and(|e| e.contains(&dead)), "{seen}");
     let shown = seen["outputs"].to_string();
     assert!(shown.contains("\"error\"") && shown.contains(&dead), "the notebook does not say why: {shown}");
+    Ok(())
+}
+
+fn copy_dir(from: &Path, to: &Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(to)?;
+    for entry in std::fs::read_dir(from)? {
+        let entry = entry?;
+        let target = to.join(entry.file_name());
+        if entry.file_type()?.is_dir() {
+            copy_dir(&entry.path(), &target)?;
+        } else {
+            std::fs::copy(entry.path(), &target)?;
+        }
+    }
     Ok(())
 }
