@@ -8,7 +8,7 @@
 #
 # Every RUN step is a script that CI runs (scripts/test runs scripts/setup, which
 # runs scripts/build-release; tests/relocatable.rs runs scripts/install-worker-env),
-# so what the image does is tested even where no Docker daemon runs (ADR 40).
+# so what the image does is tested even where no Docker daemon runs (ADR 41).
 ARG TORCH=cpu
 
 FROM rust:1.95-bookworm AS build
@@ -25,8 +25,11 @@ RUN scripts/install-worker-env /opt/looseleaf/venv --torch "$TORCH"
 COPY --from=build /src/target/release/looseleaf /src/target/release/looseleaf-frontend \
      /src/target/release/looseleaf-gpu-host /src/target/release/looseleaf-planner \
      /src/target/release/looseleaf-store /usr/local/bin/
-# the gpu-host's sockets and the notebooks volume, writable by the service user
+# the service user's home, the gpu-host's sockets, and the notebooks and package
+# layers volumes, writable by it (a named volume takes its folder's owner)
+COPY --chown=10001:10001 deploy/empty/ /home/looseleaf/
 COPY --chown=10001:10001 deploy/empty/ /run/looseleaf/
 COPY --chown=10001:10001 deploy/empty/ /notebooks/
-ENV LOOSELEAF_PYTHON=/opt/looseleaf/venv/bin/python LOOSELEAF_RUNTIME_DIR=/run/looseleaf
+COPY --chown=10001:10001 deploy/empty/ /packages/
+ENV LOOSELEAF_PYTHON=/opt/looseleaf/venv/bin/python LOOSELEAF_RUNTIME_DIR=/run/looseleaf HOME=/home/looseleaf
 USER 10001:10001

@@ -144,6 +144,7 @@ const CELLS: &[&str] = &[
     "total = int(y.trace())\ntotal",
     "1 / 0",
     "print(total, x.shape)",
+    "with open('written.txt', 'w') as f:\n    f.write(str(6 * 7))",
 ];
 
 #[tokio::test(flavor = "multi_thread")]
@@ -151,6 +152,8 @@ async fn the_compose_topology_runs_a_notebook_as_processes() -> anyhow::Result<(
     // the file and what it mounts, with fresh secrets, as an operator would have them
     let dir = tempfile::tempdir()?;
     let d = dir.path();
+    // the image's services run as its user, which must reach the folders under it
+    std::fs::set_permissions(d, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
     for item in ["compose.yaml", "Dockerfile", "deploy", "scripts/compose-secrets"] {
         std::fs::create_dir_all(d.join(item).parent().context("a parent")?)?;
         copy(&repo_root().join(item), &d.join(item))?;
@@ -175,24 +178,28 @@ async fn the_compose_topology_runs_a_notebook_as_processes() -> anyhow::Result<(
     .await
     .context("the frontend never became ready (see the logs under work/)")?;
 
-    // a notebook in the notebooks volume, run through the frontend with the API token
+    // a notebook on the client's side, run through the frontend with the API token;
+    // its session works in the notebooks volume (`--cwd`), where the hosts' user writes
     let notebooks = d.join("work/volumes/notebooks");
-    std::fs::create_dir_all(&notebooks)?;
+    let client = d.join("client");
+    std::fs::create_dir_all(&client)?;
     let cells: Vec<serde_json::Value> = CELLS
         .iter()
         .map(|src| serde_json::json!({"cell_type": "code", "metadata": {}, "source": src, "outputs": [], "execution_count": null}))
         .collect();
-    let source = notebooks.join("compose.ipynb");
+    let source = client.join("compose.ipynb");
     let nb = serde_json::json!({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 4});
     std::fs::write(&source, nb.to_string())?;
-    let out = notebooks.join("compose.looseleaf.ipynb");
-    let report = notebooks.join("compose.report.json");
+    let out = client.join("compose.looseleaf.ipynb");
+    let report = client.join("compose.report.json");
     let frontend = format!("http://{}:8470", topology.ip("frontend"));
     let run = Command::new(env!("CARGO_BIN_EXE_looseleaf"))
         .args(["run", "--allow-errors", "--all-gpu", "--frontend", &frontend, "--output"])
         .arg(&out)
         .arg("--report")
         .arg(&report)
+        .arg("--cwd")
+        .arg(&notebooks)
         .arg(&source)
         .env("LOOSELEAF_TOKEN", &token)
         .stdout(Stdio::null())
@@ -221,6 +228,9 @@ async fn the_compose_topology_runs_a_notebook_as_processes() -> anyhow::Result<(
         .filter_map(|c| c["host"].as_str().map(str::to_string))
         .collect();
     assert!(!hosts.is_empty() && hosts.iter().all(|h| h.starts_with("gpu-host-")), "{hosts:?}");
+    // in the working directory `--cwd` named
+    let written = std::fs::read_to_string(notebooks.join("written.txt")).context("the cell's file in --cwd")?;
+    assert_eq!(written, "42");
 
     // every LooseLeaf service's spans reached the collector's address, named by the file
     let names = ["looseleaf-frontend", "looseleaf-planner", "looseleaf-gpu-host", "looseleaf-store"];

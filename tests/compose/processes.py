@@ -6,13 +6,16 @@
 
     processes.py up COMPOSE_DIR --work DIR --bin DIR --venv DIR
         Start every service of COMPOSE_DIR/compose.yaml as a process, each in a
-        network namespace of its own named like the service (its /etc/hosts maps
-        every service name to its address on one bridge), with the command,
-        arguments and environment the file gives it, after the file's own
-        interpolation from COMPOSE_DIR/.env. Paths inside a container (volumes,
-        secrets, the image's own) are mapped to folders under DIR. Prints one JSON
-        line when all are started, then runs until stdin closes or SIGTERM, and
-        removes everything it made.
+        network namespace of its own (its /etc/hosts maps every service name to
+        its address on one bridge), a PID namespace (nothing it starts outlives
+        it) and a mount namespace with a /dev/shm of the file's `shm_size`
+        (Docker's 64 MiB by default), with the command, arguments and environment
+        the file gives it, after the file's own interpolation from
+        COMPOSE_DIR/.env. Our image's services run as the Dockerfile's USER with
+        its ENV. Paths inside a container (volumes, secrets, the image's own) are
+        mapped to folders under DIR; secrets keep their file's mode, as compose's
+        bind mounts do. Prints one JSON line when all are started, then runs until
+        stdin closes or SIGTERM, and removes everything it made.
 
 An image that cannot run here has a named stand-in: LooseLeaf's image runs the
 binaries of --bin with the Dockerfile's ENV; `nats` runs the venv's nats-server;
@@ -29,6 +32,7 @@ import json
 import os
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
@@ -109,6 +113,11 @@ def interpolate(value, env: dict[str, str]):
             return got
         return got or ""
 
+    # a `${` (not escaped as `$${`) that VAR does not read is a form we do not implement
+    for m in re.finditer(r"\$+\{", value):
+        dollars = len(m.group()) - 1
+        if dollars % 2 == 1 and not VAR.match(value, m.end() - 2):
+            fail(f"unsupported interpolation in {value!r}")
     return VAR.sub(sub, value)
 
 
@@ -134,17 +143,30 @@ def load(compose_dir: Path) -> dict:
 # --- what each service runs -----------------------------------------------------
 
 
-def image_env(dockerfile: Path) -> dict[str, str]:
-    """The ENV of the Dockerfile's last stage (LooseLeaf's runtime image)."""
+def image_config(dockerfile: Path) -> tuple[dict[str, str], str | None]:
+    """The ENV and USER of the Dockerfile's last stage (LooseLeaf's runtime image)."""
     env: dict[str, str] = {}
+    user = None
     for line in dockerfile.read_text().splitlines():
         if line.startswith("FROM "):
-            env = {}
+            env, user = {}, None
         elif line.startswith("ENV "):
             for pair in line[4:].split():
                 k, _, v = pair.partition("=")
                 env[k] = v
-    return env
+        elif line.startswith("USER "):
+            user = line.split()[1]
+    return env, user
+
+
+def shm_bytes(size: str | int | None) -> str:
+    """compose's `shm_size` ("8gb", "64m", bytes) as a tmpfs size; Docker's default 64 MiB."""
+    if size is None:
+        return "64m"
+    m = re.fullmatch(r"(\d+)\s*([bkmg]?)b?", str(size).strip().lower())
+    if not m:
+        fail(f"shm_size {size!r} is not a size")
+    return m.group(1) + (m.group(2) if m.group(2) != "b" else "")
 
 
 def as_list(command) -> list[str]:
@@ -184,6 +206,17 @@ def start_order(services: dict) -> list[str]:
     return order
 
 
+def free_subnet() -> str:
+    """A 10.x.y.0/24 that no route of this machine covers."""
+    routes = subprocess.run([IP, "-4", "route"], capture_output=True, text=True).stdout
+    for _ in range(50):
+        subnet = f"10.{secrets.randbelow(200) + 20}.{secrets.randbelow(250) + 1}"
+        if f"{subnet}." not in routes and not re.search(r"^10\.0\.0\.0/8|^default via 10\.", routes, re.M):
+            return subnet
+    fail("no free 10.x.y.0/24 subnet for the bridge")
+    return ""
+
+
 class Topology:
     """The bridge, the namespaces and the processes; torn down by `down`."""
 
@@ -192,7 +225,7 @@ class Topology:
         self.doc = load(compose_dir)
         self.services: dict = self.doc.get("services") or {}
         self.tag = "llc" + secrets.token_hex(2)
-        self.subnet = f"10.{secrets.randbelow(200) + 20}.{secrets.randbelow(250) + 1}"
+        self.subnet = free_subnet()
         self.bridge = f"{self.subnet}.1"
         self.namespaces: list[str] = []
         self.links: list[str] = []
@@ -258,11 +291,18 @@ class Topology:
         for secret in service.get("secrets") or []:
             key = secret if isinstance(secret, str) else secret["source"]
             spec = (self.doc.get("secrets") or {}).get(key) or fail(f"service {name}: no secret {key}")
-            out.append((f"/run/secrets/{key}", str((self.dir / spec["file"]).resolve())))
+            # compose bind-mounts the file itself: its mode counts, its folder's does not
+            source = (self.dir / spec["file"]).resolve()
+            copy = self.work / "secrets" / name / key
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, copy)
+            out.append((f"/run/secrets/{key}", str(copy)))
         if self.stand_in(name) == LOOSELEAF:
-            run = self.work / name / "run"
-            run.mkdir(parents=True, exist_ok=True)
-            out += [("/opt/looseleaf/venv", str(self.venv)), ("/run/looseleaf", str(run))]
+            for inside in ("/run/looseleaf", "/home/looseleaf"):
+                here = self.work / name / inside.strip("/").replace("/", "-")
+                here.mkdir(parents=True, exist_ok=True)
+                out.append((inside, str(here)))
+            out.append(("/opt/looseleaf/venv", str(self.venv)))
         return sorted(out, key=lambda m: -len(m[0]))
 
     @staticmethod
@@ -292,14 +332,29 @@ class Topology:
         home = self.work / name
         home.mkdir(parents=True, exist_ok=True)
         env = {"PATH": f"{self.venv}/bin:/usr/local/bin:/usr/bin:/bin", "HOME": str(home), "HOSTNAME": name}
+        user = None
         if kind == LOOSELEAF:
-            env.update(image_env(self.dir / "Dockerfile"))
+            image_env, user = image_config(self.dir / "Dockerfile")
+            env.update(image_env)
         env.update(env_of(service))
         env = {k: self.mapped(v, mounts) for k, v in env.items()}
         argv = [self.mapped(a, mounts) for a in self.command(name, kind)]
+        if user:
+            # what the image's USER owns there: its COPY --chown folders, and the
+            # named volumes mounted on them (a new volume takes its folder's owner)
+            uid, _, gid = user.partition(":")
+            for _, here in mounts:
+                if Path(here).is_dir() and (here.startswith(str(self.work / name)) or "/volumes/" in here):
+                    os.chown(here, int(uid), int(gid or uid))
+            argv = ["setpriv", f"--reuid={uid}", f"--regid={gid or uid}", "--clear-groups", "--", *argv]
+        # a PID namespace, so that nothing the service starts outlives it, and the
+        # /dev/shm its container would have
+        shm = shm_bytes(service.get("shm_size"))
+        inner = f"mount -t tmpfs -o size={shm},mode=1777 shm /dev/shm && exec {shlex.join(argv)}"
+        wrapped = ["unshare", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c", inner]
         log = open(self.work / f"{name}.log", "wb")  # noqa: SIM115 (the process keeps it)
         self.procs[name] = subprocess.Popen(
-            [IP, "netns", "exec", ns, *argv],
+            [IP, "netns", "exec", ns, *wrapped],
             env=env,
             cwd=home,
             stdin=subprocess.DEVNULL,
@@ -342,6 +397,8 @@ class Topology:
         return [f"{n} (exit {p.returncode})" for n, p in self.procs.items() if p.poll() is not None]
 
     def down(self) -> None:
+        # a second SIGTERM must not stop the clean-up halfway
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         for p in self.procs.values():
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGTERM)
