@@ -1,6 +1,6 @@
 //! Every notebook of ../shared/corpus runs through LooseLeaf, with or without
-//! `--all-gpu` (CI runs a fixed slice of the matrix, `bench/corpus` all of it: see
-//! `in_matrix`), and gives the same outputs as a plain IPython kernel
+//! `--all-gpu` (CI runs a fixed slice of the matrix, `bench/corpus` the rest: see
+//! `in_ci_slice`), and gives the same outputs as a plain IPython kernel
 //! (../shared/tools/nbequiv.py, reference signatures cached so each reference runs
 //! once). Without `--all-gpu`, torch cells that move models or tensors to `device`
 //! run on GPU slots and the rest on the session's CPU worker.
@@ -153,18 +153,54 @@ fn reads_uninitialised_memory(code: &str) -> bool {
 /// GPU cells on slots) and `all-gpu` (every cell on a GPU slot, typed first).
 const MODES: [bool; 2] = [false, true];
 
-/// Whether CI runs this (notebook, mode) of the matrix. `LOOSELEAF_CORPUS_MATRIX=full`
-/// (what `bench/corpus` sets) runs every notebook in both modes. Otherwise each
-/// notebook runs once: the torch notebooks in both modes (their CPU/GPU placement
-/// is checked in `mixed`), every other notebook in a folder (the fidelity probes)
-/// and ours in `all-gpu` (every cell restored on a fresh worker, the stricter
-/// mode), and the notebooks at the corpus's top level alternate between the modes
-/// by their place in the sorted list, so both paths meet every kind of notebook.
-/// The slice is fixed, so a CI failure reproduces.
-fn in_matrix(full: bool, position: usize, notebook: &Path, all_gpu: bool) -> bool {
+/// Which part of the (notebook, mode) matrix runs, from `LOOSELEAF_CORPUS_MATRIX`:
+/// `slice` (the default, what CI runs), `rest` (what CI does not; `bench/corpus`)
+/// or `full`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Matrix {
+    Slice,
+    Rest,
+    Full,
+}
+
+impl Matrix {
+    fn from_env() -> Self {
+        match std::env::var("LOOSELEAF_CORPUS_MATRIX").as_deref() {
+            Err(_) | Ok("slice") => Matrix::Slice,
+            Ok("rest") => Matrix::Rest,
+            Ok("full") => Matrix::Full,
+            Ok(other) => panic!("LOOSELEAF_CORPUS_MATRIX must be slice, rest or full, not {other:?}"),
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Matrix::Slice => "slice",
+            Matrix::Rest => "rest",
+            Matrix::Full => "full",
+        }
+    }
+
+    fn includes(self, position: usize, notebook: &Path, all_gpu: bool) -> bool {
+        match self {
+            Matrix::Slice => in_ci_slice(position, notebook, all_gpu),
+            Matrix::Rest => !in_ci_slice(position, notebook, all_gpu),
+            Matrix::Full => true,
+        }
+    }
+}
+
+/// Whether CI runs this (notebook, mode) of the matrix. Each notebook runs at
+/// least once: the torch notebooks in both modes (their CPU/GPU placement is
+/// checked in `mixed`), every other notebook in a folder (the fidelity probes) and
+/// ours in `all-gpu` (every cell restored on a fresh worker, the stricter mode),
+/// and the notebooks at the corpus's top level alternate between the modes by
+/// their place in the sorted list, so both paths meet every kind of notebook. The
+/// slice is fixed, so a CI failure reproduces.
+fn in_ci_slice(position: usize, notebook: &Path, all_gpu: bool) -> bool {
     let in_folder = notebook.components().count() > 1;
     let ours = own_notebooks().iter().any(|own| own.file_name() == Some(notebook.as_os_str()));
-    full || notebook.starts_with("torch") || if in_folder || ours { all_gpu } else { all_gpu == (position % 2 == 1) }
+    notebook.starts_with("torch") || if in_folder || ours { all_gpu } else { all_gpu == (position % 2 == 1) }
 }
 
 #[test]
@@ -178,12 +214,12 @@ fn corpus_matches_a_pinned_kernel() {
     let (mut typed_cells, mut prepared_cells) = (0usize, 0usize);
     let nbequiv = repo_root().join("../shared/tools/nbequiv.py");
     let nbequiv = if nbequiv.exists() { nbequiv } else { corpus().join("../tools/nbequiv.py") };
-    let full = std::env::var("LOOSELEAF_CORPUS_MATRIX").is_ok_and(|m| m == "full");
+    let matrix = Matrix::from_env();
     // one entry per (notebook, mode) run: what bench/corpus reports
     let mut runs: Vec<serde_json::Value> = Vec::new();
     for (position, rel) in notebooks().into_iter().enumerate() {
         for all_gpu in MODES {
-            if !in_matrix(full, position, &rel, all_gpu) {
+            if !matrix.includes(position, &rel, all_gpu) {
                 continue;
             }
             let started = std::time::Instant::now();
@@ -372,7 +408,7 @@ fn corpus_matches_a_pinned_kernel() {
     }
     if let Some(path) = std::env::var_os("LOOSELEAF_CORPUS_RESULTS") {
         let summary = serde_json::json!({
-            "matrix": if full { "full" } else { "ci-slice" },
+            "matrix": matrix.name(),
             "runs": runs,
             "typed_cells": typed_cells,
             "prepared_typed_cells": prepared_cells,
