@@ -343,6 +343,13 @@ fn command(cli: Cli, nats_given: bool, system: &actix_rt::SystemRunner) -> anyho
                     "--typing-cps must be a positive number of characters a second, not {cps}"
                 );
             }
+            if let Some(cwd) = &cwd {
+                // a path on the hosts: nothing here could make a relative one mean the same there
+                anyhow::ensure!(
+                    cwd.starts_with('/'),
+                    "--cwd must be an absolute path, as the hosts see it, not {cwd:?}"
+                );
+            }
             let tmp = tempfile::Builder::new().prefix("looseleaf-run-").tempdir().context("while making a temp dir")?;
             let opts = options(embed, tmp.path().to_path_buf(), Some(virtual_gpus), 0);
             let (default_output, default_report) = run::default_paths(&notebook);

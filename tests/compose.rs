@@ -19,7 +19,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use looseleaf_test_support::cluster::bin_dir_of;
 use looseleaf_test_support::otlp::OtlpReceiver;
-use looseleaf_test_support::{repo_root, venv_python, wait_for_async};
+use looseleaf_test_support::{copy_dir, repo_root, venv_python, wait_for_async};
 
 fn processes_py() -> PathBuf {
     repo_root().join("tests/compose/processes.py")
@@ -125,19 +125,6 @@ impl Topology {
     }
 }
 
-fn copy(from: &Path, to: &Path) -> anyhow::Result<()> {
-    if from.is_dir() {
-        std::fs::create_dir_all(to)?;
-        for entry in std::fs::read_dir(from)? {
-            let entry = entry?;
-            copy(&entry.path(), &to.join(entry.file_name()))?;
-        }
-    } else {
-        std::fs::copy(from, to).with_context(|| format!("copy {}", from.display()))?;
-    }
-    Ok(())
-}
-
 const CELLS: &[&str] = &[
     "import numpy as np\nx = np.arange(12).reshape(3, 4)\nprint(x.sum())",
     "y = x.T @ x\ny",
@@ -156,7 +143,7 @@ async fn the_compose_topology_runs_a_notebook_as_processes() -> anyhow::Result<(
     std::fs::set_permissions(d, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
     for item in ["compose.yaml", "Dockerfile", "deploy", "scripts/compose-secrets"] {
         std::fs::create_dir_all(d.join(item).parent().context("a parent")?)?;
-        copy(&repo_root().join(item), &d.join(item))?;
+        copy_dir(&repo_root().join(item), &d.join(item))?;
     }
     let secrets = Command::new(d.join("scripts/compose-secrets")).output()?;
     anyhow::ensure!(secrets.status.success(), "compose-secrets: {}", String::from_utf8_lossy(&secrets.stderr));

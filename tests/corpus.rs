@@ -15,7 +15,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use looseleaf_test_support::{repo_root, venv_python, LocalCluster};
+use looseleaf_test_support::{copy_dir, repo_root, venv_python, LocalCluster};
 
 fn corpus() -> PathBuf {
     std::env::var_os("LOOSELEAF_CORPUS").map(PathBuf::from).unwrap_or_else(|| repo_root().join("../shared/corpus"))
@@ -64,20 +64,6 @@ fn reference_runs(dir: &Path) -> Vec<serde_json::Value> {
         .filter_map(|v| v.as_array().cloned())
         .flatten()
         .collect()
-}
-
-fn copy_dir(from: &Path, to: &Path) -> std::io::Result<()> {
-    std::fs::create_dir_all(to)?;
-    for entry in std::fs::read_dir(from)? {
-        let entry = entry?;
-        let target = to.join(entry.file_name());
-        if entry.file_type()?.is_dir() {
-            copy_dir(&entry.path(), &target)?;
-        } else {
-            std::fs::copy(entry.path(), &target)?;
-        }
-    }
-    Ok(())
 }
 
 /// A JSON file the test wrote or reads; a failure names the file.

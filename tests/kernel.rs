@@ -11,7 +11,7 @@
 use std::path::Path;
 use std::process::Command;
 
-use looseleaf_test_support::{repo_root, venv_python};
+use looseleaf_test_support::{copy_dir, repo_root, venv_python};
 
 fn install(prefix: &Path) -> anyhow::Result<()> {
     install_as(prefix, &["--name", "looseleaf-test", "--all-gpu"])
@@ -287,19 +287,5 @@ fn a_kernel_without_its_frontend_says_so_in_the_notebook() -> anyhow::Result<()>
     assert!(seen["reply"]["evalue"].as_str().is_some_and(|e| e.contains(&dead)), "{seen}");
     let shown = seen["outputs"].to_string();
     assert!(shown.contains("\"error\"") && shown.contains(&dead), "the notebook does not say why: {shown}");
-    Ok(())
-}
-
-fn copy_dir(from: &Path, to: &Path) -> anyhow::Result<()> {
-    std::fs::create_dir_all(to)?;
-    for entry in std::fs::read_dir(from)? {
-        let entry = entry?;
-        let target = to.join(entry.file_name());
-        if entry.file_type()?.is_dir() {
-            copy_dir(&entry.path(), &target)?;
-        } else {
-            std::fs::copy(entry.path(), &target)?;
-        }
-    }
     Ok(())
 }

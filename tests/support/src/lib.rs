@@ -27,6 +27,20 @@ pub fn venv_python() -> PathBuf {
 }
 
 /// A free TCP port on loopback.
+/// Copy the folder `from` (or one file) to `to`, recursively; a failure names the path.
+pub fn copy_dir(from: &Path, to: &Path) -> anyhow::Result<()> {
+    if from.is_dir() {
+        std::fs::create_dir_all(to).with_context(|| format!("create {}", to.display()))?;
+        for entry in std::fs::read_dir(from).with_context(|| format!("read {}", from.display()))? {
+            let entry = entry?;
+            copy_dir(&entry.path(), &to.join(entry.file_name()))?;
+        }
+    } else {
+        std::fs::copy(from, to).with_context(|| format!("copy {} to {}", from.display(), to.display()))?;
+    }
+    Ok(())
+}
+
 pub fn free_port() -> anyhow::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
