@@ -26,7 +26,6 @@ pub fn venv_python() -> PathBuf {
     std::env::var_os("LOOSELEAF_PYTHON").map(PathBuf::from).unwrap_or_else(|| repo_root().join(".venv/bin/python"))
 }
 
-/// A free TCP port on loopback.
 /// Copy the folder `from` (or one file) to `to`, recursively; a failure names the path.
 pub fn copy_dir(from: &Path, to: &Path) -> anyhow::Result<()> {
     if from.is_dir() {
@@ -41,6 +40,7 @@ pub fn copy_dir(from: &Path, to: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A free TCP port on loopback.
 pub fn free_port() -> anyhow::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
@@ -48,6 +48,34 @@ pub fn free_port() -> anyhow::Result<u16> {
 /// A random subject prefix, so concurrent tests never hear each other.
 pub fn random_prefix() -> String {
     format!("t{}", uuid::Uuid::new_v4().simple())
+}
+
+/// SIGSTOP (or SIGCONT) a process and wait until every one of its threads has
+/// stopped (or left the stop): `kill` returns once the signal is queued, and a busy
+/// machine may let the process answer one more request before it stops.
+fn pause_process(pid: u32, paused: bool) -> anyhow::Result<()> {
+    use nix::sys::signal::Signal;
+    let signal = if paused { Signal::SIGSTOP } else { Signal::SIGCONT };
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal)?;
+    let settled = || -> anyhow::Result<bool> {
+        for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+            let stat = std::fs::read_to_string(task?.path().join("stat")).unwrap_or_default();
+            // the state follows the command name's closing parenthesis; T is stopped
+            let state = stat.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next());
+            if state.is_some() && (state == Some('T')) != paused {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !settled()? {
+        if Instant::now() > deadline {
+            bail!("process {pid} did not {} within 10 s", if paused { "stop" } else { "resume" });
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    Ok(())
 }
 
 /// A nats-server with JetStream for one test; killed on drop.
@@ -87,9 +115,7 @@ impl NatsServer {
     /// server that hangs) or let it go on (SIGCONT).
     pub fn pause(&self, paused: bool) -> anyhow::Result<()> {
         let pid = self.nats.pid().context("an external server cannot be paused")?;
-        let signal = if paused { nix::sys::signal::Signal::SIGSTOP } else { nix::sys::signal::Signal::SIGCONT };
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal)?;
-        Ok(())
+        pause_process(pid, paused)
     }
 
     /// Kill it and start it again on the same port with the same JetStream store.
@@ -150,9 +176,7 @@ impl S3Server {
     /// Stop the server (SIGSTOP: connections hang, as with a store that stopped
     /// answering) or let it go on (SIGCONT); its data stays.
     pub fn pause(&self, paused: bool) -> anyhow::Result<()> {
-        let signal = if paused { nix::sys::signal::Signal::SIGSTOP } else { nix::sys::signal::Signal::SIGCONT };
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), signal)?;
-        Ok(())
+        pause_process(self.child.id(), paused)
     }
 
     /// The store URL for the bucket.
