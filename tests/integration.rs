@@ -22,6 +22,7 @@ mod nats_cluster;
 mod operations_doc;
 mod relocatable;
 mod run_cli;
+mod run_delivery;
 mod session_delete;
 mod speculation;
 mod system;

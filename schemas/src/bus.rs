@@ -118,6 +118,10 @@ impl BusError {
     }
 }
 
+/// How long [`Bus::deliver`] waits for an acknowledgement before it takes the
+/// message as received by a listener that does not send one.
+pub const ACK_WAIT: Duration = Duration::from_secs(5);
+
 /// The typed bus of one service.
 #[derive(Clone, Debug)]
 pub struct Bus {
@@ -232,6 +236,45 @@ impl Bus {
             .publish_with_headers(subject.clone(), headers, payload)
             .await
             .map_err(|source| BusError::Publish { subject, source })
+    }
+
+    /// Publish `msg` to subscribers that [`Bus::acknowledge`] it, trying again while
+    /// nobody listens (a service that is still starting, or an interest a NATS
+    /// cluster has not spread yet) for up to `patience`. A plain publish to nobody
+    /// is dropped without a word; a run must not be. It is sent as a request: the
+    /// server answers "no responders" at once when nobody listens, so a retry never
+    /// duplicates it. A listener that does not acknowledge within [`ACK_WAIT`] (one
+    /// of an older version, or a busy one) is taken to have it.
+    pub async fn deliver<M: WireMessage>(&self, subject: String, msg: &M, patience: Duration) -> Result<(), BusError> {
+        let (headers, payload) = self.encode(&subject, msg).await?;
+        let deadline = tokio::time::Instant::now() + patience;
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            let request =
+                async_nats::Request::new().headers(headers.clone()).payload(payload.clone()).timeout(Some(ACK_WAIT));
+            match self.client.send_request(subject.clone(), request).await {
+                Ok(_) => return Ok(()),
+                Err(e) if e.kind() == async_nats::RequestErrorKind::TimedOut => return Ok(()),
+                Err(e) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
+                    if tokio::time::Instant::now() + backoff > deadline {
+                        return Err(BusError::NoResponders { subject });
+                    }
+                    tracing::debug!(%subject, "nobody listens yet; trying again in {backoff:?}");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                }
+                Err(e) => return Err(BusError::from_request(subject, ACK_WAIT, e)),
+            }
+        }
+    }
+
+    /// Acknowledge a message sent with [`Bus::deliver`] (an empty answer to its
+    /// reply subject; a plain publish has none, and nothing is sent).
+    pub async fn acknowledge(&self, reply: Option<&str>) {
+        let Some(reply) = reply else { return };
+        if let Err(e) = self.client.publish(reply.to_string(), bytes::Bytes::new()).await {
+            tracing::debug!(error = %e, "could not acknowledge a delivery");
+        }
     }
 
     /// Send a request and decode the reply envelope; a remote error becomes

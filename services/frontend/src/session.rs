@@ -446,9 +446,12 @@ impl SessionActor {
         let subject = bus.subjects().run(self.sid);
         tracing::info!(session = %self.sid, exec = %exec_id, cell = %p.cell_id, after_revision = self.stored.revision, "run sent");
         let span = self.traces.get(&exec_id).cloned().unwrap_or_else(tracing::Span::none);
+        // a planner that is still starting gets it once it listens; past half the
+        // claim timeout the user reads that no planner runs, not that no host took it
+        let patience = self.shared.timeouts.claim / 2;
         let send = async move {
             match tokio::time::timeout(RECORD_WAIT, ack_rx).await {
-                Ok(Ok(())) => bus.publish(subject, &run).await.map_err(|e| e.to_string()),
+                Ok(Ok(())) => bus.deliver(subject, &run, patience).await.map_err(|e| e.to_string()),
                 _ => Err(format!("the session's record could not be written within {RECORD_WAIT:?}")),
             }
         }

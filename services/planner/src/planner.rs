@@ -29,6 +29,10 @@ use crate::recipe::{derive, Derived};
 use crate::speculator::{Budget, Eviction, Ready, Speculator};
 use crate::state;
 
+/// How long a run's recipe waits for a gpu-host to listen (hosts still starting),
+/// within the frontend's default claim timeout (60 s).
+pub const RECIPE_PATIENCE: Duration = Duration::from_secs(30);
+
 /// How long a run pinned to a worker is watched for its host's loss (the
 /// frontend's claim deadline: a run not claimed by then has failed anyway).
 const PINNED_MEMORY: Duration = Duration::from_secs(60);
@@ -242,6 +246,9 @@ pub enum PlanError {
     /// The planned event or the recipe could not be published.
     #[error("planner could not publish the recipe: {0}")]
     Publish(#[source] BusError),
+    /// No gpu-host listened for the recipe within [`RECIPE_PATIENCE`].
+    #[error("no gpu-host is running to take the cell: {0}")]
+    NoHost(#[source] BusError),
 }
 
 /// The session's latest manifest; `at_least`: a revision known to be committed.
@@ -347,7 +354,8 @@ async fn plan_run(
         user_expressions: run.user_expressions,
     };
     let r = recipe(target, revision, manifest.revision, &d, prepared);
-    bus.publish(bus.subjects().recipe(run.session), &r).await.map_err(PlanError::Publish)?;
+    // hosts that are still starting get it once they listen
+    bus.deliver(bus.subjects().recipe(run.session), &r, RECIPE_PATIENCE).await.map_err(PlanError::NoHost)?;
     Ok((manifest, st, d.pinned))
 }
 
@@ -355,6 +363,9 @@ impl StreamHandler<Result<Envelope<RunV2>, Rejected>> for Planner {
     fn handle(&mut self, item: Result<Envelope<RunV2>, Rejected>, ctx: &mut Self::Context) {
         let Ok(env) = item else { return };
         let span = env.span("planner.run");
+        // the frontend delivers runs (Bus::deliver): say it was heard
+        let (acks, reply) = (self.bus.clone(), env.reply.clone());
+        ctx.spawn(async move { acks.acknowledge(reply.as_deref()).await }.into_actor(self));
         let (bus, kv, run) = (self.bus.clone(), self.kv.clone(), env.msg);
         let (session, exec_id) = (run.session, run.exec_id);
         // Run supersedes the cell's pending edit; its prepared worker (if any) runs it.

@@ -105,6 +105,10 @@ const PEER_STALE: Duration = Duration::from_secs(6);
 /// How long the arrival of a run recipe this host did not run is remembered.
 const ARRIVAL_MEMORY: Duration = Duration::from_secs(60);
 
+/// How long after a failed run claim (the claims bucket unreachable even after
+/// waiting out an election) the host tries that run again.
+const CLAIM_RETRY: Duration = Duration::from_secs(2);
+
 /// Which worker an execution got, for what happens to it afterwards.
 enum ExecKind {
     /// Forked for the cell (holding `slot`, if a GPU cell).
@@ -354,6 +358,9 @@ impl Host {
                 act.spawn_exec(recipe, Target::Fresh { slot: Some(index) }, ctx);
             } else {
                 act.slots.unreserve(index);
+                if claim == Claim::Failed {
+                    act.retry_failed_claim(recipe, ctx);
+                }
                 act.try_pending(ctx);
             }
             act.publish_status(ctx);
@@ -366,8 +373,10 @@ impl Host {
         let (delay, score) = self.claim_delay(&recipe);
         self.claim(ClaimKey::Run(recipe.exec_id), delay, ctx, move |act, claim, ctx| {
             act.publish_bid(recipe.exec_id, score, delay, claim == Claim::Won, ctx);
-            if claim == Claim::Won {
-                act.run_won(recipe, ctx);
+            match claim {
+                Claim::Won => act.run_won(recipe, ctx),
+                Claim::Failed => act.retry_failed_claim(recipe, ctx),
+                Claim::Lost | Claim::Mine => {}
             }
         });
     }
@@ -380,12 +389,12 @@ impl Host {
         }
         // mine already when the session's CPU worker died and this host restarts it
         self.claim(ClaimKey::Cpu(recipe.session), Duration::ZERO, ctx, move |act, claim, ctx| {
-            if claim.held() {
-                act.claim_run_then_exec(recipe, Target::Fresh { slot: None }, ctx);
-            } else {
+            match claim {
+                Claim::Won | Claim::Mine => act.claim_run_then_exec(recipe, Target::Fresh { slot: None }, ctx),
                 // the session's CPU worker lives on another host; should that host
                 // be lost before it claims the run, this one takes over (on a tick)
-                act.cpu_waiting.push((Instant::now(), recipe));
+                Claim::Lost => act.cpu_waiting.push((Instant::now(), recipe)),
+                Claim::Failed => act.retry_failed_claim(recipe, ctx),
             }
         });
     }
@@ -395,11 +404,11 @@ impl Host {
     /// nothing starts an execution twice, and one the user interrupted before any
     /// host claimed it (the frontend claims it then) never starts.
     fn claim_run_then_exec(&mut self, recipe: RecipeV2, target: Target, ctx: &mut Context<Self>) {
-        self.claim(ClaimKey::Run(recipe.exec_id), Duration::ZERO, ctx, move |act, claim, ctx| {
-            if claim == Claim::Won {
-                act.spawn_exec(recipe, target, ctx);
-            } else {
-                tracing::info!(exec = %recipe.exec_id, ?claim, "run not claimed (taken, or interrupted before it started)");
+        self.claim(ClaimKey::Run(recipe.exec_id), Duration::ZERO, ctx, move |act, claim, ctx| match claim {
+            Claim::Won => act.spawn_exec(recipe, target, ctx),
+            Claim::Failed => act.retry_failed_claim(recipe, ctx),
+            Claim::Lost | Claim::Mine => {
+                tracing::info!(exec = %recipe.exec_id, "run not claimed (taken, or interrupted before it started)");
             }
         });
     }
@@ -416,6 +425,20 @@ impl Host {
         for (_, recipe) in std::mem::take(&mut self.cpu_waiting) {
             self.claim_cpu(recipe, ctx);
         }
+    }
+
+    /// A run whose claim failed: the claims bucket could not be reached, so nobody
+    /// is known to hold it, and it is no other host's to run. Route it again
+    /// shortly, for as long as this host remembers its arrival (past that, the
+    /// frontend has given up on it and holds its claim).
+    fn retry_failed_claim(&mut self, recipe: RecipeV2, ctx: &mut Context<Self>) {
+        let exec = recipe.exec_id;
+        if self.arrived.get(&exec).is_none_or(|a| a.at.elapsed() >= ARRIVAL_MEMORY) {
+            tracing::warn!(%exec, "gave up a run whose claim kept failing");
+            return;
+        }
+        tracing::warn!(%exec, "could not claim the run; trying again in {CLAIM_RETRY:?}");
+        ctx.run_later(CLAIM_RETRY, move |act, ctx| act.on_recipe(recipe, ctx));
     }
 
     /// A run this host claimed without a prepared worker: a free slot, or an idle
@@ -739,8 +762,10 @@ impl Host {
     /// prepared worker makes this host the best place).
     fn claim_prepared_run(&mut self, key: PrepKey, recipe: RecipeV2, ctx: &mut Context<Self>) {
         self.claim(ClaimKey::Run(recipe.exec_id), Duration::ZERO, ctx, move |act, claim, ctx| {
-            if claim != Claim::Won {
-                return; // another host runs it; the planner's budget evicts ours
+            match claim {
+                Claim::Won => {}
+                Claim::Failed => return act.retry_failed_claim(recipe, ctx),
+                Claim::Lost | Claim::Mine => return, // another host runs it; the planner's budget evicts ours
             }
             match act.prepared.get_mut(&key) {
                 Some(p) if p.is_preparing() => p.queue_run(recipe),
@@ -1029,6 +1054,12 @@ impl StreamHandler<Result<Envelope<RecipeV2>, Rejected>> for Host {
     fn handle(&mut self, item: Result<Envelope<RecipeV2>, Rejected>, ctx: &mut Self::Context) {
         if let Ok(env) = item {
             let _span = env.span("host.recipe").entered();
+            // the planner delivers runs' recipes (Bus::deliver): say this host heard it
+            // (unless it is stopping and will not take it)
+            if !self.env.stopping.load(std::sync::atomic::Ordering::SeqCst) {
+                let (bus, reply) = (self.env.bus.clone(), env.reply.clone());
+                self.background(async move { bus.acknowledge(reply.as_deref()).await }, ctx);
+            }
             self.on_recipe(env.msg, ctx);
         }
     }

@@ -1,0 +1,63 @@
+//! A run reaches a host whatever else is away for a while, and runs once:
+//! - services start in any order (compose starts them together; a restarted planner
+//!   or host comes back while users work): a run sent while no planner listens, and
+//!   its recipe while no gpu-host listens, wait for them instead of being dropped
+//!   (`Bus::deliver`);
+//! - a claims bucket that cannot be reached for longer than a leader election is not
+//!   read as "another host holds it": the host tries the run again.
+
+use std::time::Duration;
+
+use looseleaf_client::api::{ExecStatus, StreamItem};
+use looseleaf_client::events::Event;
+use looseleaf_test_support::cluster::{bin_dir_of, Services, TestSession};
+use uuid::Uuid;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_run_sent_before_the_planner_and_hosts_listen_runs_once_they_do() -> anyhow::Result<()> {
+    let bin = bin_dir_of(env!("CARGO_BIN_EXE_looseleaf"));
+    let mut services = Services::start(&bin, &[1], &[]).await?;
+    let mut s = services.session(false).await?;
+    services.kill("looseleaf-planner")?;
+    services.kill("host-0")?;
+
+    let exec = s.fe.run(s.sid, "a", "x = 6 * 7\nprint(x)").await?.exec_id;
+    // the frontend sends at once; these gaps make it send while nothing listens,
+    // then the planner send the recipe while no host does
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    services.restart("looseleaf-planner")?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    services.restart("host-0")?;
+
+    ran_once(&mut s, exec).await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_run_whose_claims_bucket_is_away_past_an_election_runs_once_it_is_back() -> anyhow::Result<()> {
+    let bin = bin_dir_of(env!("CARGO_BIN_EXE_looseleaf"));
+    let services = Services::start(&bin, &[1], &[]).await?;
+    let mut s = services.session(false).await?;
+    let js = async_nats::jetstream::new(async_nats::connect(services.nats.url()).await?);
+    js.delete_key_value(schemas::buckets::claims_bucket(&services.prefix)).await?;
+
+    let exec = s.fe.run(s.sid, "a", "x = 6 * 7\nprint(x)").await?.exec_id;
+    // longer than a claim retries through an election, so the host's claim fails
+    tokio::time::sleep(schemas::buckets::LEADER_ELECTION + Duration::from_secs(3)).await;
+    schemas::buckets::claims(&js, &services.prefix, 1).await?;
+    ran_once(&mut s, exec).await
+}
+
+/// `exec` (a cell printing 42) ran once, and well.
+async fn ran_once(s: &mut TestSession, exec: Uuid) -> anyhow::Result<()> {
+    let (status, error) = s.events.outcome(exec).await?;
+    assert_eq!(status, ExecStatus::Ok, "the cell failed: {error:?}");
+    assert!(s.events.text(exec).contains("42"), "outputs: {}", s.events.text(exec));
+    let claims = s
+        .events
+        .seen
+        .iter()
+        .filter(|i| matches!(i, StreamItem::Event { exec_id, event: Event::Claimed { .. }, .. } if *exec_id == exec))
+        .count();
+    assert_eq!(claims, 1, "the run was claimed {claims} times");
+    Ok(())
+}
