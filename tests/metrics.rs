@@ -45,6 +45,14 @@ async fn until(address: &str, what: &str, done: impl Fn(&Scrape) -> bool) -> any
     }
 }
 
+/// `$SRV.STATS` of service `name` (one instance runs): its endpoints by name.
+async fn srv_stats(client: &async_nats::Client, name: &str) -> anyhow::Result<BTreeMap<String, serde_json::Value>> {
+    let reply = client.request(format!("$SRV.STATS.{name}"), "".into()).await?;
+    let stats: serde_json::Value = serde_json::from_slice(&reply.payload)?;
+    let endpoints = stats["endpoints"].as_array().cloned().unwrap_or_default();
+    Ok(endpoints.into_iter().map(|e| (e["name"].as_str().unwrap_or_default().to_string(), e)).collect())
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn every_service_exports_what_happened() -> anyhow::Result<()> {
     let mut listen = HashMap::new();
@@ -104,6 +112,27 @@ async fn every_service_exports_what_happened() -> anyhow::Result<()> {
     let store = scrape(&listen["looseleaf-store"]).await?;
     assert_eq!(value(&store, r#"looseleaf_commits_total{result="committed"}"#), 2.0, "{store:#?}");
     assert_eq!(value(&store, r#"looseleaf_commits_total{result="conflict"}"#), 0.0, "{store:#?}");
+
+    // `$SRV` lists each service's request endpoints with real stats; a request
+    // that does not decode is answered with an error, counted as one
+    let srv = async_nats::connect(&url).await?;
+    let garbage = schemas::subjects::Subjects::new(&services.prefix).store(schemas::subjects::StoreVerb::ManifestGet);
+    srv.request(garbage, "not a request".into()).await?;
+    let store = srv_stats(&srv, "looseleaf-store").await?;
+    assert_eq!(store["commit"]["num_requests"], 2, "{store:#?}");
+    assert_eq!(store["commit"]["data"]["errors"], 0, "{store:#?}");
+    assert_eq!(store["commit"]["queue_group"], "store", "{store:#?}");
+    assert_eq!(store["manifest-get"]["data"]["errors"], 1, "{store:#?}");
+    assert!(store["manifest-get"]["num_requests"].as_u64() >= Some(2), "{store:#?}");
+    for verb in ["chunk-plan", "session-delete", "gc", "settle"] {
+        assert!(store.contains_key(verb), "no {verb} endpoint: {store:#?}");
+    }
+    let planner = srv_stats(&srv, "looseleaf-planner").await?;
+    assert_eq!(planner["run"]["num_requests"], 2, "{planner:#?}");
+    let host = srv_stats(&srv, "looseleaf-gpu-host").await?;
+    // edits' recipes are plain publishes (nothing to answer): only the two runs count
+    assert_eq!(host["recipe"]["num_requests"], 2, "{host:#?}");
+    assert!(host.contains_key("query") && host.contains_key("comm"), "{host:#?}");
 
     // NATS goes away and comes back: every service counts its reconnection
     services.nats.restart()?;

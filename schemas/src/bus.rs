@@ -6,7 +6,9 @@
 //! one message travels as a body beside it ([`crate::bodies`], ADR 30): sending
 //! and receiving here store and fetch it, so callers never see the difference.
 
+use std::collections::HashMap;
 use std::marker::PhantomData;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::{Client, HeaderMap, Message};
@@ -129,6 +131,30 @@ pub struct Bus {
     subjects: Subjects,
     bodies: Bodies,
     replicas: usize,
+    /// Error replies sent per `$SRV` endpoint (its stats' `data.errors`).
+    endpoint_errors: Arc<Mutex<HashMap<String, u64>>>,
+}
+
+/// A request that came through a `$SRV` endpoint: answered through it, it counts
+/// in the endpoint's stats (requests, processing time).
+#[derive(Debug)]
+pub struct EndpointRequest {
+    name: String,
+    request: async_nats::service::Request,
+}
+
+/// Where a request's answer goes: its reply subject, and the endpoint it came
+/// through, if any.
+#[derive(Clone, Debug, Default)]
+pub struct ReplyTo {
+    subject: Option<String>,
+    endpoint: Option<Arc<EndpointRequest>>,
+}
+
+impl From<Option<String>> for ReplyTo {
+    fn from(subject: Option<String>) -> Self {
+        Self { subject, endpoint: None }
+    }
 }
 
 /// A decoded message with what came with it.
@@ -142,9 +168,16 @@ pub struct Envelope<M> {
     pub headers: Option<HeaderMap>,
     /// The message.
     pub msg: M,
+    /// The `$SRV` endpoint it came through, for requests to one.
+    pub endpoint: Option<Arc<EndpointRequest>>,
 }
 
 impl<M> Envelope<M> {
+    /// Where its answer goes (see [`Bus::respond`]).
+    pub fn reply_to(&self) -> ReplyTo {
+        ReplyTo { subject: self.reply.clone(), endpoint: self.endpoint.clone() }
+    }
+
     /// A span for handling this message, continuing the sender's trace.
     pub fn span(&self, name: &'static str) -> tracing::Span {
         let span = tracing::info_span!(
@@ -184,7 +217,7 @@ impl Bus {
     /// Wrap an existing client; buckets and streams it creates get `replicas` copies.
     pub fn from_client(client: Client, prefix: &str, replicas: usize) -> Self {
         let bodies = Bodies::new(client.clone(), prefix, replicas);
-        Self { client, subjects: Subjects::new(prefix), bodies, replicas }
+        Self { client, subjects: Subjects::new(prefix), bodies, replicas, endpoint_errors: Default::default() }
     }
 
     /// Replicas of the buckets and streams this service creates.
@@ -268,11 +301,16 @@ impl Bus {
         }
     }
 
-    /// Acknowledge a message sent with [`Bus::deliver`] (an empty answer to its
-    /// reply subject; a plain publish has none, and nothing is sent).
-    pub async fn acknowledge(&self, reply: Option<&str>) {
-        let Some(reply) = reply else { return };
-        if let Err(e) = self.client.publish(reply.to_string(), bytes::Bytes::new()).await {
+    /// Acknowledge a message sent with [`Bus::deliver`] (an empty answer, through
+    /// its endpoint if it came through one; a plain publish has no reply subject,
+    /// and nothing is sent).
+    pub async fn acknowledge(&self, to: ReplyTo) {
+        let Some(subject) = to.subject else { return };
+        let sent = match to.endpoint {
+            Some(endpoint) => endpoint.request.respond(Ok(bytes::Bytes::new())).await,
+            None => self.client.publish(subject, bytes::Bytes::new()).await,
+        };
+        if let Err(e) = sent {
             tracing::debug!(error = %e, "could not acknowledge a delivery");
         }
     }
@@ -305,24 +343,46 @@ impl Bus {
         }
     }
 
-    /// Answer a request with a reply envelope. A reply that cannot be sent (its
-    /// body could not be stored) is answered with an error that says so, never
-    /// left unsent (the asker would only see a time-out).
-    pub async fn respond<T: WireMessage>(&self, reply_to: Option<String>, reply: &Reply<T>) -> Result<(), BusError> {
-        let Some(subject) = reply_to else { return Ok(()) };
+    /// Answer a request with a reply envelope (`reply_to`: an envelope's
+    /// [`Envelope::reply_to`], or a bare reply subject). An answer to a `$SRV`
+    /// endpoint's request goes through the endpoint, which counts it; an error
+    /// answer counts in the endpoint's `data.errors`. A reply that cannot be sent
+    /// (its body could not be stored) is answered with an error that says so,
+    /// never left unsent (the asker would only see a time-out).
+    pub async fn respond<T: WireMessage>(
+        &self,
+        reply_to: impl Into<ReplyTo>,
+        reply: &Reply<T>,
+    ) -> Result<(), BusError> {
+        let to = reply_to.into();
+        let Some(subject) = to.subject else { return Ok(()) };
+        let mut failed = matches!(reply, Reply::Err { .. });
         let (headers, payload) = match self.encode(&subject, reply).await {
             Ok(encoded) => encoded,
             Err(BusError::Body { source, .. }) => {
+                failed = true;
                 let unsent: Reply<T> = Reply::Err {
                     code: ErrorCode::Internal,
                     message: format!("the answer could not be sent: {source}"),
                 };
-                return self.publish(subject, &unsent).await;
+                self.encode(&subject, &unsent).await?
             }
             Err(e) => return Err(e),
         };
-        self.client
-            .publish_with_headers(subject.clone(), headers, payload)
+        let Some(endpoint) = to.endpoint else {
+            return self
+                .client
+                .publish_with_headers(subject.clone(), headers, payload)
+                .await
+                .map_err(|source| BusError::Publish { subject, source });
+        };
+        if failed {
+            let mut errors = self.endpoint_errors.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            *errors.entry(endpoint.name.clone()).or_default() += 1;
+        }
+        endpoint
+            .request
+            .respond_with_headers(Ok(payload), headers)
             .await
             .map_err(|source| BusError::Publish { subject, source })
     }
@@ -334,7 +394,7 @@ impl Bus {
             .subscribe(subject.clone())
             .await
             .map_err(|e| BusError::Subscribe { subject, source: e.into() })?;
-        Ok(Subscription { inner, bodies: self.bodies.clone(), _m: PhantomData })
+        Ok(Subscription { source: Source::Subscriber(inner), bodies: self.bodies.clone(), _m: PhantomData })
     }
 
     /// Subscribe in a queue group (work any replica may take) and decode as `M`.
@@ -348,24 +408,54 @@ impl Bus {
             .queue_subscribe(subject.clone(), group.to_string())
             .await
             .map_err(|e| BusError::Subscribe { subject, source: e.into() })?;
-        Ok(Subscription { inner, bodies: self.bodies.clone(), _m: PhantomData })
+        Ok(Subscription { source: Source::Subscriber(inner), bodies: self.bodies.clone(), _m: PhantomData })
     }
 
     /// Register with the NATS service API (`$SRV`), so `nats micro ls`, `nats micro
     /// stats` and `looseleaf status` see this service. Keep the returned handle for
-    /// as long as the service runs.
+    /// as long as the service runs. Each endpoint's stats carry `data.errors`: the
+    /// error answers it sent (LooseLeaf's typed errors travel in the answer, so
+    /// the standard `num_errors`, which counts NATS service errors, stays 0).
     pub async fn register_service(
         &self,
         name: &str,
         description: &str,
     ) -> Result<async_nats::service::Service, BusError> {
         use async_nats::service::ServiceExt;
+        let errors = self.endpoint_errors.clone();
         self.client
             .service_builder()
             .description(description)
+            .stats_handler(move |endpoint, _| {
+                let errors = errors.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                serde_json::json!({ "errors": errors.get(&endpoint).copied().unwrap_or(0) })
+            })
             .start(name, env!("CARGO_PKG_VERSION"))
             .await
             .map_err(|source| BusError::Subscribe { subject: format!("$SRV ({name})"), source })
+    }
+
+    /// Serve requests on `subject` as endpoint `name` of `service` (so `$SRV`
+    /// lists it with its stats), in `queue_group` (replicas sharing the work share
+    /// a group; a listener every instance must hear uses a group of its own).
+    /// Decodes each request as `M`; answer with [`Bus::respond`] and the
+    /// envelope's [`Envelope::reply_to`].
+    pub async fn endpoint<M: WireMessage>(
+        &self,
+        service: &async_nats::service::Service,
+        name: &str,
+        subject: String,
+        queue_group: &str,
+    ) -> Result<Subscription<M>, BusError> {
+        let endpoint = service
+            .endpoint_builder()
+            .name(name)
+            .queue_group(queue_group)
+            .add(subject.clone())
+            .await
+            .map_err(|source| BusError::Subscribe { subject, source })?;
+        let source = Source::Endpoint { name: name.to_string(), endpoint: Box::new(endpoint) };
+        Ok(Subscription { source, bodies: self.bodies.clone(), _m: PhantomData })
     }
 
     /// Round trip through the server: when this returns, the server has
@@ -386,11 +476,33 @@ impl Bus {
 }
 
 /// A subscription that decodes each message.
-#[derive(Debug)]
 pub struct Subscription<M> {
-    inner: async_nats::Subscriber,
+    source: Source,
     bodies: Bodies,
     _m: PhantomData<fn() -> M>,
+}
+
+/// Where a subscription's messages come from.
+enum Source {
+    /// A plain (or queue) subscription.
+    Subscriber(async_nats::Subscriber),
+    /// A `$SRV` endpoint's requests.
+    Endpoint { name: String, endpoint: Box<async_nats::service::endpoint::Endpoint> },
+}
+
+impl Source {
+    /// The stream of messages, each with the endpoint request it came as.
+    fn messages(self) -> futures::stream::BoxStream<'static, (Message, Option<Arc<EndpointRequest>>)> {
+        match self {
+            Source::Subscriber(s) => s.map(|m| (m, None)).boxed(),
+            Source::Endpoint { name, endpoint } => endpoint
+                .map(move |request| {
+                    let message = request.message.clone();
+                    (message, Some(Arc::new(EndpointRequest { name: name.clone(), request })))
+                })
+                .boxed(),
+        }
+    }
 }
 
 /// A message that did not decode; the service logs it and goes on.
@@ -400,25 +512,43 @@ pub struct Rejected {
     pub subject: String,
     /// Where the sender waits for a reply, if it was a request.
     pub reply: Option<String>,
+    /// The `$SRV` endpoint it came through, for requests to one.
+    pub endpoint: Option<Arc<EndpointRequest>>,
     /// Why it was rejected.
     pub error: CodecError,
+}
+
+impl<M> std::fmt::Debug for Subscription<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.source {
+            Source::Subscriber(s) => f.debug_tuple("Subscription").field(s).finish(),
+            Source::Endpoint { name, .. } => f.debug_struct("Subscription").field("endpoint", name).finish(),
+        }
+    }
 }
 
 impl<M: WireMessage> Subscription<M> {
     /// The next message; `None` when the subscription ends.
     pub async fn next(&mut self) -> Option<Result<Envelope<M>, Rejected>> {
-        let message = self.inner.next().await?;
-        Some(decode_message(&self.bodies, message).await)
+        let (message, endpoint) = match &mut self.source {
+            Source::Subscriber(s) => (s.next().await?, None),
+            Source::Endpoint { name, endpoint } => {
+                let request = endpoint.next().await?;
+                (request.message.clone(), Some(Arc::new(EndpointRequest { name: name.clone(), request })))
+            }
+        };
+        Some(decode_message(&self.bodies, message, endpoint).await)
     }
 
     /// The decoding stream, for `ctx.add_stream` in actors (in order: a message
     /// with a body is fetched before the next one is yielded).
     pub fn into_stream(self) -> futures::stream::BoxStream<'static, Result<Envelope<M>, Rejected>> {
         let bodies = self.bodies;
-        self.inner
-            .then(move |message| {
+        self.source
+            .messages()
+            .then(move |(message, endpoint)| {
                 let bodies = bodies.clone();
-                async move { decode_message(&bodies, message).await }
+                async move { decode_message(&bodies, message, endpoint).await }
             })
             .boxed()
     }
@@ -442,14 +572,18 @@ async fn decode_with<M: WireMessage>(
 }
 
 /// Decode a raw NATS message as `M`.
-async fn decode_message<M: WireMessage>(bodies: &Bodies, message: Message) -> Result<Envelope<M>, Rejected> {
+async fn decode_message<M: WireMessage>(
+    bodies: &Bodies,
+    message: Message,
+    endpoint: Option<Arc<EndpointRequest>>,
+) -> Result<Envelope<M>, Rejected> {
     let subject = message.subject.to_string();
     let reply = message.reply.as_ref().map(|r| r.to_string());
     match decode_with::<M>(bodies, message.headers.as_ref(), &message.payload).await {
-        Ok(msg) => Ok(Envelope { subject, reply, headers: message.headers, msg }),
+        Ok(msg) => Ok(Envelope { subject, reply, headers: message.headers, msg, endpoint }),
         Err(error) => {
             tracing::error!(%subject, %error, "rejected a message that does not decode");
-            Err(Rejected { subject, reply, error })
+            Err(Rejected { subject, reply, endpoint, error })
         }
     }
 }
@@ -458,7 +592,8 @@ impl Rejected {
     /// Tell a requester its request was bad; plain publishes are only logged.
     pub async fn answer<T: WireMessage>(&self, bus: &Bus) {
         let reply: Reply<T> = Reply::Err { code: ErrorCode::BadRequest, message: self.error.to_string() };
-        if let Err(e) = bus.respond(self.reply.clone(), &reply).await {
+        let to = ReplyTo { subject: self.reply.clone(), endpoint: self.endpoint.clone() };
+        if let Err(e) = bus.respond(to, &reply).await {
             tracing::warn!(error = %e, "could not answer a rejected request");
         }
     }

@@ -98,6 +98,17 @@ impl Service {
         &self.bus
     }
 
+    /// Serve requests on `subject` as this service's `$SRV` endpoint `name`, in
+    /// `queue_group` (see [`Bus::endpoint`]).
+    pub async fn endpoint<M: crate::codec::WireMessage>(
+        &self,
+        name: &str,
+        subject: String,
+        queue_group: &str,
+    ) -> Result<crate::bus::Subscription<M>, BusError> {
+        self.bus.endpoint(&self.registration, name, subject, queue_group).await
+    }
+
     /// Serve until `shutdown` resolves or `alive` says the actor stopped; then run
     /// `drain` for at most the drain timeout, flush and close the connection, and flush
     /// telemetry. A stopped actor is an error (after the same clean-up).

@@ -4,7 +4,9 @@
 //! runs the cell, saves what changed and releases the slot. It also runs sessions'
 //! persistent CPU workers and keeps workers that hold unsavable variables.
 //!
-//! Speaks: subscribes `{prefix}.v1.session.*.recipe`, `….event`, `….close`;
+//! Speaks: serves `{prefix}.v1.session.*.recipe` and its host's `query` and `comm`
+//! as `$SRV` endpoints (ADR 43; runs' recipes are acknowledged, ADR 42); subscribes
+//! `….event`, `….close`;
 //! publishes `….event`, `{prefix}.v1.output.{sid}.{exec}`, `{prefix}.v1.host.{hid}.status`;
 //! requests `{prefix}.v1.store.manifest.get` and `….commit`; claims in the KV bucket
 //! `{prefix}_claims`. Reads and writes chunks in the object store directly.
@@ -177,15 +179,19 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         },
     };
     let s = bus.subjects().clone();
-    let recipes = bus.subscribe::<RecipeV2>(s.all_recipes()).await?;
+    // requests (the planner delivers runs' recipes; queries, comms): `$SRV`
+    // endpoints with their stats, each host in a group of its own (all hear recipes)
+    let recipes = service.endpoint::<RecipeV2>("recipe", s.all_recipes(), &config.host_id).await?;
     let events = bus.subscribe::<SessionEventV2>(s.all_events()).await?;
     let closes = bus.subscribe::<SessionCloseV1>(s.all_closes()).await?;
     let interrupts = bus.subscribe::<InterruptV1>(s.all_interrupts()).await?;
     let inputs = bus.subscribe::<InputReplyV1>(s.all_inputs()).await?;
     let idles = bus.subscribe::<SessionIdleV1>(s.all_idles()).await?;
     let evictions = bus.subscribe::<EvictV1>(s.host_command(&config.host_id, HostVerb::Evict)).await?;
-    let queries = bus.subscribe::<QueryV1>(s.host_command(&config.host_id, HostVerb::Query)).await?;
-    let comms = bus.subscribe::<CommV1>(s.host_command(&config.host_id, HostVerb::Comm)).await?;
+    let queries =
+        service.endpoint::<QueryV1>("query", s.host_command(&config.host_id, HostVerb::Query), &config.host_id).await?;
+    let comms =
+        service.endpoint::<CommV1>("comm", s.host_command(&config.host_id, HostVerb::Comm), &config.host_id).await?;
     // other hosts' status: whether anyone else could take a run (see `claim_delay`)
     let peers = bus.subscribe::<HostStatusV2>(s.all_host_status()).await?;
     let zygote_handle = env.zygotes.clone();

@@ -1,9 +1,11 @@
 //! The planner: turns each session's edit stream and runs into recipes
 //! (DESIGN.md section 4, step 2).
 //!
-//! Speaks: subscribes `{prefix}.v1.session.*.edit`, `….run`, `….close` (queue group
-//! `planner`, so replicas share the work); requests `{prefix}.v1.store.manifest.get`;
-//! publishes `{prefix}.v1.session.{sid}.recipe` and `Planned` events; keeps
+//! Speaks: serves `{prefix}.v1.session.*.run` as a `$SRV` endpoint (runs are
+//! delivered and acknowledged, ADR 42 and 43); subscribes `….edit`, `….close` (queue
+//! group `planner`, so replicas share the work); requests
+//! `{prefix}.v1.store.manifest.get`; delivers runs' recipes and publishes edits'
+//! on `{prefix}.v1.session.{sid}.recipe`, and `Planned` events; keeps
 //! per-session state in the JetStream KV bucket `{prefix}_planner`.
 //!
 //! Modules: [`analysis`] (reads, writes, imports, device signs of a cell),
@@ -61,7 +63,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         schemas::health::serve(listen, Readiness::new(&bus).with("planner_bucket", bucket)).await?;
     }
     let s = bus.subjects().clone();
-    let runs = bus.queue_subscribe::<RunV2>(s.all_runs(), "planner").await?;
+    // requests (the frontend delivers runs): a `$SRV` endpoint with its stats
+    let runs = service.endpoint::<RunV2>("run", s.all_runs(), "planner").await?;
     let edits = bus.queue_subscribe::<EditV1>(s.all_edits(), "planner").await?;
     let closes = bus.queue_subscribe::<SessionCloseV1>(s.all_closes(), "planner").await?;
     let events = bus.queue_subscribe::<SessionEventV2>(s.all_events(), "planner").await?;

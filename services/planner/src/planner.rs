@@ -364,8 +364,8 @@ impl StreamHandler<Result<Envelope<RunV2>, Rejected>> for Planner {
         let Ok(env) = item else { return };
         let span = env.span("planner.run");
         // the frontend delivers runs (Bus::deliver): say it was heard
-        let (acks, reply) = (self.bus.clone(), env.reply.clone());
-        ctx.spawn(async move { acks.acknowledge(reply.as_deref()).await }.into_actor(self));
+        let (acks, reply) = (self.bus.clone(), env.reply_to());
+        ctx.spawn(async move { acks.acknowledge(reply).await }.into_actor(self));
         let (bus, kv, run) = (self.bus.clone(), self.kv.clone(), env.msg);
         let (session, exec_id) = (run.session, run.exec_id);
         // Run supersedes the cell's pending edit; its prepared worker (if any) runs it.

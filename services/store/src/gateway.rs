@@ -81,6 +81,7 @@ fn serve<Req, Resp, F, Fut>(
         }
         Ok(env) => {
             let span = env.span(name);
+            let to = env.reply_to();
             let manifests = gw.manifests.clone();
             let fut = async move {
                 let reply = match f(manifests, env.msg).await {
@@ -90,7 +91,7 @@ fn serve<Req, Resp, F, Fut>(
                         error_reply(&e)
                     }
                 };
-                if let Err(e) = bus.respond(env.reply, &reply).await {
+                if let Err(e) = bus.respond(to, &reply).await {
                     tracing::error!(error = %e, "could not send store reply");
                 }
             };

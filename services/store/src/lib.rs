@@ -1,11 +1,12 @@
 //! The checkpoint-store gateway: session manifests and atomic commits over
 //! `object_store` (DESIGN.md section 6).
 //!
-//! Speaks (queue group `store`): `{prefix}.v1.store.manifest.get`,
-//! `{prefix}.v1.store.commit`, `{prefix}.v1.store.session.delete`, `{prefix}.v1.store.gc`. Bulk bytes never
-//! pass through it: hosts read and write chunks in the object store directly.
+//! Speaks: serves `{prefix}.v1.store.manifest.get`, `….chunk.plan`, `….commit`,
+//! `….session.delete`, `….gc` and `….settle` as `$SRV` endpoints in queue group
+//! `store` (ADR 43). Bulk bytes never pass through it: hosts read and write chunks
+//! in the object store directly.
 //!
-//! Actors: one [`gateway::Gateway`], fed by three subscriptions.
+//! Actors: one [`gateway::Gateway`], fed by its six endpoints.
 
 pub mod gateway;
 pub mod gc;
@@ -71,12 +72,14 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     }
     let manifests = Arc::new(manifests::Manifests::new(objects).with_quota(config.session_quota_bytes).with_key(key));
     let s = bus.subjects().clone();
-    let gets = bus.queue_subscribe::<ManifestGetV2>(s.store(StoreVerb::ManifestGet), "store").await?;
-    let plans = bus.queue_subscribe::<ChunkPlanV2>(s.store(StoreVerb::ChunkPlan), "store").await?;
-    let commits = bus.queue_subscribe::<CommitV2>(s.store(StoreVerb::Commit), "store").await?;
-    let deletes = bus.queue_subscribe::<SessionDeleteV1>(s.store(StoreVerb::SessionDelete), "store").await?;
-    let gcs = bus.queue_subscribe::<GcV1>(s.store(StoreVerb::Gc), "store").await?;
-    let settles = bus.queue_subscribe::<SettleV1>(s.store(StoreVerb::Settle), "store").await?;
+    // every verb is a request: a `$SRV` endpoint with its stats, replicas in one group
+    let gets = service.endpoint::<ManifestGetV2>("manifest-get", s.store(StoreVerb::ManifestGet), "store").await?;
+    let plans = service.endpoint::<ChunkPlanV2>("chunk-plan", s.store(StoreVerb::ChunkPlan), "store").await?;
+    let commits = service.endpoint::<CommitV2>("commit", s.store(StoreVerb::Commit), "store").await?;
+    let deletes =
+        service.endpoint::<SessionDeleteV1>("session-delete", s.store(StoreVerb::SessionDelete), "store").await?;
+    let gcs = service.endpoint::<GcV1>("gc", s.store(StoreVerb::Gc), "store").await?;
+    let settles = service.endpoint::<SettleV1>("settle", s.store(StoreVerb::Settle), "store").await?;
     let gw_bus = bus.clone();
     let addr = gateway::Gateway::create(move |ctx| {
         ctx.add_stream(gets.into_stream());

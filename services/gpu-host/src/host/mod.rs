@@ -1057,8 +1057,8 @@ impl StreamHandler<Result<Envelope<RecipeV2>, Rejected>> for Host {
             // the planner delivers runs' recipes (Bus::deliver): say this host heard it
             // (unless it is stopping and will not take it)
             if !self.env.stopping.load(std::sync::atomic::Ordering::SeqCst) {
-                let (bus, reply) = (self.env.bus.clone(), env.reply.clone());
-                self.background(async move { bus.acknowledge(reply.as_deref()).await }, ctx);
+                let (bus, reply) = (self.env.bus.clone(), env.reply_to());
+                self.background(async move { bus.acknowledge(reply).await }, ctx);
             }
             self.on_recipe(env.msg, ctx);
         }
@@ -1126,9 +1126,10 @@ impl StreamHandler<Result<Envelope<QueryV1>, Rejected>> for Host {
             }
         };
         let worker = self.kept.cpu_worker(env.msg.session).map(|k| k.worker.clone());
+        let to = env.reply_to();
         actix::spawn(async move {
             let reply = query_cpu_worker(worker, env.msg).await;
-            if let Err(e) = bus.respond(env.reply, &reply).await {
+            if let Err(e) = bus.respond(to, &reply).await {
                 tracing::warn!(error = %e, "could not answer a query");
             }
         });
@@ -1146,9 +1147,10 @@ impl StreamHandler<Result<Envelope<CommV1>, Rejected>> for Host {
             }
         };
         let worker = self.kept.cpu_worker(env.msg.session).map(|k| k.worker.clone());
+        let to = env.reply_to();
         actix::spawn(async move {
             let reply = comm_cpu_worker(worker, env.msg).await;
-            if let Err(e) = bus.respond(env.reply, &reply).await {
+            if let Err(e) = bus.respond(to, &reply).await {
                 tracing::warn!(error = %e, "could not answer a comm message");
             }
         });
