@@ -19,7 +19,7 @@ use looseleaf_planner::analysis;
 use looseleaf_planner::recipe::derive;
 use looseleaf_planner::state::SessionState;
 use schemas::checkpoint::{Manifest, VarEntry};
-use schemas::messages::{EditV1, RecipeV2, SessionOptions};
+use schemas::messages::{EditV1, RecipeV3, SessionOptions};
 use schemas::Bus;
 use serde::Serialize;
 use uuid::Uuid;
@@ -159,7 +159,7 @@ pub async fn bench_edits(nats_url: &str, prefix: &str, events: u64, json: Option
     use futures::StreamExt as _;
     let bus = Bus::connect(nats_url, prefix, "looseleaf-bench-edits").await?;
     let session = Uuid::now_v7();
-    let mut recipes = bus.subscribe::<RecipeV2>(bus.subjects().recipe(session)).await?.into_stream();
+    let mut recipes = bus.subscribe::<RecipeV3>(bus.subjects().recipe(session)).await?.into_stream();
     bus.flush().await?;
     // Edits of different cells, so the planner's per-cell debounce merges none of them.
     let options = SessionOptions { cwd: String::new(), all_gpu: false, speculate: false };

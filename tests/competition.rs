@@ -6,15 +6,15 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
 use looseleaf_test_support::cluster::{bin_dir_of, Events, Services};
-use schemas::messages::{Device, EventKind, HostStatusV2, RecipeKind, RecipeV2, SessionEventV2, SessionOptions};
+use schemas::messages::{Device, EventKind, HostStatusV2, RecipeKind, RecipeV3, SessionEventV2, SessionOptions};
 use schemas::Bus;
 use uuid::Uuid;
 
 const RECIPES: usize = 1000;
 
-fn recipe(cwd: &str) -> RecipeV2 {
+fn recipe(cwd: &str) -> RecipeV3 {
     let session = Uuid::now_v7();
-    RecipeV2 {
+    RecipeV3 {
         session,
         cell_id: "c".into(),
         kind: RecipeKind::Run,
@@ -25,6 +25,7 @@ fn recipe(cwd: &str) -> RecipeV2 {
         closure: vec![],
         imports: vec![],
         device: Device::Gpu,
+        gpus: 1,
         device_reason: "test".into(),
         conservative: None,
         pinned: None,
@@ -53,7 +54,7 @@ async fn three_hosts_prepare_each_of_a_thousand_recipes_exactly_once() -> anyhow
     let mut statuses = bus.subscribe::<HostStatusV2>(bus.subjects().all_host_status()).await?;
     bus.flush().await?;
     let cwd = tempfile::tempdir()?;
-    let recipes: Vec<RecipeV2> = (0..RECIPES).map(|_| recipe(&cwd.path().display().to_string())).collect();
+    let recipes: Vec<RecipeV3> = (0..RECIPES).map(|_| recipe(&cwd.path().display().to_string())).collect();
     let base_forks = latest_forks(&mut statuses, Duration::from_secs(5)).await;
     for r in &recipes {
         bus.publish(bus.subjects().recipe(r.session), r).await?;

@@ -18,6 +18,7 @@ mod kernel;
 mod large_state;
 mod limits;
 mod metrics;
+mod multi_gpu;
 mod nats_cluster;
 mod operations_doc;
 mod relocatable;

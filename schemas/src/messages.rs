@@ -16,7 +16,7 @@ use crate::checkpoint::{Delta, Manifest};
 use crate::codec::WireMessage;
 
 pub mod frozen;
-pub use frozen::{ChunkPlanV1, CommitV1, HostStatusV1, ManifestGetV1, RecipeV1, RunV1, SessionEventV1};
+pub use frozen::{ChunkPlanV1, CommitV1, HostStatusV1, ManifestGetV1, RecipeV1, RecipeV2, RunV1, SessionEventV1};
 
 macro_rules! wire {
     ($ty:ty, $name:literal, $version:literal) => {
@@ -35,6 +35,23 @@ macro_rules! wire {
                 match version {
                     $version => crate::codec::decode_bincode(payload),
                     $old_version => crate::codec::decode_bincode::<$old>(payload).map($old::upgrade),
+                    _ => Err(crate::codec::CodecError::UnsupportedVersion { ty: Self::TYPE, version }),
+                }
+            }
+        }
+    };
+    // Two versions back: the oldest upgrades to the older, which upgrades to the current.
+    ($ty:ty, $name:literal, $version:literal, upgrades $old:ident from $old_version:literal,
+     $older:ident from $older_version:literal) => {
+        impl WireMessage for $ty {
+            const TYPE: &'static str = $name;
+            const VERSION: u16 = $version;
+
+            fn decode_version(version: u16, payload: &[u8]) -> Result<Self, crate::codec::CodecError> {
+                match version {
+                    $version => crate::codec::decode_bincode(payload),
+                    $old_version => crate::codec::decode_bincode::<$old>(payload).map($old::upgrade),
+                    $older_version => crate::codec::decode_bincode::<$older>(payload).map(|m| m.upgrade().upgrade()),
                     _ => Err(crate::codec::CodecError::UnsupportedVersion { ty: Self::TYPE, version }),
                 }
             }
@@ -160,9 +177,10 @@ pub enum PreparedClass {
     Warm,
 }
 
-/// planner -> all hosts: what a cell needs (`session.{sid}.recipe`).
+/// planner -> all hosts: what a cell needs (`session.{sid}.recipe`). Version 3:
+/// a GPU cell may ask for several slots (`gpus`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct RecipeV2 {
+pub struct RecipeV3 {
     /// The session.
     pub session: Uuid,
     /// The cell.
@@ -183,6 +201,9 @@ pub struct RecipeV2 {
     pub imports: Vec<String>,
     /// Where the cell runs.
     pub device: Device,
+    /// The GPU slots the cell needs, all on one host: 1 for a GPU cell unless its
+    /// `%%gpu N` asks for more; 0 for a CPU cell.
+    pub gpus: u32,
     /// Why that device.
     pub device_reason: String,
     /// Set when the closure is the whole namespace, with the reason.
@@ -203,7 +224,7 @@ pub struct RecipeV2 {
     /// For a run: the run's `user_expressions` (see `RunV2`).
     pub user_expressions: BTreeMap<String, String>,
 }
-wire!(RecipeV2, "recipe", 2, upgrades RecipeV1 from 1);
+wire!(RecipeV3, "recipe", 3, upgrades RecipeV2 from 2, RecipeV1 from 1);
 
 /// How the worker that ran a cell was prepared.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -39,11 +39,11 @@ proptest! {
     fn recipe_roundtrips(session in uuid(), names in proptest::collection::vec(("[a-z_]{1,8}", uuid()), 0..8),
                          imports in proptest::collection::vec("[a-z.]{1,10}", 0..5), gpu in any::<bool>(),
                          conservative in proptest::option::of(".{0,30}"), options in options()) {
-        roundtrip(&RecipeV2 {
+        roundtrip(&RecipeV3 {
             session, cell_id: "c".into(), kind: RecipeKind::Run, exec_id: session, revision: 3,
             code: "x".into(), code_hash: 7,
             closure: names.into_iter().map(|(name, version)| ClosureVar { name, version }).collect(),
-            imports, device: if gpu { Device::Gpu } else { Device::Cpu }, device_reason: "r".into(),
+            imports, device: if gpu { Device::Gpu } else { Device::Cpu }, gpus: u32::from(gpu) * 2, device_reason: "r".into(),
             conservative, pinned: Some(PinnedWorker { host: "h".into(), worker: "w".into(), names: vec!["g".into()] }),
             manifest_revision: 1, run_unix_ms: 2, options,
             prepared: Some(PreparedWorker { host: "h".into(), worker: "w2".into() }), speculate: false,
@@ -88,7 +88,7 @@ proptest! {
         let (headers, _) = codec::encode(&EditV1 { session: Uuid::nil(), cell_id: String::new(), code: String::new(), seq: 0, options: SessionOptions { cwd: String::new(), all_gpu: false, speculate: true } }).unwrap();
         // Whatever the bytes are, decoding either fails cleanly or yields a message
         // that re-encodes to the same bytes (it really was a valid payload).
-        match codec::decode::<RecipeV2>(Some(&headers), &bytes) {
+        match codec::decode::<RecipeV3>(Some(&headers), &bytes) {
             Err(CodecError::WrongType { .. }) => {}
             other => prop_assert!(false, "expected WrongType, got {other:?}"),
         }
@@ -223,7 +223,7 @@ mod fuzz {
         each!(
             EditV1,
             RunV2,
-            RecipeV2,
+            RecipeV3,
             SessionEventV2,
             OutputV1,
             SessionCloseV1,

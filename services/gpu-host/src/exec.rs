@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use schemas::checkpoint::{Delta, Manifest, SaveOrigin};
 use schemas::messages::{
     CellStatus, ChunkPlanV2, ChunkPlannedV1, CommitV2, CommittedV1, Device, ErrorCode, EventKind, ManifestGetV2,
-    ManifestV1, OutputV1, Prepare, RecipeV2, SessionEventV2, StartPhases, WorkerState, OUTPUT_PART_BYTES,
+    ManifestV1, OutputV1, Prepare, RecipeV3, SessionEventV2, StartPhases, WorkerState, OUTPUT_PART_BYTES,
 };
 use schemas::subjects::StoreVerb;
 use schemas::{unix_ms, Bus, BusError};
@@ -184,10 +184,10 @@ const RECENT_MANIFESTS: usize = 256;
 
 /// Which worker runs the cell.
 pub enum Target {
-    /// A new worker forked for this cell (holding `slot`, if a GPU cell).
+    /// A new worker forked for this cell (holding `slots`, if a GPU cell).
     Fresh {
-        /// The GPU slot.
-        slot: Option<u32>,
+        /// The GPU slots (the cell's `gpus`; none for a CPU cell).
+        slots: Vec<u32>,
     },
     /// A worker that lives on: the session's CPU worker, or a pinned one.
     Existing {
@@ -195,8 +195,8 @@ pub enum Target {
         worker: Arc<Mutex<WorkerProc>>,
         /// Persistent or pinned.
         prepare: Prepare,
-        /// Its GPU slot, if it holds one.
-        slot: Option<u32>,
+        /// Its GPU slots, if it holds any.
+        slots: Vec<u32>,
     },
 }
 
@@ -257,7 +257,7 @@ impl ExecEnv {
     /// import tail the best zygote has imported, and how much of its closure's
     /// bytes the chunk cache holds (from the session's last manifest seen here;
     /// 0 if none).
-    pub fn placement(&self, recipe: &RecipeV2) -> (f64, f64) {
+    pub fn placement(&self, recipe: &RecipeV3) -> (f64, f64) {
         let coverage = self.zygotes.try_lock().map(|z| z.coverage(&recipe.imports)).unwrap_or(0.0);
         let manifest = self.recent_manifests.lock().ok().and_then(|r| r.get(&recipe.session).cloned());
         let Some(m) = manifest else { return (coverage, 0.0) };
@@ -282,11 +282,11 @@ impl ExecEnv {
         (coverage, if total == 0 { 1.0 } else { cached as f64 / total as f64 })
     }
 
-    /// The devices a worker on `slot` may see (none for CPU work and virtual slots).
-    fn device_env(&self, slot: Option<u32>) -> BTreeMap<String, String> {
-        let devices = match (slot, self.real_gpus) {
-            (Some(s), true) => s.to_string(),
-            _ => String::new(),
+    /// The devices a worker on `slots` may see (none for CPU work and virtual slots).
+    fn device_env(&self, slots: &[u32]) -> BTreeMap<String, String> {
+        let devices = match self.real_gpus {
+            true => slots.iter().map(u32::to_string).collect::<Vec<_>>().join(","),
+            false => String::new(),
         };
         BTreeMap::from([("CUDA_VISIBLE_DEVICES".to_string(), devices)])
     }
@@ -297,11 +297,11 @@ impl ExecEnv {
     pub async fn fork(
         &self,
         session: Uuid,
-        slot: Option<u32>,
+        slots: &[u32],
         cwd: &str,
         imports: &[String],
     ) -> Result<(WorkerProc, bool), ExecError> {
-        let mut env = self.device_env(slot);
+        let mut env = self.device_env(slots);
         env.insert("LOOSELEAF_SESSION".to_string(), session.to_string());
         // installs from a cell go to the session's own layer (a pip target)
         let layer = self.package_layers.join(session.to_string());
@@ -392,24 +392,26 @@ impl ExecEnv {
     /// Run one recipe to the end. Never panics; every failure becomes a `Failed` event.
     /// `arrived`: when this host received the run recipe (the start's phases count
     /// from there).
-    pub async fn execute(&self, recipe: RecipeV2, target: Target, arrived: Option<Instant>) -> Outcome {
+    pub async fn execute(&self, recipe: RecipeV3, target: Target, arrived: Option<Instant>) -> Outcome {
         let (session, exec_id) = (recipe.session, recipe.exec_id);
         let claimed_at = Instant::now();
         let phases = StartPhases {
             claim_ms: arrived.map_or(0.0, |a| claimed_at.duration_since(a).as_secs_f64() * 1000.0),
             ..StartPhases::default()
         };
-        let (slot, prepare) = match &target {
+        let (slots, prepare) = match &target {
             // a fresh worker for a CPU cell becomes the session's persistent one
-            Target::Fresh { slot: None } if recipe.device == Device::Cpu && recipe.pinned.is_none() => {
-                (None, Prepare::Persistent)
+            Target::Fresh { slots } if slots.is_empty() && recipe.device == Device::Cpu && recipe.pinned.is_none() => {
+                (vec![], Prepare::Persistent)
             }
-            Target::Fresh { slot } => (*slot, Prepare::Cold),
-            Target::Existing { prepare, slot, .. } => (*slot, *prepare),
+            Target::Fresh { slots } => (slots.clone(), Prepare::Cold),
+            Target::Existing { prepare, slots, .. } => (slots.clone(), *prepare),
         };
         tracing::Span::current().record("prepare", tracing::field::debug(prepare));
+        // events name a cell's first slot; host status lists all it holds
+        let slot = slots.first().copied();
         self.event(session, exec_id, EventKind::Claimed { host: self.host_id.clone(), slot, prepare }).await;
-        let (worker, result) = self.run_on(&recipe, target, slot, prepare, claimed_at, phases).await;
+        let (worker, result) = self.run_on(&recipe, target, slots, prepare, claimed_at, phases).await;
         match result {
             Ok(unsavable) => Outcome { worker, unsavable },
             // the one place an execution's failure reaches the session
@@ -426,9 +428,9 @@ impl ExecEnv {
     /// it is still usable (a broken one is killed here).
     async fn run_on(
         &self,
-        recipe: &RecipeV2,
+        recipe: &RecipeV3,
         target: Target,
-        slot: Option<u32>,
+        slots: Vec<u32>,
         prepare: Prepare,
         claimed_at: Instant,
         mut phases: StartPhases,
@@ -436,10 +438,10 @@ impl ExecEnv {
         let forking = Instant::now();
         let mut manifest = None;
         let (mut worker, import_hit) = match target {
-            Target::Fresh { slot } => {
+            Target::Fresh { .. } => {
                 // the manifest is read while the worker forks (off the critical path)
                 let (forked, read) = tokio::join!(
-                    self.fork(recipe.session, slot, &recipe.options.cwd, &recipe.imports)
+                    self.fork(recipe.session, &slots, &recipe.options.cwd, &recipe.imports)
                         .instrument(tracing::info_span!("fork", otel.name = "fork worker")),
                     self.manifest(recipe.session, recipe.manifest_revision)
                         .instrument(tracing::info_span!("manifest", otel.name = "read manifest"))
@@ -457,7 +459,7 @@ impl ExecEnv {
         };
         let mut w = worker.lock().await;
         let runs_before = w.runs;
-        let start = Start { slot, prepare, claimed_at, import_hit, phases, manifest };
+        let start = Start { slots: slots.clone(), prepare, claimed_at, import_hit, phases, manifest };
         let mut result = self.drive(recipe, &mut w, start).await;
         if matches!(prepare, Prepare::Speculative | Prepare::Warm) && w.is_broken() && w.runs == runs_before {
             // The prepared (or warm) worker died before the cell started: the run
@@ -467,14 +469,14 @@ impl ExecEnv {
             w.kill_now();
             drop(w);
             let forking = Instant::now();
-            let fork = self.fork(recipe.session, slot, &recipe.options.cwd, &recipe.imports);
+            let fork = self.fork(recipe.session, &slots, &recipe.options.cwd, &recipe.imports);
             match fork.instrument(tracing::info_span!("fork", otel.name = "fork worker")).await {
                 Ok((fresh, hit)) => {
                     phases.fork_ms = forking.elapsed().as_secs_f64() * 1000.0;
                     worker = Arc::new(Mutex::new(fresh));
                     w = worker.lock().await;
                     let start =
-                        Start { slot, prepare: Prepare::Cold, claimed_at, import_hit: hit, phases, manifest: None };
+                        Start { slots, prepare: Prepare::Cold, claimed_at, import_hit: hit, phases, manifest: None };
                     result = self.drive(recipe, &mut w, start).await;
                 }
                 Err(e) => {
@@ -497,15 +499,15 @@ impl ExecEnv {
         }
     }
 
-    async fn drive(&self, recipe: &RecipeV2, w: &mut WorkerProc, start: Start) -> Result<Vec<String>, ExecError> {
-        let Start { slot, prepare, claimed_at, import_hit, mut phases, manifest } = start;
+    async fn drive(&self, recipe: &RecipeV3, w: &mut WorkerProc, start: Start) -> Result<Vec<String>, ExecError> {
+        let Start { slots, prepare, claimed_at, import_hit, mut phases, manifest } = start;
         // a host that began stopping while this worker forked starts nothing new
         self.not_stopping()?;
         let (session, exec_id) = (recipe.session, recipe.exec_id);
         let restore_started = Instant::now();
-        // a worker prepared before Run may have been prepared without its slot
+        // a worker prepared before Run may have been prepared without its slots
         let env = if matches!(prepare, Prepare::Speculative | Prepare::Warm) {
-            self.device_env(slot)
+            self.device_env(&slots)
         } else {
             BTreeMap::new()
         };
@@ -610,7 +612,7 @@ impl ExecEnv {
                                 unix_ms,
                                 kind: EventKind::Started {
                                     host: host.clone(),
-                                    slot,
+                                    slot: slots.first().copied(),
                                     worker: worker_id.clone(),
                                     device,
                                     prepare,
@@ -732,7 +734,7 @@ impl ExecEnv {
                 saved_bytes: saved.saved_bytes,
                 chunks_written: saved.chunks_written,
                 unsavable: saved.unsavable.clone(),
-                slot_released: slot.is_some() && saved.unsavable.is_empty(),
+                slot_released: !slots.is_empty() && saved.unsavable.is_empty(),
             },
         )
         .instrument(tracing::info_span!("saved", otel.name = "saved event"))
@@ -784,7 +786,7 @@ impl ExecEnv {
     /// closure. Nothing of the cell runs. Used at Run and while preparing.
     async fn restore_closure(
         &self,
-        recipe: &RecipeV2,
+        recipe: &RecipeV3,
         w: &mut WorkerProc,
         env: BTreeMap<String, String>,
         read: Option<Manifest>,
@@ -864,25 +866,25 @@ impl ExecEnv {
         Ok((manifest, timing))
     }
 
-    /// Prepare a worker for an edit-derived recipe: fork one into `slot` (or take
+    /// Prepare a worker for an edit-derived recipe: fork one into `slots` (or take
     /// `existing`, updating it in place) and restore the closure. The cell does not
     /// run. On failure the worker (if any) is returned only if still usable.
     pub async fn prepare(
         &self,
-        recipe: &RecipeV2,
-        slot: Option<u32>,
+        recipe: &RecipeV3,
+        slots: &[u32],
         existing: Option<Arc<Mutex<WorkerProc>>>,
     ) -> Result<(Arc<Mutex<WorkerProc>>, f64), ExecError> {
         let started = Instant::now();
         let worker = match existing {
             Some(w) => w,
             None => {
-                let (w, _hit) = self.fork(recipe.session, slot, &recipe.options.cwd, &recipe.imports).await?;
+                let (w, _hit) = self.fork(recipe.session, slots, &recipe.options.cwd, &recipe.imports).await?;
                 Arc::new(Mutex::new(w))
             }
         };
         let mut w = worker.lock().await;
-        let result = self.restore_closure(recipe, &mut w, self.device_env(slot), None).await;
+        let result = self.restore_closure(recipe, &mut w, self.device_env(slots), None).await;
         let broken = w.is_broken();
         if result.is_ok() {
             w.enter(WorkerState::Ready);
@@ -900,7 +902,7 @@ impl ExecEnv {
     }
 
     /// Which names to drop (stale), which to restore, and which records to send.
-    fn plan_restore(&self, recipe: &RecipeV2, w: &WorkerProc, manifest: &Manifest) -> Result<RestorePlan, ExecError> {
+    fn plan_restore(&self, recipe: &RecipeV3, w: &WorkerProc, manifest: &Manifest) -> Result<RestorePlan, ExecError> {
         let mut drop = Vec::new();
         let mut current: BTreeSet<&str> = BTreeSet::new();
         for (name, held) in &w.held {
@@ -978,8 +980,8 @@ enum Pending {
 
 /// How a cell's start went so far, for its `Started` event.
 struct Start {
-    /// The GPU slot.
-    slot: Option<u32>,
+    /// The GPU slots.
+    slots: Vec<u32>,
     /// How the worker was prepared.
     prepare: Prepare,
     /// When this host won the claim.

@@ -43,7 +43,7 @@ use actix::prelude::*;
 use anyhow::Context as _;
 use schemas::buckets;
 use schemas::messages::{
-    CommV1, EvictV1, HostStatusV2, InputReplyV1, InterruptV1, QueryV1, RecipeV2, SessionCloseV1, SessionEventV2,
+    CommV1, EvictV1, HostStatusV2, InputReplyV1, InterruptV1, QueryV1, RecipeV3, SessionCloseV1, SessionEventV2,
     SessionIdleV1,
 };
 use schemas::service::Service;
@@ -181,7 +181,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     let s = bus.subjects().clone();
     // requests (the planner delivers runs' recipes; queries, comms): `$SRV`
     // endpoints with their stats, each host in a group of its own (all hear recipes)
-    let recipes = service.endpoint::<RecipeV2>("recipe", s.all_recipes(), &config.host_id).await?;
+    let recipes = service.endpoint::<RecipeV3>("recipe", s.all_recipes(), &config.host_id).await?;
     let events = bus.subscribe::<SessionEventV2>(s.all_events()).await?;
     let closes = bus.subscribe::<SessionCloseV1>(s.all_closes()).await?;
     let interrupts = bus.subscribe::<InterruptV1>(s.all_interrupts()).await?;

@@ -16,7 +16,7 @@ use schemas::bus::Rejected;
 use schemas::checkpoint::Manifest;
 use schemas::messages::{
     Device, EditV1, EventKind, EvictV1, HostStatusV2, ManifestGetV2, ManifestV1, PinnedWorker, PreparedWorker,
-    RecipeKind, RecipeV2, RunV2, SessionCloseV1, SessionEventV2, SessionOptions,
+    RecipeKind, RecipeV3, RunV2, SessionCloseV1, SessionEventV2, SessionOptions,
 };
 use schemas::subjects::HostVerb;
 use schemas::subjects::StoreVerb;
@@ -61,6 +61,8 @@ pub struct Planner {
     pinned_runs: HashMap<Uuid, (Uuid, PinnedWorker, Instant)>,
     /// A host not heard for this long is lost (see `fail_runs_pinned_to_lost_hosts`).
     host_lost: Duration,
+    /// Each host's GPU slots, as its status last said, and when that was heard.
+    host_slots: HashMap<String, (u32, Instant)>,
 }
 
 impl Planner {
@@ -78,7 +80,14 @@ impl Planner {
             clock: Instant::now(),
             pinned_runs: HashMap::new(),
             host_lost: Duration::from_secs(10),
+            host_slots: HashMap::new(),
         }
+    }
+
+    /// The most GPU slots one live host has; None until a host was heard (a
+    /// planner just started cannot tell yet).
+    fn largest_host(&self) -> Option<u32> {
+        self.host_slots.values().filter(|(_, seen)| seen.elapsed() < self.host_lost).map(|(n, _)| *n).max()
     }
 
     /// Take a host not heard for `host_lost` for lost.
@@ -249,6 +258,16 @@ pub enum PlanError {
     /// No gpu-host listened for the recipe within [`RECIPE_PATIENCE`].
     #[error("no gpu-host is running to take the cell: {0}")]
     NoHost(#[source] BusError),
+    /// The cell asks (`%%gpu N`) for more GPUs than any live host has.
+    #[error(
+        "the cell asks for {asked} GPUs on one host (%%gpu {asked}), but the largest running gpu-host has {largest}"
+    )]
+    TooFewGpus {
+        /// GPUs asked for.
+        asked: u32,
+        /// The most slots one live host has.
+        largest: u32,
+    },
 }
 
 /// The session's latest manifest; `at_least`: a revision known to be committed.
@@ -274,8 +293,8 @@ struct For {
     user_expressions: BTreeMap<String, String>,
 }
 
-fn recipe(f: For, revision: u64, manifest_revision: u64, d: &Derived, prepared: Option<PreparedWorker>) -> RecipeV2 {
-    RecipeV2 {
+fn recipe(f: For, revision: u64, manifest_revision: u64, d: &Derived, prepared: Option<PreparedWorker>) -> RecipeV3 {
+    RecipeV3 {
         session: f.session,
         cell_id: f.cell_id,
         kind: f.kind,
@@ -286,6 +305,7 @@ fn recipe(f: For, revision: u64, manifest_revision: u64, d: &Derived, prepared: 
         closure: d.closure.clone(),
         imports: d.imports.clone(),
         device: d.device,
+        gpus: d.gpus,
         device_reason: d.device_reason.clone(),
         conservative: d.conservative.clone(),
         pinned: d.pinned.clone(),
@@ -304,6 +324,7 @@ async fn plan_run(
     run: RunV2,
     prepared: Option<PreparedWorker>,
     cached: Option<Arc<Manifest>>,
+    largest_host: Option<u32>,
 ) -> Result<(Arc<Manifest>, state::SessionState, Option<PinnedWorker>), PlanError> {
     let analysis = analysis::analyze(&run.code);
     // The manifest refreshed after the session's last save is the one the run
@@ -343,6 +364,10 @@ async fn plan_run(
         },
     };
     bus.publish(bus.subjects().event(run.session), &planned).await.map_err(PlanError::Publish)?;
+    // no host would ever claim it: say so now rather than at the claim timeout
+    if let Some(largest) = largest_host.filter(|largest| d.gpus > 1 && d.gpus > *largest) {
+        return Err(PlanError::TooFewGpus { asked: d.gpus, largest });
+    }
     let target = For {
         session: run.session,
         cell_id: run.cell_id,
@@ -372,8 +397,9 @@ impl StreamHandler<Result<Envelope<RunV2>, Rejected>> for Planner {
         self.pending_edits.remove(&(session, run.cell_id.clone()));
         let prepared = if run.options.speculate { self.speculator.for_run(session, &run.cell_id) } else { None };
         let cached = self.manifests.get(&session).map(|(m, _)| m.clone());
+        let largest_host = self.largest_host();
         let fut = async move {
-            let result = plan_run(bus.clone(), kv, run, prepared, cached).await;
+            let result = plan_run(bus.clone(), kv, run, prepared, cached, largest_host).await;
             if let Err(error) = &result {
                 tracing::error!(%session, %error, "could not plan a run");
                 let ev = SessionEventV2 {
@@ -484,6 +510,8 @@ impl StreamHandler<Result<Envelope<HostStatusV2>, Rejected>> for Planner {
         if let Ok(env) = item {
             let now = self.now();
             self.speculator.host_seen(&env.msg.host, now);
+            let slots = u32::try_from(env.msg.slots.len()).unwrap_or(u32::MAX);
+            self.host_slots.insert(env.msg.host, (slots, Instant::now()));
         }
     }
 }

@@ -20,6 +20,8 @@ pub struct Derived {
     pub imports: Vec<String>,
     /// Device label.
     pub device: Device,
+    /// GPU slots the cell needs on one host (0 for a CPU cell).
+    pub gpus: u32,
     /// Why.
     pub device_reason: String,
     /// Why the closure is the whole namespace, if it is.
@@ -40,6 +42,7 @@ impl Derived {
         }
         self.imports.hash(&mut h);
         self.device.as_str().hash(&mut h);
+        self.gpus.hash(&mut h);
         self.pinned.as_ref().map(|p| (&p.host, &p.worker)).hash(&mut h);
         h.finish()
     }
@@ -139,18 +142,20 @@ pub fn derive(
         analysis::resolve(&with_classes, &history)
     };
 
-    let (device, device_reason) = match (&analysis.device, all_gpu) {
-        (Some(h), _) if h.reason.starts_with("override") => (to_device(h.label), h.reason.clone()),
-        (_, true) => (Device::Gpu, "--all-gpu".to_string()),
-        (Some(h), false) => (to_device(h.label), h.reason.clone()),
+    // only a `%%gpu N` override asks for more than one slot
+    let (device, device_reason, gpus) = match (&analysis.device, all_gpu) {
+        (Some(h), _) if h.reason.starts_with("override") => (to_device(h.label), h.reason.clone(), h.gpus),
+        (_, true) => (Device::Gpu, "--all-gpu".to_string(), 1),
+        (Some(h), false) => (to_device(h.label), h.reason.clone(), 1),
         (None, false) => match analysis::closure_device(&closure, &history) {
-            Some(h) => (to_device(h.label), h.reason),
+            Some(h) => (to_device(h.label), h.reason, 1),
             None if state.cuda_cells.contains(cell_id) => {
-                (Device::Gpu, "the worker saw CUDA used the last time this cell ran".to_string())
+                (Device::Gpu, "the worker saw CUDA used the last time this cell ran".to_string(), 1)
             }
-            None => (Device::Cpu, "no GPU sign in the cell or its closure".to_string()),
+            None => (Device::Cpu, "no GPU sign in the cell or its closure".to_string(), 0),
         },
     };
+    let gpus = if device == Device::Gpu { gpus.max(1) } else { 0 };
 
     let mut imports: BTreeSet<String> = analysis.imports.iter().filter(|m| !m.starts_with('.')).cloned().collect();
     for name in closure.names.keys() {
@@ -207,6 +212,7 @@ pub fn derive(
         closure: closure.names.into_iter().map(|(name, version)| ClosureVar { name, version }).collect(),
         imports: imports.into_iter().collect(),
         device,
+        gpus,
         device_reason,
         conservative: closure.conservative,
         pinned,
@@ -384,7 +390,15 @@ mod tests {
         let m = manifest(&["a", "b"]);
         let code = "%%cpu\nz = a";
         let d = derive(&analysis::analyze(code), code, &m, &SessionState::default(), true, Uuid::now_v7(), "c");
-        assert_eq!(d.device, Device::Cpu);
+        assert_eq!((d.device, d.gpus), (Device::Cpu, 0));
+        // `%%gpu N` asks for N slots; --all-gpu and signs in the code for one
+        let code = "%%gpu 3\nz = a";
+        let d3 = derive(&analysis::analyze(code), code, &m, &SessionState::default(), true, Uuid::now_v7(), "c");
+        assert_eq!((d3.device, d3.gpus), (Device::Gpu, 3));
+        let code = "z = a";
+        let d1 = derive(&analysis::analyze(code), code, &m, &SessionState::default(), true, Uuid::now_v7(), "c");
+        assert_eq!((d1.device, d1.gpus), (Device::Gpu, 1));
+        assert_ne!(d3.fingerprint(), d1.fingerprint(), "hosts act on the slot count");
         let code = "exec('c = a')";
         let d = derive(&analysis::analyze(code), code, &m, &SessionState::default(), false, Uuid::now_v7(), "c");
         assert!(d.conservative.is_some());

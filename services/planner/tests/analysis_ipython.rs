@@ -110,6 +110,24 @@ fn device_overrides() {
 }
 
 #[test]
+fn a_gpu_override_may_ask_for_several_gpus() {
+    let one = analyze("%%gpu\nx = 1").device.unwrap_or_else(|| panic!("no device"));
+    assert_eq!((one.label, one.gpus), (Device::Gpu, 1));
+    let a = rw("%%gpu 4\nx = f(y)", &["f", "y"], &["x"]);
+    let four = a.device.unwrap_or_else(|| panic!("no device"));
+    assert_eq!((four.label, four.gpus, four.reason.as_str()), (Device::Gpu, 4, "override %%gpu 4"));
+    let a = rw("%%gpu 2\n%%time\nr = g()", &["g"], &["r"]);
+    assert_eq!(a.device.map(|d| d.gpus), Some(2));
+    // malformed: no placement, and the body is not read (the worker's `%%gpu`
+    // magic fails the cell saying what is allowed)
+    for code in ["%%gpu 0\nx = y", "%%gpu two\nx = y", "%%gpu 2 3\nx = y", "%%cpu 2\nx = y", "%%gpu -1\nx = y"] {
+        let a = analyze(code);
+        assert!(a.device.is_none(), "{code}: {:?}", a.device);
+        assert!(a.reads.is_empty() && a.writes.is_empty(), "{code}: {:?} {:?}", a.reads, a.writes);
+    }
+}
+
+#[test]
 fn parse_error_line_counts_the_magic_line() {
     let a = analyze("%%time\nx = 1\ny = (\n");
     let reason = a.conservative.unwrap_or_default();

@@ -8,6 +8,7 @@ mod commit_v1;
 mod host_status_v1;
 mod manifest_get_v1;
 mod recipe_v1;
+mod recipe_v2;
 mod run_v1;
 mod session_event_v1;
 
@@ -16,6 +17,7 @@ pub use commit_v1::CommitV1;
 pub use host_status_v1::HostStatusV1;
 pub use manifest_get_v1::ManifestGetV1;
 pub use recipe_v1::RecipeV1;
+pub use recipe_v2::RecipeV2;
 pub use run_v1::RunV1;
 pub use session_event_v1::SessionEventV1;
 

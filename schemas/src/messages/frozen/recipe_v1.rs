@@ -3,8 +3,8 @@
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
+use super::recipe_v2::RecipeV2;
 use super::run_v1::SessionOptions;
-use crate::messages::{self as live, RecipeV2};
 
 /// planner -> all hosts: what a cell needs (`session.{sid}.recipe`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -100,27 +100,21 @@ impl RecipeV1 {
         RecipeV2 {
             session: self.session,
             cell_id: self.cell_id,
-            kind: match self.kind {
-                RecipeKind::Speculative => live::RecipeKind::Speculative,
-                RecipeKind::Run => live::RecipeKind::Run,
-            },
+            kind: self.kind,
             exec_id: self.exec_id,
             revision: self.revision,
             code: self.code,
             code_hash: self.code_hash,
-            closure: self.closure.into_iter().map(|v| live::ClosureVar { name: v.name, version: v.version }).collect(),
+            closure: self.closure,
             imports: self.imports,
-            device: match self.device {
-                Device::Cpu => live::Device::Cpu,
-                Device::Gpu => live::Device::Gpu,
-            },
+            device: self.device,
             device_reason: self.device_reason,
             conservative: self.conservative,
-            pinned: self.pinned.map(|p| live::PinnedWorker { host: p.host, worker: p.worker, names: p.names }),
+            pinned: self.pinned,
             manifest_revision: self.manifest_revision,
             run_unix_ms: self.run_unix_ms,
-            options: self.options.upgrade(),
-            prepared: self.prepared.map(|p| live::PreparedWorker { host: p.host, worker: p.worker }),
+            options: self.options,
+            prepared: self.prepared,
             speculate: self.speculate,
             user_expressions: Default::default(),
         }

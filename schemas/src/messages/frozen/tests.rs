@@ -8,7 +8,7 @@ use uuid::Uuid;
 use super::*;
 use crate::codec::{decode_bincode, encode_bincode, WireMessage};
 use crate::messages::{
-    self as live, ChunkPlanV2, CommitV2, HostStatusV2, ManifestGetV2, PreparedOutcome, RecipeV2, RunV2, SessionEventV2,
+    self as live, ChunkPlanV2, CommitV2, HostStatusV2, ManifestGetV2, PreparedOutcome, RecipeV3, RunV2, SessionEventV2,
     SlotUse,
 };
 
@@ -25,10 +25,20 @@ fn pinned<Old: serde::Serialize + serde::de::DeserializeOwned + PartialEq + std:
     msg: &Old,
     golden: &str,
 ) -> New {
+    pinned_at(1, msg, golden)
+}
+
+/// `msg` encodes to `golden`, and the current type `New` reads those bytes as
+/// `version`.
+fn pinned_at<Old: serde::Serialize + serde::de::DeserializeOwned + PartialEq + std::fmt::Debug, New: WireMessage>(
+    version: u16,
+    msg: &Old,
+    golden: &str,
+) -> New {
     let bytes = encode_bincode(msg).unwrap();
     assert_eq!(hex(&bytes), golden, "the frozen encoding changed");
     assert_eq!(&decode_bincode::<Old>(&bytes).unwrap(), msg);
-    New::decode_version(1, &bytes).unwrap()
+    New::decode_version(version, &bytes).unwrap()
 }
 
 #[test]
@@ -87,14 +97,45 @@ fn recipe_v1_bytes() {
         prepared: Some(recipe_v1::PreparedWorker { host: "h".into(), worker: "w2".into() }),
         speculate: false,
     };
-    let now: RecipeV2 = pinned(&v1, RECIPE_V1);
-    assert_eq!((now.kind, now.device), (live::RecipeKind::Run, live::Device::Gpu));
+    let now: RecipeV3 = pinned(&v1, RECIPE_V1);
+    assert_eq!((now.kind, now.device, now.gpus), (live::RecipeKind::Run, live::Device::Gpu, 1));
     assert_eq!(now.closure, vec![live::ClosureVar { name: "x".into(), version: EXEC }]);
     assert_eq!(now.pinned.map(|p| p.names), Some(vec!["g".to_string()]));
     assert_eq!(now.prepared, Some(live::PreparedWorker { host: "h".into(), worker: "w2".into() }));
     assert!(now.options.speculate && now.user_expressions.is_empty());
 }
 const RECIPE_V1: &str = "10019000000000700080000000000000010163011001900000000070008000000000000002020579203d207809010178100190000000007000800000000000000201056e756d70790105746f7263680001016801770101670405032f6e62000101016802773200";
+
+#[test]
+fn recipe_v2_bytes() {
+    let v2 = RecipeV2 {
+        session: SESSION,
+        cell_id: "c".into(),
+        kind: recipe_v1::RecipeKind::Speculative,
+        exec_id: Uuid::nil(),
+        revision: 2,
+        code: "y = x".into(),
+        code_hash: 9,
+        closure: vec![recipe_v1::ClosureVar { name: "x".into(), version: EXEC }],
+        imports: vec![],
+        device: recipe_v1::Device::Cpu,
+        device_reason: "none".into(),
+        conservative: Some("eval".into()),
+        pinned: None,
+        manifest_revision: 4,
+        run_unix_ms: 0,
+        options: run_v1::SessionOptions { cwd: "/nb".into(), all_gpu: false, speculate: true },
+        prepared: None,
+        speculate: true,
+        user_expressions: [("a".to_string(), "x + 1".to_string())].into(),
+    };
+    let now: RecipeV3 = pinned_at(2, &v2, RECIPE_V2);
+    assert_eq!((now.kind, now.device, now.gpus), (live::RecipeKind::Speculative, live::Device::Cpu, 0));
+    assert_eq!(now.conservative.as_deref(), Some("eval"));
+    assert_eq!(now.user_expressions.get("a").map(String::as_str), Some("x + 1"));
+    assert!(now.speculate && now.options.speculate);
+}
+const RECIPE_V2: &str = "10019000000000700080000000000000010163001000000000000000000000000000000000020579203d20780901017810019000000000700080000000000000020000046e6f6e6501046576616c000400032f6e62000100010101610578202b2031";
 
 #[test]
 fn host_status_v1_bytes() {

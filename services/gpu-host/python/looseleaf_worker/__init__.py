@@ -6,6 +6,7 @@ Map (one concern per module):
   zygote      imports packages once (CUDA-clean only), forks workers on demand
   worker      the per-worker loop: restore / run / save / committed / shutdown
   shell       an IPython shell whose outputs equal ipykernel's
+  placement   %%gpu [N] / %%cpu lines; `%load_ext looseleaf_worker` in a plain kernel
   checkpoint  object records, payloads, 2 MiB xxh3-128 chunks; save and restore
   ambient     session state that is not a variable (RNGs, rcParams, cwd, ...)
   localmods   modules beside the notebook, as the session imported them
@@ -15,3 +16,11 @@ Map (one concern per module):
 
 Tests: cd services/gpu-host/python && python -m pytest -q tests
 """
+
+
+def load_ipython_extension(shell) -> None:
+    """``%load_ext looseleaf_worker`` in a plain kernel: LooseLeaf's ``%%gpu`` /
+    ``%%cpu`` lines become no-ops there, so a notebook runs the same anywhere."""
+    from .placement import load_ipython_extension as load
+
+    load(shell)

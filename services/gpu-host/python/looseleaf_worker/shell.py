@@ -24,6 +24,8 @@ from IPython.core.displaypub import DisplayPublisher  # noqa: E402
 from IPython.core.error import UsageError  # noqa: E402
 from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
 
+from . import placement  # noqa: E402
+
 Emit = Callable[[dict], None]
 
 
@@ -176,6 +178,8 @@ class WorkerShell(InteractiveShell):
         self._streams: dict[str, OutputStream] = {}
         self.last_error: dict | None = None
         super().__init__(**kw)
+        # `%%gpu [N]` / `%%cpu` lines were read by the planner: the body runs
+        placement.load_ipython_extension(self)
         self._streams = {"stdout": OutputStream("stdout", self), "stderr": OutputStream("stderr", self)}
         sys.stdout = self._streams["stdout"]
         sys.stderr = self._streams["stderr"]
@@ -246,7 +250,6 @@ class WorkerShell(InteractiveShell):
     def run(self, code: str):
         """Run one cell as a kernel would; returns (ExecutionResult, error info)."""
         self.last_error = None
-        code = strip_placement(code)
         try:
             result = self.run_cell(code, store_history=True, silent=False)
         finally:
@@ -272,15 +275,6 @@ def _drop_interrupt_frame(tb) -> None:
         tb = tb.tb_next
     if last_theirs is not None:
         last_theirs.tb_next = None
-
-
-def strip_placement(code: str) -> str:
-    """Drop a first-line ``%%gpu`` / ``%%cpu``: LooseLeaf's placement override, which
-    the planner has already read; the cell body is ordinary code."""
-    first, sep, rest = code.partition("\n")
-    if first.strip() in ("%%gpu", "%%cpu"):
-        return rest
-    return code
 
 
 def _error_from(result) -> dict:

@@ -84,12 +84,46 @@ def test_execution_counts(zygote):
 
 
 def test_placement_override_line_is_not_run():
-    from looseleaf_worker.shell import strip_placement
+    from looseleaf_worker.placement import parse, strip_placement
 
     assert strip_placement("%%gpu\nx = 1") == "x = 1"
+    assert strip_placement("%%gpu 4\nx = 1") == "x = 1"
     assert strip_placement("%%cpu\n") == ""
     assert strip_placement("%%time\nx = 1") == "%%time\nx = 1"
     assert strip_placement("x = 1  # %%gpu") == "x = 1  # %%gpu"
+    assert strip_placement("%%gpu two\nx = 1") == "%%gpu two\nx = 1", "malformed: left for the magic"
+    assert [parse(x) for x in ("%%gpu", "%%gpu 2", "%%cpu", "%%gpu 0", "%%cpu 2", "%%gpux")] == [
+        ("gpu", 1),
+        ("gpu", 2),
+        ("cpu", 0),
+        None,
+        None,
+        None,
+    ]
+
+
+def test_placement_lines_are_no_ops_in_a_plain_ipython_shell():
+    # what a notebook using %%gpu gets on a plain Jupyter kernel after
+    # `%load_ext looseleaf_worker`: the body runs, its value displays, errors are its own
+    import looseleaf_worker
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    try:
+        shell.run_cell("%load_ext looseleaf_worker")
+        r = shell.run_cell("%%gpu 2\nx = 20\nx + 1", store_history=True)
+        assert r.success and r.result == 21 and shell.user_ns["x"] == 20
+        r = shell.run_cell("%%cpu\n%%capture out\nprint('hidden')")
+        assert r.success and shell.user_ns["out"].stdout == "hidden\n"
+        r = shell.run_cell("%%gpu\n1 / 0")
+        assert isinstance(r.error_in_exec, ZeroDivisionError)
+        r = shell.run_cell("%%gpu two\nx = 3")
+        assert not r.success and "%%gpu N (N >= 1 GPUs on one host)" in str(r.error_in_exec)
+        assert shell.user_ns["x"] == 20, "a malformed placement runs nothing"
+        looseleaf_worker.load_ipython_extension(shell)  # loading twice adds nothing twice
+        assert shell.input_transformers_cleanup.count(shell.input_transformers_cleanup[-1]) == 1
+    finally:
+        InteractiveShell.clear_instance()
 
 
 def test_streams_split_only_at_line_ends(host, zygote):

@@ -15,8 +15,8 @@ pub struct KeptWorker {
     pub worker: Arc<Mutex<WorkerProc>>,
     /// Its session.
     pub session: Uuid,
-    /// The GPU slot it keeps (a GPU worker holding unsavable state).
-    pub slot: Option<u32>,
+    /// The GPU slots it keeps (a GPU worker holding unsavable state).
+    pub slots: Vec<u32>,
     /// The session's CPU worker (kept for the session's life).
     pub persistent: bool,
 }

@@ -33,7 +33,7 @@ use actix::prelude::*;
 use schemas::bus::Rejected;
 use schemas::messages::{
     BidV1, CommAnswerV1, CommV1, Device, ErrorCode, EventKind, EvictV1, HostStatusV2, InputReplyV1, InterruptV1,
-    Prepare, PreparedClass, PreparedOutcome, QueryAnswerV1, QueryKind, QueryV1, RecipeKind, RecipeV2, Reply,
+    Prepare, PreparedClass, PreparedOutcome, QueryAnswerV1, QueryKind, QueryV1, RecipeKind, RecipeV3, Reply,
     SessionCloseV1, SessionEventV2, SessionIdleV1, SlotUse, WorkerState, ZygoteStatus,
 };
 use schemas::{unix_ms, Envelope};
@@ -68,14 +68,14 @@ pub struct Host {
     kept: KeptWorkers,
     prepared: PreparedWorkers,
     /// Run recipes this host may still claim once a slot frees.
-    pending: VecDeque<RecipeV2>,
+    pending: VecDeque<RecipeV3>,
     /// Runs this host claimed that wait for a slot.
-    won: VecDeque<RecipeV2>,
+    won: VecDeque<RecipeV3>,
     /// Prepared workers (without a slot) whose run waits for a slot.
     waiting_prepared: VecDeque<PrepKey>,
     /// Admitted edit recipes that found no free slot (the planner's eviction that
     /// makes room may arrive just after): the newest per cell, tried when a slot frees.
-    spec_waiting: VecDeque<(Instant, RecipeV2)>,
+    spec_waiting: VecDeque<(Instant, RecipeV3)>,
     /// Prepare every worker with its slot (see `Config::prepare_holds_slot`).
     prepare_holds_slot: bool,
     /// Keep a GPU worker warm (with its slot) after its cell, for a re-run of
@@ -96,7 +96,7 @@ pub struct Host {
     /// When this host started (it judges other hosts lost only after a while).
     started: Instant,
     /// CPU runs whose session's CPU worker is on another host (see `retry_cpu_runs`).
-    cpu_waiting: Vec<(Instant, RecipeV2)>,
+    cpu_waiting: Vec<(Instant, RecipeV3)>,
 }
 
 /// A peer not heard from for this long (three status ticks) is not competing.
@@ -111,10 +111,10 @@ const CLAIM_RETRY: Duration = Duration::from_secs(2);
 
 /// Which worker an execution got, for what happens to it afterwards.
 enum ExecKind {
-    /// Forked for the cell (holding `slot`, if a GPU cell).
-    Fresh { slot: Option<u32> },
-    /// A worker prepared before Run, holding GPU slot `slot`.
-    Prepared { slot: u32 },
+    /// Forked for the cell (holding `slots`, if a GPU cell).
+    Fresh { slots: Vec<u32> },
+    /// A worker prepared before Run, holding GPU `slots`.
+    Prepared { slots: Vec<u32> },
     /// A kept worker (the session's CPU worker, or one with unsavable state).
     Existing { worker: Arc<Mutex<WorkerProc>> },
 }
@@ -172,10 +172,10 @@ impl Host {
     /// The delay only lets a better-placed host win; with no other host that has a
     /// free slot (as their status says) nobody could, and this host claims at once.
     /// (Stale status only costs placement: the KV create still picks one host.)
-    fn claim_delay(&self, recipe: &RecipeV2) -> (Duration, f64) {
+    fn claim_delay(&self, recipe: &RecipeV3) -> (Duration, f64) {
         let (zygote, cached) = self.env.placement(recipe);
         let score = 0.5 * self.slots.free_share() + 0.25 * zygote + 0.25 * cached;
-        if !self.competitor_has_room() {
+        if !self.competitor_has_room(recipe.gpus.max(1)) {
             return (Duration::ZERO, score);
         }
         let jitter = (Uuid::new_v4().as_u128() % 3000) as u64;
@@ -193,9 +193,9 @@ impl Host {
         Some(peers.chain(std::iter::once(self.env.host_id.clone())).collect())
     }
 
-    /// Whether another live host has a free slot.
-    fn competitor_has_room(&self) -> bool {
-        self.peers.values().any(|(free, seen)| *free > 0 && seen.elapsed() < PEER_STALE)
+    /// Whether another live host has `n` free slots.
+    fn competitor_has_room(&self, n: u32) -> bool {
+        self.peers.values().any(|(free, seen)| *free >= n as usize && seen.elapsed() < PEER_STALE)
     }
 
     /// Claim `key` after `delay`, then continue in the actor with how it settled.
@@ -266,15 +266,18 @@ impl Host {
         self.env.lifecycle.advance(worker, to);
     }
 
-    /// Free slot `index` held by `session` for `held`, counting its time.
-    fn release_slot(&mut self, index: u32, session: Uuid, held: SlotUse, ctx: &mut Context<Self>) {
-        let Some(held_ms) = self.slots.release(index) else { return };
-        schemas::metrics::metrics()
-            .slot_seconds
-            .get_or_create(&[("use", schemas::metrics::slot_use(held))])
-            .inc_by(held_ms / 1000.0);
-        let kind = EventKind::SlotReleased { host: self.env.host_id.clone(), slot: index, held_ms, reason: held };
-        self.session_event(session, kind, ctx);
+    /// Free `slots` held by `session` for `held`, counting each one's time (a
+    /// `%%gpu N` cell holds N slots, and uses N times the slot time).
+    fn release_slots(&mut self, slots: &[u32], session: Uuid, held: SlotUse, ctx: &mut Context<Self>) {
+        for &index in slots {
+            let Some(held_ms) = self.slots.release(index) else { continue };
+            schemas::metrics::metrics()
+                .slot_seconds
+                .get_or_create(&[("use", schemas::metrics::slot_use(held))])
+                .inc_by(held_ms / 1000.0);
+            let kind = EventKind::SlotReleased { host: self.env.host_id.clone(), slot: index, held_ms, reason: held };
+            self.session_event(session, kind, ctx);
+        }
     }
 
     /// Stop a worker process; it is Evicted from now on, so the status published
@@ -286,7 +289,7 @@ impl Host {
 
     // ---------------------------------------------------------------- routing
 
-    fn on_recipe(&mut self, recipe: RecipeV2, ctx: &mut Context<Self>) {
+    fn on_recipe(&mut self, recipe: RecipeV3, ctx: &mut Context<Self>) {
         if self.env.stopping.load(std::sync::atomic::Ordering::SeqCst) {
             return; // a stopping host takes nothing new; other hosts will
         }
@@ -308,10 +311,10 @@ impl Host {
                 Some(k) => Target::Existing {
                     worker: k.worker.clone(),
                     prepare: if k.persistent { Prepare::Persistent } else { Prepare::Pinned },
-                    slot: k.slot,
+                    slots: k.slots.clone(),
                 },
                 // gone: the execution fails naming the variable and its cell
-                None => Target::Fresh { slot: None },
+                None => Target::Fresh { slots: vec![] },
             };
             self.claim_run_then_exec(recipe, target, ctx);
             return;
@@ -319,7 +322,8 @@ impl Host {
         match recipe.device {
             Device::Cpu => self.claim_cpu(recipe, ctx),
             Device::Gpu => {
-                if self.slots.is_empty() {
+                // a `%%gpu N` cell runs only on a host with N slots
+                if self.slots.len() < recipe.gpus.max(1) {
                     return;
                 }
                 let key = (recipe.session, recipe.cell_id.clone());
@@ -336,9 +340,9 @@ impl Host {
                         return;
                     }
                 }
-                match self.slots.free() {
-                    Some(index) => self.claim_gpu(recipe, index, ctx),
-                    None if self.prepared.to_give_up().is_some() => self.claim_then_evict(recipe, ctx),
+                match self.slots.free(recipe.gpus.max(1)) {
+                    Some(slots) => self.claim_gpu(recipe, slots, ctx),
+                    None if self.can_free(recipe.gpus.max(1)) => self.claim_then_evict(recipe, ctx),
                     None => self.pending.push_back(recipe),
                 }
             }
@@ -347,17 +351,17 @@ impl Host {
 
     // ---------------------------------------------------------------- runs
 
-    fn claim_gpu(&mut self, recipe: RecipeV2, index: u32, ctx: &mut Context<Self>) {
-        // scored before the slot is reserved: a free slot is what this host offers
+    fn claim_gpu(&mut self, recipe: RecipeV3, slots: Vec<u32>, ctx: &mut Context<Self>) {
+        // scored before the slots are reserved: free slots are what this host offers
         let (delay, score) = self.claim_delay(&recipe);
-        self.slots.take(index, SlotState::Claiming(Some(recipe.exec_id)));
+        self.slots.take(&slots, SlotState::Claiming(Some(recipe.exec_id)));
         self.claim(ClaimKey::Run(recipe.exec_id), delay, ctx, move |act, claim, ctx| {
             act.publish_bid(recipe.exec_id, score, delay, claim == Claim::Won, ctx);
             if claim == Claim::Won {
-                act.slots.hand_on(index, SlotState::Busy { exec: recipe.exec_id, session: recipe.session });
-                act.spawn_exec(recipe, Target::Fresh { slot: Some(index) }, ctx);
+                act.slots.hand_on(&slots, SlotState::Busy { exec: recipe.exec_id, session: recipe.session });
+                act.spawn_exec(recipe, Target::Fresh { slots }, ctx);
             } else {
-                act.slots.unreserve(index);
+                act.slots.unreserve(&slots);
                 if claim == Claim::Failed {
                     act.retry_failed_claim(recipe, ctx);
                 }
@@ -367,9 +371,9 @@ impl Host {
         });
     }
 
-    /// No slot free, but an idle prepared worker could give one up: claim first
+    /// Too few slots free, but idle prepared workers could give theirs up: claim first
     /// (with the longest delay, as a full host), evict only if this host won.
-    fn claim_then_evict(&mut self, recipe: RecipeV2, ctx: &mut Context<Self>) {
+    fn claim_then_evict(&mut self, recipe: RecipeV3, ctx: &mut Context<Self>) {
         let (delay, score) = self.claim_delay(&recipe);
         self.claim(ClaimKey::Run(recipe.exec_id), delay, ctx, move |act, claim, ctx| {
             act.publish_bid(recipe.exec_id, score, delay, claim == Claim::Won, ctx);
@@ -381,16 +385,16 @@ impl Host {
         });
     }
 
-    fn claim_cpu(&mut self, recipe: RecipeV2, ctx: &mut Context<Self>) {
+    fn claim_cpu(&mut self, recipe: RecipeV3, ctx: &mut Context<Self>) {
         if let Some(k) = self.kept.cpu_worker(recipe.session) {
-            let target = Target::Existing { worker: k.worker.clone(), prepare: Prepare::Persistent, slot: None };
+            let target = Target::Existing { worker: k.worker.clone(), prepare: Prepare::Persistent, slots: vec![] };
             self.claim_run_then_exec(recipe, target, ctx);
             return;
         }
         // mine already when the session's CPU worker died and this host restarts it
         self.claim(ClaimKey::Cpu(recipe.session), Duration::ZERO, ctx, move |act, claim, ctx| {
             match claim {
-                Claim::Won | Claim::Mine => act.claim_run_then_exec(recipe, Target::Fresh { slot: None }, ctx),
+                Claim::Won | Claim::Mine => act.claim_run_then_exec(recipe, Target::Fresh { slots: vec![] }, ctx),
                 // the session's CPU worker lives on another host; should that host
                 // be lost before it claims the run, this one takes over (on a tick)
                 Claim::Lost => act.cpu_waiting.push((Instant::now(), recipe)),
@@ -403,7 +407,7 @@ impl Host {
     /// worker pinned for its state) still claims its run key like every other run:
     /// nothing starts an execution twice, and one the user interrupted before any
     /// host claimed it (the frontend claims it then) never starts.
-    fn claim_run_then_exec(&mut self, recipe: RecipeV2, target: Target, ctx: &mut Context<Self>) {
+    fn claim_run_then_exec(&mut self, recipe: RecipeV3, target: Target, ctx: &mut Context<Self>) {
         self.claim(ClaimKey::Run(recipe.exec_id), Duration::ZERO, ctx, move |act, claim, ctx| match claim {
             Claim::Won => act.spawn_exec(recipe, target, ctx),
             Claim::Failed => act.retry_failed_claim(recipe, ctx),
@@ -431,7 +435,7 @@ impl Host {
     /// is known to hold it, and it is no other host's to run. Route it again
     /// shortly, for as long as this host remembers its arrival (past that, the
     /// frontend has given up on it and holds its claim).
-    fn retry_failed_claim(&mut self, recipe: RecipeV2, ctx: &mut Context<Self>) {
+    fn retry_failed_claim(&mut self, recipe: RecipeV3, ctx: &mut Context<Self>) {
         let exec = recipe.exec_id;
         if self.arrived.get(&exec).is_none_or(|a| a.at.elapsed() >= ARRIVAL_MEMORY) {
             tracing::warn!(%exec, "gave up a run whose claim kept failing");
@@ -441,25 +445,25 @@ impl Host {
         ctx.run_later(CLAIM_RETRY, move |act, ctx| act.on_recipe(recipe, ctx));
     }
 
-    /// A run this host claimed without a prepared worker: a free slot, or an idle
-    /// prepared worker's slot, or wait for one.
-    fn run_won(&mut self, recipe: RecipeV2, ctx: &mut Context<Self>) {
-        match self.slots.free().or_else(|| self.evict_for_slot(ctx)) {
-            Some(index) => {
-                self.slots.take(index, SlotState::Busy { exec: recipe.exec_id, session: recipe.session });
-                self.spawn_exec(recipe, Target::Fresh { slot: Some(index) }, ctx);
+    /// A run this host claimed without a prepared worker: free slots, or idle
+    /// prepared workers' slots, or wait for them.
+    fn run_won(&mut self, recipe: RecipeV3, ctx: &mut Context<Self>) {
+        match self.take_slots(recipe.gpus.max(1), ctx) {
+            Some(slots) => {
+                self.slots.take(&slots, SlotState::Busy { exec: recipe.exec_id, session: recipe.session });
+                self.spawn_exec(recipe, Target::Fresh { slots }, ctx);
             }
             None => self.won.push_back(recipe),
         }
         self.publish_status(ctx);
     }
 
-    fn spawn_exec(&mut self, recipe: RecipeV2, target: Target, ctx: &mut Context<Self>) {
+    fn spawn_exec(&mut self, recipe: RecipeV3, target: Target, ctx: &mut Context<Self>) {
         let env = self.env.clone();
         let kind = match &target {
-            Target::Fresh { slot } => ExecKind::Fresh { slot: *slot },
-            Target::Existing { prepare: Prepare::Speculative | Prepare::Warm, slot: Some(slot), .. } => {
-                ExecKind::Prepared { slot: *slot }
+            Target::Fresh { slots } => ExecKind::Fresh { slots: slots.clone() },
+            Target::Existing { prepare: Prepare::Speculative | Prepare::Warm, slots, .. } if !slots.is_empty() => {
+                ExecKind::Prepared { slots: slots.clone() }
             }
             Target::Existing { worker, .. } => ExecKind::Existing { worker: worker.clone() },
         };
@@ -499,31 +503,31 @@ impl Host {
         match kind {
             // a prepared worker ends like a fresh one: its slot goes free, stays
             // pinned for unsavable state, or stays with the worker kept warm
-            ExecKind::Fresh { slot: Some(index) } | ExecKind::Prepared { slot: index } => match outcome.worker {
+            ExecKind::Fresh { slots } | ExecKind::Prepared { slots } if !slots.is_empty() => match outcome.worker {
                 Some(worker) if !outcome.unsavable.is_empty() => {
                     let id = worker_id(&worker);
                     tracing::info!(worker = %id, unsavable = ?outcome.unsavable, "keeping the worker for unsavable state");
                     self.enter(&id, WorkerState::Kept);
-                    self.slots.hand_on(index, SlotState::Pinned { worker: id.clone(), session });
-                    self.kept.keep(id, KeptWorker { worker, session, slot: Some(index), persistent: false });
+                    self.slots.hand_on(&slots, SlotState::Pinned { worker: id.clone(), session });
+                    self.kept.keep(id, KeptWorker { worker, session, slots, persistent: false });
                 }
                 Some(worker) if self.keep_warm && !self.prepared.contains(&(session, cell_id.to_string())) => {
-                    self.keep_warm_worker(session, cell_id, worker, index, ctx);
+                    self.keep_warm_worker(session, cell_id, worker, slots, ctx);
                 }
                 worker => {
                     if let Some(w) = worker {
                         self.stop_worker(w, ctx);
                     }
-                    self.release_slot(index, session, SlotUse::Cell, ctx);
+                    self.release_slots(&slots, session, SlotUse::Cell, ctx);
                 }
             },
-            ExecKind::Fresh { slot: None } => {
+            ExecKind::Fresh { .. } | ExecKind::Prepared { .. } => {
                 if let Some(worker) = outcome.worker {
                     let id = worker_id(&worker);
                     let persistent = device == Device::Cpu;
                     if persistent || !outcome.unsavable.is_empty() {
                         self.enter(&id, WorkerState::Kept);
-                        self.kept.keep(id, KeptWorker { worker, session, slot: None, persistent });
+                        self.kept.keep(id, KeptWorker { worker, session, slots: vec![], persistent });
                     } else {
                         self.stop_worker(worker, ctx);
                     }
@@ -555,31 +559,35 @@ impl Host {
         if let Some(w) = running {
             self.stop_worker(w, ctx);
         }
-        if let Some(index) = k.slot {
-            self.release_slot(index, k.session, SlotUse::UnsavableState, ctx);
-        }
+        self.release_slots(&k.slots, k.session, SlotUse::UnsavableState, ctx);
     }
 
-    /// Start the runs that wait for a slot: prepared workers' runs first, then runs
-    /// this host claimed, then runs it may still claim, then preparations.
+    /// Start the runs that wait for slots: prepared workers' runs first, then runs
+    /// this host claimed, then runs it may still claim, then preparations. Each
+    /// queue goes in order: a `%%gpu N` run at its head waits for N free slots
+    /// rather than be overtaken for ever by one-slot runs.
     fn try_pending(&mut self, ctx: &mut Context<Self>) {
-        while self.slots.free().is_some() {
-            let Some(key) = self.waiting_prepared.pop_front() else { break };
+        while let Some(key) = self.waiting_prepared.front().cloned() {
+            let needs = self.prepared.get(&key).and_then(PreparedWorker::awaiting_gpus);
+            if needs.is_some_and(|n| self.slots.free_count() < n) {
+                break;
+            }
+            self.waiting_prepared.pop_front();
             if let Some(run) = self.prepared.get_mut(&key).and_then(PreparedWorker::take_awaiting_run) {
                 self.run_prepared(key, run, ctx);
             }
         }
-        while self.slots.free().is_some() {
+        while self.won.front().is_some_and(|r| self.slots.free_count() >= r.gpus.max(1)) {
             let Some(recipe) = self.won.pop_front() else { break };
             self.run_won(recipe, ctx);
         }
-        while let Some(index) = self.slots.free() {
+        while let Some(slots) = self.pending.front().and_then(|r| self.slots.free(r.gpus.max(1))) {
             let Some(recipe) = self.pending.pop_front() else { break };
-            self.claim_gpu(recipe, index, ctx);
+            self.claim_gpu(recipe, slots, ctx);
         }
-        // then preparations that waited briefly for a slot; older ones are stale
+        // then preparations that waited briefly for slots; older ones are stale
         self.spec_waiting.retain(|(at, _)| at.elapsed() < SPEC_WAIT);
-        while self.slots.free().is_some() {
+        while self.spec_waiting.front().is_some_and(|(_, r)| self.slots.free_count() >= r.gpus.max(1)) {
             let Some((_, recipe)) = self.spec_waiting.pop_front() else { break };
             self.on_edit_recipe(recipe, ctx);
         }
@@ -589,7 +597,7 @@ impl Host {
 
     /// An edit-derived recipe: prepare a worker for it if the speculator admitted
     /// it and a slot is free, or update the worker this host prepared for the cell.
-    fn on_edit_recipe(&mut self, recipe: RecipeV2, ctx: &mut Context<Self>) {
+    fn on_edit_recipe(&mut self, recipe: RecipeV3, ctx: &mut Context<Self>) {
         let key = (recipe.session, recipe.cell_id.clone());
         if recipe.device != Device::Gpu || recipe.pinned.is_some() {
             // The cell no longer runs on a fresh GPU worker (now a CPU cell, or it
@@ -600,7 +608,7 @@ impl Host {
             self.cancel_prepared(&key, recipe.revision, ctx);
             return;
         }
-        if !recipe.speculate || self.slots.is_empty() {
+        if !recipe.speculate || self.slots.len() < recipe.gpus.max(1) {
             return;
         }
         if let Some(p) = self.prepared.get_mut(&key) {
@@ -653,30 +661,28 @@ impl Host {
 
     /// Claim the preparation of `recipe` (exactly one host prepares a revision),
     /// holding a free slot meanwhile if the preparation needs one.
-    fn claim_preparation(&mut self, recipe: RecipeV2, needs_slot: bool, ctx: &mut Context<Self>) {
+    fn claim_preparation(&mut self, recipe: RecipeV3, needs_slot: bool, ctx: &mut Context<Self>) {
         let key = (recipe.session, recipe.cell_id.clone());
         if self.prepared.contains(&key) {
             return self.on_edit_recipe(recipe, ctx); // one got prepared meanwhile: update it
         }
-        let slot = if needs_slot {
-            let Some(index) = self.slots.free() else {
+        let slots = if needs_slot {
+            let Some(slots) = self.slots.free(recipe.gpus.max(1)) else {
                 self.spec_waiting.retain(|(_, r)| (r.session, &r.cell_id) != (key.0, &key.1));
                 self.spec_waiting.push_back((Instant::now(), recipe));
                 return;
             };
-            self.slots.take(index, SlotState::Claiming(None));
-            Some(index)
+            self.slots.take(&slots, SlotState::Claiming(None));
+            slots
         } else {
-            None
+            vec![]
         };
         let (delay, _) = self.claim_delay(&recipe);
         let claim_key =
             ClaimKey::Prepare { session: recipe.session, cell_id: recipe.cell_id.clone(), revision: recipe.revision };
         self.claim(claim_key, delay, ctx, move |act, claim, ctx| {
             if claim != Claim::Won || act.prepared.contains(&key) {
-                if let Some(index) = slot {
-                    act.slots.unreserve(index);
-                }
+                act.slots.unreserve(&slots);
                 if claim == Claim::Won {
                     // an older revision of the cell got a worker meanwhile: update that one
                     act.on_edit_recipe(recipe, ctx);
@@ -684,23 +690,21 @@ impl Host {
                 act.try_pending(ctx);
                 return;
             }
-            if let Some(index) = slot {
-                act.slots.take(index, SlotState::Prepared { session: key.0, cell_id: key.1.clone() });
-            }
-            act.prepared.insert(key.clone(), PreparedWorker::speculative(slot, recipe.revision));
+            act.slots.take(&slots, SlotState::Prepared { session: key.0, cell_id: key.1.clone() });
+            act.prepared.insert(key.clone(), PreparedWorker::speculative(slots, recipe.revision));
             act.start_prepare(key, recipe, ctx);
             act.publish_status(ctx);
         });
     }
 
     /// Fork (or update in place) the prepared worker of `key` for `recipe`.
-    fn start_prepare(&mut self, key: PrepKey, recipe: RecipeV2, ctx: &mut Context<Self>) {
+    fn start_prepare(&mut self, key: PrepKey, recipe: RecipeV3, ctx: &mut Context<Self>) {
         let Some(p) = self.prepared.get_mut(&key) else { return };
         p.begin(recipe.revision);
-        let (env, existing, slot) = (self.env.clone(), p.worker.clone(), p.slot);
+        let (env, existing, slots) = (self.env.clone(), p.worker.clone(), p.slots.clone());
         let span = tracing::info_span!("prepare", session = %key.0, cell = %key.1, revision = recipe.revision);
         p.span = span.clone();
-        let fut = tracing::Instrument::instrument(async move { env.prepare(&recipe, slot, existing).await }, span);
+        let fut = tracing::Instrument::instrument(async move { env.prepare(&recipe, &slots, existing).await }, span);
         ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| act.prepare_done(key, res, ctx)));
     }
 
@@ -743,7 +747,7 @@ impl Host {
         }
         let ev = EventKind::Ready {
             host: self.env.host_id.clone(),
-            slot: p.slot,
+            slot: p.slots.first().copied(),
             worker: p.worker_id.clone(),
             pid,
             cell_id: key.1.clone(),
@@ -760,7 +764,7 @@ impl Host {
 
     /// A run for a cell this host prepared: claim it at once (no delay: the
     /// prepared worker makes this host the best place).
-    fn claim_prepared_run(&mut self, key: PrepKey, recipe: RecipeV2, ctx: &mut Context<Self>) {
+    fn claim_prepared_run(&mut self, key: PrepKey, recipe: RecipeV3, ctx: &mut Context<Self>) {
         self.claim(ClaimKey::Run(recipe.exec_id), Duration::ZERO, ctx, move |act, claim, ctx| {
             match claim {
                 Claim::Won => {}
@@ -777,7 +781,7 @@ impl Host {
 
     /// Run a claimed recipe on the worker prepared for its cell, binding a slot
     /// now if it was prepared without one.
-    fn run_prepared(&mut self, key: PrepKey, recipe: RecipeV2, ctx: &mut Context<Self>) {
+    fn run_prepared(&mut self, key: PrepKey, recipe: RecipeV3, ctx: &mut Context<Self>) {
         let Some(mut p) = self.prepared.remove(&key) else { return self.run_won(recipe, ctx) };
         let alive = p.worker.as_ref().is_some_and(|w| w.try_lock().is_ok_and(|w| crate::process::is_alive(w.pid)));
         let Some(worker) = p.worker.clone().filter(|_| alive) else {
@@ -787,34 +791,33 @@ impl Host {
             return self.run_won(recipe, ctx);
         };
         let busy = SlotState::Busy { exec: recipe.exec_id, session: recipe.session };
-        let index = match p.slot {
-            Some(index) => {
-                self.slots.hand_on(index, busy);
-                index
-            }
-            None => match self.slots.free().or_else(|| self.evict_for_slot(ctx)) {
-                Some(index) => {
-                    self.slots.take(index, busy);
-                    index
+        let slots = if p.slots.is_empty() {
+            match self.take_slots(recipe.gpus.max(1), ctx) {
+                Some(slots) => {
+                    self.slots.take(&slots, busy);
+                    slots
                 }
                 None => {
-                    // every slot runs a cell: wait for one with the worker
+                    // every slot runs a cell: wait for them with the worker
                     p.phase = Phase::AwaitingSlot { run: Box::new(recipe) };
                     self.prepared.insert(key.clone(), p);
                     self.waiting_prepared.push_back(key);
                     return;
                 }
-            },
+            }
+        } else {
+            self.slots.hand_on(&p.slots, busy);
+            p.slots.clone()
         };
         self.prepared_ended(key, &p, PreparedOutcome::Used, ctx);
         if let Some(a) = self.arrived.get_mut(&recipe.exec_id) {
             a.prepared_by = Some(p.span.clone());
         }
         let prepare = if p.class == PreparedClass::Warm { Prepare::Warm } else { Prepare::Speculative };
-        self.spawn_exec(recipe, Target::Existing { worker, prepare, slot: Some(index) }, ctx);
+        self.spawn_exec(recipe, Target::Existing { worker, prepare, slots }, ctx);
     }
 
-    /// Keep the worker that just ran `cell_id` warm, with its slot (it may hold a
+    /// Keep the worker that just ran `cell_id` warm, with its slots (it may hold a
     /// CUDA context): a re-run of the cell finds it ready. The slot time of the cell
     /// ends here; waiting counts as the warm worker's idle time.
     fn keep_warm_worker(
@@ -822,18 +825,19 @@ impl Host {
         session: Uuid,
         cell_id: &str,
         worker: Arc<Mutex<WorkerProc>>,
-        index: u32,
+        slots: Vec<u32>,
         ctx: &mut Context<Self>,
     ) {
-        self.release_slot(index, session, SlotUse::Cell, ctx);
-        self.slots.take(index, SlotState::Prepared { session, cell_id: cell_id.to_string() });
+        self.release_slots(&slots, session, SlotUse::Cell, ctx);
+        self.slots.take(&slots, SlotState::Prepared { session, cell_id: cell_id.to_string() });
         let worker_id = worker_id(&worker);
         self.enter(&worker_id, WorkerState::Warm);
         let pid = worker.try_lock().map(|w| w.pid).unwrap_or(0);
-        self.prepared.insert((session, cell_id.to_string()), PreparedWorker::warm(worker, worker_id.clone(), index));
+        let first = slots.first().copied();
+        self.prepared.insert((session, cell_id.to_string()), PreparedWorker::warm(worker, worker_id.clone(), slots));
         let ev = EventKind::Ready {
             host: self.env.host_id.clone(),
-            slot: Some(index),
+            slot: first,
             worker: worker_id,
             pid,
             cell_id: cell_id.to_string(),
@@ -844,26 +848,42 @@ impl Host {
         self.session_event(session, ev, ctx);
     }
 
-    /// Free a slot by stopping an idle prepared worker that holds one.
-    fn evict_for_slot(&mut self, ctx: &mut Context<Self>) -> Option<u32> {
-        let key = self.prepared.to_give_up()?;
-        let slot = self.prepared.get(&key)?.slot?;
-        self.end_prepared(&key, PreparedOutcome::EvictedForRun, ctx);
-        Some(slot)
+    /// Whether `n` slots are free, or would be once idle prepared workers gave
+    /// theirs up.
+    fn can_free(&self, n: u32) -> bool {
+        self.slots.free_count() + self.prepared.idle_slots() >= n
     }
 
-    /// Stop a prepared worker and free its slot; `outcome` says why.
+    /// `n` free slots for a run this host holds, stopping idle prepared workers
+    /// for theirs if too few are free (none is stopped unless that makes enough).
+    /// The caller takes them at once.
+    fn take_slots(&mut self, n: u32, ctx: &mut Context<Self>) -> Option<Vec<u32>> {
+        if !self.can_free(n) {
+            return None;
+        }
+        while self.slots.free_count() < n {
+            let key = self.prepared.to_give_up()?;
+            // not `end_prepared`: the freed slots must not go to another queued run
+            self.remove_prepared(&key, PreparedOutcome::EvictedForRun, ctx);
+        }
+        self.slots.free(n)
+    }
+
+    /// Stop a prepared worker and free its slots; `outcome` says why.
     fn end_prepared(&mut self, key: &PrepKey, outcome: PreparedOutcome, ctx: &mut Context<Self>) {
+        self.remove_prepared(key, outcome, ctx);
+        self.try_pending(ctx);
+        self.publish_status(ctx);
+    }
+
+    /// `end_prepared` without handing the freed slots on.
+    fn remove_prepared(&mut self, key: &PrepKey, outcome: PreparedOutcome, ctx: &mut Context<Self>) {
         let Some(p) = self.prepared.remove(key) else { return };
         if let Some(w) = p.worker.clone() {
             self.stop_worker(w, ctx);
         }
-        if let Some(index) = p.slot {
-            self.release_slot(index, key.0, SlotUse::Speculation, ctx);
-        }
+        self.release_slots(&p.slots, key.0, SlotUse::Speculation, ctx);
         self.prepared_ended(key.clone(), &p, outcome, ctx);
-        self.try_pending(ctx);
-        self.publish_status(ctx);
     }
 
     fn prepared_ended(&mut self, key: PrepKey, p: &PreparedWorker, outcome: PreparedOutcome, ctx: &mut Context<Self>) {
@@ -876,7 +896,7 @@ impl Host {
             .inc();
         let ev = EventKind::PreparedEnded {
             host: self.env.host_id.clone(),
-            slot: p.slot,
+            slot: p.slots.first().copied(),
             worker: p.worker_id.clone(),
             cell_id: key.1,
             class: p.class,
@@ -935,9 +955,7 @@ impl Host {
     fn stop_kept(&mut self, session: Uuid, ctx: &mut Context<Self>) {
         for k in self.kept.remove_session(session) {
             self.stop_worker(k.worker, ctx);
-            if let Some(index) = k.slot {
-                self.release_slot(index, session, SlotUse::UnsavableState, ctx);
-            }
+            self.release_slots(&k.slots, session, SlotUse::UnsavableState, ctx);
         }
         let claims = self.claims.clone();
         self.background(async move { claims.release(ClaimKey::Cpu(session)).await }, ctx);
@@ -1014,7 +1032,7 @@ impl Host {
 }
 
 /// Whether any object the closure of `recipe` reaches lives on a GPU.
-fn closure_on_gpu(m: &schemas::checkpoint::Manifest, recipe: &RecipeV2) -> bool {
+fn closure_on_gpu(m: &schemas::checkpoint::Manifest, recipe: &RecipeV3) -> bool {
     let roots = recipe.closure.iter().filter_map(|v| m.variables.get(&v.name).and_then(|e| e.oid.as_deref()));
     m.reachable(roots).iter().any(|oid| m.objects.get(oid).is_some_and(|o| o.on_gpu))
 }
@@ -1050,8 +1068,8 @@ impl Actor for Host {
     }
 }
 
-impl StreamHandler<Result<Envelope<RecipeV2>, Rejected>> for Host {
-    fn handle(&mut self, item: Result<Envelope<RecipeV2>, Rejected>, ctx: &mut Self::Context) {
+impl StreamHandler<Result<Envelope<RecipeV3>, Rejected>> for Host {
+    fn handle(&mut self, item: Result<Envelope<RecipeV3>, Rejected>, ctx: &mut Self::Context) {
         if let Ok(env) = item {
             let _span = env.span("host.recipe").entered();
             // the planner delivers runs' recipes (Bus::deliver): say this host heard it

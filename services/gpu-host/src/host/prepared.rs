@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use schemas::messages::{PreparedClass, PreparedOutcome, RecipeV2};
+use schemas::messages::{PreparedClass, PreparedOutcome, RecipeV3};
 use tokio::sync::Mutex;
 use uuid::Uuid;
 
@@ -33,9 +33,9 @@ pub enum Phase {
     /// Being forked (its first preparation) or brought to a newer recipe.
     Preparing {
         /// A newer recipe that arrived meanwhile: applied next, in place.
-        next: Option<Box<RecipeV2>>,
+        next: Option<Box<RecipeV3>>,
         /// A run this host claimed meanwhile: runs on it once prepared.
-        run: Option<Box<RecipeV2>>,
+        run: Option<Box<RecipeV3>>,
         /// Stopped meanwhile: ends once the preparation returns.
         stop: Option<PreparedOutcome>,
     },
@@ -44,7 +44,7 @@ pub enum Phase {
     /// A run this host claimed waits with it for a slot (it was prepared without one).
     AwaitingSlot {
         /// The run.
-        run: Box<RecipeV2>,
+        run: Box<RecipeV3>,
     },
 }
 
@@ -54,9 +54,10 @@ pub struct PreparedWorker {
     pub worker: Option<Arc<Mutex<WorkerProc>>>,
     /// Its id (empty until forked).
     pub worker_id: String,
-    /// The GPU slot it holds: only if its closure has GPU-resident state (or the
-    /// host prepares every worker with its slot); others get a slot at Run.
-    pub slot: Option<u32>,
+    /// The GPU slots it holds (the cell's `gpus`): only if its closure has
+    /// GPU-resident state (or the host prepares every worker with its slots);
+    /// others get their slots at Run.
+    pub slots: Vec<u32>,
     /// The recipe revision it was (or is being) prepared for (0: kept warm).
     pub revision: u64,
     /// Speculative or warm.
@@ -71,11 +72,11 @@ pub struct PreparedWorker {
 
 impl PreparedWorker {
     /// A worker about to be forked for an edit-derived recipe.
-    pub fn speculative(slot: Option<u32>, revision: u64) -> Self {
+    pub fn speculative(slots: Vec<u32>, revision: u64) -> Self {
         Self {
             worker: None,
             worker_id: String::new(),
-            slot,
+            slots,
             revision,
             class: PreparedClass::Speculative,
             first_ready: None,
@@ -84,12 +85,12 @@ impl PreparedWorker {
         }
     }
 
-    /// The worker that just ran its cell, kept warm with its slot.
-    pub fn warm(worker: Arc<Mutex<WorkerProc>>, worker_id: String, slot: u32) -> Self {
+    /// The worker that just ran its cell, kept warm with its slots.
+    pub fn warm(worker: Arc<Mutex<WorkerProc>>, worker_id: String, slots: Vec<u32>) -> Self {
         Self {
             worker: Some(worker),
             worker_id,
-            slot: Some(slot),
+            slots,
             revision: 0,
             class: PreparedClass::Warm,
             first_ready: Some(Instant::now()),
@@ -124,7 +125,7 @@ impl PreparedWorker {
 
     /// Ready and holding a slot that a run could have instead.
     pub fn idle_on_slot(&self) -> bool {
-        matches!(self.phase, Phase::Ready) && self.worker.is_some() && self.slot.is_some()
+        matches!(self.phase, Phase::Ready) && self.worker.is_some() && !self.slots.is_empty()
     }
 
     /// Milliseconds it spent ready and unused.
@@ -140,14 +141,14 @@ impl PreparedWorker {
     }
 
     /// While preparing: apply `recipe` next, in place.
-    pub fn queue_next(&mut self, recipe: RecipeV2) {
+    pub fn queue_next(&mut self, recipe: RecipeV3) {
         if let Phase::Preparing { next, .. } = &mut self.phase {
             *next = Some(Box::new(recipe));
         }
     }
 
     /// While preparing: run `recipe` on it once prepared (nothing newer applies).
-    pub fn queue_run(&mut self, recipe: RecipeV2) {
+    pub fn queue_run(&mut self, recipe: RecipeV3) {
         if let Phase::Preparing { next, run, .. } = &mut self.phase {
             *next = None;
             *run = Some(Box::new(recipe));
@@ -163,15 +164,23 @@ impl PreparedWorker {
     }
 
     /// The preparation returned: what was waiting for it, and the phase is Ready.
-    pub fn prepared(&mut self) -> (Option<RecipeV2>, Option<RecipeV2>, Option<PreparedOutcome>) {
+    pub fn prepared(&mut self) -> (Option<RecipeV3>, Option<RecipeV3>, Option<PreparedOutcome>) {
         match std::mem::replace(&mut self.phase, Phase::Ready) {
             Phase::Preparing { next, run, stop } => (next.map(|r| *r), run.map(|r| *r), stop),
             Phase::Ready | Phase::AwaitingSlot { .. } => (None, None, None),
         }
     }
 
+    /// The slots the run waiting with it needs, if one waits.
+    pub fn awaiting_gpus(&self) -> Option<u32> {
+        match &self.phase {
+            Phase::AwaitingSlot { run } => Some(run.gpus.max(1)),
+            _ => None,
+        }
+    }
+
     /// The run waiting for a slot, if any (the phase goes back to Ready).
-    pub fn take_awaiting_run(&mut self) -> Option<RecipeV2> {
+    pub fn take_awaiting_run(&mut self) -> Option<RecipeV3> {
         match std::mem::replace(&mut self.phase, Phase::Ready) {
             Phase::AwaitingSlot { run } => Some(*run),
             other => {
@@ -232,6 +241,12 @@ impl PreparedWorkers {
             .map(|(k, _)| k.clone())
     }
 
+    /// The slots idle prepared workers hold: what giving them all up would free.
+    pub fn idle_slots(&self) -> u32 {
+        let n: usize = self.0.values().filter(|p| p.idle_on_slot()).map(|p| p.slots.len()).sum();
+        u32::try_from(n).unwrap_or(u32::MAX)
+    }
+
     /// Ready workers whose process is gone.
     pub fn dead(&self) -> Vec<PrepKey> {
         self.0
@@ -265,8 +280,8 @@ mod tests {
     use super::*;
     use schemas::messages::{Device, RecipeKind, SessionOptions};
 
-    fn recipe(revision: u64) -> RecipeV2 {
-        RecipeV2 {
+    fn recipe(revision: u64) -> RecipeV3 {
+        RecipeV3 {
             session: Uuid::nil(),
             cell_id: "c".into(),
             kind: RecipeKind::Speculative,
@@ -277,6 +292,7 @@ mod tests {
             closure: vec![],
             imports: vec![],
             device: Device::Gpu,
+            gpus: 1,
             device_reason: String::new(),
             conservative: None,
             pinned: None,
@@ -291,7 +307,7 @@ mod tests {
 
     #[test]
     fn what_arrives_while_preparing_waits_in_the_phase() {
-        let mut p = PreparedWorker::speculative(Some(0), 1);
+        let mut p = PreparedWorker::speculative(vec![0], 1);
         assert!(p.is_preparing() && !p.run_claimed() && !p.stopping());
         p.queue_next(recipe(2));
         p.queue_run(recipe(3));
@@ -301,7 +317,7 @@ mod tests {
         assert_eq!(run.map(|r| r.revision), Some(3));
         assert!(stop.is_none() && !p.is_preparing());
 
-        let mut p = PreparedWorker::speculative(None, 1);
+        let mut p = PreparedWorker::speculative(vec![], 1);
         p.queue_next(recipe(2));
         p.stop_when_prepared(PreparedOutcome::Evicted);
         assert!(p.stopping());
@@ -310,7 +326,7 @@ mod tests {
 
     #[test]
     fn a_run_waiting_for_a_slot_is_taken_once_and_only_ready_slot_holders_are_given_up() {
-        let mut p = PreparedWorker::speculative(None, 1);
+        let mut p = PreparedWorker::speculative(vec![], 1);
         let _ = p.prepared();
         assert!(!p.idle_on_slot(), "no worker and no slot");
         p.phase = Phase::AwaitingSlot { run: Box::new(recipe(4)) };

@@ -60,9 +60,21 @@ impl Slots {
         self.0.is_empty()
     }
 
-    /// A free slot's index.
-    pub fn free(&self) -> Option<u32> {
-        self.0.iter().find(|s| s.state == SlotState::Free).map(|s| s.gpu.index)
+    /// How many slots this host has.
+    pub fn len(&self) -> u32 {
+        u32::try_from(self.0.len()).unwrap_or(u32::MAX)
+    }
+
+    /// How many slots are free.
+    pub fn free_count(&self) -> u32 {
+        u32::try_from(self.0.iter().filter(|s| s.state == SlotState::Free).count()).unwrap_or(u32::MAX)
+    }
+
+    /// `n` free slots' indices (a `%%gpu N` cell's), or None if fewer are free.
+    pub fn free(&self, n: u32) -> Option<Vec<u32>> {
+        let free: Vec<u32> =
+            self.0.iter().filter(|s| s.state == SlotState::Free).map(|s| s.gpu.index).take(n as usize).collect();
+        (free.len() == n as usize).then_some(free)
     }
 
     /// The share of slots that are free, 0..=1 (0 with no slots).
@@ -75,19 +87,23 @@ impl Slots {
         self.0.iter_mut().find(|s| s.gpu.index == index)
     }
 
-    /// Take slot `index` for a new holder: its held time starts now.
-    pub fn take(&mut self, index: u32, state: SlotState) {
-        if let Some(s) = self.get(index) {
-            s.state = state;
-            s.since = Instant::now();
+    /// Take `slots` for a new holder: their held time starts now.
+    pub fn take(&mut self, slots: &[u32], state: SlotState) {
+        for index in slots {
+            if let Some(s) = self.get(*index) {
+                s.state = state.clone();
+                s.since = Instant::now();
+            }
         }
     }
 
-    /// Hand slot `index` on to the next step of the same holder (a claimed run
-    /// starts, a prepared worker runs its cell): its held time goes on.
-    pub fn hand_on(&mut self, index: u32, state: SlotState) {
-        if let Some(s) = self.get(index) {
-            s.state = state;
+    /// Hand `slots` on to the next step of the same holder (a claimed run starts,
+    /// a prepared worker runs its cell): their held time goes on.
+    pub fn hand_on(&mut self, slots: &[u32], state: SlotState) {
+        for index in slots {
+            if let Some(s) = self.get(*index) {
+                s.state = state.clone();
+            }
         }
     }
 
@@ -98,10 +114,12 @@ impl Slots {
         Some(s.since.elapsed().as_secs_f64() * 1000.0)
     }
 
-    /// Give up a reservation without counting it as held (a claim lost).
-    pub fn unreserve(&mut self, index: u32) {
-        if let Some(s) = self.get(index) {
-            s.state = SlotState::Free;
+    /// Give up a reservation of `slots` without counting it as held (a claim lost).
+    pub fn unreserve(&mut self, slots: &[u32]) {
+        for index in slots {
+            if let Some(s) = self.get(*index) {
+                s.state = SlotState::Free;
+            }
         }
     }
 
@@ -163,19 +181,35 @@ mod tests {
     #[test]
     fn slots_are_taken_and_released_by_index() {
         let mut s = slots(2);
-        assert_eq!((s.free(), s.free_share()), (Some(0), 1.0));
+        assert_eq!((s.free(1), s.free_share()), (Some(vec![0]), 1.0));
         let (exec, session) = (Uuid::now_v7(), Uuid::now_v7());
-        s.take(0, SlotState::Claiming(Some(exec)));
-        assert_eq!((s.free(), s.free_share()), (Some(1), 0.5));
-        s.hand_on(0, SlotState::Busy { exec, session });
-        assert_eq!(s.free(), Some(1));
-        s.take(1, SlotState::Prepared { session, cell_id: "c".into() });
-        assert_eq!(s.free(), None);
+        s.take(&[0], SlotState::Claiming(Some(exec)));
+        assert_eq!((s.free(1), s.free_share()), (Some(vec![1]), 0.5));
+        s.hand_on(&[0], SlotState::Busy { exec, session });
+        assert_eq!(s.free(1), Some(vec![1]));
+        s.take(&[1], SlotState::Prepared { session, cell_id: "c".into() });
+        assert_eq!(s.free(1), None);
         let st = s.status(|_, cell| cell == "c");
         assert_eq!(st[0].held_for.as_deref(), Some("cell"));
         assert_eq!(st[1].held_for.as_deref(), Some("preparing for cell c"));
         assert!(s.release(0).is_some_and(|ms| ms >= 0.0));
-        assert_eq!(s.free(), Some(0));
+        assert_eq!(s.free(1), Some(vec![0]));
         assert_eq!(s.release(7), None, "no such slot");
+    }
+
+    #[test]
+    fn a_multi_gpu_cell_takes_its_slots_together_or_none() {
+        let mut s = slots(4);
+        let (exec, session) = (Uuid::now_v7(), Uuid::now_v7());
+        assert_eq!(s.free(5), None, "more than the host has");
+        s.take(&[1], SlotState::Prepared { session, cell_id: "c".into() });
+        assert_eq!(s.free(3), Some(vec![0, 2, 3]), "the free ones, whichever they are");
+        s.take(&[0, 2, 3], SlotState::Busy { exec, session });
+        assert_eq!((s.free_count(), s.free(1)), (0, None));
+        let st = s.status(|_, _| false);
+        assert_eq!(st.iter().filter(|x| x.exec_id == Some(exec)).count(), 3, "each slot names the run");
+        s.unreserve(&[0, 2]);
+        assert_eq!((s.free_count(), s.free(2)), (2, Some(vec![0, 2])));
+        assert_eq!(s.free(3), None);
     }
 }

@@ -5,7 +5,7 @@ use ruff_python_ast::{self as ast, Expr};
 use ruff_text_size::{Ranged, TextSize};
 
 use super::scope::Analyzer;
-use super::{Device, DeviceHint};
+use super::DeviceHint;
 
 /// `torch.cuda.*` functions that only ask about the machine; they are not GPU signs.
 const CUDA_QUERIES: &[&str] = &[
@@ -53,7 +53,7 @@ impl Analyzer<'_> {
     fn gpu_sign(&mut self, what: &str, at: TextSize) {
         if self.out.device.is_none() {
             let line = self.line_of(at);
-            self.out.device = Some(DeviceHint { label: Device::Gpu, reason: format!("{what} at line {line}") });
+            self.out.device = Some(DeviceHint::gpu(format!("{what} at line {line}")));
         }
     }
 

@@ -71,6 +71,21 @@ const OWN_MAGICS: &[&str] = &[
     "xmode",
 ];
 
+/// LooseLeaf's placement override on a cell's first line: `%%gpu` (one slot),
+/// `%%gpu N` (N slots on one host, N >= 1) or `%%cpu`; None for anything else
+/// after the magic's name.
+fn placement(name: &str, args: &str) -> Option<DeviceHint> {
+    let args = args.trim();
+    let (label, gpus) = match (name, args) {
+        ("gpu", "") => (Device::Gpu, 1),
+        ("gpu", n) => (Device::Gpu, n.parse::<u32>().ok().filter(|n| *n >= 1)?),
+        ("cpu", "") => (Device::Cpu, 0),
+        _ => return None,
+    };
+    let reason = if args.is_empty() { format!("override %%{name}") } else { format!("override %%{name} {args}") };
+    Some(DeviceHint { label, reason, gpus })
+}
+
 /// Entry point behind [`super::analyze`].
 pub(super) fn analyze_cell(code: &str) -> CellAnalysis {
     let mut a = Analyzer::new(code);
@@ -89,8 +104,12 @@ pub(super) fn analyze_cell(code: &str) -> CellAnalysis {
         let name = words.next().unwrap_or("");
         match name {
             "gpu" | "cpu" if first => {
-                let label = if name == "gpu" { Device::Gpu } else { Device::Cpu };
-                a.out.device = Some(DeviceHint { label, reason: format!("override %%{name}") });
+                let Some(hint) = placement(name, words_after(magic, name)) else {
+                    // `%%gpu two`: not a placement; the worker's `%%gpu` magic says
+                    // what is wrong, as it does in a plain kernel
+                    return a.out;
+                };
+                a.out.device = Some(hint);
                 start += line_end;
                 first = false;
                 continue;

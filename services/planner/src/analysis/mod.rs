@@ -111,6 +111,21 @@ pub struct DeviceHint {
     pub label: Device,
     /// The sign, naming the construct and its line (or the override).
     pub reason: String,
+    /// The GPU slots the cell asks for, all on one host: N for `%%gpu N`, else 1
+    /// (meaningless for a CPU label).
+    #[serde(default = "one_gpu")]
+    pub gpus: u32,
+}
+
+fn one_gpu() -> u32 {
+    1
+}
+
+impl DeviceHint {
+    /// A GPU label from a sign in the code or the closure (one slot).
+    pub fn gpu(reason: String) -> Self {
+        Self { label: Device::Gpu, reason, gpus: 1 }
+    }
 }
 
 /// Analyze one cell's code. Never panics; unparseable code yields a conservative result.

@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet, HashSet};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use super::{CellAnalysis, DefSummary, Device, DeviceHint};
+use super::{CellAnalysis, DefSummary, DeviceHint};
 
 /// What the session knows about one live name: its latest definition.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -118,5 +118,5 @@ pub fn closure_device(closure: &Closure, history: &History) -> Option<DeviceHint
         .names
         .keys()
         .find(|n| history.get(*n).is_some_and(|i| i.on_gpu))
-        .map(|n| DeviceHint { label: Device::Gpu, reason: format!("closure variable {n} is on a GPU") })
+        .map(|n| DeviceHint::gpu(format!("closure variable {n} is on a GPU")))
 }
