@@ -129,6 +129,33 @@ fn completes_and_inspects(install_args: &[&str]) -> anyhow::Result<()> {
 }
 
 #[test]
+fn edits_streamed_on_the_kernel_comm_prepare_the_worker_that_runs_the_cell() -> anyhow::Result<()> {
+    let prefix = tempfile::tempdir()?;
+    install_as(prefix.path(), &["--name", "looseleaf-edits", "--all-gpu"])?;
+    let work = tempfile::tempdir()?;
+    let out = python(prefix.path())
+        .arg(repo_root().join("tests/support/kernel_probe.py"))
+        .args(["looseleaf-edits", "--edits"])
+        .current_dir(work.path())
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    anyhow::ensure!(out.status.success(), "kernel_probe.py --edits failed:\n{stderr}");
+    let seen: serde_json::Value = serde_json::from_slice(out.stdout.trim_ascii())?;
+    // the kernel keeps the comm (no comm_close, as for a target no worker has)
+    assert_eq!(seen["opened"], serde_json::json!([]), "{seen}");
+    assert_eq!(seen["bad"], serde_json::json!([]), "a malformed edit is dropped quietly: {seen}");
+    assert_eq!(seen["typed_output"], "10\n", "{seen}");
+    let typed = &seen["typed"];
+    assert_eq!(typed["prepare"], "speculative", "the typed cell did not run on its prepared worker: {seen}");
+    assert_eq!(typed["device"], "gpu", "{seen}");
+    assert_eq!(typed["closure"], 1, "{seen}");
+    assert!(typed["start_delay_ms"].as_f64().is_some_and(|ms| ms > 0.0), "{seen}");
+    assert!(typed["host"].as_str().is_some_and(|h| !h.is_empty()), "{seen}");
+    assert_eq!(seen["cold"]["prepare"], "cold", "{seen}");
+    Ok(())
+}
+
+#[test]
 fn a_slider_moved_in_the_browser_is_read_back_in_a_later_cell() -> anyhow::Result<()> {
     let prefix = tempfile::tempdir()?;
     install_as(prefix.path(), &["--name", "looseleaf-widgets"])?;

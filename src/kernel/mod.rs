@@ -24,6 +24,7 @@ use anyhow::Context as _;
 use jupyter_protocol::{ConnectionInfo, JupyterMessage, JupyterMessageContent};
 use jupyter_zmq_client as zmq;
 use looseleaf_client::api::{CodeAtCursor, CommAnswer, CommMessage, ExecStatus, RunCell, StreamItem};
+use looseleaf_client::events::Event;
 use looseleaf_client::Frontend;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
@@ -37,6 +38,11 @@ mod complete;
 
 /// The protocol version the kernel speaks.
 const PROTOCOL_VERSION: &str = "5.3";
+
+/// The comm target a client (the JupyterLab extension) opens to stream each cell's
+/// text as the user types it: the kernel passes the edits on, so that a worker is
+/// prepared before Run (ADR 45).
+const EDIT_COMM_TARGET: &str = "looseleaf";
 
 /// How many of the session's latest cells completion reads when it infers from
 /// the code (no live objects to ask).
@@ -297,6 +303,14 @@ fn message(msg_type: &str, content: Value, parent: &JupyterMessage) -> anyhow::R
     Ok(JupyterMessage::new(content, Some(parent)))
 }
 
+/// A comm message's content as JSON.
+fn comm_content(msg: &JupyterMessage) -> Value {
+    match &msg.content {
+        JupyterMessageContent::UnknownMessage(m) => m.content.clone(),
+        other => serde_json::to_value(other).unwrap_or_else(|_| json!({})),
+    }
+}
+
 /// The session the kernel runs cells in, and the stream of what happens in it.
 struct Session {
     fe: Frontend,
@@ -333,6 +347,28 @@ struct Kernel {
     sigint: mpsc::UnboundedReceiver<()>,
     /// Completion and inspection from the session's code (no live objects).
     codehelp: codehelp::CodeHelp,
+    /// Comms open on [`EDIT_COMM_TARGET`].
+    edit_comms: std::collections::HashSet<String>,
+}
+
+/// What the reply's `metadata.looseleaf` says, from the run's events: its device
+/// and why, the closure's size, the host and slot, how its worker was prepared,
+/// and the start delay (from sending Run to hearing the cell start).
+fn placement_of(event: &Event, sent: std::time::Instant, into: &mut serde_json::Map<String, Value>) {
+    match event {
+        Event::Planned { closure, device, device_reason, .. } => {
+            into.insert("device".into(), json!(device));
+            into.insert("device_reason".into(), json!(device_reason));
+            into.insert("closure".into(), json!(closure.len()));
+        }
+        Event::Started { host, slot, prepare, .. } => {
+            into.insert("host".into(), json!(host));
+            into.insert("slot".into(), json!(slot));
+            into.insert("prepare".into(), json!(prepare));
+            into.insert("start_delay_ms".into(), json!(sent.elapsed().as_secs_f64() * 1000.0));
+        }
+        _ => {}
+    }
 }
 
 /// How an execution ended, for its reply.
@@ -342,6 +378,8 @@ struct Ended {
     payload: Vec<Value>,
     /// The results of the request's `user_expressions` (the reply's field).
     user_expressions: Value,
+    /// Where and how the cell ran, for the reply's `metadata.looseleaf`.
+    placement: serde_json::Map<String, Value>,
 }
 
 enum Next {
@@ -536,6 +574,10 @@ impl Kernel {
                 self.reply_on(false, "comm_info_reply", reply, &msg).await;
                 Next::Continue
             }
+            "comm_open" | "comm_msg" | "comm_close" if self.is_edit_comm(&msg) => {
+                self.edit_comm(&msg).await;
+                Next::Continue
+            }
             // ipywidgets: served by the session's CPU worker (ADR 33); no reply
             "comm_open" | "comm_msg" | "comm_close" => {
                 self.comm(&msg).await;
@@ -558,6 +600,50 @@ impl Kernel {
         next
     }
 
+    /// Whether `msg` belongs to a comm on [`EDIT_COMM_TARGET`] (one being opened, or
+    /// one open).
+    fn is_edit_comm(&self, msg: &JupyterMessage) -> bool {
+        let content = comm_content(msg);
+        match msg.message_type() {
+            "comm_open" => content["target_name"] == EDIT_COMM_TARGET,
+            "comm_msg" | "comm_close" => content["comm_id"].as_str().is_some_and(|id| self.edit_comms.contains(id)),
+            _ => false,
+        }
+    }
+
+    /// A message on an edit comm: `{"action": "edit", "cell_id": ..., "code": ...}`
+    /// goes to the session as that cell's edit. Edits are hints: one that cannot be
+    /// passed on is logged and dropped (its Run still runs the cell).
+    async fn edit_comm(&mut self, msg: &JupyterMessage) {
+        let content = comm_content(msg);
+        let comm_id = content["comm_id"].as_str().unwrap_or_default().to_string();
+        match msg.message_type() {
+            "comm_open" => {
+                self.edit_comms.insert(comm_id);
+            }
+            "comm_close" => {
+                self.edit_comms.remove(&comm_id);
+            }
+            _ => {
+                let data = &content["data"];
+                let (Some("edit"), Some(cell_id), Some(code)) =
+                    (data["action"].as_str(), data["cell_id"].as_str(), data["code"].as_str())
+                else {
+                    tracing::warn!(%data, "an edit comm message that is not an edit (action, cell_id, code); dropped");
+                    return;
+                };
+                if let Err(why) = self.ensure_session().await {
+                    tracing::warn!(error = %why, "an edit was dropped: no LooseLeaf session");
+                    return;
+                }
+                let Some(s) = &self.session else { return };
+                if let Err(e) = s.fe.edit(s.sid, cell_id, code).await {
+                    tracing::warn!(cell = cell_id, error = %e, "an edit was dropped");
+                }
+            }
+        }
+    }
+
     /// Pass a client's comm message to the session's CPU worker and publish what
     /// it caused (comm messages, what callbacks printed) as children of it. A
     /// `comm_open` no worker took is closed, as ipykernel closes one for a target
@@ -565,10 +651,7 @@ impl Kernel {
     /// reply content (for `comm_info_request`).
     async fn comm(&mut self, msg: &JupyterMessage) -> Value {
         use base64::Engine as _;
-        let content = match &msg.content {
-            JupyterMessageContent::UnknownMessage(m) => m.content.clone(),
-            other => serde_json::to_value(other).unwrap_or_else(|_| json!({})),
-        };
+        let content = comm_content(msg);
         let comm_id = content.get("comm_id").cloned().unwrap_or_else(|| json!(""));
         let request = CommMessage {
             msg_type: msg.message_type().to_string(),
@@ -590,7 +673,13 @@ impl Kernel {
         if !answer.held && msg.message_type() == "comm_open" {
             self.iopub("comm_close", json!({ "comm_id": comm_id, "data": {} }), msg).await;
         }
-        let mut ended = Ended { ok: true, error: None, payload: vec![], user_expressions: json!({}) };
+        let mut ended = Ended {
+            ok: true,
+            error: None,
+            payload: vec![],
+            user_expressions: json!({}),
+            placement: Default::default(),
+        };
         for output in answer.outputs {
             self.relay(msg, output, false, self.execution_count, &mut ended).await;
         }
@@ -738,7 +827,7 @@ impl Kernel {
             Err(why) => {
                 let evalue = format!("no LooseLeaf session: {why}");
                 let error = Some(("LooseLeafUnavailable".into(), evalue, vec![]));
-                Ended { ok: false, error, payload: vec![], user_expressions: json!({}) }
+                Ended { ok: false, error, payload: vec![], user_expressions: json!({}), placement: Default::default() }
             }
         };
         if let (false, Some((ename, evalue, traceback))) = (ended.ok, &ended.error) {
@@ -764,7 +853,18 @@ impl Kernel {
         if !ended.ok && stop_on_error {
             self.abort_queued_executions().await;
         }
-        self.reply_on(false, "execute_reply", content, msg).await;
+        // where and how it ran, for a client that shows it (the JupyterLab extension)
+        match message("execute_reply", content, msg) {
+            Ok(mut m) => {
+                if !ended.placement.is_empty() {
+                    m.metadata = json!({ "looseleaf": ended.placement });
+                }
+                if let Err(e) = self.sockets.shell.send(m).await {
+                    tracing::warn!(error = %e, "could not send an execute reply");
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "could not build an execute reply"),
+        }
     }
 
     /// Abort the execute requests queued now; other requests are kept.
@@ -795,9 +895,16 @@ impl Kernel {
         silent: bool,
         count: u64,
     ) -> Ended {
-        let mut ended = Ended { ok: false, error: None, payload: vec![], user_expressions: json!({}) };
+        let mut ended = Ended {
+            ok: false,
+            error: None,
+            payload: vec![],
+            user_expressions: json!({}),
+            placement: Default::default(),
+        };
         let Some(session) = &self.session else { return ended };
         let (fe, sid) = (session.fe.clone(), session.sid);
+        let sent = std::time::Instant::now();
         let exec_id = match fe.run_cell(sid, cell_id, run).await {
             Ok(accepted) => accepted.exec_id,
             Err(e) => {
@@ -823,6 +930,16 @@ impl Kernel {
                     self.answer_input(&fe, sid, exec_id, reply).await;
                     continue;
                 }
+                // the user edits the next cell while this one runs: its edits go on
+                // now (a worker is prepared meanwhile); other requests wait their turn
+                Some(request) = self.sockets.shell_rx.recv() => {
+                    if self.is_edit_comm(&request) {
+                        self.edit_comm(&request).await;
+                    } else {
+                        self.pending.push_back(request);
+                    }
+                    continue;
+                }
             };
             let Some(item) = item else {
                 // the event stream ended: the frontend went away
@@ -834,6 +951,9 @@ impl Kernel {
             match item {
                 StreamItem::Output { exec_id: e, output, .. } if e == exec_id => {
                     self.relay(msg, output, silent, count, &mut ended).await;
+                }
+                StreamItem::Event { exec_id: e, event, .. } if e == exec_id => {
+                    placement_of(&event, sent, &mut ended.placement);
                 }
                 StreamItem::Done { exec_id: e, status, error, .. } if e == exec_id => {
                     ended.ok = status == ExecStatus::Ok;
@@ -981,6 +1101,7 @@ pub async fn serve(connection_file: &Path, opts: KernelOptions, cluster: Cluster
         sockets,
         pending: VecDeque::new(),
         sigint,
+        edit_comms: Default::default(),
     };
     // a frontend that is not there is said in the log now, and in each cell's
     // reply until it is back

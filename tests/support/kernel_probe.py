@@ -113,6 +113,48 @@ def widgets(kc):
     return seen
 
 
+def execute_as_cell(kc, code, cell_id):
+    """Execute `code` as JupyterLab does, naming its cell; return (reply, outputs)."""
+    content = {"code": code, "silent": False, "store_history": True, "user_expressions": {}}
+    content.update({"allow_stdin": False, "stop_on_error": True})
+    msg = kc.session.msg("execute_request", content, metadata={"cellId": cell_id})
+    kc.shell_channel.send(msg)
+    outputs = []
+    while True:
+        got = kc.get_iopub_msg(timeout=TIMEOUT)
+        if got["parent_header"].get("msg_id") != msg["header"]["msg_id"]:
+            continue
+        if got["msg_type"] == "status" and got["content"]["execution_state"] == "idle":
+            break
+        if got["msg_type"] != "status":
+            outputs.append((got["msg_type"], got["content"]))
+    return reply_to(kc, msg["header"]["msg_id"]), outputs
+
+
+def edits(kc):
+    """What the JupyterLab extension does: stream a cell's text as it is typed on
+    the `looseleaf` comm, then Run it; and a cell run with no edits before it."""
+    comm_id = "e0f1"
+    opened = send_comm(kc, "comm_open", {"comm_id": comm_id, "target_name": "looseleaf", "data": {}})
+    execute_as_cell(kc, "x = 5", "first")
+    code = "y = x * 2\nprint(y)"
+    for i in range(1, len(code) + 1):
+        edit = {"action": "edit", "cell_id": "typed", "code": code[:i]}
+        send_comm(kc, "comm_msg", {"comm_id": comm_id, "data": edit})
+        time.sleep(0.05)  # 20 characters a second
+    bad = send_comm(kc, "comm_msg", {"comm_id": comm_id, "data": {"action": "edit"}})
+    time.sleep(3)  # the user reads what they typed: the worker is prepared meanwhile
+    typed, typed_outs = execute_as_cell(kc, code, "typed")
+    cold, _ = execute_as_cell(kc, "z = x + 1", "untyped")
+    return {
+        "opened": opened,
+        "bad": bad,
+        "typed": typed["metadata"].get("looseleaf"),
+        "typed_output": text(typed_outs),
+        "cold": cold["metadata"].get("looseleaf"),
+    }
+
+
 def text(outputs):
     out = []
     for kind, c in outputs:
@@ -135,6 +177,13 @@ def main():
         finally:
             kc.stop_channels()
             km.shutdown_kernel(now=False)  # a shutdown_request: the kernel stops its cluster
+        return
+    if len(sys.argv) > 2 and sys.argv[2] == "--edits":
+        try:
+            print(json.dumps(edits(kc)))
+        finally:
+            kc.stop_channels()
+            km.shutdown_kernel(now=False)
         return
     if len(sys.argv) > 2 and sys.argv[2] == "--widgets":
         try:
