@@ -4,14 +4,16 @@
 //! the LooseLeaf kernel in the kernel dialog, runs all cells, sees the plots
 //! rendered, interrupts a looping cell from the toolbar (its state before the
 //! interrupt stays), moves an ipywidgets slider with the keyboard and reads its
-//! value back in a later cell, and restarts the kernel (a fresh session).
+//! value back in a later cell, and restarts the kernel (a fresh session). With the
+//! LooseLeaf extension installed, a GPU cell typed a character at a time runs on
+//! the worker prepared while it was typed, and its badge says so.
 //! scripts/setup installs JupyterLab, Chromium and playwright-core.
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use looseleaf_test_support::{free_port, repo_root, venv_python, wait_for};
+use looseleaf_test_support::{copy_dir, free_port, repo_root, venv_python, wait_for};
 
 const NOTEBOOK: &str = "pdsh_04.01-Simple-Line-Plots.ipynb";
 
@@ -65,6 +67,10 @@ fn jupyterlab_in_a_browser_runs_interrupts_and_restarts_a_notebook_on_looseleaf(
         .args(["--name", "looseleaf-lab", "--display-name", "LooseLeaf (lab test)"])
         .status()?;
     anyhow::ensure!(installed.success(), "looseleaf kernel install failed");
+    // the LooseLeaf extension (scripts/setup builds it), where this JupyterLab looks
+    let extension = repo_root().join("jupyterlab/labextension");
+    anyhow::ensure!(extension.join("package.json").exists(), "the JupyterLab extension is not built: run scripts/setup");
+    copy_dir(&extension, &prefix.join("share/jupyter/labextensions/looseleaf-jupyterlab"))?;
 
     let port = free_port()?;
     let token = uuid::Uuid::new_v4().simple().to_string();
@@ -130,5 +136,12 @@ fn jupyterlab_in_a_browser_runs_interrupts_and_restarts_a_notebook_on_looseleaf(
     assert!(seen["slider_drawn"].as_u64().unwrap_or(0) >= 1, "{seen}");
     assert_eq!(seen["slider_value"], "5\n", "the slider's value moved in the browser: {seen}");
     assert_eq!(seen["after_restart"], "NameError", "{seen}");
+    // the extension: a GPU cell typed at 20 characters a second ran on the worker
+    // prepared while it was typed, and its badge says so
+    assert_eq!(seen["typed_source_equal"], true, "the typed text is not the cell's source: {seen}");
+    assert_eq!(seen["typed_output"], "2000\n", "{seen}");
+    assert_eq!(seen["typed_badge"]["prepare"], "speculative", "{seen}");
+    assert_eq!(seen["typed_badge"]["device"], "gpu", "{seen}");
+    assert!(seen["typed_badge"]["text"].as_str().is_some_and(|t| t.starts_with("GPU · prepared")), "{seen}");
     Ok(())
 }

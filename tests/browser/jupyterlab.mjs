@@ -1,5 +1,6 @@
 // Drive JupyterLab in headless Chromium as a user would: open a notebook, choose
-// the LooseLeaf kernel in the kernel dialog, run all cells, see an image, interrupt
+// the LooseLeaf kernel in the kernel dialog, run all cells, see an image, type a
+// GPU cell and see its badge say it ran on a prepared worker, interrupt
 // a looping cell, move a slider and read its value back, restart. Prints one JSON line of what it saw; tests/jupyterlab.rs
 // asserts on it. A step that fails leaves a screenshot in $OUT.
 //
@@ -108,6 +109,31 @@ try {
     await page.locator(".jp-RenderedImage img").first().scrollIntoViewIfNeeded();
     seen.images_rendered = await page.locator(".jp-RenderedImage img").evaluateAll(
       (imgs) => imgs.filter((i) => i.complete && i.naturalWidth > 0).length);
+  });
+
+  await step("typed", async () => {
+    // the LooseLeaf extension streams the cell's text as it is typed (20
+    // characters a second), so its GPU worker is prepared before Run; after Run
+    // the cell's badge says so
+    const source = "%%gpu\ntyped = len(x) * 2\nprint(typed)";
+    await page.evaluate(() => {
+      const nb = window.jupyterapp.shell.currentWidget.content;
+      nb.activeCellIndex = nb.widgets.length - 1;
+    });
+    await command("notebook:insert-cell-below");
+    await command("notebook:enter-edit-mode");
+    await page.locator(".jp-Notebook .jp-Cell.jp-mod-active .cm-content").waitFor({ timeout: MINUTE });
+    await page.keyboard.type(source, { delay: 50 });
+    seen.typed_source_equal = await page.evaluate((source) =>
+      window.jupyterapp.shell.currentWidget.content.activeCell.model.sharedModel.getSource() === source, source);
+    await page.waitForTimeout(3000); // the user reads what they typed
+    await command("notebook:run-cell");
+    await lastCellPrinted();
+    seen.typed_output = (await lastOutputs()).map((o) => o.text || o.ename).join("");
+    const badge = page.locator(".jp-Notebook .jp-Cell").last().locator(".ll-badge");
+    await badge.waitFor({ timeout: MINUTE });
+    seen.typed_badge = await badge.evaluate((b) => ({ text: b.textContent, ...b.dataset }));
+    await page.screenshot({ path: `${out}/typed.png` });
   });
 
   await step("interrupt", async () => {

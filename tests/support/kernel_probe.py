@@ -29,6 +29,13 @@ def run(kc, code, **kw):
 
 def finish(kc, msg_id):
     """The reply and iopub messages of the execution `msg_id`."""
+    outputs = published(kc, msg_id)
+    return reply_to(kc, msg_id)["content"], outputs
+
+
+def published(kc, msg_id):
+    """[(msg_type, content)] the kernel published on iopub for request `msg_id`,
+    until it went idle."""
     outputs = []
     while True:
         msg = kc.get_iopub_msg(timeout=TIMEOUT)
@@ -36,10 +43,9 @@ def finish(kc, msg_id):
             continue
         kind = msg["msg_type"]
         if kind == "status" and msg["content"]["execution_state"] == "idle":
-            break
+            return outputs
         if kind != "status":
             outputs.append((kind, msg["content"]))
-    return reply_to(kc, msg_id)["content"], outputs
 
 
 def wait_for_output(kc, msg_id):
@@ -57,15 +63,7 @@ def send_comm(kc, msg_type, content):
     does); return [(msg_type, content)] the kernel published for it."""
     msg = kc.session.msg(msg_type, content)
     kc.shell_channel.send(msg)
-    outputs = []
-    while True:
-        got = kc.get_iopub_msg(timeout=TIMEOUT)
-        if got["parent_header"].get("msg_id") != msg["header"]["msg_id"]:
-            continue
-        if got["msg_type"] == "status" and got["content"]["execution_state"] == "idle":
-            return outputs
-        if got["msg_type"] != "status":
-            outputs.append((got["msg_type"], got["content"]))
+    return published(kc, msg["header"]["msg_id"])
 
 
 def slider_of(outputs):
@@ -119,15 +117,7 @@ def execute_as_cell(kc, code, cell_id):
     content.update({"allow_stdin": False, "stop_on_error": True})
     msg = kc.session.msg("execute_request", content, metadata={"cellId": cell_id})
     kc.shell_channel.send(msg)
-    outputs = []
-    while True:
-        got = kc.get_iopub_msg(timeout=TIMEOUT)
-        if got["parent_header"].get("msg_id") != msg["header"]["msg_id"]:
-            continue
-        if got["msg_type"] == "status" and got["content"]["execution_state"] == "idle":
-            break
-        if got["msg_type"] != "status":
-            outputs.append((got["msg_type"], got["content"]))
+    outputs = published(kc, msg["header"]["msg_id"])
     return reply_to(kc, msg["header"]["msg_id"]), outputs
 
 
