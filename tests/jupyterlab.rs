@@ -69,7 +69,10 @@ fn jupyterlab_in_a_browser_runs_interrupts_and_restarts_a_notebook_on_looseleaf(
     anyhow::ensure!(installed.success(), "looseleaf kernel install failed");
     // the LooseLeaf extension (scripts/setup builds it), where this JupyterLab looks
     let extension = repo_root().join("jupyterlab/labextension");
-    anyhow::ensure!(extension.join("package.json").exists(), "the JupyterLab extension is not built: run scripts/setup");
+    anyhow::ensure!(
+        extension.join("package.json").exists(),
+        "the JupyterLab extension is not built: run scripts/setup"
+    );
     copy_dir(&extension, &prefix.join("share/jupyter/labextensions/looseleaf-jupyterlab"))?;
 
     let port = free_port()?;
