@@ -146,5 +146,10 @@ fn jupyterlab_in_a_browser_runs_interrupts_and_restarts_a_notebook_on_looseleaf(
     assert_eq!(seen["typed_badge"]["prepare"], "speculative", "{seen}");
     assert_eq!(seen["typed_badge"]["device"], "gpu", "{seen}");
     assert!(seen["typed_badge"]["text"].as_str().is_some_and(|t| t.starts_with("GPU · prepared")), "{seen}");
+    // pinned to GPU from its badge: in the cell's metadata, and run on a GPU
+    assert_eq!(seen["pin_metadata"], serde_json::json!({"device": "gpu"}), "{seen}");
+    assert_eq!(seen["pinned_output"], "1001\n", "{seen}");
+    assert_eq!(seen["pinned_badge"]["device"], "gpu", "{seen}");
+    assert!(seen["pinned_badge"]["text"].as_str().is_some_and(|t| t.starts_with("pinned GPU · GPU")), "{seen}");
     Ok(())
 }

@@ -152,6 +152,12 @@ fn edits_streamed_on_the_kernel_comm_prepare_the_worker_that_runs_the_cell() -> 
     assert!(typed["start_delay_ms"].as_f64().is_some_and(|ms| ms > 0.0), "{seen}");
     assert!(typed["host"].as_str().is_some_and(|h| !h.is_empty()), "{seen}");
     assert_eq!(seen["cold"]["prepare"], "cold", "{seen}");
+    // pinned to CPU on the comm: runs there; the cell's own line wins; unpinned: GPU again
+    assert_eq!(seen["pinned"]["device"], "cpu", "{seen}");
+    assert_eq!(seen["pinned"]["device_reason"], "override %%cpu", "{seen}");
+    assert_eq!(seen["pinned_output"], "8\n", "{seen}");
+    assert_eq!(seen["own_line"]["device"], "gpu", "{seen}");
+    assert_eq!(seen["unpinned"]["device"], "gpu", "{seen}");
     Ok(())
 }
 

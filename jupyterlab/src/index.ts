@@ -3,7 +3,11 @@
 //   comm (ADR 45), at most once per THROTTLE_MS per cell, so that the platform
 //   prepares the cell's worker before Run;
 // - after a run, a badge on the cell says where it ran and how its worker was
-//   prepared, from the execute reply's `metadata.looseleaf`.
+//   prepared, from the execute reply's `metadata.looseleaf`;
+// - a click on the badge pins the cell to GPU, then CPU, then back to LooseLeaf's
+//   choice; the pin is kept in the cell's metadata (`looseleaf.device`, which
+//   plain Jupyter ignores) and sent to the kernel, which applies it to the cell's
+//   edits and runs.
 import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
 import { Cell, ICellModel } from '@jupyterlab/cells';
 import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
@@ -14,6 +18,14 @@ const COMM_TARGET = 'looseleaf';
 
 /** Typing sends a cell's text at most this often (the latest text wins). */
 const THROTTLE_MS = 250;
+
+/** A cell's pin, in its metadata under `looseleaf`. */
+type Pin = 'gpu' | 'cpu' | null;
+
+function pinOf(model: ICellModel): Pin {
+  const meta = model.getMetadata('looseleaf') as { device?: string } | undefined;
+  return meta?.device === 'gpu' || meta?.device === 'cpu' ? meta.device : null;
+}
 
 /** What the kernel's execute reply says about a run (`metadata.looseleaf`). */
 interface Placement {
@@ -61,11 +73,48 @@ class NotebookLink {
     }
     this.kernelSeen = kernel;
     kernel.anyMessage.connect((_, args) => this.onMessage(args.msg, args.direction));
-    // what was typed before the kernel was there
+    // what was typed (and pinned) before the kernel was there
     for (const cell of this.panel.content.widgets) {
       if (cell.model.type === 'code') {
+        this.badge(cell);
         this.schedule(cell.model);
       }
+    }
+  }
+
+  /** The cell's badge, made (with its click to pin) the first time. */
+  private badge(cell: Cell): HTMLElement {
+    let badge = cell.node.querySelector<HTMLElement>('.ll-badge');
+    if (!badge) {
+      badge = document.createElement('div');
+      badge.className = 'll-badge';
+      badge.addEventListener('click', () => void this.cyclePin(cell));
+      // bottom right of the input: the active cell's toolbar takes its top right
+      const input = cell.node.querySelector<HTMLElement>('.jp-Cell-inputWrapper') ?? cell.node;
+      input.classList.add('ll-has-badge');
+      input.appendChild(badge);
+      renderBadge(badge, pinOf(cell.model), null);
+    }
+    return badge;
+  }
+
+  /** LooseLeaf's choice -> GPU -> CPU -> LooseLeaf's choice. */
+  private async cyclePin(cell: Cell): Promise<void> {
+    const next: Pin = { gpu: 'cpu', cpu: null, none: 'gpu' }[pinOf(cell.model) ?? 'none'] as Pin;
+    if (next) {
+      cell.model.setMetadata('looseleaf', { device: next });
+    } else {
+      cell.model.deleteMetadata('looseleaf');
+    }
+    renderBadge(this.badge(cell), next, null);
+    await this.sendPin(cell.model);
+    this.schedule(cell.model); // a prepared worker follows the pin
+  }
+
+  private async sendPin(model: ICellModel): Promise<void> {
+    const comm = await this.openComm();
+    if (comm) {
+      comm.send({ action: 'pin', cell_id: model.id, device: pinOf(model) });
     }
   }
 
@@ -77,6 +126,9 @@ class NotebookLink {
       }
       this.watched.add(model);
       model.contentChanged.connect(() => this.schedule(model));
+      if (this.kernelSeen) {
+        this.badge(cell);
+      }
     }
   }
 
@@ -116,6 +168,12 @@ class NotebookLink {
     this.comm = kernel.createComm(COMM_TARGET);
     this.commKernel = kernel;
     this.comm.open({});
+    // a new kernel knows no pins yet
+    for (const cell of this.panel.content.widgets) {
+      if (pinOf(cell.model)) {
+        this.comm.send({ action: 'pin', cell_id: cell.model.id, device: pinOf(cell.model) });
+      }
+    }
     return this.comm;
   }
 
@@ -133,36 +191,45 @@ class NotebookLink {
       const placement = (msg.metadata as { looseleaf?: Placement }).looseleaf;
       const cell = this.panel.content.widgets.find(c => c.model.id === cellId);
       if (cell && placement) {
-        showBadge(cell, placement);
+        renderBadge(this.badge(cell), pinOf(cell.model), placement);
       }
     }
   }
 }
 
-/** The badge's words: device, how the worker was prepared, start delay. */
-export function badgeText(p: Placement): string {
-  const parts = [(p.device ?? '?').toUpperCase()];
-  if (p.prepare) {
-    parts.push(p.prepare === 'speculative' ? 'prepared' : p.prepare);
+/** The badge's words: the pin, then the last run's device, how its worker was
+ * prepared and its start delay. */
+export function badgeText(pin: Pin, p: Placement | null): string {
+  const parts = pin ? [`pinned ${pin.toUpperCase()}`] : [];
+  if (p) {
+    parts.push((p.device ?? '?').toUpperCase());
+    if (p.prepare) {
+      parts.push(p.prepare === 'speculative' ? 'prepared' : p.prepare);
+    }
+    if (typeof p.start_delay_ms === 'number') {
+      parts.push(`started in ${Math.round(p.start_delay_ms)} ms`);
+    }
   }
-  if (typeof p.start_delay_ms === 'number') {
-    parts.push(`started in ${Math.round(p.start_delay_ms)} ms`);
-  }
-  return parts.join(' · ');
+  return parts.length ? parts.join(' · ') : 'auto';
 }
 
-function showBadge(cell: Cell, p: Placement): void {
-  let badge = cell.node.querySelector<HTMLElement>('.ll-badge');
-  if (!badge) {
-    badge = document.createElement('div');
-    badge.className = 'll-badge';
-    cell.node.appendChild(badge);
+/** Show `pin` and, if the cell ran, `p` (a pin change alone keeps the last run's words). */
+function renderBadge(badge: HTMLElement, pin: Pin, p: Placement | null): void {
+  badge.dataset.pin = pin ?? '';
+  const last = p ?? (badge.dataset.run ? (JSON.parse(badge.dataset.run) as Placement) : null);
+  if (p) {
+    badge.dataset.run = JSON.stringify(p);
+    badge.dataset.device = p.device ?? '';
+    badge.dataset.prepare = p.prepare ?? '';
   }
-  badge.textContent = badgeText(p);
-  badge.dataset.device = p.device ?? '';
-  badge.dataset.prepare = p.prepare ?? '';
-  const where = p.host ? ` on ${p.host}${p.slot === null || p.slot === undefined ? '' : ` slot ${p.slot}`}` : '';
-  badge.title = `${p.device_reason ?? ''}; closure of ${p.closure ?? 0} variables; ran${where}`;
+  badge.textContent = badgeText(pin, last);
+  const ran = last
+    ? `${last.device_reason ?? ''}; closure of ${last.closure ?? 0} variables; ran` +
+      (last.host ? ` on ${last.host}` : '') +
+      (last.slot === null || last.slot === undefined ? '' : ` slot ${last.slot}`) +
+      '. '
+    : '';
+  badge.title = `${ran}Click: pin to GPU, to CPU, or let LooseLeaf choose.`;
 }
 
 const plugin: JupyterFrontEndPlugin<void> = {

@@ -349,6 +349,9 @@ struct Kernel {
     codehelp: codehelp::CodeHelp,
     /// Comms open on [`EDIT_COMM_TARGET`].
     edit_comms: std::collections::HashSet<String>,
+    /// Cells the user pinned to a device (the extension's badge; the notebook keeps
+    /// it in the cell's metadata): cell id -> `gpu` or `cpu`.
+    pins: std::collections::HashMap<String, &'static str>,
 }
 
 /// What the reply's `metadata.looseleaf` says, from the run's events: its device
@@ -611,9 +614,12 @@ impl Kernel {
         }
     }
 
-    /// A message on an edit comm: `{"action": "edit", "cell_id": ..., "code": ...}`
-    /// goes to the session as that cell's edit. Edits are hints: one that cannot be
-    /// passed on is logged and dropped (its Run still runs the cell).
+    /// A message on an edit comm:
+    /// - `{"action": "edit", "cell_id": ..., "code": ...}` goes to the session as
+    ///   that cell's edit. Edits are hints: one that cannot be passed on is logged
+    ///   and dropped (its Run still runs the cell).
+    /// - `{"action": "pin", "cell_id": ..., "device": "gpu" | "cpu" | null}` pins
+    ///   the cell's runs and edits to a device, or unpins it.
     async fn edit_comm(&mut self, msg: &JupyterMessage) {
         let content = comm_content(msg);
         let comm_id = content["comm_id"].as_str().unwrap_or_default().to_string();
@@ -623,6 +629,18 @@ impl Kernel {
             }
             "comm_close" => {
                 self.edit_comms.remove(&comm_id);
+            }
+            _ if content["data"]["action"] == "pin" => {
+                let data = &content["data"];
+                let Some(cell_id) = data["cell_id"].as_str() else {
+                    tracing::warn!(%data, "a pin without a cell_id; dropped");
+                    return;
+                };
+                match data["device"].as_str() {
+                    Some("gpu") => self.pins.insert(cell_id.to_string(), "gpu"),
+                    Some("cpu") => self.pins.insert(cell_id.to_string(), "cpu"),
+                    _ => self.pins.remove(cell_id),
+                };
             }
             _ => {
                 let data = &content["data"];
@@ -636,11 +654,24 @@ impl Kernel {
                     tracing::warn!(error = %why, "an edit was dropped: no LooseLeaf session");
                     return;
                 }
+                let code = self.pinned(cell_id, code);
                 let Some(s) = &self.session else { return };
-                if let Err(e) = s.fe.edit(s.sid, cell_id, code).await {
+                if let Err(e) = s.fe.edit(s.sid, cell_id, &code).await {
                     tracing::warn!(cell = cell_id, error = %e, "an edit was dropped");
                 }
             }
+        }
+    }
+
+    /// `code` as the platform gets it: with the placement line of the cell's pin,
+    /// unless the code has a placement line of its own (the cell's text wins).
+    fn pinned(&self, cell_id: &str, code: &str) -> String {
+        let first = code.lines().next().unwrap_or_default().trim_start();
+        match self.pins.get(cell_id) {
+            Some(device) if !first.starts_with("%%gpu") && !first.starts_with("%%cpu") => {
+                format!("%%{device}\n{code}")
+            }
+            _ => code.to_string(),
         }
     }
 
@@ -821,7 +852,7 @@ impl Kernel {
             msg_id = %msg.header.msg_id);
         let ended = match self.ensure_session().instrument(span.clone()).await {
             Ok(()) => {
-                let run = RunCell { code: code.clone(), allow_stdin, user_expressions };
+                let run = RunCell { code: self.pinned(&cell_id, &code), allow_stdin, user_expressions };
                 self.run_cell(msg, &cell_id, &run, silent, count).instrument(span).await
             }
             Err(why) => {
@@ -1102,6 +1133,7 @@ pub async fn serve(connection_file: &Path, opts: KernelOptions, cluster: Cluster
         pending: VecDeque::new(),
         sigint,
         edit_comms: Default::default(),
+        pins: Default::default(),
     };
     // a frontend that is not there is said in the log now, and in each cell's
     // reply until it is back

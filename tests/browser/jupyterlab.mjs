@@ -136,6 +136,34 @@ try {
     await page.screenshot({ path: `${out}/typed.png` });
   });
 
+  await step("pin", async () => {
+    // a click on a cell's badge pins it to GPU: kept in the cell's metadata, and
+    // the cell (no GPU sign in it) runs on a GPU
+    await page.evaluate(() => {
+      const nb = window.jupyterapp.shell.currentWidget.content;
+      nb.activeCellIndex = nb.widgets.length - 1;
+    });
+    await command("notebook:insert-cell-below");
+    await page.evaluate(() => {
+      window.jupyterapp.shell.currentWidget.content.activeCell.model.sharedModel.setSource(
+        "pinned = len(x) + 1\nprint(pinned)");
+    });
+    // JupyterLab's own question about its news, if it is up, would take the click
+    await page.locator(".jp-toast-button", { hasText: "No" }).click({ timeout: 5000 }).catch(() => {});
+    const badge = page.locator(".jp-Notebook .jp-Cell").last().locator(".ll-badge");
+    await badge.click();
+    seen.pin_metadata = await page.evaluate(() =>
+      window.jupyterapp.shell.currentWidget.content.activeCell.model.getMetadata("looseleaf"));
+    await command("notebook:run-cell");
+    await lastCellPrinted();
+    seen.pinned_output = (await lastOutputs()).map((o) => o.text || o.ename).join("");
+    await page.waitForFunction(() => {
+      const b = document.querySelectorAll(".jp-Notebook .jp-Cell");
+      return b[b.length - 1].querySelector(".ll-badge")?.dataset.prepare;
+    }, null, { timeout: MINUTE });
+    seen.pinned_badge = await badge.evaluate((b) => ({ text: b.textContent, device: b.dataset.device }));
+  });
+
   await step("interrupt", async () => {
     await runNewCell("import time\nlooping = 1\nprint('looping', flush=True)\nwhile True:\n    time.sleep(0.1)");
     await page.waitForFunction(() => {

@@ -136,7 +136,19 @@ def edits(kc):
     time.sleep(3)  # the user reads what they typed: the worker is prepared meanwhile
     typed, typed_outs = execute_as_cell(kc, code, "typed")
     cold, _ = execute_as_cell(kc, "z = x + 1", "untyped")
+    # a pinned cell runs where it is pinned (every cell is a GPU cell here), and
+    # its own placement line wins over the pin
+    pin = {"action": "pin", "cell_id": "pinned", "device": "cpu"}
+    send_comm(kc, "comm_msg", {"comm_id": comm_id, "data": pin})
+    pinned, pinned_outs = execute_as_cell(kc, "w = x + 3\nprint(w)", "pinned")
+    own, _ = execute_as_cell(kc, "%%gpu\nw = x + 4", "pinned")
+    send_comm(kc, "comm_msg", {"comm_id": comm_id, "data": dict(pin, device=None)})
+    unpinned, _ = execute_as_cell(kc, "w = x + 5", "pinned")
     return {
+        "pinned": pinned["metadata"].get("looseleaf"),
+        "pinned_output": text(pinned_outs),
+        "own_line": own["metadata"].get("looseleaf"),
+        "unpinned": unpinned["metadata"].get("looseleaf"),
         "opened": opened,
         "bad": bad,
         "typed": typed["metadata"].get("looseleaf"),
