@@ -180,16 +180,10 @@ def main():
             kc.stop_channels()
             km.shutdown_kernel(now=False)  # a shutdown_request: the kernel stops its cluster
         return
-    if len(sys.argv) > 2 and sys.argv[2] == "--edits":
+    probes = {"--edits": edits, "--widgets": widgets}
+    if len(sys.argv) > 2 and sys.argv[2] in probes:
         try:
-            print(json.dumps(edits(kc)))
-        finally:
-            kc.stop_channels()
-            km.shutdown_kernel(now=False)
-        return
-    if len(sys.argv) > 2 and sys.argv[2] == "--widgets":
-        try:
-            print(json.dumps(widgets(kc)))
+            print(json.dumps(probes[sys.argv[2]](kc)))
         finally:
             kc.stop_channels()
             km.shutdown_kernel(now=False)
