@@ -4,9 +4,14 @@
 //!   its recipe while no gpu-host listens, wait for them instead of being dropped
 //!   (`Bus::deliver`);
 //! - a claims bucket that cannot be reached for longer than a leader election is not
-//!   read as "another host holds it": the host tries the run again.
+//!   read as "another host holds it": the host tries the run again;
+//! - a run or recipe lost in transit (with a NATS node, or a receiver that died
+//!   holding it) is sent again until acknowledged, and a copy heard twice is
+//!   planned and run once (ADR 46).
 
 use std::time::Duration;
+
+use nix::sys::signal::Signal;
 
 use looseleaf_client::api::{ExecStatus, StreamItem};
 use looseleaf_client::events::Event;
@@ -45,6 +50,57 @@ async fn a_run_whose_claims_bucket_is_away_past_an_election_runs_once_it_is_back
     tokio::time::sleep(schemas::buckets::LEADER_ELECTION + Duration::from_secs(3)).await;
     schemas::buckets::claims(&js, &services.prefix, 1).await?;
     ran_once(&mut s, exec).await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_run_lost_with_the_planner_that_held_it_is_sent_again() -> anyhow::Result<()> {
+    let bin = bin_dir_of(env!("CARGO_BIN_EXE_looseleaf"));
+    let mut services = Services::start(&bin, &[1], &[]).await?;
+    let mut s = services.session(false).await?;
+    // a frozen planner still listens: the run reaches it and is never acknowledged,
+    // then dies with it
+    services.signal("looseleaf-planner", Signal::SIGSTOP)?;
+    let exec = s.fe.run(s.sid, "a", "x = 6 * 7\nprint(x)").await?.exec_id;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    services.restart("looseleaf-planner")?;
+    ran_once(&mut s, exec).await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_recipe_lost_with_the_host_that_held_it_is_sent_again() -> anyhow::Result<()> {
+    let bin = bin_dir_of(env!("CARGO_BIN_EXE_looseleaf"));
+    let mut services = Services::start(&bin, &[1], &[]).await?;
+    let mut s = services.session(false).await?;
+    services.signal("host-0", Signal::SIGSTOP)?;
+    let exec = s.fe.run(s.sid, "a", "x = 6 * 7\nprint(x)").await?.exec_id;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    services.restart("host-0")?;
+    ran_once(&mut s, exec).await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_run_heard_twice_is_planned_and_run_once() -> anyhow::Result<()> {
+    let bin = bin_dir_of(env!("CARGO_BIN_EXE_looseleaf"));
+    let mut services = Services::start(&bin, &[1], &[]).await?;
+    let mut s = services.session(false).await?;
+    // frozen past two acknowledgement waits, each service then reads every copy
+    // sent to it meanwhile
+    services.signal("looseleaf-planner", Signal::SIGSTOP)?;
+    let exec = s.fe.run(s.sid, "a", "x = 6 * 7\nprint(x)").await?.exec_id;
+    tokio::time::sleep(schemas::bus::ACK_WAIT * 2 + Duration::from_millis(500)).await;
+    services.signal("host-0", Signal::SIGSTOP)?;
+    services.signal("looseleaf-planner", Signal::SIGCONT)?;
+    tokio::time::sleep(schemas::bus::ACK_WAIT * 2 + Duration::from_millis(500)).await;
+    services.signal("host-0", Signal::SIGCONT)?;
+    ran_once(&mut s, exec).await?;
+    let planned = s
+        .events
+        .seen
+        .iter()
+        .filter(|i| matches!(i, StreamItem::Event { exec_id, event: Event::Planned { .. }, .. } if *exec_id == exec))
+        .count();
+    assert_eq!(planned, 1, "the run was planned {planned} times");
+    Ok(())
 }
 
 /// `exec` (a cell printing 42) ran once, and well.

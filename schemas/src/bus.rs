@@ -120,9 +120,19 @@ impl BusError {
     }
 }
 
-/// How long [`Bus::deliver`] waits for an acknowledgement before it takes the
-/// message as received by a listener that does not send one.
-pub const ACK_WAIT: Duration = Duration::from_secs(5);
+/// How long [`Bus::deliver`] waits for an acknowledgement before it sends the
+/// message again (it may have been lost with a NATS node or a receiver that died
+/// holding it; receivers drop a copy they already have).
+pub const ACK_WAIT: Duration = Duration::from_secs(2);
+
+/// How long one attempt of [`Bus::request_idempotent`] waits for its answer
+/// before it asks again. Store reads answer in milliseconds; a loaded store in
+/// well under this.
+pub const ATTEMPT_WAIT: Duration = Duration::from_secs(5);
+
+/// How many times [`Bus::deliver`] sends a message nobody acknowledges before it
+/// takes it as received by a listener that does not acknowledge (an older version).
+pub const UNACKNOWLEDGED_SENDS: u32 = 5;
 
 /// The typed bus of one service.
 #[derive(Clone, Debug)]
@@ -275,19 +285,29 @@ impl Bus {
     /// nobody listens (a service that is still starting, or an interest a NATS
     /// cluster has not spread yet) for up to `patience`. A plain publish to nobody
     /// is dropped without a word; a run must not be. It is sent as a request: the
-    /// server answers "no responders" at once when nobody listens, so a retry never
-    /// duplicates it. A listener that does not acknowledge within [`ACK_WAIT`] (one
-    /// of an older version, or a busy one) is taken to have it.
+    /// server answers "no responders" at once when nobody listens, so that retry
+    /// never duplicates it. With no acknowledgement within [`ACK_WAIT`] the message
+    /// may be lost (with a NATS node, or a receiver that died holding it): it is
+    /// sent again, so receivers must drop a copy they already have (ADR 46). After
+    /// [`UNACKNOWLEDGED_SENDS`] such sends (a listener of an older version that
+    /// never acknowledges) it is taken as received.
     pub async fn deliver<M: WireMessage>(&self, subject: String, msg: &M, patience: Duration) -> Result<(), BusError> {
         let (headers, payload) = self.encode(&subject, msg).await?;
         let deadline = tokio::time::Instant::now() + patience;
         let mut backoff = Duration::from_millis(50);
+        let mut unacknowledged = 0;
         loop {
             let request =
                 async_nats::Request::new().headers(headers.clone()).payload(payload.clone()).timeout(Some(ACK_WAIT));
             match self.client.send_request(subject.clone(), request).await {
                 Ok(_) => return Ok(()),
-                Err(e) if e.kind() == async_nats::RequestErrorKind::TimedOut => return Ok(()),
+                Err(e) if e.kind() == async_nats::RequestErrorKind::TimedOut => {
+                    unacknowledged += 1;
+                    if unacknowledged >= UNACKNOWLEDGED_SENDS || tokio::time::Instant::now() + ACK_WAIT > deadline {
+                        return Ok(());
+                    }
+                    tracing::warn!(%subject, "no acknowledgement within {ACK_WAIT:?}; sending it again");
+                }
                 Err(e) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
                     if tokio::time::Instant::now() + backoff > deadline {
                         return Err(BusError::NoResponders { subject });
@@ -312,6 +332,38 @@ impl Bus {
         };
         if let Err(e) = sent {
             tracing::debug!(error = %e, "could not acknowledge a delivery");
+        }
+    }
+
+    /// [`Bus::request`], for a request that may be answered twice (a read, or a
+    /// write its answerer makes idempotent). An attempt unanswered after
+    /// [`ATTEMPT_WAIT`] may have been lost with a NATS node or the service that
+    /// held it, so it is sent again; "no responders" (a service restarting, or
+    /// reconnecting to another node) is tried again shortly. All within `timeout`:
+    /// a lost request costs [`ATTEMPT_WAIT`], not the whole timeout (ADR 46).
+    pub async fn request_idempotent<Req: WireMessage, Resp: WireMessage>(
+        &self,
+        subject: String,
+        msg: &Req,
+        timeout: Duration,
+    ) -> Result<Resp, BusError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let attempt = left.min(ATTEMPT_WAIT).max(Duration::from_millis(1));
+            match self.request(subject.clone(), msg, attempt).await {
+                Err(BusError::TimedOut { .. }) if tokio::time::Instant::now() + Duration::from_millis(1) < deadline => {
+                    tracing::warn!(%subject, "no answer within {attempt:?}; asking again");
+                }
+                Err(BusError::NoResponders { .. }) if tokio::time::Instant::now() + backoff < deadline => {
+                    tracing::debug!(%subject, "nobody answers yet; asking again in {backoff:?}");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                }
+                Err(BusError::TimedOut { subject, .. }) => return Err(BusError::TimedOut { subject, timeout }),
+                other => return other,
+            }
         }
     }
 

@@ -341,7 +341,7 @@ impl SessionActor {
         let bus = self.shared.bus.clone();
         let req = SettleV1 { session: self.sid, exec_id, base_revision: self.stored.revision };
         let ask = async move {
-            bus.request::<_, ManifestV1>(bus.subjects().store(StoreVerb::Settle), &req, STORE_TIMEOUT).await
+            bus.request_idempotent::<_, ManifestV1>(bus.subjects().store(StoreVerb::Settle), &req, STORE_TIMEOUT).await
         };
         ctx.spawn(ask.into_actor(self).map(move |answer, act, ctx| {
             let Some(cur) = act.current.as_ref().filter(|c| c.exec_id == exec_id && c.terminal.is_none()) else {

@@ -240,7 +240,7 @@ impl ExecEnv {
         let get = ManifestGetV2 { session, at_least: Some(at_least) };
         let manifest = self
             .bus
-            .request::<_, ManifestV1>(subject, &get, STORE_TIMEOUT)
+            .request_idempotent::<_, ManifestV1>(subject, &get, STORE_TIMEOUT)
             .await
             .map(|m| m.manifest)
             .map_err(ExecError::Manifest)?;
@@ -703,7 +703,8 @@ impl ExecEnv {
                 delta,
                 uploaded,
             };
-            commit_until_known(self.bus.clone(), msg, STORE_TIMEOUT)
+            // an unanswered commit may be lost (with a NATS node): ask again soon
+            commit_until_known(self.bus.clone(), msg, schemas::bus::ATTEMPT_WAIT)
         };
         // what the session would hold after the save: the store refuses a plan over
         // its quota before anything is uploaded
@@ -714,7 +715,7 @@ impl ExecEnv {
             let bus = self.bus.clone();
             let bytes_after = bytes_after(delta.as_ref());
             async move {
-                bus.request::<_, ChunkPlannedV1>(
+                bus.request_idempotent::<_, ChunkPlannedV1>(
                     bus.subjects().store(StoreVerb::ChunkPlan),
                     &ChunkPlanV2 { session, hashes, bytes_after },
                     STORE_TIMEOUT,
@@ -1054,7 +1055,7 @@ async fn commit_until_known(
         match bus.request::<_, CommittedV1>(subject.clone(), &msg, answer_within).await {
             Ok(c) => return Ok((c.revision, c.versions)),
             Err(BusError::Remote { code: ErrorCode::Conflict, .. }) if unanswered => {
-                return landed_copy(&bus, &msg, answer_within).await;
+                return landed_copy(&bus, &msg, STORE_TIMEOUT).await;
             }
             Err(e @ (BusError::TimedOut { .. } | BusError::NoResponders { .. }))
                 if tokio::time::Instant::now() < deadline =>
@@ -1077,7 +1078,8 @@ async fn landed_copy(
     answer_within: Duration,
 ) -> Result<(u64, Vec<(String, Uuid)>), BusError> {
     let get = ManifestGetV2 { session: msg.session, at_least: None };
-    let m = bus.request::<_, ManifestV1>(bus.subjects().store(StoreVerb::ManifestGet), &get, answer_within).await?;
+    let subject = bus.subjects().store(StoreVerb::ManifestGet);
+    let m = bus.request_idempotent::<_, ManifestV1>(subject, &get, answer_within).await?;
     let m = m.manifest;
     if m.exec_id != msg.exec_id {
         return Err(BusError::Remote {

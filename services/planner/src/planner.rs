@@ -33,6 +33,10 @@ use crate::state;
 /// within the frontend's default claim timeout (60 s).
 pub const RECIPE_PATIENCE: Duration = Duration::from_secs(30);
 
+/// How long a planner remembers a run it heard: longer than the frontend keeps
+/// sending one nobody acknowledged (`RunV2`'s patience, half the claim timeout).
+const RUN_MEMORY: Duration = Duration::from_secs(300);
+
 /// How long a run pinned to a worker is watched for its host's loss (the
 /// frontend's claim deadline: a run not claimed by then has failed anyway).
 const PINNED_MEMORY: Duration = Duration::from_secs(60);
@@ -63,6 +67,9 @@ pub struct Planner {
     host_lost: Duration,
     /// Each host's GPU slots, as its status last said, and when that was heard.
     host_slots: HashMap<String, (u32, Instant)>,
+    /// Runs heard lately: a run the frontend sent again (its acknowledgement was
+    /// lost) is planned once (ADR 46). Forgotten after `RUN_MEMORY`.
+    heard_runs: HashMap<Uuid, Instant>,
 }
 
 impl Planner {
@@ -81,6 +88,7 @@ impl Planner {
             pinned_runs: HashMap::new(),
             host_lost: Duration::from_secs(10),
             host_slots: HashMap::new(),
+            heard_runs: HashMap::new(),
         }
     }
 
@@ -273,7 +281,7 @@ pub enum PlanError {
 /// The session's latest manifest; `at_least`: a revision known to be committed.
 async fn fetch_manifest(bus: &Bus, session: Uuid, at_least: Option<u64>) -> Result<Manifest, PlanError> {
     let get = ManifestGetV2 { session, at_least };
-    bus.request::<_, ManifestV1>(bus.subjects().store(StoreVerb::ManifestGet), &get, Duration::from_secs(30))
+    bus.request_idempotent::<_, ManifestV1>(bus.subjects().store(StoreVerb::ManifestGet), &get, Duration::from_secs(30))
         .await
         .map(|m| m.manifest)
         .map_err(PlanError::Manifest)
@@ -393,6 +401,11 @@ impl StreamHandler<Result<Envelope<RunV2>, Rejected>> for Planner {
         ctx.spawn(async move { acks.acknowledge(reply).await }.into_actor(self));
         let (bus, kv, run) = (self.bus.clone(), self.kv.clone(), env.msg);
         let (session, exec_id) = (run.session, run.exec_id);
+        self.heard_runs.retain(|_, at| at.elapsed() < RUN_MEMORY);
+        if self.heard_runs.insert(exec_id, Instant::now()).is_some() {
+            tracing::info!(%session, exec = %exec_id, "a run heard again (sent again unacknowledged): planned once");
+            return;
+        }
         // Run supersedes the cell's pending edit; its prepared worker (if any) runs it.
         self.pending_edits.remove(&(session, run.cell_id.clone()));
         let prepared = if run.options.speculate { self.speculator.for_run(session, &run.cell_id) } else { None };

@@ -78,3 +78,41 @@ async fn no_responder_and_a_slow_responder_are_different_errors() {
     let err = client.request::<_, ManifestV1>(slow.clone(), &get, timeout).await.expect_err("silent");
     assert!(matches!(&err, BusError::TimedOut { subject, timeout: t } if *subject == slow && *t == timeout), "{err}");
 }
+
+/// A request or delivery lost on its way (here: heard by a service that drops it,
+/// as one dying with it would) is sent again, and the second copy gets through
+/// (ADR 46). A plain request waits out its whole timeout instead.
+#[tokio::test]
+async fn a_lost_request_or_delivery_is_sent_again() {
+    let nats = NatsServer::start().expect("nats-server");
+    let prefix = random_prefix();
+    let client = Bus::connect(nats.url(), &prefix, "asking").await.expect("connect");
+    let server = Bus::connect(nats.url(), &prefix, "answering").await.expect("connect");
+    let get = schemas::messages::ManifestGetV2 { session: Uuid::now_v7(), at_least: None };
+
+    // answers every copy but the first, and counts the copies it heard
+    let subject = format!("{prefix}.v1.test.lossy");
+    let mut sub = server.subscribe::<schemas::messages::ManifestGetV2>(subject.clone()).await.expect("subscribe");
+    server.flush().await.expect("flush");
+    let heard = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = heard.clone();
+    tokio::spawn(async move {
+        while let Some(Ok(env)) = sub.next().await {
+            if counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst) > 0 {
+                let _ = server.respond(env.reply, &Reply::Ok(ManifestV1 { manifest: Manifest::default() })).await;
+            }
+        }
+    });
+
+    let plain = client.request::<_, ManifestV1>(subject.clone(), &get, Duration::from_millis(500)).await;
+    assert!(matches!(plain, Err(BusError::TimedOut { .. })), "{plain:?}");
+    heard.store(0, std::sync::atomic::Ordering::SeqCst);
+    let asked_again = client.request_idempotent::<_, ManifestV1>(subject.clone(), &get, Duration::from_secs(30)).await;
+    assert!(asked_again.is_ok(), "{asked_again:?}");
+    assert_eq!(heard.load(std::sync::atomic::Ordering::SeqCst), 2);
+
+    // a delivery is acknowledged by an (empty) answer: the second copy's
+    heard.store(0, std::sync::atomic::Ordering::SeqCst);
+    client.deliver(subject, &get, Duration::from_secs(30)).await.expect("delivered");
+    assert_eq!(heard.load(std::sync::atomic::Ordering::SeqCst), 2);
+}

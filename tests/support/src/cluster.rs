@@ -98,7 +98,8 @@ impl Services {
             ("LOOSELEAF_PREFIX".into(), prefix.clone()),
             ("LOOSELEAF_STORE_URL".into(), dir.path().join("store").display().to_string()),
             ("LOOSELEAF_PYTHON".into(), venv_python().display().to_string()),
-            ("LOOSELEAF_LOG".into(), "warn".into()),
+            // LOOSELEAF_TEST_LOG (e.g. "info") turns up the services' logs to debug a test
+            ("LOOSELEAF_LOG".into(), std::env::var("LOOSELEAF_TEST_LOG").unwrap_or_else(|_| "warn".into())),
             ("LOOSELEAF_MANIFEST_KEY_FILE".into(), key_file.display().to_string()),
         ];
         common.extend(env.iter().map(|(k, v)| (k.to_string(), v.clone())));

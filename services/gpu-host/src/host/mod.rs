@@ -1078,6 +1078,14 @@ impl StreamHandler<Result<Envelope<RecipeV3>, Rejected>> for Host {
                 let (bus, reply) = (self.env.bus.clone(), env.reply_to());
                 self.background(async move { bus.acknowledge(reply).await }, ctx);
             }
+            // sent again because no acknowledgement reached the planner (ADR 46):
+            // the run claim would refuse it too, but it would wait for a slot first
+            let exec = env.msg.exec_id;
+            if env.msg.kind == RecipeKind::Run && (self.arrived.contains_key(&exec) || self.running.contains_key(&exec))
+            {
+                tracing::info!(%exec, "a run's recipe heard again: taken once");
+                return;
+            }
             self.on_recipe(env.msg, ctx);
         }
     }
