@@ -181,9 +181,14 @@ fn saved(revision: u64) -> EventKind {
     }
 }
 
-async fn next_run(runs: &mut schemas::bus::Subscription<RunV2>) -> anyhow::Result<RunV2> {
+/// The next run the frontend sent, acknowledged as the planner does (a run nobody
+/// acknowledges is sent again, ADR 46).
+async fn next_run(bus: &Bus, runs: &mut schemas::bus::Subscription<RunV2>) -> anyhow::Result<RunV2> {
     match tokio::time::timeout(WAIT, runs.next()).await {
-        Ok(Some(Ok(env))) => Ok(env.msg),
+        Ok(Some(Ok(env))) => {
+            bus.acknowledge(env.reply_to()).await;
+            Ok(env.msg)
+        }
         Ok(Some(Err(r))) => bail!("run did not decode: {}", r.error),
         Ok(None) => bail!("run subscription ended"),
         Err(_) => bail!("no run within {WAIT:?}"),
@@ -220,7 +225,7 @@ async fn run_queue_waits_for_saved_and_relays_outputs_before_done() -> anyhow::R
     let second = fe.client.run(sid, "b", "print(x)").await?;
     assert_eq!((first.position, second.position), (0, 1));
 
-    let run1 = next_run(&mut runs).await?;
+    let run1 = next_run(&host, &mut runs).await?;
     assert_eq!((run1.exec_id, run1.cell_id.as_str(), run1.after_revision), (first.exec_id, "a", 0));
     assert!(run1.options.all_gpu);
     assert_eq!(run1.options.cwd, "/tmp");
@@ -263,7 +268,7 @@ async fn run_queue_waits_for_saved_and_relays_outputs_before_done() -> anyhow::R
     }
 
     // the second run goes out only now, with the first's revision
-    let run2 = next_run(&mut runs).await?;
+    let run2 = next_run(&host, &mut runs).await?;
     assert_eq!((run2.exec_id, run2.cell_id.as_str(), run2.after_revision), (second.exec_id, "b", 7));
 
     // an output that arrives after Saved still comes before done
@@ -363,7 +368,7 @@ async fn bad_input_gets_4xx_with_a_json_error() -> anyhow::Result<()> {
     bus.flush().await?;
     let big = format!("x = '{}'\n", "y".repeat(3 << 20));
     fe.client.run(sid, "a", &big).await?;
-    assert_eq!(next_run(&mut runs).await?.code, big);
+    assert_eq!(next_run(&bus, &mut runs).await?.code, big);
 
     let health: serde_json::Value = http.get(format!("{base}/v1/health")).send().await?.json().await?;
     assert_eq!(health["status"], "ok");
@@ -406,12 +411,12 @@ async fn a_run_no_host_takes_fails_and_the_queue_moves_on() -> anyhow::Result<()
         }
         other => bail!("expected a failed done, got {other:?}"),
     }
-    assert_eq!(next_run(&mut runs).await?.exec_id, a.exec_id);
+    assert_eq!(next_run(&bus, &mut runs).await?.exec_id, a.exec_id);
     // the frontend holds the run's claim: no host can start it after it was failed
     let claims = schemas::buckets::claims(&bus.jetstream(), &prefix, 1).await?;
     let holder = claims.get(schemas::buckets::run_claim_key(a.exec_id)).await?;
     assert_eq!(holder.as_deref(), Some(schemas::buckets::INTERRUPTED_HOLDER.as_bytes()));
-    assert_eq!(next_run(&mut runs).await?.exec_id, b.exec_id);
+    assert_eq!(next_run(&bus, &mut runs).await?.exec_id, b.exec_id);
     // a Failed event also completes an execution, leaving the revision unchanged
     event(&bus, sid, b.exec_id, planned("b")).await?;
     event(&bus, sid, b.exec_id, EventKind::Failed { error: "worker died".into() }).await?;
@@ -478,7 +483,7 @@ async fn a_restarted_frontend_serves_every_session_from_its_record() -> anyhow::
     bus.flush().await?;
     let mut sse = first.client.events(sid).await?;
     let a = first.client.run(sid, "a", "x = 1").await?;
-    assert_eq!(next_run(&mut runs).await?.after_revision, 0);
+    assert_eq!(next_run(&bus, &mut runs).await?.after_revision, 0);
     event(&bus, sid, a.exec_id, saved(3)).await?;
     items_until(&mut sse, is_done(a.exec_id)).await?;
     // the record is written behind the run queue: wait until it says revision 3
@@ -497,7 +502,7 @@ async fn a_restarted_frontend_serves_every_session_from_its_record() -> anyhow::
     assert_eq!(summary["revision"], 3, "{summary}");
     assert_eq!(summary["cwd"], cwd.path().display().to_string(), "{summary}");
     let b = second.client.run(sid, "b", "print(x)").await?;
-    let run = next_run(&mut runs).await?;
+    let run = next_run(&bus, &mut runs).await?;
     assert_eq!((run.exec_id, run.after_revision), (b.exec_id, 3));
     assert_eq!(run.options.cwd, cwd.path().display().to_string());
 
@@ -535,7 +540,7 @@ async fn a_run_in_flight_survives_a_frontend_restart_with_every_output_once() ->
     // a client watching from before the restart: its reader reconnects and resumes
     let mut watching = first.client.events(sid).await?;
     let a = first.client.run(sid, "a", "print(1); print(2); print(3)").await?;
-    next_run(&mut runs).await?;
+    next_run(&bus, &mut runs).await?;
     let claimed = EventKind::Claimed { host: "fake".into(), slot: Some(0), prepare: Prepare::Cold };
     event(&bus, sid, a.exec_id, claimed).await?;
     event(&bus, sid, a.exec_id, started()).await?;
@@ -561,7 +566,7 @@ async fn a_run_in_flight_survives_a_frontend_restart_with_every_output_once() ->
 
     // the queue moves on from the revision the adopted run left
     let b = second.client.run(sid, "b", "2").await?;
-    let run = next_run(&mut runs).await?;
+    let run = next_run(&bus, &mut runs).await?;
     assert_eq!((run.exec_id, run.after_revision), (b.exec_id, 1));
     Ok(())
 }
@@ -580,7 +585,7 @@ async fn runs_queued_behind_the_one_in_flight_survive_a_frontend_restart() -> an
     let mut runs = bus.subscribe::<RunV2>(bus.subjects().run(sid)).await?;
     bus.flush().await?;
     let a = first.client.run(sid, "a", "x = 1").await?;
-    next_run(&mut runs).await?;
+    next_run(&bus, &mut runs).await?;
     event(&bus, sid, a.exec_id, EventKind::Claimed { host: "fake".into(), slot: Some(0), prepare: Prepare::Cold })
         .await?;
     let b = first.client.run(sid, "b", "y = x + 1").await?;
@@ -598,14 +603,14 @@ async fn runs_queued_behind_the_one_in_flight_survive_a_frontend_restart() -> an
     items_until(&mut sse, is_done(a.exec_id)).await?;
 
     // the queued runs go on, in order, each from the revision the one before left
-    let run = next_run(&mut runs).await?;
+    let run = next_run(&bus, &mut runs).await?;
     assert_eq!((run.exec_id, run.code.as_str(), run.after_revision), (b.exec_id, "y = x + 1", 1));
     event(&bus, sid, b.exec_id, EventKind::Claimed { host: "fake".into(), slot: Some(0), prepare: Prepare::Cold })
         .await?;
     event(&bus, sid, b.exec_id, started()).await?;
     event(&bus, sid, b.exec_id, finished(0)).await?;
     event(&bus, sid, b.exec_id, saved(2)).await?;
-    let run = next_run(&mut runs).await?;
+    let run = next_run(&bus, &mut runs).await?;
     assert_eq!((run.exec_id, run.after_revision), (c.exec_id, 2));
     Ok(())
 }
@@ -884,3 +889,4 @@ async fn the_api_answers_as_its_openapi_description_says() -> anyhow::Result<()>
     assert!(run.status.success(), "schemathesis found failures:\n{out}\n{}", String::from_utf8_lossy(&run.stderr));
     Ok(())
 }
+
