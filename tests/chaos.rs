@@ -391,14 +391,12 @@ async fn chaos_smoke() -> anyhow::Result<()> {
         .into_iter()
         .filter(|f| only.as_deref().is_none_or(|o| o.split(',').any(|n| n == f.name())))
         .collect();
-    let plan = Plan {
-        sessions: 1,
-        cells: 16,
-        sleep_s: 1.5,
-        schedule,
-        first: Duration::from_secs(6),
-        every: Duration::from_secs(4),
-    };
+    let (first, every, sleep_s) = (Duration::from_secs(6), Duration::from_secs(4), 1.5);
+    // the cells' sleeps alone outlast the last fault (with six to spare), however
+    // fast the platform recovers from the earlier ones
+    let last_fault = first + every * (schedule.len() as u32).saturating_sub(1);
+    let cells = (last_fault.as_secs_f64() / sleep_s).ceil() as usize + 6;
+    let plan = Plan { sessions: 1, cells, sleep_s, schedule, first, every };
     let (v, faults) = chaos_run(&mut cluster, &work, &plan).await?;
     eprintln!("{v:#?}\nfaults: {faults:?}");
     assert_eq!(faults.len(), plan.schedule.len(), "the session ended before every fault struck");
