@@ -9,6 +9,7 @@ mod closure_soundness;
 mod competition;
 mod compose;
 mod corpus;
+mod dashboard;
 mod health;
 mod host_loss;
 mod interrupt;

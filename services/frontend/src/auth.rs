@@ -117,10 +117,11 @@ fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Middleware: every route but `/v1/health` and `/v1/openapi.json` needs a valid
-/// token when tokens are configured; the caller goes into the request's extensions.
+/// Middleware: every route but `/v1/health`, `/v1/openapi.json` and the dashboard's
+/// page `/` (no data: it asks `/v1/dashboard` with the token) needs a valid token
+/// when tokens are configured; the caller goes into the request's extensions.
 pub async fn require_token(State(tokens): State<Tokens>, mut req: Request, next: Next) -> Response {
-    if matches!(req.uri().path(), "/v1/health" | "/v1/openapi.json") {
+    if matches!(req.uri().path(), "/v1/health" | "/v1/openapi.json" | "/") {
         return next.run(req).await;
     }
     let header = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());

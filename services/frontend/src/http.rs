@@ -241,6 +241,8 @@ fn mailbox(e: MailboxError) -> ApiError {
 /// The router of the API (bodies must arrive within `body_timeout`).
 pub fn router(state: AppState, body_timeout: Duration) -> Router {
     Router::new()
+        .route("/", get(dashboard_page))
+        .route("/v1/dashboard", get(dashboard))
         .route("/v1/health", get(health))
         .route("/v1/openapi.json", get(openapi_json))
         .route("/v1/sessions", post(create_session))
@@ -264,6 +266,48 @@ pub fn router(state: AppState, body_timeout: Duration) -> Router {
         .layer(axum::middleware::from_fn_with_state(state.origins.clone(), crate::origins::check))
         .with_state(state)
 }
+
+/// The dashboard's page (ADR 47): hosts, sessions and executions, live.
+async fn dashboard_page() -> Response {
+    (
+        [
+            (axum::http::header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            // everything it needs is inline; it talks only to this frontend
+            (
+                axum::http::header::CONTENT_SECURITY_POLICY,
+                "default-src 'self'; style-src 'unsafe-inline'; script-src 'unsafe-inline'",
+            ),
+        ],
+        crate::dashboard::PAGE,
+    )
+        .into_response()
+}
+
+/// What the dashboard shows, as Server-Sent Events: a snapshot at once, then one
+/// after each change (at most every 200 ms) and at least every 2 s. The caller
+/// sees the sessions it owns and every gpu-host.
+#[utoipa::path(get, path = "/v1/dashboard",
+    responses((status = 200, content_type = "text/event-stream", description = "JSON snapshots, one per `data:` line")))]
+async fn dashboard(State(state): State<AppState>, Extension(caller): Extension<Caller>) -> Response {
+    let board = state.shared.dashboard.clone();
+    let seen = board.subscribe();
+    let stream = futures::stream::unfold((board, seen, caller, true), |(board, mut seen, caller, first)| async move {
+        if !first {
+            board.changes(&mut seen, DASHBOARD_EVERY).await;
+            tokio::time::sleep(DASHBOARD_GATHER).await; // a burst of changes is one snapshot
+        }
+        let event = Event::default().data(board.snapshot(&caller).to_string());
+        Some((Ok::<_, Infallible>(event), (board, seen, caller, false)))
+    })
+    .take_until(state.shutdown.clone().cancelled_owned());
+    Sse::new(stream).keep_alive(KeepAlive::new().interval(SSE_KEEP_ALIVE)).into_response()
+}
+
+/// The dashboard's stream sends a snapshot at least this often.
+const DASHBOARD_EVERY: Duration = Duration::from_secs(2);
+
+/// And at most once per this (changes within it go in one snapshot).
+const DASHBOARD_GATHER: Duration = Duration::from_millis(200);
 
 /// Whether the frontend answers (no token needed: for probes).
 #[utoipa::path(get, path = "/v1/health", security(()), responses((status = 200, body = Health)))]
@@ -659,7 +703,7 @@ async fn delete_session(
 #[derive(utoipa::OpenApi)]
 #[openapi(
     info(title = "LooseLeaf frontend API", version = "1", description = "Sessions, edits, runs and their event stream"),
-    paths(health, openapi_json, create_session, summary, delete_session, edit, run, interrupt, input, complete, inspect, comm, events),
+    paths(health, openapi_json, create_session, summary, delete_session, edit, run, interrupt, input, complete, inspect, comm, events, dashboard),
     components(schemas(ApiErrorBody)),
     modifiers(&Errors),
     security(("bearer" = []))

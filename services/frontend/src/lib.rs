@@ -25,6 +25,7 @@
 pub use looseleaf_client::api;
 pub mod admission;
 pub mod auth;
+pub mod dashboard;
 pub mod http;
 pub mod origins;
 pub mod records;
@@ -158,6 +159,9 @@ pub async fn run_with_bound(
     let statuses = bus.subscribe::<HostStatusV2>(bus.subjects().all_host_status()).await?;
     tokio::spawn(hosts.clone().follow(statuses));
     tokio::spawn(hosts.clone().watch_connection(bus.client().clone()));
+    let dashboard = dashboard::Dashboard::default();
+    let statuses = bus.subscribe::<HostStatusV2>(bus.subjects().all_host_status()).await?;
+    tokio::spawn(dashboard.clone().follow_hosts(statuses));
     let records =
         records::Records::new(schemas::buckets::sessions(&bus.jetstream(), &config.prefix, bus.replicas()).await?);
     let state = http::AppState {
@@ -169,6 +173,7 @@ pub async fn run_with_bound(
             records,
             history_items: config.history_items.max(1),
             queued_runs: config.limits.queued_runs.max(1),
+            dashboard,
         },
         arbiter: actix::Arbiter::current(),
         sessions: Arc::new(RwLock::new(HashMap::new())),

@@ -171,6 +171,8 @@ pub struct Shared {
     pub history_items: usize,
     /// Runs a session may have waiting behind the running one.
     pub queued_runs: usize,
+    /// What the dashboard at `/` shows (every session's stream items go there too).
+    pub dashboard: crate::dashboard::Dashboard,
 }
 
 /// The per-session actor.
@@ -243,6 +245,7 @@ impl SessionActor {
             }
         });
         let first_id = schemas::unix_ms().saturating_mul(1000);
+        shared.dashboard.opened(record.session_id, record.owner.clone());
         Self {
             sid: record.session_id,
             stored: record,
@@ -372,6 +375,7 @@ impl SessionActor {
     }
 
     fn emit(&mut self, item: &StreamItem) {
+        self.shared.dashboard.observe(self.sid, item);
         let line = match serde_json::to_string(item) {
             Ok(l) => l,
             Err(e) => {
@@ -734,6 +738,10 @@ impl Actor for SessionActor {
             self.emit(&StreamItem::Queued { exec_id: q.exec_id, cell_id: q.cell_id, run_unix_ms: q.run_unix_ms });
         }
         self.start_next(ctx);
+    }
+
+    fn stopped(&mut self, _ctx: &mut Self::Context) {
+        self.shared.dashboard.closed(self.sid);
     }
 }
 

@@ -876,6 +876,8 @@ async fn the_api_answers_as_its_openapi_description_says() -> anyhow::Result<()>
             .arg("--config-file")
             .arg(&config)
             .args(["run", &url, "-H", &auth, "--exclude-path", "/v1/sessions/{sid}/events"])
+            // endless streams: no answer ever ends
+            .args(["--exclude-path", "/v1/dashboard"])
             .args(["--checks", "not_a_server_error,status_code_conformance,content_type_conformance"])
             .args(["--checks", "response_schema_conformance,negative_data_rejection"])
             .args(["--max-examples", "25", "--seed", "1", "--workers", "1", "--request-timeout", "20"])
@@ -890,3 +892,103 @@ async fn the_api_answers_as_its_openapi_description_says() -> anyhow::Result<()>
     Ok(())
 }
 
+/// The next dashboard snapshot of `stream` (Server-Sent Events) that `wanted` accepts.
+async fn dashboard_until<B: AsRef<[u8]>>(
+    stream: &mut (impl futures::Stream<Item = reqwest::Result<B>> + Unpin),
+    text: &mut String,
+    wanted: impl Fn(&serde_json::Value) -> bool,
+) -> anyhow::Result<serde_json::Value> {
+    use futures::StreamExt;
+    loop {
+        while let Some(end) = text.find("\n\n") {
+            let block: String = text.drain(..end + 2).collect();
+            if let Some(data) = block.lines().find_map(|l| l.strip_prefix("data: ")) {
+                let snapshot: serde_json::Value = serde_json::from_str(data)?;
+                if wanted(&snapshot) {
+                    return Ok(snapshot);
+                }
+            }
+        }
+        let chunk = tokio::time::timeout(WAIT, stream.next()).await?.context("the stream ended")??;
+        text.push_str(&String::from_utf8_lossy(chunk.as_ref()));
+    }
+}
+
+#[actix_rt::test]
+async fn the_dashboard_page_needs_no_token_and_its_live_data_shows_each_user_their_own() -> anyhow::Result<()> {
+    let nats = NatsServer::start()?;
+    let prefix = random_prefix();
+    let (alice, bob) = ("alice-token-0123456789", "bob-token-0123456789ab");
+    let tokens = Tokens::parse(&format!("alice {alice}\nbob {bob}\n"))?;
+    let fe = start_frontend_with(&nats, &prefix, |c| c.tokens = tokens).await?;
+    let http = reqwest::Client::new();
+
+    // the page holds no data: anyone gets it; the data needs a token
+    let page = http.get(format!("{}/", fe.base)).send().await?;
+    assert_eq!(page.status(), reqwest::StatusCode::OK);
+    assert!(page.headers()["content-type"].to_str()?.starts_with("text/html"));
+    assert!(page.text().await?.contains("/v1/dashboard"));
+    let data = http.get(format!("{}/v1/dashboard", fe.base)).send().await?;
+    assert_eq!(data.status(), reqwest::StatusCode::UNAUTHORIZED);
+
+    // a host's status shows with its slots
+    let host = Bus::connect(nats.url(), &prefix, "fake-host").await?;
+    let status = schemas::messages::HostStatusV2 {
+        host: "host-x".into(),
+        slots: vec![schemas::messages::SlotStatus {
+            index: 0,
+            name: "virtual".into(),
+            memory_bytes: 0,
+            exec_id: None,
+            session: None,
+            held_for: None,
+        }],
+        real_gpus: false,
+        zygotes: vec![],
+        cpu_sessions: vec![],
+        workers: vec![],
+        cache_bytes: 0,
+        forks: 0,
+        unix_ms: schemas::unix_ms(),
+    };
+    host.publish(host.subjects().host_status("host-x"), &status).await?;
+    host.flush().await?;
+
+    let as_alice = fe.client.clone().with_token(alice);
+    let sid = as_alice.create_session("/tmp", true, false).await?;
+    let mut runs = host.subscribe::<RunV2>(host.subjects().run(sid)).await?;
+    host.flush().await?;
+    let watch = |token: &str| http.get(format!("{}/v1/dashboard", fe.base)).bearer_auth(token).send();
+    let mut alices = watch(alice).await?.error_for_status()?.bytes_stream();
+    let mut text = String::new();
+    let first = dashboard_until(&mut alices, &mut text, |s| s["hosts"][0]["host"] == "host-x").await?;
+    assert_eq!(first["hosts"][0]["slots"][0]["busy"], false, "{first}");
+    assert_eq!(first["sessions"][0]["session_id"], sid.to_string(), "{first}");
+
+    // a run, as a planner and host carry it out: the open stream follows it
+    let exec = as_alice.run(sid, "a", "x = 1").await?.exec_id;
+    next_run(&host, &mut runs).await?;
+    event(&host, sid, exec, planned("a")).await?;
+    let claimed = EventKind::Claimed { host: "fake".into(), slot: Some(0), prepare: Prepare::Speculative };
+    event(&host, sid, exec, claimed).await?;
+    event(&host, sid, exec, started()).await?;
+    event(&host, sid, exec, finished(0)).await?;
+    event(&host, sid, exec, saved(1)).await?;
+    let done = dashboard_until(&mut alices, &mut text, |s| s["executions"][0]["status"] == "ok").await?;
+    let e = &done["executions"][0];
+    assert_eq!((e["exec_id"].as_str(), e["cell_id"].as_str()), (Some(exec.to_string().as_str()), Some("a")), "{done}");
+    assert_eq!((e["device"].as_str(), e["host"].as_str(), e["slot"].as_u64()), (Some("gpu"), Some("fake"), Some(0)));
+    assert_eq!(e["prepare"], "cold", "Started says how the worker was prepared: {done}");
+    assert!(e["start_delay_ms"].is_u64(), "{done}");
+    assert_eq!(done["sessions"][0]["gpu_runs"], 1, "{done}");
+    assert!(done["gpu_slot_seconds"].as_f64().is_some_and(|s| s >= 0.0), "{done}");
+
+    // bob sees the host, not alice's session or its run
+    let mut bobs = watch(bob).await?.error_for_status()?.bytes_stream();
+    let mut text = String::new();
+    let seen = dashboard_until(&mut bobs, &mut text, |_| true).await?;
+    assert_eq!(seen["hosts"][0]["host"], "host-x", "{seen}");
+    assert_eq!(seen["sessions"], serde_json::json!([]), "{seen}");
+    assert_eq!(seen["executions"], serde_json::json!([]), "{seen}");
+    Ok(())
+}
