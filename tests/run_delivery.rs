@@ -54,27 +54,25 @@ async fn a_run_whose_claims_bucket_is_away_past_an_election_runs_once_it_is_back
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_run_lost_with_the_planner_that_held_it_is_sent_again() -> anyhow::Result<()> {
-    let bin = bin_dir_of(env!("CARGO_BIN_EXE_looseleaf"));
-    let mut services = Services::start(&bin, &[1], &[]).await?;
-    let mut s = services.session(false).await?;
-    // a frozen planner still listens: the run reaches it and is never acknowledged,
-    // then dies with it
-    services.signal("looseleaf-planner", Signal::SIGSTOP)?;
-    let exec = s.fe.run(s.sid, "a", "x = 6 * 7\nprint(x)").await?.exec_id;
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    services.restart("looseleaf-planner")?;
-    ran_once(&mut s, exec).await
+    lost_with("looseleaf-planner").await
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_recipe_lost_with_the_host_that_held_it_is_sent_again() -> anyhow::Result<()> {
+    lost_with("host-0").await
+}
+
+/// A run sent while `service` is frozen (it still listens: the message reaches it
+/// and is never acknowledged), which then dies with it and comes back: the run
+/// is sent again and runs once.
+async fn lost_with(service: &str) -> anyhow::Result<()> {
     let bin = bin_dir_of(env!("CARGO_BIN_EXE_looseleaf"));
     let mut services = Services::start(&bin, &[1], &[]).await?;
     let mut s = services.session(false).await?;
-    services.signal("host-0", Signal::SIGSTOP)?;
+    services.signal(service, Signal::SIGSTOP)?;
     let exec = s.fe.run(s.sid, "a", "x = 6 * 7\nprint(x)").await?.exec_id;
     tokio::time::sleep(Duration::from_secs(1)).await;
-    services.restart("host-0")?;
+    services.restart(service)?;
     ran_once(&mut s, exec).await
 }
 
