@@ -144,6 +144,9 @@ impl Dashboard {
 
     /// An item session `sid` sent its clients.
     pub fn observe(&self, sid: Uuid, item: &StreamItem) {
+        if matches!(item, StreamItem::Output { .. }) {
+            return; // not shown; a cell may print thousands
+        }
         let mut view = self.lock();
         match item {
             StreamItem::Queued { exec_id, cell_id, run_unix_ms } => {
@@ -203,7 +206,7 @@ impl Dashboard {
                     s.gpu_slot_ms += held;
                 }
             }
-            _ => return, // outputs: not shown
+            StreamItem::Output { .. } => return,
         }
         drop(view);
         self.changed();
