@@ -2,18 +2,21 @@
 variable (DESIGN.md section 6). Saved as one pickled blob after every cell and
 restored before the next, so a fresh worker continues like a pinned kernel.
 
-Library state is captured only for libraries already imported, and restoring it
-imports a library only when the saved state names it (importing torch or
-matplotlib just to restore defaults would cost seconds and change nothing).
+Library state is captured only for libraries already imported, and restored
+only into a worker that has the library: at once if its zygote imported it, else
+when a cell first imports it (``when_imported``; importing torch or matplotlib
+at restore would cost up to seconds for cells that never touch them).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import linecache
 import os
 import pickle
 import random
+import re
 import sys
 import types
 import warnings
@@ -192,6 +195,28 @@ def _inline_figures(shell) -> None:
         f.for_type_by_name(*key, hooks[-1])
 
 
+def _plain_filter(f: tuple) -> tuple:
+    """A warnings filter with its regexes as (pattern, flags). Unpickling a
+    compiled regex compiles it again, uncached (~0.2 ms each, at every restore);
+    as plain values they compile only when the filters differ. (Saves before this
+    held compiled regexes: both forms are read.)"""
+    action, message, category, module, lineno = f
+    return (action, _plain_re(message), category, _plain_re(module), lineno)
+
+
+def _plain_re(p):
+    return (p.pattern, p.flags) if isinstance(p, re.Pattern) else p
+
+
+def _live_filter(f: tuple) -> tuple:
+    action, message, category, module, lineno = f
+    return (action, _live_re(message), category, _live_re(module), lineno)
+
+
+def _live_re(p):
+    return re.compile(*p) if isinstance(p, tuple) else p
+
+
 def capture(shell, base: Baseline) -> dict:
     """The ambient state as plain picklable values."""
     st: dict[str, Any] = {"random": random.getstate()}
@@ -222,10 +247,11 @@ def capture(shell, base: Baseline) -> dict:
     filters = []
     for f in warnings.filters:
         try:
-            pickle.dumps(f)
-            filters.append(f)
+            plain = _plain_filter(f)
+            pickle.dumps(plain)
         except Exception:  # noqa: BLE001 - a filter on a notebook class: skip
-            pass
+            continue
+        filters.append(plain)
     st["warnings"] = filters
     st["extensions"] = sorted(shell.extension_manager.loaded)
     st["config"] = {k: dict(v) for k, v in shell.config.items() if k not in ("HistoryManager",) and isinstance(v, dict)}
@@ -277,44 +303,103 @@ def apply_paths(st: dict) -> None:
         local.adopt({n: Source(o, src, search) for n, (o, src, search) in st.get("local_modules", {}).items()})
 
 
+class _OnImport:
+    """A meta path finder that runs a callback right after a module's first import
+    in this worker. A library's saved state (its RNG, its options) matters only
+    once a cell uses the library, so a worker whose zygote lacks it does not
+    import it at restore (matplotlib ~80 ms, torch ~1 s): the state is applied
+    when the cell imports it."""
+
+    def __init__(self):
+        self.pending: dict[str, Any] = {}
+
+    def find_spec(self, name, path, target=None):
+        then = self.pending.pop(name, None)
+        if then is None:
+            return None
+        spec = importlib.util.find_spec(name)  # the other finders (ours passes now)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        load = loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            _guarded(then, module)
+
+        # on this loader instance only: its class (and resource reading) stay as they are
+        loader.exec_module = exec_module
+        return spec
+
+
+def _guarded(fn, module) -> None:
+    # inside a cell's import: a failure must not fail the user's import
+    try:
+        fn(module)
+    except Exception as e:  # noqa: BLE001 - one library's state lost, not the import
+        quiet.log(f"looseleaf worker: could not restore {module.__name__} state: {type(e).__name__}: {e}")
+
+
+def _on_import() -> _OnImport:
+    hook = next((f for f in sys.meta_path if isinstance(f, _OnImport)), None)
+    if hook is None:
+        hook = _OnImport()
+        sys.meta_path.insert(0, hook)
+    return hook
+
+
+def when_imported(name: str, fn) -> None:
+    """Call ``fn(module)`` now if ``name`` is imported (its errors are the
+    restore's), else right after a cell first imports it."""
+    module = sys.modules.get(name)
+    if module is not None:
+        fn(module)
+    else:
+        _on_import().pending[name] = fn
+
+
+def _apply_numpy(np, st: dict, base: Baseline) -> None:
+    if "numpy_rng" in st:
+        np.random.set_state(st["numpy_rng"])
+    # setting costs ~0.4 ms of every start; a fresh worker already has the baseline
+    want = st.get("numpy_print") or base.np_print
+    if want and np.get_printoptions() != want:
+        np.set_printoptions(**want)
+
+
+def _apply_torch(torch, st: dict) -> None:
+    torch.set_rng_state(torch.from_numpy(st["torch_rng"]))
+    if "torch_cuda_rng" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.from_numpy(s) for s in st["torch_cuda_rng"]])
+
+
+def _set_options(set_one, options: dict) -> None:
+    with quiet.own_warnings(show=False):
+        for k, v in options.items():
+            try:
+                set_one(k, v)
+            except Exception:  # noqa: BLE001 - an option this version lacks
+                pass
+
+
 def apply(shell, st: dict, base: Baseline) -> None:
     """Make this worker's ambient state equal ``st`` (best effort per item); after
     ``apply_paths`` and after the variables, which registered magics may name."""
     random.setstate(st["random"])
+    _on_import().pending.clear()  # a kept worker: an earlier restore's state is stale
     if "numpy_rng" in st or "numpy_print" in st:
-        import numpy as np
-
-        if "numpy_rng" in st:
-            np.random.set_state(st["numpy_rng"])
-        np.set_printoptions(**st.get("numpy_print") or base.np_print or {})
+        when_imported("numpy", lambda np: _apply_numpy(np, st, base))
     if "torch_rng" in st:
-        import torch
-
-        torch.set_rng_state(torch.from_numpy(st["torch_rng"]))
-        if "torch_cuda_rng" in st and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([torch.from_numpy(s) for s in st["torch_cuda_rng"]])
-    if st.get("rcparams") is not None:
-        import matplotlib as mpl
-
-        with quiet.own_warnings(show=False):
-            for k, v in st["rcparams"].items():
-                try:
-                    mpl.rcParams[k] = v
-                except Exception:  # noqa: BLE001
-                    pass
+        when_imported("torch", lambda torch: _apply_torch(torch, st))
+    if st.get("rcparams"):
+        when_imported("matplotlib", lambda mpl: _set_options(mpl.rcParams.__setitem__, st["rcparams"]))
     if st.get("pandas"):
-        import pandas as pd
-
-        with quiet.own_warnings(show=False):
-            for k, v in st["pandas"].items():
-                try:
-                    pd.set_option(k, v)
-                except Exception:  # noqa: BLE001
-                    pass
-    if warnings.filters != st["warnings"]:
+        when_imported("pandas", lambda pd: _set_options(pd.set_option, st["pandas"]))
+    saved = [_plain_filter(f) for f in st["warnings"]]
+    if [_plain_filter(f) for f in warnings.filters] != saved:
         # only on a change: a change empties every warning registry, so warnings
         # shown once per location would show again
-        warnings.filters[:] = st["warnings"]
+        warnings.filters[:] = [_live_filter(f) for f in saved]
         warnings._filters_mutated()
     for ext in st["extensions"]:
         if ext not in shell.extension_manager.loaded:

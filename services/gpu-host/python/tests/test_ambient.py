@@ -36,6 +36,22 @@ def test_rng_cwd_count_rcparams_continue_on_new_worker(host, zygote, tmp_path):
     assert result_text(w2.run("In[2], _i2")) == "(\"first = 'x'\", \"first = 'x'\")"
 
 
+def test_library_state_is_applied_when_the_cell_imports_the_library(host, zygote):
+    w1 = zygote.fork()
+    ok(w1.run("import matplotlib as mpl\nmpl.rcParams['lines.linewidth'] = 4.5\nmpl.interactive(True)\nx = 1"))
+    w1.save()
+    w2 = zygote.fork()  # its zygote lacks matplotlib
+    assert w2.restore(["x"])["ok"]
+    r = ok(
+        w2.run(
+            "import sys\nprint('matplotlib' in sys.modules)\nimport matplotlib\n"
+            "print(matplotlib.rcParams['lines.linewidth'], matplotlib.is_interactive())"
+        )
+    )
+    # the restore left matplotlib out; the cell's import brought the session's rcParams
+    assert stream_text(r).split() == ["False", "4.5", "True"]
+
+
 def test_torch_rng_continuity(host, zygote):
     w1 = zygote.fork()
     ok(w1.run("import torch\ntorch.manual_seed(1)\n_ = torch.rand(2)"))
