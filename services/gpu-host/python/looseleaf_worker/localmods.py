@@ -73,6 +73,12 @@ class LocalModules(importlib.abc.MetaPathFinder):
         self.loaded: dict[str, Source] = {}  # what this worker imported
         self.session: dict[str, Source] = {}  # what the session had imported
 
+    def add_library(self, paths: list[str]) -> None:
+        """Entries put on the path before any cell ran (the session's package
+        layer): what is installed there is a library, not the notebook's own."""
+        self._baseline.update(paths)
+        self._library += [_dir(p) for p in paths if p not in ("", ".")]
+
     def install(self) -> None:
         if self not in sys.meta_path:
             sys.meta_path.insert(0, self)

@@ -183,6 +183,9 @@ class WorkerShell(InteractiveShell):
         self._streams = {"stdout": OutputStream("stdout", self), "stderr": OutputStream("stderr", self)}
         sys.stdout = self._streams["stdout"]
         sys.stderr = self._streams["stderr"]
+        # The display formatters are built on first use (~0.5 ms, ~1.7 ms in a
+        # forked worker); built here, in the zygote, every worker has them.
+        _ = self.display_formatter.formatters
 
     def init_history(self):
         # History lives in memory: ambient state carries it between workers,

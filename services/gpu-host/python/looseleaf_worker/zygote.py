@@ -16,9 +16,11 @@ kernel reaps its children.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import os
+import select
 import signal
 import socket
 import struct
@@ -27,6 +29,12 @@ import tempfile
 import time
 
 from . import protocol
+
+# The next spare is forked this long after a fork is served, unless another fork
+# request comes first. Forking copies the zygote's page tables (~5-10 ms of CPU);
+# done at once, it competes for the CPU with the worker just handed out, whose
+# cell is starting (its restore and first line land within ~10 ms).
+SPARE_AFTER_S = 0.01
 
 
 def default_probe() -> bool:
@@ -104,6 +112,16 @@ def _reexec_without(args, unsafe: str) -> None:
     os.execv(sys.executable, argv)
 
 
+def _fork() -> int:
+    """``os.fork`` with the zygote's objects frozen first: the collector in the
+    child never walks them, so it neither writes to their pages (each write
+    copies a page the child shared) nor spends a full collection's time on a
+    heap of imported libraries (Python's gc docs: disable early in the parent,
+    freeze before fork, enable in the child)."""
+    gc.freeze()
+    return os.fork()
+
+
 class Spare:
     """One child forked ahead of need. Forking a zygote that imported torch costs
     ~10 ms of page-table copying; a spare pays it before Run. The spare is generic
@@ -112,7 +130,7 @@ class Spare:
 
     def __init__(self, conn: socket.socket, zygote_id: str):
         r, w = os.pipe()
-        pid = os.fork()
+        pid = _fork()
         if pid == 0:
             os.close(w)
             _become_worker(conn, zygote_id, lambda: _read_params(r))
@@ -146,11 +164,15 @@ def _become_worker(conn: socket.socket, zygote_id: str, params) -> None:
     code = 0
     wid = "?"
     try:
+        gc.enable()  # a worker collects its own garbage (the zygote's is frozen)
         conn.close()
         os.setsid()
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # cells need waitpid
         # an interrupt reaches cells only (the worker's own handler, see interrupt.py)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        from . import worker
+
+        ready = worker.Worker()  # a spare: set up while it waits, before Run
         msg = params()
         wid = msg["worker_id"]
         os.environ.update(msg["env"])
@@ -160,9 +182,7 @@ def _become_worker(conn: socket.socket, zygote_id: str, params) -> None:
         if uid is not None:
             _become_session_user(uid)
         os.chdir(msg["cwd"])
-        from . import worker
-
-        worker.main(sock, wid, zygote_id)
+        worker.main(sock, wid, zygote_id, ready)
     except BaseException as e:  # noqa: BLE001
         if not isinstance(e, EOFError):
             _log(f"worker {wid} failed: {type(e).__name__}: {e}")
@@ -187,26 +207,34 @@ def _become_session_user(uid: int) -> None:
         pass  # a home it cannot make: it keeps the host's (read-only to it)
 
 
-def _fork_worker(conn: socket.socket, msg: dict, zygote_id: str, spare: Spare | None) -> Spare | None:
-    """Serve one ``fork``: hand it to the spare if there is a live one, else fork
-    now; then fork the next spare. Returns the new spare."""
+def _fork_worker(conn: socket.socket, msg: dict, zygote_id: str, spare: Spare | None) -> None:
+    """Serve one ``fork``: hand it to the spare if there is a live one, else fork now."""
     wid = msg["worker_id"]
     if spare is not None and spare.hand(msg):
         protocol.send(conn, {"type": "forked", "worker_id": wid, "pid": spare.pid})
-    else:
-        try:
-            pid = os.fork()
-        except OSError as e:
-            protocol.send(conn, {"type": "fork_failed", "worker_id": wid, "error": str(e)})
-            return None
-        if pid == 0:
-            _become_worker(conn, zygote_id, lambda: msg)
-        protocol.send(conn, {"type": "forked", "worker_id": wid, "pid": pid})
+        return
+    try:
+        pid = _fork()
+    except OSError as e:
+        protocol.send(conn, {"type": "fork_failed", "worker_id": wid, "error": str(e)})
+        return
+    if pid == 0:
+        _become_worker(conn, zygote_id, lambda: msg)
+    protocol.send(conn, {"type": "forked", "worker_id": wid, "pid": pid})
+
+
+def _new_spare(conn: socket.socket, zygote_id: str) -> Spare | None:
     try:
         return Spare(conn, zygote_id)
     except OSError as e:
         _log(f"could not fork a spare: {e}")
         return None
+
+
+def _quiet_for(conn: socket.socket, seconds: float) -> bool:
+    """Whether nothing arrives from the host within ``seconds``."""
+    ready, _, _ = select.select([conn], [], [], seconds)
+    return not ready
 
 
 def main(argv=None) -> int:
@@ -218,6 +246,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.packages = [p for p in args.packages.split(",") if p]
     args.cuda_unsafe = [p for p in args.cuda_unsafe.split(",") if p]
+    # no collections while importing: they would leave freed holes in pages the
+    # workers share (see _fork); the imports' objects live as long as the zygote
+    gc.disable()
 
     # `python -m` put the directory we started in first on the path. A zygote
     # imports libraries only, never a module that happens to lie there (the
@@ -266,8 +297,14 @@ def serve(
     if errors:
         hello["import_errors"] = errors
     protocol.send(conn, hello)
-    spare = Spare(conn, zid)
+    spare = _new_spare(conn, zid)
+    spare_wait = SPARE_AFTER_S
     while True:
+        if spare is None and _quiet_for(conn, spare_wait):
+            spare = _new_spare(conn, zid)
+            # a fork that failed (memory, process limits) is not retried in a tight loop
+            spare_wait = SPARE_AFTER_S if spare is not None else min(spare_wait * 2, 5.0)
+            continue
         try:
             msg = protocol.recv(conn)
         except protocol.ProtocolError as e:
@@ -276,7 +313,8 @@ def serve(
         if msg is None or msg["type"] == "shutdown":
             return 0
         if msg["type"] == "fork":
-            spare = _fork_worker(conn, msg, zid, spare)
+            _fork_worker(conn, msg, zid, spare)
+            spare = None  # handed out or gone: the next one forks once the host is quiet
         elif msg["type"] == "spawn_zygote":
             _spawn_child(conn, msg, sock_path, packages, cuda_unsafe)
         else:
@@ -288,7 +326,7 @@ def _spawn_child(conn: socket.socket, msg: dict, sock_path: str, packages: list[
     It introduces itself to the host with its own hello; a tail package that
     initialises CUDA is reported and the child keeps serving only if none did."""
     try:
-        pid = os.fork()
+        pid = _fork()
     except OSError as e:
         _log(f"could not fork child zygote {msg['zygote_id']}: {e}")
         return

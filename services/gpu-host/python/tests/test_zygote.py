@@ -1,4 +1,6 @@
 import os
+import signal
+import time
 
 from helpers import ok, stream_text
 
@@ -27,6 +29,45 @@ def test_fork_gives_worker_with_env_and_cwd(host, zygote, tmp_path):
     # the zygote is unaffected by the child's env
     w2 = zygote.fork()
     assert stream_text(w2.run("import os; print(os.environ.get('LL_TEST_VAR'))")).strip() == "None"
+
+
+def _children(pid: int) -> set[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return {int(p) for p in f.read().split()}
+
+
+def _wait_for(pred, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (value := pred()) is not None:
+            return value
+        time.sleep(0.01)
+    raise AssertionError("timed out")
+
+
+def test_a_spare_forked_while_the_host_is_quiet_serves_the_next_fork(zygote):
+    zpid = zygote.proc.pid
+
+    def new_child(known: set[int]) -> int | None:
+        fresh = _children(zpid) - known
+        return next(iter(fresh)) if len(fresh) == 1 else None
+
+    known = _children(zpid)  # earlier tests' workers, and a spare if one waits
+    w1 = zygote.fork()
+    known |= {w1.pid}
+    # once the host is quiet, one new child besides the worker waits as the spare
+    spare = _wait_for(lambda: new_child(known))
+    w2 = zygote.fork()
+    assert w2.pid == spare, "the next fork is the spare, not a fresh fork"
+    assert ok(w2.run("print(1 + 1)"))
+    # a dead spare is replaced by a direct fork: the fork request does not fail
+    known |= {w2.pid}
+    spare = _wait_for(lambda: new_child(known))
+    os.kill(spare, signal.SIGKILL)
+    _wait_for(lambda: True if spare not in _children(zpid) else None)
+    w3 = zygote.fork()
+    assert w3.pid != spare
+    assert stream_text(ok(w3.run("print('alive')"))).strip() == "alive"
 
 
 def test_subprocesses_work_in_worker(zygote):
