@@ -440,8 +440,8 @@ pub struct StartPhases {
     pub claim_ms: f64,
     /// Forking the worker from a zygote, to its hello (waiting for the zygote too).
     pub fork_ms: f64,
-    /// Reading the session's manifest from the store (0 when it was read while
-    /// the worker forked).
+    /// Reading the session's manifest from the store: what the read took beyond
+    /// the fork it overlaps (0 when it was read while the worker forked).
     pub manifest_ms: f64,
     /// Laying the closure's records and chunks out in shared memory.
     pub restore_file_ms: f64,

@@ -439,17 +439,28 @@ impl ExecEnv {
         let mut manifest = None;
         let (mut worker, import_hit) = match target {
             Target::Fresh { .. } => {
-                // the manifest is read while the worker forks (off the critical path)
-                let (forked, read) = tokio::join!(
-                    self.fork(recipe.session, &slots, &recipe.options.cwd, &recipe.imports)
-                        .instrument(tracing::info_span!("fork", otel.name = "fork worker")),
-                    self.manifest(recipe.session, recipe.manifest_revision)
+                // The manifest is read while the worker forks (off the critical
+                // path); when the read takes longer, the wait is the manifest's phase.
+                let fork = async {
+                    let forked = self
+                        .fork(recipe.session, &slots, &recipe.options.cwd, &recipe.imports)
+                        .instrument(tracing::info_span!("fork", otel.name = "fork worker"))
+                        .await;
+                    (forked, forking.elapsed())
+                };
+                let read = async {
+                    let read = self
+                        .manifest(recipe.session, recipe.manifest_revision)
                         .instrument(tracing::info_span!("manifest", otel.name = "read manifest"))
-                );
+                        .await;
+                    (read, forking.elapsed())
+                };
+                let ((forked, forked_after), (read, read_after)) = tokio::join!(fork, read);
                 manifest = read.ok(); // a failed read is retried, and reported, by the restore
                 match forked {
                     Ok((w, hit)) => {
-                        phases.fork_ms = forking.elapsed().as_secs_f64() * 1000.0;
+                        phases.fork_ms = forked_after.as_secs_f64() * 1000.0;
+                        phases.manifest_ms = read_after.saturating_sub(forked_after).as_secs_f64() * 1000.0;
                         (Arc::new(Mutex::new(w)), hit)
                     }
                     Err(e) => return (None, Err(e)),
@@ -515,7 +526,7 @@ impl ExecEnv {
             self.restore_closure(recipe, w, env, manifest).instrument(tracing::info_span!("restore")).await?;
         let restored_at = Instant::now();
         let restored_bytes = restored.bytes;
-        phases.manifest_ms = restored.manifest_ms;
+        phases.manifest_ms += restored.manifest_ms;
         phases.restore_file_ms = restored.file_ms;
         phases.imports_ms = restored.imports_ms;
         phases.load_ms = restored.load_ms;
