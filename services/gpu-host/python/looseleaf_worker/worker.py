@@ -93,6 +93,18 @@ class Worker:
         # comm messages to the client (ipywidgets) are outputs (ADR 33)
         self._collected: list[dict] | None = None  # outputs of a comm message
         comms.install(self._emit_output)
+        self._rehearse_restore()
+
+    def _rehearse_restore(self) -> None:
+        """Apply this worker's own ambient state to itself: a no-op, run before
+        the worker is handed out, that pays the restore path's first-use costs
+        (pages first written after the fork, lazily built objects) off the cold
+        start's path."""
+        try:
+            st = ambient.loads(ambient.dumps(self.shell, self.base))
+            ambient.apply(self.shell, st, self.base)
+        except Exception as e:  # noqa: BLE001 - a rehearsal: the real restore reports
+            quiet.log(f"looseleaf worker: restore rehearsal failed: {type(e).__name__}: {e}")
 
     def attach(self, sock: socket.socket, worker_id: str) -> None:
         """Become the worker the host asked for, its parameters applied (env,

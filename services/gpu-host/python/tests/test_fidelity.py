@@ -299,6 +299,24 @@ def test_each_worker_starts_with_fresh_entropy(zygote):
     assert all(x != y for x, y in zip(a, b, strict=True)), (a, b)
 
 
+def test_a_worker_handed_out_by_a_spare_looks_like_a_new_kernel(zygote):
+    # a spare sets itself up and rehearses a restore before it is handed out:
+    # none of that may show in the session
+    w = zygote.fork()
+    r = ok(
+        w.run(
+            "import sys, warnings\nip = get_ipython()\n"
+            "print(ip.execution_count, repr(_i), len(In), len(Out), ip.history_manager.input_hist_raw[:1])\n"
+            "print(sorted(n for n in globals() if not n.startswith('_') and n not in ('In', 'Out', 'exit', 'quit',"
+            " 'get_ipython', 'open', 'sys', 'warnings', 'ip')))\n"
+            "print(sorted(m for m in ('matplotlib', 'torch') if m in sys.modules))"
+        )
+    )
+    count, i_prev, n_in, n_out, hist = stream_text(r).splitlines()[0].split(" ", 4)
+    assert (count, i_prev, n_in, n_out, hist) == ("1", "''", "2", "0", "['']")
+    assert stream_text(r).splitlines()[1:] == ["[]", "[]"]
+
+
 def test_input_and_getpass_ask_the_client_for_a_line(zygote):
     w = zygote.fork()
     code = "print('before')\nname = input('name? ')\nimport getpass\npw = getpass.getpass()"
