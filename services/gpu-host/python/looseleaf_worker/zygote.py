@@ -30,11 +30,16 @@ import time
 
 from . import protocol
 
+# Spares each zygote keeps waiting. Two, so that cells run back to back (a
+# notebook run top to bottom) find one ready while the next is still being made.
+SPARES = 2
 # The next spare is forked this long after a fork is served, unless another fork
 # request comes first. Forking copies the zygote's page tables (~5-10 ms of CPU);
 # done at once, it competes for the CPU with the worker just handed out, whose
 # cell is starting (its restore and first line land within ~10 ms).
 SPARE_AFTER_S = 0.01
+# Write ends of the waiting spares' pipes: a child closes them (see _fork).
+_spare_pipes: set[int] = set()
 
 
 def default_probe() -> bool:
@@ -119,7 +124,17 @@ def _fork() -> int:
     heap of imported libraries (Python's gc docs: disable early in the parent,
     freeze before fork, enable in the child)."""
     gc.freeze()
-    return os.fork()
+    pid = os.fork()
+    if pid == 0:
+        # a spare sees EOF once the zygote is gone only if no other process
+        # (another spare, a worker, a child zygote) holds its pipe open
+        for fd in _spare_pipes:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        _spare_pipes.clear()
+    return pid
 
 
 class Spare:
@@ -136,6 +151,7 @@ class Spare:
             _become_worker(conn, zygote_id, lambda: _read_params(r))
         os.close(r)
         self.pid, self.pipe = pid, w
+        _spare_pipes.add(w)
 
     def hand(self, msg: dict) -> bool:
         """Give the spare its worker parameters; False if it is gone."""
@@ -146,6 +162,7 @@ class Spare:
         except OSError:
             return False
         finally:
+            _spare_pipes.discard(self.pipe)
             os.close(self.pipe)
 
 
@@ -207,12 +224,15 @@ def _become_session_user(uid: int) -> None:
         pass  # a home it cannot make: it keeps the host's (read-only to it)
 
 
-def _fork_worker(conn: socket.socket, msg: dict, zygote_id: str, spare: Spare | None) -> None:
-    """Serve one ``fork``: hand it to the spare if there is a live one, else fork now."""
+def _fork_worker(conn: socket.socket, msg: dict, zygote_id: str, spares: list[Spare]) -> None:
+    """Serve one ``fork``: hand it to the oldest live spare (the likeliest to be
+    set up), else fork now. Spares used or found dead leave ``spares``."""
     wid = msg["worker_id"]
-    if spare is not None and spare.hand(msg):
-        protocol.send(conn, {"type": "forked", "worker_id": wid, "pid": spare.pid})
-        return
+    while spares:
+        spare = spares.pop(0)
+        if spare.hand(msg):
+            protocol.send(conn, {"type": "forked", "worker_id": wid, "pid": spare.pid})
+            return
     try:
         pid = _fork()
     except OSError as e:
@@ -297,13 +317,15 @@ def serve(
     if errors:
         hello["import_errors"] = errors
     protocol.send(conn, hello)
-    spare = _new_spare(conn, zid)
-    spare_wait = SPARE_AFTER_S
+    spares: list[Spare] = []
+    spare_wait = 0.0  # the first spares are forked at once
     while True:
-        if spare is None and _quiet_for(conn, spare_wait):
+        if len(spares) < SPARES and _quiet_for(conn, spare_wait):
             spare = _new_spare(conn, zid)
+            if spare is not None:
+                spares.append(spare)
             # a fork that failed (memory, process limits) is not retried in a tight loop
-            spare_wait = SPARE_AFTER_S if spare is not None else min(spare_wait * 2, 5.0)
+            spare_wait = SPARE_AFTER_S if spare is not None else min(max(spare_wait, SPARE_AFTER_S) * 2, 5.0)
             continue
         try:
             msg = protocol.recv(conn)
@@ -313,8 +335,8 @@ def serve(
         if msg is None or msg["type"] == "shutdown":
             return 0
         if msg["type"] == "fork":
-            _fork_worker(conn, msg, zid, spare)
-            spare = None  # handed out or gone: the next one forks once the host is quiet
+            _fork_worker(conn, msg, zid, spares)
+            spare_wait = SPARE_AFTER_S  # the next spare forks once the host is quiet
         elif msg["type"] == "spawn_zygote":
             _spawn_child(conn, msg, sock_path, packages, cuda_unsafe)
         else:

@@ -45,29 +45,68 @@ def _wait_for(pred, timeout: float = 10.0):
     raise AssertionError("timed out")
 
 
-def test_a_spare_forked_while_the_host_is_quiet_serves_the_next_fork(zygote):
-    zpid = zygote.proc.pid
+def test_spares_wait_ready_and_serve_forks_and_a_dead_one_is_not_used(host):
+    from looseleaf_worker.zygote import SPARES
 
-    def new_child(known: set[int]) -> int | None:
-        fresh = _children(zpid) - known
-        return next(iter(fresh)) if len(fresh) == 1 else None
+    z = host.zygote(["numpy"])
+    zpid = z.proc.pid
+    workers: set[int] = set()
 
-    known = _children(zpid)  # earlier tests' workers, and a spare if one waits
-    w1 = zygote.fork()
-    known |= {w1.pid}
-    # once the host is quiet, one new child besides the worker waits as the spare
-    spare = _wait_for(lambda: new_child(known))
-    w2 = zygote.fork()
-    assert w2.pid == spare, "the next fork is the spare, not a fresh fork"
-    assert ok(w2.run("print(1 + 1)"))
-    # a dead spare is replaced by a direct fork: the fork request does not fail
-    known |= {w2.pid}
-    spare = _wait_for(lambda: new_child(known))
-    os.kill(spare, signal.SIGKILL)
-    _wait_for(lambda: True if spare not in _children(zpid) else None)
-    w3 = zygote.fork()
-    assert w3.pid != spare
+    def spares_when_ready() -> set[int] | None:
+        waiting = _children(zpid) - workers
+        return waiting if len(waiting) == SPARES else None
+
+    spares = _wait_for(spares_when_ready)
+    w1 = z.fork()
+    assert w1.pid in spares, "a waiting spare served the fork"
+    workers.add(w1.pid)
+    # back to back: the other spare serves the next one at once
+    w2 = z.fork()
+    assert w2.pid in spares - {w1.pid}
+    workers.add(w2.pid)
+    assert stream_text(ok(w2.run("print(1 + 1)"))).strip() == "2"
+    # once the host is quiet, the zygote makes them again; dead spares are skipped
+    spares = _wait_for(spares_when_ready)
+    for pid in spares:
+        os.kill(pid, signal.SIGKILL)
+    _wait_for(lambda: True if not (_children(zpid) & spares) else None)
+    w3 = z.fork()
+    assert w3.pid not in spares
     assert stream_text(ok(w3.run("print('alive')"))).strip() == "alive"
+    z.close()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_waiting_spares_leave_with_their_zygote_though_a_child_zygote_stays(host):
+    from hostsim import Conn
+    from looseleaf_worker.zygote import SPARES
+
+    z = host.zygote(["numpy"])
+    spares = _wait_for(lambda: s if len(s := _children(z.proc.pid)) == SPARES else None)
+    # a child zygote forked while the spares wait must not keep their pipes open
+    os.unlink(os.path.join(host.dir, f"z-{z.id}.sock"))
+    lsock = host.listener(f"z-{z.id}")
+    z.conn.send({"type": "spawn_zygote", "zygote_id": "z-child-2", "packages": ["json"]})
+    sock, _ = lsock.accept()
+    lsock.close()
+    child = Conn(sock, host.received)
+    child_pid = child.expect("hello")["pid"]
+    z.proc.kill()  # no shutdown: each spare must see its pipe close
+    z.proc.wait()
+    _wait_for(lambda: True if all(_gone(p) for p in spares) else None)
+    assert not _gone(child_pid), "the child zygote serves on"
+    child.send({"type": "shutdown"})
+    _wait_for(lambda: True if _gone(child_pid) else None)
+    sock.close()
+    z.conn.sock.close()
+    z.stderr.close()
 
 
 def test_subprocesses_work_in_worker(zygote):
