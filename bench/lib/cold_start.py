@@ -5,7 +5,8 @@ One run, all baselines measured in it:
 1. limit: fork time of a process holding the base zygote's packages, and memcpy
    bandwidth (bench/lib/limit_probe.py);
 2. LooseLeaf: `looseleaf up` exporting every cell's trace over OTLP to a receiver
-   on loopback (as a deployment does; bench/tracing measures what that costs), then
+   on loopback (as a deployment does; bench/tracing measures what that costs), and,
+   run as root, each session's workers as a uid of their own (isolation); then
    the corpus notebooks with `looseleaf run --all-gpu`
    (edit then Run at once, so no speculation has time to finish); cells whose
    `prepare` is "cold" and whose restored bytes are under 100 MB; the zygote's
@@ -92,14 +93,30 @@ def zygotes(cluster: B.Cluster) -> list[dict]:
     return zs
 
 
+# Each session's workers run as a uid of their own from this range (ADR 29).
+SESSION_UIDS = "200000-265535"
+
+
+def isolation(corpus: Path) -> dict:
+    """Isolation on, as a deployment runs it (issue 12 asks for the figure with
+    it): each session's workers as a uid of their own, which needs root. The
+    copied corpus becomes writable to those uids, as a session's directory is to
+    its user. Returns the env for `looseleaf up` and what the JSON says."""
+    if os.geteuid() != 0:
+        return {"env": {}, "session_uids": None, "why_off": "not root: workers run as the host's user"}
+    for d in [corpus, *corpus.rglob("*")]:
+        d.chmod(0o777 if d.is_dir() else 0o666)
+    return {"env": {"LOOSELEAF_SESSION_UIDS": SESSION_UIDS}, "session_uids": SESSION_UIDS}
+
+
 def run_looseleaf(
-    corpus: Path, work: Path, rounds: int, traces: B.OtlpReceiver
+    corpus: Path, work: Path, rounds: int, traces: B.OtlpReceiver, iso: dict
 ) -> tuple[list[dict], list[dict], list[dict]]:
     """Every notebook `rounds` times through one cluster, exporting every cell's trace
-    to `traces` as a deployment would to its collector (issue 15). Returns (cells,
-    runs, zygotes)."""
-    B.log("LooseLeaf: looseleaf up --virtual-gpus 2, tracing exported over OTLP")
-    cluster = B.Cluster(work / "data", virtual_gpus=2, env=traces.env())
+    to `traces` as a deployment would to its collector (issue 15), with `iso`'s
+    isolation. Returns (cells, runs, zygotes)."""
+    B.log(f"LooseLeaf: looseleaf up --virtual-gpus 2, tracing exported over OTLP, session uids {iso['session_uids']}")
+    cluster = B.Cluster(work / "data", virtual_gpus=2, env={**traces.env(), **iso["env"]})
     cells, runs = [], []
     try:
         cluster.wait_ready()
@@ -362,6 +379,8 @@ def summarize(
         "bench": "cold-start",
         # every cell's trace exported over OTLP while LooseLeaf was measured (issue 15)
         "tracing": {"exported": True, "otlp_exports": args.otlp_exports, "otlp_bytes": args.otlp_bytes},
+        # workers isolated per session as a deployment runs them (issue 12)
+        "isolation": {k: v for k, v in args.isolation.items() if k != "env"},
         "median_cold_ms": median_cold,
         "p95_cold_ms": B.percentile(cold_ms, 0.95),
         "median_naive_ms": median_naive,
@@ -502,7 +521,8 @@ def main() -> int:
     B.log(f"  fork {limit['fork_ms_median']:.2f} ms, memcpy {limit['memcpy_bytes_per_s'] / 1e9:.2f} GB/s")
     traces = B.OtlpReceiver()
     try:
-        ll_cells, runs, zs = run_looseleaf(corpus, work / "looseleaf", args.rounds, traces)
+        args.isolation = isolation(corpus)
+        ll_cells, runs, zs = run_looseleaf(corpus, work / "looseleaf", args.rounds, traces, args.isolation)
     finally:
         traces.stop()
     args.otlp_exports, args.otlp_bytes = traces.requests, traces.bytes
