@@ -156,6 +156,10 @@ def _register_magics(shell, records: list[tuple]) -> None:
             quiet.log(f"looseleaf worker: could not register magic {rec[:3]}: {type(e).__name__}: {e}")
 
 
+# The session this worker serves drew with the inline backend (ambient state said so).
+_session_drew_inline = False
+
+
 def _inline_figures(shell) -> None:
     """The session drew with the inline backend: a Figure shown as a cell's value
     renders as an image, as in the kernel, without importing pyplot until one is
@@ -256,7 +260,8 @@ def capture(shell, base: Baseline) -> dict:
     st["extensions"] = sorted(shell.extension_manager.loaded)
     st["config"] = {k: dict(v) for k, v in shell.config.items() if k not in ("HistoryManager",) and isinstance(v, dict)}
     st["magics"] = _magics(shell, base)
-    st["mpl_inline"] = "matplotlib_inline.backend_inline" in sys.modules
+    # a session that drew inline keeps drawing inline, though this cell did not draw
+    st["mpl_inline"] = "matplotlib_inline.backend_inline" in sys.modules or _session_drew_inline
     local = _local_modules()
     if local is not None:
         st["local_modules"] = {n: (s.origin, s.source, s.search) for n, s in local.snapshot().items()}
@@ -270,6 +275,11 @@ def capture(shell, base: Baseline) -> dict:
     st["hist_parsed"] = list(hm.input_hist_parsed)
     st["hist_raw"] = list(hm.input_hist_raw)
     st["hist_i"] = (hm._i00, hm._i, hm._ii, hm._iii)
+    # state of libraries this worker was restored with but no cell imported yet
+    hook = next((f for f in sys.meta_path if isinstance(f, _OnImport)), None)
+    if hook is not None:
+        for k, v in hook.unapplied().items():
+            st.setdefault(k, v)
     return st
 
 
@@ -308,24 +318,40 @@ class _OnImport:
     in this worker. A library's saved state (its RNG, its options) matters only
     once a cell uses the library, so a worker whose zygote lacks it does not
     import it at restore (matplotlib ~80 ms, torch ~1 s): the state is applied
-    when the cell imports it."""
+    when the cell imports it. Until then the saved entries are carried into this
+    worker's own saves (``unapplied``), so no later worker loses them."""
 
     def __init__(self):
-        self.pending: dict[str, Any] = {}
+        self.pending: dict[str, tuple[Any, dict]] = {}  # module -> (callback, saved entries)
+        self._finding: set[str] = set()
+
+    def unapplied(self) -> dict:
+        """The saved entries of the libraries no cell has imported yet."""
+        out: dict = {}
+        for name, (_, entries) in self.pending.items():
+            if name not in sys.modules:
+                out.update(entries)
+        return out
 
     def find_spec(self, name, path, target=None):
-        then = self.pending.pop(name, None)
-        if then is None:
+        if name not in self.pending or name in self._finding:
             return None
-        spec = importlib.util.find_spec(name)  # the other finders (ours passes now)
+        self._finding.add(name)
+        try:
+            spec = importlib.util.find_spec(name)  # the other finders (ours passes now)
+        finally:
+            self._finding.discard(name)
         loader = getattr(spec, "loader", None)
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
+        if loader is None or isinstance(loader, type) or not hasattr(loader, "exec_module"):
+            return spec  # a class as loader (builtins, frozen) is shared: never patched
         load = loader.exec_module
 
         def exec_module(module):
             load(module)
-            _guarded(then, module)
+            # imported: from here the library's live state is what saves read
+            then = self.pending.pop(name, (None, None))[0]
+            if then is not None:
+                _guarded(then, module)
 
         # on this loader instance only: its class (and resource reading) stay as they are
         loader.exec_module = exec_module
@@ -348,14 +374,19 @@ def _on_import() -> _OnImport:
     return hook
 
 
-def when_imported(name: str, fn) -> None:
+def when_imported(name: str, fn, entries: dict) -> None:
     """Call ``fn(module)`` now if ``name`` is imported (its errors are the
-    restore's), else right after a cell first imports it."""
+    restore's), else right after a cell first imports it; ``entries``: the saved
+    state ``fn`` applies, carried into saves until then."""
     module = sys.modules.get(name)
     if module is not None:
         fn(module)
     else:
-        _on_import().pending[name] = fn
+        _on_import().pending[name] = (fn, entries)
+
+
+def _entries(st: dict, *keys: str) -> dict:
+    return {k: st[k] for k in keys if k in st}
 
 
 def _apply_numpy(np, st: dict, base: Baseline) -> None:
@@ -385,16 +416,18 @@ def _set_options(set_one, options: dict) -> None:
 def apply(shell, st: dict, base: Baseline) -> None:
     """Make this worker's ambient state equal ``st`` (best effort per item); after
     ``apply_paths`` and after the variables, which registered magics may name."""
+    global _session_drew_inline
     random.setstate(st["random"])
     _on_import().pending.clear()  # a kept worker: an earlier restore's state is stale
     if "numpy_rng" in st or "numpy_print" in st:
-        when_imported("numpy", lambda np: _apply_numpy(np, st, base))
+        when_imported("numpy", lambda np: _apply_numpy(np, st, base), _entries(st, "numpy_rng", "numpy_print"))
     if "torch_rng" in st:
-        when_imported("torch", lambda torch: _apply_torch(torch, st))
+        when_imported("torch", lambda torch: _apply_torch(torch, st), _entries(st, "torch_rng", "torch_cuda_rng"))
     if st.get("rcparams"):
-        when_imported("matplotlib", lambda mpl: _set_options(mpl.rcParams.__setitem__, st["rcparams"]))
+        set_rc = lambda mpl: _set_options(mpl.rcParams.__setitem__, st["rcparams"])  # noqa: E731
+        when_imported("matplotlib", set_rc, _entries(st, "rcparams"))
     if st.get("pandas"):
-        when_imported("pandas", lambda pd: _set_options(pd.set_option, st["pandas"]))
+        when_imported("pandas", lambda pd: _set_options(pd.set_option, st["pandas"]), _entries(st, "pandas"))
     saved = [_plain_filter(f) for f in st["warnings"]]
     if [_plain_filter(f) for f in warnings.filters] != saved:
         # only on a change: a change empties every warning registry, so warnings
@@ -419,6 +452,7 @@ def apply(shell, st: dict, base: Baseline) -> None:
                 pass
     _register_magics(shell, st.get("magics", []))
     if st.get("mpl_inline"):
+        _session_drew_inline = True
         _inline_figures(shell)
     shell.execution_count = st["execution_count"]
     hm = shell.history_manager

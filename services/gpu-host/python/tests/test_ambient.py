@@ -52,6 +52,21 @@ def test_library_state_is_applied_when_the_cell_imports_the_library(host, zygote
     assert stream_text(r).split() == ["False", "4.5", "True"]
 
 
+def test_library_state_no_cell_imported_is_carried_into_the_next_save(host, zygote):
+    w1 = zygote.fork()
+    ok(w1.run("import matplotlib as mpl\nmpl.rcParams['lines.linewidth'] = 3.25\nx = 1"))
+    w1.save()
+    # a cell that never imports matplotlib, on a worker whose zygote lacks it, saves
+    w2 = zygote.fork()
+    assert w2.restore(["x"])["ok"]
+    ok(w2.run("import sys\nassert 'matplotlib' not in sys.modules\ny = x + 1"))
+    w2.save()
+    w3 = zygote.fork()
+    assert w3.restore(["y"])["ok"]
+    r = ok(w3.run("import matplotlib\nprint(matplotlib.rcParams['lines.linewidth'], y)"))
+    assert stream_text(r).split() == ["3.25", "2"]
+
+
 def test_torch_rng_continuity(host, zygote):
     w1 = zygote.fork()
     ok(w1.run("import torch\ntorch.manual_seed(1)\n_ = torch.rand(2)"))
