@@ -18,6 +18,7 @@
 
 pub mod claims;
 pub mod kept;
+pub mod placement;
 pub mod prepared;
 pub mod slots;
 mod status;
@@ -164,22 +165,22 @@ impl Host {
     }
 
     /// How long to wait before claiming `recipe`, and the score it comes from: a
-    /// better-placed host waits less (DESIGN.md section 5). The score weighs free
-    /// slots (half), the zygote match (a quarter: the tail imported already) and
-    /// the closure's bytes in this host's chunk cache (a quarter); up to 3 ms of
-    /// jitter breaks ties.
+    /// better-placed host waits less (DESIGN.md section 5; the rule is
+    /// [`placement::claim_delay`]). Up to 3 ms of jitter breaks ties.
     ///
     /// The delay only lets a better-placed host win; with no other host that has a
     /// free slot (as their status says) nobody could, and this host claims at once.
     /// (Stale status only costs placement: the KV create still picks one host.)
     fn claim_delay(&self, recipe: &RecipeV3) -> (Duration, f64) {
         let (zygote, cached) = self.env.placement(recipe);
-        let score = 0.5 * self.slots.free_share() + 0.25 * zygote + 0.25 * cached;
-        if !self.competitor_has_room(recipe.gpus.max(1)) {
-            return (Duration::ZERO, score);
-        }
-        let jitter = (Uuid::new_v4().as_u128() % 3000) as u64;
-        (Duration::from_micros(2_000 + (12_000.0 * (1.0 - score)) as u64 + jitter), score)
+        let standing = placement::Standing {
+            free_share: self.slots.free_share(),
+            zygote,
+            cached,
+            competitor_has_room: self.competitor_has_room(recipe.gpus.max(1)),
+        };
+        let jitter = Duration::from_micros((Uuid::new_v4().as_u128() % 3000) as u64);
+        placement::claim_delay(standing, jitter)
     }
 
     /// The hosts alive as far as this one knows: itself, and every other one whose
