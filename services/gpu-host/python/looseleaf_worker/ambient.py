@@ -10,13 +10,13 @@ at restore would cost up to seconds for cells that never touch them).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import io
 import linecache
 import os
 import pickle
 import random
-import re
 import sys
 import types
 import warnings
@@ -199,28 +199,6 @@ def _inline_figures(shell) -> None:
         f.for_type_by_name(*key, hooks[-1])
 
 
-def _plain_filter(f: tuple) -> tuple:
-    """A warnings filter with its regexes as (pattern, flags). Unpickling a
-    compiled regex compiles it again, uncached (~0.2 ms each, at every restore);
-    as plain values they compile only when the filters differ. (Saves before this
-    held compiled regexes: both forms are read.)"""
-    action, message, category, module, lineno = f
-    return (action, _plain_re(message), category, _plain_re(module), lineno)
-
-
-def _plain_re(p):
-    return (p.pattern, p.flags) if isinstance(p, re.Pattern) else p
-
-
-def _live_filter(f: tuple) -> tuple:
-    action, message, category, module, lineno = f
-    return (action, _live_re(message), category, _live_re(module), lineno)
-
-
-def _live_re(p):
-    return re.compile(*p) if isinstance(p, tuple) else p
-
-
 def capture(shell, base: Baseline) -> dict:
     """The ambient state as plain picklable values."""
     st: dict[str, Any] = {"random": random.getstate()}
@@ -251,11 +229,10 @@ def capture(shell, base: Baseline) -> dict:
     filters = []
     for f in warnings.filters:
         try:
-            plain = _plain_filter(f)
-            pickle.dumps(plain)
+            pickle.dumps(f)
+            filters.append(f)
         except Exception:  # noqa: BLE001 - a filter on a notebook class: skip
-            continue
-        filters.append(plain)
+            pass
     st["warnings"] = filters
     st["extensions"] = sorted(shell.extension_manager.loaded)
     st["config"] = {k: dict(v) for k, v in shell.config.items() if k not in ("HistoryManager",) and isinstance(v, dict)}
@@ -299,6 +276,9 @@ def apply_paths(st: dict) -> None:
     """What imports depend on, applied before the restore imports anything: the
     working directory, ``sys.path``, environment variables and the session's own
     modules as it last imported them."""
+    # a kept worker: what an earlier restore left pending is stale (before the
+    # restore's imports could fire it)
+    _on_import().pending.clear()
     try:
         os.chdir(st["cwd"])
     except OSError:
@@ -347,14 +327,23 @@ class _OnImport:
         load = loader.exec_module
 
         def exec_module(module):
-            load(module)
+            if module.__name__ != name:  # a loader shared by several modules
+                return load(module)
+            try:
+                load(module)
+            finally:
+                with contextlib.suppress(AttributeError):
+                    del loader.exec_module  # the instance's own method again
             # imported: from here the library's live state is what saves read
             then = self.pending.pop(name, (None, None))[0]
             if then is not None:
                 _guarded(then, module)
 
-        # on this loader instance only: its class (and resource reading) stay as they are
-        loader.exec_module = exec_module
+        # on this loader instance only: its class (and resource reading) stay as
+        # they are; one that takes no attributes imports as usual (its state is
+        # carried, not applied)
+        with contextlib.suppress(AttributeError, TypeError):
+            loader.exec_module = exec_module
         return spec
 
 
@@ -418,7 +407,6 @@ def apply(shell, st: dict, base: Baseline) -> None:
     ``apply_paths`` and after the variables, which registered magics may name."""
     global _session_drew_inline
     random.setstate(st["random"])
-    _on_import().pending.clear()  # a kept worker: an earlier restore's state is stale
     if "numpy_rng" in st or "numpy_print" in st:
         when_imported("numpy", lambda np: _apply_numpy(np, st, base), _entries(st, "numpy_rng", "numpy_print"))
     if "torch_rng" in st:
@@ -428,11 +416,10 @@ def apply(shell, st: dict, base: Baseline) -> None:
         when_imported("matplotlib", set_rc, _entries(st, "rcparams"))
     if st.get("pandas"):
         when_imported("pandas", lambda pd: _set_options(pd.set_option, st["pandas"]), _entries(st, "pandas"))
-    saved = [_plain_filter(f) for f in st["warnings"]]
-    if [_plain_filter(f) for f in warnings.filters] != saved:
+    if warnings.filters != st["warnings"]:
         # only on a change: a change empties every warning registry, so warnings
         # shown once per location would show again
-        warnings.filters[:] = [_live_filter(f) for f in saved]
+        warnings.filters[:] = st["warnings"]
         warnings._filters_mutated()
     for ext in st["extensions"]:
         if ext not in shell.extension_manager.loaded:

@@ -145,7 +145,12 @@ class Spare:
 
     def __init__(self, conn: socket.socket, zygote_id: str):
         r, w = os.pipe()
-        pid = _fork()
+        try:
+            pid = _fork()
+        except OSError:
+            os.close(r)
+            os.close(w)
+            raise
         if pid == 0:
             os.close(w)
             _become_worker(conn, zygote_id, lambda: _read_params(r))

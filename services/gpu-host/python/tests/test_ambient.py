@@ -102,3 +102,32 @@ def test_slot_env_from_restore_is_not_ambient_state(host, zygote):
     r = ok(w2.run("print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')), os.environ.get('LL_CELL_SET'))"))
     devices, cell_set = stream_text(r).split()
     assert (devices != "'3'", cell_set) == (True, "yes")
+
+
+def test_the_import_hook_calls_back_with_the_module_asked_for_only(tmp_path):
+    # one zipimporter loads every module of its archive: the hook must not take
+    # ll_beta, imported while ll_alpha loads, for ll_alpha
+    import sys
+    import zipfile
+
+    from looseleaf_worker import ambient
+
+    archive = tmp_path / "mods.zip"
+    with zipfile.ZipFile(archive, "w") as f:
+        f.writestr("ll_alpha.py", "import ll_beta\nVALUE = 'alpha'\n")
+        f.writestr("ll_beta.py", "VALUE = 'beta'\n")
+    sys.path.insert(0, str(archive))
+    seen = []
+    try:
+        ambient.when_imported("ll_alpha", lambda m: seen.append(m.VALUE), {"saved": 1})
+        assert ambient._on_import().unapplied() == {"saved": 1}  # carried until imported
+        import ll_alpha
+
+        assert seen == ["alpha"]
+        assert ambient._on_import().unapplied() == {}
+        assert "exec_module" not in vars(ll_alpha.__loader__), "the shared loader is itself again"
+    finally:
+        sys.path.remove(str(archive))
+        for name in ("ll_alpha", "ll_beta"):
+            sys.modules.pop(name, None)
+        sys.meta_path.remove(ambient._on_import())
