@@ -253,10 +253,8 @@ def capture(shell, base: Baseline) -> dict:
     st["hist_raw"] = list(hm.input_hist_raw)
     st["hist_i"] = (hm._i00, hm._i, hm._ii, hm._iii)
     # state of libraries this worker was restored with but no cell imported yet
-    hook = next((f for f in sys.meta_path if isinstance(f, _OnImport)), None)
-    if hook is not None:
-        for k, v in hook.unapplied().items():
-            st.setdefault(k, v)
+    for k, v in _on_import().unapplied().items():
+        st.setdefault(k, v)
     return st
 
 

@@ -166,7 +166,7 @@ impl Host {
 
     /// How long to wait before claiming `recipe`, and the score it comes from: a
     /// better-placed host waits less (DESIGN.md section 5; the rule is
-    /// [`placement::claim_delay`]). Up to 3 ms of jitter breaks ties.
+    /// [`placement::claim_delay`]). Random jitter up to `MAX_JITTER` breaks ties.
     ///
     /// The delay only lets a better-placed host win; with no other host that has a
     /// free slot (as their status says) nobody could, and this host claims at once.
@@ -179,7 +179,7 @@ impl Host {
             cached,
             competitor_has_room: self.competitor_has_room(recipe.gpus.max(1)),
         };
-        let jitter = Duration::from_micros((Uuid::new_v4().as_u128() % 3000) as u64);
+        let jitter = Duration::from_micros((Uuid::new_v4().as_u128() % placement::MAX_JITTER.as_micros()) as u64);
         placement::claim_delay(standing, jitter)
     }
 
