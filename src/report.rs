@@ -179,7 +179,11 @@ impl CellReport {
                     r.slot_released = Some(*slot_released);
                 }
                 Event::Failed { error } => cell_error = Some(error.clone()),
-                Event::SlotReleased { .. } | Event::Ready { .. } | Event::PreparedEnded { .. } | Event::Other => {}
+                Event::SlotReleased { .. }
+                | Event::Ready { .. }
+                | Event::Preparing { .. }
+                | Event::PreparedEnded { .. }
+                | Event::Other => {}
             }
         }
         let (status, done_ms, done_error) = match &t.done {

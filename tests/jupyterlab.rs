@@ -14,6 +14,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use looseleaf_test_support::{copy_dir, free_port, repo_root, venv_python, wait_for};
+use serde_json::json;
 
 const NOTEBOOK: &str = "pdsh_04.01-Simple-Line-Plots.ipynb";
 
@@ -146,6 +147,40 @@ fn jupyterlab_in_a_browser_runs_interrupts_and_restarts_a_notebook_on_looseleaf(
     assert_eq!(seen["typed_badge"]["prepare"], "speculative", "{seen}");
     assert_eq!(seen["typed_badge"]["device"], "gpu", "{seen}");
     assert!(seen["typed_badge"]["text"].as_str().is_some_and(|t| t.starts_with("GPU · prepared")), "{seen}");
+    // before Run, the badge followed the worker: planned on a GPU, preparing, ready
+    // on a host; after it, running and saved
+    let ready = &seen["typed_ready_badge"];
+    // for the text as typed: the closure the run used (`x`)
+    assert_eq!(ready["text"], json!("GPU · ready on host-0"), "{seen}");
+    let live: serde_json::Value = serde_json::from_str(ready["live"].as_str().unwrap_or("{}"))?;
+    assert_eq!(live["closure"], 1, "{seen}");
+    assert_eq!((&ready["device"], &ready["state"]), (&json!("gpu"), &json!("ready")), "{seen}");
+    // (on the host's CPU: a prepared worker takes its GPU slot at Run, ADR 9)
+    assert!(ready["text"].as_str().is_some_and(|t| t.contains("ready on host-0")), "{seen}");
+    let states: Vec<&str> = seen["typed_states"].as_array().into_iter().flatten().filter_map(|s| s.as_str()).collect();
+    let order = ["planned", "preparing", "ready", "running", "saved"];
+    let at = |s: &str| states.iter().position(|x| *x == s);
+    assert!(order.iter().all(|s| at(s).is_some()), "states {states:?}: {seen}");
+    assert!(order.windows(2).all(|w| at(w[0]) < at(w[1])), "states out of order {states:?}: {seen}");
+    // edited into a CPU cell: the badge says CPU, its prepared worker released,
+    // and it runs on the session's CPU worker
+    assert_eq!(seen["before_cpu_badge"]["device"], "gpu", "{seen}");
+    assert_eq!(
+        (&seen["cpu_badge"]["device"], &seen["cpu_badge"]["state"]),
+        (&json!("cpu"), &json!("released")),
+        "{seen}"
+    );
+    assert!(seen["cpu_badge"]["text"].as_str().is_some_and(|t| t.starts_with("CPU")), "{seen}");
+    assert!(seen["cpu_badge"]["text"].as_str().is_some_and(|t| t.contains("released (superseded)")), "{seen}");
+    assert_eq!(seen["cpu_output"], "3000\n", "{seen}");
+    assert_eq!(seen["cpu_ran_badge"]["device"], "cpu", "{seen}");
+    // the side panel: this session's GPU time against a pinned GPU's, and its hit rate
+    let panel = &seen["panel"];
+    let number = |key: &str| panel[key].as_str().and_then(|v| v.split(' ').next()?.parse::<f64>().ok());
+    assert!(number("gpu-slot-seconds").is_some_and(|s| s > 0.0), "{seen}");
+    assert!(number("pinned-gpu-seconds").is_some_and(|p| p > number("gpu-slot-seconds").unwrap_or(f64::MAX)), "{seen}");
+    assert!(number("cells").is_some_and(|c| c >= 10.0), "{seen}");
+    assert!(panel["hit-rate"].as_str().is_some_and(|h| h.ends_with('%')), "{seen}");
     // pinned to GPU from its badge: in the cell's metadata, and run on a GPU
     assert_eq!(seen["pin_metadata"], serde_json::json!({"device": "gpu"}), "{seen}");
     assert_eq!(seen["pinned_output"], "1001\n", "{seen}");

@@ -9,13 +9,14 @@ use schemas::messages as bus;
 use serde::{Deserialize, Serialize};
 
 /// The version of this JSON within `/v1`, raised when something is added.
-pub const EVENTS_VERSION: u32 = 1;
+pub const EVENTS_VERSION: u32 = 2;
 
 /// What happened to an execution (or to a prepared worker of the session).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Event {
-    /// The planner derived the recipe for a run.
+    /// The planner derived the recipe for a run (with a nil `exec_id`: for an edit,
+    /// the recipe a prepared worker would follow).
     Planned {
         /// The cell.
         cell_id: String,
@@ -154,6 +155,17 @@ pub enum Event {
         held_ms: f64,
         /// What held it.
         reason: SlotUse,
+    },
+    /// A host began preparing a worker for a cell's edit (`ready` follows).
+    Preparing {
+        /// The host.
+        host: String,
+        /// Its GPU slot, if it holds one while preparing.
+        slot: Option<u32>,
+        /// The cell.
+        cell_id: String,
+        /// The recipe revision it follows.
+        revision: u64,
     },
     /// A kind this client does not know (a newer frontend's): skip it.
     #[serde(other)]
@@ -314,6 +326,7 @@ impl From<&bus::EventKind> for Event {
             K::SlotReleased { host, slot, held_ms, reason } => {
                 Event::SlotReleased { host, slot, held_ms, reason: reason.into() }
             }
+            K::Preparing { host, slot, cell_id, revision } => Event::Preparing { host, slot, cell_id, revision },
         }
     }
 }

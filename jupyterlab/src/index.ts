@@ -2,16 +2,23 @@
 // - each code cell's text goes to the kernel as it changes, on the `looseleaf`
 //   comm (ADR 45), at most once per THROTTLE_MS per cell, so that the platform
 //   prepares the cell's worker before Run;
-// - after a run, a badge on the cell says where it ran and how its worker was
-//   prepared, from the execute reply's `metadata.looseleaf`;
+// - a badge on each code cell says where it will run and why, and its worker's
+//   live state (planned, preparing, ready on a host/slot, running, saving, saved,
+//   released), from what the kernel sends back on the comm (ADR 49); after a run,
+//   where it ran, how its worker was prepared and its start delay, from the
+//   execute reply's `metadata.looseleaf`;
 // - a click on the badge pins the cell to GPU, then CPU, then back to LooseLeaf's
 //   choice; the pin is kept in the cell's metadata (`looseleaf.device`, which
 //   plain Jupyter ignores) and sent to the kernel, which applies it to the cell's
-//   edits and runs.
+//   edits and runs;
+// - a side panel shows the current notebook's session: GPU-slot seconds used
+//   against what a pinned GPU would have held, the speculation hit rate, and the
+//   cells run conservatively or that faulted names in.
 import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
 import { Cell, ICellModel } from '@jupyterlab/cells';
 import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
 import { Kernel, KernelMessage } from '@jupyterlab/services';
+import { Widget } from '@lumino/widgets';
 
 /** The kernel's comm target for edits (src/kernel/mod.rs, EDIT_COMM_TARGET). */
 const COMM_TARGET = 'looseleaf';
@@ -38,8 +45,37 @@ interface Placement {
   start_delay_ms?: number;
 }
 
+/** What the kernel says of a cell's worker now (`{"action": "state"}`). */
+interface LiveState {
+  state: string;
+  device?: string;
+  device_reason?: string;
+  closure?: number;
+  conservative?: string | null;
+  host?: string;
+  slot?: number | null;
+  prepare?: string;
+  outcome?: string;
+  error?: string;
+}
+
+/** The session's totals (`{"action": "session"}`, src/kernel/badge.rs). */
+export interface SessionTotals {
+  cells: number;
+  gpu_cells: number;
+  gpu_slot_seconds: number;
+  pinned_gpu_seconds: number;
+  hit_rate: number | null;
+  conservative: number;
+  faulted: number;
+  failed: number;
+}
+
 /** The edit stream and badges of one notebook. */
 class NotebookLink {
+  /** The session's totals, for the side panel. */
+  totals: SessionTotals | null = null;
+
   private comm: Kernel.IComm | null = null;
   private commKernel: Kernel.IKernelConnection | null = null;
   private watched = new WeakSet<ICellModel>();
@@ -47,9 +83,14 @@ class NotebookLink {
   private lastSent = new Map<string, number>();
   /** execute_request msg_id -> the cell it runs (JupyterLab's metadata.cellId). */
   private runs = new Map<string, string>();
+  /** The text each cell last ran: its badge keeps the run's words while unchanged. */
+  private ranText = new Map<string, string>();
   private kernelSeen: Kernel.IKernelConnection | null = null;
 
-  constructor(private panel: NotebookPanel) {
+  constructor(
+    private panel: NotebookPanel,
+    private onTotals: (link: NotebookLink) => void
+  ) {
     panel.sessionContext.kernelChanged.connect(() => this.onKernel());
     panel.content.modelContentChanged.connect(() => this.watchCells());
     void panel.sessionContext.ready.then(() => this.onKernel());
@@ -93,7 +134,7 @@ class NotebookLink {
       const input = cell.node.querySelector<HTMLElement>('.jp-Cell-inputWrapper') ?? cell.node;
       input.classList.add('ll-has-badge');
       input.appendChild(badge);
-      renderBadge(badge, pinOf(cell.model), null);
+      renderBadge(badge, pinOf(cell.model), null, null, false);
     }
     return badge;
   }
@@ -106,7 +147,7 @@ class NotebookLink {
     } else {
       cell.model.deleteMetadata('looseleaf');
     }
-    renderBadge(this.badge(cell), next, null);
+    renderBadge(this.badge(cell), next, null, null, this.unchanged(cell));
     await this.sendPin(cell.model);
     this.schedule(cell.model); // a prepared worker follows the pin
   }
@@ -128,6 +169,10 @@ class NotebookLink {
       model.contentChanged.connect(() => this.schedule(model));
       if (this.kernelSeen) {
         this.badge(cell);
+        // a cell pasted or set whole: the change that made it came before this watch
+        if (model.sharedModel.getSource()) {
+          this.schedule(model);
+        }
       }
     }
   }
@@ -152,6 +197,13 @@ class NotebookLink {
   private async sendEdit(cellId: string, code: string): Promise<void> {
     const comm = await this.openComm();
     if (comm) {
+      // a cell the platform has said nothing of yet (a later edit that changes
+      // nothing the plan depends on brings no new plan, so it keeps its state)
+      const cell = this.panel.content.widgets.find(c => c.model.id === cellId);
+      const badge = cell?.node.querySelector<HTMLElement>('.ll-badge');
+      if (cell && badge && !badge.dataset.state) {
+        renderBadge(badge, pinOf(cell.model), null, { state: 'planning' }, false);
+      }
       comm.send({ action: 'edit', cell_id: cellId, code });
     }
   }
@@ -167,6 +219,7 @@ class NotebookLink {
     }
     this.comm = kernel.createComm(COMM_TARGET);
     this.commKernel = kernel;
+    this.comm.onMsg = msg => this.onCommMsg(msg.content.data as Record<string, unknown>);
     this.comm.open({});
     // a new kernel knows no pins yet
     for (const cell of this.panel.content.widgets) {
@@ -177,12 +230,31 @@ class NotebookLink {
     return this.comm;
   }
 
+  /** Whether the cell's text is the text it last ran. */
+  private unchanged(cell: Cell): boolean {
+    return this.ranText.get(cell.model.id) === cell.model.sharedModel.getSource();
+  }
+
+  /** What the kernel says on the comm: a cell's live state, or the session's totals. */
+  private onCommMsg(data: Record<string, unknown>): void {
+    if (data.action === 'state') {
+      const cell = this.panel.content.widgets.find(c => c.model.id === data.cell_id);
+      if (cell) {
+        renderBadge(this.badge(cell), pinOf(cell.model), null, data as unknown as LiveState, this.unchanged(cell));
+      }
+    } else if (data.action === 'session') {
+      this.totals = data as unknown as SessionTotals;
+      this.onTotals(this);
+    }
+  }
+
   private onMessage(msg: KernelMessage.IMessage, direction: 'send' | 'recv'): void {
     const type = msg.header.msg_type;
     if (direction === 'send' && type === 'execute_request') {
       const cellId = (msg.metadata as { cellId?: string }).cellId;
       if (cellId) {
         this.runs.set(msg.header.msg_id, cellId);
+        this.ranText.set(cellId, (msg.content as { code?: string }).code ?? '');
       }
     } else if (direction === 'recv' && type === 'execute_reply') {
       const parent = (msg.parent_header as KernelMessage.IHeader).msg_id;
@@ -191,45 +263,159 @@ class NotebookLink {
       const placement = (msg.metadata as { looseleaf?: Placement }).looseleaf;
       const cell = this.panel.content.widgets.find(c => c.model.id === cellId);
       if (cell && placement) {
-        renderBadge(this.badge(cell), pinOf(cell.model), placement);
+        renderBadge(this.badge(cell), pinOf(cell.model), placement, null, this.unchanged(cell));
       }
     }
   }
 }
 
-/** The badge's words: the pin, then the last run's device, how its worker was
- * prepared and its start delay. */
-export function badgeText(pin: Pin, p: Placement | null): string {
+/** Where a worker is: ` on host-0/slot 1`, or ` on host-0` for a CPU worker. */
+function where(s: { host?: string; slot?: number | null }): string {
+  if (!s.host) {
+    return '';
+  }
+  return s.slot === null || s.slot === undefined ? ` on ${s.host}` : ` on ${s.host}/slot ${s.slot}`;
+}
+
+/** The live state in words, or null where the last run's words say more. */
+function stateWords(s: LiveState): string | null {
+  switch (s.state) {
+    case 'planned':
+      // a CPU cell has no worker to prepare; a GPU one waits for a host
+      return s.device === 'gpu' ? `${s.closure ?? 0} vars · planned` : `${s.closure ?? 0} vars`;
+    case 'planning':
+      return 'planning';
+    case 'queued':
+      return 'queued';
+    case 'preparing':
+      return `preparing${where(s)}`;
+    case 'ready':
+      return `ready${where(s)}`;
+    case 'running':
+      return `running${where(s)}`;
+    case 'saving':
+      return 'saving';
+    case 'released':
+      return `worker released (${(s.outcome ?? '').replace(/_/g, ' ')})`;
+    case 'failed':
+      return 'failed';
+    default:
+      return null; // saved: the run's words follow from its reply
+  }
+}
+
+/** The badge's words: the pin, the device, then the worker's live state, or
+ * after a run how its worker was prepared and its start delay. */
+export function badgeText(pin: Pin, p: Placement | null, live: LiveState | null, showRun: boolean): string {
   const parts = pin ? [`pinned ${pin.toUpperCase()}`] : [];
-  if (p) {
-    parts.push((p.device ?? '?').toUpperCase());
-    if (p.prepare) {
-      parts.push(p.prepare === 'speculative' ? 'prepared' : p.prepare);
+  const run = showRun && live?.state !== 'running' && live?.state !== 'saving' ? p : null;
+  const device = run ? run.device : (live?.device ?? p?.device);
+  const words = live ? stateWords(live) : null;
+  if (device) {
+    parts.push(device.toUpperCase());
+  }
+  if (run) {
+    if (run.prepare) {
+      parts.push(run.prepare === 'speculative' ? 'prepared' : run.prepare);
     }
-    if (typeof p.start_delay_ms === 'number') {
-      parts.push(`started in ${Math.round(p.start_delay_ms)} ms`);
+    if (typeof run.start_delay_ms === 'number') {
+      parts.push(`started in ${Math.round(run.start_delay_ms)} ms`);
     }
+    // a worker prepared again for the same text (to run it again)
+    if (live?.state === 'ready') {
+      parts.push('ready');
+    }
+  } else if (words) {
+    parts.push(words);
   }
   return parts.length ? parts.join(' · ') : 'auto';
 }
 
-/** Show `pin` and, if the cell ran, `p` (a pin change alone keeps the last run's words). */
-function renderBadge(badge: HTMLElement, pin: Pin, p: Placement | null): void {
+/** Show `pin`, the live state `live` if one came, and the last run `p` (each
+ * kept on the badge until a newer one replaces it); the run's words while
+ * `showRun` (the cell's text is the text that ran). */
+function renderBadge(
+  badge: HTMLElement,
+  pin: Pin,
+  p: Placement | null,
+  live: LiveState | null,
+  showRun: boolean
+): void {
   badge.dataset.pin = pin ?? '';
-  const last = p ?? (badge.dataset.run ? (JSON.parse(badge.dataset.run) as Placement) : null);
   if (p) {
     badge.dataset.run = JSON.stringify(p);
-    badge.dataset.device = p.device ?? '';
     badge.dataset.prepare = p.prepare ?? '';
+    badge.dataset.startDelayMs = String(p.start_delay_ms ?? '');
+    // the run's reply is the last word on it
+    delete badge.dataset.live;
+    badge.dataset.state = 'saved';
   }
-  badge.textContent = badgeText(pin, last);
+  if (live) {
+    // the planned device and why stay while the worker's state moves on
+    const before = badge.dataset.live ? (JSON.parse(badge.dataset.live) as LiveState) : null;
+    const merged: LiveState =
+      live.state === 'planned'
+        ? live
+        : { ...live, device: live.device ?? before?.device, device_reason: before?.device_reason, closure: before?.closure };
+    badge.dataset.live = JSON.stringify(merged);
+    badge.dataset.state = live.state;
+  }
+  const last = badge.dataset.run ? (JSON.parse(badge.dataset.run) as Placement) : null;
+  const now = badge.dataset.live ? (JSON.parse(badge.dataset.live) as LiveState) : null;
+  badge.textContent = badgeText(pin, last, now, showRun);
+  badge.dataset.device = (showRun && last?.device) || now?.device || last?.device || '';
+  const why = now?.device_reason ?? last?.device_reason;
+  const closure = now?.closure ?? last?.closure;
+  const plan = why ? `${why}; closure of ${closure ?? 0} variables. ` : '';
   const ran = last
-    ? `${last.device_reason ?? ''}; closure of ${last.closure ?? 0} variables; ran` +
-      (last.host ? ` on ${last.host}` : '') +
-      (last.slot === null || last.slot === undefined ? '' : ` slot ${last.slot}`) +
-      '. '
+    ? `Last run${where(last)}, ${last.prepare ?? ''} worker, started in ${Math.round(last.start_delay_ms ?? 0)} ms. `
     : '';
-  badge.title = `${ran}Click: pin to GPU, to CPU, or let LooseLeaf choose.`;
+  badge.title = `${plan}${ran}Click: pin to GPU, to CPU, or let LooseLeaf choose.`;
+}
+
+/** The side panel: the current notebook's session. */
+class SessionPanel extends Widget {
+  constructor() {
+    super();
+    this.id = 'looseleaf-session';
+    this.addClass('ll-session-panel');
+    this.title.label = 'LooseLeaf';
+    this.title.caption = 'LooseLeaf: this notebook\'s session';
+    this.render(null);
+  }
+
+  /** Show `t`, the totals of the current notebook's session (null: none yet). */
+  render(t: SessionTotals | null): void {
+    this.node.replaceChildren();
+    const h = document.createElement('h3');
+    h.textContent = 'LooseLeaf session';
+    this.node.appendChild(h);
+    if (!t) {
+      const p = document.createElement('p');
+      p.textContent = 'No cell has run on LooseLeaf in this notebook yet.';
+      this.node.appendChild(p);
+      return;
+    }
+    const saved = t.pinned_gpu_seconds > 0 ? 1 - t.gpu_slot_seconds / t.pinned_gpu_seconds : null;
+    const rows: [string, string, string][] = [
+      ['gpu-slot-seconds', 'GPU-slot seconds used', t.gpu_slot_seconds.toFixed(1)],
+      ['pinned-gpu-seconds', 'A pinned GPU would have held', t.pinned_gpu_seconds.toFixed(1)],
+      ['saved', 'GPU time saved', saved === null ? '–' : `${Math.round(saved * 100)}%`],
+      ['cells', 'Cells run (GPU)', `${t.cells} (${t.gpu_cells})`],
+      ['hit-rate', 'Speculation hit rate', t.hit_rate === null ? '–' : `${Math.round(t.hit_rate * 100)}%`],
+      ['conservative', 'Cells run conservatively', String(t.conservative)],
+      ['faulted', 'Cells that faulted names in', String(t.faulted)],
+      ['failed', 'Cells the platform failed', String(t.failed)]
+    ];
+    const table = document.createElement('table');
+    for (const [key, label, value] of rows) {
+      const tr = table.insertRow();
+      tr.dataset.key = key;
+      tr.insertCell().textContent = label;
+      tr.insertCell().textContent = value;
+    }
+    this.node.appendChild(table);
+  }
 }
 
 const plugin: JupyterFrontEndPlugin<void> = {
@@ -237,10 +423,20 @@ const plugin: JupyterFrontEndPlugin<void> = {
   description: 'Streams cell edits to the LooseLeaf kernel and shows where each cell ran.',
   autoStart: true,
   requires: [INotebookTracker],
-  activate: (_app: JupyterFrontEnd, tracker: INotebookTracker) => {
+  activate: (app: JupyterFrontEnd, tracker: INotebookTracker) => {
+    const side = new SessionPanel();
+    app.shell.add(side, 'right', { rank: 900 });
+    const links = new WeakMap<NotebookPanel, NotebookLink>();
+    const current = () => (tracker.currentWidget ? links.get(tracker.currentWidget) : undefined);
     tracker.widgetAdded.connect((_, panel) => {
-      new NotebookLink(panel);
+      const link = new NotebookLink(panel, l => {
+        if (l === current()) {
+          side.render(l.totals);
+        }
+      });
+      links.set(panel, link);
     });
+    tracker.currentChanged.connect(() => side.render(current()?.totals ?? null));
   }
 };
 

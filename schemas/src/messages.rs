@@ -282,7 +282,8 @@ wire!(SessionEventV2, "session-event", 2, upgrades SessionEventV1 from 1);
 /// The kinds of session events.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum EventKind {
-    /// The planner derived the recipe for a run.
+    /// The planner derived the recipe for a run (with a nil `exec_id`: for an edit,
+    /// the recipe a prepared worker would follow).
     Planned {
         /// Cell id.
         cell_id: String,
@@ -428,6 +429,19 @@ pub enum EventKind {
         held_ms: f64,
         /// What held the slot this long.
         reason: SlotUse,
+    },
+    /// A host began preparing (or updating in place) a worker for a cell's edit;
+    /// `Ready` follows when it is done. Appended to version 2: a reader that does
+    /// not know it drops this event alone (ADR 49).
+    Preparing {
+        /// Host id.
+        host: String,
+        /// GPU slot index, if it holds one while preparing.
+        slot: Option<u32>,
+        /// The cell it is prepared for.
+        cell_id: String,
+        /// The recipe revision it follows.
+        revision: u64,
     },
 }
 

@@ -33,6 +33,7 @@ use uuid::Uuid;
 
 use crate::cluster::{Cluster, ClusterOptions};
 
+mod badge;
 mod codehelp;
 mod complete;
 
@@ -316,6 +317,8 @@ struct Session {
     fe: Frontend,
     sid: Uuid,
     items: mpsc::UnboundedReceiver<StreamItem>,
+    /// The totals the extension's side panel shows.
+    tally: badge::SessionTally,
 }
 
 impl Session {
@@ -327,7 +330,7 @@ impl Session {
             .with_context(|| format!("could not create a session on the LooseLeaf frontend at {}", fe.base()))?;
         let items = fe.events(sid).await.with_context(|| format!("could not follow session {sid}"))?;
         tracing::info!(session = %sid, frontend = fe.base(), "kernel session open");
-        Ok(Self { fe: fe.clone(), sid, items })
+        Ok(Self { fe: fe.clone(), sid, items, tally: badge::SessionTally::new() })
     }
 }
 
@@ -349,6 +352,9 @@ struct Kernel {
     codehelp: codehelp::CodeHelp,
     /// Comms open on [`EDIT_COMM_TARGET`].
     edit_comms: std::collections::HashSet<String>,
+    /// The last message on an edit comm: the parent of what the kernel tells the
+    /// client on those comms between runs (badge states, the session's totals).
+    last_edit: Option<JupyterMessage>,
     /// Cells the user pinned to a device (the extension's badge; the notebook keeps
     /// it in the cell's metadata): cell id -> `gpu` or `cpu`.
     pins: std::collections::HashMap<String, &'static str>,
@@ -465,6 +471,14 @@ impl Kernel {
                 tokio::select! {
                     Some(msg) = self.sockets.control_rx.recv() => self.on_control(msg).await,
                     Some(msg) = self.sockets.shell_rx.recv() => self.on_shell(msg).await,
+                    // between runs: what the session does with the cells being edited
+                    item = async { self.session.as_mut()?.items.recv().await }, if self.session.is_some() => {
+                        match item {
+                            Some(item) => self.follow(&item, None).await,
+                            None => self.session = None, // the frontend went away; the next request reopens
+                        }
+                        Next::Continue
+                    }
                     Some(()) = self.sigint.recv() => Next::Continue,
                     Some(msg) = self.sockets.stdin_rx.recv() => {
                         // an answer after its cell ended (interrupted meanwhile)
@@ -603,6 +617,31 @@ impl Kernel {
         next
     }
 
+    /// Tell the client what `item` changed: a cell's badge state, the session's
+    /// totals. Nothing is sent unless a client opened an edit comm.
+    async fn follow(&mut self, item: &StreamItem, run: Option<badge::CurrentRun<'_>>) {
+        // counted whether or not a client listens: one may open a comm later
+        let totals = self.session.as_mut().and_then(|s| s.tally.observe(item).then(|| s.tally.message()));
+        if self.edit_comms.is_empty() {
+            return;
+        }
+        if let Some(state) = badge::cell_state(item, run) {
+            self.tell_edit_comms(state).await;
+        }
+        if let Some(totals) = totals {
+            self.tell_edit_comms(totals).await;
+        }
+    }
+
+    /// Send `data` on every open edit comm, as children of the last message on one.
+    async fn tell_edit_comms(&mut self, data: Value) {
+        let Some(parent) = self.last_edit.clone() else { return };
+        let ids: Vec<String> = self.edit_comms.iter().cloned().collect();
+        for comm_id in ids {
+            self.iopub("comm_msg", json!({ "comm_id": comm_id, "data": data }), &parent).await;
+        }
+    }
+
     /// Whether `msg` belongs to a comm on [`EDIT_COMM_TARGET`] (one being opened, or
     /// one open).
     fn is_edit_comm(&self, msg: &JupyterMessage) -> bool {
@@ -623,9 +662,13 @@ impl Kernel {
     async fn edit_comm(&mut self, msg: &JupyterMessage) {
         let content = comm_content(msg);
         let comm_id = content["comm_id"].as_str().unwrap_or_default().to_string();
+        self.last_edit = Some(msg.clone());
         match msg.message_type() {
             "comm_open" => {
                 self.edit_comms.insert(comm_id);
+                if let Some(totals) = self.session.as_ref().map(|s| s.tally.message()) {
+                    self.tell_edit_comms(totals).await;
+                }
             }
             "comm_close" => {
                 self.edit_comms.remove(&comm_id);
@@ -972,6 +1015,9 @@ impl Kernel {
                     continue;
                 }
             };
+            if let Some(item) = &item {
+                self.follow(item, Some(badge::CurrentRun { exec_id, cell_id })).await;
+            }
             let Some(item) = item else {
                 // the event stream ended: the frontend went away
                 self.session = None;
@@ -1133,6 +1179,7 @@ pub async fn serve(connection_file: &Path, opts: KernelOptions, cluster: Cluster
         pending: VecDeque::new(),
         sigint,
         edit_comms: Default::default(),
+        last_edit: None,
         pins: Default::default(),
     };
     // a frontend that is not there is said in the log now, and in each cell's

@@ -66,6 +66,18 @@ async function runNewCell(source) {
   await command("notebook:run-cell");
 }
 const lastOutputs = async () => (await cells()).at(-1).outputs;
+// the last cell's badge reaches `state`; if it does not, the error says where it is
+async function lastBadgeState(state) {
+  const badge = page.locator(".jp-Notebook .jp-Cell").last().locator(".ll-badge");
+  try {
+    await page.locator(".jp-Notebook .jp-Cell").last().locator(`.ll-badge[data-state='${state}']`)
+      .waitFor({ timeout: MINUTE });
+  } catch (e) {
+    const now = await badge.evaluate((b) => JSON.stringify({ text: b.textContent, ...b.dataset })).catch(() => "none");
+    throw new Error(`the badge never said ${state}; it says ${now}`);
+  }
+  return badge.evaluate((b) => ({ text: b.textContent, ...b.dataset }));
+}
 // the last cell has an output and the kernel is idle again
 async function lastCellPrinted() {
   await page.waitForFunction(() => {
@@ -123,17 +135,68 @@ try {
     await command("notebook:insert-cell-below");
     await command("notebook:enter-edit-mode");
     await page.locator(".jp-Notebook .jp-Cell.jp-mod-active .cm-content").waitFor({ timeout: MINUTE });
+    // every state the cell's badge goes through, from its first keystroke
+    await page.evaluate(() => {
+      window.llStates = [];
+      const cell = window.jupyterapp.shell.currentWidget.content.activeCell.node;
+      new MutationObserver(() => {
+        const b = cell.querySelector(".ll-badge");
+        if (b?.dataset.state && window.llStates.at(-1) !== b.dataset.state) window.llStates.push(b.dataset.state);
+      }).observe(cell, { subtree: true, attributes: true, childList: true });
+    });
     await page.keyboard.type(source, { delay: 50 });
     seen.typed_source_equal = await page.evaluate((source) =>
       window.jupyterapp.shell.currentWidget.content.activeCell.model.sharedModel.getSource() === source, source);
     await page.waitForTimeout(3000); // the user reads what they typed
+    // its worker is ready before Run, and the badge says where
+    seen.typed_ready_badge = await lastBadgeState("ready");
+    await page.screenshot({ path: `${out}/typed-ready.png` });
     await command("notebook:run-cell");
     await lastCellPrinted();
     seen.typed_output = (await lastOutputs()).map((o) => o.text || o.ename).join("");
     const badge = page.locator(".jp-Notebook .jp-Cell").last().locator(".ll-badge");
     await badge.waitFor({ timeout: MINUTE });
     seen.typed_badge = await badge.evaluate((b) => ({ text: b.textContent, ...b.dataset }));
+    seen.typed_states = await page.evaluate(() => window.llStates);
     await page.screenshot({ path: `${out}/typed.png` });
+  });
+
+  await step("into-cpu", async () => {
+    // a GPU cell's worker is prepared; the user edits it into a CPU cell: the
+    // badge says CPU and that the prepared worker was released
+    await page.evaluate(() => {
+      const nb = window.jupyterapp.shell.currentWidget.content;
+      nb.activeCellIndex = nb.widgets.length - 1;
+    });
+    await command("notebook:insert-cell-below");
+    const setSource = (source) => page.evaluate((source) => {
+      window.jupyterapp.shell.currentWidget.content.activeCell.model.sharedModel.setSource(source);
+    }, source);
+    await setSource("%%gpu\nlater = len(x) * 3\nprint(later)");
+    const badge = page.locator(".jp-Notebook .jp-Cell").last().locator(".ll-badge");
+    seen.before_cpu_badge = await lastBadgeState("ready");
+    await setSource("later = len(x) * 3\nprint(later)");
+    seen.cpu_badge = await lastBadgeState("released");
+    await page.screenshot({ path: `${out}/into-cpu.png` });
+    await command("notebook:run-cell");
+    await lastCellPrinted();
+    seen.cpu_output = (await lastOutputs()).map((o) => o.text || o.ename).join("");
+    await page.waitForFunction(() => {
+      const b = document.querySelectorAll(".jp-Notebook .jp-Cell");
+      return b[b.length - 1].querySelector(".ll-badge")?.dataset.prepare;
+    }, null, { timeout: MINUTE });
+    seen.cpu_ran_badge = await badge.evaluate((b) => ({ text: b.textContent, ...b.dataset }));
+  });
+
+  await step("side-panel", async () => {
+    // the session's totals, in the right sidebar
+    await page.locator('.jp-SideBar [data-id="looseleaf-session"]').click();
+    const panel = page.locator("#looseleaf-session");
+    await panel.locator("tr[data-key='cells']").waitFor({ timeout: MINUTE });
+    seen.panel = await panel.evaluate((p) => Object.fromEntries(
+      [...p.querySelectorAll("tr")].map((r) => [r.dataset.key, r.cells[1].textContent])));
+    await page.screenshot({ path: `${out}/side-panel.png` });
+    await page.locator('.jp-SideBar [data-id="looseleaf-session"]').click(); // closed again
   });
 
   await step("pin", async () => {

@@ -642,7 +642,10 @@ impl SessionActor {
                 Some((status, revision, error))
             }
             EventKind::Failed { error } => Some((ExecStatus::Failed, self.stored.revision, Some(error))),
-            EventKind::SlotReleased { .. } | EventKind::Ready { .. } | EventKind::PreparedEnded { .. } => None,
+            EventKind::SlotReleased { .. }
+            | EventKind::Ready { .. }
+            | EventKind::Preparing { .. }
+            | EventKind::PreparedEnded { .. } => None,
         };
         let Some((status, revision, error)) = terminal else { return };
         let exec_id = cur.exec_id;

@@ -202,11 +202,16 @@ impl Planner {
             options: edit.options,
             user_expressions: BTreeMap::new(),
         };
+        let planned = planned(target.session, Uuid::nil(), &target.cell_id, &d);
         let mut r = recipe(target, revision, manifest.revision, &d, None);
         r.speculate = speculate;
         let bus = self.bus.clone();
         ctx.spawn(
             async move {
+                // for the cell's badge (informational: a lost one costs nothing)
+                if let Err(e) = bus.publish(bus.subjects().event(r.session), &planned).await {
+                    tracing::debug!(error = %e, "could not publish an edit's plan");
+                }
                 if let Err(e) = bus.publish(bus.subjects().recipe(r.session), &r).await {
                     tracing::warn!(error = %e, "could not publish a speculative recipe");
                 }
@@ -326,6 +331,25 @@ fn recipe(f: For, revision: u64, manifest_revision: u64, d: &Derived, prepared: 
     }
 }
 
+/// The `Planned` event of `d`: for a run, or (nil `exec_id`) for an edit, so that
+/// a client can show where the cell will run before Run.
+fn planned(session: Uuid, exec_id: Uuid, cell_id: &str, d: &Derived) -> SessionEventV2 {
+    SessionEventV2 {
+        session,
+        exec_id,
+        unix_ms: unix_ms(),
+        kind: EventKind::Planned {
+            cell_id: cell_id.to_string(),
+            closure: d.closure.iter().map(|v| v.name.clone()).collect(),
+            imports: d.imports.clone(),
+            device: d.device,
+            device_reason: d.device_reason.clone(),
+            conservative: d.conservative.clone(),
+            pinned: d.pinned.as_ref().map(|p| p.names.clone()).unwrap_or_default(),
+        },
+    }
+}
+
 async fn plan_run(
     bus: Bus,
     kv: kv::Store,
@@ -357,20 +381,7 @@ async fn plan_run(
     })
     .await?;
 
-    let planned = SessionEventV2 {
-        session: run.session,
-        exec_id: run.exec_id,
-        unix_ms: unix_ms(),
-        kind: EventKind::Planned {
-            cell_id: run.cell_id.clone(),
-            closure: d.closure.iter().map(|v| v.name.clone()).collect(),
-            imports: d.imports.clone(),
-            device: d.device,
-            device_reason: d.device_reason.clone(),
-            conservative: d.conservative.clone(),
-            pinned: d.pinned.as_ref().map(|p| p.names.clone()).unwrap_or_default(),
-        },
-    };
+    let planned = planned(run.session, run.exec_id, &run.cell_id, &d);
     bus.publish(bus.subjects().event(run.session), &planned).await.map_err(PlanError::Publish)?;
     // no host would ever claim it: say so now rather than at the claim timeout
     if let Some(largest) = largest_host.filter(|largest| d.gpus > 1 && d.gpus > *largest) {

@@ -703,8 +703,15 @@ impl Host {
         let Some(p) = self.prepared.get_mut(&key) else { return };
         p.begin(recipe.revision);
         let (env, existing, slots) = (self.env.clone(), p.worker.clone(), p.slots.clone());
+        let ev = EventKind::Preparing {
+            host: self.env.host_id.clone(),
+            slot: slots.first().copied(),
+            cell_id: key.1.clone(),
+            revision: recipe.revision,
+        };
         let span = tracing::info_span!("prepare", session = %key.0, cell = %key.1, revision = recipe.revision);
         p.span = span.clone();
+        self.session_event(key.0, ev, ctx);
         let fut = tracing::Instrument::instrument(async move { env.prepare(&recipe, &slots, existing).await }, span);
         ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| act.prepare_done(key, res, ctx)));
     }
