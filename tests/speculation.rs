@@ -346,3 +346,62 @@ async fn a_cell_that_stops_being_a_gpu_cell_cancels_its_prepared_worker() -> any
     assert!(events.done(r1.exec_id).await?.contains("40"));
     Ok(())
 }
+
+/// Whether `item` is the plan of an edit of `cell` (a `planned` with a nil exec id).
+fn edit_planned(item: &StreamItem, cell: &str) -> bool {
+    matches!(item, StreamItem::Event { exec_id, event: Event::Planned { cell_id, .. }, .. }
+        if exec_id.is_nil() && cell_id == cell)
+}
+
+#[actix_rt::test]
+async fn each_edit_plan_is_told_and_the_text_that_ran_prepares_nothing_more() -> anyhow::Result<()> {
+    let services = Services::start(&services_bin(), &[1], &[]).await?;
+    let fe = services.client();
+    let cwd = tempfile::tempdir()?;
+    let sid = fe.create_session(&cwd.path().display().to_string(), false, true).await?;
+    let mut events = Events::open(&fe, sid).await?;
+    let r = fe.run(sid, "c0", "x = 20\ny = 1").await?;
+    events.done(r.exec_id).await?;
+
+    // an edit's plan reaches the session's clients (a badge shows it before Run),
+    // and so does the host's start of its preparation
+    let code = "%%gpu\nprint(x + 1)";
+    fe.edit(sid, "c1", code).await?;
+    let plan = events.until(|i| edit_planned(i, "c1")).await?;
+    let StreamItem::Event { event: Event::Planned { closure, device, .. }, .. } = plan else { unreachable!() };
+    assert_eq!((closure, device), (vec!["x".to_string()], looseleaf_client::events::Device::Gpu));
+    events
+        .until(|i| matches!(i, StreamItem::Event { event: Event::Preparing { cell_id, .. }, .. } if cell_id == "c1"))
+        .await?;
+    ready(&mut events, "c1", 1).await?;
+    // the user goes on typing: the text does not parse yet (a plan of the whole
+    // namespace); Run is pressed on the finished text before its edit was planned
+    fe.edit(sid, "c1", "%%gpu\nprint(x + 1) if").await?;
+    let plan = events.until(|i| edit_planned(i, "c1")).await?;
+    assert!(matches!(plan, StreamItem::Event { event: Event::Planned { conservative: Some(_), .. }, .. }));
+    ready(&mut events, "c1", 2).await?;
+    let r1 = fe.run(sid, "c1", code).await?;
+    events.done(r1.exec_id).await?;
+    let after_run = events.seen.len();
+
+    // the editor's last edit of that text, heard after Run: nothing is planned or
+    // prepared for it (the edit of another cell, planned after it, is the barrier)
+    fe.edit(sid, "c1", code).await?;
+    tokio::time::sleep(Duration::from_millis(300)).await; // past the planner's debounce
+    fe.edit(sid, "c2", "%%gpu\nprint(x + 2)").await?;
+    events.until(|i| edit_planned(i, "c2")).await?;
+    let late = &events.seen[after_run..];
+    assert!(!late.iter().any(|i| edit_planned(i, "c1")), "{late:?}");
+    assert!(
+        !late
+            .iter()
+            .any(|i| matches!(i, StreamItem::Event { event: Event::Preparing { cell_id, .. }, .. } if cell_id == "c1")),
+        "{late:?}"
+    );
+
+    // a text that needs other state is planned again (one with the same closure
+    // keeps the prepared worker, and brings no new plan)
+    fe.edit(sid, "c1", "%%gpu\nprint(x + y)").await?;
+    events.until(|i| edit_planned(i, "c1")).await?;
+    Ok(())
+}

@@ -255,6 +255,9 @@ class NotebookLink {
       if (cellId) {
         this.runs.set(msg.header.msg_id, cellId);
         this.ranText.set(cellId, (msg.content as { code?: string }).code ?? '');
+        // Run carries the text: an edit still waiting for the throttle is moot
+        clearTimeout(this.timers.get(cellId));
+        this.timers.delete(cellId);
       }
     } else if (direction === 'recv' && type === 'execute_reply') {
       const parent = (msg.parent_header as KernelMessage.IHeader).msg_id;

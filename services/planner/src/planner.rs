@@ -55,6 +55,9 @@ pub struct Planner {
     speculative: HashMap<(Uuid, String), (u64, u64)>,
     /// The newest edit per (session, cell) waiting for its debounce timer.
     pending_edits: HashMap<(Uuid, String), (EditV1, tracing::Span)>,
+    /// The code hash of each cell's latest run, until an edit changes its text: an
+    /// edit of that same text (sent before Run, heard after it) prepares nothing.
+    ran_code: HashMap<(Uuid, String), u64>,
     debounce: Duration,
     speculator: Speculator,
     clock: Instant,
@@ -82,6 +85,7 @@ impl Planner {
             manifests: HashMap::new(),
             speculative: HashMap::new(),
             pending_edits: HashMap::new(),
+            ran_code: HashMap::new(),
             debounce,
             speculator: Speculator::new(budget),
             clock: Instant::now(),
@@ -419,6 +423,7 @@ impl StreamHandler<Result<Envelope<RunV2>, Rejected>> for Planner {
         }
         // Run supersedes the cell's pending edit; its prepared worker (if any) runs it.
         self.pending_edits.remove(&(session, run.cell_id.clone()));
+        self.ran_code.insert((session, run.cell_id.clone()), code_hash(&run.code));
         let prepared = if run.options.speculate { self.speculator.for_run(session, &run.cell_id) } else { None };
         let cached = self.manifests.get(&session).map(|(m, _)| m.clone());
         let largest_host = self.largest_host();
@@ -458,6 +463,15 @@ impl StreamHandler<Result<Envelope<EditV1>, Rejected>> for Planner {
         let key = (edit.session, edit.cell_id.clone());
         if self.pending_edits.get(&key).is_some_and(|(p, _)| p.seq > edit.seq) {
             return; // arrived out of order
+        }
+        // The text that just ran (an editor's last edit, sent as Run was pressed):
+        // a worker prepared for it would wait for a second Run no one asked for.
+        match self.ran_code.get(&key) {
+            Some(ran) if *ran == code_hash(&edit.code) => return,
+            Some(_) => {
+                self.ran_code.remove(&key);
+            }
+            None => {}
         }
         // Trailing-edge debounce: the first edit starts the timer, later ones replace
         // the text it will plan, so typing yields a recipe at most once per interval.
@@ -547,6 +561,7 @@ impl StreamHandler<Result<Envelope<SessionCloseV1>, Rejected>> for Planner {
         self.manifests.remove(&session);
         self.speculative.retain(|(s, _), _| *s != session);
         self.pending_edits.retain(|(s, _), _| *s != session);
+        self.ran_code.retain(|(s, _), _| *s != session);
         self.speculator.close(session);
         let kv = self.kv.clone();
         ctx.spawn(
