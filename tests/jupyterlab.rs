@@ -124,6 +124,10 @@ fn jupyterlab_in_a_browser_runs_interrupts_and_restarts_a_notebook_on_looseleaf(
             lab_log.lines().rev().take(40).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n")
         );
     }
+    // LOOSELEAF_TEST_SHOTS=DIR keeps the screenshots (badges, side panel) to look at
+    if let Some(keep) = std::env::var_os("LOOSELEAF_TEST_SHOTS") {
+        copy_dir(&shots, Path::new(&keep))?;
+    }
     let seen: serde_json::Value = serde_json::from_slice(out.stdout.trim_ascii())?;
     eprintln!("{seen}");
     assert_eq!(seen["kernel"], "looseleaf-lab", "{seen}");
@@ -151,7 +155,7 @@ fn jupyterlab_in_a_browser_runs_interrupts_and_restarts_a_notebook_on_looseleaf(
     // on a host; after it, running and saved
     let ready = &seen["typed_ready_badge"];
     // for the text as typed: the closure the run used (`x`)
-    assert_eq!(ready["text"], json!("GPU · ready on host-0"), "{seen}");
+    assert_eq!(ready["text"], json!("GPU · 1 var · ready on host-0"), "{seen}");
     let live: serde_json::Value = serde_json::from_str(ready["live"].as_str().unwrap_or("{}"))?;
     assert_eq!(live["closure"], 1, "{seen}");
     assert_eq!((&ready["device"], &ready["state"]), (&json!("gpu"), &json!("ready")), "{seen}");

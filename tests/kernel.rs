@@ -141,8 +141,11 @@ fn edits_streamed_on_the_kernel_comm_prepare_the_worker_that_runs_the_cell() -> 
     let stderr = String::from_utf8_lossy(&out.stderr);
     anyhow::ensure!(out.status.success(), "kernel_probe.py --edits failed:\n{stderr}");
     let seen: serde_json::Value = serde_json::from_slice(out.stdout.trim_ascii())?;
-    // the kernel keeps the comm (no comm_close, as for a target no worker has)
-    assert_eq!(seen["opened"], serde_json::json!([]), "{seen}");
+    // the kernel keeps the comm (no comm_close, as for a target no worker has), and
+    // says at once what the session has used so far (the side panel's totals)
+    let opened: Vec<&serde_json::Value> = seen["opened"].as_array().into_iter().flatten().collect();
+    assert!(opened.iter().all(|m| m[0] == "comm_msg"), "{seen}");
+    assert!(opened.iter().any(|m| m[1]["data"]["action"] == "session"), "{seen}");
     assert_eq!(seen["bad"], serde_json::json!([]), "a malformed edit is dropped quietly: {seen}");
     assert_eq!(seen["typed_output"], "10\n", "{seen}");
     let typed = &seen["typed"];

@@ -189,7 +189,11 @@ class NotebookLink {
       setTimeout(() => {
         this.timers.delete(id);
         this.lastSent.set(id, Date.now());
-        void this.sendEdit(id, model.sharedModel.getSource());
+        const code = model.sharedModel.getSource();
+        // a blank cell needs no worker (and would take a prepared slot)
+        if (code.trim()) {
+          void this.sendEdit(id, code);
+        }
       }, wait)
     );
   }
@@ -280,12 +284,23 @@ function where(s: { host?: string; slot?: number | null }): string {
   return s.slot === null || s.slot === undefined ? ` on ${s.host}` : ` on ${s.host}/slot ${s.slot}`;
 }
 
-/** The live state in words, or null where the last run's words say more. */
+/** The closure's size in words. */
+function vars(n: number | undefined): string {
+  return n === 1 ? '1 var' : `${n ?? 0} vars`;
+}
+
+/** The live state in words (after the closure's size, once a plan said it), or
+ * null where the last run's words say more. */
 function stateWords(s: LiveState): string | null {
+  const words = liveWords(s);
+  return words !== null && s.closure !== undefined && s.state !== 'planned' ? `${vars(s.closure)} · ${words}` : words;
+}
+
+function liveWords(s: LiveState): string | null {
   switch (s.state) {
     case 'planned':
       // a CPU cell has no worker to prepare; a GPU one waits for a host
-      return s.device === 'gpu' ? `${s.closure ?? 0} vars · planned` : `${s.closure ?? 0} vars`;
+      return s.device === 'gpu' ? `${vars(s.closure)} · planned` : vars(s.closure);
     case 'planning':
       return 'planning';
     case 'queued':

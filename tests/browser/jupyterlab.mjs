@@ -66,6 +66,13 @@ async function runNewCell(source) {
   await command("notebook:run-cell");
 }
 const lastOutputs = async () => (await cells()).at(-1).outputs;
+// a screenshot with the last cell's badge in view (JupyterLab's news question,
+// if it is up, would cover it)
+async function shotOfLastCell(name) {
+  await page.locator(".jp-toast-button", { hasText: "No" }).click({ timeout: 2000 }).catch(() => {});
+  await page.locator(".jp-Notebook .jp-Cell").last().scrollIntoViewIfNeeded();
+  await page.screenshot({ path: `${out}/${name}.png` });
+}
 // the last cell's badge reaches `state`; if it does not, the error says where it is
 async function lastBadgeState(state) {
   const badge = page.locator(".jp-Notebook .jp-Cell").last().locator(".ll-badge");
@@ -150,7 +157,7 @@ try {
     await page.waitForTimeout(3000); // the user reads what they typed
     // its worker is ready before Run, and the badge says where
     seen.typed_ready_badge = await lastBadgeState("ready");
-    await page.screenshot({ path: `${out}/typed-ready.png` });
+    await shotOfLastCell("typed-ready");
     await command("notebook:run-cell");
     await lastCellPrinted();
     seen.typed_output = (await lastOutputs()).map((o) => o.text || o.ename).join("");
@@ -177,7 +184,7 @@ try {
     seen.before_cpu_badge = await lastBadgeState("ready");
     await setSource("later = len(x) * 3\nprint(later)");
     seen.cpu_badge = await lastBadgeState("released");
-    await page.screenshot({ path: `${out}/into-cpu.png` });
+    await shotOfLastCell("into-cpu");
     await command("notebook:run-cell");
     await lastCellPrinted();
     seen.cpu_output = (await lastOutputs()).map((o) => o.text || o.ename).join("");

@@ -464,6 +464,10 @@ impl StreamHandler<Result<Envelope<EditV1>, Rejected>> for Planner {
         if self.pending_edits.get(&key).is_some_and(|(p, _)| p.seq > edit.seq) {
             return; // arrived out of order
         }
+        // A blank cell needs no worker (an editor may send one as a cell is added).
+        if edit.code.trim().is_empty() {
+            return;
+        }
         // The text that just ran (an editor's last edit, sent as Run was pressed):
         // a worker prepared for it would wait for a second Run no one asked for.
         match self.ran_code.get(&key) {

@@ -152,15 +152,31 @@ impl Speculator {
         }
         let mut evict = Vec::new();
         if self.entries.len() + self.in_flight.len() >= self.capacity() {
-            match self.victim() {
-                Some(v) => evict.push(self.evict(v, "a newer recipe needs the slot")),
-                None => {
+            match (self.victim(), self.left_behind(session, cell_id)) {
+                (Some(v), _) => evict.push(self.evict(v, "a newer recipe needs the slot")),
+                // A session edits one cell at a time: its admission for a cell the
+                // user left (still preparing, or never prepared by its host) yields
+                // to the cell edited now. That worker, if it becomes ready, is
+                // evicted in turn like any other.
+                (None, Some(left)) => {
+                    self.in_flight.remove(&left);
+                }
+                (None, None) => {
                     return Admission { admit: false, evict, refused: Some("every prepared slot is in flight") };
                 }
             }
         }
         self.in_flight.insert(key, now);
         Admission { admit: true, evict, refused: None }
+    }
+
+    /// The oldest admission in flight of `session` for a cell other than `cell_id`.
+    fn left_behind(&self, session: Uuid, cell_id: &str) -> Option<Key> {
+        self.in_flight
+            .iter()
+            .filter(|((s, c), _)| *s == session && c != cell_id)
+            .min_by(|a, b| a.1.total_cmp(b.1))
+            .map(|(k, _)| k.clone())
     }
 
     fn capacity(&self) -> usize {
@@ -403,16 +419,41 @@ mod tests {
     #[test]
     fn capacity_grows_with_hosts_and_in_flight_counts() {
         let mut s = Speculator::new(budget(1, 1e9));
-        let sid = Uuid::now_v7();
+        let (a, b, c) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
         s.host_seen("h1", 0.0);
         s.host_seen("h2", 0.0);
-        assert!(s.admit(sid, "c1", 0.0).admit);
-        assert!(s.admit(sid, "c2", 0.0).admit);
-        // both slots of the budget are in flight and nothing is ready to evict
-        let third = s.admit(sid, "c3", 0.0);
+        assert!(s.admit(a, "c1", 0.0).admit);
+        assert!(s.admit(b, "c1", 0.0).admit);
+        // both slots of the budget are in flight for other sessions, and nothing is
+        // ready to evict
+        let third = s.admit(c, "c1", 0.0);
         assert!(!third.admit);
         // an admission that never became ready is forgotten after a while
-        assert!(s.admit(sid, "c3", IN_FLIGHT_SECONDS + 1.0).admit);
+        assert!(s.admit(c, "c1", IN_FLIGHT_SECONDS + 1.0).admit);
+    }
+
+    #[test]
+    fn a_sessions_admission_for_a_cell_it_left_yields_to_the_cell_it_edits() {
+        let mut s = Speculator::new(budget(1, 1e9));
+        let (a, b) = (Uuid::now_v7(), Uuid::now_v7());
+        s.host_seen("h1", 0.0);
+        assert!(s.admit(a, "c1", 0.0).admit);
+        // the user moved on to c2 while c1's worker prepares: c2 is admitted
+        let next = s.admit(a, "c2", 1.0);
+        assert!(next.admit && next.evict.is_empty(), "{next:?}");
+        // another session's admission in flight does not yield
+        assert!(!s.admit(b, "c1", 2.0).admit);
+        // c1, ready after all, is an entry like any other: evicted for the next cell
+        s.ready(
+            a,
+            "c1",
+            at("h1", "w1"),
+            Ready { class: PreparedClass::Speculative, prepare_ms: 5.0, holds_slot: false },
+            3.0,
+        );
+        let third = s.admit(a, "c3", 4.0);
+        assert!(third.admit);
+        assert_eq!(third.evict.iter().map(|e| e.at.worker.as_str()).collect::<Vec<_>>(), ["w1"]);
     }
 
     #[test]
