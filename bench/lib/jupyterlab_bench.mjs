@@ -9,43 +9,18 @@
 // Environment: LAB_URL, LAB_TOKEN, NOTEBOOK, KERNEL_DISPLAY, KERNEL_NAME, CHROMIUM,
 // OUT (a folder for screenshots), TYPED (a JSON object: code-cell position ->
 // source), CPS.
-import { chromium } from "../../tests/browser/node_modules/playwright-core/index.mjs";
+import { chooseKernel, env, kernelIdle as idle, launch, MINUTE, stepper } from "../../tests/browser/common.mjs";
 
-const env = (name) => {
-  const v = process.env[name];
-  if (!v) throw new Error(`${name} is not set`);
-  return v;
-};
 const [base, token, notebook, kernelDisplay, kernelName, out] = [
   "LAB_URL", "LAB_TOKEN", "NOTEBOOK", "KERNEL_DISPLAY", "KERNEL_NAME", "OUT",
 ].map(env);
 const typed = JSON.parse(env("TYPED"));
 const keyDelay = 1000 / Number(env("CPS"));
-const MINUTE = 60_000;
-
-const browser = await chromium.launch({
-  executablePath: env("CHROMIUM"),
-  headless: true,
-  args: ["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync"],
-});
-const page = await browser.newPage({ viewport: { width: 1400, height: 1000 } });
+const { browser, page } = await launch({ width: 1400, height: 1000 });
 page.setDefaultTimeout(5 * MINUTE);
 const seen = { cells: [] };
-
-async function step(name, fn) {
-  try {
-    return await fn();
-  } catch (e) {
-    await page.screenshot({ path: `${out}/${name}.png` }).catch(() => {});
-    throw new Error(`step ${name}: ${e.message}`);
-  }
-}
-
-const kernelIdle = () => page.waitForFunction((name) => {
-  const ctx = window.jupyterapp.shell.currentWidget?.sessionContext;
-  return ctx?.session?.kernel?.name === name && ctx.kernelDisplayStatus === "idle";
-}, kernelName, { timeout: 3 * MINUTE });
+const step = stepper(page, out);
+const kernelIdle = () => idle(page, kernelName, 3 * MINUTE);
 const command = (id) => page.evaluate((id) => { window.jupyterapp.commands.execute(id); }, id);
 
 const workspace = notebook.replace(/[^A-Za-z0-9]/g, "-");
@@ -55,12 +30,7 @@ try {
     await page.goto(`${base}/lab/workspaces/${workspace}/tree/${notebook}?token=${token}`);
     await page.waitForFunction(() => window.jupyterapp?.shell.currentWidget?.sessionContext?.isReady,
       null, { timeout: 3 * MINUTE });
-    await page.evaluate(() => { window.jupyterapp.commands.execute("notebook:change-kernel"); });
-    const dialog = page.locator(".jp-Dialog");
-    await dialog.waitFor({ timeout: MINUTE });
-    await dialog.locator("select").selectOption({ label: kernelDisplay });
-    await dialog.locator(".jp-mod-accept").click();
-    await kernelIdle();
+    await chooseKernel(page, kernelDisplay, kernelName);
     // JupyterLab's question about its news would sit over the cells
     await page.locator(".jp-toast-button", { hasText: "No" }).click({ timeout: 3000 }).catch(() => {});
     seen.extension_active = await page.evaluate(() => window.jupyterapp.hasPlugin("looseleaf-jupyterlab:plugin")

@@ -5,26 +5,14 @@
 //
 // Environment: DASHBOARD_URL, SESSION (its id), FIRST_EXEC, CHROMIUM, OUT.
 // Reads the second execution's id from stdin once it printed stage "first".
-import { chromium } from "playwright-core";
 import { createInterface } from "node:readline";
+import { env, launch, MINUTE } from "./common.mjs";
 
-const env = (name) => {
-  const v = process.env[name];
-  if (!v) throw new Error(`${name} is not set`);
-  return v;
-};
 const [url, session, firstExec, out] = ["DASHBOARD_URL", "SESSION", "FIRST_EXEC", "OUT"].map(env);
-const MINUTE = 60_000;
 const input = createInterface({ input: process.stdin });
 const lines = input[Symbol.asyncIterator]();
 
-const browser = await chromium.launch({
-  executablePath: env("CHROMIUM"),
-  headless: true,
-  args: ["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync"],
-});
-const page = await browser.newPage({ viewport: { width: 1300, height: 900 } });
+const { browser, page } = await launch({ width: 1300, height: 900 });
 page.setDefaultTimeout(2 * MINUTE);
 const errors = [];
 page.on("pageerror", (e) => errors.push(e.message));

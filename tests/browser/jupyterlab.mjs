@@ -6,37 +6,15 @@
 //
 // Environment: LAB_URL, LAB_TOKEN, NOTEBOOK (path under the server's root),
 // KERNEL_NAME, KERNEL_DISPLAY, CHROMIUM (the browser binary), OUT (a folder).
-import { chromium } from "playwright-core";
+import { chooseKernel, env, kernelIdle as idle, launch, MINUTE, stepper } from "./common.mjs";
 
-const env = (name) => {
-  const v = process.env[name];
-  if (!v) throw new Error(`${name} is not set`);
-  return v;
-};
 const [base, token, notebook, kernelName, kernelDisplay, out] = [
   "LAB_URL", "LAB_TOKEN", "NOTEBOOK", "KERNEL_NAME", "KERNEL_DISPLAY", "OUT",
 ].map(env);
-const MINUTE = 60_000;
-
-const browser = await chromium.launch({
-  executablePath: env("CHROMIUM"),
-  headless: true,
-  // the flags our machines need (Playwright gives it a fresh profile)
-  args: ["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync"],
-});
-const page = await browser.newPage({ viewport: { width: 1400, height: 1000 } });
+const { browser, page } = await launch({ width: 1400, height: 1000 });
 page.setDefaultTimeout(2 * MINUTE);
 const seen = {};
-
-async function step(name, fn) {
-  try {
-    return await fn();
-  } catch (e) {
-    await page.screenshot({ path: `${out}/${name}.png` }).catch(() => {});
-    throw new Error(`step ${name}: ${e.message}`);
-  }
-}
+const step = stepper(page, out);
 
 // What the open notebook's cells hold (JupyterLab's own models).
 const cells = () => page.evaluate(() => {
@@ -47,10 +25,7 @@ const cells = () => page.evaluate(() => {
     outputs: c.model.type === "code" ? c.model.outputs.toJSON() : [],
   }));
 });
-const kernelIdle = (name) => page.waitForFunction((name) => {
-  const ctx = window.jupyterapp.shell.currentWidget?.sessionContext;
-  return ctx?.session?.kernel?.name === name && ctx.kernelDisplayStatus === "idle";
-}, name, { timeout: 2 * MINUTE });
+const kernelIdle = (name) => idle(page, name);
 // a command is started, not awaited: running a cell resolves only when it ends
 const command = (id) => page.evaluate((id) => { window.jupyterapp.commands.execute(id); }, id);
 // a new last cell holding `source`, run
@@ -102,13 +77,7 @@ try {
   });
 
   await step("choose-kernel", async () => {
-    // the dialog a user opens from the kernel name in the notebook's toolbar
-    await page.evaluate(() => { window.jupyterapp.commands.execute("notebook:change-kernel"); });
-    const dialog = page.locator(".jp-Dialog");
-    await dialog.waitFor({ timeout: MINUTE });
-    await dialog.locator("select").selectOption({ label: kernelDisplay });
-    await dialog.locator(".jp-mod-accept").click();
-    await kernelIdle(kernelName);
+    await chooseKernel(page, kernelDisplay, kernelName);
     seen.kernel = await page.evaluate(() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.name);
   });
 
