@@ -319,6 +319,9 @@ struct Session {
     items: mpsc::UnboundedReceiver<StreamItem>,
     /// The totals the extension's side panel shows.
     tally: badge::SessionTally,
+    /// The stream ended between runs (the session is gone, or the frontend was
+    /// unreachable for the client's reconnection window): the next run says so.
+    ended: bool,
 }
 
 impl Session {
@@ -330,7 +333,7 @@ impl Session {
             .with_context(|| format!("could not create a session on the LooseLeaf frontend at {}", fe.base()))?;
         let items = fe.events(sid).await.with_context(|| format!("could not follow session {sid}"))?;
         tracing::info!(session = %sid, frontend = fe.base(), "kernel session open");
-        Ok(Self { fe: fe.clone(), sid, items, tally: badge::SessionTally::new() })
+        Ok(Self { fe: fe.clone(), sid, items, tally: badge::SessionTally::new(), ended: false })
     }
 }
 
@@ -472,10 +475,17 @@ impl Kernel {
                     Some(msg) = self.sockets.control_rx.recv() => self.on_control(msg).await,
                     Some(msg) = self.sockets.shell_rx.recv() => self.on_shell(msg).await,
                     // between runs: what the session does with the cells being edited
-                    item = async { self.session.as_mut()?.items.recv().await }, if self.session.is_some() => {
-                        match item {
-                            Some(item) => self.follow(&item, None).await,
-                            None => self.session = None, // the frontend went away; the next request reopens
+                    item = async { self.session.as_mut()?.items.recv().await },
+                        if self.session.as_ref().is_some_and(|s| !s.ended) => {
+                        match (item, self.session.as_mut()) {
+                            (Some(item), _) => self.follow(&item, None).await,
+                            // not reopened here: a new session would lose the user's
+                            // state without a word; the next run reports it
+                            (None, Some(s)) => {
+                                tracing::warn!(session = %s.sid, "the session's event stream ended");
+                                s.ended = true;
+                            }
+                            (None, None) => {}
                         }
                         Next::Continue
                     }
