@@ -149,8 +149,18 @@ impl S3Server {
         let server = Self { child, endpoint: format!("http://127.0.0.1:{port}"), bucket };
         wait_for(Duration::from_secs(30), || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok())
             .context("the S3 server did not start listening")?;
-        server.create_bucket(port)?;
-        Ok(server)
+        // listening is not yet answering: a server still starting (seen on a loaded
+        // CI machine) resets the first request, so the bucket is asked for again
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            match server.create_bucket(port) {
+                Ok(()) => return Ok(server),
+                Err(e) if Instant::now() < deadline && e.downcast_ref::<std::io::Error>().is_some() => {
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+                Err(e) => return Err(e.context("while creating the test bucket")),
+            }
+        }
     }
 
     /// moto accepts unsigned requests, so one plain HTTP PUT makes the bucket.
@@ -164,8 +174,9 @@ impl S3Server {
         )?;
         let mut reply = String::new();
         conn.read_to_string(&mut reply)?;
+        // 409: made by an earlier try whose answer was lost
         anyhow::ensure!(
-            reply.starts_with("HTTP/1.1 200"),
+            reply.starts_with("HTTP/1.1 200") || reply.starts_with("HTTP/1.1 409"),
             "creating bucket {}: {}",
             self.bucket,
             reply.lines().next().unwrap_or("")
