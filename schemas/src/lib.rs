@@ -10,6 +10,7 @@
 //! - [`messages`]: the messages for every arrow in DESIGN.md section 3 (and, in
 //!   `messages::frozen`, the versions they replaced).
 //! - [`checkpoint`]: manifests, deltas, chunks and the object-store layout.
+//! - [`clock`]: where "now" comes from (the system's, or the simulator's).
 //! - [`buckets`]: JetStream KV buckets and streams.
 //! - [`telemetry`]: tracing setup and trace-context propagation.
 //! - [`service`]: the skeleton every service runs in (flags, `$SRV`, drain).
@@ -19,6 +20,7 @@ pub mod bodies;
 pub mod buckets;
 pub mod bus;
 pub mod checkpoint;
+pub mod clock;
 pub mod codec;
 pub mod health;
 pub mod local_nats;

@@ -1,8 +1,10 @@
 //! This host's GPU slots and what holds each one. Slots are named by their GPU
 //! index everywhere (what events, status and workers' `CUDA_VISIBLE_DEVICES` use).
+//! Held time is read from a [`Clock`], so the simulator runs this same code.
 
 use std::time::Instant;
 
+use schemas::clock::{Clock, SystemClock};
 use schemas::messages::SlotStatus;
 use uuid::Uuid;
 
@@ -47,52 +49,64 @@ struct Slot {
 }
 
 /// The slots of this host.
-pub struct Slots(Vec<Slot>);
+pub struct Slots<C: Clock = SystemClock> {
+    slots: Vec<Slot>,
+    clock: C,
+}
 
 impl Slots {
-    /// Every slot free.
+    /// Every slot free, on the system clock.
     pub fn new(gpus: Vec<Gpu>) -> Self {
-        Self(gpus.into_iter().map(|gpu| Slot { gpu, state: SlotState::Free, since: Instant::now() }).collect())
+        Self::with_clock(gpus, SystemClock)
+    }
+}
+
+impl<C: Clock> Slots<C> {
+    /// Every slot free, held time read from `clock`.
+    pub fn with_clock(gpus: Vec<Gpu>, clock: C) -> Self {
+        let now = clock.now();
+        Self { slots: gpus.into_iter().map(|gpu| Slot { gpu, state: SlotState::Free, since: now }).collect(), clock }
     }
 
     /// Whether this host has no GPU slots (it runs only CPU cells).
     pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.slots.is_empty()
     }
 
     /// How many slots this host has.
     pub fn len(&self) -> u32 {
-        u32::try_from(self.0.len()).unwrap_or(u32::MAX)
+        u32::try_from(self.slots.len()).unwrap_or(u32::MAX)
     }
 
     /// How many slots are free.
     pub fn free_count(&self) -> u32 {
-        u32::try_from(self.0.iter().filter(|s| s.state == SlotState::Free).count()).unwrap_or(u32::MAX)
+        u32::try_from(self.slots.iter().filter(|s| s.state == SlotState::Free).count()).unwrap_or(u32::MAX)
     }
 
     /// `n` free slots' indices (a `%%gpu N` cell's), or None if fewer are free.
     pub fn free(&self, n: u32) -> Option<Vec<u32>> {
         let free: Vec<u32> =
-            self.0.iter().filter(|s| s.state == SlotState::Free).map(|s| s.gpu.index).take(n as usize).collect();
+            self.slots.iter().filter(|s| s.state == SlotState::Free).map(|s| s.gpu.index).take(n as usize).collect();
         (free.len() == n as usize).then_some(free)
     }
 
     /// The share of slots that are free, 0..=1 (0 with no slots).
     pub fn free_share(&self) -> f64 {
-        let free = self.0.iter().filter(|s| s.state == SlotState::Free).count();
-        free as f64 / self.0.len().max(1) as f64
+        let free = self.slots.iter().filter(|s| s.state == SlotState::Free).count();
+        free as f64 / self.slots.len().max(1) as f64
     }
 
     fn get(&mut self, index: u32) -> Option<&mut Slot> {
-        self.0.iter_mut().find(|s| s.gpu.index == index)
+        self.slots.iter_mut().find(|s| s.gpu.index == index)
     }
 
     /// Take `slots` for a new holder: their held time starts now.
     pub fn take(&mut self, slots: &[u32], state: SlotState) {
+        let now = self.clock.now();
         for index in slots {
             if let Some(s) = self.get(*index) {
                 s.state = state.clone();
-                s.since = Instant::now();
+                s.since = now;
             }
         }
     }
@@ -109,9 +123,10 @@ impl Slots {
 
     /// Free slot `index` and say how long it was held (ms); None if it does not exist.
     pub fn release(&mut self, index: u32) -> Option<f64> {
+        let now = self.clock.now();
         let s = self.get(index)?;
         s.state = SlotState::Free;
-        Some(s.since.elapsed().as_secs_f64() * 1000.0)
+        Some(now.saturating_duration_since(s.since).as_secs_f64() * 1000.0)
     }
 
     /// Give up a reservation of `slots` without counting it as held (a claim lost).
@@ -126,7 +141,7 @@ impl Slots {
     /// How many slots are in each state, as metrics spell them.
     pub fn occupancy(&self) -> [(&'static str, i64); 5] {
         let mut counts = [("free", 0), ("claiming", 0), ("busy", 0), ("pinned", 0), ("prepared", 0)];
-        for s in &self.0 {
+        for s in &self.slots {
             let i = match s.state {
                 SlotState::Free => 0,
                 SlotState::Claiming(_) => 1,
@@ -142,7 +157,7 @@ impl Slots {
     /// Each slot for host status; `preparing(session, cell)` says whether a
     /// prepared worker is still being prepared.
     pub fn status(&self, preparing: impl Fn(Uuid, &str) -> bool) -> Vec<SlotStatus> {
-        self.0
+        self.slots
             .iter()
             .map(|s| {
                 let (exec_id, session, held_for) = match &s.state {
