@@ -165,9 +165,14 @@ async fn prepared_workers_never_run_the_cell_and_follow_the_session() -> anyhow:
 
 #[actix_rt::test]
 async fn more_typing_sessions_than_slots_stay_within_the_budget() -> anyhow::Result<()> {
-    // one host with one slot; the planner's default budget: one prepared worker per
+    // one host with one slot; a budget of one prepared worker per
     // host; prepared workers hold the slot (as those with GPU-resident state do)
-    let services = Services::start(&services_bin(), &[1], &[("LOOSELEAF_PREPARE_HOLDS_SLOT", "true".into())]).await?;
+    let services = Services::start(
+        &services_bin(),
+        &[1],
+        &[("LOOSELEAF_PREPARE_HOLDS_SLOT", "true".into()), ("LOOSELEAF_PREPARED_PER_HOST", "1".into())],
+    )
+    .await?;
     let fe = services.client();
     let cwd = tempfile::tempdir()?;
     let mut sessions = Vec::new();
@@ -228,8 +233,13 @@ async fn a_prepared_worker_that_dies_costs_the_run_nothing() -> anyhow::Result<(
 #[actix_rt::test]
 async fn warm_workers_serve_a_rerun_and_are_evicted_before_speculative_ones() -> anyhow::Result<()> {
     // one host, two slots, GPU workers kept warm after their cell; the planner's
-    // default budget: one prepared worker per host
-    let services = Services::start(&services_bin(), &[2], &[("LOOSELEAF_KEEP_WARM", "true".into())]).await?;
+    // a budget of one prepared worker per host
+    let services = Services::start(
+        &services_bin(),
+        &[2],
+        &[("LOOSELEAF_KEEP_WARM", "true".into()), ("LOOSELEAF_PREPARED_PER_HOST", "1".into())],
+    )
+    .await?;
     let fe = services.client();
     let cwd = tempfile::tempdir()?;
     let sid = fe.create_session(&cwd.path().display().to_string(), true, true).await?;

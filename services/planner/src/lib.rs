@@ -30,9 +30,12 @@ use schemas::service::Service;
 /// Default edit debounce (ms): typing yields a recipe at most this often per cell.
 pub const DEFAULT_DEBOUNCE_MS: u64 = 100;
 
-/// Default speculation budget.
+/// Default speculation budget, chosen with `looseleaf simulate` on the base
+/// workload (ADR 50): one prepared worker per host and 120 idle seconds per
+/// session's lifetime refused or evicted 40% of GPU cells' workers; four per host
+/// and 300 idle seconds an hour leave well under 1% cold.
 pub const DEFAULT_BUDGET: speculator::Budget =
-    speculator::Budget { prepared_per_host: 1, idle_seconds_per_session: 120.0 };
+    speculator::Budget { prepared_per_host: 4, idle_seconds_per_session: 300.0 };
 
 /// What the planner needs.
 #[derive(Clone, Debug)]

@@ -13,7 +13,7 @@ struct Args {
     /// Speculation budget: prepared-but-idle workers per host.
     #[arg(long, env = "LOOSELEAF_PREPARED_PER_HOST", default_value_t = looseleaf_planner::DEFAULT_BUDGET.prepared_per_host)]
     prepared_per_host: usize,
-    /// Speculation budget: idle GPU-slot seconds one session's prepared workers may spend.
+    /// Speculation budget: idle GPU-slot seconds one session's prepared workers may spend per hour.
     #[arg(long, env = "LOOSELEAF_IDLE_GPU_SECONDS", default_value_t = looseleaf_planner::DEFAULT_BUDGET.idle_seconds_per_session)]
     idle_gpu_seconds_per_session: f64,
     /// Seconds without a host's status after which runs that must go to its

@@ -540,7 +540,8 @@ impl StreamHandler<Result<Envelope<SessionEventV2>, Rejected>> for Planner {
                 self.speculator.ready(session, &cell_id, PreparedWorker { host, worker }, ready, now);
             }
             EventKind::PreparedEnded { worker, cell_id, idle_ms, slot, .. } => {
-                self.speculator.ended(session, &cell_id, &worker, idle_ms, slot.is_some());
+                let now = self.now();
+                self.speculator.ended(session, &cell_id, &worker, idle_ms, slot.is_some(), now);
             }
             _ => {}
         }

@@ -4,7 +4,9 @@
 //!
 //! Budget: at most `prepared_per_host` prepared-but-idle workers on each host, and
 //! at most `idle_seconds_per_session` of idle GPU-slot time spent by one session's
-//! prepared workers (summed over its lifetime). Eviction under pressure goes in
+//! prepared workers per hour: spent time is forgiven at that rate, so a session
+//! that edits for hours keeps speculating while one that leaves a worker idle
+//! loses it (ADR 50; a lifetime budget ran out after a dozen GPU cells). Eviction under pressure goes in
 //! two classes, completed warm workers before speculatively prepared ones, and
 //! within a class by GreedyDual: a worker's priority is `L + value` where value is
 //! the preparation time it saves and `L` (the inflation) rises to the priority of
@@ -23,8 +25,15 @@ use uuid::Uuid;
 pub struct Budget {
     /// Prepared workers that sit idle per host.
     pub prepared_per_host: usize,
-    /// Idle GPU-slot seconds one session's prepared workers may spend.
+    /// Idle GPU-slot seconds one session's prepared workers may spend per hour.
     pub idle_seconds_per_session: f64,
+}
+
+impl Budget {
+    /// How fast spent idle seconds are forgiven (seconds per second).
+    fn refill_per_s(&self) -> f64 {
+        self.idle_seconds_per_session / 3600.0
+    }
 }
 
 /// A worker some host reported ready for a cell.
@@ -89,8 +98,9 @@ pub struct Speculator {
     /// Admitted recipes not yet reported ready (when admitted); they count against
     /// the budget so that a burst of edits cannot overshoot it.
     in_flight: HashMap<Key, f64>,
-    /// Idle slot seconds already spent per session by workers that ended.
-    spent: HashMap<Uuid, f64>,
+    /// Idle slot seconds spent per session by workers that ended, not yet
+    /// forgiven, as of when (the caller's clock).
+    spent: HashMap<Uuid, (f64, f64)>,
     /// Hosts known (from their status), so a host with room is not ignored.
     hosts: BTreeMap<String, f64>,
     inflation: f64,
@@ -124,7 +134,8 @@ impl Speculator {
         now - self.hosts.get(host).copied().unwrap_or(0.0)
     }
 
-    /// Idle seconds `session` has spent, counting workers still waiting.
+    /// Idle seconds `session` has spent and not yet been forgiven, counting
+    /// workers still waiting.
     pub fn idle_seconds(&self, session: Uuid, now: f64) -> f64 {
         let live: f64 = self
             .entries
@@ -132,7 +143,14 @@ impl Speculator {
             .filter(|((s, _), e)| *s == session && e.holds_slot)
             .map(|(_, e)| (now - e.ready_at).max(0.0))
             .sum();
-        self.spent.get(&session).copied().unwrap_or(0.0) + live
+        self.spent_at(session, now) + live
+    }
+
+    /// What `session`'s ended workers spent, less what the refill forgave by `now`.
+    fn spent_at(&self, session: Uuid, now: f64) -> f64 {
+        self.spent
+            .get(&session)
+            .map_or(0.0, |(amount, at)| (amount - (now - at).max(0.0) * self.budget.refill_per_s()).max(0.0))
     }
 
     /// Should the edit-derived GPU recipe of (`session`, `cell_id`) be prepared?
@@ -222,9 +240,9 @@ impl Speculator {
         self.entries.insert(key, Entry { at, class, priority: self.inflation + prepare_ms, ready_at, holds_slot });
     }
 
-    /// A prepared worker ended (used, evicted, lost) after `idle_ms` idle, holding
-    /// a GPU slot meanwhile or not.
-    pub fn ended(&mut self, session: Uuid, cell_id: &str, worker: &str, idle_ms: f64, held_slot: bool) {
+    /// A prepared worker ended (used, evicted, lost) at `now` after `idle_ms` idle,
+    /// holding a GPU slot meanwhile or not.
+    pub fn ended(&mut self, session: Uuid, cell_id: &str, worker: &str, idle_ms: f64, held_slot: bool, now: f64) {
         let key = (session, cell_id.to_string());
         // a run may take a worker before it ever reported ready
         self.in_flight.remove(&key);
@@ -232,7 +250,8 @@ impl Speculator {
             self.entries.remove(&key);
         }
         if held_slot {
-            *self.spent.entry(session).or_default() += idle_ms / 1000.0;
+            let spent = self.spent_at(session, now) + idle_ms / 1000.0;
+            self.spent.insert(session, (spent, now));
         }
     }
 
@@ -410,10 +429,16 @@ mod tests {
         assert_eq!(workers, ["w1", "w2"]);
         assert!(s.for_run(b, "c1").is_some());
         // the spent time stays counted: a gets nothing more
-        s.ended(a, "c1", "w1", 9000.0, true);
-        s.ended(a, "c2", "w2", 3000.0, true);
+        s.ended(a, "c1", "w1", 9000.0, true, 9.0);
+        s.ended(a, "c2", "w2", 3000.0, true, 9.0);
         let refused = s.admit(a, "c3", 9.5);
         assert!(!refused.admit && refused.refused.is_some());
+        // the budget is per hour: 12 s spent against 10 s an hour is forgiven
+        // down to below 10 s after 0.2 h (720 s), not before
+        assert!(!s.admit(a, "c3", 9.0 + 600.0).admit);
+        assert!((s.idle_seconds(a, 9.0 + 720.0) - 10.0).abs() < 1e-9);
+        assert!(s.admit(a, "c3", 9.0 + 800.0).admit);
+        assert!(s.idle_seconds(a, 9.0 + 3600.0 * 2.0).abs() < 1e-9, "never below zero");
     }
 
     #[test]
@@ -467,7 +492,7 @@ mod tests {
         // the next cell is not refused for a budget the first no longer uses
         assert!(s.admit(sid, "b", 1.0).admit);
         // a worker used before it reported ready frees its admission too
-        s.ended(sid, "b", "w", 0.0, false);
+        s.ended(sid, "b", "w", 0.0, false, 0.0);
         assert!(s.admit(sid, "c", 2.0).admit);
     }
 
@@ -485,7 +510,7 @@ mod tests {
             0.0,
         );
         assert!(s.over_budget(100.0).is_empty());
-        s.ended(sid, "c", "w", 100_000.0, false);
+        s.ended(sid, "c", "w", 100_000.0, false, 100.0);
         assert!(s.admit(sid, "d", 100.0).admit);
     }
 
@@ -503,7 +528,7 @@ mod tests {
             0.0,
         );
         assert_eq!(s.for_run(sid, "c"), Some(at("h", "w")));
-        s.ended(sid, "c", "w", 4000.0, true);
+        s.ended(sid, "c", "w", 4000.0, true, 10.0);
         assert!(s.for_run(sid, "c").is_none());
         assert!((s.idle_seconds(sid, 10.0) - 4.0).abs() < 1e-9);
     }
