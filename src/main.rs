@@ -7,6 +7,7 @@ mod notebook;
 mod outputs;
 mod report;
 mod run;
+mod simulate;
 mod status;
 
 use std::path::PathBuf;
@@ -58,7 +59,7 @@ struct EmbedArgs {
     /// Speculation budget: prepared-but-idle workers per host.
     #[arg(long, env = "LOOSELEAF_PREPARED_PER_HOST", default_value_t = looseleaf_planner::DEFAULT_BUDGET.prepared_per_host)]
     prepared_per_host: usize,
-    /// Speculation budget: idle GPU-slot seconds one session's prepared workers may spend.
+    /// Speculation budget: idle GPU-slot seconds one session's prepared workers may spend per hour.
     #[arg(long, env = "LOOSELEAF_IDLE_GPU_SECONDS", default_value_t = looseleaf_planner::DEFAULT_BUDGET.idle_seconds_per_session)]
     idle_gpu_seconds_per_session: f64,
     /// Prepared workers hold a GPU slot even when their closure has no GPU-resident state.
@@ -208,6 +209,10 @@ enum Command {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// Replay notebook sessions on simulated GPU hosts under each provisioning
+    /// policy (pinned, NotebookOS, naive, Modal-style, snapshot, LooseLeaf) and
+    /// compare GPU-hours and start delays (DESIGN.md section 15).
+    Simulate(simulate::SimulateArgs),
     /// Show hosts (slots, zygotes, CPU sessions, cache) and the services that answer.
     Status {
         /// The NATS to ask (without `--nats-url`: the one `looseleaf up` recorded in
@@ -316,6 +321,7 @@ fn main() -> anyhow::Result<()> {
 
 fn command(cli: Cli, nats_given: bool, system: &actix_rt::SystemRunner) -> anyhow::Result<()> {
     match cli.command {
+        Command::Simulate(args) => simulate::simulate(&args).map(|_| ()),
         Command::Up { virtual_gpus, port, data_dir, session_uids, nats, embed } => {
             let nats = nats_given.then_some(nats);
             let opts = ClusterOptions { session_uids, nats, ..options(embed, data_dir, virtual_gpus, port) };

@@ -1,0 +1,159 @@
+//! What each step costs. LooseLeaf's steps are measured: drawn from the samples in
+//! the bench results files (cold-start, checkpoint, JupyterLab) or from the
+//! REPORT.json files of real runs. The baselines' steps are the constants cited in
+//! `../shared/anchors/` (NotebookOS's simulator, the snapshot restore medians).
+
+use std::path::Path;
+
+use anyhow::Context;
+use serde::Serialize;
+
+use crate::dist::Samples;
+
+/// Step costs.
+#[derive(Clone, Debug, Serialize)]
+pub struct Costs {
+    /// LooseLeaf: Run to first line on a worker prepared before Run (ms).
+    pub hit_start_ms: Samples,
+    /// LooseLeaf: Run to first line of a cold cell whose packages the zygote holds
+    /// and whose closure is small (ms): claim, fork, restore, set-up, bus hops.
+    pub cold_start_ms: Samples,
+    /// Importing packages a zygote lacks in a fresh process (ms): the import tail.
+    pub import_tail_ms: Samples,
+    /// Naive serverless: a fresh interpreter, all the session's imports and its
+    /// state loaded (ms), before the state's bytes are counted.
+    pub naive_start_ms: Samples,
+    /// Restoring checkpointed state, bytes a second.
+    pub restore_bytes_per_s: f64,
+    /// Saving state, bytes a second.
+    pub save_bytes_per_s: f64,
+    /// Cited: host-to-GPU copy, bytes a second (NotebookOS's simulator, V100/P3).
+    pub host_to_gpu_bytes_per_s: f64,
+    /// Cited: CUDA initialisation in a fresh process (s).
+    pub cuda_init_s: f64,
+    /// Cited: object-store download for NotebookOS replicas, bytes a second.
+    pub s3_down_bytes_per_s: f64,
+    /// Cited: object-store upload after a NotebookOS execution, bytes a second.
+    pub s3_up_bytes_per_s: f64,
+    /// Cited: whole-process GPU snapshot restore, GCR median (s).
+    pub snapshot_gcr_s: f64,
+    /// Cited: the same with CRIU (s).
+    pub snapshot_criu_s: f64,
+    /// Where the measured figures came from.
+    pub sources: Vec<String>,
+}
+
+/// The cited constants (workloads.md and notebookos-policies.md).
+const H2D: f64 = 11.1e9;
+const CUDA_INIT_S: f64 = 0.174;
+const S3_DOWN: f64 = 300e6;
+const S3_UP: f64 = 75e6;
+const GCR_S: f64 = 2.50;
+const CRIU_S: f64 = 4.38;
+
+fn read(dir: &Path, name: &str) -> anyhow::Result<serde_json::Value> {
+    let path = dir.join(name);
+    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))
+}
+
+fn at<'a>(v: &'a serde_json::Value, pointer: &str, file: &str) -> anyhow::Result<&'a serde_json::Value> {
+    v.pointer(pointer).with_context(|| format!("{file} has no {pointer}"))
+}
+
+fn list<'a>(v: &'a serde_json::Value, pointer: &str, file: &str) -> anyhow::Result<&'a Vec<serde_json::Value>> {
+    at(v, pointer, file)?.as_array().with_context(|| format!("{file}: {pointer} is not a list"))
+}
+
+fn number(v: &serde_json::Value, pointer: &str, file: &str) -> anyhow::Result<f64> {
+    at(v, pointer, file)?.as_f64().with_context(|| format!("{file}: {pointer} is not a number"))
+}
+
+fn samples(
+    items: &[serde_json::Value],
+    keep: impl Fn(&serde_json::Value) -> bool,
+    value: &str,
+    source: String,
+) -> anyhow::Result<Samples> {
+    let values: Vec<f64> = items.iter().filter(|c| keep(c)).filter_map(|c| c.pointer(value)?.as_f64()).collect();
+    anyhow::ensure!(!values.is_empty(), "{source}: no samples");
+    Ok(Samples::new(values, source))
+}
+
+impl Costs {
+    /// Costs from the bench results in `dir` (`bench/results`).
+    pub fn from_bench(dir: &Path) -> anyhow::Result<Self> {
+        let cold = read(dir, "cold-start.json")?;
+        let ckpt = read(dir, "checkpoint.json")?;
+        let lab = read(dir, "jupyterlab.json")?;
+        let cells = list(&cold, "/looseleaf/cells", "cold-start.json")?;
+        let naive = list(&cold, "/naive/cells", "cold-start.json")?;
+        let lab_cells = list(&lab, "/cells_extension", "jupyterlab.json")?;
+        let ok = |c: &serde_json::Value| c.get("status").and_then(|s| s.as_str()).is_none_or(|s| s == "ok");
+        Ok(Self {
+            hit_start_ms: samples(
+                lab_cells,
+                |c| ok(c) && c.get("prepare").and_then(|p| p.as_str()) == Some("speculative"),
+                "/start_delay_ms",
+                "jupyterlab.json: cells_extension[prepare=speculative].start_delay_ms".into(),
+            )?,
+            cold_start_ms: samples(
+                cells,
+                ok,
+                "/start_delay_ms",
+                "cold-start.json: looseleaf.cells[].start_delay_ms".into(),
+            )?,
+            import_tail_ms: samples(
+                naive,
+                |_| true,
+                "/breakdown/imports_ms",
+                "cold-start.json: naive.cells[].breakdown.imports_ms".into(),
+            )?,
+            naive_start_ms: samples(naive, |_| true, "/start_ms", "cold-start.json: naive.cells[].start_ms".into())?,
+            restore_bytes_per_s: number(&ckpt, "/local/raw/restore_all_bytes_per_s", "checkpoint.json")?,
+            save_bytes_per_s: number(&ckpt, "/local/raw/save_bytes_per_s", "checkpoint.json")?,
+            host_to_gpu_bytes_per_s: H2D,
+            cuda_init_s: CUDA_INIT_S,
+            s3_down_bytes_per_s: S3_DOWN,
+            s3_up_bytes_per_s: S3_UP,
+            snapshot_gcr_s: GCR_S,
+            snapshot_criu_s: CRIU_S,
+            sources: vec![
+                dir.join("cold-start.json").display().to_string(),
+                dir.join("checkpoint.json").display().to_string(),
+                dir.join("jupyterlab.json").display().to_string(),
+            ],
+        })
+    }
+
+    /// The same, with LooseLeaf's start costs measured in the given REPORT.json
+    /// files instead, where they hold samples: the start delays of clean
+    /// speculation hits and of cold starts.
+    pub fn with_reports(mut self, reports: &[(String, serde_json::Value)]) -> Self {
+        let mut hits = Vec::new();
+        let mut colds = Vec::new();
+        for (_, r) in reports {
+            for c in r.get("cells").and_then(|c| c.as_array()).into_iter().flatten() {
+                let gpu = c.get("device").and_then(|d| d.as_str()).is_some_and(|d| d != "cpu");
+                let Some(delay) = c.get("start_delay_ms").and_then(|d| d.as_f64()) else { continue };
+                if !gpu || c.get("status").and_then(|s| s.as_str()) != Some("ok") {
+                    continue;
+                }
+                match c.get("prepare").and_then(|p| p.as_str()) {
+                    Some("speculative") if c.get("refreshed").and_then(|r| r.as_u64()) == Some(0) => hits.push(delay),
+                    Some("cold") => colds.push(delay),
+                    _ => {}
+                }
+            }
+        }
+        let files: Vec<&str> = reports.iter().map(|(p, _)| p.as_str()).collect();
+        if !hits.is_empty() {
+            self.hit_start_ms = Samples::new(hits, format!("reports {files:?}: speculation hits' start_delay_ms"));
+        }
+        if !colds.is_empty() {
+            self.cold_start_ms = Samples::new(colds, format!("reports {files:?}: cold cells' start_delay_ms"));
+        }
+        self.sources.extend(files.iter().map(|f| f.to_string()));
+        self
+    }
+}
