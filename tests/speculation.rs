@@ -415,3 +415,43 @@ async fn each_edit_plan_is_told_and_the_text_that_ran_prepares_nothing_more() ->
     events.until(|i| edit_planned(i, "c1")).await?;
     Ok(())
 }
+
+#[actix_rt::test]
+async fn a_cell_edited_again_keeps_one_prepared_worker_on_one_host() -> anyhow::Result<()> {
+    // two hosts of one slot, prepared workers holding it: the host that holds the
+    // cell's worker updates it in place, and the other host must not prepare a
+    // second one for the new revision (it held its slot idle until evicted)
+    let services =
+        Services::start(&services_bin(), &[1, 1], &[("LOOSELEAF_PREPARE_HOLDS_SLOT", "true".into())]).await?;
+    let fe = services.client();
+    let cwd = tempfile::tempdir()?;
+    let sid = fe.create_session(&cwd.path().display().to_string(), false, true).await?;
+    let mut events = Events::open(&fe, sid).await?;
+    let r = fe.run(sid, "c0", "%%cpu\nx = 1\ny = 2").await?;
+    events.done(r.exec_id).await?;
+    let mut revision = 0;
+    for text in ["%%gpu\nprint(x)", "%%gpu\nprint(x, y)", "%%gpu\nprint(y)"] {
+        fe.edit(sid, "c1", text).await?;
+        revision = ready(&mut events, "c1", revision + 1).await?.1;
+    }
+    // give a second host time to claim and prepare, were it going to
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let r1 = fe.run(sid, "c1", "%%gpu\nprint(y)").await?;
+    events.done(r1.exec_id).await?;
+    let (prepare, refreshed, _) = started(&events, r1.exec_id).expect("c1 started");
+    assert_eq!((prepare, refreshed), (Prepare::Speculative, 0));
+    let hosts: std::collections::BTreeSet<String> = events
+        .seen
+        .iter()
+        .filter_map(|i| match i {
+            StreamItem::Event { event: Event::Preparing { host, cell_id, .. }, .. } if cell_id == "c1" => {
+                Some(host.clone())
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(hosts.len(), 1, "one host prepares the cell: {hosts:?}");
+    // the one worker was used; none was left to idle on a slot
+    assert_eq!(ended(&events, "c1"), [PreparedOutcome::Used]);
+    Ok(())
+}

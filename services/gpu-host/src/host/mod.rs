@@ -612,14 +612,21 @@ impl Host {
         if !recipe.speculate || self.slots.len() < recipe.gpus.max(1) {
             return;
         }
-        if let Some(p) = self.prepared.get_mut(&key) {
+        if let Some(p) = self.prepared.get(&key) {
             if recipe.revision <= p.revision || p.run_claimed() || p.stopping() {
                 return;
             }
-            if p.is_preparing() {
-                p.queue_next(recipe); // superseded while preparing: applied in place next
-            } else {
-                self.start_prepare(key, recipe, ctx);
+            // This host updates the cell's worker in place. It claims the new
+            // revision at once, so that a host without the worker loses that claim
+            // instead of preparing a second worker for the cell (which held a slot
+            // idle until evicted: found by `bench/gpu-hours`' validation, ADR 50).
+            let claim_key =
+                ClaimKey::Prepare { session: key.0, cell_id: key.1.clone(), revision: recipe.revision };
+            self.claim(claim_key, Duration::ZERO, ctx, |_, _, _| {});
+            match self.prepared.get_mut(&key) {
+                // superseded while preparing: applied in place next
+                Some(p) if p.is_preparing() => p.queue_next(recipe),
+                _ => self.start_prepare(key, recipe, ctx),
             }
             return;
         }

@@ -27,6 +27,13 @@ use crate::worker::WorkerProc;
 /// A prepared worker's (session, cell).
 pub type PrepKey = (Uuid, String);
 
+/// Of the idle slot-holding workers (key, class, when first ready), the one a run
+/// that lacks slots stops first: warm before speculative, longest idle first. A
+/// pure rule, so the simulator (issue 17) runs it too.
+pub fn give_up_first<K>(idle: impl IntoIterator<Item = (K, PreparedClass, Option<Instant>)>) -> Option<K> {
+    idle.into_iter().min_by_key(|(_, class, first_ready)| (*class == PreparedClass::Speculative, *first_ready)).map(|(k, _, _)| k)
+}
+
 /// What the host still has to do for a prepared worker.
 #[derive(Debug)]
 pub enum Phase {
@@ -234,11 +241,7 @@ impl PreparedWorkers {
     /// The slot-holding worker to give up first for a run: ready, warm before
     /// speculative, longest idle first.
     pub fn to_give_up(&self) -> Option<PrepKey> {
-        self.0
-            .iter()
-            .filter(|(_, p)| p.idle_on_slot())
-            .min_by_key(|(_, p)| (p.class == PreparedClass::Speculative, p.first_ready))
-            .map(|(k, _)| k.clone())
+        give_up_first(self.0.iter().filter(|(_, p)| p.idle_on_slot()).map(|(k, p)| (k.clone(), p.class, p.first_ready)))
     }
 
     /// The slots idle prepared workers hold: what giving them all up would free.
