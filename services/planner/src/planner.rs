@@ -207,7 +207,10 @@ impl Planner {
             user_expressions: BTreeMap::new(),
         };
         let planned = planned(target.session, Uuid::nil(), &target.cell_id, &d);
-        let mut r = recipe(target, revision, manifest.revision, &d, None);
+        // the host that holds the cell's worker updates it; others leave the recipe
+        let holder = self.speculator.held_on(target.session, &target.cell_id);
+        let at = holder.map(|host| PreparedWorker { host, worker: String::new() });
+        let mut r = recipe(target, revision, manifest.revision, &d, at);
         r.speculate = speculate;
         let bus = self.bus.clone();
         ctx.spawn(
@@ -534,6 +537,7 @@ impl StreamHandler<Result<Envelope<SessionEventV2>, Rejected>> for Planner {
             EventKind::Claimed { .. } | EventKind::Failed { .. } => {
                 self.pinned_runs.remove(&exec_id);
             }
+            EventKind::Preparing { host, cell_id, .. } => self.speculator.preparing(session, &cell_id, &host),
             EventKind::Ready { host, worker, cell_id, class, prepare_ms, slot, .. } => {
                 let now = self.now();
                 let ready = Ready { class, prepare_ms, holds_slot: slot.is_some() };

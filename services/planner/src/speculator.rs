@@ -103,6 +103,8 @@ pub struct Speculator {
     spent: HashMap<Uuid, (f64, f64)>,
     /// Hosts known (from their status), so a host with room is not ignored.
     hosts: BTreeMap<String, f64>,
+    /// The host preparing each admitted recipe's worker, once it said so.
+    preparing_on: HashMap<Key, String>,
     inflation: f64,
 }
 
@@ -119,6 +121,7 @@ impl Speculator {
             in_flight: HashMap::new(),
             spent: HashMap::new(),
             hosts: BTreeMap::new(),
+            preparing_on: HashMap::new(),
             inflation: 0.0,
         }
     }
@@ -227,6 +230,22 @@ impl Speculator {
         Eviction { session, cell_id, at: e.at, reason }
     }
 
+    /// A host began preparing the worker of (`session`, `cell_id`).
+    pub fn preparing(&mut self, session: Uuid, cell_id: &str, host: &str) {
+        self.preparing_on.insert((session, cell_id.to_string()), host.to_string());
+    }
+
+    /// The host that holds (or prepares) the cell's worker: newer recipes of the
+    /// cell go to it, so no other host prepares a second worker for the cell.
+    pub fn held_on(&self, session: Uuid, cell_id: &str) -> Option<String> {
+        let key = (session, cell_id.to_string());
+        match self.entries.get(&key) {
+            Some(e) => Some(e.at.host.clone()),
+            None if self.in_flight.contains_key(&key) => self.preparing_on.get(&key).cloned(),
+            None => None,
+        }
+    }
+
     /// A host reports a prepared (or updated) worker.
     pub fn ready(&mut self, session: Uuid, cell_id: &str, at: PreparedWorker, ready: Ready, now: f64) {
         let Ready { class, prepare_ms, holds_slot } = ready;
@@ -246,6 +265,7 @@ impl Speculator {
         let key = (session, cell_id.to_string());
         // a run may take a worker before it ever reported ready
         self.in_flight.remove(&key);
+        self.preparing_on.remove(&key);
         if self.entries.get(&key).is_some_and(|e| e.at.worker == worker) {
             self.entries.remove(&key);
         }
@@ -281,6 +301,7 @@ impl Speculator {
 
     /// Forget a closed session.
     pub fn close(&mut self, session: Uuid) {
+        self.preparing_on.retain(|(s, _), _| *s != session);
         self.entries.retain(|(s, _), _| *s != session);
         self.in_flight.retain(|(s, _), _| *s != session);
         self.spent.remove(&session);

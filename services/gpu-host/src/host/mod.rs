@@ -77,6 +77,12 @@ pub struct Host {
     /// Admitted edit recipes that found no free slot (the planner's eviction that
     /// makes room may arrive just after): the newest per cell, tried when a slot frees.
     spec_waiting: VecDeque<(Instant, RecipeV3)>,
+    /// Run recipes seen per GPU cell: an edit recipe still being claimed when a
+    /// run of its cell arrives prepares nothing (the run serves the cell).
+    runs_of_cell: HashMap<PrepKey, u64>,
+    /// Cells whose preparation this host is claiming, with the newest revision
+    /// that arrived meanwhile (applied in place if this host wins).
+    claiming_prep: HashMap<PrepKey, Option<RecipeV3>>,
     /// Prepare every worker with its slot (see `Config::prepare_holds_slot`).
     prepare_holds_slot: bool,
     /// Keep a GPU worker warm (with its slot) after its cell, for a re-run of
@@ -152,6 +158,8 @@ impl Host {
             won: VecDeque::new(),
             waiting_prepared: VecDeque::new(),
             spec_waiting: VecDeque::new(),
+            runs_of_cell: HashMap::new(),
+            claiming_prep: HashMap::new(),
             prepare_holds_slot,
             keep_warm,
             last_zygotes: Vec::new(),
@@ -329,6 +337,7 @@ impl Host {
                 }
                 let key = (recipe.session, recipe.cell_id.clone());
                 self.spec_waiting.retain(|(_, r)| (r.session, &r.cell_id) != (key.0, &key.1));
+                *self.runs_of_cell.entry(key.clone()).or_default() += 1;
                 if self.prepared.contains(&key) {
                     self.claim_prepared_run(key, recipe, ctx);
                     return;
@@ -612,6 +621,9 @@ impl Host {
         if !recipe.speculate || self.slots.len() < recipe.gpus.max(1) {
             return;
         }
+        if recipe.prepared.as_ref().is_some_and(|p| p.host != self.env.host_id) {
+            return; // another host holds the cell's worker and updates it
+        }
         if let Some(p) = self.prepared.get(&key) {
             if recipe.revision <= p.revision || p.run_claimed() || p.stopping() {
                 return;
@@ -620,8 +632,7 @@ impl Host {
             // revision at once, so that a host without the worker loses that claim
             // instead of preparing a second worker for the cell (which held a slot
             // idle until evicted: found by `bench/gpu-hours`' validation, ADR 50).
-            let claim_key =
-                ClaimKey::Prepare { session: key.0, cell_id: key.1.clone(), revision: recipe.revision };
+            let claim_key = ClaimKey::Prepare { session: key.0, cell_id: key.1.clone(), revision: recipe.revision };
             self.claim(claim_key, Duration::ZERO, ctx, |_, _, _| {});
             match self.prepared.get_mut(&key) {
                 // superseded while preparing: applied in place next
@@ -633,6 +644,19 @@ impl Host {
         // Does the closure hold GPU-resident state? Only then does preparation need
         // the slot; otherwise the worker is prepared on the CPU and gets a slot at
         // Run, so typing time costs no GPU time.
+        if let Some(next) = self.claiming_prep.get_mut(&key) {
+            // This host is claiming an earlier revision: if it wins, it applies this
+            // one in place. Claiming it at once keeps hosts that are not claiming
+            // the cell from preparing it a second time.
+            if next.as_ref().is_none_or(|n| n.revision < recipe.revision) {
+                let claim_key = ClaimKey::Prepare { session: key.0, cell_id: key.1.clone(), revision: recipe.revision };
+                *next = Some(recipe);
+                self.claim(claim_key, Duration::ZERO, ctx, |_, _, _| {});
+            }
+            return;
+        }
+        self.claiming_prep.insert(key.clone(), None);
+        let runs_before = self.runs(&key);
         let env = self.env.clone();
         let r = recipe.clone();
         let always = self.prepare_holds_slot;
@@ -652,8 +676,13 @@ impl Host {
         let fut = tracing::Instrument::instrument(fut, span.clone());
         ctx.spawn(fut.into_actor(self).map(move |needs_slot, act, ctx| {
             let _entered = span.enter();
-            act.claim_preparation(recipe, needs_slot, ctx)
+            act.claim_preparation(recipe, needs_slot, runs_before, ctx)
         }));
+    }
+
+    /// Run recipes of the cell `key` seen so far.
+    fn runs(&self, key: &PrepKey) -> u64 {
+        self.runs_of_cell.get(key).copied().unwrap_or(0)
     }
 
     /// Stop the worker prepared for `key` because recipe `revision` superseded it,
@@ -668,14 +697,23 @@ impl Host {
     }
 
     /// Claim the preparation of `recipe` (exactly one host prepares a revision),
-    /// holding a free slot meanwhile if the preparation needs one.
-    fn claim_preparation(&mut self, recipe: RecipeV3, needs_slot: bool, ctx: &mut Context<Self>) {
+    /// holding a free slot meanwhile if the preparation needs one. `runs_before`:
+    /// the cell's runs seen when the recipe arrived; a run since then supersedes it
+    /// (its worker would idle on a slot for a cell that already ran).
+    fn claim_preparation(&mut self, recipe: RecipeV3, needs_slot: bool, runs_before: u64, ctx: &mut Context<Self>) {
         let key = (recipe.session, recipe.cell_id.clone());
+        if self.runs(&key) != runs_before {
+            self.claiming_prep.remove(&key);
+            return;
+        }
         if self.prepared.contains(&key) {
+            self.claiming_prep.remove(&key);
             return self.on_edit_recipe(recipe, ctx); // one got prepared meanwhile: update it
         }
         let slots = if needs_slot {
             let Some(slots) = self.slots.free(recipe.gpus.max(1)) else {
+                // the newest revision waits for a slot
+                let recipe = self.claiming_prep.remove(&key).flatten().unwrap_or(recipe);
                 self.spec_waiting.retain(|(_, r)| (r.session, &r.cell_id) != (key.0, &key.1));
                 self.spec_waiting.push_back((Instant::now(), recipe));
                 return;
@@ -689,18 +727,23 @@ impl Host {
         let claim_key =
             ClaimKey::Prepare { session: recipe.session, cell_id: recipe.cell_id.clone(), revision: recipe.revision };
         self.claim(claim_key, delay, ctx, move |act, claim, ctx| {
-            if claim != Claim::Won || act.prepared.contains(&key) {
+            let next = act.claiming_prep.remove(&key).flatten();
+            let ran = act.runs(&key) != runs_before;
+            if claim != Claim::Won || act.prepared.contains(&key) || ran {
                 act.slots.unreserve(&slots);
-                if claim == Claim::Won {
+                if claim == Claim::Won && !ran {
                     // an older revision of the cell got a worker meanwhile: update that one
-                    act.on_edit_recipe(recipe, ctx);
+                    act.on_edit_recipe(next.unwrap_or(recipe), ctx);
                 }
                 act.try_pending(ctx);
                 return;
             }
             act.slots.take(&slots, SlotState::Prepared { session: key.0, cell_id: key.1.clone() });
             act.prepared.insert(key.clone(), PreparedWorker::speculative(slots, recipe.revision));
-            act.start_prepare(key, recipe, ctx);
+            act.start_prepare(key.clone(), recipe, ctx);
+            if let Some(next) = next {
+                act.on_edit_recipe(next, ctx); // arrived while claiming: applied in place next
+            }
             act.publish_status(ctx);
         });
     }
@@ -953,6 +996,8 @@ impl Host {
         }
         self.pending.retain(|r| r.session != session);
         self.spec_waiting.retain(|(_, r)| r.session != session);
+        self.runs_of_cell.retain(|(s, _), _| *s != session);
+        self.claiming_prep.retain(|(s, _), _| *s != session);
         for key in self.prepared.of_session(session) {
             match self.prepared.get_mut(&key) {
                 Some(p) if p.is_preparing() => p.stop_when_prepared(PreparedOutcome::SessionClosed),
