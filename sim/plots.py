@@ -32,7 +32,7 @@ def style(policy):
 def cdfs(plot_data, out):
     keys = list(plot_data)
     fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.8), squeeze=False)
-    for ax, key in zip(axes[0], keys):
+    for ax, key in zip(axes[0], keys, strict=True):
         for policy, pts in plot_data[key]["cdf"].items():
             if pts:
                 xs = [max(p[0], 1.0) for p in pts]

@@ -26,6 +26,7 @@ mod relocatable;
 mod run_cli;
 mod run_delivery;
 mod session_delete;
+mod simulate;
 mod speculation;
 mod system;
 // named for what it checks: a module `tracing` would shadow the crate of that name

@@ -40,6 +40,10 @@ pub struct Cell {
     pub saved_bytes: u64,
     /// It imports a package its zygote lacks.
     pub import_tail: bool,
+    /// Preparing its worker took this long when it was recorded (claim to ready).
+    pub prepare_s: Option<f64>,
+    /// Its save took this long when it was recorded.
+    pub save_s: Option<f64>,
 }
 
 /// One notebook session.
@@ -189,6 +193,8 @@ impl Synthetic {
                 state_bytes,
                 saved_bytes: closure_bytes,
                 import_tail,
+                prepare_s: None,
+                save_s: None,
             });
             prev_end = t + edit_s + run_s;
             let mut next = prev_end + self.think_min_s + d.exp(self.think_exp_mean_s);
@@ -314,6 +320,8 @@ impl Trace {
                     state_bytes,
                     saved_bytes: state_bytes,
                     import_tail: false,
+                    prepare_s: None,
+                    save_s: None,
                 }],
             });
             t += 60.0 * d.quantiles(&self.interarrival_min);
@@ -366,6 +374,8 @@ pub fn recorded(report: &serde_json::Value, epoch_ms: u64) -> anyhow::Result<Ses
             state_bytes,
             saved_bytes: saved,
             import_tail: field("import_cache_hit").and_then(|v| v.as_bool()) == Some(false),
+            prepare_s: num("prepare_ms").map(|ms| ms / 1000.0),
+            save_s: num("save_ms").map(|ms| ms / 1000.0),
         });
         prev_done = done_ms as u64;
         end_ms = end_ms.max(done_ms as u64);

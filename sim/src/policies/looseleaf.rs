@@ -10,9 +10,12 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::Duration;
 
 use looseleaf_gpu_host::host::placement::{claim_delay, Standing, MAX_JITTER};
+use looseleaf_gpu_host::host::prepared::give_up_first;
 use looseleaf_gpu_host::host::slots::SlotState;
+use looseleaf_gpu_host::host::SPEC_WAIT;
 use looseleaf_gpu_host::lifecycle::Lifecycle;
 use looseleaf_planner::speculator::{Budget, Eviction, Ready, Speculator};
+use schemas::clock::Clock;
 use schemas::messages::{PreparedClass, PreparedWorker, WorkerState};
 use uuid::Uuid;
 
@@ -56,6 +59,8 @@ pub struct LooseLeaf {
     running: Vec<Option<Running>>,
     pressed: Vec<bool>,
     waiting: VecDeque<usize>,
+    /// Admitted preparations waiting for a slot: (since, session, cell).
+    spec_waiting: VecDeque<(f64, usize, usize)>,
     /// The host whose chunk cache holds the session's latest state.
     cached_on: Vec<Option<usize>>,
     by_id: HashMap<Uuid, usize>,
@@ -74,6 +79,7 @@ impl LooseLeaf {
             running: vec![],
             pressed: vec![],
             waiting: VecDeque::new(),
+            spec_waiting: VecDeque::new(),
             cached_on: vec![],
             by_id: HashMap::new(),
             workers: 0,
@@ -126,10 +132,14 @@ impl LooseLeaf {
         best
     }
 
-    /// Fork from a zygote, import the tail, restore the closure, put it on the GPU.
+    /// Fork from a zygote, import the tail, restore the closure, put it on the GPU
+    /// (a recorded cell: what preparing it took when it was recorded).
     fn prepare_s(&self, sim: &mut Sim, s: usize) -> f64 {
         let c = sim.costs;
         let cell = sim.cell(s);
+        if let Some(t) = cell.prepare_s {
+            return t + c.cuda_init_s + secs(cell.closure_bytes, c.host_to_gpu_bytes_per_s);
+        }
         let mut t = sim.draw.sample(&c.cold_start_ms) / 1000.0 + c.cuda_init_s;
         if cell.import_tail {
             t += sim.draw.sample(&c.import_tail_ms) / 1000.0;
@@ -172,13 +182,24 @@ impl LooseLeaf {
         if self.prep[s].as_ref().is_some_and(|p| p.cell == sim.progress[s].cell) {
             return; // its host updates it in place
         }
-        let Some((host, delay)) = self.claim(sim, s) else {
-            self.count("no_room_to_prepare");
-            return;
-        };
+        if !self.prepare(sim, s) {
+            // the host keeps the admitted recipe a while for a slot to free
+            self.count("waited_for_room_to_prepare");
+            self.spec_waiting.retain(|(_, q, _)| *q != s);
+            self.spec_waiting.push_back((now, s, sim.progress[s].cell));
+        }
+    }
+
+    /// Prepare session `s`'s current cell on the host that wins its claim; false
+    /// if no host has room.
+    fn prepare(&mut self, sim: &mut Sim, s: usize) -> bool {
+        let now = sim.now();
+        let id = sim.session(s).id;
+        let cell_id = sim.cell(s).cell_id.clone();
+        let Some((host, delay)) = self.claim(sim, s) else { return false };
         let session = id;
         let gpus = sim.cell(s).gpus;
-        let Some(slots) = take(sim, host, gpus, SlotState::Prepared { session, cell_id }) else { return };
+        let Some(slots) = take(sim, host, gpus, SlotState::Prepared { session, cell_id }) else { return false };
         let (worker, n) = self.born(sim, s);
         let prepare_s = self.prepare_s(sim, s);
         self.prep[s] = Some(Prep {
@@ -193,6 +214,7 @@ impl LooseLeaf {
         });
         self.count("prepared");
         sim.timer(now + delay + prepare_s, Timer { session: s, kind: READY, tag: n });
+        true
     }
 
     fn ready(&mut self, sim: &mut Sim, s: usize, n: u64) {
@@ -241,8 +263,48 @@ impl LooseLeaf {
         self.running[s] = Some(Running { host: p.host, slots: p.slots, worker: p.worker });
     }
 
+    /// Free slots on a host for a run by stopping idle prepared workers there, as
+    /// a gpu-host does when the run's claim finds too few free (the host's own
+    /// `give_up_first` order). Whether any host could.
+    fn evict_for_run(&mut self, sim: &mut Sim, gpus: u32) -> bool {
+        let base = sim.clock.now() - std::time::Duration::from_secs_f64(sim.now());
+        let idle_on = |me: &Self, h: usize| -> Vec<usize> {
+            (0..me.prep.len())
+                .filter(|q| me.prep[*q].as_ref().is_some_and(|p| p.host == h && p.ready_at.is_some()))
+                .collect()
+        };
+        let Some(host) = (0..sim.cluster.hosts.len()).find(|&h| {
+            let free = sim.cluster.hosts[h].slots.free_count();
+            let idle: usize =
+                idle_on(self, h).iter().filter_map(|q| self.prep[*q].as_ref()).map(|p| p.slots.len()).sum();
+            sim.cluster.hosts[h].is_on() && free + idle as u32 >= gpus
+        }) else {
+            return false;
+        };
+        while sim.cluster.hosts[host].slots.free_count() < gpus {
+            let idle = idle_on(self, host).into_iter().filter_map(|q| {
+                let p = self.prep[q].as_ref()?;
+                let ready = base + std::time::Duration::from_secs_f64(p.ready_at?);
+                Some((q, PreparedClass::Speculative, Some(ready)))
+            });
+            let Some(q) = give_up_first(idle) else { return false };
+            let Some(p) = self.prep[q].take() else { return false };
+            self.count("evicted_for_run");
+            let id = sim.session(q).id;
+            let cell_id = sim.session(q).cells[p.cell].cell_id.clone();
+            let idle_ms = p.ready_at.map_or(0.0, |r| (sim.now() - r) * 1000.0);
+            self.speculator.ended(id, &cell_id, &p.worker, idle_ms, true, sim.now());
+            self.enter(&p.worker, WorkerState::Evicted);
+            sim.cluster.release(p.host, &p.slots);
+        }
+        true
+    }
+
     /// A run with no prepared worker: claimed and prepared cold, or it waits for a slot.
     fn start_cold(&mut self, sim: &mut Sim, s: usize) -> bool {
+        if sim.host_with_room(sim.cell(s).gpus).is_none() && !self.evict_for_run(sim, sim.cell(s).gpus) {
+            return false;
+        }
         let Some((host, delay)) = self.claim(sim, s) else { return false };
         let state = busy(sim, s);
         let Some(slots) = take(sim, host, sim.cell(s).gpus, state) else { return false };
@@ -267,6 +329,19 @@ impl LooseLeaf {
                 return;
             }
             self.waiting.pop_front();
+        }
+        // then preparations that waited for a slot; older ones are stale
+        let now = sim.now();
+        let prep = &self.prep;
+        self.spec_waiting.retain(|(at, s, cell)| {
+            let current = sim.progress[*s].cell == *cell && !sim.progress[*s].started && sim.progress[*s].open;
+            now - at < SPEC_WAIT.as_secs_f64() && current && prep[*s].as_ref().is_none_or(|p| p.cell != *cell)
+        });
+        while let Some(&(_, s, _)) = self.spec_waiting.front() {
+            if sim.host_with_room(sim.cell(s).gpus).is_none() || !self.prepare(sim, s) {
+                return;
+            }
+            self.spec_waiting.pop_front();
         }
     }
 }
@@ -334,7 +409,8 @@ impl Policy for LooseLeaf {
         };
         let worker = r.worker.clone();
         self.enter(&worker, WorkerState::Saving);
-        let save = secs(sim.cell(s).saved_bytes, sim.costs.save_bytes_per_s);
+        let cell = sim.cell(s);
+        let save = cell.save_s.unwrap_or_else(|| secs(cell.saved_bytes, sim.costs.save_bytes_per_s));
         sim.timer(now + save, Timer { session: s, kind: SAVED, tag: 0 });
         sim.done(s, now + save);
     }

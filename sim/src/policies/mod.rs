@@ -97,6 +97,8 @@ mod tests {
             state_bytes: closure_bytes,
             saved_bytes: 0,
             import_tail: false,
+            prepare_s: None,
+            save_s: None,
         }
     }
 

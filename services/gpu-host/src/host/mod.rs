@@ -57,8 +57,9 @@ const TICK: Duration = Duration::from_secs(2);
 /// once; the others compete only if it has not after this long (it may be gone).
 const PREPARED_FALLBACK: Duration = Duration::from_secs(2);
 
-/// How long an admitted edit recipe may wait for a slot on this host.
-const SPEC_WAIT: Duration = Duration::from_secs(5);
+/// How long an admitted edit recipe may wait for a slot on this host (the
+/// simulator's hosts wait as long).
+pub const SPEC_WAIT: Duration = Duration::from_secs(5);
 
 /// The host actor.
 pub struct Host {

@@ -31,7 +31,9 @@ pub type PrepKey = (Uuid, String);
 /// that lacks slots stops first: warm before speculative, longest idle first. A
 /// pure rule, so the simulator (issue 17) runs it too.
 pub fn give_up_first<K>(idle: impl IntoIterator<Item = (K, PreparedClass, Option<Instant>)>) -> Option<K> {
-    idle.into_iter().min_by_key(|(_, class, first_ready)| (*class == PreparedClass::Speculative, *first_ready)).map(|(k, _, _)| k)
+    idle.into_iter()
+        .min_by_key(|(_, class, first_ready)| (*class == PreparedClass::Speculative, *first_ready))
+        .map(|(k, _, _)| k)
 }
 
 /// What the host still has to do for a prepared worker.

@@ -1,0 +1,121 @@
+//! `looseleaf simulate --recorded`: a REPORT.json of a real `looseleaf run
+//! --typing-cps` replays as a session with the report's cells, in order, with
+//! their device labels and closures; a report that is not one is refused with an
+//! error that names the file.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use looseleaf_test_support::LocalCluster;
+use serde_json::{json, Value};
+
+fn looseleaf() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_looseleaf"))
+}
+
+fn read(path: &Path) -> Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+fn simulate(report: &Path, out: &Path) -> std::process::Output {
+    let costs = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("bench/results");
+    Command::new(looseleaf())
+        .args(["simulate", "--recorded"])
+        .arg(report)
+        .args([
+            "--hosts",
+            "1",
+            "--gpus-per-host",
+            "2",
+            "--virtual-gpus",
+            "--no-plots",
+            "--policies",
+            "looseleaf,pinned",
+        ])
+        .arg("--costs")
+        .arg(&costs)
+        .arg("--out")
+        .arg(out)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("looseleaf simulate: {e}"))
+}
+
+#[test]
+fn a_recorded_run_replays_with_its_cells_devices_and_closures() {
+    let dir = tempfile::tempdir().unwrap();
+    let cells = ["x = 1\ny = [1, 2, 3]", "%%gpu\nz = x + len(y)", "w = x * 2", "%%gpu\nprint(z + w)"];
+    let nb = json!({
+        "cells": cells.iter().map(|src| json!({"cell_type": "code", "metadata": {}, "source": src,
+            "outputs": [], "execution_count": null})).collect::<Vec<_>>(),
+        "metadata": {}, "nbformat": 4, "nbformat_minor": 4,
+    });
+    let nb_path = dir.path().join("nb.ipynb");
+    std::fs::write(&nb_path, nb.to_string()).unwrap();
+    let report_path = dir.path().join("nb.report.json");
+
+    let cluster = LocalCluster::start(looseleaf(), 1).expect("looseleaf up");
+    let run = Command::new(looseleaf())
+        .args(["run", "--frontend", &cluster.url(), "--token", cluster.token(), "--typing-cps", "200"])
+        .arg("--report")
+        .arg(&report_path)
+        .arg(&nb_path)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let report = read(&report_path);
+    let expected: Vec<(String, String, Value)> = report["cells"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["cell_id"].as_str().unwrap().to_string(),
+                c["device"].as_str().unwrap().to_string(),
+                c["closure"].clone(),
+            )
+        })
+        .collect();
+    // the run itself: two GPU cells whose closures are what they read
+    let devices: Vec<&str> = expected.iter().map(|(_, d, _)| d.as_str()).collect();
+    assert_eq!(devices, ["cpu", "gpu", "cpu", "gpu"]);
+    assert_eq!(expected[1].2, json!(["x", "y"]));
+    assert_eq!(expected[3].2, json!(["w", "z"]));
+
+    let out = dir.path().join("sim");
+    let sim = simulate(&report_path, &out);
+    assert!(sim.status.success(), "{}", String::from_utf8_lossy(&sim.stderr));
+    let results = read(&out.join("simulation.json"));
+    let policies = results["loads"]["recorded"]["policies"].as_array().unwrap();
+    assert_eq!(policies.len(), 2);
+    for p in policies {
+        let replayed: Vec<(String, String, Value)> = p["replayed"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| {
+                (
+                    c["cell_id"].as_str().unwrap().to_string(),
+                    c["device"].as_str().unwrap().to_string(),
+                    c["closure"].clone(),
+                )
+            })
+            .collect();
+        assert_eq!(replayed, expected, "{}", p["policy"]);
+        assert_eq!(p["gpu_cells"], 2, "{}", p["policy"]);
+    }
+    let ll = policies.iter().find(|p| p["policy"] == "looseleaf").unwrap();
+    assert!(ll["held_gpu_hours"].as_f64().unwrap() > 0.0);
+    assert!(ll["counters"].get("lifecycle_violations").is_none(), "{}", ll["counters"]);
+    assert!(out.join("summary.md").exists());
+
+    // not a report: refused, naming the file and what it lacks
+    let bad = dir.path().join("bad.report.json");
+    std::fs::write(&bad, r#"{"cells": [{"cell_id": "a"}]}"#).unwrap();
+    let refused = simulate(&bad, &dir.path().join("sim2"));
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success(), "{err}");
+    assert!(err.contains("bad.report.json") && err.contains("started_at"), "{err}");
+}
