@@ -18,6 +18,13 @@ fn read(path: &Path) -> Value {
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
+/// Each cell's (id, device, closure), from a report's `cells` or a replay's list.
+fn cells_of(list: &Value) -> Vec<(String, String, Value)> {
+    let text = |c: &Value, k: &str| c[k].as_str().unwrap_or_else(|| panic!("no {k} in {c}")).to_string();
+    let cells = list.as_array().unwrap_or_else(|| panic!("not a list: {list}"));
+    cells.iter().map(|c| (text(c, "cell_id"), text(c, "device"), c["closure"].clone())).collect()
+}
+
 fn simulate(report: &Path, out: &Path) -> std::process::Output {
     let costs = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("bench/results");
     Command::new(looseleaf())
@@ -66,18 +73,7 @@ fn a_recorded_run_replays_with_its_cells_devices_and_closures() {
         .unwrap();
     assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
     let report = read(&report_path);
-    let expected: Vec<(String, String, Value)> = report["cells"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| {
-            (
-                c["cell_id"].as_str().unwrap().to_string(),
-                c["device"].as_str().unwrap().to_string(),
-                c["closure"].clone(),
-            )
-        })
-        .collect();
+    let expected = cells_of(&report["cells"]);
     // the run itself: two GPU cells whose closures are what they read
     let devices: Vec<&str> = expected.iter().map(|(_, d, _)| d.as_str()).collect();
     assert_eq!(devices, ["cpu", "gpu", "cpu", "gpu"]);
@@ -91,18 +87,7 @@ fn a_recorded_run_replays_with_its_cells_devices_and_closures() {
     let policies = results["loads"]["recorded"]["policies"].as_array().unwrap();
     assert_eq!(policies.len(), 2);
     for p in policies {
-        let replayed: Vec<(String, String, Value)> = p["replayed"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|c| {
-                (
-                    c["cell_id"].as_str().unwrap().to_string(),
-                    c["device"].as_str().unwrap().to_string(),
-                    c["closure"].clone(),
-                )
-            })
-            .collect();
+        let replayed = cells_of(&p["replayed"]);
         assert_eq!(replayed, expected, "{}", p["policy"]);
         assert_eq!(p["gpu_cells"], 2, "{}", p["policy"]);
     }

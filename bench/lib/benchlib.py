@@ -26,6 +26,16 @@ RESULTS = BENCH / "results"
 RELEASE = REPO / "target" / "release"
 LOOSELEAF = RELEASE / "looseleaf"
 PYTHON = REPO / ".venv" / "bin" / "python"
+# Corpus notebooks that run whole under --all-gpu and are typed by the speculation
+# and GPU-hours benches.
+TYPED_NOTEBOOKS = [
+    "kishu_nbexec_test_case_1.ipynb",
+    "kishu_numpy.ipynb",
+    "kishu_simple.ipynb",
+    "pdsh_02.02-The-Basics-Of-NumPy-Arrays.ipynb",
+    "pdsh_03.02-Data-Indexing-and-Selection.ipynb",
+    "pdsh_03.03-Operations-in-Pandas.ipynb",
+]
 # LOOSELEAF_CORPUS: a copy elsewhere (a GPU machine has no ../shared; DEVELOPERS.md)
 CORPUS = Path(os.environ.get("LOOSELEAF_CORPUS", REPO / ".." / "shared" / "corpus")).resolve()
 

@@ -30,14 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as B  # noqa: E402
 
-NOTEBOOKS = [
-    "kishu_nbexec_test_case_1.ipynb",
-    "kishu_numpy.ipynb",
-    "kishu_simple.ipynb",
-    "pdsh_02.02-The-Basics-Of-NumPy-Arrays.ipynb",
-    "pdsh_03.02-Data-Indexing-and-Selection.ipynb",
-    "pdsh_03.03-Operations-in-Pandas.ipynb",
-]
+NOTEBOOKS = B.TYPED_NOTEBOOKS
 TIGHT_BUDGET_NOTEBOOK = "pdsh_03.03-Operations-in-Pandas.ipynb"
 TIGHT_IDLE_SECONDS = 5.0
 TARGET_WITHIN_1S = 0.98
