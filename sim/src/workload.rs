@@ -221,7 +221,7 @@ pub const VARIANTS: [&str; 4] = ["edit_halved", "gpu_share_40", "away_10min", "c
 /// Sessions from the NotebookOS/Adobe trace statistics (workloads.md, its table):
 /// arrivals at the trace's inter-arrival times, each job a session that edits
 /// one cell (the base edit time) and runs it with the job's GPUs and duration.
-/// The trace has no session ids, so each job is a session of its own.
+/// The trace has no session ids, so each job is a new session of its own.
 #[derive(Clone, Debug, Serialize)]
 pub struct Trace {
     /// Hours of arrivals to replay.
@@ -234,8 +234,8 @@ pub struct Trace {
     pub gpus_short: [f64; 3],
     /// Longer jobs: shares of 1, 4 and 8 GPUs.
     pub gpus_long: [f64; 3],
-    /// A job's VRAM is GPUs x this x U(0, 1) (NotebookOS's generator); it is the
-    /// job's state.
+    /// A job's VRAM is GPUs x this x U(0, 1) (NotebookOS's generator): what its
+    /// cell leaves to save. Its session is new, so the cell restores nothing.
     pub vram_per_gpu_bytes: f64,
     /// Jobs longer than this are cut (the trace's p99 is 17 hours).
     pub max_run_s: f64,
@@ -299,7 +299,8 @@ impl Trace {
             } else {
                 8
             };
-            let state_bytes = (gpus as f64 * self.vram_per_gpu_bytes * d.unit()) as u64;
+            // a job's session is new: its one cell restores nothing and leaves its VRAM
+            let vram_bytes = (gpus as f64 * self.vram_per_gpu_bytes * d.unit()) as u64;
             let edit_s = d.lognormal(self.edit_s);
             let run_s = (minutes * 60.0).min(self.max_run_s);
             let index = sessions.len();
@@ -315,10 +316,10 @@ impl Trace {
                     gpu: true,
                     gpus,
                     run_s,
-                    closure_bytes: state_bytes,
+                    closure_bytes: 0,
                     closure: vec![],
-                    state_bytes,
-                    saved_bytes: state_bytes,
+                    state_bytes: 0,
+                    saved_bytes: vram_bytes,
                     import_tail: false,
                     prepare_s: None,
                     save_s: None,
