@@ -227,11 +227,6 @@ impl<'w> Sim<'w> {
             .max_by_key(|(i, h)| (h.slots.free_count(), std::cmp::Reverse(*i)))
             .map(|(i, _)| i)
     }
-
-    /// Count something for the report.
-    pub fn keep_cells(&self) -> bool {
-        self.metrics.keep_cells
-    }
 }
 
 /// What one policy did with one workload.
