@@ -159,11 +159,14 @@ def main() -> None:
         "budget": {
             "what": (
                 "idle GPU-slot seconds of speculative workers per session against the per-session idle "
-                "budget. Workers prepared on the CPU (closures without GPU-resident state, every one on "
+                "budget (seconds an hour, ADR 50). Workers prepared on the CPU (closures without GPU-resident "
+                "state, every one on "
                 "this machine) hold no slot; to show the bound, one notebook also runs with every "
                 "prepared worker holding its slot, with the default budget and with a tight one"
             ),
-            "default_idle_seconds_per_session": 120.0,
+            # the planner's default (looseleaf_planner::DEFAULT_BUDGET)
+            "default_idle_seconds_per_session_per_hour": 300.0,
+            "default_prepared_per_host": 4,
             "slotless_max_session_idle_slot_seconds": max(n["idle_slot_seconds"] for n in spec["per_notebook"]),
             "holds_slot_notebook": TIGHT_BUDGET_NOTEBOOK,
             "holds_slot_default_budget_idle_slot_seconds": holds["idle_slot_seconds"],
