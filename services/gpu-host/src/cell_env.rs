@@ -26,6 +26,7 @@ const NAMES: &[&str] = &[
     "REQUESTS_CA_BUNDLE",
     "CURL_CA_BUNDLE",
     "MPLCONFIGDIR",
+    "PYTHONHASHSEED",
     // the worker runtime's own hooks (not secrets)
     "LOOSELEAF_PROTOCOL_FILE",
     "LOOSELEAF_CUDA_PROBE",

@@ -137,6 +137,11 @@ impl Zygote {
             .env("PYTHONPATH", pythonpath)
             // a zygote never touches a GPU; workers get their device at fork
             .env("CUDA_VISIBLE_DEVICES", "")
+            // One string hash in every worker of every host: a set of strings is
+            // restored in the order it iterated, which only holds where strings
+            // hash alike (hash flooding is no threat a notebook's own cells pose).
+            // An operator's value, passed through the allow-list, wins.
+            .env("PYTHONHASHSEED", spec.env.get("PYTHONHASHSEED").map_or("0", String::as_str))
             .stdin(Stdio::null())
             // a group of its own: a Ctrl-C (or Jupyter's SIGINT to a kernel's group)
             // meant for the process that embeds the host never reaches the zygote;

@@ -30,7 +30,7 @@ from typing import Any
 import cloudpickle
 import xxhash
 
-from . import comms
+from . import comms, quiet
 from .protocol import CHUNK_SIZE
 
 OOB_MIN_BYTES = 64 * 1024
@@ -68,10 +68,7 @@ def function_global_reads(value: Any, ns: dict) -> list[str]:
     seen: set[int] = set()
 
     def code_names(code) -> None:
-        names.update(code.co_names)
-        for const in code.co_consts:
-            if isinstance(const, types.CodeType):
-                code_names(const)
+        names.update(_code_names(code))
 
     def visit(obj, depth: int) -> None:
         if depth > 4 or id(obj) in seen:
@@ -94,6 +91,16 @@ def function_global_reads(value: Any, ns: dict) -> list[str]:
 
     visit(value, 0)
     return sorted(n for n in names if n in ns and not n.startswith("__"))
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    """Every name a code object (and the functions, lambdas and comprehensions it
+    defines) may look up as a global or attribute."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
 
 
 # ------------------------------------------------------------------ chunking
@@ -147,6 +154,217 @@ def _is_atomic(obj: Any) -> bool:
     if torch is not None and isinstance(obj, (torch.dtype, torch.device)):
         return True
     return False
+
+
+def _carries_identity(obj: Any) -> bool:
+    """An immutable object whose identity a notebook can observe (``x is EMPTY``
+    for a sentinel tuple that a grid also holds): the atoms that are not
+    interpreter-wide singletons. Such an object keeps one identity across records
+    when it is a variable's value or was restored as a record of its own."""
+    t = type(obj)
+    # (), '' and single characters are cached by the interpreter; numbers are left
+    # out as pickle itself never keeps their identity, even inside one record
+    return (t is tuple or t is frozenset or t is str or t is bytes) and len(obj) > 1
+
+
+# How many rebuilds a set's restore tries to give it the iteration order it had,
+# where its slots were not recorded.
+_SET_ORDER_TRIES = 32
+# Sets up to this size record where each element sits in their hash table.
+SET_SLOTS_MAX = 100_000
+_EMPTY_SET_BYTES = sys.getsizeof(set())
+# CPython's PySetObject (3.9-3.13): head, fill, used, mask, then the table pointer.
+_SET_USED, _SET_MASK, _SET_TABLE = 24, 32, 40
+_SET_LAYOUT_KNOWN = sys.implementation.name == "cpython" and (3, 9) <= sys.version_info[:2] <= (3, 13)
+
+
+def _table_slots(table_bytes: int) -> int:
+    """A set's hash table size, from its ``sys.getsizeof`` (8 slots live inside
+    the object; a larger table is 16 bytes a slot beside it)."""
+    return max(8, (table_bytes - _EMPTY_SET_BYTES) // 16)
+
+
+def _set_slots(s, items: list) -> tuple[list[int], list[int]] | None:
+    """Where each of ``items`` (``s`` in iteration order) sits in ``s``'s hash
+    table, and which slots hold a deleted entry's marker; None if unknown. Read
+    from the table itself: iteration order alone does not say which of two
+    colliding elements was added first."""
+    if not _SET_LAYOUT_KNOWN or len(items) > SET_SLOTS_MAX:
+        return None
+    import ctypes
+
+    addr = id(s)
+    used = ctypes.c_ssize_t.from_address(addr + _SET_USED).value
+    mask = ctypes.c_ssize_t.from_address(addr + _SET_MASK).value
+    if used != len(items) or mask + 1 != _table_slots(sys.getsizeof(s)):
+        return None
+    table = ctypes.c_void_p.from_address(addr + _SET_TABLE).value
+    where = {id(x): k for k, x in enumerate(items)}
+    slots: list[int] = [-1] * len(items)
+    deleted: list[int] = []
+    for i in range(mask + 1):
+        key = ctypes.c_void_p.from_address(table + 16 * i).value
+        if key is None:
+            continue
+        k = where.get(key)
+        if k is None:
+            deleted.append(i)  # CPython's dummy: an element was removed here
+        else:
+            slots[k] = i
+    if -1 in slots or slots != sorted(slots):
+        return None
+    return slots, deleted
+
+
+def _probe(h: int, mask: int):
+    """CPython's probe sequence for hash ``h`` (setobject.c: up to 9 linear
+    probes, then a jump perturbed by the hash's higher bits)."""
+    perturb = h & 0xFFFFFFFFFFFFFFFF
+    i = perturb & mask
+    while True:
+        yield from range(i, i + 10) if i + 9 <= mask else (i,)
+        perturb >>= 5
+        i = (i * 5 + 1 + perturb) & mask
+
+
+class _Marker:
+    """Holds a slot while the elements that probed past it are added, then is
+    removed, leaving the deleted-entry marker the saved set had there."""
+
+    __slots__ = ("slot",)
+
+    def __init__(self, slot: int):
+        self.slot = slot
+
+    def __hash__(self):
+        return self.slot
+
+
+def _insertion_order(items: list, slots: list[int], deleted: list[int], table: int) -> list | None:
+    """An order of adds (markers included) that puts every element in the slot it
+    had: each after whatever sat on its probe path before its slot."""
+    mask = table - 1
+    at = {slot: k for k, slot in enumerate(slots)}
+    gone = set(deleted)
+    before: list[list] = []
+    for k, x in enumerate(items):
+        deps = []
+        for step, slot in enumerate(_probe(hash(x), mask)):
+            if slot == slots[k]:
+                break
+            if slot in at:
+                deps.append(at[slot])
+            elif slot in gone:
+                deps.append(("marker", slot))
+            else:
+                return None  # a free slot on its path: hashes changed since the save
+            if step > 16 * table:
+                return None
+        before.append(deps)
+    order: list = []
+    state: dict = {}  # 1 while visiting, 2 when placed
+    markers: dict[int, _Marker] = {}
+    for start in range(len(items)):
+        stack = [(start, iter(before[start]))]
+        if state.get(start):
+            continue
+        state[start] = 1
+        while stack:
+            k, deps = stack[-1]
+            dep = next(deps, None)
+            if dep is None:
+                stack.pop()
+                state[k] = 2
+                order.append(items[k])
+                continue
+            if isinstance(dep, tuple):
+                if dep[1] not in markers:
+                    markers[dep[1]] = _Marker(dep[1])
+                    order.append(markers[dep[1]])
+                continue
+            if state.get(dep) == 1:
+                return None  # a cycle: no order of adds makes this layout
+            if not state.get(dep):
+                state[dep] = 1
+                stack.append((dep, iter(before[dep])))
+    return order
+
+
+def _fill_exactly(s: set, items: list, table_bytes: int, layout) -> bool:
+    """Fill ``s`` so that every element sits where it sat; False if not done."""
+    table = _table_slots(table_bytes)
+    order = _insertion_order(items, *layout, table) if layout is not None else None
+    if order is None:
+        return False
+    s.clear()
+    if table > 8:
+        # a dict update sizes the table up front for its keys (the next power of
+        # two above twice their count): the first keys make it this size, and
+        # padding at the end (removed again) does where there are too few
+        head = order[: (table - 1) // 2]
+        pad = [_Marker(-1) for _ in range(max(0, table // 4 - len(head)))]
+        s.update(dict.fromkeys(head + pad))
+        s.difference_update(pad)
+        order = order[len(head) :]
+    for x in order:
+        s.add(x)
+    s.difference_update([x for x in s if type(x) is _Marker])
+    return list(s) == items and _table_slots(sys.getsizeof(s)) == table
+
+
+def _fill_in_order(s: set, order: list, table_bytes: int, presized: bool) -> set:
+    """Fill ``s`` with ``order``, either growing as it goes (as by adds), or in a
+    table sized up front to the one it had (as a merge makes)."""
+    s.clear()
+    want = _table_slots(table_bytes)
+    if not presized or want <= 8:
+        s.update(order)
+        return s
+    keys = dict.fromkeys(order)
+    extra = [object() for _ in range(max(0, (want - 1) // 2 - len(order)))]
+    keys.update(dict.fromkeys(extra))
+    s.update(keys)
+    s.difference_update(extra)
+    return s
+
+
+def _frozenset_sized(order: list, table_bytes: int, presized: bool) -> frozenset:
+    """A frozenset of ``order``: grown as it is filled (made from a list), or in a
+    table sized up front (made from a set or a dict)."""
+    return frozenset(dict.fromkeys(order) if presized else order)
+
+
+def _in_saved_order(build, target: list):
+    """``build(order, presized)`` until what it builds iterates as ``target``,
+    where the set's slots were not recorded: try the saved order, then move the
+    first element out of place to the end (it was added after the one now in its
+    slot), a bounded number of times; else the saved order it is (as plain
+    pickle restores a set)."""
+    order = list(target)
+    for _ in range(min(_SET_ORDER_TRIES, len(target))):
+        for presized in (False, True):
+            made = build(order, presized)
+            got = list(made)
+            if got == target:
+                return made
+        i = next(k for k, (a, b) in enumerate(zip(got, target, strict=True)) if a is not b)
+        order.remove(target[i])
+        order.append(target[i])
+    return build(target, False)
+
+
+def _restore_set(s: set, items: list, table_bytes: int, layout) -> None:
+    if not _fill_exactly(s, items, table_bytes, layout):
+        _in_saved_order(lambda order, pre: _fill_in_order(s, order, table_bytes, pre), items)
+
+
+def _restore_frozenset(items: list, table_bytes: int, layout) -> frozenset:
+    s: set = set()
+    if _fill_exactly(s, items, table_bytes, layout):
+        made = frozenset(s)  # copies the table as it is when sizes agree
+        if list(made) == items:
+            return made
+    return _in_saved_order(lambda order, pre: _frozenset_sized(order, table_bytes, pre), items)
 
 
 class _Null(io.RawIOBase):
@@ -265,17 +483,27 @@ class RecordPickler(cloudpickle.Pickler):
         self.on_gpu = False
         self.devices: dict[int, str] = {}  # id(numpy view of a tensor) -> device
         self.seen: list[Any] | None = None  # pre-pass: every non-atomic object
+        # ids of immutable objects that keep their identity (see _carries_identity)
+        self.identity: set[int] = set()
+        # global names that functions pickled by value here read when called
+        self.reads: set[str] = set()
+        # why restoring this record once, here, to check it, would not be harmless
+        self.no_trial: str | None = None
+        # sets pickled as ("set", token) and filled after the main object, in order
+        self.set_tokens: dict[int, int] = {}
+        self.set_alive: list[Any] = []
+        self.pending_sets: list[tuple[int, set]] = []
 
     def persistent_id(self, obj):
         if obj is self.ns:
             return ("ns", "")
         oid = id(obj)
         if oid in self.own:
-            return None
-        if _is_atomic(obj):
-            # identity of atoms does not matter: never a reference, even when the
-            # same object (say '' or None) is also some variable's value
-            return None
+            return self._set_id(obj)
+        if _is_atomic(obj) and oid not in self.identity:
+            # the identity of most atoms cannot be observed: never a reference, even
+            # when the same object (say '' or None) is also some variable's value
+            return self._set_id(obj)
         if self.seen is not None:
             self.seen.append(obj)  # pre-pass: count units reached through stops too
         ref = self.refs.get(oid)
@@ -283,13 +511,49 @@ class RecordPickler(cloudpickle.Pickler):
             if ref[1] not in self.used:
                 self.used.append(ref[1])
             return ref
-        return None
+        return self._set_id(obj)
+
+    def _set_id(self, obj):
+        """A set or frozenset is saved with its iteration order, which plain pickle
+        loses when hashes collide (see _in_saved_order). A set is made empty where
+        it is met and filled after the record's main object (so reference cycles
+        through it restore, as pickle's own EMPTY_SET does); a frozenset is made
+        whole. One token per object keeps its identity inside the record."""
+        t = type(obj)
+        if self.seen is not None or (t is not set and t is not frozenset) or len(obj) < 2:
+            return None
+        token = self.set_tokens.get(id(obj))
+        if token is not None:
+            return ("setref", token)
+        token = len(self.set_tokens)
+        self.set_tokens[id(obj)] = token
+        self.set_alive.append(obj)  # ids stay unique while the record is pickled
+        if t is set:
+            self.pending_sets.append((token, obj))
+            return ("set", token)
+        items = list(obj)
+        return ("frozenset", token, items, sys.getsizeof(obj), _set_slots(obj, items))
+
+    def dump_record(self, obj) -> None:
+        """The record: its main object, then the content of each set met, in the
+        order it iterates (their elements may meet more sets)."""
+        self.dump(obj)
+        while self.pending_sets:
+            token, st = self.pending_sets.pop(0)
+            items = list(st)
+            self.dump(("fill", token, items, sys.getsizeof(st), _set_slots(st, items)))
 
     def reducer_override(self, obj):
         t = type(obj)
+        if self.no_trial is None and getattr(t, "__del__", None) is not None and t.__module__ != "builtins":
+            self.no_trial = f"{t.__qualname__} has a finalizer"
         mod = getattr(t, "__module__", None) or ""
         if mod and mod not in ("builtins", "__main__") and not mod.startswith(_RUNTIME):
             self.modules.add(mod)  # dotted: importing the package alone may not load it
+        if isinstance(obj, type) and not cloudpickle.cloudpickle._should_pickle_by_reference(obj):
+            # unpickled in this process, cloudpickle finds the live class and sets its
+            # attributes to the copies: never restore such a record here to check it
+            self.no_trial = "it holds a class pickled by value"
         if isinstance(obj, (type, types.FunctionType, types.BuiltinFunctionType)):
             # classes and functions pickled by reference load by importing their module
             own = getattr(obj, "__module__", None)
@@ -309,6 +573,7 @@ class RecordPickler(cloudpickle.Pickler):
         if t is types.CodeType:
             return _reduce_code(obj)
         if comms.is_widget(obj):
+            self.no_trial = "it holds a widget"  # a rebuilt widget talks to the client
             return comms.reduce_widget(obj)  # its state, on its model id (ADR 33)
         return super().reducer_override(obj)
 
@@ -316,6 +581,7 @@ class RecordPickler(cloudpickle.Pickler):
         if self.seen is not None:
             return (int, ())  # pre-pass: identity only; never copy GPU data for it
         device = str(t.device)
+        self.no_trial = "it holds a tensor"
         if t.device.type != "cpu":
             self.on_gpu = True
         d = t.detach()
@@ -334,6 +600,9 @@ class RecordPickler(cloudpickle.Pickler):
         red = super()._dynamic_function_reduce(func)
         if func.__globals__ is not self.ns:
             return red
+        # what it reads of the namespace when called, however it was reached (a
+        # function in a dispatch dict reads globals no cell names beside it)
+        self.reads.update(_code_names(func.__code__))
         fn, newargs, (state, slotstate), a, b, setter = red
         code, _, name, defaults, closure = newargs
         slotstate = dict(slotstate, __globals__={})
@@ -350,9 +619,11 @@ class Record:
     modules: set[str] = field(default_factory=set)
     on_gpu: bool = False
     error: str | None = None
+    reads: set[str] = field(default_factory=set)
+    no_trial: str | None = None
 
 
-def _pickle_record(objs: list[Any], oids: list[str], ns: dict, refs: dict) -> Record:
+def _pickle_record(objs: list[Any], oids: list[str], ns: dict, refs: dict, identity: set[int]) -> Record:
     rec = Record(oids=oids)
     own = {id(o) for o in objs}
     buf = io.BytesIO()
@@ -371,8 +642,9 @@ def _pickle_record(objs: list[Any], oids: list[str], ns: dict, refs: dict) -> Re
         return False
 
     p = RecordPickler(buf, ns, own, refs, on_buffer)
+    p.identity = identity
     try:
-        p.dump(objs[0] if len(objs) == 1 else _Group(oids, objs))
+        p.dump_record(objs[0] if len(objs) == 1 else _Group(oids, objs))
     except BaseException as e:  # noqa: BLE001 - any failure means unsavable
         rec.error = f"{type(e).__name__}: {e}"
         return rec
@@ -380,10 +652,18 @@ def _pickle_record(objs: list[Any], oids: list[str], ns: dict, refs: dict) -> Re
     rec.refs = [o for o in p.used if o not in oids]
     rec.modules = p.modules
     rec.on_gpu = p.on_gpu
+    rec.reads = p.reads
+    rec.no_trial = p.no_trial
     return rec
 
 
-def _find_shared(roots: list[Any], ns: dict, keep: list, known: dict[int, tuple[str, Any]] | None = None) -> list[Any]:
+def _find_shared(
+    roots: list[Any],
+    ns: dict,
+    keep: list,
+    known: dict[int, tuple[str, Any]] | None = None,
+    identity: set[int] | frozenset = frozenset(),
+) -> list[Any]:
     """Objects (not roots) reached from more than one unit, where units are the
     roots plus the shared objects themselves; iterate so that the insides of a
     shared object are not all split into records of their own. Objects restored
@@ -400,6 +680,7 @@ def _find_shared(roots: list[Any], ns: dict, keep: list, known: dict[int, tuple[
         for u in units:
             p = RecordPickler(_Null(), ns, {id(u)}, unit_refs, lambda b: False)
             p.seen = []
+            p.identity = identity
             try:
                 p.dump(u)
             except BaseException:  # noqa: BLE001 - unsavable; handled in the real pass
@@ -510,6 +791,51 @@ def _sccs(nodes: list[str], edges: dict[str, list[str]]) -> list[list[str]]:
     return out
 
 
+def _reads_through(rec: Record, records: dict[str, Record], memo: dict[int, set[str]]) -> set[str]:
+    """The globals that functions in ``rec`` or in any record it reaches read when
+    called: a variable's value may reach a function only through data (a dispatch
+    dict), and the planner restores what such a function reads with it. Records
+    form a DAG (cycles were merged into groups)."""
+    hit = memo.get(id(rec))
+    if hit is not None:
+        return hit
+    memo[id(rec)] = set()  # a guard; a DAG never meets it
+    out = set(rec.reads)
+    for k in rec.refs:
+        out |= _reads_through(records[k], records, memo)
+    memo[id(rec)] = out
+    return out
+
+
+# Records at most this large are restored once where they were saved, to find an
+# object whose saved form would not restore (cheap: each distinct record once).
+TRIAL_MAX_BYTES = 256 * 1024
+_restores_checked: set[str] = set()
+
+
+def _trial_restore(rec: Record, by_oid: dict[str, Any], ns: dict) -> str | None:
+    """Why ``rec`` would not restore, found by restoring it here, or None. Skipped
+    where that is not harmless (see RecordPickler.no_trial) or not cheap."""
+    if rec.error or rec.no_trial or rec.buffers or len(rec.data) > TRIAL_MAX_BYTES:
+        return None
+    digest = xxhash.xxh3_128_hexdigest(rec.data)
+    if digest in _restores_checked:
+        return None
+
+    def resolve(pid):
+        return ns if pid[0] == "ns" else by_oid[pid[1]]
+
+    try:
+        with quiet.own_warnings(show=False):
+            _load_record(memoryview(rec.data), [], resolve)
+    except BaseException as e:  # noqa: BLE001 - whatever would fail the restore
+        return f"it was saved, but its saved form does not restore ({type(e).__name__}: {e})"
+    if len(_restores_checked) > 100_000:
+        _restores_checked.clear()
+    _restores_checked.add(digest)
+    return None
+
+
 @dataclass
 class SaveResult:
     delta: dict
@@ -538,21 +864,31 @@ def build_delta(
             return hit[0]
         return uuid.uuid4().hex
 
-    shared = _find_shared(list(roots.values()), ns, keep, oid_of)
+    # immutable values that keep one identity wherever they are held (a sentinel
+    # tuple in a grid and in its global): variables' values and records restored
+    identity = {i for i, v in roots.items() if _carries_identity(v)}
+    identity |= {i for i, (_, o) in oid_of.items() if _carries_identity(o)}
+    shared = _find_shared(list(roots.values()), ns, keep, oid_of, identity)
     units = {id(o): o for o in list(roots.values()) + shared}
     oids = {i: oid_for(o) for i, o in units.items()}
     refs = {i: (("root" if i in roots else "obj"), oids[i]) for i in units}
     by_oid = {oids[i]: o for i, o in units.items()}
 
-    records = {oids[i]: _pickle_record([o], [oids[i]], ns, refs) for i, o in units.items()}
+    records = {oids[i]: _pickle_record([o], [oids[i]], ns, refs, identity) for i, o in units.items()}
     # merge reference cycles across records into group records
     edges = {k: r.refs for k, r in records.items()}
     for comp in _sccs(list(records), edges):
         if len(comp) > 1:
             comp.sort()
-            g = _pickle_record([by_oid[k] for k in comp], comp, ns, refs)
+            g = _pickle_record([by_oid[k] for k in comp], comp, ns, refs, identity)
             for k in comp:
                 records[k] = g
+    # a record that pickles but would not unpickle is unsavable now, not a failed
+    # restore in every later cell that reads it
+    for r in {id(r): r for r in records.values()}.values():
+        why = _trial_restore(r, by_oid, ns)
+        if why is not None:
+            r.error = why
     # an object whose graph reaches an unsavable record is unsavable too
     changed = True
     while changed:
@@ -566,6 +902,7 @@ def build_delta(
 
     unsavable: dict[str, str] = {}
     objects: dict[str, dict] = {}
+    read_memo: dict[int, set[str]] = {}
     for name in names:
         v = ns[name]
         if isinstance(v, types.ModuleType):
@@ -575,7 +912,12 @@ def build_delta(
         if rec.error:
             unsavable[name] = rec.error
             continue
-        variables[name] = {"oid": oid, "module": None, "global_reads": function_global_reads(v, ns)}
+        reads = set(function_global_reads(v, ns)) | _reads_through(rec, records, read_memo)
+        variables[name] = {
+            "oid": oid,
+            "module": None,
+            "global_reads": sorted(n for n in reads if n in ns and not n.startswith("__")),
+        }
     _keep_sharers(ns, names, unsavable, variables)
     live = [k for k, r in records.items() if r.error is None]
     blobs: dict[int, tuple] = {}  # a group record is cut and hashed once, not per member
@@ -618,6 +960,35 @@ class RestoreError(Exception):
     """A restore that cannot complete (missing record, bad pickle)."""
 
 
+def _load_record(data, buffers: list, resolve) -> Any:
+    """Unpickle one record: its main object, then the content of its sets in the
+    order they iterated (see RecordPickler._set_id); ``resolve`` answers the
+    other persistent ids."""
+    sets: dict[int, Any] = {}
+
+    def pload(pid):
+        kind = pid[0]
+        if kind == "set":
+            sets[pid[1]] = made = set()
+            return made
+        if kind == "setref":
+            return sets[pid[1]]
+        if kind == "frozenset":
+            sets[pid[1]] = made = _restore_frozenset(pid[2], pid[3], pid[4])
+            return made
+        return resolve(pid)
+
+    stream = io.BytesIO(data)
+    up = pickle.Unpickler(stream, buffers=buffers)
+    up.persistent_load = pload
+    obj = up.load()
+    end = len(stream.getbuffer())
+    while stream.tell() < end:
+        _, token, items, table_bytes, layout = up.load()
+        _restore_set(sets[token], items, table_bytes, layout)
+    return obj
+
+
 class _Loader:
     def __init__(self, mm, objects: dict, ns: dict, held: dict | None = None):
         self.mm = memoryview(mm)
@@ -647,9 +1018,7 @@ class _Loader:
             raise RestoreError(f"reference cycle through object {oid} across records")
         self.loading.add(oid)
         bufs = [self.region(r) for r in spec["payloads"]]
-        up = pickle.Unpickler(io.BytesIO(self.region(spec["record"])), buffers=bufs)
-        up.persistent_load = self._pload
-        obj = up.load()
+        obj = _load_record(self.region(spec["record"]), bufs, self._pload)
         self.loading.discard(oid)
         if isinstance(obj, _Group):
             for k, o in zip(obj.oids, obj.objs, strict=True):
