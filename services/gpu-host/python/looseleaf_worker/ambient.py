@@ -23,9 +23,10 @@ import warnings
 from typing import Any
 
 import cloudpickle
+from IPython import get_ipython
 from IPython.core.alias import Alias
 
-from . import quiet
+from . import checkpoint, quiet
 from .localmods import LocalModules, Source
 
 
@@ -40,6 +41,19 @@ class Baseline:
             self.np_print = sys.modules["numpy"].get_printoptions()
         mm = shell.magics_manager.magics
         self.magics = {kind: dict(mm[kind]) for kind in ("line", "cell")}
+        shell._ll_base = self
+        _watch_cells(shell)
+        self.settings = _settings(shell)
+        self.events = {k: list(v) for k, v in shell.events.callbacks.items()}
+        self.formatters = {
+            mime: (dict(f.type_printers), dict(f.deferred_printers))
+            for mime, f in shell.display_formatter.formatters.items()
+        }
+        self.printers = {
+            (mime, _printer_key(k), id(p))
+            for mime, (types_, deferred) in self.formatters.items()
+            for k, p in [*types_.items(), *deferred.items()]
+        }
 
 
 def _mpl_state() -> dict | None:
@@ -76,21 +90,44 @@ def _pandas_options() -> dict | None:
     return out
 
 
-def _dumps_with_ns(obj, ns: dict) -> bytes | None:
-    """Pickle a notebook function or class by value, its globals being the live
-    namespace (as checkpoint records do); None if it cannot be pickled."""
+def _pickled(obj, ns: dict) -> tuple[bytes | None, str | None]:
+    """Pickle a notebook function, class or object by value, the globals of its
+    functions being the live namespace (as checkpoint records do); (blob, None)
+    or (None, why not)."""
 
     class P(cloudpickle.Pickler):
         def persistent_id(self, o):
             return "ns" if o is ns else None
 
+        def reducer_override(self, obj):
+            if type(obj) is types.CodeType:
+                return checkpoint._reduce_code(obj)  # tracebacks name the cell's file
+            return super().reducer_override(obj)
+
+        def _dynamic_function_reduce(self, func):
+            # as checkpoint records: the function's globals are the live
+            # namespace, not a copy of the names it reads
+            red = super()._dynamic_function_reduce(func)
+            if func.__globals__ is not ns:
+                return red
+            fn, newargs, (state, slotstate), a, b, setter = red
+            code, _, name, defaults, closure = newargs
+            slotstate = dict(slotstate, __globals__={})
+            return (fn, (code, ns, name, defaults, closure), (state, slotstate), a, b, setter)
+
     buf = io.BytesIO()
     try:
         P(buf, protocol=5).dump(obj)
     except Exception as e:  # noqa: BLE001
-        quiet.log(f"looseleaf worker: cannot keep {obj!r} for later workers: {type(e).__name__}: {e}")
-        return None
-    return buf.getvalue()
+        return None, f"{type(e).__name__}: {e}"
+    return buf.getvalue(), None
+
+
+def _dumps_with_ns(obj, ns: dict) -> bytes | None:
+    blob, why = _pickled(obj, ns)
+    if blob is None:
+        quiet.log(f"looseleaf worker: cannot keep {obj!r} for later workers: {why}")
+    return blob
 
 
 def _loads_with_ns(blob: bytes, ns: dict):
@@ -154,6 +191,507 @@ def _register_magics(shell, records: list[tuple]) -> None:
                 shell.register_magics(_loads_with_ns(rec[1], ns))
         except Exception as e:  # noqa: BLE001 - one magic lost, not the restore
             quiet.log(f"looseleaf worker: could not register magic {rec[:3]}: {type(e).__name__}: {e}")
+
+
+# ------------------------------------------- what cells register with the interpreter
+#
+# Import finders, path hooks, input and AST transformers, event callbacks and
+# display printers that notebook code made travel by value, like the magics
+# above; a later worker puts them back where the cell put them. A printer a
+# library registered (sympy's init_printing) travels too, unpickled when first
+# used (its library is imported then). What cannot be pickled is named once, in
+# the output of the cell that made it.
+
+# Objects carried, by their pickle: a worker that applies the state it saved
+# itself (a kept worker) keeps its very objects, and loads each blob once.
+_live: dict[bytes, Any] = {}
+# Loaded from a blob: id -> (object, the namespace name it was bound to then).
+_loaded_as: dict[int, tuple[Any, str]] = {}
+# Objects checked at a cell's end, and those named as uncarriable there or in
+# the log (kept, so that ids stay unique).
+_checked: dict[int, Any] = {}
+_named: dict[int, Any] = {}
+# Names that carried notebook code reads, brought in before each cell runs.
+_reads_needed: list[str] = []
+# Kept out of what is carried: runtime code, the inline backend's figure printers
+# (see _inline_figures) and what loaded extensions register (they come back with
+# the extension).
+_RUNTIME = ("looseleaf_worker.", "matplotlib_inline.")
+_FIGURE = ("matplotlib.figure", "Figure")
+
+
+def _made_here(obj, ns: dict) -> bool:
+    """Made by notebook code: a function whose globals are the namespace, a
+    notebook class, an instance or a bound method of one, a partial of these."""
+    obj = getattr(obj, "func", obj)  # functools.partial
+    if isinstance(obj, types.MethodType):
+        return _made_here(obj.__func__, ns) or _made_here(obj.__self__, ns)
+    if isinstance(obj, types.FunctionType):
+        return obj.__globals__ is ns
+    cls = obj if isinstance(obj, type) else type(obj)
+    return getattr(cls, "__module__", None) == "__main__"
+
+
+def _module_of(fn) -> str:
+    fn = getattr(fn, "func", fn)
+    return getattr(fn, "__module__", None) or type(fn).__module__ or ""
+
+
+def _theirs(fn, shell) -> bool:
+    """Registered by the runtime or by a loaded extension (never carried)."""
+    if isinstance(fn, _LazyPrinter):
+        return False
+    mod = _module_of(fn)
+    if mod.startswith(_RUNTIME):
+        return True
+    return any(mod == e or mod.startswith(e + ".") for e in shell.extension_manager.loaded)
+
+
+def _label(obj) -> str:
+    name = getattr(getattr(obj, "func", obj), "__qualname__", None)
+    return name if isinstance(name, str) else f"{type(obj).__qualname__} object"
+
+
+def _global_reads(obj, ns: dict) -> list[str]:
+    """Names of the namespace the notebook code of ``obj`` reads: a function's,
+    or every method of its notebook class (and of a bound method's object)."""
+    parts = [obj]
+    owners = [obj, getattr(obj, "__self__", None)]
+    for owner in owners:
+        if owner is None:
+            continue
+        cls = owner if isinstance(owner, type) else type(owner)
+        for c in cls.__mro__:
+            if c.__module__ == "__main__":
+                for v in vars(c).values():
+                    parts.append(getattr(v, "__func__", getattr(v, "fget", v)))
+    names: set[str] = set()
+    for p in parts:
+        names.update(checkpoint.function_global_reads(p, ns))
+    return sorted(names)
+
+
+def _var_of(obj, ns: dict) -> str | None:
+    """A namespace name bound to ``obj``: a later worker that restored the name
+    uses that object itself (``unregister(after)`` finds it)."""
+    hit = _loaded_as.get(id(obj))
+    if hit is not None and hit[0] is obj and (hit[1] not in ns or ns[hit[1]] is obj):
+        return hit[1]
+    return next((k for k, v in ns.items() if v is obj and not k.startswith("_")), None)
+
+
+def _carry(obj, ns: dict) -> tuple[dict | None, str | None]:
+    """A record a later worker can rebuild ``obj`` from, or (None, why not)."""
+    blob, why = _pickled(obj, ns)
+    if blob is None:
+        return None, why
+    _live[blob] = obj
+    reads = _global_reads(obj, ns) if _made_here(obj, ns) else []
+    modules = {n: ns[n].__name__ for n in reads if isinstance(ns.get(n), types.ModuleType)}
+    return {"var": _var_of(obj, ns), "blob": blob, "reads": reads, "modules": modules}, None
+
+
+def _uncarry(rec: dict, ns: dict):
+    var = rec["var"]
+    if var is not None and var in ns:
+        return ns[var]
+    obj = _live.get(rec["blob"])
+    if obj is None:
+        obj = _live[rec["blob"]] = _loads_with_ns(rec["blob"], ns)
+    if var is not None:
+        _loaded_as[id(obj)] = (obj, var)
+    return obj
+
+
+class _LazyPrinter:
+    """A library's display printer from an earlier worker, unpickled when first
+    called: its library (sympy: ~0.5 s) is imported then, not at every restore."""
+
+    def __init__(self, rec: dict, ns: dict):
+        self.rec, self._ns, self._fn = rec, ns, None
+
+    def __call__(self, *args, **kwargs):
+        if self._fn is None:
+            self._fn = _loads_with_ns(self.rec["blob"], self._ns)
+        return self._fn(*args, **kwargs)
+
+
+def _log_once(obj, msg: str) -> None:
+    if id(obj) not in _named:
+        _named[id(obj)] = obj
+        quiet.log(f"looseleaf worker: {msg}")
+
+
+def _hook_lists(shell) -> dict[str, list]:
+    return {
+        "meta_path": sys.meta_path,
+        "path_hooks": sys.path_hooks,
+        "ast_transformers": shell.ast_transformers,
+        "input_transformers_cleanup": shell.input_transformers_cleanup,
+        "input_transformers_post": shell.input_transformers_post,
+    }
+
+
+_IMPORT_HOOKS = ("meta_path", "path_hooks")
+
+
+def _printer_key(key) -> tuple[str, str]:
+    """A formatter's key as (module, name): a class or a deferred (module, name)."""
+    if isinstance(key, type):
+        return (key.__module__, key.__name__)
+    return tuple(key)
+
+
+def _notebook_hooks(shell, base: Baseline):
+    """(what, where, object) for each thing a cell registered: hook list entries
+    made by notebook code, non-baseline callbacks and printers."""
+    ns = shell.user_ns
+    for name, items in _hook_lists(shell).items():
+        for h in items:
+            if _made_here(h, ns):
+                yield f"{name} entry", name, h
+    for event, fns in shell.events.callbacks.items():
+        for fn in fns:
+            if not any(fn is b for b in base.events.get(event, ())):
+                yield f"{event} callback", event, fn
+    for mime, f in shell.display_formatter.formatters.items():
+        for k, p in [*f.type_printers.items(), *f.deferred_printers.items()]:
+            key = _printer_key(k)
+            if (mime, key, id(p)) not in base.printers and key != _FIGURE:
+                yield f"{mime} printer for {key[1]}", (mime, k), p
+
+
+def _capture_hooks(shell, base: Baseline) -> dict:
+    ns = shell.user_ns
+    _live.clear()
+    out: dict[str, Any] = {"lists": {}, "callbacks": [], "printers": [], "modules": []}
+    lists = _hook_lists(shell)
+    for name, items in lists.items():
+        first_theirs = next((i for i, h in enumerate(items) if not _made_here(h, ns)), len(items))
+        recs = []
+        for i, h in enumerate(items):
+            if _made_here(h, ns):
+                rec, why = _carry(h, ns)
+                if rec is None:
+                    _log_once(h, f"cannot keep the {name} entry {_label(h)} for later workers: {why}")
+                else:
+                    recs.append(dict(rec, front=i < first_theirs))
+        if recs:
+            out["lists"][name] = recs
+    printers: dict[int, tuple] = {}  # one printer serves many types (sympy's): pickled once
+    for what, where, fn in _notebook_hooks(shell, base):
+        if where in lists:
+            continue
+        if isinstance(where, str):  # an event callback
+            if not _made_here(fn, ns):
+                if not _theirs(fn, shell):
+                    _log_once(fn, f"the {what} {_label(fn)} is a library's: later workers lack it")
+                continue
+            rec, why = _carry(fn, ns)
+            if rec is None:
+                _log_once(fn, f"cannot keep the {what} {_label(fn)} for later workers: {why}")
+            else:
+                out["callbacks"].append((where, rec))
+            continue
+        mime, k = where
+        if _theirs(fn, shell):
+            continue
+        if isinstance(fn, _LazyPrinter):
+            rec, why = fn.rec, None
+            _live[rec["blob"]] = fn
+        else:
+            if id(fn) not in printers:
+                printers[id(fn)] = _carry(fn, ns)
+            rec, why = printers[id(fn)]
+        if rec is None:
+            _log_once(fn, f"cannot keep the {what} {_label(fn)} for later workers: {why}")
+            continue
+        mod, name = _printer_key(k)
+        cls_var = _var_of(k, ns) if isinstance(k, type) and mod == "__main__" else None
+        qual = k.__qualname__ if isinstance(k, type) else name
+        lazy = not _made_here(fn, ns)
+        out["printers"].append(
+            {"mime": mime, "mod": mod, "name": name, "qual": qual, "var": cls_var, "lazy": lazy, "printer": rec}
+        )
+    # modules the notebook's finders served: a kernel has them in sys.modules
+    if any(n in out["lists"] for n in _IMPORT_HOOKS):
+        out["modules"] = [
+            n
+            for n, m in list(sys.modules.items())
+            if _made_here(getattr(getattr(m, "__spec__", None), "loader", None), ns)
+        ]
+    return out
+
+
+def _note_uncarried(shell, base: Baseline) -> None:
+    """At the end of a cell: name each thing it registered that cannot be
+    pickled, once, in its output (a library's go to the log at the save)."""
+    ns = shell.user_ns
+    try:
+        for what, _, obj in _notebook_hooks(shell, base):
+            if id(obj) in _checked or not _made_here(obj, ns):
+                continue
+            _checked[id(obj)] = obj
+            blob, why = _pickled(obj, ns)
+            if blob is None:
+                _named[id(obj)] = obj
+                print(
+                    f"LooseLeaf: the {what} {_label(obj)} cannot be kept for later cells ({why}); "
+                    "cells that run in another worker will not have it",
+                    file=sys.stderr,
+                )
+    except Exception as e:  # noqa: BLE001 - the runtime's check must not fail the cell
+        quiet.log(f"looseleaf worker: could not check what the cell registered: {type(e).__name__}: {e}")
+
+
+def _bring_reads(shell) -> None:
+    """Before a cell runs: the names carried notebook code reads (a callback's
+    list, a finder's module), so it finds them as in the kernel."""
+    ns = shell.user_ns
+    for name in _reads_needed:
+        if name not in ns and shell.fault_in is not None:
+            shell.fault_in(name)
+
+
+def _watch_cells(shell) -> None:
+    if getattr(shell, "_ll_watching", False):
+        return
+    shell._ll_watching = True
+    shell.before_cell.append(lambda: _bring_reads(shell))
+    shell.after_cell.append(lambda: _note_uncarried(shell, shell._ll_base))
+
+
+def _rebuild_list(items: list, recs: list[dict], ns: dict) -> None:
+    """``items`` with the notebook's entries replaced by the session's."""
+    theirs = [h for h in items if not _made_here(h, ns)]
+    front, back = [], []
+    for rec in recs:
+        try:
+            (front if rec["front"] else back).append(_uncarry(rec, ns))
+        except Exception as e:  # noqa: BLE001 - one hook lost, not the restore
+            quiet.log(f"looseleaf worker: could not restore a hook: {type(e).__name__}: {e}")
+    items[:] = front + theirs + back
+
+
+def _apply_import_hooks(st: dict) -> None:
+    """Before the restore imports: the session's finders and path hooks, and the
+    modules their code reads."""
+    shell = get_ipython()
+    if shell is None:
+        return
+    lists = st.get("hooks", {}).get("lists", {})
+    ns = shell.user_ns
+    for name in _IMPORT_HOOKS:
+        if name not in lists and not any(_made_here(h, ns) for h in _hook_lists(shell)[name]):
+            continue
+        for rec in lists.get(name, []):
+            for var, mod in rec["modules"].items():
+                if var not in ns:
+                    with contextlib.suppress(ImportError):
+                        ns[var] = importlib.import_module(mod)
+        before = list(_hook_lists(shell)[name])
+        _rebuild_list(_hook_lists(shell)[name], lists.get(name, []), ns)
+        if name == "path_hooks" and sys.path_hooks != before:
+            sys.path_importer_cache.clear()  # path entries are found again, hooks first
+
+
+def _resolve_class(rec: dict, ns: dict) -> type | None:
+    """The class a printer was registered for, as this worker has it: the one the
+    namespace holds (a notebook class restored by value), or its module's."""
+    cls = ns.get(rec["var"]) if rec["var"] else None
+    if isinstance(cls, type) and cls.__name__ == rec["name"]:
+        return cls
+    if rec["mod"] == "__main__":
+        scope = ns
+    elif rec["mod"] in sys.modules:
+        scope = vars(sys.modules[rec["mod"]])
+    else:
+        return None  # not imported: a deferred printer, by name
+    first, *rest = rec["qual"].split(".")
+    obj = scope.get(first)
+    for part in rest:
+        obj = getattr(obj, part, None)
+    return obj if isinstance(obj, type) and obj.__name__ == rec["name"] else None
+
+
+def _apply_hooks(shell, st: dict, base: Baseline) -> None:
+    """After the variables: transformers, callbacks and printers as the session
+    has them (a kept worker's own make way for them), finders bound to the
+    namespace's objects, and the modules the session's finders had served."""
+    global _reads_needed
+    hooks = st.get("hooks", {"lists": {}, "callbacks": [], "printers": [], "modules": []})
+    ns = shell.user_ns
+    lists = _hook_lists(shell)
+    for name, items in lists.items():
+        if name in hooks["lists"] or any(_made_here(h, ns) for h in items):
+            _rebuild_list(items, hooks["lists"].get(name, []), ns)
+    cbs = shell.events.callbacks
+    for event in cbs:
+        cbs[event][:] = [fn for fn in cbs[event] if not _made_here(fn, ns)]
+    for event, rec in hooks["callbacks"]:
+        try:
+            fn = _uncarry(rec, ns)
+        except Exception as e:  # noqa: BLE001 - one callback lost, not the restore
+            quiet.log(f"looseleaf worker: could not restore a {event} callback: {type(e).__name__}: {e}")
+            continue
+        if event in cbs and fn not in cbs[event]:
+            cbs[event].append(fn)
+    _apply_printers(shell, hooks["printers"], base)
+    reads = {n for recs in hooks["lists"].values() for r in recs for n in r["reads"]}
+    reads.update(n for _, r in hooks["callbacks"] for n in r["reads"])
+    reads.update(n for p in hooks["printers"] for n in p["printer"]["reads"])
+    _reads_needed = sorted(reads)
+    for name in hooks["modules"]:
+        if name not in sys.modules:
+            try:
+                importlib.import_module(name)
+            except Exception as e:  # noqa: BLE001 - the cell's own import reports it
+                quiet.log(f"looseleaf worker: could not import {name} again: {type(e).__name__}: {e}")
+
+
+def _apply_printers(shell, records: list[dict], base: Baseline) -> None:
+    ns = shell.user_ns
+    formatters = shell.display_formatter.formatters
+    for mime, f in formatters.items():
+        base_types, base_deferred = base.formatters.get(mime, ({}, {}))
+        for table, base_table in ((f.type_printers, base_types), (f.deferred_printers, base_deferred)):
+            for k, p in list(table.items()):
+                key = _printer_key(k)
+                if (mime, key, id(p)) in base.printers or key == _FIGURE or _theirs(p, shell):
+                    continue
+                if k in base_table:
+                    table[k] = base_table[k]  # a printer the notebook replaced
+                else:
+                    del table[k]
+    for rec in records:
+        f = formatters.get(rec["mime"])
+        if f is None:
+            continue
+        try:
+            printer = _live.get(rec["printer"]["blob"])
+            if printer is None and rec["lazy"]:
+                printer = _live[rec["printer"]["blob"]] = _LazyPrinter(rec["printer"], ns)
+            elif printer is None:
+                printer = _uncarry(rec["printer"], ns)
+        except Exception as e:  # noqa: BLE001 - one printer lost, not the restore
+            quiet.log(f"looseleaf worker: could not restore a {rec['mime']} printer: {type(e).__name__}: {e}")
+            continue
+        cls = _resolve_class(rec, ns)
+        if cls is not None:
+            f.type_printers[cls] = printer
+        else:
+            f.deferred_printers[(rec["mod"], rec["name"])] = printer
+
+
+# ------------------------------------------------------------- shell settings
+
+# Shell traits that are not settings a cell changes (or are carried elsewhere).
+_NOT_SETTINGS = {"ast_transformers", "loop_runner", "inspector_class", "ipython_dir", "banner1", "banner2"}
+_PRINTER_TABLES = {"type_printers", "deferred_printers", "singleton_printers"}
+
+
+_config_names: dict[type, list[str]] = {}
+
+
+def _names(obj, skip: set[str]) -> list[str]:
+    # a class's config trait names (asking traitlets costs ~10 us per class)
+    cls = type(obj)
+    if cls not in _config_names:
+        _config_names[cls] = [n for n in obj.trait_names(config=True) if n not in skip]
+    return _config_names[cls]
+
+
+def _settings(shell) -> dict:
+    """What ``%xmode``, ``%precision``, ``%pprint``, ``%colors``, ``%autocall``,
+    ``%config`` or an assignment (``ip.ast_node_interactivity = 'all'``) change."""
+    out: dict[tuple, Any] = {("shell", n): getattr(shell, n) for n in _names(shell, _NOT_SETTINGS)}
+    df = shell.display_formatter
+    out.update({("display", n): getattr(df, n) for n in _names(df, set())})
+    for mime, f in df.formatters.items():
+        out.update({(mime, n): getattr(f, n) for n in _names(f, _PRINTER_TABLES)})
+    tb = shell.InteractiveTB
+    out[("tb", "mode")] = tb.mode
+    out[("tb", "skip_hidden")] = tb.skip_hidden
+    with contextlib.suppress(AttributeError):
+        out[("tb", "colors")] = tb.color_scheme_table.active_scheme_name
+    return out
+
+
+def _changed_settings(shell, base: Baseline) -> dict:
+    out = {}
+    for key, value in _settings(shell).items():
+        try:
+            if key not in base.settings or base.settings[key] == value:
+                continue
+            pickle.dumps(value)
+        except Exception:  # noqa: BLE001 - a value that cannot be compared or kept
+            quiet.log(f"looseleaf worker: cannot keep the setting {key} = {value!r} for later workers")
+            continue
+        out[key] = value
+    return out
+
+
+def _apply_settings(shell, st: dict, base: Baseline) -> None:
+    want = dict(base.settings)
+    want.update(st.get("settings", {}))
+    now = _settings(shell)
+    for key, value in want.items():
+        with contextlib.suppress(Exception):
+            if key not in now or now[key] == value:
+                continue
+        kind, name = key
+        try:
+            if kind == "shell":
+                setattr(shell, name, value)
+            elif kind == "display":
+                setattr(shell.display_formatter, name, value)
+            elif kind == "tb" and name == "mode":
+                shell.InteractiveTB.set_mode(mode=value)
+            elif kind == "tb" and name == "colors":
+                shell.InteractiveTB.set_colors(value)
+                shell.SyntaxTB.set_colors(value)
+            elif kind == "tb":
+                setattr(shell.InteractiveTB, name, value)
+            else:
+                setattr(shell.display_formatter.formatters[kind], name, value)
+        except Exception as e:  # noqa: BLE001 - one setting lost, not the restore
+            quiet.log(f"looseleaf worker: could not restore the setting {key}: {type(e).__name__}: {e}")
+
+
+# ------------------------------------------------------------- sympy printing
+
+
+def _sympy_printing() -> dict | None:
+    """What sympy's init_printing sets besides formatter printers: the printers'
+    global settings (unicode, order) and Printable's ``_repr_*_`` methods."""
+    if "sympy" not in sys.modules:
+        return None
+    try:
+        from sympy.core._print_helpers import Printable
+        from sympy.printing.printer import Printer
+    except ImportError:
+        return None
+    reprs = {}
+    for attr in ("_repr_latex_", "_repr_png_", "_repr_svg_"):
+        fn = Printable.__dict__.get(attr)
+        if fn is not None and getattr(fn, "__qualname__", "") != f"Printable.{attr}":
+            reprs[attr] = fn
+    if not reprs and not Printer._global_settings:
+        return None
+    try:
+        return {"settings": dict(Printer._global_settings), "reprs": cloudpickle.dumps(reprs)}
+    except Exception as e:  # noqa: BLE001
+        quiet.log(f"looseleaf worker: cannot keep sympy's printing setup: {type(e).__name__}: {e}")
+        return None
+
+
+def _apply_sympy(st: dict) -> None:
+    from sympy.core._print_helpers import Printable
+    from sympy.printing.printer import Printer
+
+    Printer.set_global_settings(**st["settings"])
+    for attr, fn in pickle.loads(st["reprs"]).items():
+        setattr(Printable, attr, fn)
 
 
 # The session this worker serves drew with the inline backend (ambient state said so).
@@ -237,6 +775,21 @@ def capture(shell, base: Baseline) -> dict:
     st["extensions"] = sorted(shell.extension_manager.loaded)
     st["config"] = {k: dict(v) for k, v in shell.config.items() if k not in ("HistoryManager",) and isinstance(v, dict)}
     st["magics"] = _magics(shell, base)
+    st["settings"] = _changed_settings(shell, base)
+    st["formatted"] = getattr(shell.display_formatter, "formatted", True)
+    st["hooks"] = _capture_hooks(shell, base)
+    sympy_printing = _sympy_printing()
+    if sympy_printing is not None:
+        st["sympy_printing"] = sympy_printing
+    dh, ns = shell.displayhook, shell.user_ns
+    unders = ("_", "__", "___")
+    # those the session has that are not a fresh shell's '' (the displayhook brings
+    # them in when a result rotates them; a '' needs no bringing)
+    held = {n for n in unders if n in ns and not (type(ns[n]) is str and ns[n] == "")}
+    st["unders"] = sorted(held.union(n for n in shell.unders_in_session if n not in ns))
+    # `_ = ...` in a cell (the displayhook's copy differs, or it has none: the
+    # worker lacked the name): IPython leaves a name a cell assigned alone
+    st["unders_user"] = [n for n in unders if n in ns and getattr(dh, n) is not ns[n]]
     # a session that drew inline keeps drawing inline, though this cell did not draw
     st["mpl_inline"] = "matplotlib_inline.backend_inline" in sys.modules or _session_drew_inline
     local = _local_modules()
@@ -289,6 +842,7 @@ def apply_paths(st: dict) -> None:
     local = _local_modules()
     if local is not None:
         local.adopt({n: Source(o, src, search) for n, (o, src, search) in st.get("local_modules", {}).items()})
+    _apply_import_hooks(st)
 
 
 class _OnImport:
@@ -405,8 +959,6 @@ def apply(shell, st: dict, base: Baseline) -> None:
     ``apply_paths`` and after the variables, which registered magics may name."""
     global _session_drew_inline
     random.setstate(st["random"])
-    if "numpy_rng" in st or "numpy_print" in st:
-        when_imported("numpy", lambda np: _apply_numpy(np, st, base), _entries(st, "numpy_rng", "numpy_print"))
     if "torch_rng" in st:
         when_imported("torch", lambda torch: _apply_torch(torch, st), _entries(st, "torch_rng", "torch_cuda_rng"))
     if st.get("rcparams"):
@@ -425,6 +977,9 @@ def apply(shell, st: dict, base: Baseline) -> None:
                 shell.extension_manager.load_extension(ext)
             except Exception:  # noqa: BLE001
                 pass
+    # whether a %config of a formatter class reaches the formatters (see
+    # WorkerDisplayFormatter)
+    shell.display_formatter.formatted = st.get("formatted", True)
     if st.get("config"):
         from traitlets.config import Config
 
@@ -435,7 +990,18 @@ def apply(shell, st: dict, base: Baseline) -> None:
                 c.update_config(cfg)
             except Exception:  # noqa: BLE001
                 pass
+    # after %config (a later assignment wins) and before numpy's options (%precision
+    # sets them too: the saved ones win)
+    _apply_settings(shell, st, base)
+    if "numpy_rng" in st or "numpy_print" in st:
+        when_imported("numpy", lambda np: _apply_numpy(np, st, base), _entries(st, "numpy_rng", "numpy_print"))
     _register_magics(shell, st.get("magics", []))
+    _apply_hooks(shell, st, base)
+    if "sympy_printing" in st:
+        apply_sympy = lambda sympy: _apply_sympy(st["sympy_printing"])  # noqa: E731
+        when_imported("sympy", apply_sympy, _entries(st, "sympy_printing"))
+    shell.unders_in_session = st.get("unders", [])
+    shell.unders_user_set = st.get("unders_user", [])
     if st.get("mpl_inline"):
         _session_drew_inline = True
         _inline_figures(shell)
