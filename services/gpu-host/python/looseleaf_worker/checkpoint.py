@@ -728,6 +728,11 @@ def _referents(start: Any, ns: dict, limit: int) -> set[int]:
             # a frame's globals are the whole namespace: follow its locals only
             todo.extend(o.f_locals.values())
             continue
+        if comms.is_widget(o):
+            # what its saved form holds, not the handlers and logger every widget
+            # shares (one unsavable widget would make every widget unsavable)
+            todo.extend(comms.widget_state(o).values())
+            continue
         todo.extend(gc.get_referents(o))
     return mutable
 

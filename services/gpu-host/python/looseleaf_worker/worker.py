@@ -9,13 +9,16 @@ what it holds and what it deleted.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import getpass
 import os
 import platform
 import socket
 import sys
+import threading
 import time
 import traceback
+import uuid
 
 from IPython.core.completer import provisionalcompleter, rectify_completions
 from IPython.utils.tokenutil import token_at_cursor
@@ -58,6 +61,26 @@ def _stdin_not_implemented(why: str) -> BaseException:
 # How many bytes of chunks go in one save file before it is handed to the host.
 SAVE_PART_BYTES = 64 << 20
 
+# Comm messages kept for the next request while none is served (a thread that
+# updates a widget between cells); beyond this, the oldest are dropped.
+PENDING_COMMS_MAX = 10_000
+
+
+def _track_thread_parents(parent_of_current) -> None:
+    """As ipykernel does: a thread belongs to the request (cell or comm message)
+    that was served where it was started, and a thread it starts belongs there
+    too; what it outputs is that request's (see ``Worker._emit_output``)."""
+    start = threading.Thread.start
+    if getattr(start, "_looseleaf", False):
+        return
+
+    def tracked_start(thread, *args, **kwargs):
+        thread._looseleaf_parent = parent_of_current()
+        return start(thread, *args, **kwargs)
+
+    tracked_start._looseleaf = True
+    threading.Thread.start = tracked_start
+
 
 class Worker:
     def __init__(self):
@@ -90,9 +113,22 @@ class Worker:
         faults.install(self.shell.user_ns, self.fault_in)
         self.interrupts = CellInterrupts()
         self.interrupts.install()
+        # The request being served, the parent of what is output: a cell's exec
+        # id, or a token for a client's comm message; None between them. Threads
+        # send outputs too: frames go out one at a time (``_send_lock``), and an
+        # exchange with the host (a send and its answer) is not interleaved with
+        # another thread's (``_exchange``).
+        self._parent: str | None = None
+        self._send_lock = threading.RLock()
+        self._exchange = threading.Lock()
+        self._stray_text: dict[str, str] = {}  # a thread's text with no request to go to
+        self._pending_comms: list[dict] = []  # comm messages made between requests
+        _track_thread_parents(self._thread_parent)
+        for stream in self.shell._streams.values():
+            self._share_stream(stream)
         # comm messages to the client (ipywidgets) are outputs (ADR 33)
         self._collected: list[dict] | None = None  # outputs of a comm message
-        comms.install(self._emit_output)
+        comms.install(self._emit_output, self._thread_parent)
         self._rehearse_restore()
 
     def _rehearse_restore(self) -> None:
@@ -118,19 +154,108 @@ class Worker:
 
     # ------------------------------------------------------------- transport
     def send(self, msg: dict) -> None:
-        protocol.send(self.sock, msg)
+        with self._send_lock:  # threads send outputs too: one frame at a time
+            protocol.send(self.sock, msg)
+
+    def _thread_parent(self) -> str | None:
+        """The request the calling thread's output belongs to."""
+        if threading.current_thread() is threading.main_thread():
+            return self._parent
+        return getattr(threading.current_thread(), "_looseleaf_parent", None)
+
+    def _share_stream(self, stream) -> None:
+        """Make one of the shell's streams (sys.stdout, sys.stderr) safe for
+        threads: its buffer is changed by one thread at a time, and the text of
+        a thread whose request is no longer served does not join the running
+        cell's (as ipykernel buffers each parent's text apart): it is logged."""
+        if getattr(stream, "_looseleaf_shared", False):
+            return
+        write, flush, flush_lines, name = stream.write, stream.flush, stream.flush_lines, stream.name
+
+        def locked(fn):
+            def call(*args):
+                with self._send_lock:
+                    return fn(*args)
+
+            return call
+
+        def routed_write(s):
+            if threading.current_thread() is threading.main_thread() or self._thread_parent() == self._parent:
+                with self._send_lock:
+                    return write(s)
+            if not isinstance(s, str):
+                raise TypeError(f"write() argument must be str, not {type(s).__name__}")
+            with self._send_lock:
+                text = self._stray_text.get(name, "") + s
+                cut = text.rfind("\n") + 1
+                self._stray_text[name] = text[cut:]
+            if cut:
+                quiet.log(f"looseleaf worker: a thread's {name} after its cell: {text[:cut]}")
+            return len(s)
+
+        stream.write, stream.flush, stream.flush_lines = routed_write, locked(flush), locked(flush_lines)
+        stream._looseleaf_shared = True
 
     def _emit_output(self, output: dict) -> None:
-        if self._collected is not None:
-            self._collected.append(output)  # they answer the client's comm message
+        """Send one output as its request's: a cell's, streamed; a comm message's,
+        collected for its answer. As in ipykernel, a thread's output is that of
+        the request it was started in: when that one has ended, it is no cell's
+        (nbclient records none of it; the log has it). A comm message goes to
+        the client whatever its thread, with the request being served or the
+        next one."""
+        token = self._thread_parent()
+        main = threading.current_thread() is threading.main_thread()
+        # the main thread's frame is not cut by an interrupt; another thread's
+        # is never interrupted (signals go to the main thread)
+        with self.interrupts.shield() if main else contextlib.nullcontext(), self._send_lock:
+            if output["output_type"] != "comm" and comms.capture(token, output):
+                return  # an Output widget's, which syncs it to the client itself
+            if output["output_type"] == "comm" and self._parent is not None:
+                token = self._parent
+            if token is None or token != self._parent:
+                self._stray(output)
+            elif self._collected is not None:
+                self._collected.append(output)  # they answer the client's comm message
+            else:
+                self.send({"type": "output", "exec_id": self.exec_id, "output": output})
+
+    def _stray(self, output: dict) -> None:
+        """An output while no request of its own is served: a comm message waits
+        for the next request (the client's model must follow the widget); other
+        output (a __setstate__ that prints at restore, a thread after its cell)
+        goes to the host's log, never a cell's output."""
+        if output["output_type"] != "comm":
+            quiet.log(f"looseleaf worker: output outside its cell: {output.get('text') or output}")
             return
-        if self.exec_id is None:
-            # Output outside a cell (a __setstate__ that prints, an extension
-            # loaded again at restore): the host's log, never a cell's output.
-            quiet.log(str(output.get("text") or output))
+        last = self._pending_comms[-1] if self._pending_comms else None
+        if last is not None and _same_comm_update(last, output):
+            # a widget updated again (a progress bar): one update with the latest state
+            last["content"]["data"]["state"].update(output["content"]["data"]["state"])
             return
-        with self.interrupts.shield():
-            self.send({"type": "output", "exec_id": self.exec_id, "output": output})
+        self._pending_comms.append(output)
+        if len(self._pending_comms) > PENDING_COMMS_MAX:
+            dropped = self._pending_comms.pop(0)
+            quiet.log(f"looseleaf worker: a comm message made between cells was dropped: {dropped['msg_type']}")
+
+    def _begin(self, token: str, collect: bool) -> None:
+        """Start serving a request: its outputs are collected for an answer
+        (``collect``) or streamed; comm messages made meanwhile go first."""
+        with self._send_lock:
+            self._parent = token
+            pending, self._pending_comms = self._pending_comms, []
+            if collect:
+                self._collected = pending
+                return
+            for output in pending:
+                self.send({"type": "output", "exec_id": token, "output": output})
+
+    def _end(self) -> list[dict] | None:
+        """Stop serving the request: no thread's output or exchange goes out as
+        its any more. Returns what was collected for an answer."""
+        with self._exchange, self._send_lock:
+            self._parent = self.exec_id = None
+            collected, self._collected = self._collected, None
+        return collected
 
     def expect(self, mtype: str) -> dict:
         msg = protocol.recv(self.sock)
@@ -166,7 +291,7 @@ class Worker:
             except (EOFError, BrokenPipeError, ConnectionError):
                 return
             except BaseException as e:  # noqa: BLE001 - keep serving
-                self.exec_id = None
+                self._end()
                 self.send(
                     {
                         "type": "error",
@@ -240,26 +365,31 @@ class Worker:
         )
 
     def _sync_displayhook(self) -> None:
-        # The displayhook keeps its own copies of _, __, ___ and rotates them.
-        dh, ns = self.shell.displayhook, self.shell.user_ns
-        for attr in ("_", "__", "___"):
-            if attr in ns:
-                setattr(dh, attr, ns[attr])
-        # Out[N] is the same object as _N: rebuild the output history from them
-        out = ns.get("Out")
-        if isinstance(out, dict):
-            for name, value in list(ns.items()):
-                if name[:1] == "_" and name[1:].isdigit():
-                    out[int(name[1:])] = value
+        # The displayhook keeps its own copies of _, __, ___ and rotates them: they
+        # are the names restored, and the session's others are faulted in when a
+        # result rotates them (a cell's closure brings only the names it reads).
+        def fault_in(name: str) -> bool:
+            # not the cell's own reads: kept out of the names its next run restores
+            n = len(self.faulted)
+            found = self.fault_in(name)
+            del self.faulted[n:]
+            return found
+
+        self.shell.sync_output_history(fault_in, set(self.versions))
 
     def fault_in(self, name: str) -> bool:
-        """A name the running cell reached that this worker lacks (its closure
-        missed it): ask the host for it from the session's committed state."""
-        if self.exec_id is None or name in self._not_in_session:
+        """A name the running cell (or a thread, while a cell runs) reached that
+        this worker lacks (its closure missed it): ask the host for it from the
+        session's committed state."""
+        if self.exec_id is None or self._parent != self.exec_id or name in self._not_in_session:
             return False
-        self.shell.flush_streams()
+        main = threading.current_thread() is threading.main_thread()
+        if main:
+            self.shell.flush_streams()
         # the exchange and the bookkeeping of what arrived must not be cut short
-        with self.interrupts.shield():
+        with self.interrupts.shield() if main else contextlib.nullcontext(), self._exchange:
+            if self.exec_id is None or self._parent != self.exec_id:
+                return False  # the cell ended meanwhile: the host asks no more
             self.send({"type": "fault", "exec_id": self.exec_id, "names": [name]})
             msg = self.expect("faulted")
             with quiet.own_warnings():
@@ -290,7 +420,7 @@ class Worker:
         self.shell.flush_streams()  # what the cell printed before it asked comes first
         # the exchange is shielded: an interrupt meanwhile is answered by the host
         # (the reply says so) and raised when the exchange is complete
-        with self.interrupts.shield():
+        with self.interrupts.shield(), self._exchange:
             self.send({"type": "input_request", "exec_id": self.exec_id, "prompt": prompt, "password": password})
             reply = self.expect("input_reply")
             if reply.get("interrupted"):
@@ -301,13 +431,14 @@ class Worker:
 
     def on_comm(self, msg: dict) -> None:
         """A client's comm message (a widget's value changed in the browser),
-        handled as ipykernel's shell handles it; what it causes is the answer."""
-        self._collected = []
+        handled as ipykernel's shell handles it; what it causes is the answer
+        (after the comm messages made since the last request)."""
+        self._begin(f"comm-{uuid.uuid4().hex}", collect=True)
         try:
             reply = comms.handle(msg["msg_type"], msg["content"], msg["metadata"], msg["buffers"])
             self.shell.flush_streams()
         finally:
-            outputs, self._collected = self._collected, None
+            outputs = self._end()
         self.send({"type": "comm_answer", "reply": reply, "outputs": outputs})
 
     def on_query(self, msg: dict) -> None:
@@ -347,6 +478,8 @@ class Worker:
 
     def _run(self, msg: dict) -> None:
         self.faulted, self._not_in_session = [], set()
+        # text a thread left unflushed between cells is not this cell's: the log
+        self.shell.flush_streams()
         self.exec_id = msg["exec_id"]
         count = self.shell.execution_count
         self.send(
@@ -358,6 +491,7 @@ class Worker:
                 "python": platform.python_version(),
             }
         )
+        self._begin(self.exec_id, collect=False)
         t0 = time.perf_counter()
         try:
             with self.interrupts.cell():
@@ -375,7 +509,8 @@ class Worker:
             err = self.shell.last_error or {"ename": "KeyboardInterrupt", "evalue": "", "traceback": []}
         finally:
             run_ms = (time.perf_counter() - t0) * 1000
-            exec_id, self.exec_id = self.exec_id, None
+            exec_id = self.exec_id
+            self._end()  # a thread's output after this is no output of this cell
         fin = {
             "type": "finished",
             "exec_id": exec_id,
@@ -474,6 +609,17 @@ class Worker:
         if names is not None:
             self.versions = {n: v for n, v in self.versions.items() if n in names}
         self.versions.update(msg["versions"])
+
+
+def _same_comm_update(a: dict, b: dict) -> bool:
+    """Whether ``b`` only updates the same widget's state as ``a`` does."""
+
+    def update(o):
+        data = o["content"].get("data") or {}
+        plain = o["msg_type"] == "comm_msg" and data.get("method") == "update" and not o["buffers"]
+        return plain and not data.get("buffer_paths") and isinstance(data.get("state"), dict)
+
+    return update(a) and update(b) and a["content"].get("comm_id") == b["content"].get("comm_id")
 
 
 def main(sock: socket.socket, worker_id: str, zygote_id: str | None = None, ready: Worker | None = None) -> None:
