@@ -29,6 +29,7 @@ mod session_delete;
 mod simulate;
 mod speculation;
 mod system;
+mod unsavable;
 // named for what it checks: a module `tracing` would shadow the crate of that name
 #[path = "tracing.rs"]
 mod trace_tree;

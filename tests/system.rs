@@ -2,7 +2,7 @@
 //! frontend, two gpu-hosts with one virtual GPU slot each) on a real nats-server,
 //! driven by `looseleaf run --frontend` like any client.
 //!
-//! It checks that GPU cells ran on both hosts' slots, that each slot was released
+//! It checks that GPU cells ran on the hosts' slots, that each slot was released
 //! after its save (on the hosts' status subjects, not only in the report), that CPU
 //! cells ran on the session's persistent CPU worker, that aliases keep sharing across
 //! GPU cells, that an unsavable generator stays in its worker and keeps its values,
@@ -143,13 +143,18 @@ async fn four_services_two_hosts_on(store_env: Vec<(&'static str, String)>) -> a
     // cell sees none of them
     assert!(text(22).contains("secrets []"), "{}", text(22));
 
-    // GPU cells used both hosts: the generator pins one host's only slot.
+    // From the generator's cell until its worker died, GPU cells ran where it lives
+    // (one home for unsavable state, ADR 51), on its host's slot, lent per cell.
+    for i in [4, 5, 7, 8, 9] {
+        assert_eq!(cells[i]["worker"], cells[3]["worker"], "cell {i}: {}", cells[i]);
+    }
     let gpu_hosts: BTreeSet<&str> =
         cells.iter().filter(|c| c["device"] == "gpu").filter_map(|c| c["host"].as_str()).collect();
-    assert_eq!(gpu_hosts.len(), 2, "GPU cells ran on {gpu_hosts:?}");
+    assert!(!gpu_hosts.is_empty(), "GPU cells ran on {gpu_hosts:?}");
 
     // On the status subjects: every execution seen holding a slot was later seen
-    // with that slot free (or held for unsavable state), on both hosts.
+    // with that slot free, on every host that ran one (the generator holds no GPU
+    // memory, so no slot stays held for it).
     wait_for(Duration::from_secs(10), || {
         let all = collected.lock().unwrap_or_else(|e| e.into_inner());
         let mut busy: BTreeMap<(String, u32), bool> = BTreeMap::new();
@@ -164,9 +169,9 @@ async fn four_services_two_hosts_on(store_env: Vec<(&'static str, String)>) -> a
                 }
             }
         }
-        busy.len() == 2 && busy.values().all(|b| !b)
+        busy.len() == gpu_hosts.len() && busy.values().all(|b| !b)
     })
-    .context("both hosts' slots were busy with cells and released after them")?;
+    .context("the slots that ran cells were released after them")?;
     drop(services);
     Ok(())
 }

@@ -206,6 +206,15 @@ pub struct Outcome {
     pub worker: Option<Arc<Mutex<WorkerProc>>>,
     /// Names it holds that could not be saved (keep it for them).
     pub unsavable: Vec<String>,
+    /// Whether the worker has initialised CUDA (it then holds GPU memory, and a
+    /// kept worker keeps its slot; one that never did holds none: ADR 51).
+    pub cuda_used: bool,
+}
+
+/// What a finished execution leaves in its worker.
+struct Left {
+    unsavable: Vec<String>,
+    cuda_used: bool,
 }
 
 impl ExecEnv {
@@ -413,13 +422,13 @@ impl ExecEnv {
         self.event(session, exec_id, EventKind::Claimed { host: self.host_id.clone(), slot, prepare }).await;
         let (worker, result) = self.run_on(&recipe, target, slots, prepare, claimed_at, phases).await;
         match result {
-            Ok(unsavable) => Outcome { worker, unsavable },
+            Ok(Left { unsavable, cuda_used }) => Outcome { worker, unsavable, cuda_used },
             // the one place an execution's failure reaches the session
             Err(e) => {
                 let stopped = self.stopping.load(Ordering::SeqCst) && matches!(e, ExecError::WorkerLost(_));
                 let e = if stopped { ExecError::HostStopping { host: self.host_id.clone() } } else { e };
                 self.event(session, exec_id, EventKind::Failed { error: e.to_string() }).await;
-                Outcome { worker, unsavable: vec![] }
+                Outcome { worker, unsavable: vec![], cuda_used: false }
             }
         }
     }
@@ -434,7 +443,7 @@ impl ExecEnv {
         prepare: Prepare,
         claimed_at: Instant,
         mut phases: StartPhases,
-    ) -> (Option<Arc<Mutex<WorkerProc>>>, Result<Vec<String>, ExecError>) {
+    ) -> (Option<Arc<Mutex<WorkerProc>>>, Result<Left, ExecError>) {
         let forking = Instant::now();
         let mut manifest = None;
         let (mut worker, import_hit) = match target {
@@ -510,14 +519,16 @@ impl ExecEnv {
         }
     }
 
-    async fn drive(&self, recipe: &RecipeV3, w: &mut WorkerProc, start: Start) -> Result<Vec<String>, ExecError> {
+    async fn drive(&self, recipe: &RecipeV3, w: &mut WorkerProc, start: Start) -> Result<Left, ExecError> {
         let Start { slots, prepare, claimed_at, import_hit, mut phases, manifest } = start;
         // a host that began stopping while this worker forked starts nothing new
         self.not_stopping()?;
         let (session, exec_id) = (recipe.session, recipe.exec_id);
         let restore_started = Instant::now();
-        // a worker prepared before Run may have been prepared without its slots
-        let env = if matches!(prepare, Prepare::Speculative | Prepare::Warm) {
+        // a worker prepared before Run may have been prepared without its slots,
+        // and a kept worker that never used CUDA is lent its slots for this run
+        let lent = matches!(prepare, Prepare::Pinned | Prepare::Persistent) && !slots.is_empty();
+        let env = if matches!(prepare, Prepare::Speculative | Prepare::Warm) || lent {
             self.device_env(&slots)
         } else {
             BTreeMap::new()
@@ -746,12 +757,12 @@ impl ExecEnv {
                 saved_bytes: saved.saved_bytes,
                 chunks_written: saved.chunks_written,
                 unsavable: saved.unsavable.clone(),
-                slot_released: !slots.is_empty() && saved.unsavable.is_empty(),
+                slot_released: !slots.is_empty() && (saved.unsavable.is_empty() || !finished.cuda_used),
             },
         )
         .instrument(tracing::info_span!("saved", otel.name = "saved event"))
         .await;
-        Ok(saved.unsavable)
+        Ok(Left { unsavable: saved.unsavable, cuda_used: finished.cuda_used })
     }
 
     /// The answer to a worker's fault: those of `names` the committed state has, with

@@ -5,7 +5,7 @@
 //! planned in its own future; a session's runs arrive one at a time (the frontend's
 //! run queue).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -70,6 +70,8 @@ pub struct Planner {
     host_lost: Duration,
     /// Each host's GPU slots, as its status last said, and when that was heard.
     host_slots: HashMap<String, (u32, Instant)>,
+    /// Each host's last status: when it was made and the workers it listed.
+    host_workers: HashMap<String, (u64, HashSet<String>)>,
     /// Runs heard lately: a run the frontend sent again (its acknowledgement was
     /// lost) is planned once (ADR 46). Forgotten after `RUN_MEMORY`.
     heard_runs: HashMap<Uuid, Instant>,
@@ -92,6 +94,7 @@ impl Planner {
             pinned_runs: HashMap::new(),
             host_lost: Duration::from_secs(10),
             host_slots: HashMap::new(),
+            host_workers: HashMap::new(),
             heard_runs: HashMap::new(),
         }
     }
@@ -100,6 +103,12 @@ impl Planner {
     /// planner just started cannot tell yet).
     fn largest_host(&self) -> Option<u32> {
         self.host_slots.values().filter(|(_, seen)| seen.elapsed() < self.host_lost).map(|(n, _)| *n).max()
+    }
+
+    /// The workers each live host (heard within `host_lost`) listed last, and when.
+    fn live_hosts(&self) -> LiveHosts {
+        let live = |h: &String| self.host_slots.get(h).is_some_and(|(_, seen)| seen.elapsed() < self.host_lost);
+        LiveHosts(self.host_workers.iter().filter(|(h, _)| live(h)).map(|(h, w)| (h.clone(), w.clone())).collect())
     }
 
     /// Take a host not heard for `host_lost` for lost.
@@ -124,13 +133,22 @@ impl Planner {
         for exec_id in lost {
             let Some((session, p, _)) = self.pinned_runs.remove(&exec_id) else { continue };
             let silent = self.speculator.host_silent_for(&p.host, now);
-            let error = format!(
-                "variables {} could not be saved and lived only in worker {} on host {}, which is lost (not heard \
-                 for {silent:.0} s); they are gone, so this cell cannot run: run the cells that define them again",
-                p.names.join(", "),
-                p.worker,
-                p.host
-            );
+            let error = if p.names.is_empty() {
+                format!(
+                    "this cell was sent to worker {} on host {}, which held the session's unsavable variables, and \
+                     that host is lost (not heard for {silent:.0} s): run the cell again",
+                    p.worker, p.host
+                )
+            } else {
+                format!(
+                    "variables {} could not be saved and lived only in worker {} on host {}, which is lost (not \
+                     heard for {silent:.0} s); they are gone, so this cell cannot run: run the cells that define them \
+                     again",
+                    p.names.join(", "),
+                    p.worker,
+                    p.host
+                )
+            };
             tracing::warn!(%session, exec = %exec_id, host = %p.host, "a run's unsavable state was on a lost host");
             let ev = SessionEventV2 { session, exec_id, unix_ms: unix_ms(), kind: EventKind::Failed { error } };
             let bus = self.bus.clone();
@@ -357,6 +375,27 @@ fn planned(session: Uuid, exec_id: Uuid, cell_id: &str, d: &Derived) -> SessionE
     }
 }
 
+/// The workers live hosts listed in their last status, and when they said so.
+struct LiveHosts(HashMap<String, (u64, HashSet<String>)>);
+
+impl LiveHosts {
+    /// Whether the worker a cell is pinned to may still hold the session's
+    /// unsavable state: its host is live, and it listed the worker, or its last
+    /// status predates the execution that made the state (give or take 2 s of
+    /// clock difference between machines).
+    fn may_keep(&self, p: &PinnedWorker, manifest: &Manifest) -> bool {
+        let Some((at, workers)) = self.0.get(&p.host) else { return false };
+        let made_ms = manifest
+            .unsavable
+            .values()
+            .filter(|u| u.worker == p.worker)
+            .filter_map(|u| u.version.get_timestamp())
+            .map(|t| t.to_unix().0 * 1000)
+            .max();
+        workers.contains(&p.worker) || made_ms.is_none_or(|made| *at < made + 2000)
+    }
+}
+
 async fn plan_run(
     bus: Bus,
     kv: kv::Store,
@@ -364,6 +403,7 @@ async fn plan_run(
     prepared: Option<PreparedWorker>,
     cached: Option<Arc<Manifest>>,
     largest_host: Option<u32>,
+    live_hosts: LiveHosts,
 ) -> Result<(Arc<Manifest>, state::SessionState, Option<PinnedWorker>), PlanError> {
     let analysis = analysis::analyze(&run.code);
     // The manifest refreshed after the session's last save is the one the run
@@ -375,7 +415,11 @@ async fn plan_run(
     };
     let cell_id = run.cell_id.clone();
     let (d, revision, st) = state::modify(&kv, run.session, |st| {
-        let d = derive(&analysis, &run.code, &manifest, st, run.options.all_gpu, run.exec_id, &cell_id);
+        let mut d = derive(&analysis, &run.code, &manifest, st, run.options.all_gpu, run.exec_id, &cell_id);
+        // a cell that reads no unsavable state is not sent to a worker that is gone
+        if d.pinned.as_ref().is_some_and(|p| p.names.is_empty() && !live_hosts.may_keep(p, &manifest)) {
+            d.pinned = None;
+        }
         let revision = st.recipes.get(&cell_id).map(|r| r.0 + 1).unwrap_or(1);
         st.recipes.insert(cell_id.clone(), (revision, d.fingerprint()));
         st.learn(&d.writes);
@@ -430,8 +474,9 @@ impl StreamHandler<Result<Envelope<RunV2>, Rejected>> for Planner {
         let prepared = if run.options.speculate { self.speculator.for_run(session, &run.cell_id) } else { None };
         let cached = self.manifests.get(&session).map(|(m, _)| m.clone());
         let largest_host = self.largest_host();
+        let live_hosts = self.live_hosts();
         let fut = async move {
-            let result = plan_run(bus.clone(), kv, run, prepared, cached, largest_host).await;
+            let result = plan_run(bus.clone(), kv, run, prepared, cached, largest_host, live_hosts).await;
             if let Err(error) = &result {
                 tracing::error!(%session, %error, "could not plan a run");
                 let ev = SessionEventV2 {
@@ -558,6 +603,8 @@ impl StreamHandler<Result<Envelope<HostStatusV2>, Rejected>> for Planner {
             let now = self.now();
             self.speculator.host_seen(&env.msg.host, now);
             let slots = u32::try_from(env.msg.slots.len()).unwrap_or(u32::MAX);
+            let workers = env.msg.workers.iter().map(|w| w.id.clone()).collect();
+            self.host_workers.insert(env.msg.host.clone(), (env.msg.unix_ms, workers));
             self.host_slots.insert(env.msg.host, (slots, Instant::now()));
         }
     }

@@ -190,6 +190,16 @@ pub fn derive(
             }
         }
     }
+    // A session's unsavable state has one home (ADR 51): a GPU cell that reads none
+    // of it still runs in the worker that holds it (the newest, should there be
+    // several), so that what it makes that cannot be saved joins the rest instead
+    // of leaving a second kept worker no later cell could run beside the first.
+    // (CPU cells run on the session's CPU worker, itself kept for the session.)
+    if pinned.is_none() && device == Device::Gpu {
+        if let Some(u) = manifest.unsavable.values().max_by_key(|u| u.version) {
+            pinned = Some(PinnedWorker { host: u.host.clone(), worker: u.worker.clone(), names: vec![] });
+        }
+    }
 
     // What this cell's run teaches us about the names it writes.
     // Only a static sign (a move to the device) makes values GPU-resident; a
@@ -301,6 +311,41 @@ mod tests {
         let p = d.pinned.expect("pinned");
         assert_eq!((p.host.as_str(), p.worker.as_str(), p.names.clone()), ("h1", "w9", vec!["gen".to_string()]));
         assert_eq!(d.device, Device::Gpu);
+    }
+
+    #[test]
+    fn a_gpu_cell_reading_no_unsavable_state_runs_where_it_lives() {
+        let mut m = manifest(&["x"]);
+        let older = Uuid::now_v7();
+        for (name, worker, version) in [("it", "w1", older), ("gen", "w2", Uuid::now_v7())] {
+            let u = Unsavable {
+                version,
+                reason: "generator".into(),
+                host: "h1".into(),
+                worker: worker.into(),
+                cell_id: "c0".into(),
+            };
+            m.unsavable.insert(name.into(), u);
+        }
+        let code = "y = x + 1";
+        let d = derive(&analysis::analyze(code), code, &m, &SessionState::default(), true, Uuid::now_v7(), "c");
+        let p = d.pinned.expect("a GPU cell goes to the kept worker");
+        assert_eq!((p.worker.as_str(), p.names.is_empty()), ("w2", true), "the newest kept worker, no names");
+        // a CPU cell stays on the session's CPU worker
+        let d = derive(&analysis::analyze(code), code, &m, &SessionState::default(), false, Uuid::now_v7(), "c");
+        assert_eq!(d.device, Device::Cpu);
+        assert!(d.pinned.is_none());
+        // without unsavable state nothing is pinned
+        let d = derive(
+            &analysis::analyze(code),
+            code,
+            &manifest(&["x"]),
+            &SessionState::default(),
+            true,
+            Uuid::now_v7(),
+            "c",
+        );
+        assert!(d.pinned.is_none());
     }
 
     #[test]

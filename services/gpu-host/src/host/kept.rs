@@ -15,7 +15,7 @@ pub struct KeptWorker {
     pub worker: Arc<Mutex<WorkerProc>>,
     /// Its session.
     pub session: Uuid,
-    /// The GPU slots it keeps (a GPU worker holding unsavable state).
+    /// The GPU slots it keeps: only while it holds GPU memory (ADR 51).
     pub slots: Vec<u32>,
     /// The session's CPU worker (kept for the session's life).
     pub persistent: bool,
@@ -45,6 +45,13 @@ impl KeptWorkers {
             self.cpu.insert(kept.session, id.clone());
         }
         self.by_id.insert(id, kept);
+    }
+
+    /// A kept worker now holds these GPU slots (it used CUDA on them).
+    pub fn hold_slots(&mut self, id: &str, slots: Vec<u32>) {
+        if let Some(k) = self.by_id.get_mut(id) {
+            k.slots = slots;
+        }
     }
 
     /// Stop keeping a worker.

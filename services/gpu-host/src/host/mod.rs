@@ -73,6 +73,8 @@ pub struct Host {
     pending: VecDeque<RecipeV3>,
     /// Runs this host claimed that wait for a slot.
     won: VecDeque<RecipeV3>,
+    /// GPU runs for a kept worker that holds no slot, waiting for free slots.
+    kept_waiting: VecDeque<RecipeV3>,
     /// Prepared workers (without a slot) whose run waits for a slot.
     waiting_prepared: VecDeque<PrepKey>,
     /// Admitted edit recipes that found no free slot (the planner's eviction that
@@ -123,8 +125,9 @@ enum ExecKind {
     Fresh { slots: Vec<u32> },
     /// A worker prepared before Run, holding GPU `slots`.
     Prepared { slots: Vec<u32> },
-    /// A kept worker (the session's CPU worker, or one with unsavable state).
-    Existing { worker: Arc<Mutex<WorkerProc>> },
+    /// A kept worker (the session's CPU worker, or one with unsavable state),
+    /// and the GPU slots lent to it for this run (it held none before).
+    Existing { worker: Arc<Mutex<WorkerProc>>, lent: Vec<u32> },
 }
 
 /// A run recipe as this host received it.
@@ -157,6 +160,7 @@ impl Host {
             prepared: PreparedWorkers::default(),
             pending: VecDeque::new(),
             won: VecDeque::new(),
+            kept_waiting: VecDeque::new(),
             waiting_prepared: VecDeque::new(),
             spec_waiting: VecDeque::new(),
             runs_of_cell: HashMap::new(),
@@ -317,16 +321,20 @@ impl Host {
             if p.host != self.env.host_id {
                 return;
             }
-            let target = match self.kept.get(&p.worker) {
-                Some(k) => Target::Existing {
-                    worker: k.worker.clone(),
-                    prepare: if k.persistent { Prepare::Persistent } else { Prepare::Pinned },
-                    slots: k.slots.clone(),
-                },
+            if self.kept.get(&p.worker).is_some() {
+                self.run_kept(recipe, ctx);
+                return;
+            }
+            if !p.names.is_empty() {
                 // gone: the execution fails naming the variable and its cell
-                None => Target::Fresh { slots: vec![] },
-            };
-            self.claim_run_then_exec(recipe, target, ctx);
+                self.claim_run_then_exec(recipe, Target::Fresh { slots: vec![] }, ctx);
+                return;
+            }
+            // The worker that held the session's unsavable state is gone, and this
+            // cell reads none of it: it runs as any other cell (ADR 51).
+            let mut r = recipe;
+            r.pinned = None;
+            self.on_recipe(r, ctx);
             return;
         }
         match recipe.device {
@@ -414,6 +422,39 @@ impl Host {
         });
     }
 
+    /// A run for a kept worker of this host (the session's CPU worker, or the one
+    /// holding its unsavable state). A GPU cell on a kept worker that holds no
+    /// slot (it never used CUDA) is lent free slots for the run, or waits for them.
+    fn run_kept(&mut self, recipe: RecipeV3, ctx: &mut Context<Self>) {
+        let Some(worker_key) = recipe.pinned.as_ref().map(|p| p.worker.clone()) else { return };
+        let Some(k) = self.kept.get(&worker_key) else { return };
+        let prepare = if k.persistent { Prepare::Persistent } else { Prepare::Pinned };
+        let worker = k.worker.clone();
+        if recipe.device != Device::Gpu || !k.slots.is_empty() {
+            let target = Target::Existing { worker, prepare, slots: k.slots.clone() };
+            self.claim_run_then_exec(recipe, target, ctx);
+            return;
+        }
+        let Some(slots) = self.slots.free(recipe.gpus.max(1)) else {
+            self.kept_waiting.push_back(recipe);
+            return;
+        };
+        self.slots.take(&slots, SlotState::Claiming(Some(recipe.exec_id)));
+        self.claim(ClaimKey::Run(recipe.exec_id), Duration::ZERO, ctx, move |act, claim, ctx| match claim {
+            Claim::Won => {
+                act.slots.hand_on(&slots, SlotState::Busy { exec: recipe.exec_id, session: recipe.session });
+                act.spawn_exec(recipe, Target::Existing { worker, prepare, slots }, ctx);
+            }
+            other => {
+                act.slots.unreserve(&slots);
+                if other == Claim::Failed {
+                    act.retry_failed_claim(recipe, ctx);
+                }
+                act.try_pending(ctx);
+            }
+        });
+    }
+
     /// A run that needs no competition (on the session's CPU worker, or on the
     /// worker pinned for its state) still claims its run key like every other run:
     /// nothing starts an execution twice, and one the user interrupted before any
@@ -476,7 +517,11 @@ impl Host {
             Target::Existing { prepare: Prepare::Speculative | Prepare::Warm, slots, .. } if !slots.is_empty() => {
                 ExecKind::Prepared { slots: slots.clone() }
             }
-            Target::Existing { worker, .. } => ExecKind::Existing { worker: worker.clone() },
+            Target::Existing { worker, slots, .. } => {
+                // slots the kept worker holds stay its own; others were lent for the run
+                let holds = self.kept.get(&worker_id(worker)).is_some_and(|k| !k.slots.is_empty());
+                ExecKind::Existing { worker: worker.clone(), lent: if holds { vec![] } else { slots.clone() } }
+            }
         };
         let (device, session, cell_id) = (recipe.device, recipe.session, recipe.cell_id.clone());
         if device == Device::Gpu && recipe.options.speculate && matches!(kind, ExecKind::Fresh { .. }) {
@@ -517,9 +562,17 @@ impl Host {
             ExecKind::Fresh { slots } | ExecKind::Prepared { slots } if !slots.is_empty() => match outcome.worker {
                 Some(worker) if !outcome.unsavable.is_empty() => {
                     let id = worker_id(&worker);
-                    tracing::info!(worker = %id, unsavable = ?outcome.unsavable, "keeping the worker for unsavable state");
+                    tracing::info!(worker = %id, unsavable = ?outcome.unsavable, cuda = outcome.cuda_used,
+                        "keeping the worker for unsavable state");
                     self.enter(&id, WorkerState::Kept);
-                    self.slots.hand_on(&slots, SlotState::Pinned { worker: id.clone(), session });
+                    // a slot stays with the worker only while it holds GPU memory
+                    let slots = if outcome.cuda_used {
+                        self.slots.hand_on(&slots, SlotState::Pinned { worker: id.clone(), session });
+                        slots
+                    } else {
+                        self.release_slots(&slots, session, SlotUse::Cell, ctx);
+                        vec![]
+                    };
                     self.kept.keep(id, KeptWorker { worker, session, slots, persistent: false });
                 }
                 Some(worker) if self.keep_warm && !self.prepared.contains(&(session, cell_id.to_string())) => {
@@ -544,17 +597,27 @@ impl Host {
                     }
                 }
             }
-            ExecKind::Existing { worker } => {
+            ExecKind::Existing { worker, lent } => {
                 let id = worker_id(&worker);
                 match outcome.worker {
                     // lost: forget it; cells needing its unsavable state now fail clearly
-                    None => self.forget_kept(&id, None, ctx),
+                    None => {
+                        self.forget_kept(&id, None, ctx);
+                        self.release_slots(&lent, session, SlotUse::Cell, ctx);
+                    }
                     Some(w) => {
                         self.enter(&id, WorkerState::Kept);
                         let persistent = self.kept.get(&id).is_some_and(|k| k.persistent);
                         if !persistent && outcome.unsavable.is_empty() {
                             // nothing left that only this worker has
                             self.forget_kept(&id, Some(w), ctx);
+                            self.release_slots(&lent, session, SlotUse::Cell, ctx);
+                        } else if outcome.cuda_used && !lent.is_empty() {
+                            // it initialised CUDA on the lent slots: its GPU memory stays
+                            self.slots.hand_on(&lent, SlotState::Pinned { worker: id.clone(), session });
+                            self.kept.hold_slots(&id, lent);
+                        } else {
+                            self.release_slots(&lent, session, SlotUse::Cell, ctx);
                         }
                     }
                 }
@@ -578,6 +641,11 @@ impl Host {
     /// queue goes in order: a `%%gpu N` run at its head waits for N free slots
     /// rather than be overtaken for ever by one-slot runs.
     fn try_pending(&mut self, ctx: &mut Context<Self>) {
+        // runs for kept workers first: the session has nowhere else to run them
+        while self.kept_waiting.front().is_some_and(|r| self.slots.free_count() >= r.gpus.max(1)) {
+            let Some(recipe) = self.kept_waiting.pop_front() else { break };
+            self.run_kept(recipe, ctx);
+        }
         while let Some(key) = self.waiting_prepared.front().cloned() {
             let needs = self.prepared.get(&key).and_then(PreparedWorker::awaiting_gpus);
             if needs.is_some_and(|n| self.slots.free_count() < n) {
@@ -1014,6 +1082,7 @@ impl Host {
     /// delete, or when the session is culled for idleness (its committed state
     /// stays; its next cell starts a fresh worker).
     fn stop_kept(&mut self, session: Uuid, ctx: &mut Context<Self>) {
+        self.kept_waiting.retain(|r| r.session != session);
         for k in self.kept.remove_session(session) {
             self.stop_worker(k.worker, ctx);
             self.release_slots(&k.slots, session, SlotUse::UnsavableState, ctx);
