@@ -79,6 +79,21 @@ fn own_notebooks() -> Vec<PathBuf> {
     vec![repo_root().join("tests/notebooks/semantics.ipynb")]
 }
 
+/// Look-alikes of patterns real notebooks use (../shared/fidelity-next): they run
+/// in a folder of their own beside the corpus's, in both modes in CI too.
+const FIDELITY_NEXT: &str = "fidelity-next";
+
+fn fidelity_next() -> Vec<PathBuf> {
+    let dir = corpus().join("..").join(FIDELITY_NEXT);
+    let mut out: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .map(|entries| {
+            entries.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "ipynb")).collect()
+        })
+        .unwrap_or_default();
+    out.sort();
+    out
+}
+
 /// Folders of the corpus whose notebooks show what LooseLeaf does not do yet, each
 /// with the open work that makes it pass. They are listed on every run; nothing in
 /// LooseLeaf treats them differently.
@@ -109,6 +124,7 @@ fn notebooks() -> Vec<PathBuf> {
     });
     out.sort();
     out.extend(own_notebooks().iter().filter_map(|p| p.file_name()).map(PathBuf::from));
+    out.extend(fidelity_next().iter().filter_map(|p| p.file_name()).map(|f| Path::new(FIDELITY_NEXT).join(f)));
     out
 }
 
@@ -180,10 +196,14 @@ impl Matrix {
 /// least once: the torch notebooks in both modes (their CPU/GPU placement is
 /// checked in `mixed`), every other notebook in a folder (the fidelity probes) and
 /// ours in `all-gpu` (every cell restored on a fresh worker, the stricter mode),
+/// the fidelity look-alikes in both,
 /// and the notebooks at the corpus's top level alternate between the modes by
 /// their place in the sorted list, so both paths meet every kind of notebook. The
 /// slice is fixed, so a CI failure reproduces.
 fn in_ci_slice(position: usize, notebook: &Path, all_gpu: bool) -> bool {
+    if notebook.starts_with(FIDELITY_NEXT) {
+        return true; // every cell serverless and the default mode, as the issue asks
+    }
     let in_folder = notebook.components().count() > 1;
     let ours = own_notebooks().iter().any(|own| own.file_name() == Some(notebook.as_os_str()));
     notebook.starts_with("torch") || if in_folder || ours { all_gpu } else { all_gpu == (position % 2 == 1) }
@@ -215,6 +235,10 @@ fn corpus_matches_a_pinned_kernel() {
             copy_dir(&corpus(), &copy).unwrap_or_else(|e| panic!("copy the corpus to {}: {e}", copy.display()));
             for own in own_notebooks() {
                 std::fs::copy(&own, copy.join(own.file_name().unwrap())).unwrap();
+            }
+            std::fs::create_dir_all(copy.join(FIDELITY_NEXT)).unwrap();
+            for nb in fidelity_next() {
+                std::fs::copy(&nb, copy.join(FIDELITY_NEXT).join(nb.file_name().unwrap())).unwrap();
             }
             let source = copy.join(&rel);
             let mode = if all_gpu { "all-gpu" } else { "mixed" };
