@@ -427,6 +427,11 @@ impl Host {
     /// slot (it never used CUDA) is lent free slots for the run, or waits for them.
     fn run_kept(&mut self, recipe: RecipeV3, ctx: &mut Context<Self>) {
         let Some(worker_key) = recipe.pinned.as_ref().map(|p| p.worker.clone()) else { return };
+        if self.kept.get(&worker_key).is_none() {
+            // gone while the run waited for a slot: routed as a run for a lost worker
+            self.on_recipe(recipe, ctx);
+            return;
+        }
         let Some(k) = self.kept.get(&worker_key) else { return };
         let prepare = if k.persistent { Prepare::Persistent } else { Prepare::Pinned };
         let worker = k.worker.clone();
