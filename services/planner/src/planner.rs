@@ -51,8 +51,10 @@ pub struct Planner {
     /// Latest manifest and planner state seen per session, for edits (runs always
     /// fetch both; a save refreshes the manifest).
     manifests: HashMap<Uuid, (Arc<Manifest>, Arc<state::SessionState>)>,
-    /// Per (session, cell): recipe revision and fingerprint of the last speculative recipe.
-    speculative: HashMap<(Uuid, String), (u64, u64)>,
+    /// Per (session, cell): recipe revision and fingerprint of the last speculative
+    /// recipe; no fingerprint once the cell ran (its prepared worker, if any, is used
+    /// or ended, so the next edit prepares again even with the same closure).
+    speculative: HashMap<(Uuid, String), (u64, Option<u64>)>,
     /// The newest edit per (session, cell) waiting for its debounce timer.
     pending_edits: HashMap<(Uuid, String), (EditV1, tracing::Span)>,
     /// The code hash of each cell's latest run, until an edit changes its text: an
@@ -198,11 +200,11 @@ impl Planner {
         let d = derive(&analysis, &edit.code, &manifest, &st, edit.options.all_gpu, Uuid::nil(), &edit.cell_id);
         let fp = d.fingerprint();
         let revision = match self.speculative.get(&key) {
-            Some((_, old)) if *old == fp => return,
+            Some((_, old)) if *old == Some(fp) => return,
             Some((rev, _)) => rev + 1,
             None => 1,
         };
-        self.speculative.insert(key, (revision, fp));
+        self.speculative.insert(key, (revision, Some(fp)));
         let speculate = if d.device == Device::Gpu && edit.options.speculate && d.pinned.is_none() {
             let now = self.now();
             let admission = self.speculator.admit(edit.session, &edit.cell_id, now);
@@ -471,6 +473,9 @@ impl StreamHandler<Result<Envelope<RunV2>, Rejected>> for Planner {
         // Run supersedes the cell's pending edit; its prepared worker (if any) runs it.
         self.pending_edits.remove(&(session, run.cell_id.clone()));
         self.ran_code.insert((session, run.cell_id.clone()), code_hash(&run.code));
+        if let Some((_, fp)) = self.speculative.get_mut(&(session, run.cell_id.clone())) {
+            *fp = None;
+        }
         let prepared = if run.options.speculate { self.speculator.for_run(session, &run.cell_id) } else { None };
         let cached = self.manifests.get(&session).map(|(m, _)| m.clone());
         let largest_host = self.largest_host();

@@ -300,7 +300,11 @@ impl Events {
             let item = match tokio::time::timeout(WAIT, self.rx.recv()).await {
                 Ok(Some(item)) => item,
                 Ok(None) => bail!("the event stream ended"),
-                Err(_) => bail!("nothing on the event stream for {WAIT:?}"),
+                Err(_) => {
+                    // the last items say where the session stopped
+                    let last = &self.seen[self.seen.len().saturating_sub(8)..];
+                    bail!("nothing on the event stream for {WAIT:?}; the last items: {last:#?}")
+                }
             };
             self.seen.push(item.clone());
             if stop(&item) {

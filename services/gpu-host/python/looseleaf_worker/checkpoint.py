@@ -30,7 +30,7 @@ from typing import Any
 import cloudpickle
 import xxhash
 
-from . import comms, quiet, setorder
+from . import comms, files, quiet, setorder
 from .protocol import CHUNK_SIZE
 
 OOB_MIN_BYTES = 64 * 1024
@@ -372,6 +372,8 @@ class RecordPickler(cloudpickle.Pickler):
             return self._reduce_tensor(torch, obj)
         if t is types.CodeType:
             return _reduce_code(obj)
+        if files.is_closed_file(obj):
+            return files.reduce_closed(obj)
         if comms.is_widget(obj):
             self.no_trial = "it holds a widget"  # a rebuilt widget talks to the client
             return comms.reduce_widget(obj)  # its state, on its model id (ADR 33)

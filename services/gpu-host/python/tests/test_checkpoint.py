@@ -121,6 +121,30 @@ def test_unsavable_generator(host, zygote):
     assert result_text(w2.run("keep")) == "{'v': 1}"
 
 
+def test_a_closed_file_is_saved_and_an_open_one_is_not(host, zygote, tmp_path):
+    # the file of a finished `with open(...)` block holds only its name and mode
+    path = tmp_path / "notes.txt"
+    w1 = zygote.fork()
+    ok(
+        w1.run(
+            f"with open({str(path)!r}, 'w', encoding='latin-1') as f:\n    f.write('x')\n"
+            f"with open({str(path)!r}, 'rb') as raw: pass\n"
+            f"still = open({str(path)!r}, 'a')"
+        )
+    )
+    delta = w1.save()["ready"]["delta"]
+    assert set(delta["unsavable"]) == {"still"}
+    assert {"f", "raw"} <= set(delta["variables"])
+    w2 = zygote.fork()
+    assert w2.restore(["f", "raw"])["ok"]
+    got = result_text(
+        w2.run(
+            f"(type(f).__name__, f.name == {str(path)!r}, f.mode, f.encoding, f.closed, type(raw).__name__, raw.mode)"
+        )
+    )
+    assert got == "('TextIOWrapper', True, 'w', 'latin-1', True, 'BufferedReader', 'rb')"
+
+
 def test_incremental_save_only_changed_chunks(fresh_host):
     z = fresh_host.zygote(["numpy"])
     w = z.fork()
