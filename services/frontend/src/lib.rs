@@ -51,8 +51,9 @@ pub struct Timeouts {
     /// frontend holds its claim (so that no host runs it later).
     pub claim: Duration,
     /// A run not complete within this is interrupted, as the user would (the
-    /// hosts' cell timeout is the usual limit; this is the frontend's own).
-    pub execution: Duration,
+    /// hosts' cell timeout is the usual limit; this is the frontend's own). None:
+    /// a cell may run as long as it likes, as in Jupyter (ADR 52).
+    pub execution: Option<Duration>,
     /// After Saved/Failed, how long to wait for announced outputs that are missing.
     pub output_grace: Duration,
     /// After a delete, how long late events (slot releases) are still relayed.
@@ -66,8 +67,7 @@ impl Default for Timeouts {
     fn default() -> Self {
         Self {
             claim: Duration::from_secs(60),
-            // past the hosts' default cell timeout (a day): theirs ends a cell first
-            execution: Duration::from_secs(25 * 3600),
+            execution: None,
             output_grace: Duration::from_secs(5),
             close_grace: Duration::from_secs(2),
             host_lost: Duration::from_secs(10),

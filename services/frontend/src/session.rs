@@ -481,7 +481,7 @@ impl SessionActor {
                 act.abandon_unclaimed(exec_id, format!("no host took the cell within {claim_timeout:?}"), ctx);
             }
         });
-        let deadline = self.shared.timeouts.execution;
+        let Some(deadline) = self.shared.timeouts.execution else { return };
         ctx.run_later(deadline, move |act, ctx| {
             if act.current.as_ref().is_some_and(|c| c.exec_id == exec_id && c.terminal.is_none()) {
                 tracing::warn!(exec = %exec_id, "execution deadline passed; interrupting the cell");

@@ -21,6 +21,36 @@ pub struct Limits {
     pub pids: Option<u64>,
 }
 
+/// Processes and threads a worker may have unless the operator says otherwise.
+pub const DEFAULT_WORKER_PIDS: u64 = 4096;
+
+impl Limits {
+    /// The limits an operator's flags ask for on a host of `slots` GPU slots: a
+    /// flag not given takes its default (memory: the machine's RAM shared by the
+    /// slots' workers and the session's CPU worker; processes: 4,096), and 0
+    /// means unbounded (ADR 52).
+    pub fn from_flags(memory_bytes: Option<u64>, pids: Option<u64>, slots: usize) -> Self {
+        let memory = memory_bytes.or_else(|| total_memory().map(|m| m / (slots as u64 + 1)));
+        let pids = pids.unwrap_or(DEFAULT_WORKER_PIDS);
+        Self { memory_bytes: memory.filter(|b| *b > 0), pids: Some(pids).filter(|n| *n > 0) }
+    }
+
+    /// What these limits bound, in words (for the warning of a machine that cannot).
+    pub fn describe(&self) -> String {
+        let memory = self.memory_bytes.map(|b| format!("memory ({} MiB a worker)", b >> 20));
+        let pids = self.pids.map(|n| format!("processes ({n} a worker)"));
+        [memory, pids].into_iter().flatten().collect::<Vec<_>>().join(" and ")
+    }
+}
+
+/// The machine's RAM (`MemTotal` of /proc/meminfo), if it can be read.
+fn total_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib: u64 =
+        info.lines().find_map(|l| l.strip_prefix("MemTotal:"))?.trim().trim_end_matches("kB").trim().parse().ok()?;
+    Some(kib * 1024)
+}
+
 /// Why limits could not be set up or applied.
 #[derive(Debug, thiserror::Error)]
 pub enum CgroupError {
@@ -137,11 +167,74 @@ impl Cgroups {
         }
     }
 
-    /// Put worker `worker_id` (process `pid`) in a cgroup of its own with the limits.
-    pub fn attach(&self, worker_id: &str, pid: u32) -> Result<WorkerCgroup, CgroupError> {
+    /// What a zygote needs to put each spare it forks in cgroups of its own, ahead
+    /// of need (JSON for its `--cgroups`): moving a process between cgroups waits
+    /// for an RCU grace period (~10 ms), which a cold start must not. For each
+    /// limited hierarchy: the parent, and the files to write (name, value, whether
+    /// it must succeed). A spare's cgroups are `PARENT/spare-PID`.
+    pub fn spare_spec(&self) -> String {
+        let entry = |dir: &Path, files: Vec<(&str, u64, bool)>| serde_json::json!({ "dir": dir, "files": files });
+        let mut spec = Vec::new();
+        match &self.layout {
+            Layout::V2(parent) => {
+                let mut files = Vec::new();
+                if let Some(bytes) = self.limits.memory_bytes {
+                    files.extend([("memory.max", bytes, true), ("memory.swap.max", 0, false)]);
+                }
+                if let Some(n) = self.limits.pids {
+                    files.push(("pids.max", n, true));
+                }
+                spec.push(entry(parent, files));
+            }
+            Layout::V1 { memory, pids } => {
+                if let (Some(parent), Some(bytes)) = (memory, self.limits.memory_bytes) {
+                    let files =
+                        vec![("memory.limit_in_bytes", bytes, true), ("memory.memsw.limit_in_bytes", bytes, false)];
+                    spec.push(entry(parent, files));
+                }
+                if let (Some(parent), Some(n)) = (pids, self.limits.pids) {
+                    spec.push(entry(parent, vec![("pids.max", n, true)]));
+                }
+            }
+        }
+        serde_json::Value::Array(spec).to_string()
+    }
+
+    /// The cgroups a zygote put spare `pid` in, if it is in every one of them.
+    fn spare(&self, pid: u32) -> Option<WorkerCgroup> {
+        let name = format!("spare-{pid}");
+        let mut cg = WorkerCgroup { dirs: Vec::new(), memory: None, pids: None, limits: self.limits };
+        let mut holds = |parent: &Path| -> Option<PathBuf> {
+            let dir = parent.join(&name);
+            let procs = std::fs::read_to_string(dir.join("cgroup.procs")).ok()?;
+            procs.lines().any(|l| l.trim() == pid.to_string()).then(|| {
+                cg.dirs.push(dir.clone());
+                dir
+            })
+        };
+        match &self.layout {
+            Layout::V2(parent) => {
+                let dir = holds(parent)?;
+                cg.memory = self.limits.memory_bytes.map(|_| dir.join("memory.events"));
+                cg.pids = self.limits.pids.map(|_| dir.join("pids.events"));
+            }
+            Layout::V1 { memory, pids } => {
+                if let (Some(parent), Some(_)) = (memory, self.limits.memory_bytes) {
+                    cg.memory = Some(holds(parent)?.join("memory.oom_control"));
+                }
+                if let (Some(parent), Some(_)) = (pids, self.limits.pids) {
+                    cg.pids = Some(holds(parent)?.join("pids.events"));
+                }
+            }
+        }
+        Some(cg)
+    }
+
+    /// A cgroup named `name` (one directory per limited hierarchy) with the limits.
+    fn make(&self, name: &str) -> Result<WorkerCgroup, CgroupError> {
         let mut cg = WorkerCgroup { dirs: Vec::new(), memory: None, pids: None, limits: self.limits };
         let mut make = |parent: &Path| -> Result<PathBuf, CgroupError> {
-            let dir = parent.join(worker_id);
+            let dir = parent.join(name);
             std::fs::create_dir_all(&dir).map_err(io(&dir))?;
             cg.dirs.push(dir.clone());
             Ok(dir)
@@ -158,7 +251,6 @@ impl Cgroups {
                     write(&dir.join("pids.max"), n)?;
                     cg.pids = Some(dir.join("pids.events"));
                 }
-                write(&dir.join("cgroup.procs"), pid)?;
             }
             Layout::V1 { memory, pids } => {
                 if let (Some(parent), Some(bytes)) = (memory, self.limits.memory_bytes) {
@@ -166,16 +258,27 @@ impl Cgroups {
                     write(&dir.join("memory.limit_in_bytes"), bytes)?;
                     // swap must not let a worker past its limit (absent without swap accounting)
                     let _ = std::fs::write(dir.join("memory.memsw.limit_in_bytes"), bytes.to_string());
-                    write(&dir.join("cgroup.procs"), pid)?;
                     cg.memory = Some(dir.join("memory.oom_control"));
                 }
                 if let (Some(parent), Some(n)) = (pids, self.limits.pids) {
                     let dir = make(parent)?;
                     write(&dir.join("pids.max"), n)?;
-                    write(&dir.join("cgroup.procs"), pid)?;
                     cg.pids = Some(dir.join("pids.events"));
                 }
             }
+        }
+        Ok(cg)
+    }
+
+    /// Put worker `worker_id` (process `pid`) in a cgroup of its own with the
+    /// limits, unless it is a spare its zygote already put in one.
+    pub fn attach(&self, worker_id: &str, pid: u32) -> Result<WorkerCgroup, CgroupError> {
+        if let Some(cg) = self.spare(pid) {
+            return Ok(cg);
+        }
+        let cg = self.make(worker_id)?;
+        for dir in &cg.dirs {
+            write(&dir.join("cgroup.procs"), pid)?;
         }
         Ok(cg)
     }
@@ -259,5 +362,16 @@ mod tests {
         assert_eq!(counter(&f, "oom_kill"), 2);
         assert_eq!(counter(&f, "oom_kill_disable"), 0);
         assert_eq!(counter(&f, "under_oom"), 0);
+    }
+
+    #[test]
+    fn flags_not_given_take_the_defaults_and_zero_is_unbounded() {
+        let ram = total_memory().expect("/proc/meminfo");
+        let d = Limits::from_flags(None, None, 3);
+        assert_eq!(d, Limits { memory_bytes: Some(ram / 4), pids: Some(DEFAULT_WORKER_PIDS) });
+        let given = Limits::from_flags(Some(1 << 30), Some(64), 3);
+        assert_eq!(given, Limits { memory_bytes: Some(1 << 30), pids: Some(64) });
+        assert_eq!(given.describe(), "memory (1024 MiB a worker) and processes (64 a worker)");
+        assert_eq!(Limits::from_flags(Some(0), Some(0), 3), Limits::default());
     }
 }

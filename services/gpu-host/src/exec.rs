@@ -693,7 +693,7 @@ impl ExecEnv {
             e.push_str(&format!(" (the worker reached its limit of {limit} processes and threads)"));
         }
         if finished.timed_out {
-            let timeout = self.limits.timeout;
+            let timeout = self.limits.timeout.unwrap_or_default();
             error = Some(format!("{} (the cell ran past the cell timeout of {timeout:?})", error.unwrap_or_default()));
         }
         let status = if finished.status == "ok" { CellStatus::Ok } else { CellStatus::Error };

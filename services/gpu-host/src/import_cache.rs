@@ -325,6 +325,7 @@ mod tests {
             worker_path: Some(".".into()),
             packages: vec![],
             env: Default::default(),
+            spare_cgroups: None,
         };
         let mut cache = ImportCache::new(spec, 2, 1 << 30);
         let tail = set(&["sklearn"]);

@@ -95,10 +95,13 @@ pub struct Config {
     /// Host environment variables cells may see besides the allow-list of
     /// [`cell_env`] (the host's others, its credentials among them, stay out).
     pub worker_env: Vec<String>,
-    /// What each worker may use (memory, processes), through cgroups.
+    /// What each worker may use (memory, processes), through cgroups, as the
+    /// operator's flags say: None takes the default of [`cgroups::Limits::from_flags`],
+    /// 0 is unbounded.
     pub worker_limits: cgroups::Limits,
-    /// A cell running longer is interrupted (then killed after `interrupt_grace`).
-    pub cell_timeout: Duration,
+    /// A cell running longer is interrupted (then killed after `interrupt_grace`);
+    /// None: no cell timeout, as in Jupyter.
+    pub cell_timeout: Option<Duration>,
     /// How long a cell may ignore an interrupt before its worker is killed.
     pub interrupt_grace: Duration,
     /// Run each session's workers as a uid of its own from this range
@@ -106,11 +109,59 @@ pub struct Config {
     pub session_uids: Option<String>,
 }
 
-/// The default cell timeout (seconds): a day.
-pub const DEFAULT_CELL_TIMEOUT_S: u64 = 24 * 3600;
+/// What bounds each worker, as an operator sets it (`looseleaf-gpu-host`,
+/// `looseleaf up` and `run`, compose; ADR 52). On by default: a cell past a bound
+/// fails naming it and the session goes on.
+#[derive(clap::Args, Clone, Copy, Debug, Default)]
+pub struct Bounds {
+    /// Memory each worker (with everything its cells start) may use, in bytes;
+    /// past it the kernel kills the worker and the cell fails naming the limit.
+    /// Default: the machine's RAM divided by its GPU slots plus one; 0: unbounded.
+    /// Through cgroups (v2, or the v1 memory hierarchy).
+    #[arg(long, env = "LOOSELEAF_WORKER_MEMORY_BYTES")]
+    pub worker_memory_bytes: Option<u64>,
+    /// Processes and threads each worker may have (cgroup pids controller).
+    /// Default: 4096; 0: unbounded.
+    #[arg(long, env = "LOOSELEAF_WORKER_PIDS")]
+    pub worker_pids: Option<u64>,
+    /// A cell running longer than this many seconds is interrupted, as if the user
+    /// had pressed interrupt, and killed if it ignores that. Default: none, as in
+    /// Jupyter; 0: none.
+    #[arg(long, env = "LOOSELEAF_CELL_TIMEOUT_S", value_parser = clap::value_parser!(u64).range(0..=365 * 24 * 3600))]
+    pub cell_timeout_s: Option<u64>,
+}
+
+impl Bounds {
+    /// The workers' limits as flags (None: the default; see [`cgroups::Limits::from_flags`]).
+    pub fn limits(&self) -> cgroups::Limits {
+        cgroups::Limits { memory_bytes: self.worker_memory_bytes, pids: self.worker_pids }
+    }
+
+    /// The cell timeout (None: none).
+    pub fn cell_timeout(&self) -> Option<Duration> {
+        self.cell_timeout_s.filter(|s| *s > 0).map(Duration::from_secs)
+    }
+}
 
 /// The default time a cell may ignore an interrupt (seconds).
 pub const DEFAULT_INTERRUPT_GRACE_S: f64 = 5.0;
+
+/// The cgroups that bound this host's workers; None (after one warning that says
+/// what stays unbounded) where the machine cannot make them (ADR 52).
+fn worker_cgroups(config: &Config, slots: usize) -> Option<cgroups::Cgroups> {
+    let limits = cgroups::Limits::from_flags(config.worker_limits.memory_bytes, config.worker_limits.pids, slots);
+    match cgroups::Cgroups::new(&config.host_id, limits) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(
+                host = %config.host_id,
+                "workers' {} are unbounded: this machine cannot limit them ({e}); a cell may use all of the machine",
+                limits.describe()
+            );
+            None
+        }
+    }
+}
 
 /// Run the host until `shutdown` resolves. Must be called inside an actix system.
 pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
@@ -134,11 +185,13 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     let js = bus.jetstream();
     let claims =
         host::claims::Claims::new(buckets::claims(&js, &config.prefix, bus.replicas()).await?, config.host_id.clone());
+    let cgroups = worker_cgroups(&config, slots.len());
     let zygote_spec = zygotes::ZygoteSpec {
         python: config.python.clone(),
         worker_path: config.worker_path.clone(),
         packages: config.base_packages.clone(),
         env: cell_env::cell_env(std::env::vars(), &config.worker_env),
+        spare_cgroups: cgroups.as_ref().map(cgroups::Cgroups::spare_spec),
     };
     // Start the base zygote in the background: the host serves at once, and the first
     // fork waits for the zygote's imports instead of the host's subscriptions.
@@ -165,8 +218,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         limits: worker::RunLimits { timeout: config.cell_timeout, grace: config.interrupt_grace },
         interrupts: interrupts::Interrupts::new(config.interrupt_grace),
         inputs: Default::default(),
-        cgroups: cgroups::Cgroups::new(&config.host_id, config.worker_limits)
-            .context("while setting up the workers' limits")?,
+        cgroups,
         real_gpus,
         recent_manifests: Default::default(),
         forks: Default::default(),

@@ -53,19 +53,9 @@ struct Args {
     /// variable of the host's, its credentials among them, stays out of cells.
     #[arg(long, env = "LOOSELEAF_WORKER_ENV", value_delimiter = ',')]
     worker_env: Vec<String>,
-    /// Memory each worker (with everything its cells start) may use, in bytes;
-    /// past it the kernel kills the worker and the cell fails naming the limit.
-    /// Through cgroups (v2, or the v1 memory hierarchy).
-    #[arg(long, env = "LOOSELEAF_WORKER_MEMORY_BYTES")]
-    worker_memory_bytes: Option<u64>,
-    /// Processes and threads each worker may have (cgroup pids controller).
-    #[arg(long, env = "LOOSELEAF_WORKER_PIDS")]
-    worker_pids: Option<u64>,
-    /// A cell running longer than this many seconds is interrupted, as if the user
-    /// had pressed interrupt (default: a day).
-    #[arg(long, env = "LOOSELEAF_CELL_TIMEOUT_S", default_value_t = looseleaf_gpu_host::DEFAULT_CELL_TIMEOUT_S,
-          value_parser = clap::value_parser!(u64).range(1..=365 * 24 * 3600))]
-    cell_timeout_s: u64,
+    /// Bounds on each worker: memory, processes, cell time.
+    #[command(flatten)]
+    bounds: looseleaf_gpu_host::Bounds,
     /// Seconds a cell may ignore an interrupt (or the cell timeout's) before its
     /// worker is killed with every process it started.
     #[arg(long, env = "LOOSELEAF_INTERRUPT_GRACE_S", default_value_t = looseleaf_gpu_host::DEFAULT_INTERRUPT_GRACE_S)]
@@ -97,8 +87,8 @@ fn main() -> anyhow::Result<()> {
         prepare_holds_slot: a.prepare_holds_slot,
         keep_warm: a.keep_warm,
         worker_env: a.worker_env,
-        worker_limits: looseleaf_gpu_host::cgroups::Limits { memory_bytes: a.worker_memory_bytes, pids: a.worker_pids },
-        cell_timeout: std::time::Duration::from_secs(a.cell_timeout_s),
+        worker_limits: a.bounds.limits(),
+        cell_timeout: a.bounds.cell_timeout(),
         interrupt_grace: std::time::Duration::try_from_secs_f64(a.interrupt_grace_s)
             .ok()
             .filter(|g| *g <= std::time::Duration::from_secs(3600))

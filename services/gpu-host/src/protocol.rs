@@ -430,7 +430,7 @@ impl Conn {
         }
     }
 
-    async fn recv_forever(&mut self) -> Result<Frame, ConnError> {
+    pub async fn recv_forever(&mut self) -> Result<Frame, ConnError> {
         let mut len = [0u8; 4];
         self.stream.read_exact(&mut len).await.map_err(closed_or_io)?;
         let len = u32::from_be_bytes(len) as usize;

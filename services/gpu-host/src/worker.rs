@@ -72,8 +72,8 @@ pub enum WorkerError {
 /// `grace` later if it has not ended.
 #[derive(Clone, Copy, Debug)]
 pub struct RunLimits {
-    /// The cell timeout.
-    pub timeout: Duration,
+    /// The cell timeout (None: a cell may run as long as it likes, as in Jupyter).
+    pub timeout: Option<Duration>,
     /// How long a cell may ignore an interrupt.
     pub grace: Duration,
 }
@@ -301,12 +301,18 @@ impl WorkerProc {
         let watchdog = Watchdog::start(self.pid, limits);
         let mut outputs = 0u64;
         loop {
-            let frame = match self.conn.recv(limits.timeout.saturating_add(limits.grace).saturating_add(STEP)).await {
+            // (without a timeout, a read waits for the frame or the socket's close)
+            let frame = match limits.timeout {
+                Some(t) => self.conn.recv(t.saturating_add(limits.grace).saturating_add(STEP)).await,
+                None => self.conn.recv_forever().await,
+            };
+            let frame = match frame {
                 Ok(f) => f,
                 Err(_) if watchdog.killed() => {
                     self.broken = true;
                     self.enter(WorkerState::Lost);
-                    return Err(WorkerError::CellTimeout { timeout: limits.timeout, grace: limits.grace });
+                    let timeout = limits.timeout.unwrap_or_default();
+                    return Err(WorkerError::CellTimeout { timeout, grace: limits.grace });
                 }
                 Err(e) => return Err(self.conn_err("running", e)),
             };
@@ -556,7 +562,8 @@ impl Watchdog {
         let fired = Arc::new(AtomicU8::new(0));
         let f = fired.clone();
         let task = tokio::spawn(async move {
-            tokio::time::sleep(limits.timeout).await;
+            let Some(timeout) = limits.timeout else { return };
+            tokio::time::sleep(timeout).await;
             tracing::warn!(pid, timeout = ?limits.timeout, "a cell ran past the cell timeout; interrupting it");
             f.store(1, Ordering::SeqCst);
             crate::process::interrupt(pid);

@@ -72,6 +72,8 @@ pub struct ZygoteSpec {
     pub packages: Vec<String>,
     /// The environment zygotes and their workers get (see [`crate::cell_env`]).
     pub env: std::collections::BTreeMap<String, String>,
+    /// The cgroups a zygote puts each spare in ([`crate::cgroups::Cgroups::spare_spec`]).
+    pub spare_cgroups: Option<String>,
 }
 
 /// A live zygote.
@@ -131,6 +133,7 @@ impl Zygote {
             .args(["-m", "looseleaf_worker.zygote", "--socket"])
             .arg(listener.path())
             .args(["--id", id, "--packages", &spec.packages.join(",")])
+            .args(spec.spare_cgroups.iter().flat_map(|c| ["--cgroups", c.as_str()]))
             // never the host's whole environment: it holds the services' credentials
             .env_clear()
             .envs(&spec.env)
