@@ -48,6 +48,88 @@ pub struct ClusterOptions {
     /// An existing NATS to use (every service connects with these options); None
     /// starts a nats-server in the data directory, with a user per service.
     pub nats: Option<NatsOptions>,
+    /// The users of the frontend's API (`USER TOKEN` lines, as the frontend's
+    /// tokens file); None: one user, `local`, with a fresh token in `api-token`.
+    pub users: Option<PathBuf>,
+    /// A cluster of several users runs every user's cells as the user who started
+    /// it (ADR 52): any cell can read every other user's work.
+    pub insecure_shared_workers: bool,
+    /// Bounds on each worker (memory, processes, cell time).
+    pub bounds: looseleaf_gpu_host::Bounds,
+}
+
+/// The uids a cluster of several users gives its sessions' workers when the
+/// operator names none (`--session-uids`): far above people's uids.
+pub const DEFAULT_SESSION_UIDS: &str = "200000-201999";
+
+/// The users file of `up --users`: readable by its owner only (cells run on this
+/// machine), every line `USER TOKEN`. Returns the file's text and its user count.
+fn read_users(path: &Path) -> anyhow::Result<(String, usize)> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let meta = std::fs::metadata(path).with_context(|| format!("--users {}", path.display()))?;
+    let mode = meta.permissions().mode() & 0o777;
+    if mode & 0o077 != 0 {
+        bail!(
+            "--users {}: the file is open to others (mode {mode:03o}) and holds every user's API token; make it its \
+             owner's only: chmod 600 {}",
+            path.display(),
+            path.display()
+        );
+    }
+    let text = std::fs::read_to_string(path).with_context(|| format!("--users {}", path.display()))?;
+    let tokens =
+        looseleaf_frontend::auth::Tokens::parse(&text).with_context(|| format!("--users {}", path.display()))?;
+    Ok((text, tokens.users().len()))
+}
+
+/// Whether `first..=last` are uids this process can switch to: root, in a user
+/// namespace (if any) that maps them.
+fn uids_usable(range: &str) -> Result<(), String> {
+    let euid = std::fs::metadata("/proc/self").map(|m| std::os::unix::fs::MetadataExt::uid(&m)).unwrap_or(u32::MAX);
+    if euid != 0 {
+        return Err(format!("it runs as uid {euid}, not root"));
+    }
+    let (first, last) = range
+        .split_once('-')
+        .and_then(|(a, b)| Some((a.trim().parse::<u64>().ok()?, b.trim().parse::<u64>().ok()?)))
+        .ok_or_else(|| format!("{range:?} is not a range FIRST-LAST"))?;
+    let map = std::fs::read_to_string("/proc/self/uid_map").unwrap_or_default();
+    let mapped = map.lines().any(|l| {
+        let n: Vec<u64> = l.split_whitespace().filter_map(|w| w.parse().ok()).collect();
+        n.len() == 3 && n[0] <= first && last < n[0] + n[2]
+    });
+    if !mapped && !map.is_empty() {
+        return Err(format!("uids {range} are not mapped in its user namespace (/proc/self/uid_map)"));
+    }
+    Ok(())
+}
+
+/// The uid range of the cluster's workers: the operator's, or for a cluster of
+/// several users the default one; refused where it cannot be used (ADR 52).
+fn worker_uids(opts: &ClusterOptions, users: usize) -> anyhow::Result<Option<String>> {
+    if let Some(range) = &opts.session_uids {
+        return Ok(Some(range.clone()));
+    }
+    if users < 2 {
+        return Ok(None); // one user: cells run as that user, as in Jupyter
+    }
+    if opts.insecure_shared_workers {
+        tracing::warn!(
+            users,
+            "--insecure-shared-workers: every user's cells run as one uid; any cell can read every other user's \
+             work, tokens and checkpoints"
+        );
+        return Ok(None);
+    }
+    match uids_usable(DEFAULT_SESSION_UIDS) {
+        Ok(()) => Ok(Some(DEFAULT_SESSION_UIDS.to_string())),
+        Err(why) => bail!(
+            "this cluster serves {users} users, so each session's workers must run as a uid of their own \
+             (--session-uids {DEFAULT_SESSION_UIDS}), and here {why}; run it as root, name a usable range with \
+             --session-uids FIRST-LAST, or pass --insecure-shared-workers to let every user's cells read each \
+             other's work"
+        ),
+    }
 }
 
 /// The NATS users of the embedded cluster: one per service, and the operator's
@@ -117,7 +199,8 @@ pub struct Cluster {
     pub frontend_url: String,
     /// The NATS URL (shown without passwords).
     pub nats_url: String,
-    /// The bearer token of the frontend's API (also in `DATA_DIR/api-token`).
+    /// The bearer token of the frontend's API (also in `DATA_DIR/api-token`);
+    /// empty where `--users` names the users.
     pub api_token: String,
 }
 
@@ -130,6 +213,25 @@ fn manifest_key(data_dir: &Path) -> anyhow::Result<PathBuf> {
         write_private(&path, &key).with_context(|| format!("while writing {}", path.display()))?;
     }
     Ok(path)
+}
+
+/// Keep the data directory's secrets (manifest key, API token, NATS logins, the
+/// store, the bus's streams) from everyone but this user: the directory is
+/// theirs to traverse only (workers of session uids find their package layers and
+/// restore files in it by name), its secret parts owner-only.
+fn private_data_dir(data_dir: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let set = |path: &Path, mode: u32| {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+            .with_context(|| format!("while making {} private", path.display()))
+    };
+    set(data_dir, 0o711)?;
+    for dir in ["nats", "store"] {
+        let path = data_dir.join(dir);
+        std::fs::create_dir_all(&path).with_context(|| format!("while creating {}", path.display()))?;
+        set(&path, 0o700)?;
+    }
+    Ok(())
 }
 
 /// Whether `python -c "import torch"` works (bounded, so a broken install cannot hang `up`).
@@ -146,9 +248,13 @@ async fn has_torch(python: &Path) -> bool {
 impl Cluster {
     /// Start everything; returns once the frontend listens. Call inside an actix system.
     pub async fn start(opts: &ClusterOptions) -> anyhow::Result<Self> {
+        let users = opts.users.as_deref().map(read_users).transpose()?;
+        let session_uids = worker_uids(opts, users.as_ref().map_or(1, |(_, n)| *n))?;
+        let opts = &ClusterOptions { session_uids, ..opts.clone() };
         std::fs::create_dir_all(&opts.data_dir)
             .with_context(|| format!("while creating {}", opts.data_dir.display()))?;
         let data_dir = opts.data_dir.canonicalize().context("while resolving the data dir")?;
+        private_data_dir(&data_dir)?;
         let nats = match &opts.nats {
             Some(external) => ClusterNats::External(external.clone()),
             None => {
@@ -169,10 +275,21 @@ impl Cluster {
         };
         let nats_url = nats.for_user(|u| &u.operator).shown();
         let token = CancellationToken::new();
-        // a fresh API token per start, readable by this user only
-        let api_token = format!("{}{}", Uuid::new_v4().simple(), Uuid::new_v4().simple());
+        // a fresh API token per start, readable by this user only (unless the
+        // operator named the users)
         let token_file = data_dir.join("api-token");
-        write_private(&token_file, &api_token).with_context(|| format!("while writing {}", token_file.display()))?;
+        let (api_token, tokens) = match users {
+            Some((text, _)) => {
+                let _ = std::fs::remove_file(&token_file); // an earlier start's
+                (String::new(), text)
+            }
+            None => {
+                let token = format!("{}{}", Uuid::new_v4().simple(), Uuid::new_v4().simple());
+                write_private(&token_file, &token)
+                    .with_context(|| format!("while writing {}", token_file.display()))?;
+                (token.clone(), format!("local {token}\n"))
+            }
+        };
         let mut cluster = Cluster {
             nats,
             data_dir: data_dir.clone(),
@@ -182,7 +299,7 @@ impl Cluster {
             nats_url,
             api_token,
         };
-        match cluster.start_services(opts, &data_dir).await {
+        match cluster.start_services(opts, &data_dir, &tokens).await {
             Ok(url) => {
                 cluster.frontend_url = url;
                 Ok(cluster)
@@ -194,7 +311,7 @@ impl Cluster {
         }
     }
 
-    async fn start_services(&mut self, opts: &ClusterOptions, data_dir: &Path) -> anyhow::Result<String> {
+    async fn start_services(&mut self, opts: &ClusterOptions, data_dir: &Path, tokens: &str) -> anyhow::Result<String> {
         let (store_nats, planner_nats) = (self.nats.for_user(|u| &u.store), self.nats.for_user(|u| &u.planner));
         let (host_nats, frontend_nats) = (self.nats.for_user(|u| &u.host), self.nats.for_user(|u| &u.frontend));
         let store_url = opts.store_url.clone().unwrap_or_else(|| data_dir.join("store").display().to_string());
@@ -247,8 +364,8 @@ impl Cluster {
                 prepare_holds_slot: opts.prepare_holds_slot,
                 keep_warm: false,
                 worker_env: Vec::new(),
-                worker_limits: Default::default(),
-                cell_timeout: Duration::from_secs(looseleaf_gpu_host::DEFAULT_CELL_TIMEOUT_S),
+                worker_limits: opts.bounds.limits(),
+                cell_timeout: opts.bounds.cell_timeout(),
                 interrupt_grace: Duration::from_secs_f64(looseleaf_gpu_host::DEFAULT_INTERRUPT_GRACE_S),
                 // cells write where the notebook lies, as its owner: the embedded
                 // cluster runs them as the user who started it (ADR 29)
@@ -259,7 +376,7 @@ impl Cluster {
 
         let listen = SocketAddr::from(([127, 0, 0, 1], opts.port));
         let mut config = looseleaf_frontend::Config::new(frontend_nats, PREFIX, listen);
-        config.tokens = looseleaf_frontend::auth::Tokens::parse(&format!("local {}\n", self.api_token))?;
+        config.tokens = looseleaf_frontend::auth::Tokens::parse(tokens)?;
         let (tx, rx) = tokio::sync::oneshot::channel();
         self.spawn("frontend", move |stop| {
             looseleaf_frontend::run_with_bound(config, stop, move |addr| {

@@ -65,6 +65,9 @@ struct EmbedArgs {
     /// Prepared workers hold a GPU slot even when their closure has no GPU-resident state.
     #[arg(long, env = "LOOSELEAF_PREPARE_HOLDS_SLOT")]
     prepare_holds_slot: bool,
+    /// Bounds on each worker.
+    #[command(flatten)]
+    bounds: looseleaf_gpu_host::Bounds,
 }
 
 #[derive(Subcommand, Debug)]
@@ -84,6 +87,18 @@ enum Command {
         /// root; a session's working directory must be writable by its uid; ADR 29).
         #[arg(long, env = "LOOSELEAF_SESSION_UIDS")]
         session_uids: Option<String>,
+        /// The API's users: a file of `USER TOKEN` lines, readable by its owner only
+        /// (default: one user, `local`, with a fresh token in DATA_DIR/api-token).
+        /// With two or more, each session's workers run as a uid of their own
+        /// (default range 200000-201999; needs root), so no user's cell can read
+        /// another's work (ADR 52).
+        #[arg(long, env = "LOOSELEAF_USERS")]
+        users: Option<PathBuf>,
+        /// Let a cluster of several users run every user's cells as the user who
+        /// started it (not root, say): any cell can then read every other user's
+        /// variables, files, tokens and checkpoints.
+        #[arg(long, env = "LOOSELEAF_INSECURE_SHARED_WORKERS")]
+        insecure_shared_workers: bool,
         /// Use the NATS these options name (`--nats-url` and the login and TLS
         /// flags) instead of starting one; without `--nats-url`, a nats-server is
         /// started in the data directory.
@@ -280,6 +295,9 @@ fn options(embed: EmbedArgs, data_dir: PathBuf, virtual_gpus: Option<u32>, port:
         port,
         session_uids: None,
         nats: None,
+        users: None,
+        insecure_shared_workers: false,
+        bounds: embed.bounds,
     }
 }
 
@@ -294,7 +312,10 @@ async fn up(opts: ClusterOptions) -> anyhow::Result<()> {
     let mut cluster = Cluster::start(&opts).await?;
     cluster.wait_ready(opts.hosts, std::time::Duration::from_secs(180)).await?;
     println!("LooseLeaf is up: frontend {} (NATS {}); Ctrl-C stops it", cluster.frontend_url, cluster.nats_url);
-    println!("API token (also in {}): {}", opts.data_dir.join("api-token").display(), cluster.api_token);
+    match &opts.users {
+        Some(users) => println!("API users and their tokens: {}", users.display()),
+        None => println!("API token (also in {}): {}", opts.data_dir.join("api-token").display(), cluster.api_token),
+    }
     let res = tokio::select! {
         () = schemas::telemetry::shutdown_signal() => Ok(()),
         (name, res) = cluster.any_exit() => match res {
@@ -322,9 +343,15 @@ fn main() -> anyhow::Result<()> {
 fn command(cli: Cli, nats_given: bool, system: &actix_rt::SystemRunner) -> anyhow::Result<()> {
     match cli.command {
         Command::Simulate(args) => simulate::simulate(&args).map(|_| ()),
-        Command::Up { virtual_gpus, port, data_dir, session_uids, nats, embed } => {
+        Command::Up { virtual_gpus, port, data_dir, session_uids, users, insecure_shared_workers, nats, embed } => {
             let nats = nats_given.then_some(nats);
-            let opts = ClusterOptions { session_uids, nats, ..options(embed, data_dir, virtual_gpus, port) };
+            let opts = ClusterOptions {
+                session_uids,
+                nats,
+                users,
+                insecure_shared_workers,
+                ..options(embed, data_dir, virtual_gpus, port)
+            };
             system.block_on(up(opts))
         }
         Command::Run {

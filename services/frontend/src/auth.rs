@@ -90,6 +90,11 @@ impl Tokens {
         Ok(Self(Some(Arc::new(tokens))))
     }
 
+    /// The users the tokens name (none for an open API).
+    pub fn users(&self) -> std::collections::BTreeSet<&str> {
+        self.0.iter().flat_map(|t| t.values()).map(String::as_str).collect()
+    }
+
     /// Whether the API asks for a token.
     pub fn required(&self) -> bool {
         self.0.is_some()

@@ -17,13 +17,23 @@ struct Args {
     #[arg(long, env = "LOOSELEAF_CLAIM_TIMEOUT_S", default_value_t = 60)]
     claim_timeout_s: u64,
     /// Seconds a run may take before the frontend interrupts it, as the user would
-    /// (the hosts' --cell-timeout-s, a day, usually ends it first).
-    #[arg(long, env = "LOOSELEAF_EXEC_DEADLINE_S", default_value_t = 25 * 3600)]
+    /// (the hosts' --cell-timeout-s usually ends it first). Default 0: none, as in
+    /// Jupyter.
+    #[arg(long, env = "LOOSELEAF_EXEC_DEADLINE_S", default_value_t = 0)]
     exec_deadline_s: u64,
     /// File of `USER TOKEN` lines: the API then needs `Authorization: Bearer TOKEN`
     /// and each session belongs to its creator (without it the API is open).
     #[arg(long, env = "LOOSELEAF_TOKENS_FILE")]
     tokens_file: Option<std::path::PathBuf>,
+    /// Every gpu-host of this cluster runs each session's workers as a uid of its
+    /// own (`--session-uids`, as compose sets): required of a frontend whose tokens
+    /// file names two or more users, unless `--insecure-shared-workers` (ADR 52).
+    #[arg(long, env = "LOOSELEAF_WORKERS_ISOLATED")]
+    workers_isolated: bool,
+    /// Serve several users though the hosts run every user's cells as one uid: any
+    /// cell can then read every other user's work.
+    #[arg(long, env = "LOOSELEAF_INSECURE_SHARED_WORKERS", conflicts_with = "workers_isolated")]
+    insecure_shared_workers: bool,
     /// Stream items (events, outputs) each session keeps for clients that connect
     /// or reconnect later (`Last-Event-ID`); older ones are dropped.
     #[arg(long, env = "LOOSELEAF_HISTORY_ITEMS", default_value_t = looseleaf_frontend::DEFAULT_HISTORY_ITEMS)]
@@ -62,7 +72,8 @@ fn main() -> anyhow::Result<()> {
     let mut config = looseleaf_frontend::Config::new(args.service.nats, args.service.prefix, args.listen);
     config.health_listen = args.service.health_listen;
     config.timeouts.claim = std::time::Duration::from_secs(args.claim_timeout_s);
-    config.timeouts.execution = std::time::Duration::from_secs(args.exec_deadline_s);
+    config.timeouts.execution =
+        (args.exec_deadline_s > 0).then(|| std::time::Duration::from_secs(args.exec_deadline_s));
     config.timeouts.host_lost = std::time::Duration::from_secs(args.host_lost_s);
     config.history_items = args.history_items;
     config.cull_idle = (args.cull_idle_s > 0.0)
@@ -78,6 +89,17 @@ fn main() -> anyhow::Result<()> {
         Some(looseleaf_frontend::origins::Origins::new(args.listen, &args.allowed_hosts, &args.cors_origins));
     if let Some(path) = &args.tokens_file {
         config.tokens = looseleaf_frontend::auth::Tokens::load(path)?;
+        let users = config.tokens.users().len();
+        if users >= 2 && !args.workers_isolated {
+            anyhow::ensure!(
+                args.insecure_shared_workers,
+                "{} names {users} users: their cells must run as uids of their own (every gpu-host with \
+                 --session-uids FIRST-LAST, as root); say so with --workers-isolated, or pass \
+                 --insecure-shared-workers to serve them anyway (any cell can then read every other user's work)",
+                path.display()
+            );
+            tracing::warn!(users, "--insecure-shared-workers: any user's cell can read every other user's work");
+        }
     }
     actix_rt::System::new().block_on(looseleaf_frontend::run(config, schemas::telemetry::shutdown_signal()))
 }

@@ -70,9 +70,20 @@ impl SessionUids {
         Ok(uid)
     }
 
-    /// `session` has no workers here any more: its uid may go to another session.
+    /// `session` has no workers here any more: its uid may go to another session,
+    /// which must not find this one's home or temporary files (ADR 52).
     pub fn release(&self, session: Uuid) {
-        self.assigned.lock().unwrap_or_else(|e| e.into_inner()).remove(&session);
+        let uid = self.assigned.lock().unwrap_or_else(|e| e.into_inner()).remove(&session);
+        if let Some(uid) = uid {
+            for name in ["home", "tmp"] {
+                let dir = std::env::temp_dir().join(format!("looseleaf-{name}-{uid}"));
+                if let Err(e) = std::fs::remove_dir_all(&dir) {
+                    if e.kind() != std::io::ErrorKind::NotFound {
+                        tracing::warn!(dir = %dir.display(), error = %e, "could not clear a released session uid's files");
+                    }
+                }
+            }
+        }
     }
 }
 

@@ -111,6 +111,8 @@ def _reexec_without(args, unsafe: str) -> None:
         ",".join(p for p in args.packages if p != unsafe),
         "--cuda-unsafe",
         ",".join(args.cuda_unsafe + [unsafe]),
+        "--cgroups",
+        args.cgroups,
     ]
     sys.stdout.flush()
     sys.stderr.flush()
@@ -157,6 +159,7 @@ class Spare:
         os.close(r)
         self.pid, self.pipe = pid, w
         _spare_pipes.add(w)
+        _enter_cgroups(pid)
 
     def hand(self, msg: dict) -> bool:
         """Give the spare its worker parameters; False if it is gone."""
@@ -169,6 +172,34 @@ class Spare:
         finally:
             _spare_pipes.discard(self.pipe)
             os.close(self.pipe)
+
+
+# The cgroups each spare goes in (the host's `--cgroups`; empty: none): for each
+# limited hierarchy, its parent and the files that set the limits.
+_spare_cgroups: list[dict] = []
+
+
+def _enter_cgroups(pid: int) -> None:
+    """Put spare ``pid`` in cgroups of its own, ``PARENT/spare-PID``, while nobody
+    waits for it: moving a process between cgroups waits for an RCU grace period
+    (~10 ms). The host adopts them when it hands the spare out (ADR 52); on any
+    failure it moves the worker itself then."""
+    for entry in _spare_cgroups:
+        path = os.path.join(entry["dir"], f"spare-{pid}")
+        try:
+            os.makedirs(path, exist_ok=True)
+            for name, value, required in entry["files"]:
+                try:
+                    with open(os.path.join(path, name), "w") as f:
+                        f.write(str(value))
+                except OSError:
+                    if required:
+                        raise
+            with open(os.path.join(path, "cgroup.procs"), "w") as f:
+                f.write(str(pid))
+        except OSError as e:
+            _log(f"could not put spare {pid} in {path}: {e}")
+            return
 
 
 def _read_params(fd: int) -> dict:
@@ -216,17 +247,24 @@ def _become_worker(conn: socket.socket, zygote_id: str, params) -> None:
 def _become_session_user(uid: int) -> None:
     """Drop to the session's own uid (gid = uid, no supplementary groups), once
     connected to the host: from here the cell can reach only what that uid can
-    (ADR 29). Its home is a directory of its own, as a user's would be."""
+    (ADR 29). Its home and temporary directory are its own, as a user's would be,
+    and what its cells create is private to it (umask 077; ADR 52): another
+    session's uid cannot read it, in /tmp, /dev/shm or the notebook's folder."""
     os.setgroups([])
     os.setgid(uid)
     os.setuid(uid)
-    home = os.path.join(tempfile.gettempdir(), f"looseleaf-home-{uid}")
-    try:
-        os.makedirs(home, mode=0o700, exist_ok=True)
-        if os.stat(home).st_uid == uid:
-            os.environ["HOME"] = home
-    except OSError:
-        pass  # a home it cannot make: it keeps the host's (read-only to it)
+    os.umask(0o077)
+    base = tempfile.gettempdir()
+    for var, name in (("HOME", "home"), ("TMPDIR", "tmp")):
+        path = os.path.join(base, f"looseleaf-{name}-{uid}")
+        try:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+            st = os.stat(path)
+            if st.st_uid == uid and st.st_mode & 0o077 == 0:
+                os.environ[var] = path
+        except OSError:
+            pass  # one it cannot make: it keeps the host's (read-only to it)
+    tempfile.tempdir = None  # the zygote's cached choice; the next use reads TMPDIR
 
 
 def _fork_worker(conn: socket.socket, msg: dict, zygote_id: str, spares: list[Spare]) -> None:
@@ -268,7 +306,9 @@ def main(argv=None) -> int:
     ap.add_argument("--id", required=True, help="this zygote's id")
     ap.add_argument("--packages", default="", help="comma-separated packages to import")
     ap.add_argument("--cuda-unsafe", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--cgroups", default="[]", help="JSON: the cgroups each spare goes in")
     args = ap.parse_args(argv)
+    _spare_cgroups[:] = json.loads(args.cgroups)
     args.packages = [p for p in args.packages.split(",") if p]
     args.cuda_unsafe = [p for p in args.cuda_unsafe.split(",") if p]
     # no collections while importing: they would leave freed holes in pages the
