@@ -25,6 +25,7 @@ mod operations_doc;
 mod relocatable;
 mod run_cli;
 mod run_delivery;
+mod security;
 mod session_delete;
 mod simulate;
 mod speculation;

@@ -106,7 +106,15 @@ def isolation(corpus: Path) -> dict:
         return {"env": {}, "session_uids": None, "why_off": "not root: workers run as the host's user"}
     for d in [corpus, *corpus.rglob("*")]:
         d.chmod(0o777 if d.is_dir() else 0o666)
-    return {"env": {"LOOSELEAF_SESSION_UIDS": SESSION_UIDS}, "session_uids": SESSION_UIDS}
+    return {"env": {"LOOSELEAF_SESSION_UIDS": SESSION_UIDS}, "session_uids": SESSION_UIDS, **bounds()}
+
+
+def bounds() -> dict:
+    """The workers' bounds `up` sets by default (ADR 52: memory, processes through
+    cgroups; no cell timeout), and whether this machine can hold them."""
+    own = Path("/proc/self/cgroup").read_text() if Path("/proc/self/cgroup").exists() else ""
+    cgroups = os.geteuid() == 0 and any(":memory:" in line or line.startswith("0::") for line in own.splitlines())
+    return {"bounds": "defaults: memory RAM/(slots+1), 4096 processes, no cell timeout", "cgroups": cgroups}
 
 
 def run_looseleaf(
@@ -317,6 +325,21 @@ def import_hit(imports: list[str], zygote_packages: set[str]) -> tuple[bool, lis
     return not misses, misses
 
 
+def isolation_cost(cold_ms: list[float], open_cells: list[dict]) -> dict:
+    """Median cold start with session uids and bounds on (the figure) and off."""
+    open_ms = [c["start_delay_ms"] for c in open_cells if is_cold(c)]
+    on, off = B.median(cold_ms), B.median(open_ms)
+    return {
+        "what": "median cold start with session uids and default bounds (the figures above), and without, same run",
+        "median_cold_ms_on": on,
+        "median_cold_ms_off": off,
+        "p95_cold_ms_on": B.percentile(cold_ms, 0.95),
+        "p95_cold_ms_off": B.percentile(open_ms, 0.95),
+        "cells_off": len(open_ms),
+        "cost_ms": on - off,
+    }
+
+
 def summarize(
     limit: dict,
     ll_cells: list[dict],
@@ -379,8 +402,10 @@ def summarize(
         "bench": "cold-start",
         # every cell's trace exported over OTLP while LooseLeaf was measured (issue 15)
         "tracing": {"exported": True, "otlp_exports": args.otlp_exports, "otlp_bytes": args.otlp_bytes},
-        # workers isolated per session as a deployment runs them (issue 12)
+        # workers isolated per session as a deployment runs them (issue 12), bounded
+        # by default (issue 34); and the same cells without either in the same run
         "isolation": {k: v for k, v in args.isolation.items() if k != "env"},
+        "isolation_and_bounds_cost": isolation_cost(cold_ms, args.open_cells),
         "median_cold_ms": median_cold,
         "p95_cold_ms": B.percentile(cold_ms, 0.95),
         "median_naive_ms": median_naive,
@@ -523,6 +548,9 @@ def main() -> int:
     try:
         args.isolation = isolation(corpus)
         ll_cells, runs, zs = run_looseleaf(corpus, work / "looseleaf", args.rounds, traces, args.isolation)
+        # the same again with neither session uids nor bounds: what they cost, in one run
+        open_iso = {"env": {"LOOSELEAF_WORKER_MEMORY_BYTES": "0", "LOOSELEAF_WORKER_PIDS": "0"}, "session_uids": None}
+        args.open_cells, _, _ = run_looseleaf(corpus, work / "looseleaf-open", args.rounds, traces, open_iso)
     finally:
         traces.stop()
     args.otlp_exports, args.otlp_bytes = traces.requests, traces.bytes

@@ -279,9 +279,11 @@ impl LocalCluster {
         let mut up = LocalCluster { child, port, _data: data, token: String::new() };
         wait_for(Duration::from_secs(180), || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok())
             .context("looseleaf up: no frontend")?;
-        // written before the frontend listens
-        let token = std::fs::read_to_string(&token_file).context("looseleaf up wrote no API token")?;
-        up.token = token.trim().to_string();
+        // written before the frontend listens (unless `--users` names the users)
+        if !args.contains(&"--users") {
+            let token = std::fs::read_to_string(&token_file).context("looseleaf up wrote no API token")?;
+            up.token = token.trim().to_string();
+        }
         Ok(up)
     }
 
