@@ -218,20 +218,21 @@ fn manifest_key(data_dir: &Path) -> anyhow::Result<PathBuf> {
 /// Keep the data directory's secrets (manifest key, API token, NATS logins, the
 /// store, the bus's streams) from everyone but this user: the directory is
 /// theirs to traverse only (workers of session uids find their package layers and
-/// restore files in it by name), its secret parts owner-only.
+/// restore files in it by name), its secret parts owner-only (files by
+/// `write_private`, the store by the store, the bus's folder here).
 fn private_data_dir(data_dir: &Path) -> anyhow::Result<()> {
     use std::os::unix::fs::PermissionsExt as _;
-    let set = |path: &Path, mode: u32| {
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
-            .with_context(|| format!("while making {} private", path.display()))
-    };
-    set(data_dir, 0o711)?;
-    for dir in ["nats", "store"] {
-        let path = data_dir.join(dir);
-        std::fs::create_dir_all(&path).with_context(|| format!("while creating {}", path.display()))?;
-        set(&path, 0o700)?;
-    }
-    Ok(())
+    std::fs::set_permissions(data_dir, std::fs::Permissions::from_mode(0o711))
+        .with_context(|| format!("while making {} private", data_dir.display()))
+}
+
+/// The folder of the local nats-server's streams (sessions' code among them),
+/// its owner's only.
+fn private_dir(path: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::create_dir_all(path).with_context(|| format!("while creating {}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o700))
+        .with_context(|| format!("while making {} private", path.display()))
 }
 
 /// Whether `python -c "import torch"` works (bounded, so a broken install cannot hang `up`).
@@ -260,6 +261,7 @@ impl Cluster {
             None => {
                 let bin = schemas::locate::nats_server(opts.nats_server.as_deref());
                 let store = data_dir.join("nats");
+                private_dir(&store)?;
                 // every client logs in; each service as itself, fresh passwords each start
                 let users = NatsUsers::new(PREFIX);
                 let all = users.all();
