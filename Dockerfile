@@ -26,12 +26,10 @@ COPY --from=build /src/target/release/looseleaf /src/target/release/looseleaf-fr
      /src/target/release/looseleaf-gpu-host /src/target/release/looseleaf-planner \
      /src/target/release/looseleaf-store /usr/local/bin/
 # the service user's home, the gpu-host's sockets, and the notebooks and package
-# layers volumes, writable by it (a named volume takes its folder's owner and
-# mode); the notebooks folder by every session's uid too, each its own files
-# (sticky, as /tmp; ADR 52)
+# layers volumes, writable by it (a named volume takes its folder's owner)
 COPY --chown=10001:10001 deploy/empty/ /home/looseleaf/
 COPY --chown=10001:10001 deploy/empty/ /run/looseleaf/
-COPY --chown=10001:10001 --chmod=1777 deploy/empty/ /notebooks/
+COPY --chown=10001:10001 deploy/empty/ /notebooks/
 COPY --chown=10001:10001 deploy/empty/ /packages/
 ENV LOOSELEAF_PYTHON=/opt/looseleaf/venv/bin/python LOOSELEAF_RUNTIME_DIR=/run/looseleaf HOME=/home/looseleaf
 USER 10001:10001

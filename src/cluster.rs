@@ -82,28 +82,6 @@ fn read_users(path: &Path) -> anyhow::Result<(String, usize)> {
     Ok((text, tokens.users().len()))
 }
 
-/// Whether `first..=last` are uids this process can switch to: root, in a user
-/// namespace (if any) that maps them.
-fn uids_usable(range: &str) -> Result<(), String> {
-    let euid = std::fs::metadata("/proc/self").map(|m| std::os::unix::fs::MetadataExt::uid(&m)).unwrap_or(u32::MAX);
-    if euid != 0 {
-        return Err(format!("it runs as uid {euid}, not root"));
-    }
-    let (first, last) = range
-        .split_once('-')
-        .and_then(|(a, b)| Some((a.trim().parse::<u64>().ok()?, b.trim().parse::<u64>().ok()?)))
-        .ok_or_else(|| format!("{range:?} is not a range FIRST-LAST"))?;
-    let map = std::fs::read_to_string("/proc/self/uid_map").unwrap_or_default();
-    let mapped = map.lines().any(|l| {
-        let n: Vec<u64> = l.split_whitespace().filter_map(|w| w.parse().ok()).collect();
-        n.len() == 3 && n[0] <= first && last < n[0] + n[2]
-    });
-    if !mapped && !map.is_empty() {
-        return Err(format!("uids {range} are not mapped in its user namespace (/proc/self/uid_map)"));
-    }
-    Ok(())
-}
-
 /// The uid range of the cluster's workers: the operator's, or for a cluster of
 /// several users the default one; refused where it cannot be used (ADR 52).
 fn worker_uids(opts: &ClusterOptions, users: usize) -> anyhow::Result<Option<String>> {
@@ -121,13 +99,12 @@ fn worker_uids(opts: &ClusterOptions, users: usize) -> anyhow::Result<Option<Str
         );
         return Ok(None);
     }
-    match uids_usable(DEFAULT_SESSION_UIDS) {
-        Ok(()) => Ok(Some(DEFAULT_SESSION_UIDS.to_string())),
+    match looseleaf_gpu_host::session_uids::SessionUids::new(DEFAULT_SESSION_UIDS) {
+        Ok(_) => Ok(Some(DEFAULT_SESSION_UIDS.to_string())),
         Err(why) => bail!(
-            "this cluster serves {users} users, so each session's workers must run as a uid of their own \
-             (--session-uids {DEFAULT_SESSION_UIDS}), and here {why}; run it as root, name a usable range with \
-             --session-uids FIRST-LAST, or pass --insecure-shared-workers to let every user's cells read each \
-             other's work"
+            "this cluster serves {users} users, so each session's workers must run as a uid of their own, and \
+             here {why}; run it as root, name a usable range with --session-uids FIRST-LAST, or pass \
+             --insecure-shared-workers to let every user's cells read each other's work"
         ),
     }
 }
@@ -215,15 +192,15 @@ fn manifest_key(data_dir: &Path) -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
-/// Keep the data directory's secrets (manifest key, API token, NATS logins, the
-/// store, the bus's streams) from everyone but this user: the directory is
-/// theirs to traverse only (workers of session uids find their package layers and
-/// restore files in it by name), its secret parts owner-only (files by
-/// `write_private`, the store by the store, the bus's folder here).
-fn private_data_dir(data_dir: &Path) -> anyhow::Result<()> {
+/// Let session uids reach their package layers in the data directory by name,
+/// and nothing else of it: its owner's bits stay, others may only traverse. (Its
+/// secrets are 0600 by `write_private`, the store 0700 by the store, the bus's
+/// folder 0700 here.)
+fn traversable_data_dir(data_dir: &Path) -> anyhow::Result<()> {
     use std::os::unix::fs::PermissionsExt as _;
-    std::fs::set_permissions(data_dir, std::fs::Permissions::from_mode(0o711))
-        .with_context(|| format!("while making {} private", data_dir.display()))
+    let mode = std::fs::metadata(data_dir).with_context(|| format!("{}", data_dir.display()))?.permissions().mode();
+    std::fs::set_permissions(data_dir, std::fs::Permissions::from_mode((mode & 0o700) | 0o011))
+        .with_context(|| format!("while making {} traversable only", data_dir.display()))
 }
 
 /// The folder of the local nats-server's streams (sessions' code among them),
@@ -255,7 +232,9 @@ impl Cluster {
         std::fs::create_dir_all(&opts.data_dir)
             .with_context(|| format!("while creating {}", opts.data_dir.display()))?;
         let data_dir = opts.data_dir.canonicalize().context("while resolving the data dir")?;
-        private_data_dir(&data_dir)?;
+        if opts.session_uids.is_some() {
+            traversable_data_dir(&data_dir)?;
+        }
         let nats = match &opts.nats {
             Some(external) => ClusterNats::External(external.clone()),
             None => {
@@ -370,8 +349,13 @@ impl Cluster {
                 cell_timeout: opts.bounds.cell_timeout(),
                 interrupt_grace: Duration::from_secs_f64(looseleaf_gpu_host::DEFAULT_INTERRUPT_GRACE_S),
                 // cells write where the notebook lies, as its owner: the embedded
-                // cluster runs them as the user who started it (ADR 29)
-                session_uids: opts.session_uids.clone(),
+                // cluster runs them as the user who started it (ADR 29), unless it
+                // serves several users (ADR 52); its hosts share this machine's
+                // files, so each gets uids of its own
+                session_uids: match &opts.session_uids {
+                    Some(range) => Some(looseleaf_gpu_host::session_uids::SessionUids::split(range, opts.hosts, i)?),
+                    None => None,
+                },
             };
             self.spawn(&host_id, |stop| looseleaf_gpu_host::run(config, stop));
         }

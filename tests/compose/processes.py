@@ -143,18 +143,6 @@ def load(compose_dir: Path) -> dict:
 # --- what each service runs -----------------------------------------------------
 
 
-def image_modes(dockerfile: Path) -> dict[str, int]:
-    """The folders the Dockerfile copies with `--chmod=MODE`: a named volume mounted
-    there starts with that mode."""
-    modes = {}
-    for line in dockerfile.read_text().splitlines():
-        words = line.split()
-        mode = next((w.split("=", 1)[1] for w in words if w.startswith("--chmod=")), None)
-        if words and words[0] == "COPY" and mode:
-            modes[words[-1].rstrip("/")] = int(mode, 8)
-    return modes
-
-
 def image_config(dockerfile: Path) -> tuple[dict[str, str], str | None]:
     """The ENV and USER of the Dockerfile's last stage (LooseLeaf's runtime image)."""
     env: dict[str, str] = {}
@@ -348,14 +336,6 @@ class Topology:
         if kind == LOOSELEAF:
             image_env, user = image_config(self.dir / "Dockerfile")
             env.update(image_env)
-            modes = image_modes(self.dir / "Dockerfile")
-            for target, here in mounts:
-                if "/volumes/" in here and target.rstrip("/") in modes:
-                    os.chmod(here, modes[target.rstrip("/")])
-            # the service's own `user:` wins over the image's (root: no switch)
-            user = str(service.get("user", user or "")) or None
-            if user and user.partition(":")[0] in ("0", "root"):
-                user = None
         env.update(env_of(service))
         env = {k: self.mapped(v, mounts) for k, v in env.items()}
         argv = [self.mapped(a, mounts) for a in self.command(name, kind)]

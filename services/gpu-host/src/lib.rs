@@ -146,20 +146,23 @@ impl Bounds {
 /// The default time a cell may ignore an interrupt (seconds).
 pub const DEFAULT_INTERRUPT_GRACE_S: f64 = 5.0;
 
-/// The cgroups that bound this host's workers; None (after one warning that says
-/// what stays unbounded) where the machine cannot make them (ADR 52).
-fn worker_cgroups(config: &Config, slots: usize) -> Option<cgroups::Cgroups> {
-    let limits = cgroups::Limits::from_flags(config.worker_limits.memory_bytes, config.worker_limits.pids, slots);
+/// The cgroups that bound this host's workers. Where the machine cannot make
+/// them, the defaults give way (after one warning that says what stays
+/// unbounded), and bounds an operator asked for stop the host (ADR 52).
+fn worker_cgroups(config: &Config, slots: usize) -> anyhow::Result<Option<cgroups::Cgroups>> {
+    let asked = config.worker_limits;
+    let limits = cgroups::Limits::from_flags(asked.memory_bytes, asked.pids, slots);
     match cgroups::Cgroups::new(&config.host_id, limits) {
-        Ok(c) => c,
-        Err(e) => {
+        Ok(c) => Ok(c),
+        Err(e) if asked.memory_bytes.is_none_or(|b| b == 0) && asked.pids.is_none_or(|n| n == 0) => {
             tracing::warn!(
                 host = %config.host_id,
                 "workers' {} are unbounded: this machine cannot limit them ({e}); a cell may use all of the machine",
                 limits.describe()
             );
-            None
+            Ok(None)
         }
+        Err(e) => Err(anyhow::Error::new(e).context("while setting up the workers' limits")),
     }
 }
 
@@ -185,7 +188,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     let js = bus.jetstream();
     let claims =
         host::claims::Claims::new(buckets::claims(&js, &config.prefix, bus.replicas()).await?, config.host_id.clone());
-    let cgroups = worker_cgroups(&config, slots.len());
+    let cgroups = worker_cgroups(&config, slots.len())?;
     let zygote_spec = zygotes::ZygoteSpec {
         python: config.python.clone(),
         worker_path: config.worker_path.clone(),

@@ -39,12 +39,14 @@ def reduce_closed(f):
 def _closed_file(kind: str, name, mode, encoding, errors):
     # the same kind of object on the null device, named as the original, closed
     m = mode or "r"
-    raw_mode = "r+" if "+" in m else "a" if "a" in m else "w" if ("w" in m or "x" in m) else "r"
+    raw_mode = ("a+" if "a" in m else "r+") if "+" in m else "a" if "a" in m else "w" if ("w" in m or "x" in m) else "r"
     f = io.FileIO(os.devnull, raw_mode)
     if name is not None:
         f.name = name
     if kind != "FileIO":
-        buffered = {"r": io.BufferedReader, "r+": io.BufferedRandom}.get(raw_mode, io.BufferedWriter)
+        buffered = {"r": io.BufferedReader, "r+": io.BufferedRandom, "a+": io.BufferedRandom}.get(
+            raw_mode, io.BufferedWriter
+        )
         f = buffered(f)
         if kind == "TextIOWrapper":
             f = io.TextIOWrapper(f, encoding=encoding, errors=errors)

@@ -187,7 +187,9 @@ def _enter_cgroups(pid: int) -> None:
     for entry in _spare_cgroups:
         path = os.path.join(entry["dir"], f"spare-{pid}")
         try:
-            os.makedirs(path, exist_ok=True)
+            # a new one only: one left by an earlier process of this pid may hold
+            # that process's orphans and counters
+            os.mkdir(path)
             for name, value, required in entry["files"]:
                 try:
                     with open(os.path.join(path, name), "w") as f:
@@ -247,13 +249,13 @@ def _become_worker(conn: socket.socket, zygote_id: str, params) -> None:
 def _become_session_user(uid: int) -> None:
     """Drop to the session's own uid (gid = uid, no supplementary groups), once
     connected to the host: from here the cell can reach only what that uid can
-    (ADR 29). Its home and temporary directory are its own, as a user's would be,
-    and what its cells create is private to it (umask 077; ADR 52): another
-    session's uid cannot read it, in /tmp, /dev/shm or the notebook's folder."""
+    (ADR 29). Its home and temporary directory are its own (0700), as a user's
+    would be, so another session's uid finds nothing of it there (ADR 52). The
+    umask stays the host's: files a cell writes in its working directory must
+    stay readable to the session's next workers, which may have another uid."""
     os.setgroups([])
     os.setgid(uid)
     os.setuid(uid)
-    os.umask(0o077)
     base = tempfile.gettempdir()
     for var, name in (("HOME", "home"), ("TMPDIR", "tmp")):
         path = os.path.join(base, f"looseleaf-{name}-{uid}")
