@@ -69,8 +69,8 @@ pub struct CodeAtCursor {
     #[schema(example = "df.gro")]
     pub code: String,
     /// The cursor, in characters (Unicode code points) from the start (a cell
-    /// holds at most 16 MiB).
-    #[schema(maximum = 16777216)]
+    /// holds at most 8 MiB).
+    #[schema(maximum = 8388608)]
     pub cursor_pos: u64,
     /// Inspection only: 0 (the docstring) or 1 (the source too).
     #[serde(default)]

@@ -30,6 +30,9 @@ pub const INLINE_MAX_BYTES: usize = 256 * 1024;
 /// thousand names); anything larger is refused before it is sent.
 pub const MAX_BODY_BYTES: usize = 64 << 20;
 
+/// How long reading a body may take, plus a second per MiB.
+const GET_PATIENCE: Duration = Duration::from_secs(10);
+
 /// Header naming a message's body: `{key} {size} {xxh3-64 hex}`.
 pub const BODY_HEADER: &str = "ll-body";
 
@@ -197,10 +200,19 @@ impl Bodies {
     pub async fn get(&self, header: &str) -> Result<Vec<u8>, BodyError> {
         let body = BodyRef::parse(header)?;
         let fail = |reason: String| BodyError::Get { key: body.key.clone(), reason };
-        let mut object = self.store().await?.get(&body.key).await.map_err(|e| fail(e.to_string()))?;
+        let store = self.store().await?;
         let mut bytes = Vec::with_capacity(body.size);
-        // one byte more than named, so that a longer object is noticed without reading it all
-        (&mut object).take(body.size as u64 + 1).read_to_end(&mut bytes).await.map_err(|e| fail(e.to_string()))?;
+        let read = async {
+            let mut object = store.get(&body.key).await.map_err(|e| fail(e.to_string()))?;
+            // one byte more than named, so that a longer object is noticed without reading it all
+            (&mut object).take(body.size as u64 + 1).read_to_end(&mut bytes).await.map_err(|e| fail(e.to_string()))
+        };
+        // a body deleted while it is read leaves the read waiting for chunks that
+        // will never come: bounded, as for a body that expired
+        let patience = GET_PATIENCE + Duration::from_secs((body.size >> 20) as u64);
+        tokio::time::timeout(patience, read)
+            .await
+            .map_err(|_| fail(format!("not read within {patience:?} (deleted while read?)")))??;
         if bytes.len() != body.size || xxhash_rust::xxh3::xxh3_64(&bytes) != body.hash {
             return Err(BodyError::Bad {
                 header: header.to_string(),

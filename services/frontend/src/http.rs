@@ -35,6 +35,7 @@ use crate::api::{
 use crate::auth::{Caller, Tokens};
 use crate::origins::Origins;
 use crate::records::{SessionRecord, RECORD_VERSION};
+use crate::resume::Position;
 use crate::session::{self, SessionActor};
 
 /// How often an idle event stream carries a comment: it keeps proxies from closing
@@ -42,12 +43,14 @@ use crate::session::{self, SessionActor};
 /// as watched until then).
 const SSE_KEEP_ALIVE: Duration = Duration::from_secs(5);
 
-/// The largest cell (its code, in bytes of UTF-8): larger ones are refused with 413.
-pub const MAX_CELL_BYTES: usize = 16 << 20;
+/// The largest request body (8 MiB): a larger one is refused with 413 before any
+/// handler reads it (`serve::read_body_in_time`), naming its size and the limit.
+pub const MAX_BODY_BYTES: usize = 8 << 20;
 
-/// The largest request body: a largest cell as JSON, with room for its escapes
-/// (the code itself is then checked against `MAX_CELL_BYTES`).
-pub const MAX_BODY_BYTES: usize = MAX_CELL_BYTES * 5 / 2;
+/// The largest cell (its code, in bytes of UTF-8): its body's limit, which binds
+/// first (a cell's code is never longer than the JSON that carries it); checked
+/// again on the code itself, refused with 413 naming both.
+pub const MAX_CELL_BYTES: usize = MAX_BODY_BYTES;
 
 /// What every handler shares.
 #[derive(Clone)]
@@ -166,9 +169,10 @@ fn json_body<T>(body: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
 /// A cell's code from a request body, refused (413) over `MAX_CELL_BYTES`.
 fn cell_code(code: String) -> Result<String, ApiError> {
     if code.len() > MAX_CELL_BYTES {
+        let limit = crate::serve::in_mib(MAX_CELL_BYTES);
         return Err(ApiError(
             StatusCode::PAYLOAD_TOO_LARGE,
-            format!("the cell's code is {} bytes, over the limit of {MAX_CELL_BYTES} bytes (16 MiB)", code.len()),
+            format!("the cell's code is {} bytes, over the limit of {MAX_CELL_BYTES} bytes ({limit})", code.len()),
         ));
     }
     Ok(code)
@@ -424,10 +428,8 @@ async fn run(
             format!("user_expressions hold {asked} bytes; at most {MAX_USER_EXPRESSION_BYTES} are taken"),
         ));
     }
-    let run = session::Run { cell_id, code, run_unix_ms, allow_stdin, user_expressions, span };
-    let accepted = addr.send(run).await.map_err(mailbox)?;
-    let (exec_id, position, recorded) =
-        accepted.map_err(|full| ApiError(StatusCode::TOO_MANY_REQUESTS, full.to_string()))?;
+    let run = session::Run { cell_id, code, run_unix_ms, allow_stdin, user_expressions, span, aside: None };
+    let (exec_id, position, recorded) = queue_run(&state, &addr, run).await?;
     // answered once the run is in the session's record: no frontend loses it now
     if !matches!(tokio::time::timeout(session::RECORD_WAIT, recorded).await, Ok(Ok(()))) {
         let reason = format!("the session's record could not be written within {:?}", session::RECORD_WAIT);
@@ -438,6 +440,37 @@ async fn run(
         ));
     }
     Ok(Json(RunAccepted { exec_id, position }))
+}
+
+/// Hand `run` to its session. One that must wait while the session's record has
+/// no room for its code has its code put aside first (a body in the bodies
+/// bucket, ADR 53) and is handed again; the body is deleted if it is not taken.
+async fn queue_run(
+    state: &AppState,
+    addr: &Addr<SessionActor>,
+    run: session::Run,
+) -> Result<(Uuid, usize, tokio::sync::oneshot::Receiver<()>), ApiError> {
+    let full = |why: session::QueueFull| ApiError(StatusCode::TOO_MANY_REQUESTS, why.to_string());
+    let mut run = match addr.send(run).await.map_err(mailbox)? {
+        Ok(session::RunAnswer::Accepted { exec_id, position, recorded }) => return Ok((exec_id, position, recorded)),
+        Ok(session::RunAnswer::PutAside(run)) => *run,
+        Err(why) => return Err(full(why)),
+    };
+    let bodies = &state.shared.bodies;
+    let header = crate::records::put_aside(bodies, &run.code, &run.user_expressions)
+        .await
+        .map_err(|e| unavailable(format!("the cell's code could not be kept for its turn: {e}")))?;
+    run.aside = Some(header.clone());
+    let refused = match addr.send(run).await {
+        Ok(Ok(session::RunAnswer::Accepted { exec_id, position, recorded })) => {
+            return Ok((exec_id, position, recorded))
+        }
+        Ok(Ok(session::RunAnswer::PutAside(_))) => internal("the session did not take a run whose code was put aside"),
+        Ok(Err(why)) => full(why),
+        Err(e) => mailbox(e),
+    };
+    bodies.delete(&header).await;
+    Err(refused)
 }
 
 /// Interrupt the running cell and abort the queued ones.
@@ -625,7 +658,8 @@ async fn summary(
 }
 
 /// The session's event stream (Server-Sent Events, one `StreamItem` per `data:`
-/// line; `Last-Event-ID` resumes after the item with that id).
+/// line; `Last-Event-ID` resumes after the item with that id, with no item twice,
+/// also on a frontend that restarted or adopted the session meanwhile).
 #[utoipa::path(get, path = "/v1/sessions/{sid}/events",
     params(("sid" = uuid::Uuid, Path, description = "the session"), ("Last-Event-ID" = Option<String>, Header, description = "the id of the last item seen")),
     responses((status = 200, content_type = "text/event-stream", body = StreamItem)))]
@@ -637,20 +671,21 @@ async fn events(
 ) -> Result<Response, ApiError> {
     let (_sid, addr) = lookup(&state, &sid, &caller).await?;
     // a client that reconnects says the last id it saw: it gets only what came after
-    let after = match headers.get("last-event-id") {
+    // and it did not see
+    let last = match headers.get("last-event-id") {
         None => None,
         Some(v) => Some(
             v.to_str()
                 .ok()
-                .and_then(|v| v.trim().parse::<u64>().ok())
+                .and_then(Position::parse)
                 .ok_or_else(|| bad_request("Last-Event-ID must be the id of an event of this stream"))?,
         ),
     };
-    let (replay, rx) = addr.send(session::Attach { after }).await.map_err(mailbox)?;
+    let (replay, rx) = addr.send(session::Attach { last }).await.map_err(mailbox)?;
     let live = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item, rx)) });
     let stream = futures::stream::iter(replay)
         .chain(live)
-        .map(|(id, line)| Ok::<_, Infallible>(Event::default().id(id.to_string()).data(line)))
+        .map(|(id, line)| Ok::<_, Infallible>(Event::default().id(id).data(line)))
         .take_until(state.shutdown.clone().cancelled_owned());
     Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(SSE_KEEP_ALIVE)).into_response())
 }

@@ -5,9 +5,10 @@
 //! - `PUT /v1/sessions/{sid}/cells/{cell}` `{code}` -> 202, publishes an edit
 //! - `POST /v1/sessions/{sid}/cells/{cell}/run` `{code}` -> `{exec_id, position}`
 //! - `GET /v1/sessions/{sid}/events` -> Server-Sent Events, each data line one
-//!   [`api::StreamItem`] with an id (1, 2, …); what happened before the client
-//!   connected is replayed (the newest `--history-items`), or with `Last-Event-ID: N`
-//!   only what came after event N
+//!   [`api::StreamItem`] with an id ([`resume`]); what happened before the client
+//!   connected is replayed (the newest `--history-items`), or with `Last-Event-ID`
+//!   only what came after that event and was not seen, also across a frontend
+//!   restart (no item twice)
 //! - `POST /v1/sessions/{sid}/interrupt` -> [`api::Interrupted`]: the running cell
 //!   gets a KeyboardInterrupt (killed if it ignores it), queued cells are aborted
 //! - `GET /v1/sessions/{sid}` (summary), `DELETE /v1/sessions/{sid}`, `GET /v1/health`
@@ -29,6 +30,7 @@ pub mod dashboard;
 pub mod http;
 pub mod origins;
 pub mod records;
+pub mod resume;
 pub mod serve;
 pub mod session;
 
@@ -171,6 +173,7 @@ pub async fn run_with_bound(
             hosts,
             claims,
             records,
+            bodies: schemas::bodies::Bodies::new(bus.client().clone(), &config.prefix, bus.replicas()),
             history_items: config.history_items.max(1),
             queued_runs: config.limits.queued_runs.max(1),
             dashboard,

@@ -6,16 +6,35 @@
 //! Written when a session is created, when a run is queued or sent, and when an
 //! execution completes (the revision it left); removed when the session is deleted. A frontend asked about
 //! a session it does not hold looks the record up and adopts the session.
+//!
+//! The record is one KV value (under the bus's message limit), so the code of the
+//! queued runs it keeps inline is bounded ([`RECORD_INLINE_BYTES`]); a queued run
+//! past that keeps its code and user expressions beside the record, as a body in
+//! the bus's bodies bucket, and the record names the body (ADR 53).
 
 use std::collections::{BTreeMap, VecDeque};
 
 use async_nats::jetstream::kv;
+use schemas::bodies::Bodies;
 use schemas::messages::SessionOptions;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-/// The version of [`SessionRecord`] this frontend writes.
+/// The version of [`SessionRecord`] written when nothing in it needs a newer one
+/// (every frontend reads it).
 pub const RECORD_VERSION: u32 = 1;
+
+/// The version of a record with a queued run whose code is kept aside
+/// ([`QueuedRun::aside`]): a frontend that knows only version 1 would take that
+/// run's code for empty, so it refuses the record instead. The newest version
+/// this frontend reads.
+pub const ASIDE_RECORD_VERSION: u32 = 2;
+
+/// The most code and user expressions the queued runs of a session keep in its
+/// record (as JSON); a run queued past that keeps them aside. With
+/// `--max-queued-runs` (1,000 by default) entries of a few hundred bytes each, the
+/// record stays under the bus's 512 KiB messages.
+pub const RECORD_INLINE_BYTES: usize = 128 * 1024;
 
 /// What outlives the frontend that serves a session.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -53,16 +72,104 @@ pub struct QueuedRun {
     pub exec_id: Uuid,
     /// Its cell.
     pub cell_id: String,
-    /// The code submitted with Run.
+    /// The code submitted with Run (written empty when it is kept aside).
     pub code: String,
     /// When Run was pressed (unix ms).
     pub run_unix_ms: u64,
     /// The run's client answers the cell's input requests.
     #[serde(default)]
     pub allow_stdin: bool,
-    /// Jupyter's `user_expressions`, evaluated after the cell.
+    /// Jupyter's `user_expressions`, evaluated after the cell (written empty when
+    /// they are kept aside).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub user_expressions: BTreeMap<String, String>,
+    /// Where the code and user expressions are kept when the record has no room
+    /// for them: the `ll-body` header (key, size, hash) of a body in the bodies
+    /// bucket holding them as JSON ([`Aside`]). Read back by a frontend that adopts
+    /// the session; deleted once the run is sent or taken out of the queue.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub aside: Option<String>,
+}
+
+impl QueuedRun {
+    /// The run as its record keeps it: without the code and user expressions it
+    /// keeps aside.
+    pub fn to_write(&self) -> QueuedRun {
+        let (code, user_expressions) = match self.aside {
+            Some(_) => (String::new(), BTreeMap::new()),
+            None => (self.code.clone(), self.user_expressions.clone()),
+        };
+        QueuedRun {
+            exec_id: self.exec_id,
+            cell_id: self.cell_id.clone(),
+            code,
+            run_unix_ms: self.run_unix_ms,
+            allow_stdin: self.allow_stdin,
+            user_expressions,
+            aside: self.aside.clone(),
+        }
+    }
+
+    /// Bytes its code and user expressions take in the record (JSON-escaped; the
+    /// reference alone when they are kept aside).
+    pub fn recorded_bytes(&self) -> usize {
+        match &self.aside {
+            Some(header) => header.len(),
+            None => inline_bytes(&self.code, &self.user_expressions),
+        }
+    }
+
+    /// Whether only the record's reference to its code is here: the run was
+    /// adopted from a record that keeps its code aside, and the code must be read
+    /// back before the run is sent (code kept aside is never empty: short code
+    /// fits the record).
+    pub fn code_elsewhere(&self) -> bool {
+        self.aside.is_some() && self.code.is_empty() && self.user_expressions.is_empty()
+    }
+}
+
+/// Bytes `code` and `user_expressions` take in a record, JSON-escaped.
+pub fn inline_bytes(code: &str, user_expressions: &BTreeMap<String, String>) -> usize {
+    let code = serde_json::to_string(code).map(|j| j.len()).unwrap_or(usize::MAX);
+    let asked = serde_json::to_string(user_expressions).map(|j| j.len()).unwrap_or(usize::MAX);
+    code.saturating_add(asked)
+}
+
+/// A queued run's code and user expressions, kept beside its session's record
+/// (JSON in a body of the bodies bucket).
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+pub struct Aside {
+    /// The code submitted with Run.
+    pub code: String,
+    /// Jupyter's `user_expressions`.
+    #[serde(default)]
+    pub user_expressions: BTreeMap<String, String>,
+}
+
+/// [`Aside`], borrowed, to write.
+#[derive(Serialize)]
+struct AsideRef<'a> {
+    code: &'a str,
+    user_expressions: &'a BTreeMap<String, String>,
+}
+
+/// Keep a queued run's code and user expressions aside, in `bodies`; returns what
+/// its record names them by ([`QueuedRun::aside`]).
+pub async fn put_aside(
+    bodies: &Bodies,
+    code: &str,
+    user_expressions: &BTreeMap<String, String>,
+) -> Result<String, RecordError> {
+    let json =
+        serde_json::to_vec(&AsideRef { code, user_expressions }).map_err(|e| RecordError::Aside(e.to_string()))?;
+    let body = bodies.put(&json).await.map_err(|e| RecordError::Aside(e.to_string()))?;
+    Ok(body.header())
+}
+
+/// Read back what [`put_aside`] kept (checked against the size and hash `header` names).
+pub async fn read_aside(bodies: &Bodies, header: &str) -> Result<Aside, RecordError> {
+    let json = bodies.get(header).await.map_err(|e| RecordError::Aside(e.to_string()))?;
+    serde_json::from_slice(&json).map_err(|e| RecordError::Aside(format!("not a queued run's code: {e}")))
 }
 
 /// A run in flight, as its session's record keeps it.
@@ -93,6 +200,29 @@ pub enum RecordError {
         /// Why.
         reason: String,
     },
+    /// A queued run's code kept beside the record could not be stored or read back.
+    #[error("a queued cell's code kept beside the session's record: {0}")]
+    Aside(String),
+}
+
+impl SessionRecord {
+    /// The record as it is written: queued runs without the code they keep aside,
+    /// and the oldest version that reads it right.
+    pub fn to_write(&self) -> SessionRecord {
+        let queued: VecDeque<QueuedRun> = self.queued.iter().map(QueuedRun::to_write).collect();
+        let aside = queued.iter().any(|q| q.aside.is_some());
+        SessionRecord {
+            version: if aside { ASIDE_RECORD_VERSION } else { RECORD_VERSION },
+            session_id: self.session_id,
+            options: self.options.clone(),
+            created_unix_ms: self.created_unix_ms,
+            revision: self.revision,
+            last_exec: self.last_exec,
+            owner: self.owner.clone(),
+            in_flight: self.in_flight.clone(),
+            queued,
+        }
+    }
 }
 
 /// The session records bucket.
@@ -107,9 +237,9 @@ impl Records {
         Self { kv }
     }
 
-    /// Write (or overwrite) a session's record.
+    /// Write (or overwrite) a session's record (as [`SessionRecord::to_write`] says).
     pub async fn put(&self, record: &SessionRecord) -> Result<(), RecordError> {
-        let bytes = serde_json::to_vec(record).map_err(|e| RecordError::Bucket(e.to_string()))?;
+        let bytes = serde_json::to_vec(&record.to_write()).map_err(|e| RecordError::Bucket(e.to_string()))?;
         self.kv
             .put(record.session_id.to_string(), bytes.into())
             .await
@@ -145,7 +275,7 @@ impl Records {
         };
         let record: SessionRecord =
             serde_json::from_slice(&bytes).map_err(|e| RecordError::Corrupt { session, reason: e.to_string() })?;
-        if record.version > RECORD_VERSION || record.session_id != session {
+        if record.version > ASIDE_RECORD_VERSION || record.session_id != session {
             let reason = format!("version {} for session {}", record.version, record.session_id);
             return Err(RecordError::Corrupt { session, reason });
         }
@@ -203,6 +333,72 @@ mod tests {
             in_flight: None,
             queued: Default::default(),
         }
+    }
+
+    fn queued(code: &str, aside: Option<&str>) -> QueuedRun {
+        QueuedRun {
+            exec_id: Uuid::now_v7(),
+            cell_id: "c".into(),
+            code: code.into(),
+            run_unix_ms: 2,
+            allow_stdin: false,
+            user_expressions: [("x".to_string(), "1".to_string())].into(),
+            aside: aside.map(str::to_string),
+        }
+    }
+
+    /// A record of before queued code could be kept aside reads as one whose queued
+    /// runs keep their code inline; one with code aside is written without it, as a
+    /// version a frontend that knows only version 1 refuses (it would run empty code).
+    #[test]
+    fn records_with_code_aside_are_a_new_version_and_old_ones_still_read() {
+        let old = serde_json::json!({
+            "version": 1, "session_id": Uuid::now_v7(),
+            "options": { "cwd": "/tmp", "all_gpu": false, "speculate": true },
+            "created_unix_ms": 1, "revision": 0, "last_exec": null,
+            "queued": [{ "exec_id": Uuid::now_v7(), "cell_id": "c", "code": "x = 1", "run_unix_ms": 2 }],
+        });
+        let read: SessionRecord = serde_json::from_value(old).unwrap();
+        assert_eq!(read.queued[0].aside, None);
+        assert_eq!(read.queued[0].code, "x = 1");
+        assert!(!read.queued[0].code_elsewhere());
+
+        let mut r = record();
+        r.queued.push_back(queued("x = 1", None));
+        let written = r.to_write();
+        assert_eq!(written, r, "nothing aside: written as it is, version 1");
+        let json = serde_json::to_string(&written).unwrap();
+        assert!(!json.contains("aside"), "{json}");
+
+        let big = "y".repeat(1 << 20);
+        r.queued.push_back(queued(&big, Some("k 3 0")));
+        let written = r.to_write();
+        assert_eq!(written.version, ASIDE_RECORD_VERSION);
+        assert_eq!(written.queued[0], r.queued[0]);
+        let aside = &written.queued[1];
+        assert!(aside.code.is_empty() && aside.user_expressions.is_empty(), "{aside:?}");
+        assert_eq!(aside.aside.as_deref(), Some("k 3 0"));
+        assert!(aside.code_elsewhere(), "adopted from this record, its code is read back");
+        assert!(!r.queued[1].code_elsewhere(), "accepted here, its code is in memory");
+        assert!(serde_json::to_vec(&written).unwrap().len() < 1024);
+        assert_eq!(r.queued[1].recorded_bytes(), "k 3 0".len());
+    }
+
+    /// Code kept aside reads back whole, checked; once deleted it is gone.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn code_kept_aside_reads_back() -> anyhow::Result<()> {
+        let nats = NatsServer::start()?;
+        let bodies = Bodies::new(async_nats::connect(nats.url()).await?, "rec-aside", 1);
+        let code = format!("x = '{}'\nprint(len(x))", "é\"\n".repeat(500_000));
+        let asked: BTreeMap<String, String> = [("n".to_string(), "len(x)".to_string())].into();
+        let header = put_aside(&bodies, &code, &asked).await?;
+        assert!(header.len() < 100, "{header}");
+        let back = read_aside(&bodies, &header).await?;
+        assert_eq!(back, Aside { code, user_expressions: asked });
+        bodies.delete(&header).await;
+        let gone = read_aside(&bodies, &header).await;
+        assert!(matches!(gone, Err(RecordError::Aside(_))), "{gone:?}");
+        Ok(())
     }
 
     /// A NATS that stops answering for a while (as a cluster does while it elects a

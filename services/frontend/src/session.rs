@@ -1,11 +1,14 @@
 //! One actor per session: the run queue (one cell at a time, in submission order), the
-//! relay of the session's events and outputs to SSE clients, and the replay log.
+//! relay of the session's events and outputs to SSE clients, and the replay log
+//! ([`crate::resume`]).
 //!
 //! Fed by two subscriptions made before it starts: `{prefix}.v1.session.{sid}.event`
 //! and `{prefix}.v1.output.{sid}.*`. Publishes `{prefix}.v1.session.{sid}.run`. A
 //! cell whose host falls silent ends with what the store committed (`watch_host`).
+//! A queued run whose code the session's record has no room for keeps it in the
+//! bodies bucket until it is sent (ADR 53).
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -22,7 +25,8 @@ use tracing::Instrument as _;
 use uuid::Uuid;
 
 use crate::api::{ExecStatus, Interrupted, StreamItem};
-use crate::records::{InFlight, QueuedRun, Records, SessionRecord};
+use crate::records::{InFlight, QueuedRun, Records, SessionRecord, RECORD_INLINE_BYTES};
+use crate::resume::{self, Position};
 use crate::Timeouts;
 
 /// A record to write, and who waits until it landed.
@@ -167,6 +171,9 @@ pub struct Shared {
     pub claims: async_nats::jetstream::kv::Store,
     /// Session records (any frontend serves any session).
     pub records: Records,
+    /// The bus's bodies bucket, where a queued run keeps its code when the
+    /// session's record has no room for it.
+    pub bodies: schemas::bodies::Bodies,
     /// Stream items each session keeps for clients that connect or reconnect later.
     pub history_items: usize,
     /// Runs a session may have waiting behind the running one.
@@ -189,17 +196,10 @@ pub struct SessionActor {
     pieces: HashMap<(Uuid, u64), Vec<Option<String>>>,
     edit_seq: HashMap<String, u64>,
     executions: Vec<ExecRecord>,
-    /// The newest stream items (id, JSON line), for clients that connect or
-    /// reconnect later: at most `shared.history_items`.
-    log: VecDeque<(u64, String)>,
-    /// The id the next stream item gets.
-    next_id: u64,
-    /// The id of this incarnation's first item: the time it started (unix ms)
-    /// times a thousand, so a later incarnation's ids are above any earlier one's
-    /// (unless one emitted more than a thousand items a millisecond) and every id
-    /// stays exact in a JavaScript number.
-    first_id: u64,
-    clients: Vec<mpsc::UnboundedSender<(u64, String)>>,
+    /// The newest stream items, for clients that connect or reconnect later: at
+    /// most `shared.history_items`.
+    log: resume::Log,
+    clients: Vec<Watcher>,
     closing: bool,
     /// When a client last did something with the session, or a cell last ended.
     last_active: Instant,
@@ -244,7 +244,7 @@ impl SessionActor {
                 }
             }
         });
-        let first_id = schemas::unix_ms().saturating_mul(1000);
+        let log = resume::Log::new(shared.history_items);
         shared.dashboard.opened(record.session_id, record.owner.clone());
         Self {
             sid: record.session_id,
@@ -255,9 +255,7 @@ impl SessionActor {
             pieces: HashMap::new(),
             edit_seq: HashMap::new(),
             executions: Vec::new(),
-            log: VecDeque::new(),
-            next_id: first_id,
-            first_id,
+            log,
             clients: Vec::new(),
             closing: false,
             last_active: Instant::now(),
@@ -383,14 +381,37 @@ impl SessionActor {
                 return;
             }
         };
-        let id = self.next_id;
-        self.next_id += 1;
-        self.clients.retain(|c| c.send((id, line.clone())).is_ok());
-        self.log.push_back((id, line));
-        // bounded: a client that reconnects after more than this misses the oldest
-        if self.log.len() > self.shared.history_items {
-            self.log.pop_front();
-        }
+        let incarnation = self.log.incarnation();
+        let Some(entry) = self.log.push(item, line) else { return };
+        self.clients.retain(|c| {
+            // a client that resumed from another incarnation skips what it saw there
+            if !c.reader.wants(entry) {
+                return !c.tx.is_closed();
+            }
+            c.tx.send((c.reader.id(incarnation, entry), entry.line.clone())).is_ok()
+        });
+    }
+
+    /// Write the session's record as it is now (`ack` hears once it landed).
+    fn write_record(&mut self, ack: Option<tokio::sync::oneshot::Sender<()>>) {
+        // the writer lives as long as the actor
+        let _ = self.record_tx.send((self.stored.to_write(), ack));
+    }
+
+    /// Runs taken out of the queue kept their code aside under `aside`: delete it
+    /// once the record without them landed (until then a frontend that adopts the
+    /// session would read it back). What is not deleted expires with the bucket.
+    fn forget_aside(&mut self, aside: Vec<String>) {
+        let (ack_tx, ack_rx) = tokio::sync::oneshot::channel();
+        self.write_record(Some(ack_tx));
+        let bodies = self.shared.bodies.clone();
+        tokio::spawn(async move {
+            if ack_rx.await.is_ok() {
+                for header in aside {
+                    bodies.delete(&header).await;
+                }
+            }
+        });
     }
 
     /// End queued run `exec_id` (taken out of the queue) without running it.
@@ -421,6 +442,9 @@ impl SessionActor {
             return;
         }
         let Some(p) = self.stored.queued.pop_front() else { return };
+        // a run adopted from the record has only the reference to its code kept aside
+        let read_back = p.aside.clone().filter(|_| p.code_elsewhere());
+        let aside = p.aside.clone();
         let run = RunV2 {
             session: self.sid,
             exec_id: p.exec_id,
@@ -432,6 +456,7 @@ impl SessionActor {
             user_expressions: p.user_expressions,
         };
         self.current = Some(Current::new(p.exec_id, p.allow_stdin));
+        self.log.follow(p.exec_id);
         if let Some(r) = self.record(p.exec_id) {
             r.status = ExecStatus::Running;
         }
@@ -445,8 +470,8 @@ impl SessionActor {
             allow_stdin: p.allow_stdin,
         });
         let (ack_tx, ack_rx) = tokio::sync::oneshot::channel();
-        let _ = self.record_tx.send((self.stored.clone(), Some(ack_tx)));
-        let bus = self.shared.bus.clone();
+        self.write_record(Some(ack_tx));
+        let (bus, bodies) = (self.shared.bus.clone(), self.shared.bodies.clone());
         let subject = bus.subjects().run(self.sid);
         tracing::info!(session = %self.sid, exec = %exec_id, cell = %p.cell_id, after_revision = self.stored.revision, "run sent");
         let span = self.traces.get(&exec_id).cloned().unwrap_or_else(tracing::Span::none);
@@ -454,18 +479,37 @@ impl SessionActor {
         // claim timeout the user reads that no planner runs, not that no host took it
         let patience = self.shared.timeouts.claim / 2;
         let send = async move {
-            match tokio::time::timeout(RECORD_WAIT, ack_rx).await {
-                Ok(Ok(())) => bus.deliver(subject, &run, patience).await.map_err(|e| e.to_string()),
-                _ => Err(format!("the session's record could not be written within {RECORD_WAIT:?}")),
+            if !matches!(tokio::time::timeout(RECORD_WAIT, ack_rx).await, Ok(Ok(()))) {
+                let why = format!("the session's record could not be written within {RECORD_WAIT:?}");
+                return Err(format!("could not send the run to the planner: {why}"));
             }
+            let mut run = run;
+            if let Some(header) = &read_back {
+                match crate::records::read_aside(&bodies, header).await {
+                    Ok(kept) => {
+                        run.code = kept.code;
+                        run.user_expressions = kept.user_expressions;
+                    }
+                    Err(e) => {
+                        bodies.delete(header).await;
+                        return Err(format!("the cell did not run: its code, kept for its turn, is lost ({e})"));
+                    }
+                }
+            }
+            let sent = bus.deliver(subject, &run, patience).await;
+            // the record names the run in flight now: nobody reads its code back
+            if let Some(header) = &aside {
+                bodies.delete(header).await;
+            }
+            sent.map_err(|e| format!("could not send the run to the planner: {e}"))
         }
         .instrument(span);
         ctx.spawn(send.into_actor(self).map(move |res, act, ctx| {
             if let Err(e) = res {
                 // the client may still deliver it after a reconnect: make sure no
                 // host runs it before saying it did not run
-                tracing::error!(error = %e, exec = %exec_id, "could not publish the run");
-                act.abandon_unclaimed(exec_id, format!("could not send the run to the planner: {e}"), ctx);
+                tracing::error!(error = %e, exec = %exec_id, "could not send the run");
+                act.abandon_unclaimed(exec_id, e, ctx);
             }
         }));
         self.arm_deadlines(exec_id, ctx);
@@ -583,7 +627,7 @@ impl SessionActor {
         self.stored.in_flight = None;
         // a deleted session's record stays deleted (its cells' late ends are relayed only)
         if !self.closing {
-            let _ = self.record_tx.send((self.stored.clone(), None)); // the writer lives as long as the actor
+            self.write_record(None);
         }
         if let Some(r) = self.record(cur.exec_id) {
             r.status = status;
@@ -725,6 +769,10 @@ impl Actor for SessionActor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Self::Context) {
+        // what is emitted until the record's runs are read back, a client resuming
+        // from an earlier incarnation may have seen (`resume`)
+        self.log.recovering(true);
+        let adopting = self.stored.in_flight.is_some();
         if let Some(run) = self.stored.in_flight.clone() {
             self.adopt_in_flight(run, ctx);
         }
@@ -741,6 +789,10 @@ impl Actor for SessionActor {
             self.emit(&StreamItem::Queued { exec_id: q.exec_id, cell_id: q.cell_id, run_unix_ms: q.run_unix_ms });
         }
         self.start_next(ctx);
+        // (an adopted run in flight ends recovery once its streams are read back)
+        if !adopting {
+            self.log.recovering(false);
+        }
     }
 
     fn stopped(&mut self, _ctx: &mut Self::Context) {
@@ -768,6 +820,7 @@ impl SessionActor {
         });
         self.emit(&StreamItem::Queued { exec_id, cell_id: run.cell_id, run_unix_ms: run.run_unix_ms });
         self.current = Some(Current::new(exec_id, run.allow_stdin));
+        self.log.follow(exec_id);
         let (bus, sid) = (self.shared.bus.clone(), self.sid);
         let since = run.run_unix_ms.saturating_sub(ADOPT_CLOCK_SKEW_MS);
         let read = async move {
@@ -817,6 +870,7 @@ impl SessionActor {
                 }
                 Err(e) => tracing::warn!(session = %sid, error = %e, "could not replay the adopted run's events"),
             }
+            act.log.recovering(false);
             if act.current.as_ref().is_some_and(|c| c.exec_id == exec_id) {
                 act.arm_deadlines(exec_id, ctx);
             }
@@ -917,11 +971,10 @@ impl Handler<Edit> for SessionActor {
     }
 }
 
-/// Queue a run; answers the exec id, the queue position and a receiver that hears
-/// once the run is in the session's record (answer the client only then: a run
-/// accepted is never lost with this frontend), or why the queue takes no more.
+/// Queue a run: it is accepted, or handed back to have its code put aside first
+/// (see [`RunAnswer`]); or the queue takes no more.
 #[derive(Message)]
-#[rtype(result = "Result<(Uuid, usize, tokio::sync::oneshot::Receiver<()>), QueueFull>")]
+#[rtype(result = "Result<RunAnswer, QueueFull>")]
 pub struct Run {
     /// The cell.
     pub cell_id: String,
@@ -935,6 +988,29 @@ pub struct Run {
     pub user_expressions: BTreeMap<String, String>,
     /// The root span of the cell's trace; it ends with the execution.
     pub span: tracing::Span,
+    /// Where the code and user expressions were put aside
+    /// ([`crate::records::put_aside`]), when the session's record had no room for
+    /// them: the record names them by this.
+    pub aside: Option<String>,
+}
+
+/// What became of a run handed to its session.
+pub enum RunAnswer {
+    /// Queued (or sent at once): its execution, its place in the queue, and a
+    /// receiver that hears once the run is in the session's record (answer the
+    /// client only then: a run accepted is never lost with this frontend).
+    Accepted {
+        /// The execution.
+        exec_id: Uuid,
+        /// How many runs are before it (the running one included).
+        position: usize,
+        /// Hears once the record holding the run landed.
+        recorded: tokio::sync::oneshot::Receiver<()>,
+    },
+    /// It waits behind another and the session's record has no room for its code:
+    /// put the code aside ([`crate::records::put_aside`]) and hand it again with
+    /// `aside` set. Nothing was queued.
+    PutAside(Box<Run>),
 }
 
 /// Why a run was not queued.
@@ -943,22 +1019,6 @@ pub enum QueueFull {
     /// As many runs wait as allowed.
     #[error("the session has {0} runs queued, the most allowed; wait or interrupt")]
     Runs(usize),
-    /// The queued runs' code would not fit the session's record.
-    #[error("the session's queued cells hold {0} bytes of code and this cell's would pass the most a session's record keeps ({QUEUED_CODE_BYTES}); run it when the cells before it are done, or interrupt")]
-    Code(usize),
-}
-
-/// The most code the queued runs of a session hold, as JSON: the queue lives in
-/// the session's record, one KV value, a bus message under the bus's limit
-/// (ADR 30). A larger cell runs when nothing is queued before it.
-pub const QUEUED_CODE_BYTES: usize = 256 * 1024;
-
-/// Bytes a queued run's code and user expressions take in the session's record
-/// (JSON-escaped).
-fn recorded_bytes(code: &str, user_expressions: &BTreeMap<String, String>) -> usize {
-    let code = serde_json::to_string(code).map(|j| j.len()).unwrap_or(usize::MAX);
-    let asked = serde_json::to_string(user_expressions).map(|j| j.len()).unwrap_or(usize::MAX);
-    code.saturating_add(asked)
 }
 
 impl Handler<Run> for SessionActor {
@@ -970,11 +1030,14 @@ impl Handler<Run> for SessionActor {
         if queued.len() >= self.shared.queued_runs {
             return MessageResult(Err(QueueFull::Runs(queued.len())));
         }
-        // a run that starts at once is not kept with its code
-        if self.current.is_some() {
-            let held = queued.iter().map(|q| recorded_bytes(&q.code, &q.user_expressions)).sum::<usize>();
-            if held.saturating_add(recorded_bytes(&msg.code, &msg.user_expressions)) > QUEUED_CODE_BYTES {
-                return MessageResult(Err(QueueFull::Code(held)));
+        // a run that starts at once is not kept with its code; one that waits is,
+        // in the record while there is room and aside past that
+        let waits = self.current.is_some() || self.closing || !queued.is_empty();
+        if waits && msg.aside.is_none() {
+            let held = queued.iter().map(QueuedRun::recorded_bytes).sum::<usize>();
+            let this = crate::records::inline_bytes(&msg.code, &msg.user_expressions);
+            if held.saturating_add(this) > RECORD_INLINE_BYTES {
+                return MessageResult(Ok(RunAnswer::PutAside(Box::new(msg))));
             }
         }
         let exec_id = Uuid::now_v7();
@@ -997,11 +1060,13 @@ impl Handler<Run> for SessionActor {
             run_unix_ms: msg.run_unix_ms,
             allow_stdin: msg.allow_stdin,
             user_expressions: msg.user_expressions,
+            aside: msg.aside,
         });
+        // (sent at once, code put aside is deleted once the run is in flight)
         self.start_next(ctx);
         let (ack_tx, ack_rx) = tokio::sync::oneshot::channel();
-        let _ = self.record_tx.send((self.stored.clone(), Some(ack_tx)));
-        MessageResult(Ok((exec_id, position, ack_rx)))
+        self.write_record(Some(ack_tx));
+        MessageResult(Ok(RunAnswer::Accepted { exec_id, position, recorded: ack_rx }))
     }
 }
 
@@ -1021,20 +1086,29 @@ impl Handler<Withdraw> for SessionActor {
 
     fn handle(&mut self, msg: Withdraw, _ctx: &mut Self::Context) {
         let Some(at) = self.stored.queued.iter().position(|q| q.exec_id == msg.exec_id) else { return };
-        self.stored.queued.remove(at);
+        let aside = self.stored.queued.remove(at).and_then(|q| q.aside);
         self.abort(msg.exec_id, msg.reason);
-        let _ = self.record_tx.send((self.stored.clone(), None));
+        match aside {
+            Some(header) => self.forget_aside(vec![header]),
+            None => self.write_record(None),
+        }
     }
 }
 
-/// Attach an SSE client: the items kept after id `after` (all kept, if None or an
-/// id of an earlier incarnation), then a channel of the items to come. Each item is
-/// (id, JSON line); ids grow by one.
+/// An SSE client of the session: where it resumed from, and its channel.
+struct Watcher {
+    reader: resume::Reader,
+    tx: mpsc::UnboundedSender<resume::Sent>,
+}
+
+/// Attach an SSE client: the items kept that it did not see (after `last`, the
+/// last id it saw; all kept if None), then a channel of the items to come. Each
+/// item is (SSE id, JSON line); see [`crate::resume`].
 #[derive(Message)]
-#[rtype(result = "(Vec<(u64, String)>, mpsc::UnboundedReceiver<(u64, String)>)")]
+#[rtype(result = "(Vec<resume::Sent>, mpsc::UnboundedReceiver<resume::Sent>)")]
 pub struct Attach {
     /// The last id the client saw (`Last-Event-ID`).
-    pub after: Option<u64>,
+    pub last: Option<Position>,
 }
 
 impl Handler<Attach> for SessionActor {
@@ -1043,14 +1117,11 @@ impl Handler<Attach> for SessionActor {
     fn handle(&mut self, msg: Attach, _ctx: &mut Self::Context) -> Self::Result {
         self.last_active = Instant::now();
         let (tx, rx) = mpsc::unbounded_channel();
+        let reader = self.log.reader(msg.last);
         if !self.closing {
-            self.clients.push(tx);
+            self.clients.push(Watcher { reader, tx });
         }
-        // ids of an earlier incarnation of the session (another frontend, or this
-        // one before it restarted) are below this one's first: replay everything
-        let after = msg.after.filter(|a| (self.first_id..self.next_id).contains(a)).unwrap_or(0);
-        let replay = self.log.iter().filter(|(id, _)| *id > after).cloned().collect();
-        MessageResult((replay, rx))
+        MessageResult((self.log.replay(&reader), rx))
     }
 }
 
@@ -1064,13 +1135,14 @@ impl Handler<Interrupt> for SessionActor {
 
     fn handle(&mut self, _msg: Interrupt, ctx: &mut Self::Context) -> Self::Result {
         self.last_active = Instant::now();
-        let mut aborted = Vec::new();
+        let (mut aborted, mut aside) = (Vec::new(), Vec::new());
         for p in std::mem::take(&mut self.stored.queued) {
             self.abort(p.exec_id, "aborted: the session was interrupted before this cell's turn".to_string());
             aborted.push(p.exec_id);
+            aside.extend(p.aside);
         }
         if !aborted.is_empty() && !self.closing {
-            let _ = self.record_tx.send((self.stored.clone(), None));
+            self.forget_aside(aside);
         }
         let Some(exec_id) = self.current.as_ref().filter(|c| c.terminal.is_none()).map(|c| c.exec_id) else {
             return MessageResult(Interrupted { interrupted: None, aborted });
@@ -1131,7 +1203,7 @@ impl Handler<IdleFor> for SessionActor {
 
     fn handle(&mut self, _msg: IdleFor, _ctx: &mut Self::Context) -> Self::Result {
         // as Jupyter's culler by default: a session someone watches is not idle
-        self.clients.retain(|c| !c.is_closed());
+        self.clients.retain(|c| !c.tx.is_closed());
         let busy = self.current.is_some() || !self.stored.queued.is_empty() || !self.clients.is_empty();
         (!busy).then(|| self.last_active.elapsed())
     }

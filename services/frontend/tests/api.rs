@@ -6,6 +6,7 @@ use anyhow::{bail, Context};
 use looseleaf_client::api::{ExecStatus, StreamItem};
 use looseleaf_client::Frontend;
 use looseleaf_frontend::auth::Tokens;
+use looseleaf_frontend::resume::Position;
 use looseleaf_frontend::{Config, Timeouts};
 use looseleaf_test_support::{random_prefix, NatsServer};
 use schemas::messages::{CellStatus, Device, EditV1, EventKind, OutputV1, Prepare, RunV2, SessionEventV2};
@@ -346,23 +347,29 @@ async fn bad_input_gets_4xx_with_a_json_error() -> anyhow::Result<()> {
         .await?;
     assert_eq!(resp.status(), reqwest::StatusCode::BAD_REQUEST);
 
-    // a body over the limit is refused as too large, naming the limit
+    // a body over the limit (8 MiB, as docs/security.md says) is refused as too
+    // large, naming its size and the limit
+    assert_eq!(looseleaf_frontend::http::MAX_BODY_BYTES, 8 << 20);
     let huge = serde_json::json!({ "code": "x".repeat(looseleaf_frontend::http::MAX_BODY_BYTES + 1) }).to_string();
     let resp = http
         .post(format!("{base}/v1/sessions/{sid}/cells/a/run"))
         .header("content-type", "application/json")
-        .body(huge)
+        .body(huge.clone())
         .send()
         .await?;
     assert_eq!(resp.status(), reqwest::StatusCode::PAYLOAD_TOO_LARGE);
     let body: serde_json::Value = resp.json().await?;
-    assert!(body["error"].as_str().unwrap_or_default().contains("limit"), "{body}");
+    let error = body["error"].as_str().unwrap_or_default();
+    assert!(error.contains(&format!("is {} bytes, over the limit of 8388608 bytes (8 MiB)", huge.len())), "{body}");
 
-    // a cell's code over 16 MiB is refused with its size; one of 3 MiB (over what one
-    // bus message carries) reaches the planner whole, as a message body (ADR 30)
+    // so is a cell past the largest (the body's limit binds first); one of 3 MiB
+    // (over what one bus message carries) reaches the planner whole, as a message
+    // body (ADR 30)
     let max = looseleaf_frontend::http::MAX_CELL_BYTES;
-    let over = fe.client.run(sid, "a", &"x".repeat(max + 1)).await.expect_err("a cell over 16 MiB ran");
-    assert!(over.to_string().contains("413") && over.to_string().contains(&(max + 1).to_string()), "{over}");
+    assert!(max <= looseleaf_frontend::http::MAX_BODY_BYTES);
+    let over = fe.client.run(sid, "a", &"x".repeat(max + 1)).await.expect_err("a cell over the limit ran");
+    assert_eq!(over.status(), Some(reqwest::StatusCode::PAYLOAD_TOO_LARGE), "{over}");
+    assert!(over.to_string().contains("over the limit of 8388608 bytes"), "{over}");
     let bus = Bus::connect(nats.url(), &prefix, "fake-planner").await?;
     let mut runs = bus.subscribe::<RunV2>(bus.subjects().run(sid)).await?;
     bus.flush().await?;
@@ -658,7 +665,7 @@ async fn with_tokens_only_a_sessions_owner_reaches_it() -> anyhow::Result<()> {
 
 /// The (id, data) of the first `n` events of `sid`'s SSE stream, asked with
 /// `Last-Event-ID: last` if given.
-async fn sse_events(base: &str, sid: Uuid, last: Option<&str>, n: usize) -> anyhow::Result<Vec<(u64, String)>> {
+async fn sse_events(base: &str, sid: Uuid, last: Option<&str>, n: usize) -> anyhow::Result<Vec<(String, String)>> {
     use futures::StreamExt;
     let mut req = reqwest::Client::new().get(format!("{base}/v1/sessions/{sid}/events"));
     if let Some(last) = last {
@@ -674,7 +681,7 @@ async fn sse_events(base: &str, sid: Uuid, last: Option<&str>, n: usize) -> anyh
             let block: String = text.drain(..end + 2).collect();
             let field = |name: &str| block.lines().find_map(|l| l.strip_prefix(name)).map(str::to_string);
             if let (Some(id), Some(data)) = (field("id: "), field("data: ")) {
-                events.push((id.parse()?, data));
+                events.push((id, data));
             }
         }
     }
@@ -695,13 +702,16 @@ async fn a_reconnecting_client_gets_what_came_after_its_last_event_and_history_i
     let mut sse = fe.client.events(sid).await?;
     items_until(&mut sse, is_done(a.exec_id)).await?;
 
-    // only the newest 4 are kept; ids go on counting
+    // only the newest 4 are kept; their numbers go on counting
     let all = sse_events(&fe.base, sid, None, 4).await?;
-    let first = all[0].0 - 1; // the first item's id (dropped)
-    assert_eq!(all.iter().map(|e| e.0 - first).collect::<Vec<_>>(), [1, 2, 3, 4]);
+    let first = Position::parse(&all[0].0).context("an id of the stream")?.n - 1; // the first item's (dropped)
+    let numbers = |events: &[(String, String)]| {
+        events.iter().map(|(id, _)| Position::parse(id).map(|p| p.n - first)).collect::<Option<Vec<u64>>>()
+    };
+    assert_eq!(numbers(&all[..]), Some(vec![1, 2, 3, 4]));
     // after the third: the fourth and fifth, nothing repeated
-    let rest = sse_events(&fe.base, sid, Some(&all[1].0.to_string()), 2).await?;
-    assert_eq!(rest.iter().map(|e| e.0 - first).collect::<Vec<_>>(), [3, 4]);
+    let rest = sse_events(&fe.base, sid, Some(all[1].0.as_str()), 2).await?;
+    assert_eq!(numbers(&rest[..]), Some(vec![3, 4]));
     assert_eq!(rest, all[2..].to_vec());
     assert!(rest[1].1.contains("\"done\""), "{}", rest[1].1);
     // a Last-Event-ID that is not one of ours
@@ -990,5 +1000,173 @@ async fn the_dashboard_page_needs_no_token_and_its_live_data_shows_each_user_the
     assert_eq!(seen["hosts"][0]["host"], "host-x", "{seen}");
     assert_eq!(seen["sessions"], serde_json::json!([]), "{seen}");
     assert_eq!(seen["executions"], serde_json::json!([]), "{seen}");
+    Ok(())
+}
+
+/// The (id, data) of `sid`'s SSE stream from its start (or after `last`), until
+/// and with the item `stop` accepts.
+async fn sse_until(
+    base: &str,
+    sid: Uuid,
+    last: Option<&str>,
+    stop: impl Fn(&StreamItem) -> bool,
+) -> anyhow::Result<Vec<(String, String)>> {
+    use futures::StreamExt;
+    let mut req = reqwest::Client::new().get(format!("{base}/v1/sessions/{sid}/events"));
+    if let Some(last) = last {
+        req = req.header("Last-Event-ID", last);
+    }
+    let mut body = req.send().await?.error_for_status()?.bytes_stream();
+    let (mut parser, mut events) = (looseleaf_client::api::SseParser::new(), Vec::new());
+    loop {
+        let chunk = tokio::time::timeout(WAIT, body.next()).await?.context("the stream ended")??;
+        for event in parser.push_events(&chunk) {
+            let item: StreamItem = serde_json::from_str(&event.data)?;
+            events.push((event.id.context("an item without an id")?, event.data));
+            if stop(&item) {
+                return Ok(events);
+            }
+        }
+    }
+}
+
+/// A reader that resumes with `Last-Event-ID` on a frontend restarted meanwhile
+/// (which reads the run in flight and the queued run back and emits them again)
+/// gets every item it did not see, once, and none it saw, wherever it stopped.
+#[actix_rt::test]
+async fn a_stream_resumed_across_a_frontend_restart_repeats_no_item() -> anyhow::Result<()> {
+    let nats = NatsServer::start()?;
+    let prefix = random_prefix();
+    let listen: std::net::SocketAddr = format!("127.0.0.1:{}", looseleaf_test_support::free_port()?).parse()?;
+    let first = start_frontend_with(&nats, &prefix, |c| c.listen = listen).await?;
+    let sid = first.client.create_session("/tmp", true, false).await?;
+    let bus = Bus::connect(nats.url(), &prefix, "fake").await?;
+    let mut runs = bus.subscribe::<RunV2>(bus.subjects().run(sid)).await?;
+    bus.flush().await?;
+    let a = first.client.run(sid, "a", "print(1); print(2); print(3)").await?;
+    next_run(&bus, &mut runs).await?;
+    let claimed = EventKind::Claimed { host: "fake".into(), slot: Some(0), prepare: Prepare::Cold };
+    event(&bus, sid, a.exec_id, claimed).await?;
+    event(&bus, sid, a.exec_id, started()).await?;
+    output(&bus, sid, a.exec_id, 0, "one ").await?;
+    let b = first.client.run(sid, "b", "2").await?;
+    // what a reader saw of the first frontend: queued a, claimed, started, one, queued b
+    let seen = sse_events(&first.base, sid, None, 5).await?;
+    drop(first); // the frontend goes away mid-cell
+
+    output(&bus, sid, a.exec_id, 1, "two ").await?;
+    event(&bus, sid, a.exec_id, finished(3)).await?;
+    let second = start_frontend_with(&nats, &prefix, |c| c.listen = listen).await?;
+    assert_eq!(second.client.summary(sid).await?["current"], a.exec_id.to_string(), "adopted");
+    output(&bus, sid, a.exec_id, 2, "three").await?;
+    event(&bus, sid, a.exec_id, saved(1)).await?;
+    let everything = sse_until(&second.base, sid, None, is_done(a.exec_id)).await?;
+    let printed_in = |lines: &[&str]| -> anyhow::Result<Vec<String>> {
+        let items = lines.iter().map(|l| serde_json::from_str(l)).collect::<Result<Vec<StreamItem>, _>>()?;
+        Ok(printed(&items))
+    };
+
+    let mut last_id = None;
+    for cut in 0..seen.len() {
+        let got = sse_until(&second.base, sid, Some(seen[cut].0.as_str()), is_done(a.exec_id)).await?;
+        let mut lines: Vec<&str> = seen[..=cut].iter().map(|(_, data)| data.as_str()).collect();
+        lines.extend(got.iter().map(|(_, data)| data.as_str()));
+        let mut unique = lines.clone();
+        unique.sort_unstable();
+        unique.dedup();
+        assert_eq!(unique.len(), lines.len(), "resumed after item {cut}, an item came twice: {got:#?}");
+        for (_, data) in &everything {
+            assert!(lines.contains(&data.as_str()), "resumed after item {cut}, {data} is missing");
+        }
+        assert_eq!(printed_in(&lines[..])?, ["one ", "two ", "three"], "resumed after item {cut}");
+        // what came after, in the order the second frontend emits it
+        let at: Vec<usize> = got.iter().filter_map(|(_, d)| everything.iter().position(|(_, e)| e == d)).collect();
+        assert_eq!(at.len(), got.len());
+        assert!(at.windows(2).all(|w| w[0] < w[1]), "resumed after item {cut}: {at:?}");
+        last_id = got.last().map(|(id, _)| id.clone());
+    }
+    // resuming from the last of them on the same frontend: only what comes next
+    let run = next_run(&bus, &mut runs).await?;
+    assert_eq!(run.exec_id, b.exec_id);
+    let claimed = EventKind::Claimed { host: "fake".into(), slot: Some(0), prepare: Prepare::Cold };
+    event(&bus, sid, b.exec_id, claimed).await?;
+    let last = last_id.context("items came after the restart")?;
+    let next = sse_events(&second.base, sid, Some(last.as_str()), 1).await?;
+    assert!(next[0].1.contains("\"claimed\"") && next[0].1.contains(&b.exec_id.to_string()), "{next:?}");
+    Ok(())
+}
+
+/// Cells too large for the session's record, queued behind a running one, are
+/// accepted: their code is kept aside and the record names it. Each is sent whole
+/// when its turn comes, also by a frontend restarted meanwhile, and its code kept
+/// aside is deleted then (or when the run is aborted). The queue's length is
+/// still bounded (429).
+#[actix_rt::test]
+async fn large_cells_queued_behind_a_running_one_are_kept_aside_and_run_whole() -> anyhow::Result<()> {
+    use looseleaf_frontend::records::{read_aside, Records, ASIDE_RECORD_VERSION};
+    let nats = NatsServer::start()?;
+    let prefix = random_prefix();
+    let listen: std::net::SocketAddr = format!("127.0.0.1:{}", looseleaf_test_support::free_port()?).parse()?;
+    let configure = move |c: &mut Config| {
+        c.listen = listen;
+        c.limits.queued_runs = 2;
+    };
+    let first = start_frontend_with(&nats, &prefix, configure).await?;
+    let sid = first.client.create_session("/tmp", true, false).await?;
+    let bus = Bus::connect(nats.url(), &prefix, "fake").await?;
+    let mut runs = bus.subscribe::<RunV2>(bus.subjects().run(sid)).await?;
+    bus.flush().await?;
+    let records = Records::new(schemas::buckets::sessions(&bus.jetstream(), &prefix, 1).await?);
+    let bodies = schemas::bodies::Bodies::new(bus.client().clone(), &prefix, 1);
+    let big = |c: &str| format!("s = '{}'\nprint(len(s))", c.repeat(1_500_000));
+
+    let a = first.client.run(sid, "a", "x = 1").await?;
+    next_run(&bus, &mut runs).await?;
+    let (b_code, c_code) = (big("b"), big("c"));
+    let b = first.client.run(sid, "b", &b_code).await?;
+    let c = first.client.run(sid, "c", &c_code).await?;
+    assert_eq!((b.position, c.position), (1, 2));
+    let err = first.client.run(sid, "d", "3").await.expect_err("a third queued run");
+    assert_eq!(err.status(), Some(reqwest::StatusCode::TOO_MANY_REQUESTS), "{err}");
+    // the record names where their code is, and holds none of it
+    let record = records.get(sid).await?.context("the session's record")?;
+    assert_eq!(record.version, ASIDE_RECORD_VERSION);
+    assert!(record.queued.iter().all(|q| q.code.is_empty()), "{:?}", record.queued.len());
+    let kept = record.queued.iter().map(|q| q.aside.clone()).collect::<Option<Vec<String>>>().context("aside")?;
+    assert_eq!(read_aside(&bodies, &kept[0]).await?.code, b_code);
+    drop(first); // the frontend goes away with both queued
+
+    let second = start_frontend_with(&nats, &prefix, configure).await?;
+    let summary = second.client.summary(sid).await?;
+    assert_eq!(summary["queue"], serde_json::json!([b.exec_id, c.exec_id]), "{summary}");
+    event(&bus, sid, a.exec_id, saved(1)).await?;
+    let run = next_run(&bus, &mut runs).await?;
+    assert_eq!(run.exec_id, b.exec_id);
+    assert!(run.code == b_code, "b's code read back whole ({} bytes)", run.code.len());
+    // sent: its code kept aside is deleted (c's stays until its turn)
+    let gone = |header: String| {
+        let bodies = bodies.clone();
+        move || {
+            let (bodies, header) = (bodies.clone(), header.clone());
+            async move { read_aside(&bodies, &header).await.is_err() }
+        }
+    };
+    looseleaf_test_support::wait_for_async(WAIT, gone(kept[0].clone())).await?;
+    assert_eq!(read_aside(&bodies, &kept[1]).await?.code, c_code);
+    event(&bus, sid, b.exec_id, saved(2)).await?;
+    let run = next_run(&bus, &mut runs).await?;
+    assert_eq!((run.exec_id, run.after_revision), (c.exec_id, 2));
+    assert!(run.code == c_code, "c's code read back whole ({} bytes)", run.code.len());
+    looseleaf_test_support::wait_for_async(WAIT, gone(kept[1].clone())).await?;
+
+    // one queued here and aborted by an interrupt: its code kept aside is deleted
+    let d = second.client.run(sid, "d", &big("d")).await?;
+    assert_eq!(d.position, 1);
+    let record = records.get(sid).await?.context("the session's record")?;
+    let header = record.queued.front().and_then(|q| q.aside.clone()).context("d's code kept aside")?;
+    assert!(!gone(header.clone())().await, "d's code is kept");
+    let interrupted = second.client.interrupt(sid).await?;
+    assert_eq!(interrupted.aborted, [d.exec_id]);
+    looseleaf_test_support::wait_for_async(WAIT, gone(header)).await?;
     Ok(())
 }
