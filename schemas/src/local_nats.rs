@@ -1,12 +1,14 @@
 //! A local nats-server with JetStream, for `looseleaf up` and the tests: started on
 //! a free loopback port with its store in a given directory, told apart from
 //! anything else on that port by the name it announces (a port another process
-//! took meanwhile is noticed and another one tried), and killed when dropped.
+//! took meanwhile is noticed and another one tried), and killed when dropped, or
+//! when the process that started it exits, however it ends (SIGKILL included).
 
 use std::io::{BufRead, BufReader};
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::{mpsc, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::permissions::{self, Permissions, Role};
@@ -162,7 +164,8 @@ impl Started {
 
     fn spawn_and_wait(&self) -> Result<Option<Child>, LocalNatsError> {
         let bin = self.bin.display().to_string();
-        let mut child = Command::new(&self.bin)
+        let mut command = Command::new(&self.bin);
+        command
             .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-n", &self.name, "-js", "-sd"])
             .arg(&self.store_dir)
             .args(self.config.iter().flat_map(|(c, _)| [std::ffi::OsStr::new("-c"), c.as_os_str()]))
@@ -172,9 +175,8 @@ impl Started {
             // a group of its own: a Ctrl-C (or Jupyter's SIGINT to a kernel's group)
             // meant for the process that started it does not stop the bus under
             // the services; they stop it
-            .process_group(0)
-            .spawn()
-            .map_err(|source| LocalNatsError::Spawn { bin: bin.clone(), source })?;
+            .process_group(0);
+        let mut child = spawn_tied(command).map_err(|source| LocalNatsError::Spawn { bin: bin.clone(), source })?;
         let deadline = Instant::now() + START;
         loop {
             if server_name_on(self.port).is_some_and(|n| n == self.name) {
@@ -281,6 +283,83 @@ impl Drop for LocalNats {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// A command for the spawner thread, and where it sends the child.
+type SpawnJob = (Command, mpsc::Sender<std::io::Result<Child>>);
+
+/// Start `command`, its child to be killed when this process exits: spawned
+/// from a thread that lives as long as this process, since a parent-death signal
+/// fires when the *thread* that forked the child exits (prctl(2)), and
+/// [`LocalNats::start`] runs on threads that come and go (`spawn_blocking`'s, a
+/// test's).
+fn spawn_tied(mut command: Command) -> std::io::Result<Child> {
+    static SPAWNER: OnceLock<mpsc::Sender<SpawnJob>> = OnceLock::new();
+    let spawner = SPAWNER.get_or_init(|| {
+        let (tx, rx) = mpsc::channel::<SpawnJob>();
+        // the sender is never dropped (a static), so the loop never ends
+        let started = std::thread::Builder::new().name("nats-spawner".into()).spawn(move || {
+            for (mut command, reply) in rx {
+                // the caller waits for it: a failed send means it is gone
+                let _ = reply.send(command.spawn());
+            }
+        });
+        if let Err(e) = started {
+            tracing::error!(error = %e, "no thread to start nats-server from");
+        }
+        tx
+    });
+    parent_death::kill_with_this_process(&mut command);
+    let (reply, spawned) = mpsc::channel();
+    spawner.send((command, reply)).map_err(|_| std::io::Error::other("no thread to start nats-server from"))?;
+    spawned.recv().map_err(|_| std::io::Error::other("the nats-server spawner thread is gone"))?
+}
+
+/// The parent-death signal (prctl(2)), declared here: this crate has no libc.
+#[cfg(target_os = "linux")]
+mod parent_death {
+    use std::ffi::{c_int, c_ulong};
+    use std::os::unix::process::CommandExt as _;
+
+    extern "C" {
+        fn prctl(option: c_int, ...) -> c_int;
+        fn getppid() -> c_int;
+    }
+
+    const PR_SET_PDEATHSIG: c_int = 1;
+    const SIGKILL: c_ulong = 9;
+
+    /// Have the child `command` starts get SIGKILL when this process exits
+    /// (when the thread that spawns it does: spawn it from one that lasts).
+    pub fn kill_with_this_process(command: &mut std::process::Command) {
+        let parent = std::process::id();
+        // SAFETY: the closure runs in the forked child before exec and makes only
+        // async-signal-safe system calls; it allocates nothing.
+        unsafe {
+            command.pre_exec(move || set(parent));
+        }
+    }
+
+    /// In the child: SIGKILL when `parent` exits, or an error if it already has.
+    fn set(parent: u32) -> std::io::Result<()> {
+        let zero: c_ulong = 0;
+        // SAFETY: prctl with PR_SET_PDEATHSIG reads its second argument only
+        if unsafe { prctl(PR_SET_PDEATHSIG, SIGKILL, zero, zero, zero) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // the parent died before the signal was set, which then never comes
+        // SAFETY: getppid takes nothing and cannot fail
+        if u32::try_from(unsafe { getppid() }).ok() != Some(parent) {
+            return Err(std::io::ErrorKind::Other.into());
+        }
+        Ok(())
+    }
+}
+
+/// Elsewhere no parent-death signal: the server is stopped when dropped only.
+#[cfg(not(target_os = "linux"))]
+mod parent_death {
+    pub fn kill_with_this_process(_command: &mut std::process::Command) {}
 }
 
 /// The `server_name` a NATS server on `port` announces in its INFO line, if one

@@ -4,10 +4,16 @@
 //!
 //! Zygotes and workers connect back to the host's Unix socket and introduce
 //! themselves with `hello` ([`crate::socket`]).
+//!
+//! None of them outlives the host's process, however it ends (SIGKILL
+//! included): a zygote gets a parent-death signal, and every zygote, spare and
+//! worker holds the host's lifeline (`Lifeline`), which a worker watches
+//! (zygote.py).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::Stdio;
+use std::sync::{mpsc, OnceLock};
 use std::time::Duration;
 
 use tokio::sync::oneshot;
@@ -19,6 +25,8 @@ use crate::socket::{Hello, Listener, NoHello};
 const ZYGOTE_START: Duration = Duration::from_secs(180);
 /// How long a fork and the worker's hello may take.
 const FORK: Duration = Duration::from_secs(60);
+/// Names the zygote's fd that holds the host's [`Lifeline`] (its stdin, 0).
+const LIFELINE_ENV: &str = "LOOSELEAF_HOST_LIFELINE";
 
 /// Why a worker could not be had.
 #[derive(Debug, thiserror::Error)]
@@ -115,9 +123,88 @@ pub struct Forked {
     pub conn: Conn,
 }
 
+/// The host's lifeline: a pipe whose write end only this process holds, and
+/// never closes: the kernel closes it when the process exits, however it ends.
+/// Every zygote gets the read end as its stdin, and every process a zygote forks
+/// inherits it; a worker reads EOF from it once the host is gone, and kills its
+/// cell with itself (zygote.py). A worker cannot die with its parent instead:
+/// that is a zygote, which may go before it (an evicted child zygote), and a
+/// parent-death signal is cleared when a worker takes a session's uid.
+struct Lifeline {
+    read: std::io::PipeReader,
+    /// Held, never used: its end is the message.
+    _write: std::io::PipeWriter,
+}
+
+/// This process's [`Lifeline`] (None if no pipe could be made: then a worker
+/// busy with a cell outlives a host killed outright).
+fn lifeline() -> Option<&'static Lifeline> {
+    static LIFELINE: OnceLock<Option<Lifeline>> = OnceLock::new();
+    LIFELINE
+        .get_or_init(|| match std::io::pipe() {
+            // both ends close on exec: no other program the host runs holds them
+            Ok((read, write)) => Some(Lifeline { read, _write: write }),
+            Err(e) => {
+                tracing::warn!(error = %e, "no lifeline for workers: a host killed outright leaves busy workers behind");
+                None
+            }
+        })
+        .as_ref()
+}
+
+/// Work for the spawner thread.
+type SpawnJob = Box<dyn FnOnce() + Send>;
+
+/// Run `job` on a thread that lives as long as this process. A parent-death
+/// signal fires when the *thread* that forked the child exits, not its process
+/// (prctl(2)): a runtime's worker and blocking threads may come and go while the
+/// host runs on, and a zygote forked from one would die with it.
+fn on_lasting_thread(job: SpawnJob) -> Result<(), String> {
+    static SPAWNER: OnceLock<mpsc::Sender<SpawnJob>> = OnceLock::new();
+    let spawner = SPAWNER.get_or_init(|| {
+        let (tx, rx) = mpsc::channel::<SpawnJob>();
+        // the sender is never dropped (a static), so the loop never ends
+        let started = std::thread::Builder::new().name("zygote-spawner".into()).spawn(move || {
+            for job in rx {
+                job();
+            }
+        });
+        if let Err(e) = started {
+            tracing::error!(error = %e, "no thread to start zygotes from");
+        }
+        tx
+    });
+    spawner.send(job).map_err(|_| "no thread to start zygotes from".to_string())
+}
+
+/// Have the child `command` starts get SIGKILL when this process exits. Call
+/// [`Command::spawn`](tokio::process::Command::spawn) from [`on_lasting_thread`].
+#[cfg(target_os = "linux")]
+fn die_with_this_process(command: &mut tokio::process::Command) {
+    let parent = nix::unistd::Pid::this();
+    // SAFETY: the closure runs in the forked child before exec and makes only
+    // async-signal-safe system calls (prctl, getppid); it allocates nothing.
+    unsafe {
+        command.pre_exec(move || {
+            nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)?;
+            // the host died before the signal was set, which then never comes
+            if nix::unistd::getppid() != parent {
+                return Err(std::io::ErrorKind::Other.into());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// Elsewhere a zygote notices the host's end by its connection closing.
+#[cfg(not(target_os = "linux"))]
+fn die_with_this_process(_command: &mut tokio::process::Command) {}
+
 impl Zygote {
     /// Start a zygote and wait for its hello.
     pub async fn start(spec: &ZygoteSpec, id: &str, listener: &Listener) -> Result<Self, ZygoteError> {
+        let spawn_error = |reason: String| ZygoteError::Spawn { python: spec.python.display().to_string(), reason };
+        let runtime = tokio::runtime::Handle::try_current().map_err(|e| spawn_error(e.to_string()))?;
         let rx = listener.expect(id);
         let mut pythonpath = std::ffi::OsString::new();
         for dir in spec.worker_path.iter().map(|p| p.as_os_str()) {
@@ -129,7 +216,8 @@ impl Zygote {
             }
             pythonpath.push(existing);
         }
-        let child = tokio::process::Command::new(&spec.python)
+        let mut command = tokio::process::Command::new(&spec.python);
+        command
             .args(["-m", "looseleaf_worker.zygote", "--socket"])
             .arg(listener.path())
             .args(["--id", id, "--packages", &spec.packages.join(",")])
@@ -145,14 +233,45 @@ impl Zygote {
             // hash alike (hash flooding is no threat a notebook's own cells pose).
             // An operator's value, passed through the allow-list, wins.
             .env("PYTHONHASHSEED", spec.env.get("PYTHONHASHSEED").map_or("0", String::as_str))
-            .stdin(Stdio::null())
             // a group of its own: a Ctrl-C (or Jupyter's SIGINT to a kernel's group)
             // meant for the process that embeds the host never reaches the zygote;
             // the host stops it
             .process_group(0)
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(|e| ZygoteError::Spawn { python: spec.python.display().to_string(), reason: e.to_string() })?;
+            .kill_on_drop(true);
+        // its stdin is the host's lifeline (the zygote gives itself /dev/null again)
+        match lifeline().map(|l| l.read.try_clone()) {
+            Some(Ok(read)) => {
+                command.stdin(Stdio::from(read)).env(LIFELINE_ENV, "0");
+            }
+            other => {
+                if let Some(Err(e)) = other {
+                    tracing::warn!(error = %e, zygote = id, "no lifeline for this zygote's workers");
+                }
+                command.stdin(Stdio::null()).env_remove(LIFELINE_ENV);
+            }
+        }
+        die_with_this_process(&mut command);
+        let (spawned_tx, spawned) = oneshot::channel();
+        let spawn = move || {
+            let _entered = runtime.enter();
+            // a start given up meanwhile drops the child, which kills it
+            let _ = spawned_tx.send(command.spawn());
+        };
+        if let Err(reason) = on_lasting_thread(Box::new(spawn)) {
+            listener.forget(id);
+            return Err(spawn_error(reason));
+        }
+        let child = match spawned.await {
+            Ok(Ok(child)) => child,
+            Ok(Err(e)) => {
+                listener.forget(id);
+                return Err(spawn_error(e.to_string()));
+            }
+            Err(_) => {
+                listener.forget(id);
+                return Err(spawn_error("the spawner thread is gone".into()));
+            }
+        };
         let hello = listener.wait(id, rx, ZYGOTE_START).await?;
         Self::from_hello(id, hello, Some(child))
     }

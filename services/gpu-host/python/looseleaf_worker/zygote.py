@@ -11,6 +11,16 @@ only; the rare unsafe one costs a restart.
 
 The zygote never creates threads (fork safety) and ignores SIGCHLD so that the
 kernel reaps its children.
+
+Nothing outlives the host's process. The host starts a zygote with a
+parent-death signal, and gives it its lifeline as stdin: the read end of a pipe
+whose write end only the host's process holds, so that it reads EOF once that
+process is gone, however it ended. Every process a zygote forks inherits it. A
+worker watches it from a thread and then kills its process group (its cell and
+what the cell started); a child zygote serves the host's connection and leaves
+when that closes. A worker cannot simply die with its parent: its parent is a
+zygote, which may go before it (an evicted child zygote), and a parent-death
+signal is cleared when a worker drops to a session uid.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import socket
 import struct
 import sys
 import tempfile
+import threading
 import time
 
 from . import protocol
@@ -40,6 +51,77 @@ SPARES = 2
 SPARE_AFTER_S = 0.01
 # Write ends of the waiting spares' pipes: a child closes them (see _fork).
 _spare_pipes: set[int] = set()
+# Names the fd of the host's lifeline (the host passes 0, its stdin); read once
+# at start and removed from the environment, so workers and cells never see it.
+LIFELINE_ENV = "LOOSELEAF_HOST_LIFELINE"
+# The host's lifeline (see the module's doc), once adopted; None: started by
+# something other than a host (the tests' simulated one): nothing to watch.
+_lifeline: int | None = None
+
+
+def _adopt_lifeline() -> None:
+    """Take the host's lifeline from the fd ``LOOSELEAF_HOST_LIFELINE`` names, on
+    an fd of its own that programs a cell runs do not inherit. When it was stdin,
+    stdin becomes /dev/null again: a cell (or a program it runs) that reads stdin
+    must see its end, not wait on the host."""
+    global _lifeline
+    value = os.environ.pop(LIFELINE_ENV, None)
+    if value is None:
+        return
+    try:
+        fd = int(value)
+        if fd == 0:
+            _lifeline = os.dup(0)  # not inheritable, as every fd Python makes
+            devnull = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(devnull, 0)
+            os.close(devnull)
+        else:  # given again across _reexec_without
+            os.set_inheritable(fd, False)
+            _lifeline = fd
+    except (ValueError, OSError) as e:
+        _log(f"no lifeline from the host ({LIFELINE_ENV}={value!r}): {e}")
+
+
+def _host_gone() -> bool:
+    """Whether the host's process has exited (its lifeline reads EOF; nobody ever
+    writes to it, so readable means closed)."""
+    if _lifeline is None:
+        return False
+    try:
+        ready, _, _ = select.select([_lifeline], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    return bool(ready)
+
+
+def _die_with_host() -> None:
+    """In a spare or worker: a thread that kills this process's group (the worker
+    leads it: the cell and the programs it started) once the host's process is
+    gone, though a cell runs and nothing reads the host's socket."""
+    if _lifeline is None:
+        return
+    fd = _lifeline
+
+    def watch() -> None:
+        try:
+            while os.read(fd, 64):
+                pass  # nobody writes to it: only its end comes
+        except OSError as e:
+            # a cell closed it: this worker no longer notices the host going
+            _log(f"stopped watching the host: {e}")
+            return
+        try:
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        finally:
+            os._exit(1)
+
+    # the thread takes no signal (it keeps the mask it starts with): every one
+    # goes to the cell's thread, as an interrupt must, to wake a sleep
+    unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        threading.Thread(target=watch, name="looseleaf-host-lifeline", daemon=True).start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
 
 
 def default_probe() -> bool:
@@ -114,6 +196,9 @@ def _reexec_without(args, unsafe: str) -> None:
         "--cgroups",
         args.cgroups,
     ]
+    if _lifeline is not None:  # the new image adopts it again
+        os.set_inheritable(_lifeline, True)
+        os.environ[LIFELINE_ENV] = str(_lifeline)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, argv)
@@ -222,6 +307,7 @@ def _become_worker(conn: socket.socket, zygote_id: str, params) -> None:
         gc.enable()  # a worker collects its own garbage (the zygote's is frozen)
         conn.close()
         os.setsid()
+        _die_with_host()  # a thread: this process is no zygote, it never forks one
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # cells need waitpid
         # an interrupt reaches cells only (the worker's own handler, see interrupt.py)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -310,6 +396,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cuda-unsafe", default="", help=argparse.SUPPRESS)
     ap.add_argument("--cgroups", default="[]", help="JSON: the cgroups each spare goes in")
     args = ap.parse_args(argv)
+    _adopt_lifeline()
     _spare_cgroups[:] = json.loads(args.cgroups)
     args.packages = [p for p in args.packages.split(",") if p]
     args.cuda_unsafe = [p for p in args.cuda_unsafe.split(",") if p]
@@ -348,6 +435,9 @@ def serve(
     sock_path: str, zid: str, packages: list[str], import_ms: float, cuda_unsafe: list[str], errors: dict[str, str]
 ) -> int:
     """Say hello to the host and serve forks until shutdown."""
+    if _host_gone():  # it died while we imported (a child zygote's tail)
+        _log("the host is gone; not serving")
+        return 0
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(sock_path)
     hello = {
