@@ -9,6 +9,7 @@ Map (one concern per module):
   placement   %%gpu [N] / %%cpu lines; `%load_ext looseleaf_worker` in a plain kernel
   checkpoint  object records, payloads, 2 MiB xxh3-128 chunks; save and restore
   ambient     session state that is not a variable (RNGs, rcParams, cwd, ...)
+  workdir     the working directory as ambient state, a removed one included
   localmods   modules beside the notebook, as the session imported them
   packages    the session's package layer (%pip install lands there)
   faults      eval/exec bring in names the closure missed

@@ -26,7 +26,7 @@ import cloudpickle
 from IPython import get_ipython
 from IPython.core.alias import Alias
 
-from . import checkpoint, quiet
+from . import checkpoint, quiet, workdir
 from .localmods import LocalModules, Source
 
 
@@ -760,7 +760,7 @@ def capture(shell, base: Baseline) -> dict:
     pdo = _pandas_options()
     if pdo is not None:
         st["pandas"] = pdo
-    st["cwd"] = os.getcwd()
+    st.update(workdir.capture())  # a removed one too: see workdir
     st["sys_path"] = list(sys.path)
     st["env_set"] = {k: v for k, v in os.environ.items() if base.env.get(k) != v}
     st["env_unset"] = [k for k in base.env if k not in os.environ]
@@ -830,10 +830,7 @@ def apply_paths(st: dict) -> None:
     # a kept worker: what an earlier restore left pending is stale (before the
     # restore's imports could fire it)
     _on_import().pending.clear()
-    try:
-        os.chdir(st["cwd"])
-    except OSError:
-        pass  # the directory is gone; the cell will see where the host put it
+    workdir.restore(st)
     added = [p for p in st["sys_path"] if p not in sys.path]
     sys.path[:0] = added
     for k in st["env_unset"]:

@@ -22,6 +22,8 @@ import os
 import sys
 from dataclasses import dataclass
 
+from . import workdir
+
 
 @dataclass(frozen=True)
 class Source:
@@ -69,7 +71,7 @@ class LocalModules(importlib.abc.MetaPathFinder):
 
     def __init__(self, baseline_path: list[str]):
         self._baseline = set(baseline_path)
-        self._library = [_dir(p) for p in baseline_path if p not in ("", ".")]
+        self._library = _dirs(p for p in baseline_path if p not in ("", "."))
         self.loaded: dict[str, Source] = {}  # what this worker imported
         self.session: dict[str, Source] = {}  # what the session had imported
 
@@ -77,7 +79,7 @@ class LocalModules(importlib.abc.MetaPathFinder):
         """Entries put on the path before any cell ran (the session's package
         layer): what is installed there is a library, not the notebook's own."""
         self._baseline.update(paths)
-        self._library += [_dir(p) for p in paths if p not in ("", ".")]
+        self._library += _dirs(p for p in paths if p not in ("", "."))
 
     def install(self) -> None:
         if self not in sys.meta_path:
@@ -85,9 +87,15 @@ class LocalModules(importlib.abc.MetaPathFinder):
 
     def _is_local(self, origin: str) -> bool:
         """Under the working directory or a path the notebook added, and not in
-        an installed library (a venv inside the notebook's folder is not local)."""
-        real = os.path.realpath(origin)
-        roots = [_dir(os.getcwd())] + [_dir(p) for p in sys.path if p not in self._baseline]
+        an installed library (a venv inside the notebook's folder is not local).
+        A removed working directory holds no module (as for Python's own finders,
+        it and the relative path entries are passed over)."""
+        try:
+            real = os.path.realpath(origin)
+        except OSError:
+            return False  # a relative origin, the working directory removed
+        cwd = workdir.current()
+        roots = _dirs([cwd] if cwd is not None else []) + _dirs(p for p in sys.path if p not in self._baseline)
         return any(real.startswith(r) for r in roots) and not any(real.startswith(r) for r in self._library)
 
     def find_spec(self, fullname, path=None, target=None):
@@ -133,21 +141,32 @@ class LocalModules(importlib.abc.MetaPathFinder):
 
     def unshadow(self, modules: list[str]) -> None:
         """Drop library modules a zygote imported that the session's own modules
-        shadow (a ``utils.py`` beside the notebook beats an installed ``utils``)."""
-        cwd = os.getcwd()
+        shadow (a ``utils.py`` beside the notebook beats an installed ``utils``;
+        a removed working directory has none)."""
+        cwd = workdir.current()
         for top in {m.split(".")[0] for m in modules}:
             mod = sys.modules.get(top)
             if mod is None or top in self.loaded:
                 continue
             if (
                 top in self.session
-                or os.path.isfile(os.path.join(cwd, top + ".py"))
-                or os.path.isfile(os.path.join(cwd, top, "__init__.py"))
+                or cwd is not None
+                and (
+                    os.path.isfile(os.path.join(cwd, top + ".py"))
+                    or os.path.isfile(os.path.join(cwd, top, "__init__.py"))
+                )
             ):
                 for name in [n for n in sys.modules if n == top or n.startswith(top + ".")]:
                     del sys.modules[name]
 
 
-def _dir(path: str) -> str:
-    """A directory as a prefix that matches only files inside it."""
-    return os.path.realpath(path or ".").rstrip(os.sep) + os.sep
+def _dirs(paths) -> list[str]:
+    """Directories as prefixes that match only files inside them; a relative
+    one is left out while the working directory is removed (it names nothing)."""
+    out = []
+    for path in paths:
+        try:
+            out.append(os.path.realpath(path or ".").rstrip(os.sep) + os.sep)
+        except OSError:
+            pass
+    return out
