@@ -19,6 +19,12 @@ use uuid::Uuid;
 /// The subject prefix of the embedded cluster.
 pub const PREFIX: &str = "ll";
 
+/// How often [`Cluster::keep_nats_up`] looks at the cluster's own nats-server.
+const NATS_CHECK: Duration = Duration::from_millis(500);
+
+/// The longest wait between tries to start again a nats-server that would not start.
+const NATS_RETRY_MAX: Duration = Duration::from_secs(10);
+
 /// How to start the embedded cluster.
 #[derive(Clone, Debug)]
 pub struct ClusterOptions {
@@ -38,6 +44,8 @@ pub struct ClusterOptions {
     pub port: u16,
     /// Checkpoint store URL (None: a directory in the data dir).
     pub store_url: Option<String>,
+    /// A directory store collects at once below this many free bytes (None: the default).
+    pub gc_free_bytes: Option<u64>,
     /// The planner's speculation budget.
     pub budget: looseleaf_planner::speculator::Budget,
     /// Hosts prepare every worker on a GPU slot.
@@ -303,6 +311,7 @@ impl Cluster {
             store_url: store_url.clone(),
             session_quota_bytes: None,
             gc: Some(looseleaf_store::gc::Schedule::default()),
+            gc_free_bytes: opts.gc_free_bytes,
             manifest_key_file: Some(manifest_key(data_dir)?),
         };
         self.spawn("store", |stop| looseleaf_store::run(store, stop));
@@ -419,6 +428,65 @@ impl Cluster {
         (name, res)
     }
 
+    /// Keep the cluster's own nats-server running: one that exited (killed,
+    /// crashed) is started again on its port, with its JetStream store and its
+    /// users, so the services' clients reconnect by themselves and nothing that
+    /// was committed is lost. While it is down, `trouble` says so (a kernel names
+    /// it in the errors of the cells it could not run); None once it runs again.
+    /// One that will not start (its port taken meanwhile) is tried again, waiting
+    /// longer each time. Never returns; an operator's NATS is not watched.
+    ///
+    /// Cancelled while a start is under way, the server being started is killed
+    /// when that start ends (its `LocalNats` is dropped with the blocking task).
+    pub async fn keep_nats_up(&mut self, trouble: tokio::sync::watch::Sender<Option<String>>) {
+        let ClusterNats::Local { server, .. } = &mut self.nats else {
+            return futures::future::pending().await;
+        };
+        let mut wait = NATS_CHECK;
+        loop {
+            tokio::time::sleep(wait).await;
+            let Some(why) = nats_down(server) else {
+                wait = NATS_CHECK;
+                continue;
+            };
+            tracing::error!(%why, "the cluster's nats-server is down; starting it again on its port with its store");
+            trouble.send_replace(Some(format!("the embedded cluster's nats-server {why}; it is being started again")));
+            // started on a blocking thread (it waits up to 15 s for the server to
+            // listen), a stand-in in its place meanwhile
+            let url = server.url().to_string();
+            let mut taken = std::mem::replace(server, LocalNats::external(url));
+            let restarted = tokio::task::spawn_blocking(move || {
+                let res = taken.restart();
+                (taken, res)
+            })
+            .await;
+            match restarted {
+                Ok((back, Ok(()))) => {
+                    *server = back;
+                    tracing::warn!(pid = ?server.pid(), "the cluster's nats-server runs again");
+                    trouble.send_replace(None);
+                    wait = NATS_CHECK;
+                }
+                Ok((back, Err(e))) => {
+                    *server = back;
+                    wait = (wait * 2).min(NATS_RETRY_MAX);
+                    tracing::error!(error = %e, retry_in = ?wait, "could not start the cluster's nats-server again");
+                    trouble.send_replace(Some(format!(
+                        "the embedded cluster's nats-server {why} and could not be started again ({e}); trying again"
+                    )));
+                }
+                Err(e) => {
+                    // the server went with the task: nothing is left to start again
+                    tracing::error!(error = %e, "the task that started nats-server again failed");
+                    trouble.send_replace(Some(format!(
+                        "the embedded cluster's nats-server {why} and starting it again failed ({e}); restart the kernel"
+                    )));
+                    return futures::future::pending().await;
+                }
+            }
+        }
+    }
+
     /// Stop every service (10 s each at most), then nats-server.
     pub async fn stop(mut self) {
         self.token.cancel();
@@ -436,6 +504,20 @@ impl Cluster {
             server.kill();
             let _ = std::fs::remove_file(self.data_dir.join(NATS_URL_FILE));
         }
+    }
+}
+
+/// Why the nats-server started here is not running, if it is not: it exited (a
+/// zombie until its `LocalNats` reaps it; a stopped one still runs) or none was
+/// started (a start that failed). From /proc: waiting on it here would reap it
+/// behind its `Child`'s back.
+fn nats_down(server: &LocalNats) -> Option<String> {
+    let Some(pid) = server.pid() else { return Some("is not running".into()) };
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // `pid (comm) state ...`: comm may hold spaces, so the state follows the last ')'
+    match stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()) {
+        Some("Z" | "X") | None => Some(format!("(pid {pid}) exited")),
+        Some(_) => None,
     }
 }
 

@@ -56,6 +56,10 @@ struct EmbedArgs {
     /// endpoint and credentials) or a directory (default: <data dir>/store).
     #[arg(long, env = "LOOSELEAF_STORE_URL")]
     store_url: Option<String>,
+    /// A directory store collects garbage at once below this many free bytes
+    /// (default: 5% of its volume or 2 GiB, whichever is smaller).
+    #[arg(long, env = "LOOSELEAF_GC_FREE_BYTES")]
+    gc_free_bytes: Option<u64>,
     /// Speculation budget: prepared-but-idle workers per host.
     #[arg(long, env = "LOOSELEAF_PREPARED_PER_HOST", default_value_t = looseleaf_planner::DEFAULT_BUDGET.prepared_per_host)]
     prepared_per_host: usize,
@@ -287,6 +291,7 @@ fn options(embed: EmbedArgs, data_dir: PathBuf, virtual_gpus: Option<u32>, port:
         virtual_gpus,
         hosts: embed.hosts,
         store_url: embed.store_url,
+        gc_free_bytes: embed.gc_free_bytes,
         budget: looseleaf_planner::speculator::Budget {
             prepared_per_host: embed.prepared_per_host,
             idle_seconds_per_session: embed.idle_gpu_seconds_per_session,

@@ -4,7 +4,8 @@
 //! platform failed is run again, as a user would) on a cluster whose store is S3
 //! (moto), while a schedule injects faults: workers killed, a gpu-host killed
 //! mid-cell or stopped, the store gateway, the planner and the frontend killed and
-//! restarted, nats-server restarted, the S3 server stopped for a while. Then:
+//! restarted or left stopped for seconds, nats-server restarted, the S3 server
+//! stopped for a while. Then:
 //! - every run's outcome is checked against what the store committed: a run
 //!   reported `ok` or `error` must have committed (a manifest names it), one
 //!   reported `failed` must not have, and every run has an outcome (`runs_lost`);
@@ -14,7 +15,8 @@
 //!
 //! `chaos_smoke` (CI) runs one session through each fault once; `bench_chaos`
 //! (`bench/chaos`) runs several sessions through a longer schedule and a load of
-//! sessions without faults, and writes bench/results/chaos.json.
+//! sessions without faults, then fills a small tmpfs store and deletes the
+//! session that filled it, and writes bench/results/chaos.json.
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -38,6 +40,9 @@ enum Fault {
     HostStopped,
     /// SIGKILL the store gateway, start it again after 1 s.
     Store,
+    /// SIGKILL the store gateway and leave it down this long: runs accepted
+    /// meanwhile fail (within seconds: `store_down_fail_s`) and are run again.
+    StoreStopped(Duration),
     /// SIGKILL the planner, start it again after 1 s.
     Planner,
     /// SIGKILL the frontend, start it again after 1 s.
@@ -55,6 +60,7 @@ impl Fault {
             Fault::HostKilled => "host_killed",
             Fault::HostStopped => "host_stopped",
             Fault::Store => "store",
+            Fault::StoreStopped(_) => "store_stopped",
             Fault::Planner => "planner",
             Fault::Frontend => "frontend",
             Fault::Nats => "nats",
@@ -105,6 +111,11 @@ impl Cluster {
             Fault::Store => {
                 s.kill("looseleaf-store")?;
                 pause(1.0).await;
+                s.restart("looseleaf-store")?;
+            }
+            Fault::StoreStopped(d) => {
+                s.kill("looseleaf-store")?;
+                tokio::time::sleep(d).await;
                 s.restart("looseleaf-store")?;
             }
             Fault::Planner => {
@@ -253,6 +264,9 @@ struct Verdict {
     /// Seconds from each fault to the next successful run of a session that had a
     /// cell in flight when it struck.
     recoveries_s: Vec<f64>,
+    /// Seconds from acceptance to the failed outcome of each run accepted while
+    /// the store was stopped.
+    store_down_fail_s: Vec<f64>,
 }
 
 async fn check(
@@ -261,6 +275,7 @@ async fn check(
     cells: usize,
     r: &Replay,
     faults: &[(u64, &'static str)],
+    store_down: &[(u64, u64)],
     v: &mut Verdict,
 ) -> anyhow::Result<()> {
     let rows = r.report["cells"].as_array().cloned().unwrap_or_default();
@@ -284,6 +299,11 @@ async fn check(
         };
         if status == "failed" {
             v.runs_failed += 1;
+            if let (Some(run), Some(done)) = (row["run_unix_ms"].as_u64(), row["done_unix_ms"].as_u64()) {
+                if store_down.iter().any(|(from, to)| (*from..=*to).contains(&run)) {
+                    v.store_down_fail_s.push((done - run) as f64 / 1000.0);
+                }
+            }
         }
         if lost {
             v.runs_lost.push(format!("{name} {exec}: reported {status} ({error}), committed: {did_commit}"));
@@ -334,6 +354,7 @@ async fn chaos_run(
     work: &Path,
     plan: &Plan,
 ) -> anyhow::Result<(Verdict, Vec<(u64, &'static str)>)> {
+    let mut store_down = Vec::new();
     let Plan { sessions, cells, sleep_s, ref schedule, first, every } = *plan;
     let replays = start_replays(cluster, work, "s", sessions, &notebook(cells, sleep_s));
     let mut faults = Vec::new();
@@ -346,14 +367,68 @@ async fn chaos_run(
         eprintln!("fault: {}", fault.name());
         cluster.inject(*fault).await.with_context(|| format!("while injecting {}", fault.name()))?;
         faults.push((at, fault.name()));
+        if let Fault::StoreStopped(_) = fault {
+            store_down.push((at, schemas::unix_ms()));
+        }
         tokio::time::sleep(every).await;
     }
     let mut verdict = Verdict::default();
     for (i, handle) in replays.into_iter().enumerate() {
         let r = handle.await??;
-        check(cluster, &format!("s{i}"), cells, &r, &faults, &mut verdict).await?;
+        check(cluster, &format!("s{i}"), cells, &r, &faults, &store_down, &mut verdict).await?;
     }
     Ok((verdict, faults))
+}
+
+/// A store on a small tmpfs, filled by one session until a save is refused; then
+/// that session is deleted. Seconds from the deletion to the first success of a
+/// new session's cell that saves 16 MiB (one that needs the freed room: a cell
+/// that saves little succeeds on the full store all along, which is checked).
+async fn disk_full_recovery() -> anyhow::Result<serde_json::Value> {
+    anyhow::ensure!(crate::store_faults::is_root(), "the full-disk fault mounts a tmpfs: run as root");
+    let dir = tempfile::tempdir()?;
+    let store = dir.path().join("store");
+    std::fs::create_dir(&store)?;
+    let tmpfs = crate::store_faults::Tmpfs::mount(&store, 128)?;
+    let env = [("LOOSELEAF_STORE_URL", store.display().to_string())];
+    let services = Services::start(&bin_dir_of(env!("CARGO_BIN_EXE_looseleaf")), &[1], &env).await?;
+    let big = "big = __import__('os').urandom(16 << 20)";
+    let mut filler = services.session(false).await?;
+    let mut refused = None;
+    let mut fills = 0;
+    for i in 0..16 {
+        let (status, error, _) = filler.run(&format!("fill{i}"), &format!("b{i} = __import__('os').urandom(16 << 20)")).await?;
+        fills += 1;
+        if status != looseleaf_client::api::ExecStatus::Ok {
+            refused = error;
+            break;
+        }
+    }
+    let refused = refused.context("the store never filled")?;
+    let mut fresh = services.session(false).await?;
+    let (small, _, _) = fresh.run("small", "print('small')").await?;
+    anyhow::ensure!(small == looseleaf_client::api::ExecStatus::Ok, "a small cell failed on the full store");
+    let free_full = tmpfs.free();
+    let deleted = Instant::now();
+    filler.fe.delete(filler.sid).await?;
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        let (status, _, _) = fresh.run(&format!("big{tries}"), big).await?;
+        if status == looseleaf_client::api::ExecStatus::Ok {
+            break;
+        }
+        anyhow::ensure!(deleted.elapsed() < Duration::from_secs(300), "no room five minutes after the deletion");
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    Ok(serde_json::json!({
+        "disk_full_recovery_s": deleted.elapsed().as_secs_f64(),
+        "disk_full_store_mib": 128,
+        "disk_full_fills": fills,
+        "disk_full_free_bytes_when_full": free_full,
+        "disk_full_refusal": refused,
+        "disk_full_big_cell_tries": tries,
+    }))
 }
 
 /// The p-th percentile (0-100) of `values`, nearest rank.
@@ -383,6 +458,7 @@ async fn chaos_smoke() -> anyhow::Result<()> {
         Fault::Frontend,
         Fault::Nats,
         Fault::S3Paused(Duration::from_secs(4)),
+        Fault::StoreStopped(Duration::from_secs(4)),
         Fault::HostStopped,
     ];
     // LOOSELEAF_CHAOS_FAULTS=frontend,nats runs only those (to study one)
@@ -420,6 +496,7 @@ async fn bench_chaos() -> anyhow::Result<()> {
         Fault::Frontend,
         Fault::Nats,
         Fault::S3Paused(Duration::from_secs(10)),
+        Fault::StoreStopped(Duration::from_secs(8)),
         Fault::HostStopped,
     ];
     let schedule: Vec<Fault> = once.iter().chain(once.iter()).copied().collect();
@@ -445,8 +522,11 @@ async fn bench_chaos() -> anyhow::Result<()> {
     for (i, handle) in replays.into_iter().enumerate() {
         let r = handle.await??;
         starts.extend(r.report["cells"].as_array().into_iter().flatten().filter_map(|c| c["start_delay_ms"].as_f64()));
-        check(&cluster, &format!("l{i}"), 4, &r, &[], &mut load).await?;
+        check(&cluster, &format!("l{i}"), 4, &r, &[], &[], &mut load).await?;
     }
+
+    let disk_full = disk_full_recovery().await?;
+    eprintln!("{disk_full:#}");
 
     let fault_counts: BTreeMap<&str, usize> = faults.iter().fold(BTreeMap::new(), |mut m, (_, f)| {
         *m.entry(*f).or_default() += 1;
@@ -464,6 +544,11 @@ async fn bench_chaos() -> anyhow::Result<()> {
         "recovery_p50_s": percentile(&v.recoveries_s, 50.0),
         "recovery_p99_s": percentile(&v.recoveries_s, 99.0),
         "recoveries_s": v.recoveries_s,
+        "store_down_fail_s_p99": percentile(&v.store_down_fail_s, 99.0),
+        "store_down_fail_s_p50": percentile(&v.store_down_fail_s, 50.0),
+        "store_down_fail_s": v.store_down_fail_s,
+        "disk_full": disk_full,
+        "disk_full_recovery_s": disk_full["disk_full_recovery_s"],
         "load_sessions": load_sessions,
         "load_runs": load.runs,
         "load_runs_lost": load.runs_lost.len(),

@@ -17,7 +17,7 @@ fn install(prefix: &Path) -> anyhow::Result<()> {
     install_as(prefix, &["--name", "looseleaf-test", "--all-gpu"])
 }
 
-fn install_as(prefix: &Path, args: &[&str]) -> anyhow::Result<()> {
+pub(crate) fn install_as(prefix: &Path, args: &[&str]) -> anyhow::Result<()> {
     let status = Command::new(env!("CARGO_BIN_EXE_looseleaf"))
         .args(["kernel", "install", "--prefix"])
         .arg(prefix)
@@ -28,7 +28,7 @@ fn install_as(prefix: &Path, args: &[&str]) -> anyhow::Result<()> {
 }
 
 /// `python` with the venv's bin first on PATH and Jupyter looking in `prefix`.
-fn python(prefix: &Path) -> Command {
+pub(crate) fn python(prefix: &Path) -> Command {
     let mut cmd = Command::new(venv_python());
     let venv_bin = venv_python().parent().map(Path::to_path_buf).unwrap_or_default();
     let path = format!("{}:{}", venv_bin.display(), std::env::var("PATH").unwrap_or_default());

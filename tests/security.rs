@@ -44,7 +44,8 @@ async fn session(url: &str, token: &str, all_gpu: bool) -> anyhow::Result<TestSe
 
 /// The attacker's cell: everything it can get at, as JSON. `needle_hex` is the
 /// victim's secret (hex, so the attacker's own code never holds its bytes).
-fn attack(needle_hex: &str) -> String {
+fn attack(needle_hex: &str, data_dir: &Path) -> String {
+    let data_dir = data_dir.display();
     format!(
         r#"
 import json, os, re, socket
@@ -117,7 +118,9 @@ for pid in filter(str.isdigit, os.listdir("/proc")):
         args = open(f"/proc/{{pid}}/cmdline", "rb").read().split(b"\0")
     except OSError:
         continue
-    if args and args[0].endswith(b"nats-server") and b"-p" in args:
+    # the cluster's own bus (its store under the data dir), not another test's
+    ours = any(a.startswith(b"{data_dir}") for a in args)
+    if args and args[0].endswith(b"nats-server") and b"-p" in args and ours:
         port = int(args[args.index(b"-p") + 1])
         s = socket.create_connection(("127.0.0.1", port), timeout=5)
         s.recv(4096)
@@ -160,7 +163,7 @@ async fn a_cluster_of_two_users_keeps_each_ones_work_from_the_other() -> anyhow:
     assert_eq!(status, ExecStatus::Ok, "{error:?} {text}");
 
     let mut mallory = session(&url, MALLORY, false).await?;
-    let (status, error, text) = mallory.run("m", &format!("%%cpu\n{}", attack(&secret_hex))).await?;
+    let (status, error, text) = mallory.run("m", &format!("%%cpu\n{}", attack(&secret_hex, up.data_dir()))).await?;
     assert_eq!(status, ExecStatus::Ok, "{error:?} {text}");
     let found = printed(&text);
     let found = found.lines().find_map(|l| l.strip_prefix("FOUND "));

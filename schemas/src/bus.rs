@@ -130,6 +130,11 @@ pub const ACK_WAIT: Duration = Duration::from_secs(2);
 /// well under this.
 pub const ATTEMPT_WAIT: Duration = Duration::from_secs(5);
 
+/// How long [`Bus::request_idempotent`] asks again while nobody serves its
+/// subject: long enough for a service restarting in place, short enough that a
+/// service that is down fails a cell within seconds (not after the whole timeout).
+pub const ABSENT_PATIENCE: Duration = Duration::from_secs(3);
+
 /// How many times [`Bus::deliver`] sends a message nobody acknowledges before it
 /// takes it as received by a listener that does not acknowledge (an older version).
 pub const UNACKNOWLEDGED_SENDS: u32 = 5;
@@ -339,8 +344,9 @@ impl Bus {
     /// write its answerer makes idempotent). An attempt unanswered after
     /// [`ATTEMPT_WAIT`] may have been lost with a NATS node or the service that
     /// held it, so it is sent again; "no responders" (a service restarting, or
-    /// reconnecting to another node) is tried again shortly. All within `timeout`:
-    /// a lost request costs [`ATTEMPT_WAIT`], not the whole timeout (ADR 46).
+    /// reconnecting to another node) is tried again shortly, for up to
+    /// [`ABSENT_PATIENCE`]. All within `timeout`: a lost request costs
+    /// [`ATTEMPT_WAIT`], not the whole timeout (ADR 46).
     pub async fn request_idempotent<Req: WireMessage, Resp: WireMessage>(
         &self,
         subject: String,
@@ -348,15 +354,23 @@ impl Bus {
         timeout: Duration,
     ) -> Result<Resp, BusError> {
         let deadline = tokio::time::Instant::now() + timeout;
+        // since when nobody has answered "here" (a service down or restarting)
+        let mut absent_since: Option<tokio::time::Instant> = None;
         let mut backoff = Duration::from_millis(50);
         loop {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
             let attempt = left.min(ATTEMPT_WAIT).max(Duration::from_millis(1));
             match self.request(subject.clone(), msg, attempt).await {
                 Err(BusError::TimedOut { .. }) if tokio::time::Instant::now() + Duration::from_millis(1) < deadline => {
+                    absent_since = None;
                     tracing::warn!(%subject, "no answer within {attempt:?}; asking again");
                 }
-                Err(BusError::NoResponders { .. }) if tokio::time::Instant::now() + backoff < deadline => {
+                Err(BusError::NoResponders { subject }) => {
+                    let now = tokio::time::Instant::now();
+                    let since = *absent_since.get_or_insert(now);
+                    if now + backoff >= deadline || now + backoff >= since + ABSENT_PATIENCE {
+                        return Err(BusError::NoResponders { subject });
+                    }
                     tracing::debug!(%subject, "nobody answers yet; asking again in {backoff:?}");
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_secs(1));

@@ -15,6 +15,14 @@
 //! One task owns every socket's sending half; a reader task per socket forwards
 //! requests into channels, so that while a cell runs the kernel still answers the
 //! control channel (interrupt, shutdown, kernel info) as ipykernel does.
+//!
+//! Outcomes are honest: a cell's reply is `ok` only if the cell ran to its end; a
+//! cell the platform could not run (its cluster lost NATS, no session) is an
+//! `error` reply with the matching `error` message, naming what went wrong. An
+//! embedded cluster heals meanwhile: its nats-server, if it exits, is started
+//! again on its port with its JetStream store (`Cluster::keep_nats_up`), the
+//! services reconnect by themselves, and the next cell runs with the session's
+//! committed state, with no restart of the kernel.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::path::{Path, PathBuf};
@@ -27,7 +35,7 @@ use looseleaf_client::api::{CodeAtCursor, CommAnswer, CommMessage, ExecStatus, R
 use looseleaf_client::events::Event;
 use looseleaf_client::Frontend;
 use serde_json::{json, Value};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tracing::Instrument as _;
 use uuid::Uuid;
 
@@ -361,6 +369,11 @@ struct Kernel {
     /// Cells the user pinned to a device (the extension's badge; the notebook keeps
     /// it in the cell's metadata): cell id -> `gpu` or `cpu`.
     pins: std::collections::HashMap<String, &'static str>,
+    /// Why the embedded cluster cannot run cells now, while it heals (its
+    /// nats-server is down and being started again; see
+    /// [`Cluster::keep_nats_up`]): named in the errors of the cells it fails.
+    /// None when all is well, or with no embedded cluster.
+    cluster_trouble: watch::Receiver<Option<String>>,
 }
 
 /// What the reply's `metadata.looseleaf` says, from the run's events: its device
@@ -903,7 +916,7 @@ impl Kernel {
         // the cell's trace starts at the request Jupyter sent
         let span = tracing::info_span!("execute_request", otel.name = "execute_request", cell = %cell_id,
             msg_id = %msg.header.msg_id);
-        let ended = match self.ensure_session().instrument(span.clone()).await {
+        let mut ended = match self.ensure_session().instrument(span.clone()).await {
             Ok(()) => {
                 let run = RunCell { code: self.pinned(&cell_id, &code), allow_stdin, user_expressions };
                 self.run_cell(msg, &cell_id, &run, silent, count).instrument(span).await
@@ -914,11 +927,25 @@ impl Kernel {
                 Ended { ok: false, error, payload: vec![], user_expressions: json!({}), placement: Default::default() }
             }
         };
-        if let (false, Some((ename, evalue, traceback))) = (ended.ok, &ended.error) {
-            if !silent && traceback.is_empty() {
-                // a platform failure (no output said so): shown as the cell's error
-                let tb = vec![format!("{ename}: {evalue}")];
-                self.iopub("error", json!({ "ename": ename, "evalue": evalue, "traceback": tb }), msg).await;
+        // the reply is `ok` only for a cell that ran to its end: one the platform
+        // could not run, save or follow is an error, whatever else happened
+        if !ended.ok && ended.error.is_none() {
+            let why = "the cell's outcome is unknown: the kernel lost track of it".to_string();
+            ended.error = Some(("LooseLeafError".into(), why, vec![]));
+        }
+        if let (false, Some((ename, evalue, traceback))) = (ended.ok, &mut ended.error) {
+            if traceback.is_empty() {
+                // a platform failure (no output said so): shown as the cell's error,
+                // with what the kernel knows of its cluster
+                let trouble: Option<String> = (*self.cluster_trouble.borrow()).clone();
+                if let Some(trouble) = trouble {
+                    evalue.push_str(&format!(" ({trouble})"));
+                }
+                *traceback = vec![format!("{ename}: {evalue}")];
+                if !silent {
+                    let content = json!({ "ename": ename, "evalue": evalue, "traceback": traceback });
+                    self.iopub("error", content, msg).await;
+                }
             }
         }
         if store_history {
@@ -986,7 +1013,10 @@ impl Kernel {
             user_expressions: json!({}),
             placement: Default::default(),
         };
-        let Some(session) = &self.session else { return ended };
+        let Some(session) = &self.session else {
+            ended.error = Some(("LooseLeafError".into(), "the kernel has no LooseLeaf session".into(), vec![]));
+            return ended;
+        };
         let (fe, sid) = (session.fe.clone(), session.sid);
         let sent = std::time::Instant::now();
         let exec_id = match fe.run_cell(sid, cell_id, run).await {
@@ -1151,7 +1181,7 @@ pub async fn serve(connection_file: &Path, opts: KernelOptions, cluster: Cluster
         "signature scheme {:?} is not supported (hmac-sha256 is)",
         info.signature_scheme
     );
-    let (fe, embedded) = match &opts.frontend {
+    let (fe, mut embedded) = match &opts.frontend {
         Some(url) => {
             let fe = Frontend::new(url);
             (opts.token.as_ref().map_or(fe.clone(), |t| fe.with_token(t)), None)
@@ -1177,6 +1207,7 @@ pub async fn serve(connection_file: &Path, opts: KernelOptions, cluster: Cluster
         }
     });
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let (trouble_tx, cluster_trouble) = watch::channel(None);
     let mut kernel = Kernel {
         language_version: python_version(&opts.python),
         codehelp: codehelp::CodeHelp::new(opts.python.clone()),
@@ -1191,13 +1222,23 @@ pub async fn serve(connection_file: &Path, opts: KernelOptions, cluster: Cluster
         edit_comms: Default::default(),
         last_edit: None,
         pins: Default::default(),
+        cluster_trouble,
     };
     // a frontend that is not there is said in the log now, and in each cell's
     // reply until it is back
     let _ = kernel.ensure_session().await;
+    // the embedded cluster's nats-server, if it exits, is started again meanwhile:
+    // the cells after it run with no restart of the kernel
+    let supervise = async {
+        match embedded.as_mut() {
+            Some(c) => c.keep_nats_up(trouble_tx).await,
+            None => futures::future::pending().await,
+        }
+    };
     tokio::select! {
         () = kernel.serve() => {}
         _ = terminate.recv() => {}
+        () = supervise => {}
     }
     if let Some(s) = kernel.session.take() {
         // its workers and slots are freed now, not when the session is culled idle

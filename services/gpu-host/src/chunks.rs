@@ -2,11 +2,10 @@
 //! object store and shared-memory files that workers map, through a bounded
 //! per-host chunk cache. Every chunk read is verified against its hash.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path as FsPath, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
@@ -56,19 +55,12 @@ pub enum ChunkError {
     },
 }
 
-/// How long a host trusts that a chunk it uploaded or read is still stored. The
-/// store's garbage collection removes a chunk nothing references only once it is
-/// older than its grace period (an hour by default, and it must stay above this):
-/// a host that skipped uploading a chunk it remembered must not find it gone.
-pub const PRESENT_FOR: Duration = Duration::from_secs(30 * 60);
-
-/// A bounded LRU of chunk bytes plus the hashes known to be in the store (since when).
+/// A bounded LRU of chunk bytes.
 struct Cache {
     max_bytes: u64,
     bytes: u64,
     map: HashMap<String, Bytes>,
     order: VecDeque<String>,
-    present: HashMap<String, Instant>,
 }
 
 impl Cache {
@@ -89,19 +81,6 @@ impl Cache {
                 self.bytes -= d.len() as u64;
             }
         }
-        self.mark_present(hash);
-    }
-
-    fn mark_present(&mut self, hash: &str) {
-        // a hash set of 32-char names; bounded so a long-lived host does not grow forever
-        if self.present.len() > 4_000_000 {
-            self.present.clear();
-        }
-        self.present.insert(hash.to_string(), Instant::now());
-    }
-
-    fn known_present(&self, hash: &str) -> bool {
-        self.present.get(hash).is_some_and(|at| at.elapsed() < PRESENT_FOR)
     }
 }
 
@@ -134,7 +113,6 @@ impl Chunks {
             bytes: 0,
             map: HashMap::new(),
             order: VecDeque::new(),
-            present: HashMap::new(),
         };
         Self { objects, cache: Arc::new(Mutex::new(cache)), shm_dir }
     }
@@ -168,20 +146,12 @@ impl Chunks {
         Ok(data)
     }
 
-    /// The hashes of a save plan this host does not know to be stored (it uploaded
-    /// them, read them or was told so); the store gateway answers for the rest.
-    pub fn unknown(&self, plan: &[String]) -> Result<Vec<String>, ChunkError> {
-        let c = self.cache.lock().map_err(|_| poisoned())?;
-        Ok(plan.iter().filter(|h| !c.known_present(h)).cloned().collect())
-    }
-
-    /// Remember that `hashes` are stored.
-    pub fn mark_present<'a>(&self, hashes: impl IntoIterator<Item = &'a String>) -> Result<(), ChunkError> {
-        let mut c = self.cache.lock().map_err(|_| poisoned())?;
-        for h in hashes {
-            c.mark_present(h);
-        }
-        Ok(())
+    /// The hashes of a save plan its session's revision does not reference
+    /// (`stored`: the chunks it does, which the collector keeps); the store gateway
+    /// answers for the rest. Chunks seen for other sessions are not trusted: a
+    /// deleted session's are freed within a minute (ADR 54).
+    pub fn unknown(plan: &[String], stored: &BTreeSet<String>) -> Vec<String> {
+        plan.iter().filter(|h| !stored.contains(*h)).cloned().collect()
     }
 
     /// Upload the chunks a worker placed in its save file; returns bytes written.
@@ -322,10 +292,6 @@ impl Chunks {
     }
 }
 
-fn poisoned() -> ChunkError {
-    ChunkError::Shm { path: "<cache>".into(), source: std::io::Error::other("chunk cache lock poisoned") }
-}
-
 #[cfg(test)]
 mod tests {
     use object_store::memory::InMemory;
@@ -353,18 +319,14 @@ mod tests {
     }
 
     #[test]
-    fn a_chunk_seen_stored_long_ago_is_asked_about_again() {
-        // the store's garbage collection may have removed it since
-        let chunks = Chunks::new(Arc::new(InMemory::new()), 1 << 20, std::env::temp_dir());
-        let (old, new) = ("a".repeat(32), "b".repeat(32));
-        chunks.mark_present([&old, &new]).unwrap();
-        let long_ago = Instant::now().checked_sub(PRESENT_FOR + Duration::from_secs(1)).unwrap();
-        chunks.cache.lock().unwrap().present.insert(old.clone(), long_ago);
-        assert_eq!(chunks.unknown(&[old.clone(), new]).unwrap(), vec![old]);
+    fn only_chunks_of_the_sessions_revision_are_taken_as_stored() {
+        let (stored, new) = ("a".repeat(32), "b".repeat(32));
+        let revision = BTreeSet::from([stored.clone()]);
+        assert_eq!(Chunks::unknown(&[stored, new.clone()], &revision), vec![new]);
     }
 
     #[tokio::test]
-    async fn upload_then_restore_roundtrips_and_skips_present() {
+    async fn upload_then_restore_roundtrips() {
         upload_then_restore(Arc::new(InMemory::new())).await;
     }
 
@@ -385,13 +347,10 @@ mod tests {
         let save = dir.path().join("save");
         std::fs::write(&save, [a.clone(), b.clone()].concat()).unwrap();
         let plan = vec![ha.clone(), hb.clone()];
-        assert_eq!(chunks.unknown(&plan).unwrap().len(), 2);
+        assert_eq!(Chunks::unknown(&plan, &BTreeSet::new()).len(), 2);
         let regions = BTreeMap::from([(ha.clone(), [0, 4]), (hb.clone(), [4, 2])]);
         assert_eq!(chunks.upload(&save, &regions).await.unwrap(), 6);
         assert!(!save.exists(), "the save file is unlinked once read");
-        assert!(chunks.unknown(&plan).unwrap().is_empty(), "uploaded chunks are known stored");
-        chunks.mark_present([&"cc".to_string()]).unwrap();
-        assert!(chunks.unknown(&["cc".to_string()]).unwrap().is_empty());
         // a region outside the file is refused
         std::fs::write(&save, [a.clone(), b.clone()].concat()).unwrap();
         let bad = BTreeMap::from([(ha.clone(), [4, 100])]);

@@ -746,7 +746,9 @@ impl ExecEnv {
                 .map(|p| p.missing)
             }
         };
-        let saved = w.save(exec_id, &self.chunks, ask_missing, commit).instrument(tracing::info_span!("save")).await?;
+        // chunks the base revision references are stored; the store answers for the rest
+        let stored = manifest.chunks();
+        let saved = w.save(exec_id, &self.chunks, &stored, ask_missing, commit).instrument(tracing::info_span!("save")).await?;
         schemas::metrics::metrics().saved_bytes.inc_by(saved.saved_bytes);
         self.event(
             session,
@@ -1071,13 +1073,21 @@ async fn commit_until_known(
     answer_within: Duration,
 ) -> Result<(u64, Vec<(String, Uuid)>), BusError> {
     let subject = bus.subjects().store(StoreVerb::Commit);
-    let deadline = tokio::time::Instant::now() + COMMIT_PATIENCE;
+    let started = tokio::time::Instant::now();
+    let deadline = started + COMMIT_PATIENCE;
     let mut unanswered = false;
     loop {
         match bus.request::<_, CommittedV1>(subject.clone(), &msg, answer_within).await {
             Ok(c) => return Ok((c.revision, c.versions)),
             Err(BusError::Remote { code: ErrorCode::Conflict, .. }) if unanswered => {
                 return landed_copy(&bus, &msg, STORE_TIMEOUT).await;
+            }
+            // no copy reached a store: nothing landed, and a store that stays down
+            // fails the save within seconds
+            Err(e @ BusError::NoResponders { .. })
+                if !unanswered && tokio::time::Instant::now() >= started + schemas::bus::ABSENT_PATIENCE =>
+            {
+                return Err(e);
             }
             Err(e @ (BusError::TimedOut { .. } | BusError::NoResponders { .. }))
                 if tokio::time::Instant::now() < deadline =>

@@ -390,6 +390,7 @@ impl WorkerProc {
         &mut self,
         exec_id: Uuid,
         chunks: &Chunks,
+        stored: &std::collections::BTreeSet<String>,
         ask_missing: P,
         commit: F,
     ) -> Result<Saved, WorkerError>
@@ -408,7 +409,7 @@ impl WorkerProc {
             other => return Err(self.unexpected("saving", other)),
         };
         let planned = started.elapsed();
-        let unknown = chunks.unknown(&plan)?;
+        let unknown = Chunks::unknown(&plan, stored);
         let missing = if unknown.is_empty() {
             Vec::new()
         } else {
@@ -421,8 +422,6 @@ impl WorkerProc {
                 }
             }
         };
-        let lacking: std::collections::HashSet<&String> = missing.iter().collect();
-        chunks.mark_present(unknown.iter().filter(|h| !lacking.contains(h)))?;
         let checked = started.elapsed();
         self.send("saving", &Frame::SaveMissing { exec_id: exec.clone(), missing }).await?;
         // Upload each save file as it arrives, while the worker writes the next.

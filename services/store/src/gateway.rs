@@ -13,19 +13,40 @@ use schemas::{Bus, Envelope, WireMessage};
 use tracing::Instrument;
 
 use crate::manifests::{ManifestError, Manifests};
+use crate::space::Volume;
 
 /// Serves store requests from the bus.
 pub struct Gateway {
     bus: Bus,
     manifests: Arc<Manifests>,
     gc: Option<crate::gc::Schedule>,
+    volume: Option<Arc<Volume>>,
 }
 
 impl Gateway {
     /// A gateway answering on `bus` from `manifests`, collecting garbage on `gc`'s
-    /// schedule.
-    pub fn new(bus: Bus, manifests: Arc<Manifests>, gc: Option<crate::gc::Schedule>) -> Self {
-        Self { bus, manifests, gc }
+    /// schedule, and at once when `volume` (a local store's) runs low.
+    pub fn new(
+        bus: Bus,
+        manifests: Arc<Manifests>,
+        gc: Option<crate::gc::Schedule>,
+        volume: Option<Arc<Volume>>,
+    ) -> Self {
+        Self { bus, manifests, gc, volume }
+    }
+}
+
+/// Collect whenever the volume is below its threshold (checked every few seconds,
+/// and at once when a save was refused for space). One collection at a time.
+async fn collect_under_pressure(manifests: Arc<Manifests>, volume: Arc<Volume>, schedule: crate::gc::Schedule) {
+    loop {
+        volume.woken_or_due().await;
+        let Some(space) = volume.pressed() else { continue };
+        tracing::warn!(free = space.free, total = space.total, "the store is low on space; collecting garbage now");
+        match crate::gc::collect(&manifests, schedule.keep_revisions, schedule.grace).await {
+            Ok(done) => tracing::info!(?done, "garbage collection for space"),
+            Err(e) => tracing::warn!(error = %e, "garbage collection for space failed"),
+        }
     }
 }
 
@@ -33,6 +54,10 @@ impl Actor for Gateway {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Self::Context) {
+        if let Some(volume) = self.volume.clone() {
+            let schedule = self.gc.unwrap_or_default();
+            ctx.spawn(collect_under_pressure(self.manifests.clone(), volume, schedule).into_actor(self));
+        }
         let Some(schedule) = self.gc else { return };
         ctx.run_interval(schedule.every, move |act, ctx| {
             let manifests = act.manifests.clone();
@@ -52,7 +77,7 @@ fn error_reply<T>(e: &ManifestError) -> Reply<T> {
         ManifestError::Stale { .. } | ManifestError::Lost { .. } => ErrorCode::Conflict,
         ManifestError::Deleted { .. } => ErrorCode::NotFound,
         ManifestError::BadDelta { .. } | ManifestError::MissingChunks { .. } => ErrorCode::BadRequest,
-        ManifestError::QuotaExceeded { .. } => ErrorCode::QuotaExceeded,
+        ManifestError::QuotaExceeded { .. } | ManifestError::StoreFull { .. } => ErrorCode::QuotaExceeded,
         ManifestError::Storage(_)
         | ManifestError::Corrupt { .. }
         | ManifestError::Unverified { .. }
@@ -110,9 +135,15 @@ impl StreamHandler<Result<Envelope<ManifestGetV2>, Rejected>> for Gateway {
 
 impl StreamHandler<Result<Envelope<ChunkPlanV2>, Rejected>> for Gateway {
     fn handle(&mut self, item: Result<Envelope<ChunkPlanV2>, Rejected>, ctx: &mut Self::Context) {
+        let volume = self.volume.clone();
         serve(self, ctx, item, "store.chunk.plan", |m, req: ChunkPlanV2| async move {
-            // over the quota: refused before a byte is uploaded
+            // over the quota, or more than the volume has room for: refused before a
+            // byte is uploaded
             m.within_quota(req.session, req.bytes_after)?;
+            if let (Some(volume), Some(after)) = (volume, req.bytes_after) {
+                let before = m.latest(req.session).await?.stored_bytes();
+                volume.admit(req.session, after.saturating_sub(before))?;
+            }
             Ok(ChunkPlannedV1 { missing: m.missing_chunks(req.session, &req.hashes).await? })
         });
     }
@@ -157,8 +188,16 @@ impl StreamHandler<Result<Envelope<SettleV1>, Rejected>> for Gateway {
 impl StreamHandler<Result<Envelope<SessionDeleteV1>, Rejected>> for Gateway {
     fn handle(&mut self, item: Result<Envelope<SessionDeleteV1>, Rejected>, ctx: &mut Self::Context) {
         serve(self, ctx, item, "store.session.delete", |m, req: SessionDeleteV1| async move {
-            let n = m.delete(req.session).await?;
-            tracing::info!(session = %req.session, manifests = n, "session deleted");
+            let deleted = m.delete(req.session).await?;
+            tracing::info!(session = %req.session, manifests = deleted.manifests, "session deleted");
+            // its chunks no other session holds are freed now, not after the grace
+            let session = req.session;
+            actix::spawn(async move {
+                match crate::gc::free_deleted(&m, deleted.chunks).await {
+                    Ok(done) => tracing::info!(%session, ?done, "a deleted session's chunks freed"),
+                    Err(e) => tracing::warn!(%session, error = %e, "a deleted session's chunks were not freed; the collector will"),
+                }
+            });
             Ok(DoneV1 {})
         });
     }

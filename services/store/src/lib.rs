@@ -12,6 +12,7 @@ pub mod gateway;
 pub mod gc;
 pub mod manifests;
 pub mod signing;
+pub mod space;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -37,6 +38,9 @@ pub struct Config {
     pub session_quota_bytes: Option<u64>,
     /// Garbage collection on a schedule (None: only when asked on the bus).
     pub gc: Option<gc::Schedule>,
+    /// A local store collects at once below this many free bytes (None: 5% of the
+    /// volume or 2 GiB, whichever is smaller); see [`space`].
+    pub gc_free_bytes: Option<u64>,
     /// The file holding the key manifests are signed with (None: unsigned, and
     /// whoever can write the bucket can make a worker unpickle what they wrote).
     pub manifest_key_file: Option<std::path::PathBuf>,
@@ -81,6 +85,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     let gcs = service.endpoint::<GcV1>("gc", s.store(StoreVerb::Gc), "store").await?;
     let settles = service.endpoint::<SettleV1>("settle", s.store(StoreVerb::Settle), "store").await?;
     let gw_bus = bus.clone();
+    let volume = space::Volume::of(&config.store_url, config.gc_free_bytes).map(Arc::new);
     let addr = gateway::Gateway::create(move |ctx| {
         ctx.add_stream(gets.into_stream());
         ctx.add_stream(plans.into_stream());
@@ -88,7 +93,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         ctx.add_stream(deletes.into_stream());
         ctx.add_stream(gcs.into_stream());
         ctx.add_stream(settles.into_stream());
-        gateway::Gateway::new(gw_bus, manifests, config.gc)
+        gateway::Gateway::new(gw_bus, manifests, config.gc, volume)
     });
     tracing::info!(store = %config.store_url, prefix = %config.prefix, "store gateway serving");
     // a commit is one create-only put: it either landed or not, nothing to hand back

@@ -20,9 +20,14 @@ struct Args {
     #[arg(long, env = "LOOSELEAF_GC_KEEP_REVISIONS", default_value_t = 2)]
     gc_keep_revisions: u64,
     /// Chunks younger than this many seconds are never collected (keep it above the
-    /// 30 minutes a gpu-host trusts that a chunk it saw is still stored).
+    /// longest save: a save uploads its chunks before it commits them).
     #[arg(long, env = "LOOSELEAF_GC_GRACE_S", default_value_t = 3600)]
     gc_grace_s: u64,
+    /// A local store collects garbage at once when its volume has less than this
+    /// many bytes free (default: 5% of the volume or 2 GiB, whichever is smaller);
+    /// saves that would leave less than half of it are refused.
+    #[arg(long, env = "LOOSELEAF_GC_FREE_BYTES")]
+    gc_free_bytes: Option<u64>,
     /// File holding the key (32 bytes or more) manifests are signed and verified with.
     /// Keep it; manifests signed with a lost key no longer load.
     #[arg(long, env = "LOOSELEAF_MANIFEST_KEY_FILE")]
@@ -43,6 +48,7 @@ fn main() -> anyhow::Result<()> {
             keep_revisions: args.gc_keep_revisions,
             grace: std::time::Duration::from_secs(args.gc_grace_s),
         }),
+        gc_free_bytes: args.gc_free_bytes,
         manifest_key_file: args.manifest_key_file,
     };
     actix_rt::System::new().block_on(looseleaf_store::run(config, schemas::telemetry::shutdown_signal()))

@@ -5,7 +5,7 @@
 //! `AlreadyExists` and it gets a conflict. A crash before the create leaves revision N
 //! as the session's state.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use futures::{StreamExt, TryStreamExt};
@@ -82,6 +82,20 @@ pub enum ManifestError {
         /// The quota.
         quota: u64,
     },
+    /// The store's volume has no room for this save (ADR 54).
+    #[error("session {session}: the store {store} is full: {free} bytes free of {total}, and this save adds about {needed}; delete variables or sessions (a deleted session's chunks are freed within a minute), or free space on that volume")]
+    StoreFull {
+        /// Session.
+        session: Uuid,
+        /// The store's directory.
+        store: String,
+        /// Bytes free.
+        free: u64,
+        /// The volume's size.
+        total: u64,
+        /// What the save adds.
+        needed: u64,
+    },
     /// A revision the asker knows was committed is not in the store.
     #[error("session {session}: revision {revision} was committed but the store's latest is {latest} (the session was deleted, or the store lost it)")]
     RevisionMissing {
@@ -102,6 +116,15 @@ pub enum ManifestError {
         /// One of them.
         example: String,
     },
+}
+
+/// What deleting a session removed.
+#[derive(Debug, Default)]
+pub struct Deleted {
+    /// Its manifests.
+    pub manifests: usize,
+    /// The chunks they referenced (some may be shared with other sessions).
+    pub chunks: BTreeSet<String>,
 }
 
 /// Manifests of every session, with a cache of each session's latest revision.
@@ -282,7 +305,15 @@ impl Manifests {
             wanted.extend(a.chunks.iter());
         }
         wanted.retain(|h| !uploaded.contains(h));
-        let missing = self.missing_in(base, wanted).await?;
+        let mut missing = self.missing_in(base, wanted).await?;
+        // one a deleted session's freeing holds in the trash comes back (ADR 54)
+        let mut back = Vec::new();
+        for hash in &missing {
+            if crate::gc::untrash(&self.objects, hash).await? {
+                back.push(hash.clone());
+            }
+        }
+        missing.retain(|h| !back.contains(h));
         match missing.first() {
             None => Ok(()),
             Some(example) => Err(ManifestError::MissingChunks {
@@ -388,15 +419,27 @@ impl Manifests {
         }
     }
 
-    /// Delete every manifest of a session. Its chunks become garbage for the collector.
-    pub async fn delete(&self, session: Uuid) -> Result<usize, ManifestError> {
+    /// Delete every manifest of a session; answers how many, and the chunks they
+    /// referenced (for [`crate::gc::free_deleted`]: those no other session holds
+    /// are freed at once, not after the collector's grace).
+    pub async fn delete(&self, session: Uuid) -> Result<Deleted, ManifestError> {
         // the tombstone first: from now on no commit (of a cell still saving, or
         // through another gateway) brings the session back
         let tombstone = Path::from(checkpoint::tombstone_key(session).as_str());
         self.objects.put(&tombstone, Vec::<u8>::new().into()).await?;
         let prefix = Path::from(checkpoint::manifests_dir(session).as_str());
         let keys: Vec<_> = self.objects.list(Some(&prefix)).try_collect().await?;
+        let mut chunks = BTreeSet::new();
         for meta in &keys {
+            // read before it goes; one unreadable manifest leaves its chunks to the collector
+            if let Ok(got) = self.objects.get(&meta.location).await {
+                if let Ok(bytes) = got.bytes().await {
+                    match self.open(meta.location.as_ref(), &bytes) {
+                        Ok(signing::Opened::Verified(m) | signing::Opened::Unverified(m, _)) => chunks.extend(m.chunks()),
+                        Err(e) => tracing::warn!(manifest = %meta.location, error = %e, "a deleted session's manifest was unreadable"),
+                    }
+                }
+            }
             match self.objects.delete(&meta.location).await {
                 Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
                 Err(e) => return Err(e.into()),
@@ -405,7 +448,7 @@ impl Manifests {
         if let Ok(mut m) = self.latest.lock() {
             m.remove(&session);
         }
-        Ok(keys.len())
+        Ok(Deleted { manifests: keys.len(), chunks })
     }
 }
 

@@ -44,6 +44,7 @@ async fn old_revisions_and_orphan_chunks_are_collected_on_schedule() -> anyhow::
         store_url,
         session_quota_bytes: None,
         gc: Some(Schedule { every: Duration::from_millis(200), keep_revisions: 1, grace: Duration::ZERO }),
+        gc_free_bytes: None,
         manifest_key_file: Some(key_file.clone()),
     };
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

@@ -176,7 +176,7 @@ async fn delete_removes_the_session(objects: Arc<dyn ObjectStore>) {
     let sid = Uuid::now_v7();
     let m = Manifests::new(objects.clone());
     m.commit(&commit(sid, 0, "x", "aa")).await.unwrap();
-    assert_eq!(m.delete(sid).await.unwrap(), 1);
+    assert_eq!(m.delete(sid).await.unwrap().manifests, 1);
     assert_eq!(m.latest(sid).await.unwrap().revision, 0);
 }
 
