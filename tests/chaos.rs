@@ -397,7 +397,8 @@ async fn disk_full_recovery() -> anyhow::Result<serde_json::Value> {
     let mut refused = None;
     let mut fills = 0;
     for i in 0..16 {
-        let (status, error, _) = filler.run(&format!("fill{i}"), &format!("b{i} = __import__('os').urandom(16 << 20)")).await?;
+        let (status, error, _) =
+            filler.run(&format!("fill{i}"), &format!("b{i} = __import__('os').urandom(16 << 20)")).await?;
         fills += 1;
         if status != looseleaf_client::api::ExecStatus::Ok {
             refused = error;

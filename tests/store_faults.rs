@@ -22,7 +22,14 @@ pub(crate) struct Tmpfs(std::path::PathBuf);
 impl Tmpfs {
     pub(crate) fn mount(dir: &Path, mib: u32) -> anyhow::Result<Self> {
         let ok = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={mib}m,mode=0700"), "looseleaf-test", &dir.display().to_string()])
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={mib}m,mode=0700"),
+                "looseleaf-test",
+                &dir.display().to_string(),
+            ])
             .status()?
             .success();
         anyhow::ensure!(ok, "mount -t tmpfs on {} failed", dir.display());
@@ -58,7 +65,8 @@ async fn a_full_store_fails_only_large_saves_and_heals_when_a_session_is_deleted
     let mut filler = services.session(false).await?;
     let mut refused = None;
     for i in 0..8 {
-        let (status, error, _) = filler.run(&format!("fill{i}"), &format!("b{i} = __import__('os').urandom(16 << 20)")).await?;
+        let (status, error, _) =
+            filler.run(&format!("fill{i}"), &format!("b{i} = __import__('os').urandom(16 << 20)")).await?;
         if status != ExecStatus::Ok {
             refused = error;
             break;
@@ -82,7 +90,8 @@ async fn a_full_store_fails_only_large_saves_and_heals_when_a_session_is_deleted
     // the hourly collector's doing), and large saves fit again
     let before = tmpfs.free();
     filler.fe.delete(filler.sid).await?;
-    let freed = tokio::task::block_in_place(|| wait_for(Duration::from_secs(90), || tmpfs.free() > before + (32 << 20)));
+    let freed =
+        tokio::task::block_in_place(|| wait_for(Duration::from_secs(90), || tmpfs.free() > before + (32 << 20)));
     assert!(freed.is_ok(), "deleting the session freed {} bytes", tmpfs.free().saturating_sub(before));
     let (status, error, _) = other.run("big", "big = __import__('os').urandom(16 << 20)\nprint(x + 1)").await?;
     assert_eq!((status, error), (ExecStatus::Ok, None));

@@ -108,12 +108,7 @@ pub struct RestoreFile {
 impl Chunks {
     /// Chunks in `objects`, cached up to `cache_bytes`, restore files in `shm_dir`.
     pub fn new(objects: Arc<dyn ObjectStore>, cache_bytes: u64, shm_dir: PathBuf) -> Self {
-        let cache = Cache {
-            max_bytes: cache_bytes,
-            bytes: 0,
-            map: HashMap::new(),
-            order: VecDeque::new(),
-        };
+        let cache = Cache { max_bytes: cache_bytes, bytes: 0, map: HashMap::new(), order: VecDeque::new() };
         Self { objects, cache: Arc::new(Mutex::new(cache)), shm_dir }
     }
 

@@ -748,7 +748,8 @@ impl ExecEnv {
         };
         // chunks the base revision references are stored; the store answers for the rest
         let stored = manifest.chunks();
-        let saved = w.save(exec_id, &self.chunks, &stored, ask_missing, commit).instrument(tracing::info_span!("save")).await?;
+        let saved =
+            w.save(exec_id, &self.chunks, &stored, ask_missing, commit).instrument(tracing::info_span!("save")).await?;
         schemas::metrics::metrics().saved_bytes.inc_by(saved.saved_bytes);
         self.event(
             session,

@@ -195,7 +195,9 @@ impl StreamHandler<Result<Envelope<SessionDeleteV1>, Rejected>> for Gateway {
             actix::spawn(async move {
                 match crate::gc::free_deleted(&m, deleted.chunks).await {
                     Ok(done) => tracing::info!(%session, ?done, "a deleted session's chunks freed"),
-                    Err(e) => tracing::warn!(%session, error = %e, "a deleted session's chunks were not freed; the collector will"),
+                    Err(e) => {
+                        tracing::warn!(%session, error = %e, "a deleted session's chunks were not freed; the collector will")
+                    }
                 }
             });
             Ok(DoneV1 {})

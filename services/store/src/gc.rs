@@ -282,7 +282,10 @@ async fn references(manifests: &Manifests, since: Option<i64>) -> Result<BTreeSe
             Ok(Opened::Verified(m) | Opened::Unverified(m, _)) => referenced.extend(m.chunks()),
             // unreadable: what it references is unknown, so nothing may go
             Err(e) => {
-                return Err(ManifestError::Corrupt { key: meta.location.to_string(), reason: format!("{e}; nothing freed") })
+                return Err(ManifestError::Corrupt {
+                    key: meta.location.to_string(),
+                    reason: format!("{e}; nothing freed"),
+                })
             }
         }
     }

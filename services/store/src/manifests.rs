@@ -435,8 +435,12 @@ impl Manifests {
             if let Ok(got) = self.objects.get(&meta.location).await {
                 if let Ok(bytes) = got.bytes().await {
                     match self.open(meta.location.as_ref(), &bytes) {
-                        Ok(signing::Opened::Verified(m) | signing::Opened::Unverified(m, _)) => chunks.extend(m.chunks()),
-                        Err(e) => tracing::warn!(manifest = %meta.location, error = %e, "a deleted session's manifest was unreadable"),
+                        Ok(signing::Opened::Verified(m) | signing::Opened::Unverified(m, _)) => {
+                            chunks.extend(m.chunks())
+                        }
+                        Err(e) => {
+                            tracing::warn!(manifest = %meta.location, error = %e, "a deleted session's manifest was unreadable")
+                        }
                     }
                 }
             }
