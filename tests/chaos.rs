@@ -265,7 +265,7 @@ struct Verdict {
     /// cell in flight when it struck.
     recoveries_s: Vec<f64>,
     /// Seconds from acceptance to the failed outcome of each run accepted while
-    /// the store was stopped.
+    /// the store was stopped, or failed because nothing answered for it.
     store_down_fail_s: Vec<f64>,
 }
 
@@ -300,7 +300,10 @@ async fn check(
         if status == "failed" {
             v.runs_failed += 1;
             if let (Some(run), Some(done)) = (row["run_unix_ms"].as_u64(), row["done_unix_ms"].as_u64()) {
-                if store_down.iter().any(|(from, to)| (*from..=*to).contains(&run)) {
+                // failed because the stopped store answered nothing (accepted while it
+                // was down, or in flight when it went)
+                let store_absent = error.contains(".v1.store.") && error.contains("nothing answers");
+                if store_absent || store_down.iter().any(|(from, to)| (*from..=*to).contains(&run)) {
                     v.store_down_fail_s.push((done - run) as f64 / 1000.0);
                 }
             }

@@ -37,8 +37,7 @@ impl Tmpfs {
     }
 
     pub(crate) fn free(&self) -> u64 {
-        let out = Command::new("df").args(["--output=avail", "-B1"]).arg(&self.0).output().expect("df");
-        String::from_utf8_lossy(&out.stdout).lines().nth(1).and_then(|l| l.trim().parse().ok()).unwrap_or(0)
+        nix::sys::statvfs::statvfs(&self.0).map_or(0, |st| st.blocks_available() * st.fragment_size())
     }
 }
 

@@ -81,7 +81,7 @@ pub const DISCARD_AT_MOST: u64 = 64 << 20;
 
 /// `bytes` in MiB, for messages.
 pub fn in_mib(bytes: usize) -> String {
-    if bytes % (1 << 20) == 0 {
+    if bytes.is_multiple_of(1 << 20) {
         format!("{} MiB", bytes >> 20)
     } else {
         format!("{:.1} MiB", bytes as f64 / f64::from(1u32 << 20))
