@@ -273,20 +273,12 @@ async fn references(manifests: &Manifests, since: Option<i64>) -> Result<BTreeSe
         if since.is_some_and(|t| meta.last_modified.timestamp_millis() < t) {
             continue;
         }
-        let bytes = match objects.get(&meta.location).await {
-            Ok(got) => got.bytes().await?,
-            Err(object_store::Error::NotFound { .. }) => continue,
-            Err(e) => return Err(e.into()),
-        };
-        match manifests.open(meta.location.as_ref(), &bytes) {
-            Ok(Opened::Verified(m) | Opened::Unverified(m, _)) => referenced.extend(m.chunks()),
+        match manifests.chunks_of(&meta.location).await {
+            Ok(chunks) => referenced.extend(chunks),
+            // deleted since the listing: it references nothing now
+            Err(ManifestError::Storage(object_store::Error::NotFound { .. })) => {}
             // unreadable: what it references is unknown, so nothing may go
-            Err(e) => {
-                return Err(ManifestError::Corrupt {
-                    key: meta.location.to_string(),
-                    reason: format!("{e}; nothing freed"),
-                })
-            }
+            Err(e) => return Err(e),
         }
     }
     Ok(referenced)

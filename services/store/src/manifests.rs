@@ -432,16 +432,10 @@ impl Manifests {
         let mut chunks = BTreeSet::new();
         for meta in &keys {
             // read before it goes; one unreadable manifest leaves its chunks to the collector
-            if let Ok(got) = self.objects.get(&meta.location).await {
-                if let Ok(bytes) = got.bytes().await {
-                    match self.open(meta.location.as_ref(), &bytes) {
-                        Ok(signing::Opened::Verified(m) | signing::Opened::Unverified(m, _)) => {
-                            chunks.extend(m.chunks())
-                        }
-                        Err(e) => {
-                            tracing::warn!(manifest = %meta.location, error = %e, "a deleted session's manifest was unreadable")
-                        }
-                    }
+            match self.chunks_of(&meta.location).await {
+                Ok(c) => chunks.extend(c),
+                Err(e) => {
+                    tracing::warn!(manifest = %meta.location, error = %e, "a deleted session's manifest was unreadable")
                 }
             }
             match self.objects.delete(&meta.location).await {
@@ -457,6 +451,15 @@ impl Manifests {
 }
 
 impl Manifests {
+    /// The chunks the manifest stored at `at` references, verified or not (for
+    /// keeping or freeing chunks: never for loading it).
+    pub async fn chunks_of(&self, at: &Path) -> Result<BTreeSet<String>, ManifestError> {
+        let bytes = self.objects.get(at).await?.bytes().await?;
+        match self.open(at.as_ref(), &bytes)? {
+            signing::Opened::Verified(m) | signing::Opened::Unverified(m, _) => Ok(m.chunks()),
+        }
+    }
+
     /// Whether `session` was deleted (its tombstone exists).
     async fn is_deleted(&self, session: Uuid) -> Result<bool, ManifestError> {
         match self.objects.head(&Path::from(checkpoint::tombstone_key(session).as_str())).await {
