@@ -1,7 +1,8 @@
 //! What a service asking the store over the bus is told: a reply larger than one
 //! message (a manifest of very many variables) arrives whole, as a body (ADR 30);
 //! one larger than the bus carries at all is an error that says so, not a
-//! time-out; no store running is told apart from a store too slow to answer.
+//! time-out; no store running is told apart from a store too slow to answer, and
+//! so is a store that died holding the request (presence probes).
 
 use std::time::Duration;
 
@@ -115,4 +116,35 @@ async fn a_lost_request_or_delivery_is_sent_again() {
     heard.store(0, std::sync::atomic::Ordering::SeqCst);
     client.deliver(subject, &get, Duration::from_secs(30)).await.expect("delivered");
     assert_eq!(heard.load(std::sync::atomic::Ordering::SeqCst), 2);
+}
+
+/// A service that dies holding a request (no answer, its subscription gone) is
+/// found gone by the asker's presence probes, which the service's subscription
+/// answers without handing them on: the request fails as "nothing answers"
+/// before its attempt would have timed out.
+#[tokio::test]
+async fn a_service_that_dies_holding_a_request_is_found_gone() {
+    let nats = NatsServer::start().expect("nats-server");
+    let prefix = random_prefix();
+    let server = Bus::connect(nats.url(), &prefix, "dying").await.expect("connect");
+    let client = Bus::connect(nats.url(), &prefix, "asking").await.expect("connect");
+    let subject = format!("{prefix}.v1.test.held");
+    let mut sub = server.subscribe::<ManifestV1>(subject.clone()).await.expect("subscribe");
+    server.flush().await.expect("flush");
+    let holding = tokio::spawn(async move {
+        let request = sub.next().await;
+        // held for several probes: none of them reaches the service
+        let more = tokio::time::timeout(schemas::bus::PRESENCE_PROBE_EVERY * 3, sub.next()).await;
+        drop(sub);
+        server.flush().await.expect("flush");
+        (request.map(|r| r.is_ok()), more.is_ok())
+    });
+    // shorter than one attempt's wait: without probes this times out
+    let timeout = schemas::bus::ATTEMPT_WAIT - Duration::from_millis(500);
+    let asked = ManifestV1 { manifest: Manifest::default() };
+    let got = client.request_idempotent::<_, ManifestV1>(subject, &asked, timeout).await;
+    let (request, probe_handed_on) = holding.await.expect("holder");
+    assert_eq!(request, Some(true), "the service got the request");
+    assert!(!probe_handed_on, "a presence probe reached the service");
+    assert!(matches!(got, Err(BusError::NoResponders { .. })), "got {got:?}");
 }

@@ -7,118 +7,28 @@
 //! and receiving here store and fetch it, so callers never see the difference.
 
 use std::collections::HashMap;
-use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_nats::{Client, HeaderMap, Message};
-use futures::StreamExt;
+use async_nats::{Client, HeaderMap};
 
-use crate::bodies::{Bodies, BodyError, BODY_HEADER, INLINE_MAX_BYTES};
+use crate::bodies::{Bodies, BODY_HEADER, INLINE_MAX_BYTES};
 use crate::codec::{self, CodecError, WireMessage};
 use crate::messages::{ErrorCode, Reply};
 use crate::nats::NatsOptions;
 use crate::subjects::Subjects;
 use crate::telemetry;
 
-/// Why a bus operation failed. Each kind is its own variant, so a caller can tell
-/// a missing service (`NoResponders`) from a slow one (`TimedOut`) from a refusal
-/// (`Remote`); the client's error is kept as the source.
-#[derive(Debug, thiserror::Error)]
-pub enum BusError {
-    /// Could not connect to NATS.
-    #[error("cannot connect to NATS at {url}: {source}")]
-    Connect {
-        /// The server URL.
-        url: String,
-        /// What the client said.
-        source: async_nats::ConnectError,
-    },
-    /// A login file (credentials, NKEY seed) could not be used.
-    #[error("cannot use the NATS {what} {path}: {source}")]
-    LoginFile {
-        /// Which file it is.
-        what: &'static str,
-        /// Its path.
-        path: String,
-        /// Why.
-        source: std::io::Error,
-    },
-    /// A publish failed.
-    #[error("publish to {subject} failed: {source}")]
-    Publish {
-        /// The subject.
-        subject: String,
-        /// What the client said.
-        source: async_nats::PublishError,
-    },
-    /// Nothing listens on the subject: the service that answers it is not running.
-    #[error("nothing answers on {subject} (is its service running?)")]
-    NoResponders {
-        /// The subject.
-        subject: String,
-    },
-    /// A responder exists but did not answer in time.
-    #[error("no answer on {subject} within {timeout:?}")]
-    TimedOut {
-        /// The subject.
-        subject: String,
-        /// How long the request waited.
-        timeout: Duration,
-    },
-    /// A request failed otherwise (the connection broke).
-    #[error("request to {subject} failed: {source}")]
-    Request {
-        /// The subject.
-        subject: String,
-        /// What the client said.
-        source: async_nats::RequestError,
-    },
-    /// A subscribe (or a service registration) failed.
-    #[error("subscribe to {subject} failed: {source}")]
-    Subscribe {
-        /// The subject.
-        subject: String,
-        /// What the client said.
-        source: async_nats::Error,
-    },
-    /// A message did not encode or decode.
-    #[error("{subject}: {source}")]
-    Codec {
-        /// The subject.
-        subject: String,
-        /// The codec error.
-        source: CodecError,
-    },
-    /// A message's body (ADR 30) could not be stored.
-    #[error("{subject}: {source}")]
-    Body {
-        /// The subject.
-        subject: String,
-        /// What failed.
-        source: BodyError,
-    },
-    /// The responder answered with a typed error.
-    #[error("{subject} answered {code:?}: {message}")]
-    Remote {
-        /// The subject.
-        subject: String,
-        /// The error code.
-        code: ErrorCode,
-        /// Its message.
-        message: String,
-    },
-}
+mod error;
+mod kept;
+mod presence;
+mod subscription;
 
-impl BusError {
-    fn from_request(subject: String, timeout: Duration, e: async_nats::RequestError) -> Self {
-        match e.kind() {
-            async_nats::RequestErrorKind::NoResponders => BusError::NoResponders { subject },
-            async_nats::RequestErrorKind::TimedOut => BusError::TimedOut { subject, timeout },
-            _ => BusError::Request { subject, source: e },
-        }
-    }
-}
+pub use error::BusError;
+pub use kept::{Kept, KEPT_PATIENCE};
+pub use presence::{PRESENCE_PROBE_EVERY, PROBE_HEADER};
+use subscription::{decode_with, Source};
+pub use subscription::{Rejected, Subscription};
 
 /// How long [`Bus::deliver`] waits for an acknowledgement before it sends the
 /// message again (it may have been lost with a NATS node or a receiver that died
@@ -148,6 +58,10 @@ pub struct Bus {
     replicas: usize,
     /// Error replies sent per `$SRV` endpoint (its stats' `data.errors`).
     endpoint_errors: Arc<Mutex<HashMap<String, u64>>>,
+    /// Subjects nothing served when last asked, and since when
+    /// ([`Bus::request_idempotent`]): a cell's later reads of a service found
+    /// down fail at once, not after patience each.
+    absent: Arc<Mutex<HashMap<String, tokio::time::Instant>>>,
 }
 
 /// A request that came through a `$SRV` endpoint: answered through it, it counts
@@ -232,7 +146,14 @@ impl Bus {
     /// Wrap an existing client; buckets and streams it creates get `replicas` copies.
     pub fn from_client(client: Client, prefix: &str, replicas: usize) -> Self {
         let bodies = Bodies::new(client.clone(), prefix, replicas);
-        Self { client, subjects: Subjects::new(prefix), bodies, replicas, endpoint_errors: Default::default() }
+        Self {
+            client,
+            subjects: Subjects::new(prefix),
+            bodies,
+            replicas,
+            endpoint_errors: Default::default(),
+            absent: Default::default(),
+        }
     }
 
     /// Replicas of the buckets and streams this service creates.
@@ -354,20 +275,32 @@ impl Bus {
         timeout: Duration,
     ) -> Result<Resp, BusError> {
         let deadline = tokio::time::Instant::now() + timeout;
-        // since when nobody has answered "here" (a service down or restarting)
-        let mut absent_since: Option<tokio::time::Instant> = None;
+        // since when nobody has answered "here" (a service down or restarting),
+        // as any request of this bus found
+        let mut absent_since = self.absent_since(&subject);
         let mut backoff = Duration::from_millis(50);
         loop {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
             let attempt = left.min(ATTEMPT_WAIT).max(Duration::from_millis(1));
-            match self.request(subject.clone(), msg, attempt).await {
+            // the service holding the attempt may die with it: watched meanwhile
+            let answer = tokio::select! {
+                answer = self.request(subject.clone(), msg, attempt) => answer,
+                last_seen = self.watch_presence(&subject) => {
+                    tracing::warn!(%subject, "the service holding the request is gone; asking again");
+                    absent_since = Some(last_seen);
+                    Err(BusError::NoResponders { subject: subject.clone() })
+                }
+            };
+            match answer {
                 Err(BusError::TimedOut { .. }) if tokio::time::Instant::now() + Duration::from_millis(1) < deadline => {
                     absent_since = None;
+                    self.note_presence(&subject, None);
                     tracing::warn!(%subject, "no answer within {attempt:?}; asking again");
                 }
                 Err(BusError::NoResponders { subject }) => {
                     let now = tokio::time::Instant::now();
                     let since = *absent_since.get_or_insert(now);
+                    self.note_presence(&subject, Some(since));
                     if now + backoff >= deadline || now + backoff >= since + ABSENT_PATIENCE {
                         return Err(BusError::NoResponders { subject });
                     }
@@ -376,7 +309,10 @@ impl Bus {
                     backoff = (backoff * 2).min(Duration::from_secs(1));
                 }
                 Err(BusError::TimedOut { subject, .. }) => return Err(BusError::TimedOut { subject, timeout }),
-                other => return other,
+                other => {
+                    self.note_presence(&subject, None);
+                    return other;
+                }
             }
         }
     }
@@ -460,7 +396,7 @@ impl Bus {
             .subscribe(subject.clone())
             .await
             .map_err(|e| BusError::Subscribe { subject, source: e.into() })?;
-        Ok(Subscription { source: Source::Subscriber(inner), bodies: self.bodies.clone(), _m: PhantomData })
+        Ok(Subscription::new(Source::Subscriber(inner), self))
     }
 
     /// Subscribe in a queue group (work any replica may take) and decode as `M`.
@@ -474,7 +410,7 @@ impl Bus {
             .queue_subscribe(subject.clone(), group.to_string())
             .await
             .map_err(|e| BusError::Subscribe { subject, source: e.into() })?;
-        Ok(Subscription { source: Source::Subscriber(inner), bodies: self.bodies.clone(), _m: PhantomData })
+        Ok(Subscription::new(Source::Subscriber(inner), self))
     }
 
     /// Register with the NATS service API (`$SRV`), so `nats micro ls`, `nats micro
@@ -521,7 +457,7 @@ impl Bus {
             .await
             .map_err(|source| BusError::Subscribe { subject, source })?;
         let source = Source::Endpoint { name: name.to_string(), endpoint: Box::new(endpoint) };
-        Ok(Subscription { source, bodies: self.bodies.clone(), _m: PhantomData })
+        Ok(Subscription::new(source, self))
     }
 
     /// Round trip through the server: when this returns, the server has
@@ -537,130 +473,6 @@ impl Bus {
             Ok(_) => Ok(()),
             Err(e) if e.kind() == async_nats::RequestErrorKind::NoResponders => Ok(()),
             Err(e) => Err(BusError::from_request(subject, Duration::from_secs(10), e)),
-        }
-    }
-}
-
-/// A subscription that decodes each message.
-pub struct Subscription<M> {
-    source: Source,
-    bodies: Bodies,
-    _m: PhantomData<fn() -> M>,
-}
-
-/// Where a subscription's messages come from.
-enum Source {
-    /// A plain (or queue) subscription.
-    Subscriber(async_nats::Subscriber),
-    /// A `$SRV` endpoint's requests.
-    Endpoint { name: String, endpoint: Box<async_nats::service::endpoint::Endpoint> },
-}
-
-impl Source {
-    /// The stream of messages, each with the endpoint request it came as.
-    fn messages(self) -> futures::stream::BoxStream<'static, (Message, Option<Arc<EndpointRequest>>)> {
-        match self {
-            Source::Subscriber(s) => s.map(|m| (m, None)).boxed(),
-            Source::Endpoint { name, endpoint } => endpoint
-                .map(move |request| {
-                    let message = request.message.clone();
-                    (message, Some(Arc::new(EndpointRequest { name: name.clone(), request })))
-                })
-                .boxed(),
-        }
-    }
-}
-
-/// A message that did not decode; the service logs it and goes on.
-#[derive(Debug)]
-pub struct Rejected {
-    /// The subject it arrived on.
-    pub subject: String,
-    /// Where the sender waits for a reply, if it was a request.
-    pub reply: Option<String>,
-    /// The `$SRV` endpoint it came through, for requests to one.
-    pub endpoint: Option<Arc<EndpointRequest>>,
-    /// Why it was rejected.
-    pub error: CodecError,
-}
-
-impl<M> std::fmt::Debug for Subscription<M> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match &self.source {
-            Source::Subscriber(s) => f.debug_tuple("Subscription").field(s).finish(),
-            Source::Endpoint { name, .. } => f.debug_struct("Subscription").field("endpoint", name).finish(),
-        }
-    }
-}
-
-impl<M: WireMessage> Subscription<M> {
-    /// The next message; `None` when the subscription ends.
-    pub async fn next(&mut self) -> Option<Result<Envelope<M>, Rejected>> {
-        let (message, endpoint) = match &mut self.source {
-            Source::Subscriber(s) => (s.next().await?, None),
-            Source::Endpoint { name, endpoint } => {
-                let request = endpoint.next().await?;
-                (request.message.clone(), Some(Arc::new(EndpointRequest { name: name.clone(), request })))
-            }
-        };
-        Some(decode_message(&self.bodies, message, endpoint).await)
-    }
-
-    /// The decoding stream, for `ctx.add_stream` in actors (in order: a message
-    /// with a body is fetched before the next one is yielded).
-    pub fn into_stream(self) -> futures::stream::BoxStream<'static, Result<Envelope<M>, Rejected>> {
-        let bodies = self.bodies;
-        self.source
-            .messages()
-            .then(move |(message, endpoint)| {
-                let bodies = bodies.clone();
-                async move { decode_message(&bodies, message, endpoint).await }
-            })
-            .boxed()
-    }
-}
-
-/// Decode a payload as `M`, fetching its body first if its headers name one.
-async fn decode_with<M: WireMessage>(
-    bodies: &Bodies,
-    headers: Option<&HeaderMap>,
-    payload: &[u8],
-) -> Result<M, CodecError> {
-    match headers.and_then(|h| h.get(BODY_HEADER)) {
-        Some(body) => {
-            // a message of another type is refused before its body is fetched
-            codec::check_headers::<M>(headers)?;
-            let bytes = bodies.get(body.as_str()).await.map_err(|e| CodecError::Body(e.to_string()))?;
-            codec::decode(headers, &bytes)
-        }
-        None => codec::decode(headers, payload),
-    }
-}
-
-/// Decode a raw NATS message as `M`.
-async fn decode_message<M: WireMessage>(
-    bodies: &Bodies,
-    message: Message,
-    endpoint: Option<Arc<EndpointRequest>>,
-) -> Result<Envelope<M>, Rejected> {
-    let subject = message.subject.to_string();
-    let reply = message.reply.as_ref().map(|r| r.to_string());
-    match decode_with::<M>(bodies, message.headers.as_ref(), &message.payload).await {
-        Ok(msg) => Ok(Envelope { subject, reply, headers: message.headers, msg, endpoint }),
-        Err(error) => {
-            tracing::error!(%subject, %error, "rejected a message that does not decode");
-            Err(Rejected { subject, reply, endpoint, error })
-        }
-    }
-}
-
-impl Rejected {
-    /// Tell a requester its request was bad; plain publishes are only logged.
-    pub async fn answer<T: WireMessage>(&self, bus: &Bus) {
-        let reply: Reply<T> = Reply::Err { code: ErrorCode::BadRequest, message: self.error.to_string() };
-        let to = ReplyTo { subject: self.reply.clone(), endpoint: self.endpoint.clone() };
-        if let Err(e) = bus.respond(to, &reply).await {
-            tracing::warn!(error = %e, "could not answer a rejected request");
         }
     }
 }
