@@ -7,7 +7,10 @@
 //!   read as "another host holds it": the host tries the run again;
 //! - a run or recipe lost in transit (with a NATS node, or a receiver that died
 //!   holding it) is sent again until acknowledged, and a copy heard twice is
-//!   planned and run once (ADR 46).
+//!   planned and run once (ADR 46);
+//! - what a cell prints and how it ends, sent while the frontend was cut off from
+//!   NATS, reaches the client: hosts publish it to streams that confirm they keep
+//!   it, and the frontend reads it back when it reconnects (ADR 55).
 
 use std::time::Duration;
 
@@ -98,6 +101,30 @@ async fn a_run_heard_twice_is_planned_and_run_once() -> anyhow::Result<()> {
         .filter(|i| matches!(i, StreamItem::Event { exec_id, event: Event::Planned { .. }, .. } if *exec_id == exec))
         .count();
     assert_eq!(planned, 1, "the run was planned {planned} times");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn what_a_cell_sends_while_the_frontend_reconnects_is_read_back() -> anyhow::Result<()> {
+    let bin = bin_dir_of(env!("CARGO_BIN_EXE_looseleaf"));
+    let mut services = Services::start(&bin, &[1], &[]).await?;
+    let mut s = services.session(false).await?;
+    let code = "print('before', flush=True)\nimport time\ntime.sleep(4)\nprint('after')\nraise ValueError('late')";
+    let exec = s.fe.run(s.sid, "a", code).await?.exec_id;
+    s.events.until(|i| matches!(i, StreamItem::Output { exec_id, .. } if *exec_id == exec)).await?;
+    // NATS restarts while the frontend is frozen: its connection is gone, so it
+    // hears nothing of the cell's end live (the host has reconnected by then)
+    services.signal("looseleaf-frontend", Signal::SIGSTOP)?;
+    services.nats.restart()?;
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    services.signal("looseleaf-frontend", Signal::SIGCONT)?;
+
+    let (status, error) = s.events.outcome(exec).await?;
+    assert_eq!(status, ExecStatus::Error, "the cell's own status, from its Finished event: {error:?}");
+    assert!(error.as_deref().unwrap_or_default().contains("late"), "{error:?}");
+    let text = s.events.text(exec);
+    assert!(text.contains("before") && text.contains("after"), "outputs: {text}");
+    assert_eq!(text.matches(r#""text":"after\n""#).count(), 1, "an output relayed twice: {text}");
     Ok(())
 }
 

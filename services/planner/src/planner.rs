@@ -156,7 +156,9 @@ impl Planner {
             let bus = self.bus.clone();
             ctx.spawn(
                 async move {
-                    if let Err(e) = bus.publish(bus.subjects().event(session), &ev).await {
+                    if let Err(e) =
+                        bus.publish_kept(bus.subjects().event(session), &ev, schemas::bus::KEPT_PATIENCE).await
+                    {
                         tracing::error!(error = %e, "could not fail a run pinned to a lost host");
                     }
                 }
@@ -490,7 +492,8 @@ impl StreamHandler<Result<Envelope<RunV2>, Rejected>> for Planner {
                     unix_ms: unix_ms(),
                     kind: EventKind::Failed { error: error.to_string() },
                 };
-                if let Err(e) = bus.publish(bus.subjects().event(session), &ev).await {
+                if let Err(e) = bus.publish_kept(bus.subjects().event(session), &ev, schemas::bus::KEPT_PATIENCE).await
+                {
                     tracing::error!(error = %e, "could not report a planning failure");
                 }
             }

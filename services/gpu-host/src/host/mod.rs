@@ -267,7 +267,8 @@ impl Host {
         let bus = self.env.bus.clone();
         self.background(
             async move {
-                if let Err(e) = bus.publish(bus.subjects().event(session), &ev).await {
+                if let Err(e) = bus.publish_kept(bus.subjects().event(session), &ev, schemas::bus::KEPT_PATIENCE).await
+                {
                     tracing::error!(error = %e, "could not publish a session event");
                 }
             },
@@ -1121,7 +1122,9 @@ impl Host {
             let bus = self.env.bus.clone();
             self.background(
                 async move {
-                    if let Err(e) = bus.publish(bus.subjects().event(ev.session), &ev).await {
+                    if let Err(e) =
+                        bus.publish_kept(bus.subjects().event(ev.session), &ev, schemas::bus::KEPT_PATIENCE).await
+                    {
                         tracing::error!(error = %e, "could not publish a session event");
                     }
                 },

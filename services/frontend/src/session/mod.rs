@@ -29,6 +29,9 @@ use crate::records::{InFlight, QueuedRun, Records, SessionRecord, RECORD_INLINE_
 use crate::resume::{self, Position};
 use crate::Timeouts;
 
+mod read_back;
+use read_back::{event_key, output_key};
+
 /// A record to write, and who waits until it landed.
 type RecordWrite = (SessionRecord, Option<tokio::sync::oneshot::Sender<()>>);
 
@@ -65,6 +68,17 @@ impl Default for HostsSeen {
 }
 
 impl HostsSeen {
+    /// Note every quarter second whether `client` is connected; while it is not,
+    /// no host's silence counts (a NATS outage is not every host lost).
+    pub async fn watch_connection(self, client: async_nats::Client) {
+        loop {
+            if client.connection_state() != async_nats::connection::State::Connected {
+                *self.blind_at.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
     /// Record every status heard on `statuses` until the subscription ends.
     pub async fn follow(self, mut statuses: schemas::bus::Subscription<HostStatusV2>) {
         while let Some(item) = statuses.next().await {
@@ -80,17 +94,6 @@ impl HostsSeen {
         let heard = self.heard.lock().unwrap_or_else(|e| e.into_inner()).get(host).copied();
         let blind = *self.blind_at.lock().unwrap_or_else(|e| e.into_inner());
         heard.unwrap_or(self.since).max(blind.unwrap_or(self.since)).elapsed()
-    }
-
-    /// Note every quarter second whether `client` is connected; while it is not,
-    /// no host's silence counts (a NATS outage is not every host lost).
-    pub async fn watch_connection(self, client: async_nats::Client) {
-        loop {
-            if client.connection_state() != async_nats::connection::State::Connected {
-                *self.blind_at.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
-            }
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        }
     }
 
     /// Whether this frontend could not hear hosts within the last `window`.
@@ -121,8 +124,19 @@ struct Current {
     expected_outputs: Option<u64>,
     /// Output seqs received.
     outputs: HashSet<u64>,
+    /// Events relayed (a host sends one again when its stream did not confirm it).
+    events: HashSet<String>,
     /// Saved/Failed arrived: (status, revision after, error, unix ms).
     terminal: Option<(ExecStatus, u64, Option<String>, u64)>,
+    /// Its save landed: its status is the cell's own, from Finished.
+    saved: bool,
+    /// What it sent is being read back from the streams (it ended with
+    /// something unheard, or this frontend's NATS connection was lost meanwhile).
+    reading_back: bool,
+    /// How many times this frontend had connected to NATS when it last heard
+    /// everything (at its start, or its last read-back): live messages sent
+    /// while it reconnected since are missed.
+    connects: u64,
     /// The run claim's revision last read, and since when it is that one.
     claim_seen: Option<(u64, Instant)>,
     /// Its client answers the cell's input requests.
@@ -132,7 +146,7 @@ struct Current {
 }
 
 impl Current {
-    fn new(exec_id: Uuid, allow_stdin: bool) -> Self {
+    fn new(exec_id: Uuid, allow_stdin: bool, connects: u64) -> Self {
         Self {
             allow_stdin,
             asking: false,
@@ -141,9 +155,20 @@ impl Current {
             finished: None,
             expected_outputs: None,
             outputs: HashSet::new(),
+            events: HashSet::new(),
             terminal: None,
+            saved: false,
+            reading_back: false,
+            connects,
             claim_seen: None,
         }
+    }
+
+    /// What it has not heard yet of what it sent: outputs Finished announced, or
+    /// Finished itself (a saved run sent it before its save).
+    fn unheard(&self) -> bool {
+        let missing = self.expected_outputs.unwrap_or(0).saturating_sub(self.outputs.len() as u64);
+        missing > 0 || (self.saved && self.finished.is_none())
     }
 
     /// The outcome of an execution whose save was committed: the cell's own.
@@ -345,15 +370,16 @@ impl SessionActor {
             bus.request_idempotent::<_, ManifestV1>(bus.subjects().store(StoreVerb::Settle), &req, STORE_TIMEOUT).await
         };
         ctx.spawn(ask.into_actor(self).map(move |answer, act, ctx| {
-            let Some(cur) = act.current.as_ref().filter(|c| c.exec_id == exec_id && c.terminal.is_none()) else {
+            if !act.current.as_ref().is_some_and(|c| c.exec_id == exec_id && c.terminal.is_none()) {
                 return;
-            };
+            }
             let now = schemas::unix_ms();
             match answer {
                 // the save landed: that is the cell's outcome
                 Ok(m) if m.manifest.exec_id == exec_id => {
-                    let (status, error) = cur.saved_outcome();
-                    act.complete(ctx, status, m.manifest.revision, error, now);
+                    // what the cell sent was not heard here: read it back first
+                    act.end_current(ExecStatus::Ok, m.manifest.revision, None, now, true, ctx);
+                    act.read_back(exec_id, ctx);
                 }
                 Ok(m) => {
                     let error = failure(m.manifest.revision);
@@ -455,7 +481,7 @@ impl SessionActor {
             options: self.stored.options.clone(),
             user_expressions: p.user_expressions,
         };
-        self.current = Some(Current::new(p.exec_id, p.allow_stdin));
+        self.current = Some(Current::new(p.exec_id, p.allow_stdin, self.connects()));
         self.log.follow(p.exec_id);
         if let Some(r) = self.record(p.exec_id) {
             r.status = ExecStatus::Running;
@@ -518,6 +544,7 @@ impl SessionActor {
     /// The current execution's deadlines: unclaimed after the claim timeout, it is
     /// abandoned; not complete after the execution deadline, it is interrupted.
     fn arm_deadlines(&mut self, exec_id: Uuid, ctx: &mut Context<Self>) {
+        self.watch_connection(exec_id, ctx);
         let claim_timeout = self.shared.timeouts.claim;
         ctx.run_later(claim_timeout, move |act, ctx| {
             if act.current.as_ref().is_some_and(|c| c.exec_id == exec_id && c.host.is_none() && c.terminal.is_none()) {
@@ -638,18 +665,53 @@ impl SessionActor {
         self.start_next(ctx);
     }
 
-    /// Complete the current execution if its end arrived and all its outputs did.
+    /// Complete the current execution if its end arrived and all it sent did.
     fn maybe_complete(&mut self, ctx: &mut Context<Self>) {
+        if self.current.as_ref().is_some_and(|c| c.terminal.is_some() && !c.unheard()) {
+            self.complete_current(ctx);
+        }
+    }
+
+    /// Complete the current execution with its end (a saved run with the cell's
+    /// own status), whatever it has not heard.
+    fn complete_current(&mut self, ctx: &mut Context<Self>) {
         let Some(cur) = &self.current else { return };
-        let Some((status, revision, error, unix_ms)) = cur.terminal.clone() else { return };
-        let missing = cur.expected_outputs.unwrap_or(0).saturating_sub(cur.outputs.len() as u64);
-        if missing == 0 {
-            self.complete(ctx, status, revision, error, unix_ms);
+        let Some((mut status, revision, mut error, unix_ms)) = cur.terminal.clone() else { return };
+        if cur.saved {
+            (status, error) = cur.saved_outcome();
+        }
+        self.complete(ctx, status, revision, error, unix_ms);
+    }
+
+    /// The current execution ended (`saved`: its save landed): it completes once
+    /// all it sent arrived, or, after the output grace, with what its streams
+    /// kept of it.
+    fn end_current(
+        &mut self,
+        status: ExecStatus,
+        revision: u64,
+        error: Option<String>,
+        unix_ms: u64,
+        saved: bool,
+        ctx: &mut Context<Self>,
+    ) {
+        let Some(cur) = self.current.as_mut() else { return };
+        let exec_id = cur.exec_id;
+        cur.terminal = Some((status, revision, error, unix_ms));
+        cur.saved = saved;
+        self.maybe_complete(ctx);
+        if self.current.as_ref().is_some_and(|c| c.exec_id == exec_id) {
+            ctx.run_later(self.shared.timeouts.output_grace, move |act, ctx| act.read_back(exec_id, ctx));
         }
     }
 
     fn on_event(&mut self, ctx: &mut Context<Self>, ev: SessionEventV2) {
         tracing::debug!(session = %self.sid, exec = %ev.exec_id, kind = ?ev.kind, "event");
+        if let Some(cur) = self.current.as_mut().filter(|c| c.exec_id == ev.exec_id) {
+            if !cur.events.insert(event_key(&ev)) {
+                return; // sent again, or read back, after it was relayed
+            }
+        }
         if let EventKind::Started { host, prepare, .. } = &ev.kind {
             if *prepare == Prepare::Persistent {
                 self.cpu_host = Some(host.clone());
@@ -663,10 +725,10 @@ impl SessionActor {
         }
         self.emit(&StreamItem::Event { exec_id: ev.exec_id, unix_ms: ev.unix_ms, event: (&ev.kind).into() });
         let Some(cur) = self.current.as_mut().filter(|c| c.exec_id == ev.exec_id) else { return };
-        if cur.terminal.is_some() {
-            return;
-        }
+        // (Finished may be read back after the end: it tells the cell's status)
+        let ended = cur.terminal.is_some();
         let terminal = match ev.kind {
+            _ if ended && !matches!(ev.kind, EventKind::Finished { .. }) => None,
             EventKind::Claimed { host, .. } => {
                 if cur.host.is_none() {
                     cur.host = Some(host);
@@ -681,35 +743,15 @@ impl SessionActor {
                 cur.expected_outputs = Some(outputs);
                 None
             }
-            EventKind::Saved { revision, .. } => {
-                let (status, error) = cur.saved_outcome();
-                Some((status, revision, error))
-            }
-            EventKind::Failed { error } => Some((ExecStatus::Failed, self.stored.revision, Some(error))),
+            EventKind::Saved { revision, .. } => Some((ExecStatus::Ok, revision, None, true)),
+            EventKind::Failed { error } => Some((ExecStatus::Failed, self.stored.revision, Some(error), false)),
             EventKind::SlotReleased { .. }
             | EventKind::Ready { .. }
             | EventKind::Preparing { .. }
             | EventKind::PreparedEnded { .. } => None,
         };
-        let Some((status, revision, error)) = terminal else { return };
-        let exec_id = cur.exec_id;
-        cur.terminal = Some((status, revision, error, ev.unix_ms));
-        self.maybe_complete(ctx);
-        if self.current.as_ref().is_some_and(|c| c.exec_id == exec_id) {
-            let grace = self.shared.timeouts.output_grace;
-            ctx.run_later(grace, move |act, ctx| {
-                if let Some(c) = act.current.as_ref().filter(|c| c.exec_id == exec_id) {
-                    tracing::warn!(
-                        exec = %exec_id,
-                        expected = c.expected_outputs.unwrap_or(0),
-                        received = c.outputs.len(),
-                        "outputs missing {grace:?} after the execution ended; completing anyway"
-                    );
-                    if let Some((status, revision, error, unix_ms)) = c.terminal.clone() {
-                        act.complete(ctx, status, revision, error, unix_ms);
-                    }
-                }
-            });
+        if let Some((status, revision, error, saved)) = terminal {
+            self.end_current(status, revision, error, ev.unix_ms, saved, ctx);
         }
     }
 
@@ -739,6 +781,9 @@ impl SessionActor {
     }
 
     fn on_output(&mut self, ctx: &mut Context<Self>, mut out: OutputV1) {
+        if self.current.as_ref().is_some_and(|c| c.exec_id == out.exec_id && c.outputs.contains(&out.seq)) {
+            return; // sent again, or read back, after it was relayed
+        }
         if out.parts > 1 {
             // an output too large for one message: gather its pieces first
             let key = (out.exec_id, out.seq);
@@ -798,110 +843,6 @@ impl Actor for SessionActor {
     fn stopped(&mut self, _ctx: &mut Self::Context) {
         self.shared.dashboard.closed(self.sid);
     }
-}
-
-impl SessionActor {
-    /// The session's record names a run in flight (its frontend went away while
-    /// it ran): it is current here at once (nothing else is sent before it ends),
-    /// and what it did so far is read back from the events and outputs streams
-    /// before anything else is handled (the live subscriptions wait meanwhile, and
-    /// what both deliver is relayed once). Then it ends as any run does: by its
-    /// outcome event, host loss, or the claim timeout if no host ever took it.
-    fn adopt_in_flight(&mut self, run: InFlight, ctx: &mut Context<Self>) {
-        let exec_id = run.exec_id;
-        tracing::info!(session = %self.sid, exec = %exec_id, "adopting the run in flight from the session's record");
-        self.executions.push(ExecRecord {
-            exec_id,
-            cell_id: run.cell_id.clone(),
-            run_unix_ms: run.run_unix_ms,
-            status: ExecStatus::Running,
-            after_revision: None,
-            error: None,
-        });
-        self.emit(&StreamItem::Queued { exec_id, cell_id: run.cell_id, run_unix_ms: run.run_unix_ms });
-        self.current = Some(Current::new(exec_id, run.allow_stdin));
-        self.log.follow(exec_id);
-        let (bus, sid) = (self.shared.bus.clone(), self.sid);
-        let since = run.run_unix_ms.saturating_sub(ADOPT_CLOCK_SKEW_MS);
-        let read = async move {
-            let (js, s) = (bus.jetstream(), bus.subjects());
-            let events = schemas::buckets::replay(&js, &s.events_stream(), &s.event(sid), since).await;
-            let outputs = schemas::buckets::replay(&js, &s.outputs_stream(), &s.output(sid, exec_id), since).await;
-            // decoded here: a message with a body (ADR 30) is fetched first
-            let events = match events {
-                Ok(msgs) => Ok(decode_all::<SessionEventV2>(&bus, &msgs).await),
-                Err(e) => Err(e),
-            };
-            let outputs = match outputs {
-                Ok(msgs) => Ok(decode_all::<OutputV1>(&bus, &msgs).await),
-                Err(e) => Err(e),
-            };
-            (events, outputs)
-        };
-        ctx.wait(read.into_actor(self).map(move |(events, outputs), act, ctx| {
-            // outputs first: an execution that ends without Finished (its worker
-            // lost) completes on its outcome event, and outputs after Done are dropped
-            match outputs {
-                Ok(msgs) => {
-                    for m in msgs {
-                        match m {
-                            Ok(out) => {
-                                act.replayed.insert(output_key(&out));
-                                act.on_output(ctx, out);
-                            }
-                            Err(e) => tracing::warn!(error = %e, "a replayed output does not decode; skipped"),
-                        }
-                    }
-                }
-                Err(e) => tracing::warn!(session = %sid, error = %e, "could not replay the adopted run's outputs"),
-            }
-            match events {
-                Ok(msgs) => {
-                    for m in msgs {
-                        match m {
-                            Ok(ev) if ev.exec_id == exec_id => {
-                                act.replayed.insert(event_key(&ev));
-                                act.on_event(ctx, ev);
-                            }
-                            Ok(_) => {}
-                            Err(e) => tracing::warn!(error = %e, "a replayed event does not decode; skipped"),
-                        }
-                    }
-                }
-                Err(e) => tracing::warn!(session = %sid, error = %e, "could not replay the adopted run's events"),
-            }
-            act.log.recovering(false);
-            if act.current.as_ref().is_some_and(|c| c.exec_id == exec_id) {
-                act.arm_deadlines(exec_id, ctx);
-            }
-        }));
-    }
-
-    /// Whether the live subscription delivers what the adoption replay already
-    /// did (both can, for messages published around the adoption).
-    fn replayed_already(&mut self, key: impl FnOnce() -> String) -> bool {
-        !self.replayed.is_empty() && self.replayed.remove(&key())
-    }
-}
-
-fn event_key(ev: &SessionEventV2) -> String {
-    format!("{ev:?}")
-}
-
-fn output_key(out: &OutputV1) -> String {
-    format!("output {} {} {}", out.exec_id, out.seq, out.part)
-}
-
-/// Decode replayed stream messages, in order.
-async fn decode_all<M: schemas::WireMessage>(
-    bus: &Bus,
-    msgs: &[async_nats::jetstream::Message],
-) -> Vec<Result<M, schemas::CodecError>> {
-    let mut decoded = Vec::with_capacity(msgs.len());
-    for m in msgs {
-        decoded.push(bus.decode::<M>(m.headers.as_ref(), &m.payload).await);
-    }
-    decoded
 }
 
 impl StreamHandler<Result<Envelope<SessionEventV2>, Rejected>> for SessionActor {
