@@ -267,6 +267,8 @@ struct Verdict {
     /// Seconds from acceptance to the failed outcome of each run accepted while
     /// the store was stopped, or failed because nothing answered for it.
     store_down_fail_s: Vec<f64>,
+    /// The error of each store-down failure slower than 3 s (where the time went).
+    store_down_slow: Vec<String>,
 }
 
 async fn check(
@@ -304,7 +306,11 @@ async fn check(
                 // was down, or in flight when it went)
                 let store_absent = error.contains(".v1.store.") && error.contains("nothing answers");
                 if store_absent || store_down.iter().any(|(from, to)| (*from..=*to).contains(&run)) {
-                    v.store_down_fail_s.push((done - run) as f64 / 1000.0);
+                    let secs = (done - run) as f64 / 1000.0;
+                    v.store_down_fail_s.push(secs);
+                    if secs > 3.0 {
+                        v.store_down_slow.push(format!("{name} {exec} {secs:.1}s: {error}"));
+                    }
                 }
             }
         }
@@ -551,6 +557,7 @@ async fn bench_chaos() -> anyhow::Result<()> {
         "store_down_fail_s_p99": percentile(&v.store_down_fail_s, 99.0),
         "store_down_fail_s_p50": percentile(&v.store_down_fail_s, 50.0),
         "store_down_fail_s": v.store_down_fail_s,
+        "store_down_slow": v.store_down_slow,
         "disk_full": disk_full,
         "disk_full_recovery_s": disk_full["disk_full_recovery_s"],
         "load_sessions": load_sessions,

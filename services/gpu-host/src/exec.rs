@@ -220,7 +220,9 @@ struct Left {
 impl ExecEnv {
     async fn event(&self, session: Uuid, exec_id: Uuid, kind: EventKind) {
         let ev = SessionEventV2 { session, exec_id, unix_ms: unix_ms(), kind };
-        if let Err(e) = self.bus.publish(self.bus.subjects().event(session), &ev).await {
+        if let Err(e) =
+            self.bus.publish_kept(self.bus.subjects().event(session), &ev, schemas::bus::KEPT_PATIENCE).await
+        {
             tracing::error!(error = %e, %session, "could not publish a session event");
         }
     }
@@ -510,13 +512,12 @@ impl ExecEnv {
             result = Err(ExecError::MemoryLimit { limit_bytes });
         }
         drop(w);
-        match result {
-            Err(e) if broken => {
-                worker.lock().await.kill_now();
-                (None, Err(e))
-            }
-            result => (Some(worker), result),
+        if broken {
+            // a worker lost after its save landed still returns the run's Ok
+            worker.lock().await.kill_now();
+            return (None, result);
         }
+        (Some(worker), result)
     }
 
     async fn drive(&self, recipe: &RecipeV3, w: &mut WorkerProc, start: Start) -> Result<Left, ExecError> {
@@ -550,23 +551,30 @@ impl ExecEnv {
         let bus = self.bus.clone();
         let forwarder = tokio::spawn(
             async move {
+                // several wait for their stream at once, so that the round trips overlap
+                let mut unconfirmed = std::collections::VecDeque::new();
                 while let Some(p) = rx.recv().await {
-                    let r = match p {
-                        Pending::Event(ev) => bus.publish(bus.subjects().event(ev.session), &ev).await,
+                    match p {
+                        Pending::Event(ev) => {
+                            unconfirmed.push_back(bus.send_kept(bus.subjects().event(ev.session), &ev).await)
+                        }
                         Pending::Output(out) => {
                             let subject = bus.subjects().output(out.session, out.exec_id);
-                            let mut sent = Ok(());
                             for piece in
                                 OutputV1::pieces(out.session, out.exec_id, out.seq, out.output_json, OUTPUT_PART_BYTES)
                             {
-                                sent = sent.and(bus.publish(subject.clone(), &piece).await);
+                                unconfirmed.push_back(bus.send_kept(subject.clone(), &piece).await);
                             }
-                            sent
                         }
-                    };
-                    if let Err(e) = r {
-                        tracing::error!(error = %e, "could not forward a cell event");
                     }
+                    while unconfirmed.len() > KEPT_WINDOW {
+                        if let Some(sent) = unconfirmed.pop_front() {
+                            confirm_kept(&bus, sent).await;
+                        }
+                    }
+                }
+                for sent in unconfirmed {
+                    confirm_kept(&bus, sent).await;
                 }
             }
             .instrument(tracing::Span::current()),
@@ -999,6 +1007,20 @@ fn restore_entries(
     (variables, objects)
 }
 
+/// How many outputs and events a cell's forwarder keeps waiting for their stream.
+const KEPT_WINDOW: usize = 64;
+
+/// Wait until the stream keeps a message the forwarder sent.
+async fn confirm_kept(bus: &Bus, sent: Result<schemas::bus::Kept, BusError>) {
+    let kept = match sent {
+        Ok(k) => k.confirmed(bus, schemas::bus::KEPT_PATIENCE).await,
+        Err(e) => Err(e),
+    };
+    if let Err(e) = kept {
+        tracing::error!(error = %e, "could not forward a cell event");
+    }
+}
+
 enum Pending {
     Event(SessionEventV2),
     Output(OutputV1),
@@ -1062,6 +1084,9 @@ const COMMIT_PATIENCE: Duration = Duration::from_secs(600);
 /// How soon a commit without an answer is sent again.
 const COMMIT_RETRY: Duration = Duration::from_secs(2);
 
+/// How soon a commit nothing served is sent again (a store restarting in place).
+const ABSENT_RETRY: Duration = Duration::from_millis(250);
+
 /// Commit `msg` and learn for sure whether it landed: a commit without an answer
 /// (store restarting, object store stalled) may land later, so reporting it failed
 /// would tell the user something other than what was committed. It is sent again
@@ -1083,13 +1108,15 @@ async fn commit_until_known(
             Err(BusError::Remote { code: ErrorCode::Conflict, .. }) if unanswered => {
                 return landed_copy(&bus, &msg, STORE_TIMEOUT).await;
             }
-            // no copy reached a store: nothing landed, and a store that stays down
-            // fails the save within seconds
-            Err(e @ BusError::NoResponders { .. })
-                if !unanswered && tokio::time::Instant::now() >= started + schemas::bus::ABSENT_PATIENCE =>
-            {
-                return Err(e);
+            // no copy reached a store yet: nothing landed, and a store that stays
+            // down fails the save within seconds
+            Err(e @ BusError::NoResponders { .. }) if !unanswered => {
+                if tokio::time::Instant::now() >= started + schemas::bus::ABSENT_PATIENCE {
+                    return Err(e);
+                }
+                tokio::time::sleep(ABSENT_RETRY).await;
             }
+            // a copy may have landed: only the store can say
             Err(e @ (BusError::TimedOut { .. } | BusError::NoResponders { .. }))
                 if tokio::time::Instant::now() < deadline =>
             {

@@ -493,7 +493,12 @@ impl WorkerProc {
                     versions: versions.iter().map(|(n, v)| (n.clone(), v.to_string())).collect(),
                     error: None,
                 };
-                self.send("saving", &frame).await?;
+                // the revision landed: the run saved, whatever becomes of the worker.
+                // One that cannot hear it is lost (its state would be no revision
+                // it knows) and killed by the caller, but the save stands.
+                if let Err(e) = self.send("saving", &frame).await {
+                    tracing::warn!(worker = %self.id, error = %e, revision, "the save landed but the worker was lost before it heard");
+                }
                 self.held = versions.into_iter().collect();
                 self.revision = revision;
                 Ok(Saved {
