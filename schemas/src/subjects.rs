@@ -157,6 +157,21 @@ impl Subjects {
         format!("{}.v1.store.{}", self.prefix, verb.as_str())
     }
 
+    /// The part of a request subject that names the service answering it: every
+    /// verb of the store is `{prefix}.v1.store`, every verb of one host
+    /// `{prefix}.v1.host.{hid}`; any other subject is its own service.
+    pub fn service_of<'a>(&self, subject: &'a str) -> &'a str {
+        let store = format!("{}.v1.store.", self.prefix);
+        if subject.starts_with(&store) {
+            return &subject[..store.len() - 1];
+        }
+        let host = format!("{}.v1.host.", self.prefix);
+        if let Some(dot) = subject.strip_prefix(&host).and_then(|rest| rest.find('.')) {
+            return &subject[..host.len() + dot];
+        }
+        subject
+    }
+
     /// `{prefix}.v1.sync.{unique}` — a request nobody answers, for a round trip
     /// through the server (see `Bus::flush`).
     pub fn round_trip_probe(&self) -> String {
@@ -252,6 +267,18 @@ mod tests {
         assert_eq!(parse_session_subject(&s.edit(sid)), Some((sid, "edit")));
         assert_eq!(parse_session_subject("t1.v1.host.x.status"), None);
         assert_eq!(parse_session_subject("t1.v1.session.notauuid.run"), None);
+    }
+
+    #[test]
+    fn a_service_is_named_by_what_its_verbs_share() {
+        let s = Subjects::new("t1");
+        let plan = s.store(StoreVerb::ChunkPlan);
+        assert_eq!(s.service_of(&plan), "t1.v1.store");
+        assert_eq!(s.service_of(&s.store(StoreVerb::ManifestGet)), s.service_of(&plan));
+        assert_eq!(s.service_of("t1.v1.host.h-1.query"), "t1.v1.host.h-1");
+        assert_ne!(s.service_of("t1.v1.host.h-1.query"), s.service_of("t1.v1.host.h-2.query"));
+        assert_eq!(s.service_of("t1.v1.session.x.run"), "t1.v1.session.x.run", "others are their own");
+        assert_eq!(s.service_of("t2.v1.store.commit"), "t2.v1.store.commit", "another prefix's");
     }
 
     #[test]

@@ -41,9 +41,10 @@ pub const ACK_WAIT: Duration = Duration::from_secs(2);
 pub const ATTEMPT_WAIT: Duration = Duration::from_secs(5);
 
 /// How long [`Bus::request_idempotent`] asks again while nobody serves its
-/// subject: long enough for a service restarting in place, short enough that a
-/// service that is down fails a cell within seconds (not after the whole timeout).
-pub const ABSENT_PATIENCE: Duration = Duration::from_secs(3);
+/// subject: long enough for a service restarting in place (it subscribes within a
+/// second of starting), short enough that a service that is down fails a cell
+/// within seconds even when two requests of the cell each find it so.
+pub const ABSENT_PATIENCE: Duration = Duration::from_secs(2);
 
 /// How many times [`Bus::deliver`] sends a message nobody acknowledges before it
 /// takes it as received by a listener that does not acknowledge (an older version).

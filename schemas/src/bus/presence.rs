@@ -21,24 +21,28 @@ pub const PRESENCE_PROBE_EVERY: Duration = Duration::from_millis(500);
 pub const PROBE_HEADER: &str = "LooseLeaf-Probe";
 
 impl Bus {
-    /// Since when nothing has served `subject`, if that is what it was last found.
+    /// Since when nothing has served `subject`'s service, if that is what it was
+    /// last found. Kept per service, not per verb: one request that found the
+    /// store down fails the store's other verbs at once, not each after waiting.
     pub(super) fn absent_since(&self, subject: &str) -> Option<tokio::time::Instant> {
-        self.absent.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(subject).copied()
+        let service = self.subjects.service_of(subject);
+        self.absent.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(service).copied()
     }
 
-    /// Remember that `subject` is served (`None`) or has not been since `since`.
+    /// Remember that `subject`'s service is served (`None`) or has not been since `since`.
     pub(super) fn note_presence(&self, subject: &str, since: Option<tokio::time::Instant>) {
+        let service = self.subjects.service_of(subject);
         let mut absent = self.absent.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         match since {
             None => {
-                absent.remove(subject);
+                absent.remove(service);
             }
             Some(since) => {
-                // subjects naming what went away for good (a host) are not kept forever
+                // services that went away for good (a host) are not kept forever
                 if absent.len() >= 1024 {
                     absent.clear();
                 }
-                absent.insert(subject.to_string(), since);
+                absent.insert(service.to_string(), since);
             }
         }
     }
