@@ -32,6 +32,7 @@ pub mod protocol;
 pub mod session_uids;
 pub mod socket;
 pub mod worker;
+mod worker_save;
 pub mod zygotes;
 
 use std::future::Future;
