@@ -11,7 +11,8 @@
 //! requests `{prefix}.v1.store.manifest.get` and `….commit`; claims in the KV bucket
 //! `{prefix}_claims`. Reads and writes chunks in the object store directly.
 //!
-//! Modules: [`host`] (the actor), [`exec`] (one execution), [`lifecycle`] (the
+//! Modules: [`core`] (the host's decisions, without I/O), [`host`] (the actor that
+//! drives it), [`exec`] (one execution), [`lifecycle`] (the
 //! worker state machine), [`worker`] and [`zygotes`] (their processes, spoken to
 //! through [`protocol`] on the host's [`socket`]; [`process`] checks and kills by
 //! pid), [`import_cache`] (the zygote tree), [`chunks`] (the byte path), [`gpus`]
@@ -20,6 +21,7 @@
 pub mod cell_env;
 pub mod cgroups;
 pub mod chunks;
+pub mod core;
 pub mod exec;
 pub mod gpus;
 pub mod host;
@@ -32,6 +34,7 @@ pub mod protocol;
 pub mod session_uids;
 pub mod socket;
 pub mod worker;
+mod worker_save;
 pub mod zygotes;
 
 use std::future::Future;

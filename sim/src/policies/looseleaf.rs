@@ -1,53 +1,77 @@
-//! `looseleaf`: the planner's speculator decides, within its budget, which edited
-//! GPU cells get a worker before Run (and which prepared workers to evict); hosts
-//! claim work by the gpu-host's claim-delay rule; slots are the gpu-host's
-//! [`Slots`](looseleaf_gpu_host::host::slots::Slots); workers move through the
-//! gpu-host's lifecycle table. All of it is the services' own code: this file
-//! only feeds it events on the simulation's clock and charges the measured
-//! costs. The GPU is released after every cell's save.
+//! `looseleaf`: the services' own decisions on the simulation's clock. The
+//! planner's speculator decides, within its budget, which edited GPU cells get a
+//! worker before Run (and which prepared workers to evict); each host is the
+//! gpu-host's own [`HostCore`], fed the recipes, claim outcomes, preparations and
+//! executions it would see, and its commands carried out here: a claim settles
+//! in a simulated claims bucket after its delay (first come wins), a preparation
+//! or a start takes the measured costs. Nothing here chooses a host, queues a
+//! run or evicts a worker: the cores do. The GPU is released after every cell's
+//! save.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::time::Duration;
+use std::collections::{BTreeMap, HashMap, HashSet};
 
-use looseleaf_gpu_host::host::placement::{claim_delay, Standing, MAX_JITTER};
-use looseleaf_gpu_host::host::prepared::give_up_first;
+use looseleaf_gpu_host::core::{Command, Facts, HostCore, Input, Policy as HostPolicy, Target, WorkerRef};
+use looseleaf_gpu_host::gpus::Gpu;
+use looseleaf_gpu_host::host::claims::{Claim, ClaimKey};
 use looseleaf_gpu_host::host::slots::SlotState;
-use looseleaf_gpu_host::host::SPEC_WAIT;
 use looseleaf_gpu_host::lifecycle::Lifecycle;
 use looseleaf_planner::speculator::{Budget, Eviction, Ready, Speculator};
-use schemas::clock::Clock;
-use schemas::messages::{PreparedClass, PreparedWorker, WorkerState};
+use schemas::messages::{
+    Device, EventKind, Prepare, PreparedOutcome, PreparedWorker, RecipeKind, RecipeV3, SessionOptions, WorkerState,
+};
 use uuid::Uuid;
 
-use super::{busy, secs, take};
+use super::secs;
+use crate::cluster::SimClock;
 use crate::engine::{Policy, Sim, Timer};
 
 const PLAN: u32 = 1;
-const READY: u32 = 2;
 const SAVED: u32 = 3;
+/// A host's claim settles (tag: the pending step).
+const CLAIM: u32 = 4;
+/// A host's preparation returns (tag: the pending step).
+const PREPARED: u32 = 5;
+/// A host's own timer fires (tag: the pending step).
+const LATER: u32 = 6;
 
 /// The planner's edit debounce before a recipe is planned.
 const DEBOUNCE_S: f64 = 0.1;
 
-/// A worker prepared (or being prepared) for a session's cell.
-#[derive(Clone, Debug)]
-struct Prep {
-    cell: usize,
-    host: usize,
-    slots: Vec<u32>,
-    worker: String,
-    n: u64,
-    ready_at: Option<f64>,
-    prepare_s: f64,
-    run_pressed: bool,
+/// A host's step under way, for the timer that ends it.
+enum Step {
+    Claim { host: usize, ticket: u64, key: ClaimKey },
+    Prepared { host: usize, key: (Uuid, String), worker: WorkerRef, prepare_ms: f64 },
+    Later { host: usize, input: Input },
 }
 
-/// A worker running or saving a cell.
+/// A cell running on a host.
 #[derive(Clone, Debug)]
 struct Running {
     host: usize,
-    slots: Vec<u32>,
+    exec: Uuid,
     worker: String,
+}
+
+/// What a simulated host's core asks of the world.
+struct World<'a> {
+    host: usize,
+    by_id: &'a HashMap<Uuid, usize>,
+    cached_on: &'a [Option<usize>],
+    import_tail: &'a [bool],
+}
+
+impl Facts for World<'_> {
+    fn alive(&self, _worker: &str) -> bool {
+        true // simulated workers do not die
+    }
+
+    fn placement(&self, recipe: &RecipeV3) -> (f64, f64) {
+        let Some(&s) = self.by_id.get(&recipe.session) else { return (1.0, 0.0) };
+        // every host runs the same zygotes; a cell with an import tail matches
+        // half of its import closure
+        let zygote = if self.import_tail[s] { 0.5 } else { 1.0 };
+        (zygote, if self.cached_on[s] == Some(self.host) { 1.0 } else { 0.0 })
+    }
 }
 
 /// LooseLeaf.
@@ -55,14 +79,21 @@ pub struct LooseLeaf {
     speculator: Speculator,
     lifecycle: Lifecycle,
     budget: Budget,
-    prep: Vec<Option<Prep>>,
+    /// One gpu-host core per host that is on.
+    cores: Vec<Option<HostCore<SimClock>>>,
+    /// The claims bucket: key → the host that holds it.
+    claims: HashMap<String, usize>,
+    steps: HashMap<u64, Step>,
+    next_step: u64,
     running: Vec<Option<Running>>,
     pressed: Vec<bool>,
-    waiting: VecDeque<usize>,
-    /// Admitted preparations waiting for a slot: (since, session, cell).
-    spec_waiting: VecDeque<(f64, usize, usize)>,
+    /// Sessions whose GPU run was pressed and has not started.
+    unstarted: HashSet<usize>,
+    /// Whether the run of each session found its worker ready at Run.
+    ready_at_run: Vec<bool>,
     /// The host whose chunk cache holds the session's latest state.
     cached_on: Vec<Option<usize>>,
+    import_tail: Vec<bool>,
     by_id: HashMap<Uuid, usize>,
     workers: u64,
     counters: BTreeMap<&'static str, f64>,
@@ -75,12 +106,16 @@ impl LooseLeaf {
             speculator: Speculator::new(budget),
             lifecycle: Lifecycle::default(),
             budget,
-            prep: vec![],
+            cores: vec![],
+            claims: HashMap::new(),
+            steps: HashMap::new(),
+            next_step: 0,
             running: vec![],
             pressed: vec![],
-            waiting: VecDeque::new(),
-            spec_waiting: VecDeque::new(),
+            unstarted: HashSet::new(),
+            ready_at_run: vec![],
             cached_on: vec![],
+            import_tail: vec![],
             by_id: HashMap::new(),
             workers: 0,
             counters: BTreeMap::new(),
@@ -98,38 +133,195 @@ impl LooseLeaf {
         }
     }
 
-    fn born(&mut self, sim: &Sim, s: usize) -> (String, u64) {
+    fn born(&mut self, session: Uuid) -> WorkerRef {
         self.workers += 1;
-        let worker = format!("w{}", self.workers);
-        self.lifecycle.born(&worker, 0, sim.session(s).id);
-        (worker, self.workers)
+        let id = format!("w{}", self.workers);
+        self.lifecycle.born(&id, 0, session);
+        WorkerRef { id, pid: 0 }
     }
 
-    /// The host that wins the claim for session `s`'s current cell: each host
-    /// with room waits its claim delay (the gpu-host's rule); the shortest wins.
-    fn claim(&self, sim: &mut Sim, s: usize) -> Option<(usize, f64)> {
-        let cell = sim.cell(s);
-        let with_room: Vec<usize> = (0..sim.cluster.hosts.len())
-            .filter(|h| sim.cluster.hosts[*h].is_on() && sim.cluster.hosts[*h].slots.free_count() >= cell.gpus)
-            .collect();
-        let mut best: Option<(usize, f64)> = None;
-        for &h in &with_room {
-            let standing = Standing {
-                free_share: sim.cluster.hosts[h].slots.free_share(),
-                // every host runs the same zygotes; a cell with an import tail
-                // matches half of its import closure
-                zygote: if cell.import_tail { 0.5 } else { 1.0 },
-                cached: if self.cached_on[s] == Some(h) { 1.0 } else { 0.0 },
-                competitor_has_room: with_room.len() > 1,
-            };
-            let jitter = Duration::from_secs_f64(sim.draw.unit() * MAX_JITTER.as_secs_f64());
-            let (delay, _) = claim_delay(standing, jitter);
-            let d = delay.as_secs_f64();
-            if best.is_none_or(|(_, b)| d < b) {
-                best = Some((h, d));
+    fn step(&mut self, step: Step) -> u64 {
+        self.next_step += 1;
+        self.steps.insert(self.next_step, step);
+        self.next_step
+    }
+
+    /// Give every host that is on a core, and drop the cores of hosts that are off.
+    fn sync_hosts(&mut self, sim: &Sim) -> Vec<usize> {
+        let mut new = vec![];
+        self.cores.resize_with(sim.cluster.hosts.len(), || None);
+        for (h, host) in sim.cluster.hosts.iter().enumerate() {
+            match (host.is_on(), self.cores[h].is_some()) {
+                (true, false) => {
+                    let gpus = (0..host.slots.len()).map(|index| Gpu { index, name: "simulated".into(), memory_bytes: 0 });
+                    // the gpu-host's defaults: a worker is kept only for unsavable
+                    // state, and prepared on its slot only when its closure is on the GPU
+                    let core = HostCore::new(host.name.clone(), gpus.collect(), HostPolicy::default(), sim.clock.clone());
+                    self.cores[h] = Some(core);
+                    new.push(h);
+                }
+                (false, true) => self.cores[h] = None,
+                _ => {}
             }
         }
-        best
+        new
+    }
+
+    /// Feed `input` to host `h`'s core and carry out what it decides.
+    fn feed(&mut self, sim: &mut Sim, h: usize, input: Input) {
+        let world = World { host: h, by_id: &self.by_id, cached_on: &self.cached_on, import_tail: &self.import_tail };
+        let Some(core) = self.cores.get_mut(h).and_then(Option::as_mut) else { return };
+        let commands = core.on(input, &world);
+        self.mirror_slots(sim, h);
+        for c in commands {
+            self.carry_out(sim, h, c);
+        }
+    }
+
+    /// The cluster's slots of host `h` follow its core's: what the autoscaler
+    /// counts and GPU-hours integrate.
+    fn mirror_slots(&mut self, sim: &mut Sim, h: usize) {
+        let Some(core) = self.cores[h].as_ref() else { return };
+        let states: Vec<(u32, SlotState)> = core.slots().states().map(|(i, s)| (i, s.clone())).collect();
+        for (i, state) in states {
+            let now = sim.cluster.hosts[h].slots.state(i).cloned();
+            match (now, &state) {
+                (Some(n), s) if n == *s => {}
+                (Some(SlotState::Free), s) => sim.cluster.hosts[h].slots.take(&[i], s.clone()),
+                (Some(_), SlotState::Free) => sim.cluster.release(h, &[i]),
+                (_, s) => sim.cluster.hosts[h].slots.hand_on(&[i], s.clone()),
+            }
+        }
+    }
+
+    /// Tell every other host how many slots the best of them has free (all a
+    /// host's claim delay asks of its peers).
+    fn share_status(&mut self, sim: &mut Sim) {
+        let free: Vec<(usize, usize)> = (0..self.cores.len())
+            .filter_map(|h| self.cores[h].as_ref().map(|c| (h, c.slots().free_count() as usize)))
+            .collect();
+        for &(h, _) in &free {
+            let best_other = free.iter().filter(|(o, _)| *o != h).map(|(_, f)| *f).max();
+            if let Some(free_slots) = best_other {
+                self.feed(sim, h, Input::PeerStatus { host: "others".into(), free_slots });
+            }
+        }
+    }
+
+    /// Deliver `recipe` to every host that is on, as the planner's publish does.
+    fn deliver(&mut self, sim: &mut Sim, recipe: &RecipeV3) {
+        self.share_status(sim);
+        for h in 0..self.cores.len() {
+            if self.cores[h].is_some() {
+                self.feed(sim, h, Input::Recipe(recipe.clone()));
+            }
+        }
+    }
+
+    fn carry_out(&mut self, sim: &mut Sim, h: usize, c: Command) {
+        let now = sim.now();
+        match c {
+            Command::Claim { ticket, key, delay, .. } => {
+                let tag = self.step(Step::Claim { host: h, ticket, key });
+                sim.timer(now + delay.as_secs_f64(), Timer { session: h, kind: CLAIM, tag });
+            }
+            Command::Release { key } => {
+                self.claims.remove(&key.key());
+            }
+            Command::Event { session, kind, .. } => self.on_event(sim, session, kind),
+            Command::ReadClosure { ticket, .. } => {
+                // the simulated cells' closures are on the GPU (what their state is
+                // measured as): the preparation holds its slot
+                self.feed(sim, h, Input::ClosureRead { ticket, on_gpu: true });
+            }
+            Command::Prepare { key, worker, .. } => {
+                let Some(&s) = self.by_id.get(&key.0) else { return };
+                let (worker, prepare_s) = match worker {
+                    // updated in place: the refresh of what changed
+                    Some(id) => {
+                        self.enter(&id, WorkerState::Preparing);
+                        (WorkerRef { id, pid: 0 }, self.hit_s(sim))
+                    }
+                    None => {
+                        self.count("prepared");
+                        (self.born(key.0), self.prepare_s(sim, s))
+                    }
+                };
+                let tag = self.step(Step::Prepared { host: h, key, worker, prepare_ms: prepare_s * 1000.0 });
+                sim.timer(now + prepare_s, Timer { session: h, kind: PREPARED, tag });
+            }
+            Command::Execute { recipe, target, .. } => self.execute(sim, h, recipe, target),
+            Command::Enter { worker, state } => self.enter(&worker, state),
+            Command::After { delay, input } => {
+                let tag = self.step(Step::Later { host: h, input: *input });
+                sim.timer(now + delay.as_secs_f64(), Timer { session: h, kind: LATER, tag });
+            }
+            // no process, no bus, no uid to act on in a simulation
+            Command::Renew { .. }
+            | Command::Bid(_)
+            | Command::StopWorker { .. }
+            | Command::Interrupt { .. }
+            | Command::KillCells { .. }
+            | Command::ReleaseUid { .. }
+            | Command::PublishStatus => {}
+        }
+    }
+
+    /// A host's session event: what the planner's speculator learns from it.
+    fn on_event(&mut self, sim: &mut Sim, session: Uuid, kind: EventKind) {
+        let now = sim.now();
+        match kind {
+            EventKind::Preparing { host, cell_id, .. } => self.speculator.preparing(session, &cell_id, &host),
+            EventKind::Ready { host, worker, cell_id, class, prepare_ms, slot, .. } => {
+                let at = PreparedWorker { host, worker: worker.clone() };
+                self.enter(&worker, WorkerState::Ready);
+                let ready = Ready { class, prepare_ms, holds_slot: slot.is_some() };
+                self.speculator.ready(session, &cell_id, at, ready, now);
+            }
+            EventKind::PreparedEnded { worker, cell_id, idle_ms, outcome, slot, .. } => {
+                match outcome {
+                    PreparedOutcome::Evicted => self.count("evicted"),
+                    PreparedOutcome::EvictedForRun => self.count("evicted_for_run"),
+                    _ => {}
+                }
+                self.speculator.ended(session, &cell_id, &worker, idle_ms, slot.is_some(), now);
+            }
+            _ => {}
+        }
+    }
+
+    /// A core started a run: the cell starts after what its start costs.
+    fn execute(&mut self, sim: &mut Sim, h: usize, recipe: RecipeV3, target: Target) {
+        let now = sim.now();
+        let s = (recipe.exec_id.as_u128() >> 32) as usize;
+        self.unstarted.remove(&s);
+        let (worker, at, late) = match target {
+            Target::Existing { worker, prepare: Prepare::Speculative | Prepare::Warm, .. } => {
+                self.enter(&worker, WorkerState::Preparing); // the run refreshes the closure
+                let late = if self.ready_at_run[s] {
+                    self.count("hits");
+                    "over_1s_hit"
+                } else {
+                    self.count("hits_while_preparing");
+                    "over_1s_run_while_preparing"
+                };
+                (worker, now + self.hit_s(sim), late)
+            }
+            Target::Existing { worker, .. } => (worker, now + self.hit_s(sim), "over_1s_hit"),
+            Target::Fresh { .. } => {
+                self.count("cold");
+                let w = self.born(recipe.session);
+                let waited = now - sim.progress[s].run_at > 0.1;
+                let late = if waited { "over_1s_waited_for_a_slot" } else { "over_1s_cold" };
+                (w.id, now + self.prepare_s(sim, s), late)
+            }
+        };
+        self.enter(&worker, WorkerState::Running);
+        if at - sim.progress[s].run_at > 1.0 {
+            self.count(late);
+        }
+        sim.start(s, at);
+        self.running[s] = Some(Running { host: h, exec: recipe.exec_id, worker });
     }
 
     /// Fork from a zygote, import the tail, restore the closure, put it on the GPU
@@ -151,16 +343,41 @@ impl LooseLeaf {
         sim.draw.sample(&sim.costs.hit_start_ms) / 1000.0
     }
 
+    /// The recipe of session `s`'s current cell.
+    fn recipe(&self, sim: &Sim, s: usize, kind: RecipeKind) -> RecipeV3 {
+        let cell = sim.cell(s);
+        let exec_id = match kind {
+            RecipeKind::Run => Uuid::from_u128(((s as u128) << 32) | sim.progress[s].cell as u128),
+            _ => Uuid::nil(),
+        };
+        RecipeV3 {
+            session: sim.session(s).id,
+            cell_id: cell.cell_id.clone(),
+            kind,
+            exec_id,
+            revision: 1,
+            code: String::new(),
+            code_hash: 0,
+            closure: vec![],
+            imports: vec![],
+            device: Device::Gpu,
+            gpus: cell.gpus.max(1),
+            device_reason: String::new(),
+            conservative: None,
+            pinned: None,
+            manifest_revision: 0,
+            run_unix_ms: 0,
+            options: SessionOptions { speculate: true, ..SessionOptions::default() },
+            prepared: None,
+            speculate: true,
+            user_expressions: Default::default(),
+        }
+    }
+
     /// The speculator evicts a prepared worker: its host stops it.
     fn evict(&mut self, sim: &mut Sim, e: Eviction) {
-        let Some(&s) = self.by_id.get(&e.session) else { return };
-        let Some(p) = self.prep[s].take_if(|p| p.worker == e.at.worker) else { return };
-        self.count("evicted");
-        let idle_ms = p.ready_at.map_or(0.0, |r| (sim.now() - r) * 1000.0);
-        self.speculator.ended(e.session, &e.cell_id, &p.worker, idle_ms, true, sim.now());
-        self.enter(&p.worker, WorkerState::Evicted);
-        sim.cluster.release(p.host, &p.slots);
-        self.serve(sim);
+        let Some(h) = sim.cluster.hosts.iter().position(|x| x.name == e.at.host) else { return };
+        self.feed(sim, h, Input::Evict { worker: e.at.worker });
     }
 
     /// Plan session `s`'s edited GPU cell and prepare it if the speculator admits it.
@@ -179,170 +396,9 @@ impl LooseLeaf {
             });
             return;
         }
-        if self.prep[s].as_ref().is_some_and(|p| p.cell == sim.progress[s].cell) {
-            return; // its host updates it in place
-        }
-        if !self.prepare(sim, s) {
-            // the host keeps the admitted recipe a while for a slot to free
-            self.count("waited_for_room_to_prepare");
-            self.spec_waiting.retain(|(_, q, _)| *q != s);
-            self.spec_waiting.push_back((now, s, sim.progress[s].cell));
-        }
-    }
-
-    /// Prepare session `s`'s current cell on the host that wins its claim; false
-    /// if no host has room.
-    fn prepare(&mut self, sim: &mut Sim, s: usize) -> bool {
-        let now = sim.now();
-        let id = sim.session(s).id;
-        let cell_id = sim.cell(s).cell_id.clone();
-        let Some((host, delay)) = self.claim(sim, s) else { return false };
-        let session = id;
-        let gpus = sim.cell(s).gpus;
-        let Some(slots) = take(sim, host, gpus, SlotState::Prepared { session, cell_id }) else { return false };
-        let (worker, n) = self.born(sim, s);
-        let prepare_s = self.prepare_s(sim, s);
-        self.prep[s] = Some(Prep {
-            cell: sim.progress[s].cell,
-            host,
-            slots,
-            worker,
-            n,
-            ready_at: None,
-            prepare_s,
-            run_pressed: false,
-        });
-        self.count("prepared");
-        sim.timer(now + delay + prepare_s, Timer { session: s, kind: READY, tag: n });
-        true
-    }
-
-    fn ready(&mut self, sim: &mut Sim, s: usize, n: u64) {
-        let Some(p) = self.prep[s].as_mut().filter(|p| p.n == n) else { return };
-        let now = sim.now();
-        p.ready_at = Some(now);
-        let (worker, host, run_pressed, prepare_ms) = (p.worker.clone(), p.host, p.run_pressed, p.prepare_s * 1000.0);
-        self.enter(&worker, WorkerState::Ready);
-        let id = sim.session(s).id;
-        let cell_id = sim.cell(s).cell_id.clone();
-        let at = PreparedWorker { host: sim.cluster.hosts[host].name.clone(), worker };
-        if run_pressed {
-            // Run came while it prepared: it runs at once
-            self.count("hits_while_preparing");
-            self.start_prepared(sim, s, "over_1s_run_while_preparing");
-        } else {
-            let ready = Ready { class: PreparedClass::Speculative, prepare_ms, holds_slot: true };
-            self.speculator.ready(id, &cell_id, at, ready, now);
-        }
-    }
-
-    /// Start the cell at `at`; a start over 1 s after Run is counted under `late`,
-    /// so the results say why cells were slow.
-    fn start(&mut self, sim: &mut Sim, s: usize, at: f64, late: &'static str) {
-        if at - sim.progress[s].run_at > 1.0 {
-            self.count(late);
-        }
-        sim.start(s, at);
-    }
-
-    /// Run on the prepared worker.
-    fn start_prepared(&mut self, sim: &mut Sim, s: usize, late: &'static str) {
-        let Some(p) = self.prep[s].take() else { return };
-        let now = sim.now();
-        let idle_ms = p.ready_at.map_or(0.0, |r| (now - r) * 1000.0);
-        let id = sim.session(s).id;
-        let cell_id = sim.cell(s).cell_id.clone();
-        self.speculator.ended(id, &cell_id, &p.worker, idle_ms, true, now);
-        // the run refreshes the closure (nothing changed), then runs
-        self.enter(&p.worker, WorkerState::Preparing);
-        self.enter(&p.worker, WorkerState::Running);
-        let state = busy(sim, s);
-        sim.cluster.hosts[p.host].slots.hand_on(&p.slots, state);
-        let hit = self.hit_s(sim);
-        self.start(sim, s, now + hit, late);
-        self.running[s] = Some(Running { host: p.host, slots: p.slots, worker: p.worker });
-    }
-
-    /// Free slots on a host for a run by stopping idle prepared workers there, as
-    /// a gpu-host does when the run's claim finds too few free (the host's own
-    /// `give_up_first` order). Whether any host could.
-    fn evict_for_run(&mut self, sim: &mut Sim, gpus: u32) -> bool {
-        let base = sim.clock.now() - std::time::Duration::from_secs_f64(sim.now());
-        let idle_on = |me: &Self, h: usize| -> Vec<usize> {
-            (0..me.prep.len())
-                .filter(|q| me.prep[*q].as_ref().is_some_and(|p| p.host == h && p.ready_at.is_some()))
-                .collect()
-        };
-        let Some(host) = (0..sim.cluster.hosts.len()).find(|&h| {
-            let free = sim.cluster.hosts[h].slots.free_count();
-            let idle: usize =
-                idle_on(self, h).iter().filter_map(|q| self.prep[*q].as_ref()).map(|p| p.slots.len()).sum();
-            sim.cluster.hosts[h].is_on() && free + idle as u32 >= gpus
-        }) else {
-            return false;
-        };
-        while sim.cluster.hosts[host].slots.free_count() < gpus {
-            let idle = idle_on(self, host).into_iter().filter_map(|q| {
-                let p = self.prep[q].as_ref()?;
-                let ready = base + std::time::Duration::from_secs_f64(p.ready_at?);
-                Some((q, PreparedClass::Speculative, Some(ready)))
-            });
-            let Some(q) = give_up_first(idle) else { return false };
-            let Some(p) = self.prep[q].take() else { return false };
-            self.count("evicted_for_run");
-            let id = sim.session(q).id;
-            let cell_id = sim.session(q).cells[p.cell].cell_id.clone();
-            let idle_ms = p.ready_at.map_or(0.0, |r| (sim.now() - r) * 1000.0);
-            self.speculator.ended(id, &cell_id, &p.worker, idle_ms, true, sim.now());
-            self.enter(&p.worker, WorkerState::Evicted);
-            sim.cluster.release(p.host, &p.slots);
-        }
-        true
-    }
-
-    /// A run with no prepared worker: claimed and prepared cold, or it waits for a slot.
-    fn start_cold(&mut self, sim: &mut Sim, s: usize) -> bool {
-        if sim.host_with_room(sim.cell(s).gpus).is_none() && !self.evict_for_run(sim, sim.cell(s).gpus) {
-            return false;
-        }
-        let Some((host, delay)) = self.claim(sim, s) else { return false };
-        let state = busy(sim, s);
-        let Some(slots) = take(sim, host, sim.cell(s).gpus, state) else { return false };
-        let (worker, _) = self.born(sim, s);
-        self.enter(&worker, WorkerState::Running);
-        let prepare = self.prepare_s(sim, s);
-        let now = sim.now();
-        let late = if sim.progress[s].run_at < now { "over_1s_waited_for_a_slot" } else { "over_1s_cold" };
-        self.start(sim, s, now + delay + prepare, late);
-        self.running[s] = Some(Running { host, slots, worker });
-        true
-    }
-
-    fn serve(&mut self, sim: &mut Sim) {
-        while let Some(&s) = self.waiting.front() {
-            if !sim.progress[s].open || sim.progress[s].started {
-                self.waiting.pop_front();
-                continue;
-            }
-            if !self.start_cold(sim, s) {
-                sim.request_hosts(1);
-                return;
-            }
-            self.waiting.pop_front();
-        }
-        // then preparations that waited for a slot; older ones are stale
-        let now = sim.now();
-        let prep = &self.prep;
-        self.spec_waiting.retain(|(at, s, cell)| {
-            let current = sim.progress[*s].cell == *cell && !sim.progress[*s].started && sim.progress[*s].open;
-            now - at < SPEC_WAIT.as_secs_f64() && current && prep[*s].as_ref().is_none_or(|p| p.cell != *cell)
-        });
-        while let Some(&(_, s, _)) = self.spec_waiting.front() {
-            if sim.host_with_room(sim.cell(s).gpus).is_none() || !self.prepare(sim, s) {
-                return;
-            }
-            self.spec_waiting.pop_front();
-        }
+        let mut recipe = self.recipe(sim, s, RecipeKind::Speculative);
+        recipe.prepared = self.speculator.held_on(id, &cell_id).map(|host| PreparedWorker { host, worker: String::new() });
+        self.deliver(sim, &recipe);
     }
 }
 
@@ -353,17 +409,20 @@ impl Policy for LooseLeaf {
 
     fn open(&mut self, sim: &mut Sim, s: usize) {
         let n = sim.workload.sessions.len();
-        if self.prep.len() < n {
-            self.prep.resize(n, None);
+        if self.running.len() < n {
             self.running.resize(n, None);
             self.pressed.resize(n, false);
+            self.ready_at_run.resize(n, false);
             self.cached_on.resize(n, None);
+            self.import_tail.resize(n, false);
         }
         self.by_id.insert(sim.session(s).id, s);
+        self.sync_hosts(sim);
     }
 
     fn edit(&mut self, sim: &mut Sim, s: usize) {
         self.pressed[s] = false;
+        self.import_tail[s] = sim.cell(s).import_tail;
         if sim.cell(s).gpu {
             let at = sim.now() + DEBOUNCE_S;
             sim.timer(at, Timer { session: s, kind: PLAN, tag: sim.progress[s].cell as u64 });
@@ -378,26 +437,20 @@ impl Policy for LooseLeaf {
             sim.start(s, now);
             return;
         }
+        self.import_tail[s] = sim.cell(s).import_tail;
         let id = sim.session(s).id;
         let cell_id = sim.cell(s).cell_id.clone();
         // the planner asks for the cell's prepared worker (and its admission, if
         // still in flight, stops holding budget)
-        let _ = self.speculator.for_run(id, &cell_id);
-        let cell = sim.progress[s].cell;
-        match self.prep[s].as_mut().filter(|p| p.cell == cell) {
-            Some(p) if p.ready_at.is_some() => {
-                self.count("hits");
-                self.start_prepared(sim, s, "over_1s_hit");
-            }
-            Some(p) => p.run_pressed = true,
-            None => {
-                self.count("cold");
-                if !self.start_cold(sim, s) {
-                    self.count("waited_for_a_slot");
-                    self.waiting.push_back(s);
-                    sim.request_hosts(1);
-                }
-            }
+        let mut recipe = self.recipe(sim, s, RecipeKind::Run);
+        recipe.prepared = self.speculator.for_run(id, &cell_id);
+        self.ready_at_run[s] = recipe.prepared.is_some();
+        self.unstarted.insert(s);
+        self.deliver(sim, &recipe);
+        let claimed = self.steps.values().any(|st| matches!(st, Step::Claim { key: ClaimKey::Run(e), .. } if *e == recipe.exec_id));
+        if self.unstarted.contains(&s) && !claimed && recipe.prepared.is_none() {
+            self.count("waited_for_a_slot");
+            sim.request_hosts(1);
         }
     }
 
@@ -421,16 +474,34 @@ impl Policy for LooseLeaf {
             PLAN if sim.progress[s].cell as u64 == t.tag && !self.pressed[s] && sim.progress[s].open => {
                 self.plan(sim, s)
             }
-            READY => self.ready(sim, s, t.tag),
             SAVED => {
                 if let Some(r) = self.running[s].take() {
-                    // the slot is free; no warm worker is kept with it
-                    self.enter(&r.worker, WorkerState::Warm);
-                    self.enter(&r.worker, WorkerState::Evicted);
-                    sim.cluster.release(r.host, &r.slots);
                     self.cached_on[s] = Some(r.host);
-                    self.serve(sim);
+                    let worker = Some(WorkerRef { id: r.worker, pid: 0 });
+                    let input = Input::Executed { exec_id: r.exec, worker, unsavable: vec![], cuda_used: true };
+                    self.feed(sim, r.host, input);
                 }
+            }
+            CLAIM => {
+                let Some(Step::Claim { host, ticket, key }) = self.steps.remove(&t.tag) else { return };
+                // the claims bucket: the first create wins
+                let claim = match self.claims.get(&key.key()) {
+                    None => {
+                        self.claims.insert(key.key(), host);
+                        Claim::Won
+                    }
+                    Some(&holder) if holder == host && matches!(key, ClaimKey::Cpu(_)) => Claim::Mine,
+                    Some(_) => Claim::Lost,
+                };
+                self.feed(sim, host, Input::Claimed { ticket, claim });
+            }
+            PREPARED => {
+                let Some(Step::Prepared { host, key, worker, prepare_ms }) = self.steps.remove(&t.tag) else { return };
+                self.feed(sim, host, Input::Prepared { key, result: Ok((worker, prepare_ms)) });
+            }
+            LATER => {
+                let Some(Step::Later { host, input }) = self.steps.remove(&t.tag) else { return };
+                self.feed(sim, host, input);
             }
             _ => {}
         }
@@ -438,20 +509,35 @@ impl Policy for LooseLeaf {
 
     fn close(&mut self, sim: &mut Sim, s: usize) {
         let id = sim.session(s).id;
-        if let Some(p) = self.prep[s].take() {
-            self.enter(&p.worker, WorkerState::Evicted);
-            sim.cluster.release(p.host, &p.slots);
+        self.unstarted.remove(&s);
+        for h in 0..self.cores.len() {
+            if self.cores[h].is_some() {
+                self.feed(sim, h, Input::SessionClosed { session: id });
+            }
         }
         self.speculator.close(id);
-        self.serve(sim);
     }
 
     fn capacity_changed(&mut self, sim: &mut Sim) {
-        self.serve(sim);
+        // hosts that came on hear the runs still waiting (the planner's
+        // deliveries go to every host subscribed)
+        let new = self.sync_hosts(sim);
+        let mut waiting: Vec<usize> = self.unstarted.iter().copied().collect();
+        waiting.sort_unstable();
+        for h in new {
+            for &s in &waiting {
+                if sim.progress[s].open && !sim.progress[s].started {
+                    let mut recipe = self.recipe(sim, s, RecipeKind::Run);
+                    recipe.prepared = None;
+                    self.feed(sim, h, Input::Recipe(recipe));
+                }
+            }
+        }
     }
 
     fn tick(&mut self, sim: &mut Sim) {
         let now = sim.now();
+        self.sync_hosts(sim);
         for h in 0..sim.cluster.hosts.len() {
             if sim.cluster.hosts[h].is_on() {
                 let name = sim.cluster.hosts[h].name.clone();
@@ -461,6 +547,21 @@ impl Policy for LooseLeaf {
         for e in self.speculator.over_budget(now) {
             self.evict(sim, e);
         }
+        // runs still waiting with no room anywhere: ask for a host (one scaling
+        // operation at a time; the engine refuses the rest)
+        if !self.unstarted.is_empty() && sim.host_with_room(1).is_none() {
+            sim.request_hosts(1);
+        }
+        for h in 0..self.cores.len() {
+            if self.cores[h].is_some() {
+                self.feed(sim, h, Input::Tick);
+            }
+        }
+    }
+
+    fn releasable(&self, _sim: &Sim, host: usize) -> bool {
+        // a host whose core holds nothing on a slot (the engine checks the slots)
+        self.cores.get(host).and_then(Option::as_ref).is_none_or(|c| c.running() == 0)
     }
 
     fn counters(&self) -> BTreeMap<String, f64> {

@@ -10,9 +10,15 @@ use schemas::messages::{OutputV1, SessionEventV2};
 use schemas::Bus;
 use uuid::Uuid;
 
-use super::{Current, ExecRecord, SessionActor, ADOPT_CLOCK_SKEW_MS, HOST_CHECK};
+use super::current::Current;
+use super::settle::HOST_CHECK;
+use super::{ExecRecord, SessionActor};
 use crate::api::{ExecStatus, StreamItem};
 use crate::records::InFlight;
+
+/// How far back a frontend that adopts a run in flight reads the streams, before
+/// the run was pressed (clocks of machines differ).
+const ADOPT_CLOCK_SKEW_MS: u64 = 60_000;
 
 impl SessionActor {
     /// While `exec_id` is current, read back what it sent whenever this

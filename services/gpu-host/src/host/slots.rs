@@ -96,6 +96,16 @@ impl<C: Clock> Slots<C> {
         free as f64 / self.slots.len().max(1) as f64
     }
 
+    /// What holds slot `index` (None: no such slot).
+    pub fn state(&self, index: u32) -> Option<&SlotState> {
+        self.slots.iter().find(|s| s.gpu.index == index).map(|s| &s.state)
+    }
+
+    /// Each slot's index and what holds it.
+    pub fn states(&self) -> impl Iterator<Item = (u32, &SlotState)> + '_ {
+        self.slots.iter().map(|s| (s.gpu.index, &s.state))
+    }
+
     fn get(&mut self, index: u32) -> Option<&mut Slot> {
         self.slots.iter_mut().find(|s| s.gpu.index == index)
     }

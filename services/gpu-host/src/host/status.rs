@@ -24,10 +24,10 @@ impl Host {
         };
         HostStatusV2 {
             host: self.env.host_id.clone(),
-            slots: self.slots.status(|session, cell| self.prepared.is_preparing(session, cell)),
+            slots: self.core.slots().status(|session, cell| self.core.is_preparing(session, cell)),
             real_gpus: self.real_gpus,
             zygotes,
-            cpu_sessions: self.kept.cpu_sessions().collect(),
+            cpu_sessions: self.core.cpu_sessions(),
             workers: self.env.lifecycle.snapshot(),
             cache_bytes: self.env.chunks.cached_bytes(),
             forks: self.env.forks.load(std::sync::atomic::Ordering::Relaxed),
@@ -40,7 +40,7 @@ impl Host {
         let status = self.status();
         self.last_zygotes = status.zygotes.clone();
         let slots = &schemas::metrics::metrics().slots;
-        for (state, n) in self.slots.occupancy() {
+        for (state, n) in self.core.slots().occupancy() {
             slots.get_or_create(&[("state", state)]).set(n);
         }
         self.background(

@@ -2,17 +2,14 @@
 //! that hold variables which could not be saved (cells needing them run there).
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
-use tokio::sync::Mutex;
 use uuid::Uuid;
 
-use crate::worker::WorkerProc;
-
 /// One kept worker.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KeptWorker {
     /// The process.
-    pub worker: Arc<Mutex<WorkerProc>>,
+    pub worker: super::WorkerRef,
     /// Its session.
     pub session: Uuid,
     /// The GPU slots it keeps: only while it holds GPU memory (ADR 51).
@@ -22,7 +19,7 @@ pub struct KeptWorker {
 }
 
 /// Kept workers by id, and which one is each session's CPU worker.
-#[derive(Default)]
+#[derive(Debug, Default)]
 pub struct KeptWorkers {
     by_id: HashMap<String, KeptWorker>,
     cpu: HashMap<Uuid, String>,

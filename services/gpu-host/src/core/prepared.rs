@@ -15,14 +15,12 @@
 //! `Ready` (speculative) or `Warm` (kept after its cell).
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::time::Instant;
 
 use schemas::messages::{PreparedClass, PreparedOutcome, RecipeV3};
-use tokio::sync::Mutex;
 use uuid::Uuid;
 
-use crate::worker::WorkerProc;
+use super::{Facts, WorkerRef};
 
 /// A prepared worker's (session, cell).
 pub type PrepKey = (Uuid, String);
@@ -37,14 +35,15 @@ pub fn give_up_first<K>(idle: impl IntoIterator<Item = (K, PreparedClass, Option
 }
 
 /// What the host still has to do for a prepared worker.
-#[derive(Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Phase {
     /// Being forked (its first preparation) or brought to a newer recipe.
     Preparing {
         /// A newer recipe that arrived meanwhile: applied next, in place.
         next: Option<Box<RecipeV3>>,
-        /// A run this host claimed meanwhile: runs on it once prepared.
-        run: Option<Box<RecipeV3>>,
+        /// A run this host claimed meanwhile (its execution id; the recipe is in
+        /// the run table): runs on it once prepared.
+        run: Option<Uuid>,
         /// Stopped meanwhile: ends once the preparation returns.
         stop: Option<PreparedOutcome>,
     },
@@ -52,17 +51,18 @@ pub enum Phase {
     Ready,
     /// A run this host claimed waits with it for a slot (it was prepared without one).
     AwaitingSlot {
-        /// The run.
-        run: Box<RecipeV3>,
+        /// The run (its recipe is in the run table).
+        run: Uuid,
+        /// The slots it needs.
+        gpus: u32,
     },
 }
 
 /// One prepared worker.
+#[derive(Debug)]
 pub struct PreparedWorker {
     /// None while its first preparation forks it.
-    pub worker: Option<Arc<Mutex<WorkerProc>>>,
-    /// Its id (empty until forked).
-    pub worker_id: String,
+    pub worker: Option<WorkerRef>,
     /// The GPU slots it holds (the cell's `gpus`): only if its closure has
     /// GPU-resident state (or the host prepares every worker with its slots);
     /// others get their slots at Run.
@@ -75,8 +75,6 @@ pub struct PreparedWorker {
     pub first_ready: Option<Instant>,
     /// What is left to do.
     pub phase: Phase,
-    /// The span of its latest preparation: the run it serves links to it.
-    pub span: tracing::Span,
 }
 
 impl PreparedWorker {
@@ -84,29 +82,29 @@ impl PreparedWorker {
     pub fn speculative(slots: Vec<u32>, revision: u64) -> Self {
         Self {
             worker: None,
-            worker_id: String::new(),
             slots,
             revision,
             class: PreparedClass::Speculative,
             first_ready: None,
             phase: Phase::Preparing { next: None, run: None, stop: None },
-            span: tracing::Span::none(),
         }
     }
 
     /// The worker that just ran its cell, kept warm with its slots.
-    pub fn warm(worker: Arc<Mutex<WorkerProc>>, worker_id: String, slots: Vec<u32>) -> Self {
+    pub fn warm(worker: WorkerRef, slots: Vec<u32>, now: Instant) -> Self {
         Self {
             worker: Some(worker),
-            worker_id,
             slots,
             revision: 0,
             class: PreparedClass::Warm,
-            first_ready: Some(Instant::now()),
+            first_ready: Some(now),
             phase: Phase::Ready,
-            // nothing prepared it before Run: a re-run on it links to no preparation
-            span: tracing::Span::none(),
         }
+    }
+
+    /// Its worker's id (empty until forked).
+    pub fn worker_id(&self) -> &str {
+        self.worker.as_ref().map_or("", |w| w.id.as_str())
     }
 
     /// Whether a preparation is under way.
@@ -122,7 +120,7 @@ impl PreparedWorker {
     /// The run this host claimed that waits on it (for its preparation or a slot).
     pub fn claimed_run(&self) -> Option<Uuid> {
         match &self.phase {
-            Phase::Preparing { run: Some(r), .. } | Phase::AwaitingSlot { run: r } => Some(r.exec_id),
+            Phase::Preparing { run: Some(r), .. } | Phase::AwaitingSlot { run: r, .. } => Some(*r),
             _ => None,
         }
     }
@@ -137,9 +135,9 @@ impl PreparedWorker {
         matches!(self.phase, Phase::Ready) && self.worker.is_some() && !self.slots.is_empty()
     }
 
-    /// Milliseconds it spent ready and unused.
-    pub fn idle_ms(&self) -> f64 {
-        self.first_ready.map_or(0.0, |t| t.elapsed().as_secs_f64() * 1000.0)
+    /// Milliseconds it spent ready and unused, up to `now`.
+    pub fn idle_ms(&self, now: Instant) -> f64 {
+        self.first_ready.map_or(0.0, |t| now.saturating_duration_since(t).as_secs_f64() * 1000.0)
     }
 
     /// Begin (again) preparing it for `revision` of its cell's edit-derived recipe.
@@ -156,11 +154,11 @@ impl PreparedWorker {
         }
     }
 
-    /// While preparing: run `recipe` on it once prepared (nothing newer applies).
-    pub fn queue_run(&mut self, recipe: RecipeV3) {
+    /// While preparing: run `exec` on it once prepared (nothing newer applies).
+    pub fn queue_run(&mut self, exec: Uuid) {
         if let Phase::Preparing { next, run, .. } = &mut self.phase {
             *next = None;
-            *run = Some(Box::new(recipe));
+            *run = Some(exec);
         }
     }
 
@@ -173,9 +171,9 @@ impl PreparedWorker {
     }
 
     /// The preparation returned: what was waiting for it, and the phase is Ready.
-    pub fn prepared(&mut self) -> (Option<RecipeV3>, Option<RecipeV3>, Option<PreparedOutcome>) {
+    pub fn prepared(&mut self) -> (Option<RecipeV3>, Option<Uuid>, Option<PreparedOutcome>) {
         match std::mem::replace(&mut self.phase, Phase::Ready) {
-            Phase::Preparing { next, run, stop } => (next.map(|r| *r), run.map(|r| *r), stop),
+            Phase::Preparing { next, run, stop } => (next.map(|r| *r), run, stop),
             Phase::Ready | Phase::AwaitingSlot { .. } => (None, None, None),
         }
     }
@@ -183,15 +181,15 @@ impl PreparedWorker {
     /// The slots the run waiting with it needs, if one waits.
     pub fn awaiting_gpus(&self) -> Option<u32> {
         match &self.phase {
-            Phase::AwaitingSlot { run } => Some(run.gpus.max(1)),
+            Phase::AwaitingSlot { gpus, .. } => Some(*gpus),
             _ => None,
         }
     }
 
     /// The run waiting for a slot, if any (the phase goes back to Ready).
-    pub fn take_awaiting_run(&mut self) -> Option<RecipeV3> {
+    pub fn take_awaiting_run(&mut self) -> Option<Uuid> {
         match std::mem::replace(&mut self.phase, Phase::Ready) {
-            Phase::AwaitingSlot { run } => Some(*run),
+            Phase::AwaitingSlot { run, .. } => Some(run),
             other => {
                 self.phase = other;
                 None
@@ -201,7 +199,7 @@ impl PreparedWorker {
 }
 
 /// Prepared workers by (session, cell).
-#[derive(Default)]
+#[derive(Debug, Default)]
 pub struct PreparedWorkers(HashMap<PrepKey, PreparedWorker>);
 
 impl PreparedWorkers {
@@ -232,7 +230,7 @@ impl PreparedWorkers {
 
     /// The prepared worker with this id.
     pub fn by_worker(&self, worker: &str) -> Option<PrepKey> {
-        self.0.iter().find(|(_, p)| p.worker_id == worker).map(|(k, _)| k.clone())
+        self.0.iter().find(|(_, p)| p.worker_id() == worker).map(|(k, _)| k.clone())
     }
 
     /// The session's prepared workers.
@@ -253,13 +251,11 @@ impl PreparedWorkers {
     }
 
     /// Ready workers whose process is gone.
-    pub fn dead(&self) -> Vec<PrepKey> {
+    pub fn dead(&self, facts: &dyn Facts) -> Vec<PrepKey> {
         self.0
             .iter()
             .filter(|(_, p)| matches!(p.phase, Phase::Ready))
-            .filter(|(_, p)| {
-                p.worker.as_ref().is_some_and(|w| w.try_lock().is_ok_and(|w| !crate::process::is_alive(w.pid)))
-            })
+            .filter(|(_, p)| p.worker.as_ref().is_some_and(|w| !facts.alive(&w.id)))
             .map(|(k, _)| k.clone())
             .collect()
     }
@@ -315,11 +311,11 @@ mod tests {
         let mut p = PreparedWorker::speculative(vec![0], 1);
         assert!(p.is_preparing() && !p.run_claimed() && !p.stopping());
         p.queue_next(recipe(2));
-        p.queue_run(recipe(3));
+        p.queue_run(Uuid::from_u128(3));
         assert!(p.run_claimed(), "a claimed run cannot be stopped or updated");
         let (next, run, stop) = p.prepared();
         assert!(next.is_none(), "a run replaces any newer edit recipe");
-        assert_eq!(run.map(|r| r.revision), Some(3));
+        assert_eq!(run, Some(Uuid::from_u128(3)));
         assert!(stop.is_none() && !p.is_preparing());
 
         let mut p = PreparedWorker::speculative(vec![], 1);
@@ -334,9 +330,10 @@ mod tests {
         let mut p = PreparedWorker::speculative(vec![], 1);
         let _ = p.prepared();
         assert!(!p.idle_on_slot(), "no worker and no slot");
-        p.phase = Phase::AwaitingSlot { run: Box::new(recipe(4)) };
+        p.phase = Phase::AwaitingSlot { run: Uuid::from_u128(4), gpus: 1 };
         assert!(p.run_claimed());
-        assert_eq!(p.take_awaiting_run().map(|r| r.revision), Some(4));
+        assert_eq!(p.awaiting_gpus(), Some(1));
+        assert_eq!(p.take_awaiting_run(), Some(Uuid::from_u128(4)));
         assert!(p.take_awaiting_run().is_none());
         assert!(matches!(p.phase, Phase::Ready));
         p.begin(5);

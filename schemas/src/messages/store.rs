@@ -1,0 +1,142 @@
+//! Requests to the store and its answers: manifests, chunk plans, commits, settling
+//! a run its frontend gave up, deleting a session's state, and garbage collection.
+
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use super::frozen::{ChunkPlanV1, CommitV1, ManifestGetV1};
+use crate::checkpoint::{Delta, Manifest};
+use crate::codec::WireMessage;
+
+/// -> store: the latest manifest of a session.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ManifestGetV2 {
+    /// The session.
+    pub session: Uuid,
+    /// A revision the asker knows is committed (a run's `after_revision`, a
+    /// recipe's `manifest_revision`): a gateway that remembers this revision or a
+    /// newer one answers without asking the store whether another gateway has
+    /// committed a newer one since. None: always ask (ADR 12).
+    pub at_least: Option<u64>,
+}
+
+wire!(ManifestGetV2, "manifest-get", 2, upgrades ManifestGetV1 from 1);
+
+/// frontend -> store: settle a run its frontend gave up (host lost, claim
+/// timeout, interrupted before it started): reply the manifest that decides its
+/// outcome, its own commit at `base_revision + 1` if its save landed, else a fence
+/// the store commits there so that the run can never commit later (ADR 22).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SettleV1 {
+    /// The session.
+    pub session: Uuid,
+    /// The run.
+    pub exec_id: Uuid,
+    /// The revision the run was based on (its `after_revision`).
+    pub base_revision: u64,
+}
+wire!(SettleV1, "settle", 1);
+
+/// host -> store: which of these chunks (content hashes) does the store lack? Asked
+/// during a save, so the worker places only those in shared memory. Refused
+/// (quota exceeded) when the session would hold more than its quota after the
+/// save: nothing is uploaded then.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ChunkPlanV2 {
+    /// The saving session (its latest revision's chunks are known to be stored).
+    pub session: Uuid,
+    /// Chunk hashes the host does not know to be stored.
+    pub hashes: Vec<String>,
+    /// The bytes the session would hold after the save (its base revision with
+    /// the save's delta applied), when the host knows them.
+    pub bytes_after: Option<u64>,
+}
+wire!(ChunkPlanV2, "chunk-plan", 2, upgrades ChunkPlanV1 from 1);
+
+/// store ->: the chunks of a plan the store lacks.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ChunkPlannedV1 {
+    /// Hashes to upload.
+    pub missing: Vec<String>,
+}
+wire!(ChunkPlannedV1, "chunk-planned", 1);
+
+/// store ->: a session's manifest (revision 0 and empty if it never saved).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ManifestV1 {
+    /// The manifest.
+    pub manifest: Manifest,
+}
+wire!(ManifestV1, "manifest", 1);
+
+/// host -> store: commit a worker's save as revision `base_revision + 1`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CommitV2 {
+    /// The session.
+    pub session: Uuid,
+    /// The revision the worker's state was based on.
+    pub base_revision: u64,
+    /// The execution whose results these are.
+    pub exec_id: Uuid,
+    /// The host that holds the worker.
+    pub host: String,
+    /// The worker (kept if it holds unsavable variables).
+    pub worker: String,
+    /// The cell id (named in errors about unsavable variables).
+    pub cell_id: String,
+    /// What changed.
+    pub delta: Delta,
+    /// Chunks the host stored for this save (their puts succeeded). They are
+    /// younger than the collector's grace period, so the gateway does not look
+    /// them up again; it still checks every other chunk new to the base (ADR 12).
+    pub uploaded: Vec<String>,
+}
+
+wire!(CommitV2, "commit", 2, upgrades CommitV1 from 1);
+
+/// store -> host: the commit's outcome.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CommittedV1 {
+    /// The new revision.
+    pub revision: u64,
+    /// Versions of every name the worker holds, after the commit.
+    pub versions: Vec<(String, Uuid)>,
+    /// Names whose version is now this execution.
+    pub changed: Vec<String>,
+}
+wire!(CommittedV1, "committed", 1);
+
+/// -> store: delete a session's state.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SessionDeleteV1 {
+    /// The session.
+    pub session: Uuid,
+}
+wire!(SessionDeleteV1, "session-delete", 1);
+
+/// -> store: collect garbage: manifest revisions older than the newest
+/// `keep_revisions` of each session, then chunks no kept revision references and
+/// that are older than `grace_secs` (a save in flight uploads its chunks before it
+/// commits, so young chunks are left alone).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GcV1 {
+    /// Revisions kept per session (at least 1).
+    pub keep_revisions: u64,
+    /// Chunks younger than this are never collected.
+    pub grace_secs: u64,
+}
+wire!(GcV1, "gc", 1);
+
+/// store ->: what a collection removed.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct GcDoneV1 {
+    /// Old manifest revisions deleted.
+    pub manifests_deleted: u64,
+    /// Chunks deleted.
+    pub chunks_deleted: u64,
+    /// Bytes of the chunks deleted.
+    pub bytes_freed: u64,
+    /// Chunks still referenced (or too young).
+    pub chunks_kept: u64,
+}
+wire!(GcDoneV1, "gc-done", 1);

@@ -1,0 +1,70 @@
+//! The HTTP API (axum): sessions, edits, runs, the SSE event stream, summaries.
+//!
+//! Handlers run on tokio tasks; they reach session actors through their addresses and
+//! start new ones on the service's arbiter.
+//!
+//! Laid out by concern: `state` (what handlers share, and the sessions served),
+//! `errors` (the API's error answers), `sessions`, `runs` (edits, runs, interrupts
+//! and input), `cpu_worker` (what the session's CPU worker answers), `streams`
+//! (Server-Sent Events) and `openapi` (health and the API's description).
+
+use std::time::Duration;
+
+use axum::http::StatusCode;
+use axum::routing::{get, post, put};
+use axum::Router;
+
+mod cpu_worker;
+mod errors;
+mod openapi;
+mod runs;
+mod sessions;
+mod state;
+mod streams;
+
+use cpu_worker::{comm, complete, inspect};
+pub use errors::ApiError;
+pub use openapi::ApiDoc;
+use openapi::{health, openapi_json};
+use runs::{edit, input, interrupt, run};
+use sessions::{create_session, delete_session, summary};
+pub use state::{AppState, Served};
+use streams::{dashboard, dashboard_page, events};
+
+/// The largest request body (8 MiB): a larger one is refused with 413 before any
+/// handler reads it (`serve::read_body_in_time`), naming its size and the limit.
+pub const MAX_BODY_BYTES: usize = 8 << 20;
+
+/// The largest cell (its code, in bytes of UTF-8): its body's limit, which binds
+/// first (a cell's code is never longer than the JSON that carries it); checked
+/// again on the code itself, refused with 413 naming both.
+pub const MAX_CELL_BYTES: usize = MAX_BODY_BYTES;
+
+/// The router of the API (bodies must arrive within `body_timeout`).
+pub fn router(state: AppState, body_timeout: Duration) -> Router {
+    Router::new()
+        .route("/", get(dashboard_page))
+        .route("/v1/dashboard", get(dashboard))
+        .route("/v1/health", get(health))
+        .route("/v1/openapi.json", get(openapi_json))
+        .route("/v1/sessions", post(create_session))
+        .route("/v1/sessions/{sid}", get(summary).delete(delete_session))
+        .route("/v1/sessions/{sid}/events", get(events))
+        .route("/v1/sessions/{sid}/interrupt", post(interrupt))
+        .route("/v1/sessions/{sid}/executions/{exec_id}/input", post(input))
+        .route("/v1/sessions/{sid}/complete", post(complete))
+        .route("/v1/sessions/{sid}/inspect", post(inspect))
+        .route("/v1/sessions/{sid}/comm", post(comm))
+        .route("/v1/sessions/{sid}/cells/{cell_id}", put(edit))
+        .route("/v1/sessions/{sid}/cells/{cell_id}/run", post(run))
+        .fallback(|| async { ApiError(StatusCode::NOT_FOUND, "no such route".into()) })
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(axum::middleware::from_fn(move |req, next| {
+            crate::serve::read_body_in_time(MAX_BODY_BYTES, body_timeout, req, next)
+        }))
+        .layer(axum::middleware::from_fn_with_state(state.tokens.clone(), crate::auth::require_token))
+        // outermost: a request for a host not allowed, or a CORS preflight, never
+        // reaches the token check
+        .layer(axum::middleware::from_fn_with_state(state.origins.clone(), crate::origins::check))
+        .with_state(state)
+}

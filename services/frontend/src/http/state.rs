@@ -1,0 +1,161 @@
+//! What every handler shares, and the sessions this frontend serves: found by id
+//! for their owner, adopted from their records, culled when idle.
+
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use actix::prelude::*;
+use axum::http::StatusCode;
+use schemas::messages::{OutputV1, SessionEventV2, SessionIdleV1};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use super::errors::{internal, parse_sid, ApiError};
+use crate::admission::Limits;
+use crate::auth::{Caller, Tokens};
+use crate::origins::Origins;
+use crate::records::SessionRecord;
+use crate::session::{self, SessionActor};
+
+/// What every handler shares.
+#[derive(Clone)]
+pub struct AppState {
+    /// What session actors share (bus, timeouts, hosts, claims, records).
+    pub shared: session::Shared,
+    /// The arbiter session actors run on.
+    pub arbiter: actix::ArbiterHandle,
+    /// Sessions this frontend serves now.
+    pub sessions: Arc<RwLock<HashMap<Uuid, Served>>>,
+    /// Cancelled at shutdown; ends SSE streams.
+    pub shutdown: CancellationToken,
+    /// The API's bearer tokens (see [`crate::auth`]).
+    pub tokens: Tokens,
+    /// What a user may ask for (see [`crate::admission`]).
+    pub limits: Limits,
+    /// Host names and browser origins the API answers (see [`crate::origins`]).
+    pub origins: Origins,
+    /// Held from counting a user's sessions to recording a new one, so that
+    /// requests at once cannot pass the per-user limit together (on this frontend).
+    pub creating: Arc<tokio::sync::Mutex<()>>,
+}
+
+/// A session this frontend serves: its actor, and the user it belongs to.
+#[derive(Clone)]
+pub struct Served {
+    pub(super) addr: Addr<SessionActor>,
+    pub(super) owner: Option<String>,
+}
+
+impl AppState {
+    fn session(&self, sid: Uuid) -> Option<Served> {
+        self.sessions.read().unwrap_or_else(|e| e.into_inner()).get(&sid).cloned()
+    }
+
+    pub(super) fn insert(&self, sid: Uuid, served: Served) {
+        let mut sessions = self.sessions.write().unwrap_or_else(|e| e.into_inner());
+        sessions.insert(sid, served);
+        count_sessions(&sessions);
+    }
+
+    pub(super) fn remove(&self, sid: Uuid) -> Option<Served> {
+        let mut sessions = self.sessions.write().unwrap_or_else(|e| e.into_inner());
+        let removed = sessions.remove(&sid);
+        count_sessions(&sessions);
+        removed
+    }
+
+    /// Stop serving the sessions idle for longer than `after`: their actors stop
+    /// and hosts stop the workers they keep for them (`SessionIdleV1`); their state
+    /// and records stay, and the next request adopts them again.
+    pub async fn cull_idle(&self, after: Duration) {
+        let served: Vec<(Uuid, Served)> =
+            self.sessions.read().unwrap_or_else(|e| e.into_inner()).iter().map(|(k, v)| (*k, v.clone())).collect();
+        for (sid, s) in served {
+            let Ok(Some(idle)) = s.addr.send(session::IdleFor).await else { continue };
+            if idle < after {
+                continue;
+            }
+            {
+                let mut sessions = self.sessions.write().unwrap_or_else(|e| e.into_inner());
+                // only the actor asked: a session adopted again meanwhile stays
+                if !sessions.get(&sid).is_some_and(|now| now.addr == s.addr) {
+                    continue;
+                }
+                sessions.remove(&sid);
+                count_sessions(&sessions);
+            }
+            s.addr.do_send(session::Close { grace: Duration::ZERO });
+            let bus = &self.shared.bus;
+            if let Err(e) = bus.publish(bus.subjects().idle(sid), &SessionIdleV1 { session: sid }).await {
+                tracing::warn!(session = %sid, error = %e, "could not tell the hosts a session was culled");
+            }
+            tracing::info!(session = %sid, idle = ?idle, "session culled for idleness (its state stays)");
+        }
+    }
+
+    /// Every session's address (for shutdown).
+    pub fn drain(&self) -> Vec<Addr<SessionActor>> {
+        self.sessions.write().unwrap_or_else(|e| e.into_inner()).drain().map(|(_, s)| s.addr).collect()
+    }
+}
+
+/// The session named `raw` if it is `caller`'s: the one this frontend serves, or
+/// one it adopts from its record (created by another frontend, or by this one
+/// before it restarted). Another user's session is not found, as if it did not exist.
+pub(super) async fn lookup(
+    state: &AppState,
+    raw: &str,
+    caller: &Caller,
+) -> Result<(Uuid, Addr<SessionActor>), ApiError> {
+    let sid = parse_sid(raw)?;
+    let not_found = || ApiError(StatusCode::NOT_FOUND, format!("no session {sid}"));
+    if let Some(served) = state.session(sid) {
+        return if served.owner == caller.0 { Ok((sid, served.addr)) } else { Err(not_found()) };
+    }
+    let record = state
+        .shared
+        .records
+        .get(sid)
+        .await
+        .map_err(|e| ApiError(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?
+        .filter(|r| r.owner == caller.0)
+        .ok_or_else(not_found)?;
+    let owner = record.owner.clone();
+    let adopted = start_session(state, record).await?;
+    let mut sessions = state.sessions.write().unwrap_or_else(|e| e.into_inner());
+    // two requests may adopt it at once: the first one in serves it
+    if let Some(existing) = sessions.get(&sid) {
+        adopted.do_send(session::Close { grace: Duration::ZERO });
+        return Ok((sid, existing.addr.clone()));
+    }
+    sessions.insert(sid, Served { addr: adopted.clone(), owner });
+    count_sessions(&sessions);
+    tracing::info!(session = %sid, "session adopted from its record");
+    Ok((sid, adopted))
+}
+
+/// Start the actor of the session `record` describes, with its subscriptions.
+pub(super) async fn start_session(state: &AppState, record: SessionRecord) -> Result<Addr<SessionActor>, ApiError> {
+    let (sid, bus) = (record.session_id, &state.shared.bus);
+    let s = bus.subjects().clone();
+    let events = bus
+        .subscribe::<SessionEventV2>(s.event(sid))
+        .await
+        .map_err(|e| internal(format!("cannot subscribe to the session's events: {e}")))?;
+    let outputs = bus
+        .subscribe::<OutputV1>(s.session_outputs(sid))
+        .await
+        .map_err(|e| internal(format!("cannot subscribe to the session's outputs: {e}")))?;
+    let shared = state.shared.clone();
+    Ok(SessionActor::start_in_arbiter(&state.arbiter, move |ctx| {
+        ctx.add_stream(events.into_stream());
+        ctx.add_stream(outputs.into_stream());
+        SessionActor::new(record, shared)
+    }))
+}
+
+/// The sessions gauge follows the sessions served.
+fn count_sessions(sessions: &HashMap<Uuid, Served>) {
+    schemas::metrics::metrics().sessions.set(sessions.len() as i64);
+}

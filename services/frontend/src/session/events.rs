@@ -1,0 +1,117 @@
+//! The current run's events and outputs as they arrive: relayed once each (an
+//! output in pieces gathered first), input requests asked of the client or
+//! refused, and the run ended by its outcome event.
+
+use actix::prelude::*;
+use schemas::messages::{EventKind, InputReplyV1, OutputV1, Prepare, SessionEventV2};
+use uuid::Uuid;
+
+use super::read_back::event_key;
+use super::SessionActor;
+use crate::api::{ExecStatus, StreamItem};
+
+impl SessionActor {
+    pub(super) fn on_event(&mut self, ctx: &mut Context<Self>, ev: SessionEventV2) {
+        tracing::debug!(session = %self.sid, exec = %ev.exec_id, kind = ?ev.kind, "event");
+        if let Some(cur) = self.current.as_mut().filter(|c| c.exec_id == ev.exec_id) {
+            if !cur.events.insert(event_key(&ev)) {
+                return; // sent again, or read back, after it was relayed
+            }
+        }
+        if let EventKind::Started { host, prepare, .. } = &ev.kind {
+            if *prepare == Prepare::Persistent {
+                self.cpu_host = Some(host.clone());
+            }
+            // Run is when the request arrived here (DESIGN.md section 10)
+            let run_ms = self.record(ev.exec_id).map(|r| r.run_unix_ms);
+            if let Some(run_ms) = run_ms.filter(|ms| *ms > 0) {
+                let delay = &schemas::metrics::metrics().start_delay.get_or_create(&[("prepare", prepare.as_str())]);
+                schemas::metrics::observe_ms(delay, ev.unix_ms.saturating_sub(run_ms) as f64);
+            }
+        }
+        self.emit(&StreamItem::Event { exec_id: ev.exec_id, unix_ms: ev.unix_ms, event: (&ev.kind).into() });
+        let Some(cur) = self.current.as_mut().filter(|c| c.exec_id == ev.exec_id) else { return };
+        // (Finished may be read back after the end: it tells the cell's status)
+        let ended = cur.terminal.is_some();
+        let terminal = match ev.kind {
+            _ if ended && !matches!(ev.kind, EventKind::Finished { .. }) => None,
+            EventKind::Claimed { host, .. } => {
+                if cur.host.is_none() {
+                    cur.host = Some(host);
+                    let exec_id = cur.exec_id;
+                    self.watch_host(exec_id, ctx);
+                }
+                return;
+            }
+            EventKind::Planned { .. } | EventKind::Started { .. } => None,
+            EventKind::Finished { status, error, outputs, .. } => {
+                cur.finished = Some((status, error));
+                cur.expected_outputs = Some(outputs);
+                None
+            }
+            EventKind::Saved { revision, .. } => Some((ExecStatus::Ok, revision, None, true)),
+            EventKind::Failed { error } => Some((ExecStatus::Failed, self.stored.revision, Some(error), false)),
+            EventKind::SlotReleased { .. }
+            | EventKind::Ready { .. }
+            | EventKind::Preparing { .. }
+            | EventKind::PreparedEnded { .. } => None,
+        };
+        if let Some((status, revision, error, saved)) = terminal {
+            self.end_current(status, revision, error, ev.unix_ms, saved, ctx);
+        }
+    }
+
+    /// The running cell called `input()`: its client is asked if it has a stdin
+    /// channel; otherwise the cell is told at once, as ipykernel tells it.
+    fn on_input_request(&mut self, exec_id: Uuid, seq: u64, output: serde_json::Value) {
+        let Some(cur) = self.current.as_mut().filter(|c| c.exec_id == exec_id && c.terminal.is_none()) else {
+            return; // replayed, or of a run that ended: nobody waits
+        };
+        if cur.allow_stdin {
+            cur.asking = true;
+            self.emit(&StreamItem::Output { exec_id, seq, output });
+            return;
+        }
+        let refused = InputReplyV1 {
+            session: self.sid,
+            exec_id,
+            value: String::new(),
+            refused: Some(schemas::messages::NO_STDIN.into()),
+        };
+        let bus = self.shared.bus.clone();
+        actix::spawn(async move {
+            if let Err(e) = bus.publish(bus.subjects().input(refused.session), &refused).await {
+                tracing::error!(exec = %exec_id, error = %e, "could not refuse an input request; the cell waits until interrupted");
+            }
+        });
+    }
+
+    pub(super) fn on_output(&mut self, ctx: &mut Context<Self>, mut out: OutputV1) {
+        if self.current.as_ref().is_some_and(|c| c.exec_id == out.exec_id && c.outputs.contains(&out.seq)) {
+            return; // sent again, or read back, after it was relayed
+        }
+        if out.parts > 1 {
+            // an output too large for one message: gather its pieces first
+            let key = (out.exec_id, out.seq);
+            let pieces = self.pieces.entry(key).or_insert_with(|| vec![None; out.parts as usize]);
+            if let Some(slot) = pieces.get_mut(out.part as usize) {
+                *slot = Some(std::mem::take(&mut out.output_json));
+            }
+            if pieces.iter().any(Option::is_none) {
+                return;
+            }
+            out.output_json = self.pieces.remove(&key).unwrap_or_default().into_iter().flatten().collect();
+        }
+        match serde_json::from_str::<serde_json::Value>(&out.output_json) {
+            Ok(output) if output["output_type"] == schemas::messages::INPUT_REQUEST_OUTPUT => {
+                self.on_input_request(out.exec_id, out.seq, output)
+            }
+            Ok(output) => self.emit(&StreamItem::Output { exec_id: out.exec_id, seq: out.seq, output }),
+            Err(e) => tracing::error!(exec = %out.exec_id, seq = out.seq, error = %e, "output is not JSON; dropped"),
+        }
+        if let Some(cur) = self.current.as_mut().filter(|c| c.exec_id == out.exec_id) {
+            cur.outputs.insert(out.seq);
+            self.maybe_complete(ctx);
+        }
+    }
+}

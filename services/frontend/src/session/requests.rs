@@ -1,0 +1,138 @@
+//! What HTTP handlers ask of a session besides runs: an edit's sequence number,
+//! an answer to `input()`, its CPU host, how long it has been idle, its
+//! summary, and its close.
+
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use schemas::messages::{EditV1, InputReplyV1};
+use uuid::Uuid;
+
+use super::SessionActor;
+
+/// Assign the next edit sequence number of a cell; the caller publishes the edit.
+#[derive(Message)]
+#[rtype(result = "EditV1")]
+pub struct Edit {
+    /// The cell.
+    pub cell_id: String,
+    /// Its full code.
+    pub code: String,
+}
+
+impl Handler<Edit> for SessionActor {
+    type Result = MessageResult<Edit>;
+
+    fn handle(&mut self, msg: Edit, _ctx: &mut Self::Context) -> Self::Result {
+        self.last_active = Instant::now();
+        let seq = self.edit_seq.entry(msg.cell_id.clone()).or_insert(0);
+        *seq += 1;
+        MessageResult(EditV1 {
+            session: self.sid,
+            cell_id: msg.cell_id,
+            code: msg.code,
+            seq: *seq,
+            options: self.stored.options.clone(),
+        })
+    }
+}
+
+/// The user's answer to the running cell's input request.
+#[derive(Message)]
+#[rtype(result = "Result<InputReplyV1, String>")]
+pub struct Input {
+    /// The execution that asked.
+    pub exec_id: Uuid,
+    /// What the user typed.
+    pub value: String,
+}
+
+impl Handler<Input> for SessionActor {
+    type Result = Result<InputReplyV1, String>;
+
+    fn handle(&mut self, msg: Input, _ctx: &mut Self::Context) -> Self::Result {
+        self.last_active = Instant::now();
+        match self.current.as_mut() {
+            Some(cur) if cur.exec_id == msg.exec_id && cur.asking && cur.terminal.is_none() => {
+                cur.asking = false;
+                Ok(InputReplyV1 { session: self.sid, exec_id: msg.exec_id, value: msg.value, refused: None })
+            }
+            _ => Err(format!("execution {} of this session is not waiting for input", msg.exec_id)),
+        }
+    }
+}
+
+/// The host that keeps the session's CPU worker, if a CPU cell ran.
+#[derive(Message)]
+#[rtype(result = "Option<String>")]
+pub struct CpuHost;
+
+impl Handler<CpuHost> for SessionActor {
+    type Result = Option<String>;
+
+    fn handle(&mut self, _msg: CpuHost, _ctx: &mut Self::Context) -> Self::Result {
+        self.last_active = Instant::now();
+        self.cpu_host.clone()
+    }
+}
+
+/// How long the session has been idle: nothing running or queued, no client
+/// watching its events, no request; None while it is not idle.
+#[derive(Message)]
+#[rtype(result = "Option<Duration>")]
+pub struct IdleFor;
+
+impl Handler<IdleFor> for SessionActor {
+    type Result = Option<Duration>;
+
+    fn handle(&mut self, _msg: IdleFor, _ctx: &mut Self::Context) -> Self::Result {
+        // as Jupyter's culler by default: a session someone watches is not idle
+        self.clients.retain(|c| !c.tx.is_closed());
+        let busy = self.current.is_some() || !self.stored.queued.is_empty() || !self.clients.is_empty();
+        (!busy).then(|| self.last_active.elapsed())
+    }
+}
+
+/// The session's summary.
+#[derive(Message)]
+#[rtype(result = "crate::api::SessionSummary")]
+pub struct Summary;
+
+impl Handler<Summary> for SessionActor {
+    type Result = MessageResult<Summary>;
+
+    fn handle(&mut self, _msg: Summary, _ctx: &mut Self::Context) -> Self::Result {
+        self.last_active = Instant::now();
+        MessageResult(crate::api::SessionSummary {
+            session_id: self.sid,
+            cwd: self.stored.options.cwd.clone(),
+            all_gpu: self.stored.options.all_gpu,
+            revision: self.stored.revision,
+            current: self.current.as_ref().map(|c| c.exec_id),
+            queue: self.stored.queued.iter().map(|p| p.exec_id).collect(),
+            executions: self.executions.clone(),
+        })
+    }
+}
+
+/// The session is being deleted: stop running, relay late events for `grace`
+/// (slot releases at close), then end every client stream and stop.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Close {
+    /// How long to keep relaying.
+    pub grace: Duration,
+}
+
+impl Handler<Close> for SessionActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Close, ctx: &mut Self::Context) {
+        self.closing = true;
+        self.stored.queued.clear();
+        ctx.run_later(msg.grace, |act, ctx| {
+            act.clients.clear();
+            ctx.stop();
+        });
+    }
+}

@@ -1,0 +1,345 @@
+//! Execution: an `execute_request` run as a Run of its cell on the LooseLeaf
+//! cluster, the cell's outputs relayed on iopub (and its `input()` on stdin) as
+//! they arrive, and its end turned into an honest `execute_reply`.
+
+use std::collections::BTreeMap;
+
+use jupyter_protocol::{JupyterMessage, JupyterMessageContent};
+use looseleaf_client::api::{ExecStatus, RunCell, StreamItem};
+use looseleaf_client::events::Event;
+use looseleaf_client::Frontend;
+use serde_json::{json, Value};
+use tracing::Instrument as _;
+use uuid::Uuid;
+
+use super::dispatch::Turn;
+use super::messages::message;
+use super::{badge, Kernel};
+
+/// What the reply's `metadata.looseleaf` says, from the run's events: its device
+/// and why, the closure's size, the host and slot, how its worker was prepared,
+/// and the start delay (from sending Run to hearing the cell start).
+fn placement_of(event: &Event, sent: std::time::Instant, into: &mut serde_json::Map<String, Value>) {
+    match event {
+        Event::Planned { closure, device, device_reason, .. } => {
+            into.insert("device".into(), json!(device));
+            into.insert("device_reason".into(), json!(device_reason));
+            into.insert("closure".into(), json!(closure.len()));
+        }
+        Event::Started { host, slot, prepare, .. } => {
+            into.insert("host".into(), json!(host));
+            into.insert("slot".into(), json!(slot));
+            into.insert("prepare".into(), json!(prepare));
+            into.insert("start_delay_ms".into(), json!(sent.elapsed().as_secs_f64() * 1000.0));
+        }
+        _ => {}
+    }
+}
+
+/// How an execution ended, for its reply.
+pub(super) struct Ended {
+    pub(super) ok: bool,
+    pub(super) error: Option<(String, String, Vec<String>)>,
+    pub(super) payload: Vec<Value>,
+    /// The results of the request's `user_expressions` (the reply's field).
+    pub(super) user_expressions: Value,
+    /// Where and how the cell ran, for the reply's `metadata.looseleaf`.
+    pub(super) placement: serde_json::Map<String, Value>,
+}
+
+/// A cell being run: what the dispatch loop's turns need while it runs, and how
+/// it has ended so far.
+pub(super) struct Running<'a> {
+    /// Its execute request.
+    msg: &'a JupyterMessage,
+    fe: Frontend,
+    sid: Uuid,
+    exec_id: Uuid,
+    cell_id: &'a str,
+    /// When Run was sent.
+    sent: std::time::Instant,
+    silent: bool,
+    count: u64,
+    ended: Ended,
+}
+
+impl Running<'_> {
+    /// The run, as its badge follows it.
+    pub(super) fn current(&self) -> badge::CurrentRun<'_> {
+        badge::CurrentRun { exec_id: self.exec_id, cell_id: self.cell_id }
+    }
+}
+
+impl Kernel {
+    pub(super) async fn execute(&mut self, msg: &JupyterMessage) {
+        let JupyterMessageContent::ExecuteRequest(req) = &msg.content else { return };
+        let (code, silent, allow_stdin) = (req.code.clone(), req.silent, req.allow_stdin);
+        let user_expressions: BTreeMap<String, String> =
+            req.user_expressions.clone().unwrap_or_default().into_iter().collect();
+        let store_history = req.store_history && !silent;
+        let stop_on_error = req.stop_on_error;
+        if store_history {
+            self.execution_count += 1;
+        }
+        let count = self.execution_count;
+        if !silent {
+            self.iopub("execute_input", json!({ "code": code, "execution_count": count }), msg).await;
+        }
+        // JupyterLab names the cell; for a client that does not (nbclient), the
+        // same code is the same cell (ADR 31)
+        let cell_id = msg
+            .metadata
+            .get("cellId")
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+            .unwrap_or_else(|| format!("code-{:016x}", xxhash_rust::xxh3::xxh3_64(code.as_bytes())));
+        // the cell's trace starts at the request Jupyter sent
+        let span = tracing::info_span!("execute_request", otel.name = "execute_request", cell = %cell_id,
+            msg_id = %msg.header.msg_id);
+        let mut ended = match self.ensure_session().instrument(span.clone()).await {
+            Ok(()) => {
+                let run = RunCell { code: self.pinned(&cell_id, &code), allow_stdin, user_expressions };
+                self.run_cell(msg, &cell_id, &run, silent, count).instrument(span).await
+            }
+            Err(why) => {
+                let evalue = format!("no LooseLeaf session: {why}");
+                let error = Some(("LooseLeafUnavailable".into(), evalue, vec![]));
+                Ended { ok: false, error, payload: vec![], user_expressions: json!({}), placement: Default::default() }
+            }
+        };
+        // the reply is `ok` only for a cell that ran to its end: one the platform
+        // could not run, save or follow is an error, whatever else happened
+        if !ended.ok && ended.error.is_none() {
+            let why = "the cell's outcome is unknown: the kernel lost track of it".to_string();
+            ended.error = Some(("LooseLeafError".into(), why, vec![]));
+        }
+        if let (false, Some((ename, evalue, traceback))) = (ended.ok, &mut ended.error) {
+            if traceback.is_empty() {
+                // a platform failure (no output said so): shown as the cell's error,
+                // with what the kernel knows of its cluster
+                let trouble: Option<String> = (*self.cluster_trouble.borrow()).clone();
+                if let Some(trouble) = trouble {
+                    evalue.push_str(&format!(" ({trouble})"));
+                }
+                *traceback = vec![format!("{ename}: {evalue}")];
+                if !silent {
+                    let content = json!({ "ename": ename, "evalue": evalue, "traceback": traceback });
+                    self.iopub("error", content, msg).await;
+                }
+            }
+        }
+        if store_history {
+            self.history.push((count, code));
+        }
+        let content = match &ended.error {
+            None => json!({ "status": "ok", "execution_count": count, "payload": ended.payload,
+                            "user_expressions": ended.user_expressions }),
+            Some((ename, evalue, traceback)) => json!({
+                "status": "error", "execution_count": count, "ename": ename, "evalue": evalue,
+                "traceback": traceback, "payload": ended.payload, "user_expressions": {},
+            }),
+        };
+        // after a failed cell with `stop_on_error`, the execute requests that arrived
+        // while it ran are aborted (as ipykernel does); later ones run
+        if !ended.ok && stop_on_error {
+            self.abort_queued_executions().await;
+        }
+        // where and how it ran, for a client that shows it (the JupyterLab extension)
+        match message("execute_reply", content, msg) {
+            Ok(mut m) => {
+                if !ended.placement.is_empty() {
+                    m.metadata = json!({ "looseleaf": ended.placement });
+                }
+                if let Err(e) = self.sockets.shell.send(m).await {
+                    tracing::warn!(error = %e, "could not send an execute reply");
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "could not build an execute reply"),
+        }
+    }
+
+    /// Abort the execute requests queued now; other requests are kept.
+    async fn abort_queued_executions(&mut self) {
+        while let Ok(m) = self.sockets.shell_rx.try_recv() {
+            self.pending.push_back(m);
+        }
+        let queued = std::mem::take(&mut self.pending);
+        for m in queued {
+            if m.message_type() == "execute_request" {
+                self.status("busy", &m).await;
+                let content = json!({ "status": "aborted", "execution_count": self.execution_count });
+                self.reply_on(false, "execute_reply", content, &m).await;
+                self.status("idle", &m).await;
+            } else {
+                self.pending.push_back(m);
+            }
+        }
+    }
+
+    /// Run the cell and relay what it prints until it is done; the control
+    /// channel is served meanwhile (the dispatch loop's turns, with the cell
+    /// running).
+    async fn run_cell(
+        &mut self,
+        msg: &JupyterMessage,
+        cell_id: &str,
+        run: &RunCell,
+        silent: bool,
+        count: u64,
+    ) -> Ended {
+        let mut ended = Ended {
+            ok: false,
+            error: None,
+            payload: vec![],
+            user_expressions: json!({}),
+            placement: Default::default(),
+        };
+        let Some(session) = &self.session else {
+            ended.error = Some(("LooseLeafError".into(), "the kernel has no LooseLeaf session".into(), vec![]));
+            return ended;
+        };
+        let (fe, sid) = (session.fe.clone(), session.sid);
+        let sent = std::time::Instant::now();
+        let exec_id = match fe.run_cell(sid, cell_id, run).await {
+            Ok(accepted) => accepted.exec_id,
+            Err(e) => {
+                ended.error = Some(("LooseLeafError".into(), format!("the cell was not accepted: {e}"), vec![]));
+                return ended;
+            }
+        };
+        let mut running = Running { msg, fe, sid, exec_id, cell_id, sent, silent, count, ended };
+        loop {
+            match self.turn(Some(&mut running)).await {
+                Turn::Continue => {}
+                Turn::Stop => {
+                    running.ended.error = Some(("LooseLeafError".into(), "the kernel was shut down".into(), vec![]));
+                    return running.ended;
+                }
+                Turn::RunEnded => return running.ended,
+            }
+        }
+    }
+
+    /// What the session's stream brings while `run` runs (None: the stream
+    /// ended): its outputs relayed, its placement noted; [`Turn::RunEnded`] once
+    /// the run is over (`run.ended` says how).
+    pub(super) async fn on_run_item(&mut self, run: &mut Running<'_>, item: Option<StreamItem>) -> Turn {
+        let Some(item) = item else {
+            // the event stream ended: the frontend went away
+            self.session = None;
+            let why = "lost the LooseLeaf frontend while the cell ran; its outcome is unknown here".to_string();
+            run.ended.error = Some(("LooseLeafError".into(), why, vec![]));
+            return Turn::RunEnded;
+        };
+        match item {
+            StreamItem::Output { exec_id: e, output, .. } if e == run.exec_id => {
+                self.relay(run.msg, output, run.silent, run.count, &mut run.ended).await;
+            }
+            StreamItem::Event { exec_id: e, event, .. } if e == run.exec_id => {
+                placement_of(&event, run.sent, &mut run.ended.placement);
+            }
+            StreamItem::Done { exec_id: e, status, error, .. } if e == run.exec_id => {
+                run.ended.ok = status == ExecStatus::Ok;
+                if !run.ended.ok && run.ended.error.is_none() {
+                    let why = error.unwrap_or_else(|| "the cell failed".into());
+                    // interrupted before it started: to the user, an interrupt
+                    // like any other (a plain kernel says KeyboardInterrupt)
+                    let ename = if why == schemas::messages::INTERRUPTED_BEFORE_START {
+                        "KeyboardInterrupt"
+                    } else {
+                        "LooseLeafError"
+                    };
+                    run.ended.error = Some((ename.into(), why, vec![]));
+                }
+                return Turn::RunEnded;
+            }
+            _ => {}
+        }
+        Turn::Continue
+    }
+
+    /// The client's answer to the running cell's input request, passed on to it.
+    pub(super) async fn answer_input(&mut self, run: &Running<'_>, reply: JupyterMessage) {
+        let value = match &reply.content {
+            JupyterMessageContent::InputReply(r) => Some(r.value.clone()),
+            JupyterMessageContent::UnknownMessage(m) => {
+                m.content.get("value").and_then(Value::as_str).map(str::to_owned)
+            }
+            _ => None,
+        };
+        let Some(value) = value.filter(|_| reply.message_type() == "input_reply") else {
+            tracing::warn!(msg_type = reply.message_type(), "a stdin message that is not an input reply; dropped");
+            return;
+        };
+        let (fe, sid, exec_id) = (&run.fe, run.sid, run.exec_id);
+        if let Err(e) = fe.input(sid, exec_id, &value).await {
+            // the cell was interrupted or ended meanwhile: nobody waits for it
+            tracing::warn!(%exec_id, error = %e, "the cell did not take the input");
+        }
+    }
+
+    /// Relay one of the cell's outputs (the worker's own output message) on iopub.
+    pub(super) async fn relay(
+        &mut self,
+        msg: &JupyterMessage,
+        mut output: Value,
+        silent: bool,
+        count: u64,
+        ended: &mut Ended,
+    ) {
+        let Some(obj) = output.as_object_mut() else { return };
+        let kind = obj.remove("output_type").and_then(|k| k.as_str().map(str::to_owned)).unwrap_or_default();
+        match kind.as_str() {
+            "error" => {
+                let text = |k: &str| obj.get(k).and_then(Value::as_str).unwrap_or_default().to_string();
+                let traceback = obj
+                    .get("traceback")
+                    .and_then(Value::as_array)
+                    .map(|t| t.iter().filter_map(|l| l.as_str().map(str::to_owned)).collect())
+                    .unwrap_or_default();
+                ended.error = Some((text("ename"), text("evalue"), traceback));
+            }
+            // the cell called input(): the client is asked on the stdin channel
+            // (the frontend sends this only for a run made with allow_stdin)
+            schemas::messages::INPUT_REQUEST_OUTPUT => {
+                let content = json!({
+                    "prompt": obj.get("prompt").cloned().unwrap_or_else(|| json!("")),
+                    "password": obj.get("password").cloned().unwrap_or(json!(false)),
+                });
+                match message("input_request", content, msg) {
+                    Ok(m) => {
+                        if let Err(e) = self.sockets.stdin.send(m).await {
+                            tracing::warn!(error = %e, "could not ask for input on the stdin channel");
+                        }
+                    }
+                    Err(e) => tracing::error!(error = %e, "could not build an input request"),
+                }
+                return;
+            }
+            // a comm message (ipywidgets), whether or not the cell is silent
+            schemas::messages::COMM_OUTPUT => {
+                self.relay_comm(msg, obj).await;
+                return;
+            }
+            // the results of the request's user_expressions, for the reply
+            schemas::messages::USER_EXPRESSIONS_OUTPUT => {
+                ended.user_expressions = obj.remove("data").unwrap_or_else(|| json!({}));
+                return;
+            }
+            // the text of `obj?` goes to Jupyter's pager, as the reply's payload
+            "pager" => {
+                let data = obj.get("data").cloned().unwrap_or_else(|| json!({}));
+                ended.payload.push(json!({ "source": "page", "data": data, "start": 0 }));
+                return;
+            }
+            "execute_result" => {
+                obj.insert("execution_count".into(), json!(count));
+            }
+            _ => {}
+        }
+        if silent {
+            return;
+        }
+        self.iopub(&kind, output, msg).await;
+    }
+}
