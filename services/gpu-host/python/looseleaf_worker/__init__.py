@@ -5,10 +5,13 @@ Map (one concern per module):
               services/gpu-host/python/looseleaf_worker/worker-protocol.json, checked both ways
   zygote      imports packages once (CUDA-clean only), forks workers on demand
   worker      the per-worker loop: restore / run / save / committed / shutdown
+  routing     which request (cell, comm message) an output, a thread's too, belongs to
   shell       an IPython shell whose outputs equal ipykernel's
   placement   %%gpu [N] / %%cpu lines; `%load_ext looseleaf_worker` in a plain kernel
   checkpoint  object records, payloads, 2 MiB xxh3-128 chunks; save and restore
+              (a package: its __init__ maps its modules)
   ambient     session state that is not a variable (RNGs, rcParams, cwd, ...)
+              (a package: its __init__ maps its modules)
   workdir     the working directory as ambient state, a removed one included
   localmods   modules beside the notebook, as the session imported them
   packages    the session's package layer (%pip install lands there)

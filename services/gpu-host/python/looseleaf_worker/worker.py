@@ -26,6 +26,7 @@ from IPython.utils.tokenutil import token_at_cursor
 from . import ambient, checkpoint, comms, faults, packages, protocol, quiet
 from .interrupt import CellInterrupts
 from .localmods import LocalModules
+from .routing import OutputRouting
 from .shell import WorkerShell, jsonable
 
 
@@ -61,28 +62,8 @@ def _stdin_not_implemented(why: str) -> BaseException:
 # How many bytes of chunks go in one save file before it is handed to the host.
 SAVE_PART_BYTES = 64 << 20
 
-# Comm messages kept for the next request while none is served (a thread that
-# updates a widget between cells); beyond this, the oldest are dropped.
-PENDING_COMMS_MAX = 10_000
 
-
-def _track_thread_parents(parent_of_current) -> None:
-    """As ipykernel does: a thread belongs to the request (cell or comm message)
-    that was served where it was started, and a thread it starts belongs there
-    too; what it outputs is that request's (see ``Worker._emit_output``)."""
-    start = threading.Thread.start
-    if getattr(start, "_looseleaf", False):
-        return
-
-    def tracked_start(thread, *args, **kwargs):
-        thread._looseleaf_parent = parent_of_current()
-        return start(thread, *args, **kwargs)
-
-    tracked_start._looseleaf = True
-    threading.Thread.start = tracked_start
-
-
-class Worker:
+class Worker(OutputRouting):
     def __init__(self):
         """What every worker sets up before it knows its session: a spare does
         this while it waits to be handed out (~2 ms off each cold start), so
@@ -113,22 +94,7 @@ class Worker:
         faults.install(self.shell.user_ns, self.fault_in)
         self.interrupts = CellInterrupts()
         self.interrupts.install()
-        # The request being served, the parent of what is output: a cell's exec
-        # id, or a token for a client's comm message; None between them. Threads
-        # send outputs too: frames go out one at a time (``_send_lock``), and an
-        # exchange with the host (a send and its answer) is not interleaved with
-        # another thread's (``_exchange``).
-        self._parent: str | None = None
-        self._send_lock = threading.RLock()
-        self._exchange = threading.Lock()
-        self._stray_text: dict[str, str] = {}  # a thread's text with no request to go to
-        self._pending_comms: list[dict] = []  # comm messages made between requests
-        _track_thread_parents(self._thread_parent)
-        for stream in self.shell._streams.values():
-            self._share_stream(stream)
-        # comm messages to the client (ipywidgets) are outputs (ADR 33)
-        self._collected: list[dict] | None = None  # outputs of a comm message
-        comms.install(self._emit_output, self._thread_parent)
+        self._setup_routing()
         self._rehearse_restore()
 
     def _rehearse_restore(self) -> None:
@@ -156,106 +122,6 @@ class Worker:
     def send(self, msg: dict) -> None:
         with self._send_lock:  # threads send outputs too: one frame at a time
             protocol.send(self.sock, msg)
-
-    def _thread_parent(self) -> str | None:
-        """The request the calling thread's output belongs to."""
-        if threading.current_thread() is threading.main_thread():
-            return self._parent
-        return getattr(threading.current_thread(), "_looseleaf_parent", None)
-
-    def _share_stream(self, stream) -> None:
-        """Make one of the shell's streams (sys.stdout, sys.stderr) safe for
-        threads: its buffer is changed by one thread at a time, and the text of
-        a thread whose request is no longer served does not join the running
-        cell's (as ipykernel buffers each parent's text apart): it is logged."""
-        if getattr(stream, "_looseleaf_shared", False):
-            return
-        write, flush, flush_lines, name = stream.write, stream.flush, stream.flush_lines, stream.name
-
-        def locked(fn):
-            def call(*args):
-                with self._send_lock:
-                    return fn(*args)
-
-            return call
-
-        def routed_write(s):
-            if threading.current_thread() is threading.main_thread() or self._thread_parent() == self._parent:
-                with self._send_lock:
-                    return write(s)
-            if not isinstance(s, str):
-                raise TypeError(f"write() argument must be str, not {type(s).__name__}")
-            with self._send_lock:
-                text = self._stray_text.get(name, "") + s
-                cut = text.rfind("\n") + 1
-                self._stray_text[name] = text[cut:]
-            if cut:
-                quiet.log(f"looseleaf worker: a thread's {name} after its cell: {text[:cut]}")
-            return len(s)
-
-        stream.write, stream.flush, stream.flush_lines = routed_write, locked(flush), locked(flush_lines)
-        stream._looseleaf_shared = True
-
-    def _emit_output(self, output: dict) -> None:
-        """Send one output as its request's: a cell's, streamed; a comm message's,
-        collected for its answer. As in ipykernel, a thread's output is that of
-        the request it was started in: when that one has ended, it is no cell's
-        (nbclient records none of it; the log has it). A comm message goes to
-        the client whatever its thread, with the request being served or the
-        next one."""
-        token = self._thread_parent()
-        main = threading.current_thread() is threading.main_thread()
-        # the main thread's frame is not cut by an interrupt; another thread's
-        # is never interrupted (signals go to the main thread)
-        with self.interrupts.shield() if main else contextlib.nullcontext(), self._send_lock:
-            if output["output_type"] != "comm" and comms.capture(token, output):
-                return  # an Output widget's, which syncs it to the client itself
-            if output["output_type"] == "comm" and self._parent is not None:
-                token = self._parent
-            if token is None or token != self._parent:
-                self._stray(output)
-            elif self._collected is not None:
-                self._collected.append(output)  # they answer the client's comm message
-            else:
-                self.send({"type": "output", "exec_id": self.exec_id, "output": output})
-
-    def _stray(self, output: dict) -> None:
-        """An output while no request of its own is served: a comm message waits
-        for the next request (the client's model must follow the widget); other
-        output (a __setstate__ that prints at restore, a thread after its cell)
-        goes to the host's log, never a cell's output."""
-        if output["output_type"] != "comm":
-            quiet.log(f"looseleaf worker: output outside its cell: {output.get('text') or output}")
-            return
-        last = self._pending_comms[-1] if self._pending_comms else None
-        if last is not None and _same_comm_update(last, output):
-            # a widget updated again (a progress bar): one update with the latest state
-            last["content"]["data"]["state"].update(output["content"]["data"]["state"])
-            return
-        self._pending_comms.append(output)
-        if len(self._pending_comms) > PENDING_COMMS_MAX:
-            dropped = self._pending_comms.pop(0)
-            quiet.log(f"looseleaf worker: a comm message made between cells was dropped: {dropped['msg_type']}")
-
-    def _begin(self, token: str, collect: bool) -> None:
-        """Start serving a request: its outputs are collected for an answer
-        (``collect``) or streamed; comm messages made meanwhile go first."""
-        with self._send_lock:
-            self._parent = token
-            pending, self._pending_comms = self._pending_comms, []
-            if collect:
-                self._collected = pending
-                return
-            for output in pending:
-                self.send({"type": "output", "exec_id": token, "output": output})
-
-    def _end(self) -> list[dict] | None:
-        """Stop serving the request: no thread's output or exchange goes out as
-        its any more. Returns what was collected for an answer."""
-        with self._exchange, self._send_lock:
-            self._parent = self.exec_id = None
-            collected, self._collected = self._collected, None
-        return collected
 
     def expect(self, mtype: str) -> dict:
         msg = protocol.recv(self.sock)
@@ -609,17 +475,6 @@ class Worker:
         if names is not None:
             self.versions = {n: v for n, v in self.versions.items() if n in names}
         self.versions.update(msg["versions"])
-
-
-def _same_comm_update(a: dict, b: dict) -> bool:
-    """Whether ``b`` only updates the same widget's state as ``a`` does."""
-
-    def update(o):
-        data = o["content"].get("data") or {}
-        plain = o["msg_type"] == "comm_msg" and data.get("method") == "update" and not o["buffers"]
-        return plain and not data.get("buffer_paths") and isinstance(data.get("state"), dict)
-
-    return update(a) and update(b) and a["content"].get("comm_id") == b["content"].get("comm_id")
 
 
 def main(sock: socket.socket, worker_id: str, zygote_id: str | None = None, ready: Worker | None = None) -> None:

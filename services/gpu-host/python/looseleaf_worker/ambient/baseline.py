@@ -1,0 +1,36 @@
+"""The baseline: what the worker looked like before any cell ran; ambient state
+is the difference from it."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from .hooks import _printer_key, _watch_cells
+from .settings import _settings
+
+
+class Baseline:
+    """What the worker looked like before any cell ran (diffs are against it)."""
+
+    def __init__(self, shell):
+        self.env = dict(os.environ)
+        self.path = list(sys.path)
+        self.np_print = None
+        if "numpy" in sys.modules:
+            self.np_print = sys.modules["numpy"].get_printoptions()
+        mm = shell.magics_manager.magics
+        self.magics = {kind: dict(mm[kind]) for kind in ("line", "cell")}
+        shell._ll_base = self
+        _watch_cells(shell)
+        self.settings = _settings(shell)
+        self.events = {k: list(v) for k, v in shell.events.callbacks.items()}
+        self.formatters = {
+            mime: (dict(f.type_printers), dict(f.deferred_printers))
+            for mime, f in shell.display_formatter.formatters.items()
+        }
+        self.printers = {
+            (mime, _printer_key(k), id(p))
+            for mime, (types_, deferred) in self.formatters.items()
+            for k, p in [*types_.items(), *deferred.items()]
+        }

@@ -1,0 +1,108 @@
+"""How numpy arrays (owners and views), torch tensors and code objects are
+reduced into a record, and the functions that rebuild them when it is loaded.
+
+Pickle stores a rebuild function by reference: its module and qualified name
+are in every record that holds such an object. They were defined in the module
+``looseleaf_worker.checkpoint`` (before it became a package) and records say so,
+so they keep that module name (``stored_name``) and the package re-exports
+them: records saved earlier restore, and records saved now restore in a runtime
+that still has the single module.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import cloudpickle
+
+# The module that checkpoints name for the objects they store by reference.
+CHECKPOINT_MODULE = "looseleaf_worker.checkpoint"
+
+
+def stored_name(obj):
+    """Give a function or class that records store by reference the module name
+    they store it under (see the module doc); the package must re-export it."""
+    obj.__module__ = CHECKPOINT_MODULE
+    return obj
+
+
+@stored_name
+def _rebuild_tensor(arr, dtype: str, requires_grad: bool, device: str, is_param: bool):
+    import torch
+
+    t = torch.from_numpy(arr)
+    if dtype == "bfloat16":
+        t = t.view(torch.bfloat16)
+    if device.startswith("cuda") and torch.cuda.is_available():
+        t = t.to(device)
+    if is_param:
+        return torch.nn.Parameter(t, requires_grad=requires_grad)
+    return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+def _owner(np, arr):
+    """The ndarray that owns the memory ``arr`` views (walking .base)."""
+    base = arr
+    while isinstance(base.base, np.ndarray):
+        base = base.base
+    return base
+
+
+def _reduce_view(np, arr):
+    """A numpy view pickles as (its owner, where it looks), so that it is restored
+    as a view of the restored owner and writes through one are seen through the
+    other, as in a kernel. Owners that are not contiguous pickle as copies."""
+    owner = _owner(np, arr)
+    if owner is arr or not (owner.flags.c_contiguous or owner.flags.f_contiguous) or arr.dtype.hasobject:
+        return None
+    offset = arr.__array_interface__["data"][0] - owner.__array_interface__["data"][0]
+    if offset < 0 or offset > owner.nbytes:
+        return None
+    return (_rebuild_view, (owner, offset, arr.shape, arr.strides, arr.dtype, bool(arr.flags.writeable)))
+
+
+def _reduce_owner(arr):
+    """An array that owns its memory pickles as one buffer (out of band when large)
+    and is rebuilt directly on it, so the restored object is the memory's owner and
+    views restored later point at it (numpy's own reduce adds a reshape in between)."""
+    order = "C" if arr.flags.c_contiguous else "F"
+    return (_rebuild_owner, (pickle.PickleBuffer(arr), arr.dtype, arr.shape, order, bool(arr.flags.writeable)))
+
+
+@stored_name
+def _rebuild_owner(buf, dtype, shape, order, writeable):
+    import numpy as np
+
+    mv = memoryview(buf)
+    if mv.readonly and writeable:
+        mv = memoryview(bytearray(mv))  # pickled in band: a private writable copy
+    arr = np.ndarray(shape, dtype=dtype, buffer=mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv, order=order)
+    if not writeable:
+        arr.flags.writeable = False
+    return arr
+
+
+@stored_name
+def _rebuild_view(owner, offset, shape, strides, dtype, writeable):
+    import numpy as np
+
+    # a flat view in memory order exports a plain buffer whatever the owner's order
+    buf = owner if owner.flags.c_contiguous else owner.reshape(-1, order="A")
+    view = np.ndarray(shape, dtype=dtype, buffer=buf, offset=offset, strides=strides)
+    if not writeable:
+        view.flags.writeable = False
+    return view
+
+
+def _reduce_code(code):
+    """cloudpickle names every code object's file ``<dynamic-code>``; keep the
+    cell's code name, so a traceback or warning raised in a function of an earlier
+    cell shows that cell's line in a later worker, as in the kernel (whose
+    linecache the ambient state rebuilds)."""
+    ctor, args = cloudpickle.cloudpickle._code_reduce(code)
+    return (_code_in_file, (ctor, args, code.co_filename))
+
+
+@stored_name
+def _code_in_file(ctor, args, filename):
+    return ctor(*args).replace(co_filename=filename)
