@@ -78,7 +78,7 @@ pub(super) async fn answered_probe(client: &Client, message: &Message, endpoint:
     }
     let sent = match (endpoint, &message.reply) {
         (Some(e), _) => e.request.respond(Ok(bytes::Bytes::new())).await,
-        (None, Some(reply)) => client.publish(reply.clone(), bytes::Bytes::new()).await.map_err(Into::into),
+        (None, Some(reply)) => client.publish(reply.clone(), bytes::Bytes::new()).await,
         (None, None) => Ok(()),
     };
     if let Err(e) = sent {

@@ -79,7 +79,9 @@ mod run;
 mod store;
 
 pub use control::{InputReplyV1, InterruptV1, SessionCloseV1, SessionIdleV1, INTERRUPTED_BEFORE_START, NO_STDIN};
-pub use events::{CellStatus, EventKind, Prepare, PreparedClass, PreparedOutcome, SessionEventV2, SlotUse, StartPhases};
+pub use events::{
+    CellStatus, EventKind, Prepare, PreparedClass, PreparedOutcome, SessionEventV2, SlotUse, StartPhases,
+};
 pub use host::{BidV1, EvictV1, HostStatusV2, SlotStatus, WorkerState, WorkerStatus, ZygoteStatus};
 pub use output::{OutputV1, COMM_OUTPUT, INPUT_REQUEST_OUTPUT, OUTPUT_PART_BYTES, USER_EXPRESSIONS_OUTPUT};
 pub use query::{CommAnswerV1, CommV1, QueryAnswerV1, QueryKind, QueryV1};

@@ -41,7 +41,7 @@ const DEBOUNCE_S: f64 = 0.1;
 enum Step {
     Claim { host: usize, ticket: u64, key: ClaimKey },
     Prepared { host: usize, key: (Uuid, String), worker: WorkerRef, prepare_ms: f64 },
-    Later { host: usize, input: Input },
+    Later { host: usize, input: Box<Input> },
 }
 
 /// A cell running on a host.
@@ -153,10 +153,12 @@ impl LooseLeaf {
         for (h, host) in sim.cluster.hosts.iter().enumerate() {
             match (host.is_on(), self.cores[h].is_some()) {
                 (true, false) => {
-                    let gpus = (0..host.slots.len()).map(|index| Gpu { index, name: "simulated".into(), memory_bytes: 0 });
+                    let gpus =
+                        (0..host.slots.len()).map(|index| Gpu { index, name: "simulated".into(), memory_bytes: 0 });
                     // the gpu-host's defaults: a worker is kept only for unsavable
                     // state, and prepared on its slot only when its closure is on the GPU
-                    let core = HostCore::new(host.name.clone(), gpus.collect(), HostPolicy::default(), sim.clock.clone());
+                    let core =
+                        HostCore::new(host.name.clone(), gpus.collect(), HostPolicy::default(), sim.clock.clone());
                     self.cores[h] = Some(core);
                     new.push(h);
                 }
@@ -253,7 +255,7 @@ impl LooseLeaf {
             Command::Execute { recipe, target, .. } => self.execute(sim, h, recipe, target),
             Command::Enter { worker, state } => self.enter(&worker, state),
             Command::After { delay, input } => {
-                let tag = self.step(Step::Later { host: h, input: *input });
+                let tag = self.step(Step::Later { host: h, input });
                 sim.timer(now + delay.as_secs_f64(), Timer { session: h, kind: LATER, tag });
             }
             // no process, no bus, no uid to act on in a simulation
@@ -397,7 +399,8 @@ impl LooseLeaf {
             return;
         }
         let mut recipe = self.recipe(sim, s, RecipeKind::Speculative);
-        recipe.prepared = self.speculator.held_on(id, &cell_id).map(|host| PreparedWorker { host, worker: String::new() });
+        recipe.prepared =
+            self.speculator.held_on(id, &cell_id).map(|host| PreparedWorker { host, worker: String::new() });
         self.deliver(sim, &recipe);
     }
 }
@@ -447,7 +450,10 @@ impl Policy for LooseLeaf {
         self.ready_at_run[s] = recipe.prepared.is_some();
         self.unstarted.insert(s);
         self.deliver(sim, &recipe);
-        let claimed = self.steps.values().any(|st| matches!(st, Step::Claim { key: ClaimKey::Run(e), .. } if *e == recipe.exec_id));
+        let claimed = self
+            .steps
+            .values()
+            .any(|st| matches!(st, Step::Claim { key: ClaimKey::Run(e), .. } if *e == recipe.exec_id));
         if self.unstarted.contains(&s) && !claimed && recipe.prepared.is_none() {
             self.count("waited_for_a_slot");
             sim.request_hosts(1);
@@ -501,7 +507,7 @@ impl Policy for LooseLeaf {
             }
             LATER => {
                 let Some(Step::Later { host, input }) = self.steps.remove(&t.tag) else { return };
-                self.feed(sim, host, input);
+                self.feed(sim, host, *input);
             }
             _ => {}
         }

@@ -23,8 +23,8 @@
 
 pub mod kept;
 pub mod peers;
-pub mod prepared;
 mod preparation;
+pub mod prepared;
 mod routing;
 pub mod runs;
 mod sessions;
@@ -252,7 +252,8 @@ impl<C: Clock + Clone> HostCore<C> {
         let started = clock.now();
         // seeded from the host's name: hosts break ties differently, and a run is
         // reproducible (the simulator's results are)
-        let seed = host_id.bytes().fold(0x9E37_79B9_7F4A_7C15_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01B3));
+        let seed =
+            host_id.bytes().fold(0x9E37_79B9_7F4A_7C15_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01B3));
         Self {
             slots: Slots::with_clock(slots, clock.clone()),
             peers: Peers::new(started),
@@ -437,9 +438,7 @@ impl<C: Clock + Clone> HostCore<C> {
             ClaimFor::GpuRun { recipe, slots, score, delay } => {
                 self.gpu_run_claimed(recipe, slots, score, delay, claim, facts)
             }
-            ClaimFor::GpuRunEvicting { recipe, score, delay } => {
-                self.evicting_run_claimed(recipe, score, delay, claim, facts)
-            }
+            ClaimFor::GpuRunEvicting { recipe, score, delay } => self.evicting_run_claimed(recipe, score, delay, claim),
             ClaimFor::CpuWorker { recipe } => self.cpu_worker_claimed(recipe, claim),
             ClaimFor::KeptRun { recipe, worker, prepare, slots } => {
                 self.kept_run_claimed(recipe, worker, prepare, slots, claim, facts)

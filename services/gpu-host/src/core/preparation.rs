@@ -196,7 +196,7 @@ impl<C: Clock + Clone> HostCore<C> {
                 }
                 self.end_prepared(&key, PreparedOutcome::Lost, facts);
                 if let Some(run) = run {
-                    self.run_won(run, facts); // claimed already: run it cold
+                    self.run_won(run); // claimed already: run it cold
                 }
                 return;
             }
@@ -241,20 +241,20 @@ impl<C: Clock + Clone> HostCore<C> {
                 self.runs.set(recipe.exec_id, RunState::OnPreparing(key));
             }
             Some(_) => self.run_prepared(key, recipe, facts),
-            None => self.run_won(recipe, facts),
+            None => self.run_won(recipe),
         }
     }
 
     /// Run a claimed recipe on the worker prepared for its cell, binding a slot
     /// now if it was prepared without one.
     pub(super) fn run_prepared(&mut self, key: PrepKey, recipe: RecipeV3, facts: &dyn Facts) {
-        let Some(mut p) = self.prepared.remove(&key) else { return self.run_won(recipe, facts) };
+        let Some(mut p) = self.prepared.remove(&key) else { return self.run_won(recipe) };
         let alive = p.worker.as_ref().is_some_and(|w| facts.alive(&w.id));
         let Some(worker) = p.worker.clone().filter(|_| alive) else {
             // it died while waiting: the run goes to a fresh worker, nothing is lost
             self.prepared.insert(key.clone(), p);
             self.end_prepared(&key, PreparedOutcome::Lost, facts);
-            return self.run_won(recipe, facts);
+            return self.run_won(recipe);
         };
         let busy = SlotState::Busy { exec: recipe.exec_id, session: recipe.session };
         let slots = if p.slots.is_empty() {

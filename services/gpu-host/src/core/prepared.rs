@@ -35,7 +35,7 @@ pub fn give_up_first<K>(idle: impl IntoIterator<Item = (K, PreparedClass, Option
 }
 
 /// What the host still has to do for a prepared worker.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub enum Phase {
     /// Being forked (its first preparation) or brought to a newer recipe.
     Preparing {

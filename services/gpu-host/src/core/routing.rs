@@ -10,7 +10,9 @@ use uuid::Uuid;
 
 use super::kept::KeptWorker;
 use super::runs::{ExecKind, RunState};
-use super::{ClaimFor, Command, Facts, HostCore, Input, Target, WorkerRef, ARRIVAL_MEMORY, CLAIM_RETRY, PREPARED_FALLBACK};
+use super::{
+    ClaimFor, Command, Facts, HostCore, Input, Target, WorkerRef, ARRIVAL_MEMORY, CLAIM_RETRY, PREPARED_FALLBACK,
+};
 use crate::host::claims::{Claim, ClaimKey};
 use crate::host::slots::SlotState;
 
@@ -137,17 +139,10 @@ impl<C: Clock + Clone> HostCore<C> {
         self.claim(ClaimKey::Run(recipe.exec_id), delay, ClaimFor::GpuRunEvicting { recipe, score, delay });
     }
 
-    pub(super) fn evicting_run_claimed(
-        &mut self,
-        recipe: RecipeV3,
-        score: f64,
-        delay: Duration,
-        claim: Claim,
-        facts: &dyn Facts,
-    ) {
+    pub(super) fn evicting_run_claimed(&mut self, recipe: RecipeV3, score: f64, delay: Duration, claim: Claim) {
         self.bid(&recipe, score, delay, claim == Claim::Won);
         match claim {
-            Claim::Won => self.run_won(recipe, facts),
+            Claim::Won => self.run_won(recipe),
             other => self.not_won(recipe, other),
         }
     }
@@ -271,7 +266,7 @@ impl<C: Clock + Clone> HostCore<C> {
 
     /// A run this host claimed without a prepared worker: free slots, or idle
     /// prepared workers' slots, or wait for them.
-    pub(super) fn run_won(&mut self, recipe: RecipeV3, facts: &dyn Facts) {
+    pub(super) fn run_won(&mut self, recipe: RecipeV3) {
         match self.take_slots(recipe.gpus.max(1)) {
             Some(slots) => {
                 self.slots.take(&slots, SlotState::Busy { exec: recipe.exec_id, session: recipe.session });
@@ -433,7 +428,7 @@ impl<C: Clock + Clone> HostCore<C> {
                 break;
             }
             self.runs.set(exec, RunState::Routing);
-            self.run_won(recipe, facts);
+            self.run_won(recipe);
         }
         for exec in self.runs.waiting(|s| *s == RunState::Pending) {
             let Some(recipe) = self.waiting_recipe(exec, |s| *s == RunState::Pending) else { continue };

@@ -116,10 +116,7 @@ impl<C: Clock + Clone> HostCore<C> {
         // worker: an expired run claim could be taken again (by a host, or by an
         // interrupt), and the frontend takes a claim not renewed for a lost host
         let held = |s: &RunState| {
-            matches!(
-                s,
-                RunState::Running { .. } | RunState::Won | RunState::OnPreparing(_) | RunState::ForPrepared(_)
-            )
+            matches!(s, RunState::Running { .. } | RunState::Won | RunState::OnPreparing(_) | RunState::ForPrepared(_))
         };
         let runs: BTreeSet<Uuid> = self.runs.in_state(held).into_iter().collect();
         let keys = self.kept.cpu_sessions().map(ClaimKey::Cpu).chain(runs.into_iter().map(ClaimKey::Run)).collect();

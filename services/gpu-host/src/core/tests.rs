@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use schemas::clock::Clock;
 use schemas::messages::{
-    Device, EventKind, PinnedWorker, Prepare, PreparedClass, PreparedOutcome, PreparedWorker as PreparedAt,
-    RecipeKind, RecipeV3, SessionOptions, SlotUse, WorkerState,
+    Device, EventKind, PinnedWorker, Prepare, PreparedClass, PreparedOutcome, PreparedWorker as PreparedAt, RecipeKind,
+    RecipeV3, SessionOptions, SlotUse, WorkerState,
 };
 use uuid::Uuid;
 
@@ -349,7 +349,8 @@ fn a_run_finding_no_free_slot_waits_and_claims_once_one_frees() {
     let cmds = h.on(Input::Recipe(run(S2, "b", 2)));
     assert!(no_claim(&cmds), "it waits unclaimed: another host may take it");
     assert_eq!(h.core.run_state(exec(2)), Some(&RunState::Pending));
-    let cmds = h.on(Input::Executed { exec_id: exec(1), worker: Some(worker("w1")), unsavable: vec![], cuda_used: true });
+    let cmds =
+        h.on(Input::Executed { exec_id: exec(1), worker: Some(worker("w1")), unsavable: vec![], cuda_used: true });
     assert_eq!(released(&cmds), vec![(0, SlotUse::Cell)]);
     assert_eq!(stopped(&cmds), vec!["w1"], "nothing to keep it for");
     assert_eq!(Host::claim_in(&cmds).1, ClaimKey::Run(exec(2)));
@@ -425,7 +426,8 @@ fn warm_workers_are_given_up_before_speculative_ones() {
     let mut h = host_with(2, Policy { keep_warm: true, prepare_holds_slot: false });
     h.prepare(S, "p", true, "wp");
     h.run_settled(run(S2, "w", 1), Claim::Won);
-    let cmds = h.on(Input::Executed { exec_id: exec(1), worker: Some(worker("ww")), unsavable: vec![], cuda_used: true });
+    let cmds =
+        h.on(Input::Executed { exec_id: exec(1), worker: Some(worker("ww")), unsavable: vec![], cuda_used: true });
     assert!(events(&cmds).iter().any(|e| matches!(e, EventKind::Ready { class: PreparedClass::Warm, .. })));
     let cmds = h.run_settled(run(S2, "x", 2), Claim::Won);
     assert_eq!(stopped(&cmds), vec!["ww"], "the warm one goes first");
@@ -713,7 +715,12 @@ fn a_run_naming_another_hosts_prepared_worker_waits_for_that_host_first() {
 fn a_worker_holding_unsavable_gpu_state_is_kept_with_its_slot() {
     let mut h = host(1);
     h.run_settled(run(S, "c", 1), Claim::Won);
-    let cmds = h.on(Input::Executed { exec_id: exec(1), worker: Some(worker("w1")), unsavable: vec!["m".into()], cuda_used: true });
+    let cmds = h.on(Input::Executed {
+        exec_id: exec(1),
+        worker: Some(worker("w1")),
+        unsavable: vec!["m".into()],
+        cuda_used: true,
+    });
     assert!(stopped(&cmds).is_empty() && released(&cmds).is_empty());
     assert_eq!(h.slot(0), SlotState::Pinned { worker: "w1".into(), session: S });
     assert!(h.core.keeps("w1"));
@@ -724,7 +731,12 @@ fn a_worker_holding_unsavable_gpu_state_is_kept_with_its_slot() {
 fn a_worker_holding_unsavable_cpu_state_is_kept_but_its_slot_freed() {
     let mut h = host(1);
     h.run_settled(run(S, "c", 1), Claim::Won);
-    let cmds = h.on(Input::Executed { exec_id: exec(1), worker: Some(worker("w1")), unsavable: vec!["f".into()], cuda_used: false });
+    let cmds = h.on(Input::Executed {
+        exec_id: exec(1),
+        worker: Some(worker("w1")),
+        unsavable: vec!["f".into()],
+        cuda_used: false,
+    });
     assert_eq!(released(&cmds), vec![(0, SlotUse::Cell)]);
     assert!(h.core.keeps("w1"));
 }
@@ -733,13 +745,23 @@ fn a_worker_holding_unsavable_cpu_state_is_kept_but_its_slot_freed() {
 fn a_cell_pinned_to_a_kept_worker_runs_there_with_lent_slots() {
     let mut h = host(1);
     h.run_settled(run(S, "a", 1), Claim::Won);
-    h.on(Input::Executed { exec_id: exec(1), worker: Some(worker("w1")), unsavable: vec!["f".into()], cuda_used: false });
+    h.on(Input::Executed {
+        exec_id: exec(1),
+        worker: Some(worker("w1")),
+        unsavable: vec!["f".into()],
+        cuda_used: false,
+    });
     let pinned = PinnedWorker { host: "h1".into(), worker: "w1".into(), names: vec!["f".into()] };
     let cmds = h.run_settled(RecipeV3 { pinned: Some(pinned), ..run(S, "b", 2) }, Claim::Won);
     let target = Target::Existing { worker: "w1".into(), prepare: Prepare::Pinned, slots: vec![0] };
     assert_eq!(executes(&cmds).map(|e| e.1), Some(target));
     // it used CUDA on the lent slot: the slot stays with it
-    h.on(Input::Executed { exec_id: exec(2), worker: Some(worker("w1")), unsavable: vec!["f".into()], cuda_used: true });
+    h.on(Input::Executed {
+        exec_id: exec(2),
+        worker: Some(worker("w1")),
+        unsavable: vec!["f".into()],
+        cuda_used: true,
+    });
     assert_eq!(h.slot(0), SlotState::Pinned { worker: "w1".into(), session: S });
 }
 
@@ -747,10 +769,16 @@ fn a_cell_pinned_to_a_kept_worker_runs_there_with_lent_slots() {
 fn a_kept_worker_with_nothing_unsavable_left_is_stopped() {
     let mut h = host(1);
     h.run_settled(run(S, "a", 1), Claim::Won);
-    h.on(Input::Executed { exec_id: exec(1), worker: Some(worker("w1")), unsavable: vec!["m".into()], cuda_used: true });
+    h.on(Input::Executed {
+        exec_id: exec(1),
+        worker: Some(worker("w1")),
+        unsavable: vec!["m".into()],
+        cuda_used: true,
+    });
     let pinned = PinnedWorker { host: "h1".into(), worker: "w1".into(), names: vec!["m".into()] };
     h.run_settled(RecipeV3 { pinned: Some(pinned), ..run(S, "b", 2) }, Claim::Won);
-    let cmds = h.on(Input::Executed { exec_id: exec(2), worker: Some(worker("w1")), unsavable: vec![], cuda_used: true });
+    let cmds =
+        h.on(Input::Executed { exec_id: exec(2), worker: Some(worker("w1")), unsavable: vec![], cuda_used: true });
     assert_eq!(stopped(&cmds), vec!["w1"]);
     assert_eq!(released(&cmds), vec![(0, SlotUse::UnsavableState)]);
     assert!(!h.core.keeps("w1"));
@@ -832,7 +860,8 @@ fn a_cpu_claim_lost_to_another_host_stops_this_hosts_cpu_worker() {
 fn a_worker_kept_warm_holds_its_slot_and_serves_a_rerun() {
     let mut h = host_with(1, Policy { keep_warm: true, prepare_holds_slot: false });
     h.run_settled(run(S, "c", 1), Claim::Won);
-    let cmds = h.on(Input::Executed { exec_id: exec(1), worker: Some(worker("w1")), unsavable: vec![], cuda_used: true });
+    let cmds =
+        h.on(Input::Executed { exec_id: exec(1), worker: Some(worker("w1")), unsavable: vec![], cuda_used: true });
     assert_eq!(released(&cmds), vec![(0, SlotUse::Cell)], "the cell's slot time ends");
     assert!(matches!(h.slot(0), SlotState::Prepared { .. }));
     let cmds = h.run_settled(run(S, "c", 2), Claim::Won);
@@ -872,7 +901,9 @@ fn interrupting_a_claimed_run_waiting_for_a_slot_fails_it_now() {
     h.run_settled(run(S2, "b", 2), Claim::Won);
     assert_eq!(h.core.run_state(exec(2)), Some(&RunState::Won));
     let cmds = h.on(Input::Interrupt { session: S2, exec_id: exec(2) });
-    assert!(cmds.iter().any(|c| matches!(c, Command::Event { exec_id, kind: EventKind::Failed { .. }, .. } if *exec_id == exec(2))));
+    assert!(cmds
+        .iter()
+        .any(|c| matches!(c, Command::Event { exec_id, kind: EventKind::Failed { .. }, .. } if *exec_id == exec(2))));
     let cmds = h.on(Input::Executed { exec_id: exec(1), worker: None, unsavable: vec![], cuda_used: false });
     assert!(executes(&cmds).is_none());
 }
@@ -901,7 +932,12 @@ fn an_idle_session_stops_its_kept_workers_but_not_its_prepared_ones() {
     let mut h = host(2);
     h.prepare(S, "p", true, "wp");
     h.run_settled(run(S, "a", 1), Claim::Won);
-    h.on(Input::Executed { exec_id: exec(1), worker: Some(worker("w1")), unsavable: vec!["m".into()], cuda_used: true });
+    h.on(Input::Executed {
+        exec_id: exec(1),
+        worker: Some(worker("w1")),
+        unsavable: vec!["m".into()],
+        cuda_used: true,
+    });
     let cmds = h.on(Input::SessionIdle { session: S });
     assert_eq!(stopped(&cmds), vec!["w1"]);
     assert_eq!(released(&cmds), vec![(1, SlotUse::UnsavableState)]);
@@ -935,7 +971,12 @@ fn a_stopped_host_stops_every_worker_it_keeps_or_prepared() {
     let mut h = host(2);
     h.prepare(S, "p", true, "wp");
     h.run_settled(run(S, "a", 1), Claim::Won);
-    h.on(Input::Executed { exec_id: exec(1), worker: Some(worker("w1")), unsavable: vec!["m".into()], cuda_used: true });
+    h.on(Input::Executed {
+        exec_id: exec(1),
+        worker: Some(worker("w1")),
+        unsavable: vec!["m".into()],
+        cuda_used: true,
+    });
     let cmds = h.on(Input::Stopped);
     let mut stops = stopped(&cmds);
     stops.sort();
@@ -946,7 +987,7 @@ fn a_stopped_host_stops_every_worker_it_keeps_or_prepared() {
 fn a_prepared_worker_phase_is_what_the_host_still_has_to_do() {
     let mut h = host(1);
     h.prepare(S, "c", true, "w1");
-    assert_eq!(h.core.prepared_worker(&(S, "c".into())).map(|p| p.2.clone()), Some(Phase::Ready));
+    assert!(matches!(h.core.prepared_worker(&(S, "c".into())).map(|p| p.2.clone()), Some(Phase::Ready)));
     h.on(Input::Recipe(edit(S, "c", 2)));
     assert!(matches!(h.core.prepared_worker(&(S, "c".into())).map(|p| p.2.clone()), Some(Phase::Preparing { .. })));
 }

@@ -188,8 +188,7 @@ impl Host {
                 act.workers.remove(id); // held again below if it is still usable
             }
             let worker = outcome.worker.as_ref().and_then(|w| act.hold(w));
-            let input =
-                Input::Executed { exec_id, worker, unsavable: outcome.unsavable, cuda_used: outcome.cuda_used };
+            let input = Input::Executed { exec_id, worker, unsavable: outcome.unsavable, cuda_used: outcome.cuda_used };
             act.drive(input, ctx);
         }));
     }

@@ -26,6 +26,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
+use futures::FutureExt as _;
 use schemas::messages::{RecipeV3, WorkerState, ZygoteStatus};
 use tokio::sync::Mutex;
 use uuid::Uuid;
