@@ -20,7 +20,7 @@ import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
 import { Kernel, KernelMessage } from '@jupyterlab/services';
 import { Widget } from '@lumino/widgets';
 
-/** The kernel's comm target for edits (src/kernel/mod.rs, EDIT_COMM_TARGET). */
+/** The kernel's comm target for edits (src/kernel/comms.rs, EDIT_COMM_TARGET). */
 const COMM_TARGET = 'looseleaf';
 
 /** Typing sends a cell's text at most this often (the latest text wins). */
