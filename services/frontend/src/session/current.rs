@@ -9,24 +9,52 @@ use uuid::Uuid;
 
 use crate::api::ExecStatus;
 
+/// Where the current run is, from its send to the planner to its end.
+#[derive(Debug)]
+pub(super) enum RunState {
+    /// No host is known to hold it.
+    Unclaimed,
+    /// `host` holds it: the run claim's revision last read, and since when it is
+    /// that one (a host that stops renewing it is lost).
+    Claimed { host: String, claim_seen: Option<(u64, Instant)> },
+    /// Saved or failed, or settled through the store: it completes once all it
+    /// sent arrived (or was read back).
+    Ended(Ended),
+}
+
+/// How the current run ended.
+#[derive(Clone, Debug)]
+pub(super) struct Ended {
+    pub(super) status: ExecStatus,
+    /// The session's revision after it.
+    pub(super) revision: u64,
+    pub(super) error: Option<String>,
+    pub(super) unix_ms: u64,
+    /// Its save landed: its status is the cell's own, from Finished.
+    pub(super) saved: bool,
+}
+
+/// What the cell's Finished event said.
+#[derive(Clone, Debug)]
+pub(super) struct Finished {
+    pub(super) status: CellStatus,
+    pub(super) error: Option<String>,
+    /// How many outputs it sent.
+    pub(super) outputs: u64,
+}
+
 /// The execution that was sent to the planner and is not complete yet.
 #[derive(Debug)]
 pub(super) struct Current {
     pub(super) exec_id: Uuid,
-    /// The host that claimed it.
-    pub(super) host: Option<String>,
-    /// The cell's status from Finished, if it arrived.
-    pub(super) finished: Option<(CellStatus, Option<String>)>,
-    /// How many outputs Finished announced.
-    pub(super) expected_outputs: Option<u64>,
+    /// Where it is.
+    pub(super) state: RunState,
+    /// The cell's Finished event, if it arrived (it may after the end: read back).
+    pub(super) finished: Option<Finished>,
     /// Output seqs received.
     pub(super) outputs: HashSet<u64>,
     /// Events relayed (a host sends one again when its stream did not confirm it).
     pub(super) events: HashSet<String>,
-    /// Saved/Failed arrived: (status, revision after, error, unix ms).
-    pub(super) terminal: Option<(ExecStatus, u64, Option<String>, u64)>,
-    /// Its save landed: its status is the cell's own, from Finished.
-    pub(super) saved: bool,
     /// What it sent is being read back from the streams (it ended with
     /// something unheard, or this frontend's NATS connection was lost meanwhile).
     pub(super) reading_back: bool,
@@ -34,8 +62,6 @@ pub(super) struct Current {
     /// everything (at its start, or its last read-back): live messages sent
     /// while it reconnected since are missed.
     pub(super) connects: u64,
-    /// The run claim's revision last read, and since when it is that one.
-    pub(super) claim_seen: Option<(u64, Instant)>,
     /// Its client answers the cell's input requests.
     pub(super) allow_stdin: bool,
     /// The cell waits for a line of input from its client.
@@ -48,30 +74,52 @@ impl Current {
             allow_stdin,
             asking: false,
             exec_id,
-            host: None,
+            state: RunState::Unclaimed,
             finished: None,
-            expected_outputs: None,
             outputs: HashSet::new(),
             events: HashSet::new(),
-            terminal: None,
-            saved: false,
             reading_back: false,
             connects,
-            claim_seen: None,
         }
+    }
+
+    /// How it ended, if it has.
+    pub(super) fn ended(&self) -> Option<&Ended> {
+        match &self.state {
+            RunState::Ended(e) => Some(e),
+            _ => None,
+        }
+    }
+
+    /// The host that holds it, while one does and it has not ended.
+    pub(super) fn host(&self) -> Option<&str> {
+        match &self.state {
+            RunState::Claimed { host, .. } => Some(host),
+            _ => None,
+        }
+    }
+
+    /// `host` holds it: true if that is news (it was unclaimed).
+    pub(super) fn claimed_by(&mut self, host: String) -> bool {
+        if !matches!(self.state, RunState::Unclaimed) {
+            return false;
+        }
+        self.state = RunState::Claimed { host, claim_seen: None };
+        true
     }
 
     /// What it has not heard yet of what it sent: outputs Finished announced, or
     /// Finished itself (a saved run sent it before its save).
     pub(super) fn unheard(&self) -> bool {
-        let missing = self.expected_outputs.unwrap_or(0).saturating_sub(self.outputs.len() as u64);
-        missing > 0 || (self.saved && self.finished.is_none())
+        let announced = self.finished.as_ref().map_or(0, |f| f.outputs);
+        let missing = announced.saturating_sub(self.outputs.len() as u64);
+        missing > 0 || (self.ended().is_some_and(|e| e.saved) && self.finished.is_none())
     }
 
     /// The outcome of an execution whose save was committed: the cell's own.
     pub(super) fn saved_outcome(&self) -> (ExecStatus, Option<String>) {
         match &self.finished {
-            Some((CellStatus::Error, e)) => (ExecStatus::Error, e.clone()),
+            Some(Finished { status: CellStatus::Error, error, .. }) => (ExecStatus::Error, error.clone()),
             _ => (ExecStatus::Ok, None),
         }
     }

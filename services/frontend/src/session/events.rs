@@ -6,6 +6,7 @@ use actix::prelude::*;
 use schemas::messages::{EventKind, InputReplyV1, OutputV1, Prepare, SessionEventV2};
 use uuid::Uuid;
 
+use super::current::Finished;
 use super::read_back::event_key;
 use super::SessionActor;
 use crate::api::{ExecStatus, StreamItem};
@@ -32,12 +33,11 @@ impl SessionActor {
         self.emit(&StreamItem::Event { exec_id: ev.exec_id, unix_ms: ev.unix_ms, event: (&ev.kind).into() });
         let Some(cur) = self.current.as_mut().filter(|c| c.exec_id == ev.exec_id) else { return };
         // (Finished may be read back after the end: it tells the cell's status)
-        let ended = cur.terminal.is_some();
+        let ended = cur.ended().is_some();
         let terminal = match ev.kind {
             _ if ended && !matches!(ev.kind, EventKind::Finished { .. }) => None,
             EventKind::Claimed { host, .. } => {
-                if cur.host.is_none() {
-                    cur.host = Some(host);
+                if cur.claimed_by(host) {
                     let exec_id = cur.exec_id;
                     self.watch_host(exec_id, ctx);
                 }
@@ -45,8 +45,7 @@ impl SessionActor {
             }
             EventKind::Planned { .. } | EventKind::Started { .. } => None,
             EventKind::Finished { status, error, outputs, .. } => {
-                cur.finished = Some((status, error));
-                cur.expected_outputs = Some(outputs);
+                cur.finished = Some(Finished { status, error, outputs });
                 None
             }
             EventKind::Saved { revision, .. } => Some((ExecStatus::Ok, revision, None, true)),
@@ -64,7 +63,7 @@ impl SessionActor {
     /// The running cell called `input()`: its client is asked if it has a stdin
     /// channel; otherwise the cell is told at once, as ipykernel tells it.
     fn on_input_request(&mut self, exec_id: Uuid, seq: u64, output: serde_json::Value) {
-        let Some(cur) = self.current.as_mut().filter(|c| c.exec_id == exec_id && c.terminal.is_none()) else {
+        let Some(cur) = self.current.as_mut().filter(|c| c.exec_id == exec_id && c.ended().is_none()) else {
             return; // replayed, or of a run that ended: nobody waits
         };
         if cur.allow_stdin {

@@ -273,7 +273,7 @@ impl Handler<Interrupt> for SessionActor {
         if !aborted.is_empty() && !self.closing {
             self.forget_aside(aside);
         }
-        let Some(exec_id) = self.current.as_ref().filter(|c| c.terminal.is_none()).map(|c| c.exec_id) else {
+        let Some(exec_id) = self.current.as_ref().filter(|c| c.ended().is_none()).map(|c| c.exec_id) else {
             return MessageResult(Interrupted { interrupted: None, aborted });
         };
         tracing::info!(session = %self.sid, exec = %exec_id, "interrupt");

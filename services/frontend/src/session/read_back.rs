@@ -74,11 +74,11 @@ impl SessionActor {
                     Err(e) => tracing::warn!(error = %e, "a read-back output does not decode; skipped"),
                 }
             }
-            if let Some(c) = act.current.as_ref().filter(|c| c.exec_id == exec_id && c.terminal.is_some()) {
+            if let Some(c) = act.current.as_ref().filter(|c| c.exec_id == exec_id && c.ended().is_some()) {
                 if c.unheard() {
                     tracing::warn!(
                         exec = %exec_id,
-                        expected = c.expected_outputs.unwrap_or(0),
+                        expected = c.finished.as_ref().map_or(0, |f| f.outputs),
                         received = c.outputs.len(),
                         finished = c.finished.is_some(),
                         "what the execution sent is missing from its streams too; completing with what arrived"

@@ -53,7 +53,7 @@ impl Handler<Input> for SessionActor {
     fn handle(&mut self, msg: Input, _ctx: &mut Self::Context) -> Self::Result {
         self.last_active = Instant::now();
         match self.current.as_mut() {
-            Some(cur) if cur.exec_id == msg.exec_id && cur.asking && cur.terminal.is_none() => {
+            Some(cur) if cur.exec_id == msg.exec_id && cur.asking && cur.ended().is_none() => {
                 cur.asking = false;
                 Ok(InputReplyV1 { session: self.sid, exec_id: msg.exec_id, value: msg.value, refused: None })
             }

@@ -10,6 +10,7 @@ use schemas::messages::{ErrorCode, InterruptV1, ManifestV1, SettleV1};
 use schemas::subjects::StoreVerb;
 use uuid::Uuid;
 
+use super::current::{Ended, RunState};
 use super::SessionActor;
 use crate::api::{ExecStatus, StreamItem};
 
@@ -35,10 +36,10 @@ impl SessionActor {
     /// Checked every second.
     pub(super) fn watch_host(&mut self, exec_id: Uuid, ctx: &mut Context<Self>) {
         ctx.run_later(HOST_CHECK, move |act, ctx| {
-            let Some(cur) = act.current.as_ref().filter(|c| c.exec_id == exec_id && c.terminal.is_none()) else {
+            let Some(cur) = act.current.as_ref().filter(|c| c.exec_id == exec_id && c.ended().is_none()) else {
                 return;
             };
-            let Some(host) = cur.host.clone() else { return };
+            let Some(host) = cur.host().map(str::to_string) else { return };
             let silent = act.shared.hosts.silent_for(&host);
             if silent > act.shared.timeouts.host_lost {
                 act.host_lost(exec_id, host, format!("not heard for {:.0} s", silent.as_secs_f64()), ctx);
@@ -48,8 +49,9 @@ impl SessionActor {
             let entry = async move { claims.entry(key).await };
             ctx.spawn(entry.into_actor(act).map(move |entry, act, ctx| {
                 let host_lost = act.shared.timeouts.host_lost;
-                let Some(cur) = act.current.as_mut().filter(|c| c.exec_id == exec_id && c.terminal.is_none()) else {
-                    return;
+                let state = act.current.as_mut().filter(|c| c.exec_id == exec_id).map(|c| &mut c.state);
+                let Some(RunState::Claimed { claim_seen, .. }) = state else {
+                    return; // ended meanwhile
                 };
                 // a claim that is gone or not renewed stays at one revision
                 let revision = match entry {
@@ -58,16 +60,16 @@ impl SessionActor {
                     Err(e) => {
                         // unobserved time says nothing about the host
                         tracing::debug!(error = %e, "could not read a run's claim");
-                        cur.claim_seen = None;
+                        *claim_seen = None;
                         act.watch_host(exec_id, ctx);
                         return;
                     }
                 };
                 let blind = act.shared.hosts.blind_within(HOST_CHECK * 2);
-                let since = match cur.claim_seen {
+                let since = match *claim_seen {
                     Some((seen, at)) if seen == revision && !blind => at,
                     _ => {
-                        cur.claim_seen = Some((revision, Instant::now()));
+                        *claim_seen = Some((revision, Instant::now()));
                         Instant::now()
                     }
                 };
@@ -107,7 +109,7 @@ impl SessionActor {
             bus.request_idempotent::<_, ManifestV1>(bus.subjects().store(StoreVerb::Settle), &req, STORE_TIMEOUT).await
         };
         ctx.spawn(ask.into_actor(self).map(move |answer, act, ctx| {
-            if !act.current.as_ref().is_some_and(|c| c.exec_id == exec_id && c.terminal.is_none()) {
+            if !act.current.as_ref().is_some_and(|c| c.exec_id == exec_id && c.ended().is_none()) {
                 return;
             }
             let now = schemas::unix_ms();
@@ -141,14 +143,14 @@ impl SessionActor {
         self.watch_connection(exec_id, ctx);
         let claim_timeout = self.shared.timeouts.claim;
         ctx.run_later(claim_timeout, move |act, ctx| {
-            if act.current.as_ref().is_some_and(|c| c.exec_id == exec_id && c.host.is_none() && c.terminal.is_none()) {
+            if act.current.as_ref().is_some_and(|c| c.exec_id == exec_id && matches!(c.state, RunState::Unclaimed)) {
                 tracing::warn!(exec = %exec_id, "no host claimed the run in time");
                 act.abandon_unclaimed(exec_id, format!("no host took the cell within {claim_timeout:?}"), ctx);
             }
         });
         let Some(deadline) = self.shared.timeouts.execution else { return };
         ctx.run_later(deadline, move |act, ctx| {
-            if act.current.as_ref().is_some_and(|c| c.exec_id == exec_id && c.terminal.is_none()) {
+            if act.current.as_ref().is_some_and(|c| c.exec_id == exec_id && c.ended().is_none()) {
                 tracing::warn!(exec = %exec_id, "execution deadline passed; interrupting the cell");
                 act.stop_current(exec_id, format!("no host ran the cell within the deadline ({deadline:?})"), ctx);
             }
@@ -159,10 +161,10 @@ impl SessionActor {
     /// one running it interrupts, then kills, the cell and reports its outcome); if
     /// no host claimed it, it is abandoned with `unclaimed_error`.
     pub(super) fn stop_current(&mut self, exec_id: Uuid, unclaimed_error: String, ctx: &mut Context<Self>) {
-        let Some(cur) = self.current.as_ref().filter(|c| c.exec_id == exec_id && c.terminal.is_none()) else {
+        let Some(cur) = self.current.as_ref().filter(|c| c.exec_id == exec_id && c.ended().is_none()) else {
             return;
         };
-        let unclaimed = cur.host.is_none();
+        let unclaimed = matches!(cur.state, RunState::Unclaimed);
         let bus = self.shared.bus.clone();
         let msg = InterruptV1 { session: self.sid, exec_id };
         ctx.spawn(
@@ -211,18 +213,15 @@ impl SessionActor {
             }
             Ok(Some(holder)) => {
                 tracing::info!(exec = %exec_id, %holder, "a host holds the run; it reports the outcome");
-                let unwatched = act.current.as_ref().is_some_and(|c| c.exec_id == exec_id && c.host.is_none());
-                if unwatched && !holder.is_empty() {
-                    if let Some(cur) = act.current.as_mut() {
-                        cur.host = Some(holder);
-                    }
+                let current = act.current.as_mut().filter(|c| c.exec_id == exec_id);
+                if !holder.is_empty() && current.is_some_and(|c| c.claimed_by(holder)) {
                     act.watch_host(exec_id, ctx);
                 }
             }
             Err(e) => {
                 tracing::warn!(error = %e, exec = %exec_id, "could not claim the run to abandon it; retrying");
                 ctx.run_later(ABANDON_RETRY, move |act, ctx| {
-                    let pending = act.current.as_ref().is_some_and(|c| c.exec_id == exec_id && c.terminal.is_none());
+                    let pending = act.current.as_ref().is_some_and(|c| c.exec_id == exec_id && c.ended().is_none());
                     if pending {
                         act.abandon_unclaimed(exec_id, error, ctx);
                     }
@@ -261,7 +260,7 @@ impl SessionActor {
 
     /// Complete the current execution if its end arrived and all it sent did.
     pub(super) fn maybe_complete(&mut self, ctx: &mut Context<Self>) {
-        if self.current.as_ref().is_some_and(|c| c.terminal.is_some() && !c.unheard()) {
+        if self.current.as_ref().is_some_and(|c| c.ended().is_some() && !c.unheard()) {
             self.complete_current(ctx);
         }
     }
@@ -270,8 +269,8 @@ impl SessionActor {
     /// own status), whatever it has not heard.
     pub(super) fn complete_current(&mut self, ctx: &mut Context<Self>) {
         let Some(cur) = &self.current else { return };
-        let Some((mut status, revision, mut error, unix_ms)) = cur.terminal.clone() else { return };
-        if cur.saved {
+        let Some(Ended { mut status, revision, mut error, unix_ms, saved }) = cur.ended().cloned() else { return };
+        if saved {
             (status, error) = cur.saved_outcome();
         }
         self.complete(ctx, status, revision, error, unix_ms);
@@ -291,8 +290,7 @@ impl SessionActor {
     ) {
         let Some(cur) = self.current.as_mut() else { return };
         let exec_id = cur.exec_id;
-        cur.terminal = Some((status, revision, error, unix_ms));
-        cur.saved = saved;
+        cur.state = RunState::Ended(Ended { status, revision, error, unix_ms, saved });
         self.maybe_complete(ctx);
         if self.current.as_ref().is_some_and(|c| c.exec_id == exec_id) {
             ctx.run_later(self.shared.timeouts.output_grace, move |act, ctx| act.read_back(exec_id, ctx));

@@ -121,8 +121,16 @@ impl Host {
     fn drive(&mut self, input: Input, ctx: &mut Context<Self>) {
         let world = World { env: &self.env, workers: &self.workers };
         let commands = self.core.on(input, &world);
+        // status is published once per input, with what it left
+        let mut publish = false;
         for command in commands {
-            self.carry_out(command, ctx);
+            match command {
+                Command::PublishStatus => publish = true,
+                command => self.carry_out(command, ctx),
+            }
+        }
+        if publish {
+            self.publish_status(ctx);
         }
         self.running_count.send_replace(self.core.running());
     }
