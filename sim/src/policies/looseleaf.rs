@@ -10,6 +10,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
+use looseleaf_gpu_host::core::runs::RunState;
 use looseleaf_gpu_host::core::{Command, Facts, HostCore, Input, Policy as HostPolicy, Target, WorkerRef};
 use looseleaf_gpu_host::gpus::Gpu;
 use looseleaf_gpu_host::host::claims::{Claim, ClaimKey};
@@ -376,6 +377,72 @@ impl LooseLeaf {
         }
     }
 
+    /// One of this policy's timers: a plan, a save, a claim settling, a
+    /// preparation returning, or a host's own timer.
+    fn on_timer(&mut self, sim: &mut Sim, t: Timer) {
+        let s = t.session;
+        match t.kind {
+            PLAN if sim.progress[s].cell as u64 == t.tag && !self.pressed[s] && sim.progress[s].open => {
+                self.plan(sim, s)
+            }
+            SAVED => {
+                if let Some(r) = self.running[s].take() {
+                    self.cached_on[s] = Some(r.host);
+                    let worker = Some(WorkerRef { id: r.worker, pid: 0 });
+                    let input = Input::Executed { exec_id: r.exec, worker, unsavable: vec![], cuda_used: true };
+                    self.feed(sim, r.host, input);
+                }
+            }
+            CLAIM => {
+                let Some(Step::Claim { host, ticket, key }) = self.steps.remove(&t.tag) else { return };
+                // the claims bucket: the first create wins
+                let claim = match self.claims.get(&key.key()) {
+                    None => {
+                        self.claims.insert(key.key(), host);
+                        Claim::Won
+                    }
+                    Some(&holder) if holder == host && matches!(key, ClaimKey::Cpu(_)) => Claim::Mine,
+                    Some(_) => Claim::Lost,
+                };
+                self.feed(sim, host, Input::Claimed { ticket, claim });
+            }
+            PREPARED => {
+                let Some(Step::Prepared { host, key, worker, prepare_ms }) = self.steps.remove(&t.tag) else { return };
+                self.feed(sim, host, Input::Prepared { key, result: Ok((worker, prepare_ms)) });
+            }
+            LATER => {
+                let Some(Step::Later { host, input }) = self.steps.remove(&t.tag) else { return };
+                self.feed(sim, host, *input);
+            }
+            _ => {}
+        }
+    }
+
+    /// Runs that no host is claiming, running or holding: ask the autoscaler for
+    /// a host (it runs one operation at a time and refuses the rest), on every
+    /// change, as a full cluster's waiting runs would have it scale out.
+    fn ask_for_room(&mut self, sim: &mut Sim) {
+        let held = |state: Option<&RunState>| {
+            matches!(
+                state,
+                Some(
+                    RunState::Routing
+                        | RunState::Won
+                        | RunState::OnPreparing(_)
+                        | RunState::ForPrepared(_)
+                        | RunState::Running { .. }
+                )
+            )
+        };
+        let waiting = self.unstarted.iter().any(|&s| {
+            let exec = Uuid::from_u128(((s as u128) << 32) | sim.progress[s].cell as u128);
+            !self.cores.iter().flatten().any(|c| held(c.run_state(exec)))
+        });
+        if waiting {
+            sim.request_hosts(1);
+        }
+    }
+
     /// The speculator evicts a prepared worker: its host stops it.
     fn evict(&mut self, sim: &mut Sim, e: Eviction) {
         let Some(h) = sim.cluster.hosts.iter().position(|x| x.name == e.at.host) else { return };
@@ -456,7 +523,7 @@ impl Policy for LooseLeaf {
             .any(|st| matches!(st, Step::Claim { key: ClaimKey::Run(e), .. } if *e == recipe.exec_id));
         if self.unstarted.contains(&s) && !claimed && recipe.prepared.is_none() {
             self.count("waited_for_a_slot");
-            sim.request_hosts(1);
+            self.ask_for_room(sim);
         }
     }
 
@@ -475,41 +542,9 @@ impl Policy for LooseLeaf {
     }
 
     fn timer(&mut self, sim: &mut Sim, t: Timer) {
-        let s = t.session;
-        match t.kind {
-            PLAN if sim.progress[s].cell as u64 == t.tag && !self.pressed[s] && sim.progress[s].open => {
-                self.plan(sim, s)
-            }
-            SAVED => {
-                if let Some(r) = self.running[s].take() {
-                    self.cached_on[s] = Some(r.host);
-                    let worker = Some(WorkerRef { id: r.worker, pid: 0 });
-                    let input = Input::Executed { exec_id: r.exec, worker, unsavable: vec![], cuda_used: true };
-                    self.feed(sim, r.host, input);
-                }
-            }
-            CLAIM => {
-                let Some(Step::Claim { host, ticket, key }) = self.steps.remove(&t.tag) else { return };
-                // the claims bucket: the first create wins
-                let claim = match self.claims.get(&key.key()) {
-                    None => {
-                        self.claims.insert(key.key(), host);
-                        Claim::Won
-                    }
-                    Some(&holder) if holder == host && matches!(key, ClaimKey::Cpu(_)) => Claim::Mine,
-                    Some(_) => Claim::Lost,
-                };
-                self.feed(sim, host, Input::Claimed { ticket, claim });
-            }
-            PREPARED => {
-                let Some(Step::Prepared { host, key, worker, prepare_ms }) = self.steps.remove(&t.tag) else { return };
-                self.feed(sim, host, Input::Prepared { key, result: Ok((worker, prepare_ms)) });
-            }
-            LATER => {
-                let Some(Step::Later { host, input }) = self.steps.remove(&t.tag) else { return };
-                self.feed(sim, host, *input);
-            }
-            _ => {}
+        self.on_timer(sim, t);
+        if !self.unstarted.is_empty() {
+            self.ask_for_room(sim);
         }
     }
 
