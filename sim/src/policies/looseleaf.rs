@@ -11,15 +11,13 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use looseleaf_gpu_host::core::runs::RunState;
-use looseleaf_gpu_host::core::{Command, Facts, HostCore, Input, Policy as HostPolicy, Target, WorkerRef};
+use looseleaf_gpu_host::core::{gpu_recipe, Command, Facts, HostCore, Input, Policy as HostPolicy, Target, WorkerRef};
 use looseleaf_gpu_host::gpus::Gpu;
 use looseleaf_gpu_host::host::claims::{Claim, ClaimKey};
 use looseleaf_gpu_host::host::slots::SlotState;
 use looseleaf_gpu_host::lifecycle::Lifecycle;
 use looseleaf_planner::speculator::{Budget, Eviction, Ready, Speculator};
-use schemas::messages::{
-    Device, EventKind, Prepare, PreparedOutcome, PreparedWorker, RecipeKind, RecipeV3, SessionOptions, WorkerState,
-};
+use schemas::messages::{EventKind, Prepare, PreparedOutcome, PreparedWorker, RecipeKind, RecipeV3, WorkerState};
 use uuid::Uuid;
 
 use super::secs;
@@ -353,28 +351,7 @@ impl LooseLeaf {
             RecipeKind::Run => Uuid::from_u128(((s as u128) << 32) | sim.progress[s].cell as u128),
             _ => Uuid::nil(),
         };
-        RecipeV3 {
-            session: sim.session(s).id,
-            cell_id: cell.cell_id.clone(),
-            kind,
-            exec_id,
-            revision: 1,
-            code: String::new(),
-            code_hash: 0,
-            closure: vec![],
-            imports: vec![],
-            device: Device::Gpu,
-            gpus: cell.gpus.max(1),
-            device_reason: String::new(),
-            conservative: None,
-            pinned: None,
-            manifest_revision: 0,
-            run_unix_ms: 0,
-            options: SessionOptions { speculate: true, ..SessionOptions::default() },
-            prepared: None,
-            speculate: true,
-            user_expressions: Default::default(),
-        }
+        gpu_recipe(sim.session(s).id, &cell.cell_id, kind, exec_id, cell.gpus.max(1))
     }
 
     /// One of this policy's timers: a plan, a save, a claim settling, a

@@ -36,7 +36,9 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use schemas::clock::{Clock, SystemClock};
-use schemas::messages::{BidV1, EventKind, Prepare, PreparedClass, RecipeV3, SlotUse, WorkerState};
+use schemas::messages::{
+    BidV1, Device, EventKind, Prepare, PreparedClass, RecipeKind, RecipeV3, SessionOptions, SlotUse, WorkerState,
+};
 use uuid::Uuid;
 
 use crate::gpus::Gpu;
@@ -75,6 +77,34 @@ pub struct WorkerRef {
     pub id: WorkerId,
     /// Its process id.
     pub pid: u32,
+}
+
+/// The recipe of a GPU cell (`gpus` slots) with nothing else known of it, as
+/// admitted for preparation: what the simulator sends its hosts, and what tests
+/// start from.
+pub fn gpu_recipe(session: Uuid, cell_id: &str, kind: RecipeKind, exec_id: Uuid, gpus: u32) -> RecipeV3 {
+    RecipeV3 {
+        session,
+        cell_id: cell_id.into(),
+        kind,
+        exec_id,
+        revision: 1,
+        code: String::new(),
+        code_hash: 0,
+        closure: vec![],
+        imports: vec![],
+        device: Device::Gpu,
+        gpus,
+        device_reason: String::new(),
+        conservative: None,
+        pinned: None,
+        manifest_revision: 0,
+        run_unix_ms: 0,
+        options: SessionOptions { speculate: true, ..SessionOptions::default() },
+        prepared: None,
+        speculate: true,
+        user_expressions: Default::default(),
+    }
 }
 
 /// What only the world outside the core knows.

@@ -279,31 +279,11 @@ impl PreparedWorkers {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use schemas::messages::{Device, RecipeKind, SessionOptions};
+    use schemas::messages::RecipeKind;
 
     fn recipe(revision: u64) -> RecipeV3 {
-        RecipeV3 {
-            session: Uuid::nil(),
-            cell_id: "c".into(),
-            kind: RecipeKind::Speculative,
-            exec_id: Uuid::nil(),
-            revision,
-            code: String::new(),
-            code_hash: 0,
-            closure: vec![],
-            imports: vec![],
-            device: Device::Gpu,
-            gpus: 1,
-            device_reason: String::new(),
-            conservative: None,
-            pinned: None,
-            manifest_revision: 0,
-            run_unix_ms: 0,
-            options: SessionOptions::default(),
-            prepared: None,
-            speculate: true,
-            user_expressions: Default::default(),
-        }
+        let r = crate::core::gpu_recipe(Uuid::nil(), "c", RecipeKind::Speculative, Uuid::nil(), 1);
+        RecipeV3 { revision, ..r }
     }
 
     #[test]

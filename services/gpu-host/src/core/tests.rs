@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use schemas::clock::Clock;
 use schemas::messages::{
     Device, EventKind, PinnedWorker, Prepare, PreparedClass, PreparedOutcome, PreparedWorker as PreparedAt, RecipeKind,
-    RecipeV3, SessionOptions, SlotUse, WorkerState,
+    RecipeV3, SlotUse, WorkerState,
 };
 use uuid::Uuid;
 
@@ -74,28 +74,8 @@ fn host(n: u32) -> Host {
 }
 
 fn recipe(kind: RecipeKind, session: Uuid, cell: &str, exec: u128) -> RecipeV3 {
-    RecipeV3 {
-        session,
-        cell_id: cell.into(),
-        kind,
-        exec_id: if kind == RecipeKind::Run { Uuid::from_u128(exec) } else { Uuid::nil() },
-        revision: 1,
-        code: String::new(),
-        code_hash: 0,
-        closure: vec![],
-        imports: vec![],
-        device: Device::Gpu,
-        gpus: 1,
-        device_reason: String::new(),
-        conservative: None,
-        pinned: None,
-        manifest_revision: 0,
-        run_unix_ms: 0,
-        options: SessionOptions::default(),
-        prepared: None,
-        speculate: true,
-        user_expressions: Default::default(),
-    }
+    let exec_id = if kind == RecipeKind::Run { Uuid::from_u128(exec) } else { Uuid::nil() };
+    gpu_recipe(session, cell, kind, exec_id, 1)
 }
 
 fn run(session: Uuid, cell: &str, exec: u128) -> RecipeV3 {
@@ -116,6 +96,12 @@ fn exec(n: u128) -> Uuid {
 
 fn worker(id: &str) -> WorkerRef {
     WorkerRef { id: id.into(), pid: 100 }
+}
+
+/// Execution `n` ended on worker `id` (None: lost), holding `unsavable`.
+fn executed(n: u128, id: Option<&str>, unsavable: &[&str], cuda_used: bool) -> Input {
+    let unsavable = unsavable.iter().map(|u| u.to_string()).collect();
+    Input::Executed { exec_id: exec(n), worker: id.map(worker), unsavable, cuda_used }
 }
 
 impl Host {
@@ -349,8 +335,7 @@ fn a_run_finding_no_free_slot_waits_and_claims_once_one_frees() {
     let cmds = h.on(Input::Recipe(run(S2, "b", 2)));
     assert!(no_claim(&cmds), "it waits unclaimed: another host may take it");
     assert_eq!(h.core.run_state(exec(2)), Some(&RunState::Pending));
-    let cmds =
-        h.on(Input::Executed { exec_id: exec(1), worker: Some(worker("w1")), unsavable: vec![], cuda_used: true });
+    let cmds = h.on(executed(1, Some("w1"), &[], true));
     assert_eq!(released(&cmds), vec![(0, SlotUse::Cell)]);
     assert_eq!(stopped(&cmds), vec!["w1"], "nothing to keep it for");
     assert_eq!(Host::claim_in(&cmds).1, ClaimKey::Run(exec(2)));
@@ -362,7 +347,7 @@ fn waiting_runs_claim_in_the_order_they_arrived() {
     h.run_settled(run(S, "a", 1), Claim::Won);
     h.on(Input::Recipe(run(S2, "b", 2)));
     h.on(Input::Recipe(run(S2, "c", 3)));
-    let cmds = h.on(Input::Executed { exec_id: exec(1), worker: None, unsavable: vec![], cuda_used: false });
+    let cmds = h.on(executed(1, None, &[], false));
     assert_eq!(Host::claim_in(&cmds).1, ClaimKey::Run(exec(2)));
     assert_eq!(h.core.run_state(exec(3)), Some(&RunState::Pending));
 }
@@ -374,9 +359,9 @@ fn a_multi_gpu_run_at_the_head_is_not_overtaken_by_one_slot_runs() {
     h.run_settled(run(S, "b", 2), Claim::Won);
     h.on(Input::Recipe(RecipeV3 { gpus: 2, ..run(S2, "big", 3) }));
     h.on(Input::Recipe(run(S2, "small", 4)));
-    let cmds = h.on(Input::Executed { exec_id: exec(1), worker: None, unsavable: vec![], cuda_used: false });
+    let cmds = h.on(executed(1, None, &[], false));
     assert!(no_claim(&cmds), "one slot free: the two-slot run waits at the head");
-    let cmds = h.on(Input::Executed { exec_id: exec(2), worker: None, unsavable: vec![], cuda_used: false });
+    let cmds = h.on(executed(2, None, &[], false));
     assert_eq!(Host::claim_in(&cmds).1, ClaimKey::Run(exec(3)));
 }
 
@@ -417,7 +402,7 @@ fn a_won_run_with_no_slot_to_free_waits_and_runs_when_one_frees() {
     let cmds = h.run_settled(run(S2, "b", 2), Claim::Won);
     assert_eq!(ended(&cmds), vec![PreparedOutcome::Lost], "the dead worker ends");
     assert_eq!(h.core.run_state(exec(2)), Some(&RunState::Won), "claimed, waiting for a slot");
-    let cmds = h.on(Input::Executed { exec_id: exec(1), worker: None, unsavable: vec![], cuda_used: false });
+    let cmds = h.on(executed(1, None, &[], false));
     assert_eq!(executes(&cmds).map(|e| e.1), Some(Target::Fresh { slots: vec![0] }));
 }
 
@@ -426,8 +411,7 @@ fn warm_workers_are_given_up_before_speculative_ones() {
     let mut h = host_with(2, Policy { keep_warm: true, prepare_holds_slot: false });
     h.prepare(S, "p", true, "wp");
     h.run_settled(run(S2, "w", 1), Claim::Won);
-    let cmds =
-        h.on(Input::Executed { exec_id: exec(1), worker: Some(worker("ww")), unsavable: vec![], cuda_used: true });
+    let cmds = h.on(executed(1, Some("ww"), &[], true));
     assert!(events(&cmds).iter().any(|e| matches!(e, EventKind::Ready { class: PreparedClass::Warm, .. })));
     let cmds = h.run_settled(run(S2, "x", 2), Claim::Won);
     assert_eq!(stopped(&cmds), vec!["ww"], "the warm one goes first");
@@ -541,7 +525,7 @@ fn a_run_on_a_slotless_prepared_worker_waits_with_it_for_a_slot() {
     assert_eq!(h.core.run_state(exec(7)), Some(&RunState::ForPrepared((S, "c".into()))));
     let renew = h.on(Input::Tick);
     assert!(renew.iter().any(|c| matches!(c, Command::Renew { keys } if keys.contains(&ClaimKey::Run(exec(7))))));
-    let cmds = h.on(Input::Executed { exec_id: exec(1), worker: None, unsavable: vec![], cuda_used: false });
+    let cmds = h.on(executed(1, None, &[], false));
     let target = Target::Existing { worker: "w1".into(), prepare: Prepare::Speculative, slots: vec![0] };
     assert_eq!(executes(&cmds).map(|e| e.1), Some(target));
 }
@@ -626,7 +610,7 @@ fn an_edit_finding_no_slot_waits_briefly_then_is_dropped() {
     let ticket = read_in(&h.on(Input::Recipe(edit(S, "c", 1))));
     assert!(no_claim(&h.on(Input::ClosureRead { ticket, on_gpu: true })));
     // a slot frees within SPEC_WAIT: the edit is tried again
-    let cmds = h.on(Input::Executed { exec_id: exec(1), worker: None, unsavable: vec![], cuda_used: false });
+    let cmds = h.on(executed(1, None, &[], false));
     assert!(cmds.iter().any(|c| matches!(c, Command::ReadClosure { .. })), "{cmds:?}");
     // later than SPEC_WAIT: stale, dropped
     let mut h = host(1);
@@ -634,7 +618,7 @@ fn an_edit_finding_no_slot_waits_briefly_then_is_dropped() {
     let ticket = read_in(&h.on(Input::Recipe(edit(S, "c", 1))));
     h.on(Input::ClosureRead { ticket, on_gpu: true });
     h.clock.advance(SPEC_WAIT + Duration::from_secs(1));
-    let cmds = h.on(Input::Executed { exec_id: exec(1), worker: None, unsavable: vec![], cuda_used: false });
+    let cmds = h.on(executed(1, None, &[], false));
     assert!(!cmds.iter().any(|c| matches!(c, Command::ReadClosure { .. } | Command::Claim { .. })));
 }
 
@@ -715,12 +699,7 @@ fn a_run_naming_another_hosts_prepared_worker_waits_for_that_host_first() {
 fn a_worker_holding_unsavable_gpu_state_is_kept_with_its_slot() {
     let mut h = host(1);
     h.run_settled(run(S, "c", 1), Claim::Won);
-    let cmds = h.on(Input::Executed {
-        exec_id: exec(1),
-        worker: Some(worker("w1")),
-        unsavable: vec!["m".into()],
-        cuda_used: true,
-    });
+    let cmds = h.on(executed(1, Some("w1"), &["m"], true));
     assert!(stopped(&cmds).is_empty() && released(&cmds).is_empty());
     assert_eq!(h.slot(0), SlotState::Pinned { worker: "w1".into(), session: S });
     assert!(h.core.keeps("w1"));
@@ -731,12 +710,7 @@ fn a_worker_holding_unsavable_gpu_state_is_kept_with_its_slot() {
 fn a_worker_holding_unsavable_cpu_state_is_kept_but_its_slot_freed() {
     let mut h = host(1);
     h.run_settled(run(S, "c", 1), Claim::Won);
-    let cmds = h.on(Input::Executed {
-        exec_id: exec(1),
-        worker: Some(worker("w1")),
-        unsavable: vec!["f".into()],
-        cuda_used: false,
-    });
+    let cmds = h.on(executed(1, Some("w1"), &["f"], false));
     assert_eq!(released(&cmds), vec![(0, SlotUse::Cell)]);
     assert!(h.core.keeps("w1"));
 }
@@ -745,23 +719,13 @@ fn a_worker_holding_unsavable_cpu_state_is_kept_but_its_slot_freed() {
 fn a_cell_pinned_to_a_kept_worker_runs_there_with_lent_slots() {
     let mut h = host(1);
     h.run_settled(run(S, "a", 1), Claim::Won);
-    h.on(Input::Executed {
-        exec_id: exec(1),
-        worker: Some(worker("w1")),
-        unsavable: vec!["f".into()],
-        cuda_used: false,
-    });
+    h.on(executed(1, Some("w1"), &["f"], false));
     let pinned = PinnedWorker { host: "h1".into(), worker: "w1".into(), names: vec!["f".into()] };
     let cmds = h.run_settled(RecipeV3 { pinned: Some(pinned), ..run(S, "b", 2) }, Claim::Won);
     let target = Target::Existing { worker: "w1".into(), prepare: Prepare::Pinned, slots: vec![0] };
     assert_eq!(executes(&cmds).map(|e| e.1), Some(target));
     // it used CUDA on the lent slot: the slot stays with it
-    h.on(Input::Executed {
-        exec_id: exec(2),
-        worker: Some(worker("w1")),
-        unsavable: vec!["f".into()],
-        cuda_used: true,
-    });
+    h.on(executed(2, Some("w1"), &["f"], true));
     assert_eq!(h.slot(0), SlotState::Pinned { worker: "w1".into(), session: S });
 }
 
@@ -769,16 +733,10 @@ fn a_cell_pinned_to_a_kept_worker_runs_there_with_lent_slots() {
 fn a_kept_worker_with_nothing_unsavable_left_is_stopped() {
     let mut h = host(1);
     h.run_settled(run(S, "a", 1), Claim::Won);
-    h.on(Input::Executed {
-        exec_id: exec(1),
-        worker: Some(worker("w1")),
-        unsavable: vec!["m".into()],
-        cuda_used: true,
-    });
+    h.on(executed(1, Some("w1"), &["m"], true));
     let pinned = PinnedWorker { host: "h1".into(), worker: "w1".into(), names: vec!["m".into()] };
     h.run_settled(RecipeV3 { pinned: Some(pinned), ..run(S, "b", 2) }, Claim::Won);
-    let cmds =
-        h.on(Input::Executed { exec_id: exec(2), worker: Some(worker("w1")), unsavable: vec![], cuda_used: true });
+    let cmds = h.on(executed(2, Some("w1"), &[], true));
     assert_eq!(stopped(&cmds), vec!["w1"]);
     assert_eq!(released(&cmds), vec![(0, SlotUse::UnsavableState)]);
     assert!(!h.core.keeps("w1"));
@@ -818,7 +776,7 @@ fn a_cpu_run_claims_the_sessions_cpu_worker_and_keeps_it() {
     assert_eq!(key, ClaimKey::Run(exec(1)), "the run is claimed too");
     let cmds = h.on(Input::Claimed { ticket, claim: Claim::Won });
     assert_eq!(executes(&cmds).map(|e| e.1), Some(Target::Fresh { slots: vec![] }));
-    h.on(Input::Executed { exec_id: exec(1), worker: Some(worker("cpu1")), unsavable: vec![], cuda_used: false });
+    h.on(executed(1, Some("cpu1"), &[], false));
     assert_eq!(h.core.cpu_sessions(), vec![S]);
     let cmds = h.run_settled(cpu_run(S, "d", 2), Claim::Won);
     let target = Target::Existing { worker: "cpu1".into(), prepare: Prepare::Persistent, slots: vec![] };
@@ -850,7 +808,7 @@ fn a_cpu_claim_lost_to_another_host_stops_this_hosts_cpu_worker() {
     let (ticket, _, _) = Host::claim_in(&h.on(Input::Recipe(cpu_run(S, "c", 1))));
     let (ticket, _, _) = Host::claim_in(&h.on(Input::Claimed { ticket, claim: Claim::Won }));
     h.on(Input::Claimed { ticket, claim: Claim::Won });
-    h.on(Input::Executed { exec_id: exec(1), worker: Some(worker("cpu1")), unsavable: vec![], cuda_used: false });
+    h.on(executed(1, Some("cpu1"), &[], false));
     let cmds = h.on(Input::ClaimsLost(vec![ClaimKey::Cpu(S)]));
     assert_eq!(stopped(&cmds), vec!["cpu1"]);
     assert!(h.core.cpu_sessions().is_empty());
@@ -860,8 +818,7 @@ fn a_cpu_claim_lost_to_another_host_stops_this_hosts_cpu_worker() {
 fn a_worker_kept_warm_holds_its_slot_and_serves_a_rerun() {
     let mut h = host_with(1, Policy { keep_warm: true, prepare_holds_slot: false });
     h.run_settled(run(S, "c", 1), Claim::Won);
-    let cmds =
-        h.on(Input::Executed { exec_id: exec(1), worker: Some(worker("w1")), unsavable: vec![], cuda_used: true });
+    let cmds = h.on(executed(1, Some("w1"), &[], true));
     assert_eq!(released(&cmds), vec![(0, SlotUse::Cell)], "the cell's slot time ends");
     assert!(matches!(h.slot(0), SlotState::Prepared { .. }));
     let cmds = h.run_settled(run(S, "c", 2), Claim::Won);
@@ -873,7 +830,7 @@ fn a_worker_kept_warm_holds_its_slot_and_serves_a_rerun() {
 fn a_lost_worker_frees_its_slot() {
     let mut h = host(1);
     h.run_settled(run(S, "c", 1), Claim::Won);
-    let cmds = h.on(Input::Executed { exec_id: exec(1), worker: None, unsavable: vec![], cuda_used: false });
+    let cmds = h.on(executed(1, None, &[], false));
     assert!(stopped(&cmds).is_empty(), "already gone");
     assert_eq!(h.slot(0), SlotState::Free);
     assert_eq!(h.core.running(), 0);
@@ -888,7 +845,7 @@ fn interrupting_a_run_waiting_unclaimed_drops_it() {
     h.on(Input::Recipe(run(S, "c", 2)));
     let cmds = h.on(Input::Interrupt { session: S, exec_id: exec(2) });
     assert!(cmds.iter().any(|c| matches!(c, Command::Interrupt { exec_id } if *exec_id == exec(2))));
-    let cmds = h.on(Input::Executed { exec_id: exec(1), worker: None, unsavable: vec![], cuda_used: false });
+    let cmds = h.on(executed(1, None, &[], false));
     assert!(no_claim(&cmds), "it never starts");
 }
 
@@ -904,7 +861,7 @@ fn interrupting_a_claimed_run_waiting_for_a_slot_fails_it_now() {
     assert!(cmds
         .iter()
         .any(|c| matches!(c, Command::Event { exec_id, kind: EventKind::Failed { .. }, .. } if *exec_id == exec(2))));
-    let cmds = h.on(Input::Executed { exec_id: exec(1), worker: None, unsavable: vec![], cuda_used: false });
+    let cmds = h.on(executed(1, None, &[], false));
     assert!(executes(&cmds).is_none());
 }
 
@@ -916,7 +873,7 @@ fn closing_a_session_kills_its_cells_and_ends_its_workers() {
     let (ticket, _, _) = Host::claim_in(&h.on(Input::Recipe(cpu_run(S, "k", 1))));
     let (ticket, _, _) = Host::claim_in(&h.on(Input::Claimed { ticket, claim: Claim::Won }));
     h.on(Input::Claimed { ticket, claim: Claim::Won });
-    h.on(Input::Executed { exec_id: exec(1), worker: Some(worker("cpu1")), unsavable: vec![], cuda_used: false });
+    h.on(executed(1, Some("cpu1"), &[], false));
     let cmds = h.on(Input::SessionClosed { session: S });
     assert!(cmds.iter().any(|c| matches!(c, Command::KillCells { session } if *session == S)));
     let mut stops = stopped(&cmds);
@@ -932,12 +889,7 @@ fn an_idle_session_stops_its_kept_workers_but_not_its_prepared_ones() {
     let mut h = host(2);
     h.prepare(S, "p", true, "wp");
     h.run_settled(run(S, "a", 1), Claim::Won);
-    h.on(Input::Executed {
-        exec_id: exec(1),
-        worker: Some(worker("w1")),
-        unsavable: vec!["m".into()],
-        cuda_used: true,
-    });
+    h.on(executed(1, Some("w1"), &["m"], true));
     let cmds = h.on(Input::SessionIdle { session: S });
     assert_eq!(stopped(&cmds), vec!["w1"]);
     assert_eq!(released(&cmds), vec![(1, SlotUse::UnsavableState)]);
@@ -971,12 +923,7 @@ fn a_stopped_host_stops_every_worker_it_keeps_or_prepared() {
     let mut h = host(2);
     h.prepare(S, "p", true, "wp");
     h.run_settled(run(S, "a", 1), Claim::Won);
-    h.on(Input::Executed {
-        exec_id: exec(1),
-        worker: Some(worker("w1")),
-        unsavable: vec!["m".into()],
-        cuda_used: true,
-    });
+    h.on(executed(1, Some("w1"), &["m"], true));
     let cmds = h.on(Input::Stopped);
     let mut stops = stopped(&cmds);
     stops.sort();
