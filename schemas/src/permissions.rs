@@ -102,8 +102,8 @@ impl Role {
                     s.all_runs(),
                     s.all_closes(),
                     s.all_idles(),
-                    s.all_interrupts(),
-                    s.all_inputs(),
+                    s.host_command("*", HostVerb::Interrupt),
+                    s.host_command("*", HostVerb::Input),
                     s.host_command("*", HostVerb::Query),
                     s.host_command("*", HostVerb::Comm),
                     s.store(StoreVerb::Settle),
@@ -146,10 +146,9 @@ impl Role {
                     s.all_recipes(),
                     s.all_closes(),
                     s.all_idles(),
-                    s.all_interrupts(),
-                    s.all_inputs(),
-                    s.all_events(),
                     s.all_host_status(),
+                    s.host_command("*", HostVerb::Interrupt),
+                    s.host_command("*", HostVerb::Input),
                     s.host_command("*", HostVerb::Evict),
                     s.host_command("*", HostVerb::Query),
                     s.host_command("*", HostVerb::Comm),
@@ -244,6 +243,11 @@ mod tests {
         assert!(!reaches(&nats, &op, &store, s.event(sid)).await, "the store sends no events");
         assert!(!reaches(&nats, &op, &planner, s.store(StoreVerb::Commit)).await, "the planner cannot commit");
         assert!(!hears(&nats, &op, &host, s.edit(sid)).await, "a host cannot read edits (users' code)");
+        // a host learns claims from the claims bucket and its own subjects (ADR 57)
+        assert!(!hears(&nats, &op, &host, s.event(sid)).await, "a host decodes no session's events");
+        let input = s.host_command("h1", HostVerb::Input);
+        assert!(hears(&nats, &op, &host, input.clone()).await, "a host hears the input meant for it");
+        assert!(reaches(&nats, &op, &frontend, input).await, "the frontend sends it");
         assert!(!hears(&nats, &op, &store, s.output(sid, sid)).await, "the store cannot read outputs");
         let others_inbox = format!("{}.x", inbox_prefix("frontend"));
         assert!(!hears(&nats, &op, &planner, others_inbox).await, "nor another's answers");

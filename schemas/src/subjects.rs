@@ -90,27 +90,6 @@ impl Subjects {
         format!("{}.v1.session.*.idle", self.prefix)
     }
 
-    /// `{prefix}.v1.session.{sid}.interrupt` — frontend to hosts: stop a cell.
-    pub fn interrupt(&self, sid: Uuid) -> String {
-        format!("{}.v1.session.{sid}.interrupt", self.prefix)
-    }
-
-    /// `{prefix}.v1.session.*.interrupt` — every session's interrupts.
-    pub fn all_interrupts(&self) -> String {
-        format!("{}.v1.session.*.interrupt", self.prefix)
-    }
-
-    /// `{prefix}.v1.session.{sid}.input` — frontend to hosts: what the user typed
-    /// for a cell's `input()` (or that the cell's client cannot be asked).
-    pub fn input(&self, sid: Uuid) -> String {
-        format!("{}.v1.session.{sid}.input", self.prefix)
-    }
-
-    /// `{prefix}.v1.session.*.input` — every session's input replies.
-    pub fn all_inputs(&self) -> String {
-        format!("{}.v1.session.*.input", self.prefix)
-    }
-
     /// `{prefix}.v1.output.{sid}.{exec}` — a cell's outputs; high volume, own root.
     pub fn output(&self, sid: Uuid, exec: Uuid) -> String {
         format!("{}.v1.output.{sid}.{exec}", self.prefix)
@@ -200,6 +179,12 @@ pub enum HostVerb {
     Query,
     /// A client's comm message for the session's CPU worker (request/reply).
     Comm,
+    /// Stop a cell this host claimed (the frontend knows the claiming host; a run
+    /// nobody claimed is stopped by claiming it, ADR 57).
+    Interrupt,
+    /// What the user typed for a cell's `input()` on this host (or that the
+    /// cell's client cannot be asked).
+    Input,
 }
 
 impl HostVerb {
@@ -208,6 +193,8 @@ impl HostVerb {
             HostVerb::Evict => "evict",
             HostVerb::Query => "query",
             HostVerb::Comm => "comm",
+            HostVerb::Interrupt => "interrupt",
+            HostVerb::Input => "input",
         }
     }
 }

@@ -6,7 +6,8 @@
 //!
 //! Speaks: serves `{prefix}.v1.session.*.recipe` and its host's `query` and `comm`
 //! as `$SRV` endpoints (ADR 43; runs' recipes are acknowledged, ADR 42); subscribes
-//! `….event`, `….close`;
+//! `….close`, `….idle` and its own `{prefix}.v1.host.{hid}.interrupt` and `….input`
+//! (ADR 57); watches the claims bucket for runs other hosts took;
 //! publishes `….event`, `{prefix}.v1.output.{sid}.{exec}`, `{prefix}.v1.host.{hid}.status`;
 //! requests `{prefix}.v1.store.manifest.get` and `….commit`; claims in the KV bucket
 //! `{prefix}_claims`. Reads and writes chunks in the object store directly.
@@ -44,10 +45,10 @@ use std::time::Duration;
 
 use actix::prelude::*;
 use anyhow::Context as _;
+use futures::StreamExt as _;
 use schemas::buckets;
 use schemas::messages::{
-    CommV1, EvictV1, HostStatusV2, InputReplyV1, InterruptV1, QueryV1, RecipeV3, SessionCloseV1, SessionEventV2,
-    SessionIdleV1,
+    CommV1, EvictV1, HostStatusV2, InputReplyV1, InterruptV1, QueryV1, RecipeV3, SessionCloseV1, SessionIdleV1,
 };
 use schemas::service::Service;
 use schemas::subjects::HostVerb;
@@ -240,10 +241,12 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     // requests (the planner delivers runs' recipes; queries, comms): `$SRV`
     // endpoints with their stats, each host in a group of its own (all hear recipes)
     let recipes = service.endpoint::<RecipeV3>("recipe", s.all_recipes(), &config.host_id).await?;
-    let events = bus.subscribe::<SessionEventV2>(s.all_events()).await?;
     let closes = bus.subscribe::<SessionCloseV1>(s.all_closes()).await?;
-    let interrupts = bus.subscribe::<InterruptV1>(s.all_interrupts()).await?;
-    let inputs = bus.subscribe::<InputReplyV1>(s.all_inputs()).await?;
+    // what concerns only the host that claimed a run comes to it alone (ADR 57)
+    let interrupts = bus.subscribe::<InterruptV1>(s.host_command(&config.host_id, HostVerb::Interrupt)).await?;
+    let inputs = bus.subscribe::<InputReplyV1>(s.host_command(&config.host_id, HostVerb::Input)).await?;
+    // runs other hosts took, from the claims bucket, not from anyone's session events
+    let runs_claimed = claims.runs_claimed().map(|(exec_id, holder)| host::RunClaimed { exec_id, holder });
     let idles = bus.subscribe::<SessionIdleV1>(s.all_idles()).await?;
     let evictions = bus.subscribe::<EvictV1>(s.host_command(&config.host_id, HostVerb::Evict)).await?;
     let queries =
@@ -272,7 +275,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     }
     let addr = host::Host::create(move |ctx| {
         ctx.add_stream(recipes.into_stream());
-        ctx.add_stream(events.into_stream());
+        ctx.add_stream(runs_claimed);
         ctx.add_stream(closes.into_stream());
         ctx.add_stream(interrupts.into_stream());
         ctx.add_stream(inputs.into_stream());

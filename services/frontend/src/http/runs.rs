@@ -153,13 +153,20 @@ pub(super) async fn input(
     let exec_id =
         Uuid::parse_str(&exec_id).map_err(|e| bad_request(format!("execution id {exec_id:?} is not a uuid: {e}")))?;
     let value = json_body(body)?.value;
-    let reply = addr
+    let (reply, host) = addr
         .send(session::Input { exec_id, value })
         .await
         .map_err(mailbox)?
         .map_err(|why| ApiError(StatusCode::CONFLICT, why))?;
+    // only the host that runs the cell hears the answer (ADR 57)
+    let host = match host {
+        Some(host) => host,
+        None => session::claim_holder(&state.shared.claims, exec_id).await.ok_or_else(|| {
+            ApiError(StatusCode::CONFLICT, format!("no host holds execution {exec_id} of session {sid}"))
+        })?,
+    };
     let bus = &state.shared.bus;
-    bus.publish(bus.subjects().input(sid), &reply)
+    bus.publish(bus.subjects().host_command(&host, schemas::subjects::HostVerb::Input), &reply)
         .await
         .map_err(|e| internal(format!("could not send the answer to the cell: {e}")))?;
     Ok(StatusCode::ACCEPTED)

@@ -4,6 +4,7 @@
 
 use actix::prelude::*;
 use schemas::messages::{EventKind, InputReplyV1, OutputV1, Prepare, SessionEventV2};
+use schemas::subjects::HostVerb;
 use uuid::Uuid;
 
 use super::current::Finished;
@@ -77,9 +78,20 @@ impl SessionActor {
             value: String::new(),
             refused: Some(schemas::messages::NO_STDIN.into()),
         };
-        let bus = self.shared.bus.clone();
+        let known = cur.host().map(str::to_string);
+        let (bus, claims) = (self.shared.bus.clone(), self.shared.claims.clone());
         actix::spawn(async move {
-            if let Err(e) = bus.publish(bus.subjects().input(refused.session), &refused).await {
+            // the host that runs the cell asked: it holds the run's claim
+            let host = match known {
+                Some(host) => Some(host),
+                None => super::settle::claim_holder(&claims, exec_id).await,
+            };
+            let Some(host) = host else {
+                tracing::error!(exec = %exec_id, "no host holds the run that asked for input; the cell waits until interrupted");
+                return;
+            };
+            let subject = bus.subjects().host_command(&host, HostVerb::Input);
+            if let Err(e) = bus.publish(subject, &refused).await {
                 tracing::error!(exec = %exec_id, error = %e, "could not refuse an input request; the cell waits until interrupted");
             }
         });

@@ -47,6 +47,7 @@ use read_back::{event_key, output_key};
 pub use relay::Attach;
 use relay::Watcher;
 pub use requests::{Close, CpuHost, Edit, IdleFor, Input, Summary};
+pub(crate) use settle::claim_holder;
 
 /// A record to write, and who waits until it landed.
 type RecordWrite = (SessionRecord, Option<tokio::sync::oneshot::Sender<()>>);

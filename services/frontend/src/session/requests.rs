@@ -39,7 +39,7 @@ impl Handler<Edit> for SessionActor {
 
 /// The user's answer to the running cell's input request.
 #[derive(Message)]
-#[rtype(result = "Result<InputReplyV1, String>")]
+#[rtype(result = "Result<(InputReplyV1, Option<String>), String>")]
 pub struct Input {
     /// The execution that asked.
     pub exec_id: Uuid,
@@ -48,14 +48,16 @@ pub struct Input {
 }
 
 impl Handler<Input> for SessionActor {
-    type Result = Result<InputReplyV1, String>;
+    /// The reply, and the host that claimed the run if this frontend heard which.
+    type Result = Result<(InputReplyV1, Option<String>), String>;
 
     fn handle(&mut self, msg: Input, _ctx: &mut Self::Context) -> Self::Result {
         self.last_active = Instant::now();
         match self.current.as_mut() {
             Some(cur) if cur.exec_id == msg.exec_id && cur.asking && cur.ended().is_none() => {
                 cur.asking = false;
-                Ok(InputReplyV1 { session: self.sid, exec_id: msg.exec_id, value: msg.value, refused: None })
+                let reply = InputReplyV1 { session: self.sid, exec_id: msg.exec_id, value: msg.value, refused: None };
+                Ok((reply, cur.host().map(str::to_string)))
             }
             _ => Err(format!("execution {} of this session is not waiting for input", msg.exec_id)),
         }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use schemas::messages::{ErrorCode, InterruptV1, ManifestV1, SettleV1};
-use schemas::subjects::StoreVerb;
+use schemas::subjects::{HostVerb, StoreVerb};
 use uuid::Uuid;
 
 use super::current::{Ended, RunState};
@@ -157,27 +157,33 @@ impl SessionActor {
         });
     }
 
-    /// Stop the current execution `exec_id`: every host hears the interrupt (the
-    /// one running it interrupts, then kills, the cell and reports its outcome); if
-    /// no host claimed it, it is abandoned with `unclaimed_error`.
+    /// Stop the current execution `exec_id`: the host that claimed it hears the
+    /// interrupt (it interrupts, then kills, the cell and reports its outcome); if
+    /// no host is known to hold it, it is abandoned with `unclaimed_error`, and a
+    /// host found holding it meanwhile is interrupted (ADR 57).
     pub(super) fn stop_current(&mut self, exec_id: Uuid, unclaimed_error: String, ctx: &mut Context<Self>) {
         let Some(cur) = self.current.as_ref().filter(|c| c.exec_id == exec_id && c.ended().is_none()) else {
             return;
         };
-        let unclaimed = matches!(cur.state, RunState::Unclaimed);
+        match cur.host().map(str::to_string) {
+            Some(host) => self.interrupt_host(host, exec_id, ctx),
+            None => self.abandon(exec_id, unclaimed_error, true, ctx),
+        }
+    }
+
+    /// Interrupt `exec_id` on `host`, the one that claimed it: no other host runs it.
+    fn interrupt_host(&mut self, host: String, exec_id: Uuid, ctx: &mut Context<Self>) {
         let bus = self.shared.bus.clone();
         let msg = InterruptV1 { session: self.sid, exec_id };
         ctx.spawn(
             async move {
-                if let Err(e) = bus.publish(bus.subjects().interrupt(msg.session), &msg).await {
-                    tracing::error!(error = %e, exec = %msg.exec_id, "could not publish the interrupt");
+                let subject = bus.subjects().host_command(&host, HostVerb::Interrupt);
+                if let Err(e) = bus.publish(subject, &msg).await {
+                    tracing::error!(error = %e, exec = %msg.exec_id, %host, "could not publish the interrupt");
                 }
             }
             .into_actor(self),
         );
-        if unclaimed {
-            self.abandon_unclaimed(exec_id, unclaimed_error, ctx);
-        }
     }
 
     /// End the current execution `exec_id` with `error`, but only once no host can
@@ -186,6 +192,12 @@ impl SessionActor {
     /// cannot be reached, this is tried again shortly (a run reported as not run
     /// must never run later).
     pub(super) fn abandon_unclaimed(&mut self, exec_id: Uuid, error: String, ctx: &mut Context<Self>) {
+        self.abandon(exec_id, error, false, ctx);
+    }
+
+    /// `abandon_unclaimed`, interrupting the host found holding the run if
+    /// `interrupt_holder` (the user stopped it).
+    fn abandon(&mut self, exec_id: Uuid, error: String, interrupt_holder: bool, ctx: &mut Context<Self>) {
         let (claims, key) = (self.shared.claims.clone(), schemas::buckets::run_claim_key(exec_id));
         let claim = async move {
             match claims.create(&key, schemas::buckets::INTERRUPTED_HOLDER.into()).await {
@@ -213,6 +225,9 @@ impl SessionActor {
             }
             Ok(Some(holder)) => {
                 tracing::info!(exec = %exec_id, %holder, "a host holds the run; it reports the outcome");
+                if interrupt_holder && !holder.is_empty() {
+                    act.interrupt_host(holder.clone(), exec_id, ctx);
+                }
                 let current = act.current.as_mut().filter(|c| c.exec_id == exec_id);
                 if !holder.is_empty() && current.is_some_and(|c| c.claimed_by(holder)) {
                     act.watch_host(exec_id, ctx);
@@ -223,7 +238,7 @@ impl SessionActor {
                 ctx.run_later(ABANDON_RETRY, move |act, ctx| {
                     let pending = act.current.as_ref().is_some_and(|c| c.exec_id == exec_id && c.ended().is_none());
                     if pending {
-                        act.abandon_unclaimed(exec_id, error, ctx);
+                        act.abandon(exec_id, error, interrupt_holder, ctx);
                     }
                 });
             }
@@ -296,4 +311,12 @@ impl SessionActor {
             ctx.run_later(self.shared.timeouts.output_grace, move |act, ctx| act.read_back(exec_id, ctx));
         }
     }
+}
+
+/// The host holding run `exec_id`'s claim, if a host does (not the frontend's
+/// mark of an abandoned run): where what concerns only that run goes (ADR 57).
+pub(crate) async fn claim_holder(claims: &async_nats::jetstream::kv::Store, exec_id: Uuid) -> Option<String> {
+    let holder = claims.get(schemas::buckets::run_claim_key(exec_id)).await.ok().flatten()?;
+    let holder = String::from_utf8_lossy(&holder).into_owned();
+    (holder != schemas::buckets::INTERRUPTED_HOLDER && !holder.is_empty()).then_some(holder)
 }

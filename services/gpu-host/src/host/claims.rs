@@ -176,6 +176,44 @@ impl Claims {
         }
     }
 
+    /// Run claims as they are made (or renewed), for as long as the host lives:
+    /// the execution and its holder (a host, or the frontend that abandoned it). How
+    /// a host learns that a run it waits for was taken, without reading anyone's
+    /// session events (ADR 57). A watch that ends (NATS reconnecting) is opened
+    /// again.
+    pub fn runs_claimed(&self) -> impl futures::Stream<Item = (Uuid, String)> + 'static {
+        futures::stream::unfold((self.kv.clone(), None::<kv::Watch>), |(store, mut watch)| async move {
+            loop {
+                let mut w = match watch.take() {
+                    Some(w) => w,
+                    None => match store.watch_all().await {
+                        Ok(w) => w,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "could not watch the claims; trying again");
+                            tokio::time::sleep(Duration::from_secs(1)).await;
+                            continue;
+                        }
+                    },
+                };
+                match futures::StreamExt::next(&mut w).await {
+                    Some(Ok(entry)) => {
+                        let run = entry.key.strip_prefix("run-").and_then(|u| Uuid::parse_str(u).ok());
+                        watch = Some(w);
+                        if let (Some(exec), kv::Operation::Put) = (run, entry.operation) {
+                            let holder = String::from_utf8_lossy(&entry.value).into_owned();
+                            return Some(((exec, holder), (store, watch)));
+                        }
+                    }
+                    Some(Err(e)) => {
+                        tracing::debug!(error = %e, "the claims watch broke; opening it again");
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                    None => tokio::time::sleep(Duration::from_secs(1)).await,
+                }
+            }
+        })
+    }
+
     /// Renew claims this host holds (they expire after `CLAIM_TTL` otherwise, so a
     /// dead host's claims free themselves). Returns the claims another holder took
     /// meanwhile: a CPU worker claim another host took over (this host was taken for

@@ -1,5 +1,5 @@
 //! What arrives over NATS, as inputs to the core: recipes, other hosts' status
-//! and claims, closes, idleness, interrupts and evictions; and what the core has
+//! and run claims (from the claims bucket), closes, idleness, interrupts and evictions; and what the core has
 //! no part in (queries and comms to a CPU worker, input replies).
 
 use std::time::Instant;
@@ -7,8 +7,8 @@ use std::time::Instant;
 use actix::prelude::*;
 use schemas::bus::Rejected;
 use schemas::messages::{
-    CommAnswerV1, CommV1, EventKind, EvictV1, HostStatusV2, InputReplyV1, InterruptV1, QueryAnswerV1, QueryV1,
-    RecipeKind, RecipeV3, SessionCloseV1, SessionEventV2, SessionIdleV1,
+    CommAnswerV1, CommV1, EvictV1, HostStatusV2, InputReplyV1, InterruptV1, QueryAnswerV1, QueryV1, RecipeKind,
+    RecipeV3, SessionCloseV1, SessionIdleV1,
 };
 use schemas::Envelope;
 
@@ -35,13 +35,19 @@ impl StreamHandler<Result<Envelope<RecipeV3>, Rejected>> for Host {
     }
 }
 
-impl StreamHandler<Result<Envelope<SessionEventV2>, Rejected>> for Host {
-    fn handle(&mut self, item: Result<Envelope<SessionEventV2>, Rejected>, ctx: &mut Self::Context) {
-        let Ok(env) = item else { return };
-        if let EventKind::Claimed { host, .. } = &env.msg.kind {
-            if *host != self.env.host_id {
-                self.drive(Input::ClaimedElsewhere { exec_id: env.msg.exec_id }, ctx);
-            }
+/// A run claim made (or renewed) in the claims bucket: `holder` is a host's id,
+/// or the frontend's mark of a run it abandoned.
+pub struct RunClaimed {
+    /// The execution.
+    pub exec_id: uuid::Uuid,
+    /// Who holds it.
+    pub holder: String,
+}
+
+impl StreamHandler<RunClaimed> for Host {
+    fn handle(&mut self, item: RunClaimed, ctx: &mut Self::Context) {
+        if item.holder != self.env.host_id && self.core.heard(item.exec_id) {
+            self.drive(Input::ClaimedElsewhere { exec_id: item.exec_id }, ctx);
         }
     }
 }

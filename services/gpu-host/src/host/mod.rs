@@ -37,6 +37,7 @@ use crate::exec::ExecEnv;
 use crate::gpus::Gpu;
 use crate::worker::WorkerProc;
 use claims::Claims;
+pub use handlers::RunClaimed;
 
 pub use crate::core::SPEC_WAIT;
 
