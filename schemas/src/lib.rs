@@ -25,6 +25,7 @@ pub mod codec;
 pub mod health;
 pub mod local_nats;
 pub mod locate;
+pub mod membership;
 pub mod messages;
 pub mod metrics;
 pub mod nats;

@@ -20,6 +20,7 @@ use uuid::Uuid;
 use crate::api::{ExecStatus, StreamItem};
 use crate::auth::Caller;
 use looseleaf_client::events::Event;
+use schemas::membership::Members;
 use schemas::messages::HostStatusV2;
 
 /// The page, embedded.
@@ -48,11 +49,17 @@ impl Default for Dashboard {
     }
 }
 
-#[derive(Default)]
 struct View {
-    hosts: BTreeMap<String, (HostStatusV2, Instant)>,
+    /// Hosts as their status last said (the one liveness rule, ADR 58).
+    hosts: Members<HostStatusV2>,
     sessions: BTreeMap<Uuid, SessionView>,
     executions: VecDeque<ExecView>,
+}
+
+impl Default for View {
+    fn default() -> Self {
+        Self { hosts: Members::new(Instant::now()), sessions: BTreeMap::new(), executions: VecDeque::new() }
+    }
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -101,8 +108,9 @@ impl Dashboard {
         while let Some(item) = statuses.next().await {
             if let Ok(env) = item {
                 let mut view = self.lock();
-                view.hosts.retain(|_, (_, heard)| heard.elapsed() < HOST_FORGOTTEN);
-                view.hosts.insert(env.msg.host.clone(), (env.msg, Instant::now()));
+                let now = Instant::now();
+                view.hosts.forget_older(HOST_FORGOTTEN, now);
+                view.hosts.heard(env.msg.host.clone(), env.msg, now);
                 drop(view);
                 self.changed();
             }
@@ -216,10 +224,11 @@ impl Dashboard {
     pub fn snapshot(&self, caller: &Caller) -> serde_json::Value {
         let view = self.lock();
         let now = schemas::unix_ms();
-        let hosts: Vec<serde_json::Value> = view
-            .hosts
-            .values()
-            .map(|(status, heard)| {
+        let mut heard: Vec<_> = view.hosts.all(Instant::now()).collect();
+        heard.sort_by(|a, b| a.0.cmp(b.0));
+        let hosts: Vec<serde_json::Value> = heard
+            .into_iter()
+            .map(|(_, status, ago)| {
                 let mut by_state: BTreeMap<String, usize> = BTreeMap::new();
                 for w in &status.workers {
                     *by_state.entry(format!("{:?}", w.state).to_lowercase()).or_default() += 1;
@@ -227,8 +236,8 @@ impl Dashboard {
                 json!({
                     "host": status.host,
                     "real_gpus": status.real_gpus,
-                    "silent": heard.elapsed() > HOST_SILENT,
-                    "heard_s_ago": heard.elapsed().as_secs(),
+                    "silent": ago > HOST_SILENT,
+                    "heard_s_ago": ago.as_secs(),
                     "slots": status.slots.iter().map(|s| json!({
                         "index": s.index,
                         "name": s.name,

@@ -20,13 +20,14 @@ mod sessions;
 
 pub use plan::{PlanError, RECIPE_PATIENCE};
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use async_nats::jetstream::kv;
 use schemas::checkpoint::Manifest;
+use schemas::membership::Members;
 use schemas::messages::{EditV1, PinnedWorker};
 use schemas::Bus;
 use uuid::Uuid;
@@ -63,10 +64,9 @@ pub struct Planner {
     pinned_runs: HashMap<Uuid, (Uuid, PinnedWorker, Instant)>,
     /// A host not heard for this long is lost (see `fail_runs_pinned_to_lost_hosts`).
     host_lost: Duration,
-    /// Each host's GPU slots, as its status last said, and when that was heard.
-    host_slots: HashMap<String, (u32, Instant)>,
-    /// Each host's last status: when it was made and the workers it listed.
-    host_workers: HashMap<String, (u64, HashSet<String>)>,
+    /// Each host as its last status said (GPU slots, when it was made, the
+    /// workers it listed), and when that was heard (ADR 58).
+    hosts: Members<hosts::HostSeen>,
     /// Runs heard lately: a run the frontend sent again (its acknowledgement was
     /// lost) is planned once (ADR 46). Forgotten after `RUN_MEMORY`.
     heard_runs: HashMap<Uuid, Instant>,
@@ -88,8 +88,7 @@ impl Planner {
             clock: Instant::now(),
             pinned_runs: HashMap::new(),
             host_lost: Duration::from_secs(10),
-            host_slots: HashMap::new(),
-            host_workers: HashMap::new(),
+            hosts: Members::new(Instant::now()),
             heard_runs: HashMap::new(),
         }
     }

@@ -100,7 +100,7 @@ impl<C: Clock + Clone> HostCore<C> {
         }
         // CPU runs another host's worker should have taken: those still unclaimed
         // once that host is lost are claimed again (the claim takes it over)
-        if self.peers.any_lost(&self.host_id, now) {
+        if self.peers.any_lost(now) {
             for exec in self.runs.waiting(|s| *s == RunState::ForCpuHost) {
                 if let Some(recipe) = self.runs.get(exec).map(|r| r.recipe.clone()) {
                     self.claim_cpu(recipe);

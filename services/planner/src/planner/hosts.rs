@@ -17,6 +17,17 @@ use super::Planner;
 /// frontend's claim deadline: a run not claimed by then has failed anyway).
 const PINNED_MEMORY: Duration = Duration::from_secs(60);
 
+/// What the planner keeps of a host's status.
+#[derive(Clone, Debug)]
+pub(crate) struct HostSeen {
+    /// Its GPU slots.
+    slots: u32,
+    /// When the status was made (the host's clock, unix ms).
+    unix_ms: u64,
+    /// The workers it listed.
+    workers: HashSet<String>,
+}
+
 /// The workers live hosts listed in their last status, and when they said so.
 pub(super) struct LiveHosts(HashMap<String, (u64, HashSet<String>)>);
 
@@ -42,13 +53,13 @@ impl Planner {
     /// The most GPU slots one live host has; None until a host was heard (a
     /// planner just started cannot tell yet).
     pub(super) fn largest_host(&self) -> Option<u32> {
-        self.host_slots.values().filter(|(_, seen)| seen.elapsed() < self.host_lost).map(|(n, _)| *n).max()
+        self.hosts.live(self.host_lost, Instant::now()).map(|(_, h)| h.slots).max()
     }
 
     /// The workers each live host (heard within `host_lost`) listed last, and when.
     pub(super) fn live_hosts(&self) -> LiveHosts {
-        let live = |h: &String| self.host_slots.get(h).is_some_and(|(_, seen)| seen.elapsed() < self.host_lost);
-        LiveHosts(self.host_workers.iter().filter(|(h, _)| live(h)).map(|(h, w)| (h.clone(), w.clone())).collect())
+        let live = self.hosts.live(self.host_lost, Instant::now());
+        LiveHosts(live.map(|(h, s)| (h.to_string(), (s.unix_ms, s.workers.clone()))).collect())
     }
 
     /// A run that must go to the worker holding its unsavable variables cannot run
@@ -107,8 +118,8 @@ impl StreamHandler<Result<Envelope<HostStatusV2>, Rejected>> for Planner {
             self.speculator.host_seen(&env.msg.host, now);
             let slots = u32::try_from(env.msg.slots.len()).unwrap_or(u32::MAX);
             let workers = env.msg.workers.iter().map(|w| w.id.clone()).collect();
-            self.host_workers.insert(env.msg.host.clone(), (env.msg.unix_ms, workers));
-            self.host_slots.insert(env.msg.host, (slots, Instant::now()));
+            let seen = HostSeen { slots, unix_ms: env.msg.unix_ms, workers };
+            self.hosts.heard(env.msg.host, seen, Instant::now());
         }
     }
 }
