@@ -63,7 +63,7 @@ impl<C: Clock + Clone> HostCore<C> {
             Some(RunState::Pending | RunState::ForCpuHost) => self.runs.set(exec, RunState::Gone),
             Some(RunState::Won) => {
                 self.runs.set(exec, RunState::Gone);
-                let error = crate::exec::ExecError::Interrupted.to_string();
+                let error = schemas::messages::INTERRUPTED_BEFORE_START.to_string();
                 self.emit(Command::Event { session, exec_id: exec, kind: EventKind::Failed { error } });
             }
             _ => {}
