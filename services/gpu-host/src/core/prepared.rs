@@ -117,14 +117,6 @@ impl PreparedWorker {
         matches!(self.phase, Phase::Preparing { run: Some(_), .. } | Phase::AwaitingSlot { .. })
     }
 
-    /// The run this host claimed that waits on it (for its preparation or a slot).
-    pub fn claimed_run(&self) -> Option<Uuid> {
-        match &self.phase {
-            Phase::Preparing { run: Some(r), .. } | Phase::AwaitingSlot { run: r, .. } => Some(*r),
-            _ => None,
-        }
-    }
-
     /// Whether it ends once its preparation returns.
     pub fn stopping(&self) -> bool {
         matches!(self.phase, Phase::Preparing { stop: Some(_), .. })
@@ -263,11 +255,6 @@ impl PreparedWorkers {
     /// Whether the worker prepared for (session, cell) is being prepared (status).
     pub fn is_preparing(&self, session: Uuid, cell_id: &str) -> bool {
         self.0.get(&(session, cell_id.to_string())).is_some_and(PreparedWorker::is_preparing)
-    }
-
-    /// The runs this host claimed that wait on prepared workers.
-    pub fn claimed_runs(&self) -> impl Iterator<Item = Uuid> + '_ {
-        self.0.values().filter_map(PreparedWorker::claimed_run)
     }
 
     /// Every prepared worker (shutdown).

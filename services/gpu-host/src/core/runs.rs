@@ -121,11 +121,6 @@ impl Runs {
         }
     }
 
-    /// The first waiting run (in queue order) in a state `matches` accepts.
-    pub fn first(&self, matches: impl Fn(&RunState) -> bool) -> Option<&Run> {
-        self.queue.iter().filter_map(|e| self.runs.get(e)).find(|r| matches(&r.state))
-    }
-
     /// The waiting runs in a state `matches` accepts, in queue order.
     pub fn waiting(&self, matches: impl Fn(&RunState) -> bool) -> Vec<Uuid> {
         self.queue.iter().filter(|e| self.runs.get(e).is_some_and(|r| matches(&r.state))).copied().collect()
