@@ -73,6 +73,13 @@ def listens(pid):
         return False
 
 
+def state(pid):
+    """The state letter of process `pid` in /proc (T: stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        stat = f.read()
+    return stat[stat.rfind(")") + 1 :].split()[0]
+
+
 def poll(what, timeout=60):
     """What `what()` returns once it is truthy, or None after `timeout` seconds."""
     deadline = time.time() + timeout
@@ -99,6 +106,10 @@ try:
         if again:
             # a fault the kernel cannot heal: its nats-server frozen
             os.kill(again[0], signal.SIGSTOP)
+            # stopped before the cell is sent (a thread in a syscall, an fsync
+            # say, stops only when it returns): a cell the frozen server already
+            # accepted would wait for it instead of failing
+            poll(lambda: state(again[0]) == "T", timeout=10)
             try:
                 seen["frozen"] = run(kc, "y = x + 1")
             finally:
@@ -129,7 +140,8 @@ fn a_kernel_heals_its_lost_nats_server_and_says_when_its_cluster_cannot_run_a_ce
     let out = python(prefix.path())
         .args(["-c", DRIVER, "looseleaf-faults"])
         .current_dir(work.path())
-        .env("LOOSELEAF_LOG", "warn")
+        // LOOSELEAF_TEST_LOG (e.g. "info") turns up the kernel's log to debug it
+        .env("LOOSELEAF_LOG", std::env::var("LOOSELEAF_TEST_LOG").unwrap_or_else(|_| "warn".into()))
         .output()?;
     let stderr = String::from_utf8_lossy(&out.stderr);
     anyhow::ensure!(out.status.success(), "the kernel fault driver failed:\n{stderr}");

@@ -164,6 +164,9 @@ impl Started {
 
     fn spawn_and_wait(&self) -> Result<Option<Child>, LocalNatsError> {
         let bin = self.bin.display().to_string();
+        // its log beside its store, kept across restarts: what an operator reads
+        // when JetStream does not come back
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.store_dir.with_extension("log"));
         let mut command = Command::new(&self.bin);
         command
             .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-n", &self.name, "-js", "-sd"])
@@ -171,7 +174,7 @@ impl Started {
             .args(self.config.iter().flat_map(|(c, _)| [std::ffi::OsStr::new("-c"), c.as_os_str()]))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(log.map_or_else(|_| Stdio::null(), Stdio::from))
             // a group of its own: a Ctrl-C (or Jupyter's SIGINT to a kernel's group)
             // meant for the process that started it does not stop the bus under
             // the services; they stop it

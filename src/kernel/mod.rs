@@ -161,6 +161,10 @@ impl Kernel {
 /// `looseleaf kernel -f CONNECTION_FILE`.
 pub async fn serve(connection_file: &Path, opts: KernelOptions, cluster: ClusterOptions) -> anyhow::Result<()> {
     let info = connection::read_connection_file(connection_file)?;
+    // The connection file's ports first: the embedded cluster picks free ports of
+    // its own (nats-server, the frontend), and one of those could be a port the
+    // client chose for us that nothing holds yet.
+    let sockets = connection::bind(&info).await?;
     let (fe, mut embedded) = match &opts.frontend {
         Some(url) => {
             let fe = Frontend::new(url);
@@ -176,7 +180,6 @@ pub async fn serve(connection_file: &Path, opts: KernelOptions, cluster: Cluster
             (Frontend::new(&c.frontend_url).with_token(&c.api_token), Some(c))
         }
     };
-    let sockets = connection::bind(&info).await?;
     let (sigint_tx, sigint) = mpsc::unbounded_channel();
     let mut interrupts = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
     tokio::spawn(async move {
