@@ -41,7 +41,7 @@ fn validate(compose: &Path) -> std::process::Output {
 
 #[test]
 fn compose_yaml_follows_the_compose_specification() {
-    assert!(schema().exists(), "{} is missing: run scripts/setup", schema().display());
+    assert!(schema().exists(), "{} is missing: run scripts/setup-tests", schema().display());
     let ok = validate(&repo_root().join("compose.yaml"));
     assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
     // and the check can fail: a key the specification does not have
@@ -76,7 +76,7 @@ fn compose_prometheus_config_and_alerts_pass_promtool() {
         .args(["check", "config"])
         .arg(repo_root().join("deploy/prometheus.yml"))
         .output()
-        .unwrap_or_else(|e| panic!("promtool (Debian's prometheus, scripts/setup): {e}"));
+        .unwrap_or_else(|e| panic!("promtool (Debian's prometheus, scripts/setup-tests): {e}"));
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "{text}");
     assert!(text.contains("7 rules found"), "{text}");

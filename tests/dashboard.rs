@@ -19,10 +19,12 @@ async fn the_dashboard_shows_hosts_sessions_and_executions_live() -> anyhow::Res
         .iter()
         .map(|b| Path::new("/usr/bin").join(b))
         .find(|p| p.exists())
-        .ok_or_else(|| anyhow::anyhow!("no Chromium in /usr/bin: run scripts/setup (it installs Debian's chromium)"))?;
+        .ok_or_else(|| {
+            anyhow::anyhow!("no Chromium in /usr/bin: run scripts/setup-tests (it installs Debian's chromium)")
+        })?;
     anyhow::ensure!(
         repo_root().join("tests/browser/node_modules/playwright-core").exists(),
-        "playwright-core is not installed: run scripts/setup"
+        "playwright-core is not installed: run scripts/setup-tests"
     );
     let bin = bin_dir_of(env!("CARGO_BIN_EXE_looseleaf"));
     let services = Services::start(&bin, &[1], &[]).await?;

@@ -7,7 +7,7 @@
 //! value back in a later cell, and restarts the kernel (a fresh session). With the
 //! LooseLeaf extension installed, a GPU cell typed a character at a time runs on
 //! the worker prepared while it was typed, and its badge says so.
-//! scripts/setup installs JupyterLab, Chromium and playwright-core.
+//! scripts/setup installs JupyterLab; scripts/setup-tests Chromium and playwright-core.
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -49,11 +49,13 @@ fn jupyterlab_in_a_browser_runs_interrupts_and_restarts_a_notebook_on_looseleaf(
         .iter()
         .map(|b| Path::new("/usr/bin").join(b))
         .find(|p| p.exists())
-        .ok_or_else(|| anyhow::anyhow!("no Chromium in /usr/bin: run scripts/setup (it installs Debian's chromium)"))?;
+        .ok_or_else(|| {
+            anyhow::anyhow!("no Chromium in /usr/bin: run scripts/setup-tests (it installs Debian's chromium)")
+        })?;
     let driver = repo_root().join("tests/browser/jupyterlab.mjs");
     anyhow::ensure!(
         repo_root().join("tests/browser/node_modules/playwright-core").exists(),
-        "playwright-core is not installed: run scripts/setup"
+        "playwright-core is not installed: run scripts/setup-tests"
     );
     let dir = tempfile::tempdir()?;
     let (root, prefix, state, shots) =

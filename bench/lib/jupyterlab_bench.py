@@ -117,7 +117,7 @@ def chromium() -> str:
     for b in ("chromium", "chromium-browser"):
         if Path("/usr/bin", b).exists():
             return str(Path("/usr/bin", b))
-    raise SystemExit("no Chromium in /usr/bin: run scripts/setup")
+    raise SystemExit("no Chromium in /usr/bin: run scripts/setup-tests")
 
 
 class Lab:

@@ -124,7 +124,7 @@ impl NatsServer {
     }
 }
 
-/// A local S3 server (moto, installed in the venv by scripts/setup) with one bucket,
+/// A local S3 server (moto, installed in the venv by scripts/setup-tests) with one bucket,
 /// for one test; killed on drop.
 pub struct S3Server {
     child: Child,
