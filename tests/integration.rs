@@ -25,6 +25,7 @@ mod multi_gpu;
 mod nats_cluster;
 mod operations_doc;
 mod orphans;
+mod planner_failover;
 mod relocatable;
 mod run_cli;
 mod run_delivery;

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -169,6 +170,116 @@ class Cluster:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+
+
+class Services:
+    """The four services as processes of their own around a nats-server of this
+    bench's (as the whole-cluster tests start them), so one can be killed: a
+    store, `planners` planners (the first holds the lease, ADR 60), one gpu-host
+    with `virtual_gpus` slots, and a frontend without API tokens."""
+
+    def __init__(self, work: Path, planners: int = 1, virtual_gpus: int = 2):
+        work.mkdir(parents=True, exist_ok=True)
+        self.work = work
+        self._log = open(work / "services.log", "w")
+        self.procs: dict[str, subprocess.Popen] = {}
+        nats_port = free_port()
+        self._start(
+            "nats",
+            [
+                str(REPO / ".venv" / "bin" / "nats-server"),
+                "-a",
+                "127.0.0.1",
+                "-p",
+                str(nats_port),
+                "-js",
+                "-sd",
+                str(work / "jetstream"),
+            ],
+        )
+        key = work / "manifest-key"
+        key.write_text(os.urandom(32).hex())
+        key.chmod(0o600)
+        self.env = {
+            **os.environ,
+            "LOOSELEAF_NATS_URL": f"nats://127.0.0.1:{nats_port}",
+            "LOOSELEAF_PREFIX": "bench",
+            "LOOSELEAF_STORE_URL": str(work / "store"),
+            "LOOSELEAF_PYTHON": str(PYTHON),
+            "LOOSELEAF_LOG": "warn",
+            "LOOSELEAF_MANIFEST_KEY_FILE": str(key),
+        }
+        wait_port(nats_port)
+        self._start("store", [str(RELEASE / "looseleaf-store")], self.env)
+        for i in range(planners):
+            self._start(f"planner-{i}", [str(RELEASE / "looseleaf-planner")], self.env)
+            time.sleep(1.0)  # the first one started holds the lease
+        self._start(
+            "host-0",
+            [
+                str(RELEASE / "looseleaf-gpu-host"),
+                "--host-id",
+                "host-0",
+                "--virtual-gpus",
+                str(virtual_gpus),
+                "--runtime-dir",
+                str(work / "host-0"),
+            ],
+            self.env,
+        )
+        port = free_port()
+        self._start("frontend", [str(RELEASE / "looseleaf-frontend"), "--listen", f"127.0.0.1:{port}"], self.env)
+        self.url = f"http://127.0.0.1:{port}"
+        wait_port(port)
+        self._wait_zygote()
+
+    def _wait_zygote(self, timeout: float = 180.0) -> None:
+        """Until the dashboard's snapshot shows a host with a ready zygote."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with urllib.request.urlopen(f"{self.url}/v1/dashboard", timeout=10) as stream:
+                for raw in stream:
+                    line = raw.decode().strip()
+                    if line.startswith("data:"):
+                        snapshot = json.loads(line[5:])
+                        if any(h.get("zygotes") for h in snapshot.get("hosts", [])):
+                            return
+                    if time.monotonic() > deadline:
+                        break
+        raise TimeoutError(f"no host had a ready zygote after {timeout} s (see {self.work}/services.log)")
+
+    def _start(self, name: str, args: list[str], env: dict | None = None) -> None:
+        self.procs[name] = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL service `name` (`planner-0`, `host-0`, ...) and reap it."""
+        p = self.procs[name]
+        p.kill()
+        p.wait()
+
+    def stop(self) -> None:
+        for name in reversed(list(self.procs)):
+            p = self.procs[name]
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        self._log.close()
+
+
+def wait_port(port: int, timeout: float = 60.0) -> None:
+    """Until something listens on 127.0.0.1:`port`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"nothing listens on port {port} after {timeout} s")
 
 
 # The bearer token of each frontend a Cluster started, by URL.

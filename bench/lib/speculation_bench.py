@@ -9,7 +9,9 @@ the same time, one per mode (speculation on, `--no-speculation`), so both see th
 same machine load. Two short runs of one notebook with every prepared worker
 holding its GPU slot (as workers whose closure lives on a GPU do), one with the
 default idle budget and one with a tight one, show that the budget bounds the
-idle slot time speculation spends.
+idle slot time speculation spends. A fifth run sends the same notebooks through
+the services as processes with two planners, killing the one that holds the lease
+3 s into the second notebook (`hit_rate_planner_killed`, ADR 60).
 
 Figures (DESIGN.md section 10): a cell's start delay is Run (or the previous cell's
 end, if later) to its first line. `hit_rate`: cells that ran on a prepared worker
@@ -35,6 +37,9 @@ TIGHT_BUDGET_NOTEBOOK = "pdsh_03.03-Operations-in-Pandas.ipynb"
 TIGHT_IDLE_SECONDS = 5.0
 TARGET_WITHIN_1S = 0.98
 TARGET_MEDIAN_MS = 50.0
+# the planner-killed run: its active planner dies this long into the second notebook
+KILL_AFTER_S = 3.0
+TARGET_HIT_RATE_PLANNER_KILLED = 0.9
 
 
 def run_mode(
@@ -52,6 +57,28 @@ def run_mode(
             reports.append((nb, B.run_notebook(corpus / nb, cluster.url, d, all_gpu=True, timeout=900, extra=extra)))
     finally:
         cluster.stop()
+    out[name] = reports
+
+
+def run_planner_killed(name: str, work: Path, corpus: Path, extra: list[str], notebooks: list[str], out: dict) -> None:
+    """Every notebook through services run as processes with two planners (ADR 60);
+    the one holding the lease is killed (SIGKILL) 3 s into the second notebook,
+    while its first cell is typed; fills out[name]."""
+    d = work / name
+    d.mkdir(parents=True)
+    services = B.Services(d / "services", planners=2)
+    reports = []
+    try:
+        for i, nb in enumerate(notebooks):
+            killer = threading.Timer(KILL_AFTER_S, services.kill, args=("planner-0",)) if i == 1 else None
+            if killer:
+                killer.start()
+            B.log(f"{name}: {nb}")
+            reports.append((nb, B.run_notebook(corpus / nb, services.url, d, all_gpu=True, timeout=900, extra=extra)))
+            if killer:
+                killer.join()
+    finally:
+        services.stop()
     out[name] = reports
 
 
@@ -132,15 +159,18 @@ def main() -> None:
         threading.Thread(target=run_mode, args=(name, work, corpus, extra, nbs, env, out))
         for name, extra, nbs, env in modes
     ]
+    threads.append(
+        threading.Thread(target=run_planner_killed, args=("planner_killed", work, corpus, typing, notebooks, out))
+    )
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    missing = [name for name, *_ in modes if name not in out]
+    missing = [name for name in [m[0] for m in modes] + ["planner_killed"] if name not in out]
     if missing:
         raise SystemExit(f"modes failed: {missing} (see bench/work/speculation/*/up.log)")
-    spec, nospec, holds, tight = (
-        summary(out[m]) for m in ("speculation", "no_speculation", "holds_slot", "tight_budget")
+    spec, nospec, holds, tight, killed = (
+        summary(out[m]) for m in ("speculation", "no_speculation", "holds_slot", "tight_budget", "planner_killed")
     )
     result = {
         "bench": "speculation",
@@ -150,11 +180,17 @@ def main() -> None:
         "median_start_ms_no_spec": nospec["median_start_ms"],
         "idle_slot_seconds": spec["idle_slot_seconds"],
         "hit_rate": spec["hit_rate"],
+        # two planners, the active one killed mid-run (ADR 60): the standby takes over
+        "hit_rate_planner_killed": killed["hit_rate"],
+        "within_1s_planner_killed": killed["within_1s"],
+        "errors_planner_killed": killed["errors"],
         "targets": {
             "within_1s_at_least": TARGET_WITHIN_1S,
             "median_start_ms_under": TARGET_MEDIAN_MS,
             "within_1s_met": (spec["within_1s"] or 0) >= TARGET_WITHIN_1S,
             "median_met": (spec["median_start_ms"] or 1e9) < TARGET_MEDIAN_MS,
+            "hit_rate_planner_killed_at_least": TARGET_HIT_RATE_PLANNER_KILLED,
+            "hit_rate_planner_killed_met": (killed["hit_rate"] or 0) >= TARGET_HIT_RATE_PLANNER_KILLED,
         },
         "budget": {
             "what": (
@@ -191,12 +227,14 @@ def main() -> None:
         "no_speculation": nospec,
         "holds_slot": holds,
         "tight_budget": tight,
+        "planner_killed": killed,
     }
     path = B.write_result("speculation", result)
     B.log(
         f"within_1s {spec['within_1s']:.3f} (no spec {nospec['within_1s']:.3f}), median "
         f"{spec['median_start_ms']} ms (no spec {nospec['median_start_ms']} ms), hit rate {spec['hit_rate']:.2f}, "
-        f"idle {spec['idle_slot_seconds']:.1f} s; wrote {path}"
+        f"idle {spec['idle_slot_seconds']:.1f} s; planner killed: hit rate {killed['hit_rate']:.2f}, "
+        f"{killed['errors']} errors; wrote {path}"
     )
 
 

@@ -1,18 +1,22 @@
 //! The planner: turns each session's edit stream and runs into recipes
 //! (DESIGN.md section 4, step 2).
 //!
+//! One planner plans at a time: it holds the lease in [`lease`], and a second
+//! one stands by, subscribed to nothing, until it takes the lease over (ADR 60).
+//!
 //! Speaks: serves `{prefix}.v1.session.*.run` as a `$SRV` endpoint (runs are
 //! delivered and acknowledged, ADR 42 and 43); subscribes `….edit`, `….close` (queue
-//! group `planner`, so replicas share the work); requests
+//! group `planner`); requests
 //! `{prefix}.v1.store.manifest.get`; delivers runs' recipes and publishes edits'
 //! on `{prefix}.v1.session.{sid}.recipe`, and `Planned` events; keeps
 //! per-session state in the JetStream KV bucket `{prefix}_planner`.
 //!
-//! Modules: [`analysis`] (reads, writes, imports, device signs of a cell),
+//! Modules: [`lease`] (who plans), [`analysis`] (reads, writes, imports, device signs of a cell),
 //! [`recipe`] (closure, imports, label against the manifest), [`state`] (what the
 //! planner remembers), [`planner`] (the actor).
 
 pub mod analysis;
+pub mod lease;
 pub mod planner;
 pub mod recipe;
 pub mod speculator;
@@ -65,6 +69,13 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         let bucket = schemas::health::bucket(&bus, buckets::planner_bucket(&config.prefix));
         schemas::health::serve(listen, Readiness::new(&bus).with("planner_bucket", bucket)).await?;
     }
+    // standby until this planner holds the lease: only one plans (ADR 60)
+    let mut shutdown = std::pin::pin!(shutdown);
+    let holder = format!("looseleaf-planner-{}", uuid::Uuid::new_v4());
+    let mut lease = tokio::select! {
+        lease = lease::Lease::acquire(kv.clone(), holder) => lease,
+        () = &mut shutdown => return Ok(()),
+    };
     let s = bus.subjects().clone();
     // requests (the frontend delivers runs): a `$SRV` endpoint with its stats
     let runs = service.endpoint::<RunV2>("run", s.all_runs(), "planner").await?;
@@ -83,6 +94,10 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     });
     tracing::info!(prefix = %config.prefix, "planner serving");
     // nothing to hand back: a run planned halfway is planned again by its retry
-    service.serve(shutdown, || addr.connected(), async {}).await?;
+    tokio::select! {
+        served = service.serve(shutdown, || addr.connected(), async {}) => served?,
+        lost = lease.lost() => return Err(lost.into()),
+    }
+    lease.release().await;
     Ok(())
 }

@@ -161,6 +161,12 @@ impl Services {
         Ok(())
     }
 
+    /// Start one more instance of the service binary `bin` under `name` (a
+    /// second planner, say), with the environment the others have.
+    pub fn start_another(&mut self, name: &str, bin: &str) -> anyhow::Result<()> {
+        self.add(name, bin, vec![])
+    }
+
     fn proc(&mut self, name: &str) -> anyhow::Result<&mut Proc> {
         self.procs.iter_mut().find(|p| p.name == name).with_context(|| format!("no service {name}"))
     }
