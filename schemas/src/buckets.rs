@@ -88,6 +88,10 @@ pub fn planner_bucket(prefix: &str) -> String {
     format!("{}_planner", sanitize(prefix))
 }
 
+/// Key of the planner lease in the planner bucket (session states there are keyed
+/// by uuid): its value names the one planner that plans (ADR 60).
+pub const PLANNER_LEASE_KEY: &str = "planner-lease";
+
 /// Object store bucket of message bodies too large for one message (ADR 30).
 pub fn bodies_bucket(prefix: &str) -> String {
     format!("{}_bodies", sanitize(prefix))

@@ -3,7 +3,7 @@
 //! The planner keeps its speculator's admissions, the edit debounce and the runs
 //! it heard in its own memory, so two planners sharing the queue group would each
 //! see part of a session's events. Instead one planner holds the lease, the key
-//! [`LEASE_KEY`] in the planner bucket, and only it subscribes; a standby waits.
+//! [`PLANNER_LEASE_KEY`] in the planner bucket, and only it subscribes; a standby waits.
 //!
 //! - The holder renews it every [`RENEW`] with compare-and-set on the revision it
 //!   wrote. A renewal refused because another planner wrote the key meanwhile
@@ -19,10 +19,9 @@
 use std::time::Duration;
 
 use async_nats::jetstream::kv;
+use schemas::buckets::PLANNER_LEASE_KEY;
 use tokio::time::Instant;
 
-/// The lease's key in the planner bucket (session states are keyed by uuid).
-pub const LEASE_KEY: &str = "planner-lease";
 /// How often the holder renews the lease.
 pub const RENEW: Duration = Duration::from_secs(1);
 /// How long a standby sees the lease unchanged before it takes it over.
@@ -50,7 +49,7 @@ impl Lease {
         let mut seen: Option<(u64, Instant)> = None;
         let mut said = false;
         loop {
-            match kv.entry(LEASE_KEY).await {
+            match kv.entry(PLANNER_LEASE_KEY).await {
                 // this planner's own write, whose answer was lost (a create that
                 // timed out but landed)
                 Ok(Some(e)) if e.operation == kv::Operation::Put && e.value == holder.as_bytes() => {
@@ -62,10 +61,14 @@ impl Lease {
                     match seen {
                         Some((rev, since)) if rev == e.revision => {
                             if now.duration_since(since) >= EXPIRY {
-                                if let Ok(revision) = kv.update(LEASE_KEY, holder.clone().into(), e.revision).await {
-                                    let from = String::from_utf8_lossy(&e.value).to_string();
-                                    tracing::warn!(%holder, %from, "took the planner lease over from a silent planner");
-                                    return Lease { kv, holder, revision };
+                                match kv.update(PLANNER_LEASE_KEY, holder.clone().into(), e.revision).await {
+                                    Ok(revision) => {
+                                        let from = String::from_utf8_lossy(&e.value).to_string();
+                                        tracing::warn!(%holder, %from, "took the planner lease over from a silent planner");
+                                        return Lease { kv, holder, revision };
+                                    }
+                                    // another standby was first, or NATS is away
+                                    Err(e) => tracing::debug!(error = %e, "could not take the planner lease over"),
                                 }
                             }
                         }
@@ -80,9 +83,13 @@ impl Lease {
                 // absent, or deleted (create writes over a delete marker): the
                 // first to create it holds it
                 Ok(_) => {
-                    if let Ok(revision) = kv.create(LEASE_KEY, holder.clone().into()).await {
-                        tracing::info!(%holder, "holds the planner lease");
-                        return Lease { kv, holder, revision };
+                    match kv.create(PLANNER_LEASE_KEY, holder.clone().into()).await {
+                        Ok(revision) => {
+                            tracing::info!(%holder, "holds the planner lease");
+                            return Lease { kv, holder, revision };
+                        }
+                        // another planner was first, or NATS is away
+                        Err(e) => tracing::debug!(error = %e, "could not create the planner lease"),
                     }
                 }
                 Err(e) => tracing::debug!(error = %e, "could not read the planner lease; trying again"),
@@ -97,26 +104,28 @@ impl Lease {
     pub async fn lost(&mut self) -> LeaseError {
         loop {
             tokio::time::sleep(RENEW).await;
-            match self.kv.update(LEASE_KEY, self.holder.clone().into(), self.revision).await {
+            match self.kv.update(PLANNER_LEASE_KEY, self.holder.clone().into(), self.revision).await {
                 Ok(revision) => self.revision = revision,
-                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => match self.kv.entry(LEASE_KEY).await {
-                    // a renewal of ours that landed though its answer was lost
-                    // (NATS stalled): still ours, at the revision it wrote
-                    Ok(Some(e)) if e.operation == kv::Operation::Put && e.value == self.holder.as_bytes() => {
-                        self.revision = e.revision;
-                    }
-                    Ok(Some(e)) if e.operation == kv::Operation::Put => {
-                        return LeaseError::TakenOver { holder: String::from_utf8_lossy(&e.value).to_string() };
-                    }
-                    // deleted meanwhile (by an operator): nobody else holds it
-                    Ok(_) => match self.kv.create(LEASE_KEY, self.holder.clone().into()).await {
-                        Ok(revision) => self.revision = revision,
-                        Err(e) => {
-                            tracing::warn!(error = %e, "could not take the deleted planner lease back; trying again")
+                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
+                    match self.kv.entry(PLANNER_LEASE_KEY).await {
+                        // a renewal of ours that landed though its answer was lost
+                        // (NATS stalled): still ours, at the revision it wrote
+                        Ok(Some(e)) if e.operation == kv::Operation::Put && e.value == self.holder.as_bytes() => {
+                            self.revision = e.revision;
                         }
-                    },
-                    Err(e) => tracing::warn!(error = %e, "could not read the planner lease; trying again"),
-                },
+                        Ok(Some(e)) if e.operation == kv::Operation::Put => {
+                            return LeaseError::TakenOver { holder: String::from_utf8_lossy(&e.value).to_string() };
+                        }
+                        // deleted meanwhile (by an operator): nobody else holds it
+                        Ok(_) => match self.kv.create(PLANNER_LEASE_KEY, self.holder.clone().into()).await {
+                            Ok(revision) => self.revision = revision,
+                            Err(e) => {
+                                tracing::warn!(error = %e, "could not take the deleted planner lease back; trying again")
+                            }
+                        },
+                        Err(e) => tracing::warn!(error = %e, "could not read the planner lease; trying again"),
+                    }
+                }
                 Err(e) => tracing::warn!(error = %e, "could not renew the planner lease; trying again"),
             }
         }
@@ -126,7 +135,7 @@ impl Lease {
     /// next planner takes it at once instead of after [`EXPIRY`]. Only the
     /// revision this planner wrote is deleted.
     pub async fn release(self) {
-        if let Err(e) = self.kv.delete_expect_revision(LEASE_KEY, Some(self.revision)).await {
+        if let Err(e) = self.kv.delete_expect_revision(PLANNER_LEASE_KEY, Some(self.revision)).await {
             tracing::debug!(error = %e, "the planner lease was not released (taken over, or NATS is away)");
         }
     }
