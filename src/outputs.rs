@@ -5,7 +5,9 @@
 //! - an output with a `transient.display_id` is remembered under that id, and an
 //!   `update_display_data`, or another display with the same id, replaces the data
 //!   and metadata of every output remembered under it, in any cell;
-//! - `pager` (the text of `obj?`) shows in a Jupyter pager, not in the notebook.
+//!
+//! Only notebook outputs come here (`CellMessage::Output`): a side channel (the
+//! pager's text, a comm message, an input request) is never a notebook's.
 //!
 //! `transient` never reaches the notebook (nbformat has no such field).
 
@@ -46,12 +48,8 @@ impl NotebookOutputs {
                         self.clear(index);
                     }
                 }
-                // not notebook outputs: the pager's text, a comm message (ADR 33),
-                // the results of a run's user_expressions
-                "update_display_data"
-                | "pager"
-                | schemas::messages::COMM_OUTPUT
-                | schemas::messages::USER_EXPRESSIONS_OUTPUT => {}
+                // it changed the outputs shown under its display id (above)
+                "update_display_data" => {}
                 _ => {
                     if clear_before_next {
                         self.clear(index);
@@ -141,15 +139,12 @@ mod tests {
     }
 
     #[test]
-    fn a_cleared_output_is_no_longer_updated_and_neither_pager_nor_comm_is_an_output() {
+    fn a_cleared_output_is_no_longer_updated() {
         let mut nb = NotebookOutputs::default();
-        let pager = json!({"output_type": "pager", "data": {"text/plain": "Docstring"}});
         let clear = json!({"output_type": "clear_output", "wait": false});
         let mut update = display("new", Some("p"));
         update["output_type"] = json!("update_display_data");
-        let comm = json!({"output_type": "comm", "msg_type": "comm_open", "content": {"comm_id": "c"},
-                          "metadata": {}, "buffers": []});
-        nb.apply(0, vec![display("old", Some("p")), clear, pager, stream("after\n"), update, comm]);
+        nb.apply(0, vec![display("old", Some("p")), clear, stream("after\n"), update]);
         assert_eq!(nb.cell(0), vec![stream("after\n")]);
     }
 }

@@ -3,6 +3,7 @@
 
 use looseleaf_client::api::{ExecStatus, StreamItem};
 use looseleaf_client::events::{CellStatus, Event, PreparedClass, PreparedOutcome, SlotUse, StartPhases};
+use schemas::messages::CellMessage;
 use serde::Serialize;
 use uuid::Uuid;
 
@@ -19,7 +20,7 @@ pub struct Trace {
     pub run_unix_ms: u64,
     /// Session events of this execution, in order: (unix ms, kind).
     pub events: Vec<(u64, Event)>,
-    /// Outputs, in arrival order: (seq, output).
+    /// Notebook outputs, in arrival order: (seq, output).
     pub outputs: Vec<(u64, serde_json::Value)>,
     /// The done item: (status, unix ms, error).
     pub done: Option<(ExecStatus, u64, Option<String>)>,
@@ -31,7 +32,9 @@ impl Trace {
         match item {
             StreamItem::Queued { run_unix_ms, .. } => self.run_unix_ms = run_unix_ms,
             StreamItem::Event { unix_ms, event, .. } => self.events.push((unix_ms, event)),
-            StreamItem::Output { seq, output, .. } => self.outputs.push((seq, output)),
+            // the notebook holds outputs only: `looseleaf run` has no stdin, comms or pager
+            StreamItem::Output { seq, output: CellMessage::Output(output), .. } => self.outputs.push((seq, output)),
+            StreamItem::Output { .. } => {}
             StreamItem::Done { status, unix_ms, error, .. } => self.done = Some((status, unix_ms, error)),
         }
     }

@@ -181,3 +181,28 @@ fn the_report_says_what_it_is_and_when_it_ran() {
         assert!(schema["$defs"]["totals"]["properties"].get(key).is_some(), "totals field {key} is not in the schema");
     }
 }
+
+/// `looseleaf run` writes a notebook: of what a cell sends its client, it keeps
+/// the notebook outputs, never a pager's text, a comm message or user expressions.
+#[test]
+fn a_trace_keeps_notebook_outputs_and_no_side_channel() {
+    use schemas::messages::CommToClient;
+    let exec_id = Uuid::now_v7();
+    let stream = serde_json::json!({"output_type": "stream", "name": "stdout", "text": "hi\n"});
+    let sent = [
+        CellMessage::Pager { data: serde_json::json!({"text/plain": "Doc"}), start: 0 },
+        CellMessage::Output(stream.clone()),
+        CellMessage::Comm(CommToClient {
+            msg_type: "comm_open".into(),
+            content: serde_json::json!({"comm_id": "c"}),
+            metadata: serde_json::json!({}),
+            buffers: vec![],
+        }),
+        CellMessage::UserExpressions(serde_json::json!({})),
+    ];
+    let mut t = Trace { exec_id, ..Default::default() };
+    for (seq, output) in (1..).zip(sent) {
+        t.push(StreamItem::Output { exec_id, seq, output });
+    }
+    assert_eq!(t.sorted_outputs(), vec![stream]);
+}

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use looseleaf_client::api::{ExecStatus, StreamItem};
+use schemas::messages::CellMessage;
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
@@ -197,7 +198,7 @@ fn echo(output: &serde_json::Value) {
                 .collect();
             eprintln!("{}", tb.join("\n"));
         }
-        _ => {} // clear_output, display updates and the pager change nothing in a log
+        _ => {} // clear_output and display updates change nothing in a log
     }
     let _ = std::io::Write::flush(&mut std::io::stdout());
 }
@@ -249,7 +250,7 @@ async fn drive(req: &RunRequest, mut nb: serde_json::Value, fe: &Frontend) -> an
                 order.push(accepted.exec_id);
                 loop {
                     let Some(item) = rx.recv().await else { bail!("the frontend's event stream ended") };
-                    if let StreamItem::Output { exec_id, output, .. } = &item {
+                    if let StreamItem::Output { exec_id, output: CellMessage::Output(output), .. } = &item {
                         if *exec_id == accepted.exec_id {
                             bar.suspend(|| echo(output));
                         }

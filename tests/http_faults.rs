@@ -133,7 +133,7 @@ async fn read_until(
 fn printed(exec: Uuid, what: &'static str) -> impl Fn(&StreamItem) -> bool {
     move |i| {
         matches!(i, StreamItem::Output { exec_id, output, .. }
-            if *exec_id == exec && output["text"].as_str().is_some_and(|t| t.contains(what)))
+            if *exec_id == exec && output.to_json()["text"].as_str().is_some_and(|t| t.contains(what)))
     }
 }
 
@@ -173,7 +173,7 @@ fn assert_once(exec: Uuid, before: &[(String, String)], after: &[(String, String
     let mut text = String::new();
     for data in &all {
         if let StreamItem::Output { output, .. } = serde_json::from_str::<StreamItem>(data)? {
-            text.push_str(output["text"].as_str().unwrap_or_default());
+            text.push_str(output.to_json()["text"].as_str().unwrap_or_default());
         }
     }
     Ok(text)

@@ -4,6 +4,7 @@
 //! with the rest (ADR 40). Run one file's tests with a filter:
 //! `cargo test --release --test integration corpus::`.
 
+mod cell_messages;
 mod chaos;
 mod closure_soundness;
 mod competition;

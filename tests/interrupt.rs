@@ -26,7 +26,7 @@ fn gone(pid: u32) -> bool {
 /// Wait until `exec` printed `marker` (its code is running, past the interrupt
 /// that would stop it before its first line).
 async fn printed(s: &mut TestSession, exec: Uuid, marker: &str) -> anyhow::Result<StreamItem> {
-    let out = |i: &StreamItem| matches!(i, StreamItem::Output { exec_id, output, .. } if *exec_id == exec && output.to_string().contains(marker));
+    let out = |i: &StreamItem| matches!(i, StreamItem::Output { exec_id, output, .. } if *exec_id == exec && output.to_json().to_string().contains(marker));
     s.events.until(out).await
 }
 
@@ -77,7 +77,8 @@ async fn an_interrupted_gpu_cell_stops_as_in_a_kernel_and_one_that_ignores_it_is
     let exec = s.fe.run(s.sid, "e", stubborn).await?.exec_id;
     let child = printed(&mut s, exec, "child").await?;
     let StreamItem::Output { output, .. } = child else { anyhow::bail!("no output") };
-    let pid: u32 = output["text"].as_str().unwrap_or_default().split_whitespace().nth(1).unwrap_or("0").parse()?;
+    let pid: u32 =
+        output.to_json()["text"].as_str().unwrap_or_default().split_whitespace().nth(1).unwrap_or("0").parse()?;
     assert!(pid > 0 && !gone(pid), "the cell's child runs");
     s.fe.interrupt(s.sid).await?;
     let (status, error) = s.events.outcome(exec).await?;

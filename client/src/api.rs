@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 
+use schemas::messages::CellMessage;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
@@ -110,11 +111,13 @@ pub struct CommAnswer {
     /// `comm_info_reply`'s content for `comm_info_request`, else `{}`.
     #[schema(value_type = Object)]
     pub reply: serde_json::Value,
-    /// What handling it caused: worker outputs, among them comm messages to the
-    /// client (`output_type` "comm", with `msg_type`, `content`, `metadata` and
-    /// base64 `buffers`) and what callbacks printed (streams).
+    /// What handling it caused, in order: comm messages to the client
+    /// (`output_type` "comm", with `msg_type`, `content`, `metadata` and base64
+    /// `buffers`) and what callbacks printed (notebook outputs), each a cell
+    /// message as in the event stream.
     #[schema(value_type = Vec<Object>)]
-    pub outputs: Vec<serde_json::Value>,
+    #[serde(with = "schemas::messages::cell_messages_json")]
+    pub outputs: Vec<CellMessage>,
 }
 
 /// Body of `POST /v1/sessions/{sid}/executions/{exec}/input`.
@@ -250,15 +253,19 @@ pub enum StreamItem {
         /// What happened (`crate::events`: the public JSON, not the bus's).
         event: crate::events::Event,
     },
-    /// One nbformat v4 output of an execution.
+    /// What an execution sends its client: an nbformat v4 output, or a side
+    /// channel that no notebook holds, its `output_type` one of `input_request`
+    /// (`prompt`, `password`), `comm` (`msg_type`, `content`, `metadata`,
+    /// `buffers`), `user_expressions` (`data`) or `pager` (`data`, `start`).
     Output {
         /// The execution.
         exec_id: Uuid,
         /// Order within the execution.
         seq: u64,
-        /// The output.
+        /// The message.
         #[schema(value_type = Object)]
-        output: serde_json::Value,
+        #[serde(with = "schemas::messages::cell_message_json")]
+        output: CellMessage,
     },
     /// The execution is complete: its state is saved (or it failed) and every output
     /// was delivered before this item.
@@ -445,7 +452,7 @@ mod tests {
     async fn replayed_items_reach_the_caller_once() {
         let exec = Uuid::now_v7();
         let out = |text: &str| {
-            format!("data: {{\"type\":\"output\",\"exec_id\":\"{exec}\",\"seq\":0,\"output\":\"{text}\"}}\n\n")
+            format!("data: {{\"type\":\"output\",\"exec_id\":\"{exec}\",\"seq\":0,\"output\":{{\"output_type\":\"stream\",\"name\":\"stdout\",\"text\":\"{text}\"}}}}\n\n")
         };
         let done = |e: &str| {
             format!("data: {{\"type\":\"done\",\"exec_id\":\"{exec}\",\"status\":\"failed\",\"after_revision\":1,\"unix_ms\":5,\"error\":\"{e}\"}}\n\n")

@@ -5,6 +5,7 @@
 
 use jupyter_protocol::{JupyterMessage, JupyterMessageContent};
 use looseleaf_client::api::{CommAnswer, CommMessage, StreamItem};
+use schemas::messages::CommToClient;
 use serde_json::{json, Value};
 
 use super::execute::Ended;
@@ -162,35 +163,33 @@ impl Kernel {
             user_expressions: json!({}),
             placement: Default::default(),
         };
-        for output in answer.outputs {
-            self.relay(msg, output, false, self.execution_count, &mut ended).await;
+        for message in answer.outputs {
+            self.relay(msg, message, false, self.execution_count, &mut ended).await;
         }
         answer.reply
     }
 
-    /// A comm message to the client among a worker's outputs, published as that
-    /// Jupyter message (its buffers decoded).
-    pub(super) async fn relay_comm(&mut self, parent: &JupyterMessage, obj: &serde_json::Map<String, Value>) {
+    /// A worker's comm message to the client, published as that Jupyter message
+    /// (its buffers decoded).
+    pub(super) async fn relay_comm(&mut self, parent: &JupyterMessage, comm: CommToClient) {
         use base64::Engine as _;
-        let msg_type = obj.get("msg_type").and_then(Value::as_str).unwrap_or_default();
+        let msg_type = comm.msg_type.as_str();
         if !matches!(msg_type, "comm_open" | "comm_msg" | "comm_close") {
-            tracing::warn!(msg_type, "a comm output of no comm message type; dropped");
+            tracing::warn!(msg_type, "a comm message of no comm message type; dropped");
             return;
         }
-        let content = obj.get("content").cloned().unwrap_or_else(|| json!({}));
-        let mut m = match message(msg_type, content, parent) {
+        let mut m = match message(msg_type, comm.content, parent) {
             Ok(m) => m,
             Err(e) => {
                 tracing::warn!(error = %e, "a comm message was not relayed");
                 return;
             }
         };
-        if let Some(metadata) = obj.get("metadata").filter(|m| m.is_object()) {
-            m.metadata = metadata.clone();
+        if comm.metadata.is_object() {
+            m.metadata = comm.metadata;
         }
-        let buffers = obj.get("buffers").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default();
-        for b in buffers {
-            match base64::engine::general_purpose::STANDARD.decode(b.as_str().unwrap_or_default()) {
+        for b in &comm.buffers {
+            match base64::engine::general_purpose::STANDARD.decode(b) {
                 Ok(bytes) => m.buffers.push(bytes.into()),
                 Err(e) => tracing::warn!(error = %e, "a comm message's buffer is not base64; left out"),
             }

@@ -8,6 +8,7 @@ use jupyter_protocol::{JupyterMessage, JupyterMessageContent};
 use looseleaf_client::api::{ExecStatus, RunCell, StreamItem};
 use looseleaf_client::events::Event;
 use looseleaf_client::Frontend;
+use schemas::messages::CellMessage;
 use serde_json::{json, Value};
 use tracing::Instrument as _;
 use uuid::Uuid;
@@ -278,8 +279,42 @@ impl Kernel {
         }
     }
 
-    /// Relay one of the cell's outputs (the worker's own output message) on iopub.
+    /// Pass on what the cell sent its client, each kind on its Jupyter channel:
+    /// outputs on iopub, an input request on stdin, comm messages on iopub whether
+    /// or not the cell is silent, user expressions and the pager into the reply.
     pub(super) async fn relay(
+        &mut self,
+        msg: &JupyterMessage,
+        sent: CellMessage,
+        silent: bool,
+        count: u64,
+        ended: &mut Ended,
+    ) {
+        match sent {
+            CellMessage::Output(output) => self.relay_output(msg, output, silent, count, ended).await,
+            // the cell called input(): the client is asked on the stdin channel
+            // (the frontend sends this only for a run made with allow_stdin)
+            CellMessage::InputRequest { prompt, password } => {
+                match message("input_request", json!({ "prompt": prompt, "password": password }), msg) {
+                    Ok(m) => {
+                        if let Err(e) = self.sockets.stdin.send(m).await {
+                            tracing::warn!(error = %e, "could not ask for input on the stdin channel");
+                        }
+                    }
+                    Err(e) => tracing::error!(error = %e, "could not build an input request"),
+                }
+            }
+            CellMessage::Comm(comm) => self.relay_comm(msg, comm).await,
+            CellMessage::UserExpressions(data) => ended.user_expressions = data,
+            // the text of `obj?` goes to Jupyter's pager, as the reply's payload
+            CellMessage::Pager { data, start } => {
+                ended.payload.push(json!({ "source": "page", "data": data, "start": start }))
+            }
+        }
+    }
+
+    /// Publish one notebook output on iopub (an error also ends the reply as one).
+    async fn relay_output(
         &mut self,
         msg: &JupyterMessage,
         mut output: Value,
@@ -298,39 +333,6 @@ impl Kernel {
                     .map(|t| t.iter().filter_map(|l| l.as_str().map(str::to_owned)).collect())
                     .unwrap_or_default();
                 ended.error = Some((text("ename"), text("evalue"), traceback));
-            }
-            // the cell called input(): the client is asked on the stdin channel
-            // (the frontend sends this only for a run made with allow_stdin)
-            schemas::messages::INPUT_REQUEST_OUTPUT => {
-                let content = json!({
-                    "prompt": obj.get("prompt").cloned().unwrap_or_else(|| json!("")),
-                    "password": obj.get("password").cloned().unwrap_or(json!(false)),
-                });
-                match message("input_request", content, msg) {
-                    Ok(m) => {
-                        if let Err(e) = self.sockets.stdin.send(m).await {
-                            tracing::warn!(error = %e, "could not ask for input on the stdin channel");
-                        }
-                    }
-                    Err(e) => tracing::error!(error = %e, "could not build an input request"),
-                }
-                return;
-            }
-            // a comm message (ipywidgets), whether or not the cell is silent
-            schemas::messages::COMM_OUTPUT => {
-                self.relay_comm(msg, obj).await;
-                return;
-            }
-            // the results of the request's user_expressions, for the reply
-            schemas::messages::USER_EXPRESSIONS_OUTPUT => {
-                ended.user_expressions = obj.remove("data").unwrap_or_else(|| json!({}));
-                return;
-            }
-            // the text of `obj?` goes to Jupyter's pager, as the reply's payload
-            "pager" => {
-                let data = obj.get("data").cloned().unwrap_or_else(|| json!({}));
-                ended.payload.push(json!({ "source": "page", "data": data, "start": 0 }));
-                return;
             }
             "execute_result" => {
                 obj.insert("execution_count".into(), json!(count));

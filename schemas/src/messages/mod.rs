@@ -26,7 +26,9 @@ use serde::{Deserialize, Serialize};
 use crate::codec::WireMessage;
 
 pub mod frozen;
-pub use frozen::{ChunkPlanV1, CommitV1, HostStatusV1, ManifestGetV1, RecipeV1, RecipeV2, RunV1, SessionEventV1};
+pub use frozen::{
+    ChunkPlanV1, CommitV1, HostStatusV1, ManifestGetV1, OutputV1, RecipeV1, RecipeV2, RunV1, SessionEventV1,
+};
 
 macro_rules! wire {
     ($ty:ty, $name:literal, $version:literal) => {
@@ -83,8 +85,11 @@ pub use events::{
     CellStatus, EventKind, Prepare, PreparedClass, PreparedOutcome, SessionEventV2, SlotUse, StartPhases,
 };
 pub use host::{BidV1, EvictV1, HostStatusV2, SlotStatus, WorkerState, WorkerStatus, ZygoteStatus};
-pub use output::{OutputV1, COMM_OUTPUT, INPUT_REQUEST_OUTPUT, OUTPUT_PART_BYTES, USER_EXPRESSIONS_OUTPUT};
-pub use query::{CommAnswerV1, CommV1, QueryAnswerV1, QueryKind, QueryV1};
+pub use output::{
+    cell_message_json, cell_messages_json, CellMessage, CellMessageError, CommToClient, OutputBody, OutputV2,
+    OUTPUT_PART_BYTES,
+};
+pub use query::{CommAnswerV2, CommV1, QueryAnswerV1, QueryKind, QueryV1};
 pub use recipe::{ClosureVar, Device, PinnedWorker, PreparedWorker, RecipeKind, RecipeV3};
 pub use run::{EditV1, RunV2, SessionOptions};
 pub use store::{

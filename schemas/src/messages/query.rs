@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use crate::codec::WireMessage;
+use crate::messages::CellMessage;
 
 /// What a query asks of a session's live objects.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -47,7 +48,7 @@ wire!(QueryAnswerV1, "query-answer", 1);
 /// frontend -> the host keeping a session's CPU worker (`host.{hid}.comm`): a
 /// client's comm message (ipywidgets: a value changed in the browser), which
 /// that worker handles between cells (ADR 33). Answered with
-/// `Reply<CommAnswerV1>`; `NotFound` when the host keeps no CPU worker for the
+/// `Reply<CommAnswerV2>`; `NotFound` when the host keeps no CPU worker for the
 /// session, `Conflict` while that worker runs a cell.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CommV1 {
@@ -64,13 +65,15 @@ pub struct CommV1 {
 }
 wire!(CommV1, "comm", 1);
 
-/// What handling a comm message caused.
+/// What handling a comm message caused. (Version 1 held each message as an
+/// output's JSON text; a reply is read at its own version only, so a frontend and
+/// a host a version apart fail that one comm message with `UnsupportedVersion`.)
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct CommAnswerV1 {
+pub struct CommAnswerV2 {
     /// `comm_info_reply`'s content for `comm_info_request` (else `{}`), as JSON.
     pub reply_json: String,
-    /// Comm messages to the client and what callbacks printed: worker outputs
-    /// (`COMM_OUTPUT` and stream), each as JSON.
-    pub outputs_json: Vec<String>,
+    /// What handling it caused, in order: comm messages to the client and what
+    /// callbacks printed.
+    pub messages: Vec<CellMessage>,
 }
-wire!(CommAnswerV1, "comm-answer", 1);
+wire!(CommAnswerV2, "comm-answer", 2);

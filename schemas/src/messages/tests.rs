@@ -185,14 +185,72 @@ fn reply_envelope_carries_typed_errors() {
 
 proptest! {
     #[test]
-    fn output_pieces_reassemble_to_the_output(text in ".{0,300}", max in 4usize..64) {
-        let json = serde_json::json!({"output_type": "stream", "name": "stdout", "text": text}).to_string();
-        let pieces = OutputV1::pieces(Uuid::nil(), Uuid::nil(), 3, json.clone(), max);
-        prop_assert!(pieces.iter().all(|p| p.output_json.len() <= max.max(4) && p.parts as usize == pieces.len() && p.seq == 3));
-        prop_assert!(pieces.iter().enumerate().all(|(i, p)| p.part as usize == i));
-        let joined: String = pieces.into_iter().map(|p| p.output_json).collect();
-        prop_assert_eq!(joined, json);
+    fn output_pieces_reassemble_to_the_message(text in ".{0,300}", max in 4usize..64) {
+        let message = CellMessage::Output(serde_json::json!({"output_type": "stream", "name": "stdout", "text": text}));
+        let pieces = OutputV2::pieces(Uuid::nil(), Uuid::nil(), 3, message.clone(), max);
+        let mut joined = String::new();
+        for (i, p) in pieces.iter().enumerate() {
+            prop_assert_eq!(p.seq, 3);
+            match &p.body {
+                OutputBody::Whole(whole) => {
+                    prop_assert_eq!(pieces.len(), 1);
+                    prop_assert_eq!(whole, &message);
+                    return Ok(());
+                }
+                OutputBody::Piece { part, parts, text } => {
+                    prop_assert!(text.len() <= max.max(4) && *parts as usize == pieces.len() && *part as usize == i);
+                    joined.push_str(text);
+                }
+            }
+        }
+        prop_assert_eq!(CellMessage::from_json_text(&joined).unwrap(), message);
     }
+}
+
+/// Each kind of cell message: through bincode, and through the HTTP API's JSON
+/// and back, as itself.
+#[test]
+fn cell_messages_keep_their_kind_on_the_bus_and_in_json() {
+    use serde_json::json;
+    let messages = [
+        CellMessage::Output(json!({"output_type": "display_data", "data": {"text/plain": "1"}, "metadata": {}})),
+        CellMessage::Output(json!({"output_type": "clear_output", "wait": true})),
+        CellMessage::InputRequest { prompt: "name? ".into(), password: true },
+        CellMessage::Comm(CommToClient {
+            msg_type: "comm_open".into(),
+            content: json!({"comm_id": "c", "target_name": "jupyter.widget", "data": {"state": {}}}),
+            metadata: json!({"version": "2.1.0"}),
+            buffers: vec!["AAE=".into()],
+        }),
+        CellMessage::UserExpressions(json!({"n": {"status": "ok", "data": {"text/plain": "2"}, "metadata": {}}})),
+        CellMessage::Pager { data: json!({"text/plain": "Docstring"}), start: 3 },
+    ];
+    for m in messages {
+        let out = OutputV2 { session: Uuid::nil(), exec_id: Uuid::nil(), seq: 1, body: OutputBody::Whole(m.clone()) };
+        roundtrip(&out);
+        assert_eq!(CellMessage::from_json(m.to_json()).unwrap(), m);
+    }
+    let answer =
+        CommAnswerV2 { reply_json: "{}".into(), messages: vec![CellMessage::Output(json!({"output_type": "stream"}))] };
+    roundtrip(&answer);
+}
+
+/// JSON that is no cell message is refused with what is wrong, never taken for
+/// an output.
+#[test]
+fn json_that_is_no_cell_message_is_refused_by_name() {
+    use serde_json::json;
+    assert_eq!(CellMessage::from_json(json!({"text": "x"})), Err(CellMessageError::NoKind));
+    assert_eq!(
+        CellMessage::from_json(json!({"output_type": "sparkle"})),
+        Err(CellMessageError::UnknownKind("sparkle".into()))
+    );
+    let comm =
+        CellMessage::from_json(json!({"output_type": "comm", "msg_type": "comm_msg", "metadata": {}, "buffers": []}));
+    assert_eq!(comm, Err(CellMessageError::BadField { kind: "comm", field: "content", expected: "object" }));
+    let ask = CellMessage::from_json(json!({"output_type": "input_request", "prompt": "?", "password": "no"}));
+    assert!(ask.unwrap_err().to_string().contains("password"));
+    assert!(matches!(CellMessage::from_json_text("{"), Err(CellMessageError::NotJson(_))));
 }
 
 /// Every bus decoder, fed bytes it did not encode: random bytes, and valid
@@ -225,7 +283,7 @@ mod fuzz {
             RunV2,
             RecipeV3,
             SessionEventV2,
-            OutputV1,
+            OutputV2,
             SessionCloseV1,
             SessionIdleV1,
             InterruptV1,
@@ -234,8 +292,8 @@ mod fuzz {
             QueryAnswerV1,
             Reply<QueryAnswerV1>,
             CommV1,
-            CommAnswerV1,
-            Reply<CommAnswerV1>,
+            CommAnswerV2,
+            Reply<CommAnswerV2>,
             HostStatusV2,
             BidV1,
             EvictV1,

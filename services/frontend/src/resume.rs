@@ -334,7 +334,11 @@ mod tests {
     }
 
     fn output(exec_id: Uuid, seq: u64) -> StreamItem {
-        StreamItem::Output { exec_id, seq, output: serde_json::json!({ "text": format!("{exec_id} {seq}") }) }
+        StreamItem::Output {
+            exec_id,
+            seq,
+            output: schemas::messages::CellMessage::Output(serde_json::json!({ "text": format!("{exec_id} {seq}") })),
+        }
     }
 
     fn done(exec_id: Uuid) -> StreamItem {

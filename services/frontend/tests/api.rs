@@ -9,7 +9,7 @@ use looseleaf_frontend::auth::Tokens;
 use looseleaf_frontend::resume::Position;
 use looseleaf_frontend::{Config, Timeouts};
 use looseleaf_test_support::{random_prefix, NatsServer};
-use schemas::messages::{CellStatus, Device, EditV1, EventKind, OutputV1, Prepare, RunV2, SessionEventV2};
+use schemas::messages::{CellMessage, CellStatus, Device, EditV1, EventKind, OutputV2, Prepare, RunV2, SessionEventV2};
 use schemas::Bus;
 use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
@@ -120,9 +120,9 @@ async fn event(bus: &Bus, sid: Uuid, exec: Uuid, kind: EventKind) -> anyhow::Res
 }
 
 async fn output(bus: &Bus, sid: Uuid, exec: Uuid, seq: u64, text: &str) -> anyhow::Result<()> {
-    let json = serde_json::json!({"output_type": "stream", "name": "stdout", "text": text}).to_string();
+    let message = CellMessage::Output(serde_json::json!({"output_type": "stream", "name": "stdout", "text": text}));
     // in small pieces, as a host sends an output too large for one message
-    for piece in OutputV1::pieces(sid, exec, seq, json, 16) {
+    for piece in OutputV2::pieces(sid, exec, seq, message, 16) {
         bus.publish(bus.subjects().output(sid, exec), &piece).await?;
     }
     bus.flush().await?;
@@ -258,7 +258,7 @@ async fn run_queue_waits_for_saved_and_relays_outputs_before_done() -> anyhow::R
     seen.extend(items_until(&mut sse, is_done(first.exec_id)).await?);
     let outs: Vec<_> = seen.iter().filter(|i| matches!(i, StreamItem::Output { .. })).collect();
     assert!(
-        matches!(outs.as_slice(), [StreamItem::Output { exec_id, seq: 0, output }] if *exec_id == first.exec_id && output["text"] == "hello\n"),
+        matches!(outs.as_slice(), [StreamItem::Output { exec_id, seq: 0, output }] if *exec_id == first.exec_id && output.to_json()["text"] == "hello\n"),
         "one output expected: {seen:?}"
     );
     match seen.last() {
@@ -527,7 +527,7 @@ fn printed(items: &[StreamItem]) -> Vec<String> {
     items
         .iter()
         .filter_map(|i| match i {
-            StreamItem::Output { output, .. } => output["text"].as_str().map(str::to_string),
+            StreamItem::Output { output, .. } => output.to_json()["text"].as_str().map(str::to_string),
             _ => None,
         })
         .collect()

@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use schemas::checkpoint::Delta;
+use schemas::messages::{CellMessage, CommToClient};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
@@ -48,6 +49,53 @@ pub struct ErrorInfo {
     /// Formatted traceback lines.
     #[serde(default)]
     pub traceback: Vec<String>,
+}
+
+/// What a request sends its client, as frames carry it (`CellMessage` in the
+/// protocol file: one key names its kind); made a `schemas::messages::CellMessage`
+/// as it arrives, the one conversion on the host.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WorkerMessage {
+    /// A notebook output, or a change to those shown.
+    Output(serde_json::Value),
+    /// A comm message to the client.
+    Comm {
+        /// comm_open, comm_msg or comm_close.
+        msg_type: String,
+        /// The Jupyter message's content.
+        content: serde_json::Value,
+        /// Its metadata.
+        metadata: serde_json::Value,
+        /// Its buffers, base64.
+        buffers: Vec<String>,
+    },
+    /// The text of `obj?`, for a pager.
+    Pager {
+        /// The mime bundle.
+        data: serde_json::Value,
+        /// The line to start at.
+        #[serde(default)]
+        start: u64,
+    },
+    /// The results of the run's user expressions.
+    UserExpressions {
+        /// name -> result.
+        data: serde_json::Value,
+    },
+}
+
+impl From<WorkerMessage> for CellMessage {
+    fn from(m: WorkerMessage) -> CellMessage {
+        match m {
+            WorkerMessage::Output(output) => CellMessage::Output(output),
+            WorkerMessage::Comm { msg_type, content, metadata, buffers } => {
+                CellMessage::Comm(CommToClient { msg_type, content, metadata, buffers })
+            }
+            WorkerMessage::Pager { data, start } => CellMessage::Pager { data, start },
+            WorkerMessage::UserExpressions { data } => CellMessage::UserExpressions(data),
+        }
+    }
 }
 
 /// Every control message, tagged by `type` as in the protocol file.
@@ -176,12 +224,12 @@ pub enum Frame {
         #[serde(default)]
         python: String,
     },
-    /// worker -> host: one output.
-    Output {
+    /// worker -> host: what the running cell sends its client.
+    CellMessage {
         /// Execution id.
         exec_id: String,
-        /// nbformat output.
-        output: serde_json::Value,
+        /// The message.
+        message: WorkerMessage,
     },
     /// worker -> host, while a cell runs: names it reached that the worker does not
     /// hold (the closure missed them); the worker waits for `Faulted`.
@@ -256,8 +304,8 @@ pub enum Frame {
     CommAnswer {
         /// comm_info_reply's content for comm_info_request, else empty.
         reply: serde_json::Value,
-        /// Comm messages to the client and what callbacks printed, as outputs.
-        outputs: Vec<serde_json::Value>,
+        /// Comm messages to the client and what callbacks printed, in order.
+        messages: Vec<WorkerMessage>,
     },
     /// worker -> host: the cell ended.
     Finished {
@@ -359,7 +407,7 @@ impl Frame {
             Frame::Restored { .. } => "restored",
             Frame::Run { .. } => "run",
             Frame::Started { .. } => "started",
-            Frame::Output { .. } => "output",
+            Frame::CellMessage { .. } => "cell_message",
             Frame::Fault { .. } => "fault",
             Frame::Faulted { .. } => "faulted",
             Frame::InputRequest { .. } => "input_request",
@@ -521,7 +569,10 @@ mod tests {
                 user_expressions: [("n".to_string(), "1 + 1".to_string())].into(),
             },
             Frame::Started { exec_id: "e".into(), unix_ms: 1, execution_count: 1, python: "3.11.7".into() },
-            Frame::Output { exec_id: "e".into(), output: serde_json::json!({"output_type": "stream"}) },
+            Frame::CellMessage {
+                exec_id: "e".into(),
+                message: WorkerMessage::Output(serde_json::json!({"output_type": "stream"})),
+            },
             Frame::Fault { exec_id: "e".into(), names: vec!["x".into()] },
             Frame::Faulted { shm_path: None, variables: BTreeMap::new(), objects: BTreeMap::new() },
             Frame::InputRequest { exec_id: "e".into(), prompt: "name? ".into(), password: false },
@@ -536,8 +587,15 @@ mod tests {
             },
             Frame::CommAnswer {
                 reply: serde_json::json!({}),
-                outputs: vec![
-                    serde_json::json!({"output_type": "comm", "msg_type": "comm_msg", "content": {}, "metadata": {}, "buffers": []}),
+                messages: vec![
+                    WorkerMessage::Comm {
+                        msg_type: "comm_msg".into(),
+                        content: serde_json::json!({}),
+                        metadata: serde_json::json!({}),
+                        buffers: vec![],
+                    },
+                    WorkerMessage::Pager { data: serde_json::json!({"text/plain": "Doc"}), start: 0 },
+                    WorkerMessage::UserExpressions { data: serde_json::json!({}) },
                 ],
             },
             Frame::Finished {

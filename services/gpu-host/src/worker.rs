@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use schemas::messages::WorkerState;
+use schemas::messages::{CellMessage, WorkerState};
 use uuid::Uuid;
 
 use crate::chunks::ChunkError;
@@ -137,8 +137,8 @@ pub enum RunEvent {
         /// The worker's Python version.
         python: String,
     },
-    /// One output (nbformat JSON).
-    Output(serde_json::Value),
+    /// What the cell sends its client.
+    Message(CellMessage),
 }
 
 /// A worker process bound to one session.
@@ -307,9 +307,9 @@ impl WorkerProc {
                 Frame::Started { unix_ms, execution_count, python, .. } => {
                     on_event(RunEvent::Started { unix_ms, execution_count, python })
                 }
-                Frame::Output { output, exec_id } if exec_id == exec => {
+                Frame::CellMessage { message, exec_id } if exec_id == exec => {
                     outputs += 1;
-                    on_event(RunEvent::Output(output));
+                    on_event(RunEvent::Message(message.into()));
                 }
                 Frame::Fault { names, exec_id } if exec_id == exec => {
                     let reply = on_fault(names).await;
@@ -360,10 +360,10 @@ impl WorkerProc {
 
     /// A client's comm message, handled by the worker between cells: returns
     /// (the reply content, the outputs it caused).
-    pub async fn comm(&mut self, comm: Frame) -> Result<(serde_json::Value, Vec<serde_json::Value>), WorkerError> {
+    pub async fn comm(&mut self, comm: Frame) -> Result<(serde_json::Value, Vec<CellMessage>), WorkerError> {
         self.send("passing a comm message", &comm).await?;
         match self.recv("passing a comm message", STEP).await? {
-            Frame::CommAnswer { reply, outputs } => Ok((reply, outputs)),
+            Frame::CommAnswer { reply, messages } => Ok((reply, messages.into_iter().map(CellMessage::from).collect())),
             other => Err(self.unexpected("passing a comm message", other)),
         }
     }

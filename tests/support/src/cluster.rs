@@ -361,7 +361,7 @@ impl Events {
         self.seen
             .iter()
             .filter_map(|i| match i {
-                StreamItem::Output { exec_id, output, .. } if *exec_id == exec => Some(output.to_string()),
+                StreamItem::Output { exec_id, output, .. } if *exec_id == exec => Some(output.to_json().to_string()),
                 _ => None,
             })
             .collect::<Vec<_>>()

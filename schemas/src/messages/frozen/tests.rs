@@ -8,8 +8,8 @@ use uuid::Uuid;
 use super::*;
 use crate::codec::{decode_bincode, encode_bincode, WireMessage};
 use crate::messages::{
-    self as live, ChunkPlanV2, CommitV2, HostStatusV2, ManifestGetV2, PreparedOutcome, RecipeV3, RunV2, SessionEventV2,
-    SlotUse,
+    self as live, ChunkPlanV2, CommitV2, HostStatusV2, ManifestGetV2, OutputV2, PreparedOutcome, RecipeV3, RunV2,
+    SessionEventV2, SlotUse,
 };
 
 const SESSION: Uuid = Uuid::from_u128(0x0190_0000_0000_7000_8000_0000_0000_0001);
@@ -54,6 +54,23 @@ fn manifest_get_v1_bytes() {
     assert_eq!(now, ManifestGetV2 { session: SESSION, at_least: None });
 }
 const MANIFEST_GET_V1: &str = "1001900000000070008000000000000001";
+
+#[test]
+fn output_v1_bytes() {
+    let v1 = OutputV1 {
+        session: SESSION,
+        exec_id: EXEC,
+        seq: 4,
+        output_json: r#"{"output_type":"pager","data":{"text/plain":"Doc"}}"#.into(),
+        part: 0,
+        parts: 1,
+    };
+    let now: OutputV2 = pinned(&v1, OUTPUT_V1);
+    let live::OutputBody::Piece { part: 0, parts: 1, text } = now.body else { panic!("not one piece: {:?}", now.body) };
+    let message = live::CellMessage::from_json_text(&text).unwrap();
+    assert_eq!(message, live::CellMessage::Pager { data: serde_json::json!({"text/plain": "Doc"}), start: 0 });
+}
+const OUTPUT_V1: &str = "1001900000000070008000000000000001100190000000007000800000000000000204337b226f75747075745f74797065223a227061676572222c2264617461223a7b22746578742f706c61696e223a22446f63227d7d0001";
 
 #[test]
 fn run_v1_bytes() {

@@ -8,7 +8,7 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::{Extension, Json};
 use schemas::bus::BusError;
-use schemas::messages::{CommAnswerV1, CommV1, ErrorCode, QueryAnswerV1, QueryKind, QueryV1};
+use schemas::messages::{CommAnswerV2, CommV1, ErrorCode, QueryAnswerV1, QueryKind, QueryV1};
 use schemas::subjects::HostVerb;
 
 use super::errors::{bad_request, cell_code, internal, json_body, mailbox, unavailable, ApiError};
@@ -131,18 +131,11 @@ pub(super) async fn comm(
         buffers: msg.buffers.clone(),
     };
     let subject = bus.subjects().host_command(&host, HostVerb::Comm);
-    match bus.request::<CommV1, CommAnswerV1>(subject, &request, COMM_TIMEOUT).await {
+    match bus.request::<CommV1, CommAnswerV2>(subject, &request, COMM_TIMEOUT).await {
         Ok(answer) => {
-            let parse = |text: &str| serde_json::from_str::<serde_json::Value>(text);
-            let reply =
-                parse(&answer.reply_json).map_err(|e| internal(format!("the worker's reply is not JSON: {e}")))?;
-            let outputs = answer
-                .outputs_json
-                .iter()
-                .map(|o| parse(o))
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| internal(format!("an output of the comm message is not JSON: {e}")))?;
-            Ok(Json(CommAnswer { held: true, reply, outputs }))
+            let reply = serde_json::from_str(&answer.reply_json)
+                .map_err(|e| internal(format!("the worker's reply is not JSON: {e}")))?;
+            Ok(Json(CommAnswer { held: true, reply, outputs: answer.messages }))
         }
         Err(BusError::Remote { code: ErrorCode::Conflict, message, .. }) => {
             Err(ApiError(StatusCode::CONFLICT, message))

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use actix::prelude::*;
 use axum::http::StatusCode;
-use schemas::messages::{OutputV1, SessionEventV2, SessionIdleV1};
+use schemas::messages::{OutputV2, SessionEventV2, SessionIdleV1};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -144,7 +144,7 @@ pub(super) async fn start_session(state: &AppState, record: SessionRecord) -> Re
         .await
         .map_err(|e| internal(format!("cannot subscribe to the session's events: {e}")))?;
     let outputs = bus
-        .subscribe::<OutputV1>(s.session_outputs(sid))
+        .subscribe::<OutputV2>(s.session_outputs(sid))
         .await
         .map_err(|e| internal(format!("cannot subscribe to the session's outputs: {e}")))?;
     let shared = state.shared.clone();

@@ -3,7 +3,7 @@
 //! refused, and the run ended by its outcome event.
 
 use actix::prelude::*;
-use schemas::messages::{EventKind, InputReplyV1, OutputV1, Prepare, SessionEventV2};
+use schemas::messages::{CellMessage, EventKind, InputReplyV1, OutputBody, OutputV2, Prepare, SessionEventV2};
 use schemas::subjects::HostVerb;
 use uuid::Uuid;
 
@@ -63,7 +63,7 @@ impl SessionActor {
 
     /// The running cell called `input()`: its client is asked if it has a stdin
     /// channel; otherwise the cell is told at once, as ipykernel tells it.
-    fn on_input_request(&mut self, exec_id: Uuid, seq: u64, output: serde_json::Value) {
+    fn on_input_request(&mut self, exec_id: Uuid, seq: u64, output: CellMessage) {
         let Some(cur) = self.current.as_mut().filter(|c| c.exec_id == exec_id && c.ended().is_none()) else {
             return; // replayed, or of a run that ended: nobody waits
         };
@@ -97,28 +97,30 @@ impl SessionActor {
         });
     }
 
-    pub(super) fn on_output(&mut self, ctx: &mut Context<Self>, mut out: OutputV1) {
+    pub(super) fn on_output(&mut self, ctx: &mut Context<Self>, out: OutputV2) {
         if self.current.as_ref().is_some_and(|c| c.exec_id == out.exec_id && c.outputs.contains(&out.seq)) {
             return; // sent again, or read back, after it was relayed
         }
-        if out.parts > 1 {
-            // an output too large for one message: gather its pieces first
-            let key = (out.exec_id, out.seq);
-            let pieces = self.pieces.entry(key).or_insert_with(|| vec![None; out.parts as usize]);
-            if let Some(slot) = pieces.get_mut(out.part as usize) {
-                *slot = Some(std::mem::take(&mut out.output_json));
+        let message = match out.body {
+            OutputBody::Whole(message) => Ok(message),
+            OutputBody::Piece { part, parts, text } => {
+                // a message too large for one bus message: gather its pieces first
+                let key = (out.exec_id, out.seq);
+                let pieces = self.pieces.entry(key).or_insert_with(|| vec![None; parts as usize]);
+                if let Some(slot) = pieces.get_mut(part as usize) {
+                    *slot = Some(text);
+                }
+                if pieces.iter().any(Option::is_none) {
+                    return;
+                }
+                let text: String = self.pieces.remove(&key).unwrap_or_default().into_iter().flatten().collect();
+                CellMessage::from_json_text(&text)
             }
-            if pieces.iter().any(Option::is_none) {
-                return;
-            }
-            out.output_json = self.pieces.remove(&key).unwrap_or_default().into_iter().flatten().collect();
-        }
-        match serde_json::from_str::<serde_json::Value>(&out.output_json) {
-            Ok(output) if output["output_type"] == schemas::messages::INPUT_REQUEST_OUTPUT => {
-                self.on_input_request(out.exec_id, out.seq, output)
-            }
+        };
+        match message {
+            Ok(ask @ CellMessage::InputRequest { .. }) => self.on_input_request(out.exec_id, out.seq, ask),
             Ok(output) => self.emit(&StreamItem::Output { exec_id: out.exec_id, seq: out.seq, output }),
-            Err(e) => tracing::error!(exec = %out.exec_id, seq = out.seq, error = %e, "output is not JSON; dropped"),
+            Err(e) => tracing::error!(exec = %out.exec_id, seq = out.seq, error = %e, "a cell message was dropped"),
         }
         if let Some(cur) = self.current.as_mut().filter(|c| c.exec_id == out.exec_id) {
             cur.outputs.insert(out.seq);

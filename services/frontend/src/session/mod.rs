@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use schemas::bus::Rejected;
-use schemas::messages::{OutputV1, SessionEventV2};
+use schemas::messages::{OutputV2, SessionEventV2};
 use schemas::{Bus, Envelope};
 use tokio::sync::mpsc;
 use uuid::Uuid;
@@ -236,8 +236,8 @@ impl StreamHandler<Result<Envelope<SessionEventV2>, Rejected>> for SessionActor 
     }
 }
 
-impl StreamHandler<Result<Envelope<OutputV1>, Rejected>> for SessionActor {
-    fn handle(&mut self, item: Result<Envelope<OutputV1>, Rejected>, ctx: &mut Self::Context) {
+impl StreamHandler<Result<Envelope<OutputV2>, Rejected>> for SessionActor {
+    fn handle(&mut self, item: Result<Envelope<OutputV2>, Rejected>, ctx: &mut Self::Context) {
         if let Ok(env) = item {
             if env.msg.session != self.sid {
                 tracing::error!(subject = %env.subject, "output names another session; dropped");

@@ -6,7 +6,7 @@
 //! live and read back is relayed once.
 
 use actix::prelude::*;
-use schemas::messages::{OutputV1, SessionEventV2};
+use schemas::messages::{OutputBody, OutputV2, SessionEventV2};
 use schemas::Bus;
 use uuid::Uuid;
 
@@ -162,8 +162,12 @@ pub(super) fn event_key(ev: &SessionEventV2) -> String {
     format!("{ev:?}")
 }
 
-pub(super) fn output_key(out: &OutputV1) -> String {
-    format!("output {} {} {}", out.exec_id, out.seq, out.part)
+pub(super) fn output_key(out: &OutputV2) -> String {
+    let part = match &out.body {
+        OutputBody::Whole(_) => 0,
+        OutputBody::Piece { part, .. } => *part,
+    };
+    format!("output {} {} {part}", out.exec_id, out.seq)
 }
 
 /// Everything the events and outputs streams keep of execution `exec_id` of
@@ -174,7 +178,7 @@ async fn read_streams(
     sid: Uuid,
     exec_id: Uuid,
     since: u64,
-) -> (StreamRead<SessionEventV2>, StreamRead<OutputV1>) {
+) -> (StreamRead<SessionEventV2>, StreamRead<OutputV2>) {
     let (js, s) = (bus.jetstream(), bus.subjects());
     let events = schemas::buckets::replay(&js, &s.events_stream(), &s.event(sid), since).await;
     let outputs = schemas::buckets::replay(&js, &s.outputs_stream(), &s.output(sid, exec_id), since).await;
@@ -184,7 +188,7 @@ async fn read_streams(
         Err(e) => Err(e),
     };
     let outputs = match outputs {
-        Ok(msgs) => Ok(decode_all::<OutputV1>(&bus, &msgs).await),
+        Ok(msgs) => Ok(decode_all::<OutputV2>(&bus, &msgs).await),
         Err(e) => Err(e),
     };
     (events, outputs)

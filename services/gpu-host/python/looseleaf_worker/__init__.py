@@ -5,7 +5,8 @@ Map (one concern per module):
               services/gpu-host/python/looseleaf_worker/worker-protocol.json, checked both ways
   zygote      imports packages once (CUDA-clean only), forks workers on demand
   worker      the per-worker loop: restore / run / save / committed / shutdown
-  routing     which request (cell, comm message) an output, a thread's too, belongs to
+  routing     which request (cell, comm message) a cell message (output, comm, pager,
+              user_expressions), a thread's too, belongs to
   shell       an IPython shell whose outputs equal ipykernel's
   placement   %%gpu [N] / %%cpu lines; `%load_ext looseleaf_worker` in a plain kernel
   checkpoint  object records, payloads, 2 MiB xxh3-128 chunks; save and restore

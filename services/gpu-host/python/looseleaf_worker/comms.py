@@ -1,9 +1,9 @@
 """Comms in a worker, so that ipywidgets work (ADR 33).
 
 As in ipykernel, the ``comm`` package's ``create_comm`` makes this runtime's
-comms. A comm's messages to the client are outputs of the worker
-(``{"output_type": "comm", "msg_type", "content", "metadata", "buffers"}``):
-during a cell they stream with its other outputs, in order; between cells the
+comms. A comm's messages to the client are cell messages of the worker, of
+kind ``comm`` (``{"comm": {"msg_type", "content", "metadata", "buffers"}}``):
+during a cell they stream with its outputs, in order; between cells the
 host passes the client's comm messages to the session's CPU worker (a ``comm``
 frame) and what handling one caused comes back in the answer.
 
@@ -35,12 +35,12 @@ except ImportError:  # an environment without it has no widgets either
     comm = None
     BaseComm = object
 
-# Where a comm's messages go: the worker's output sink (set by ``install``).
+# Where a comm's messages go: the worker's CellMessage sink (set by ``install``).
 _emit = None
 
 
 class WorkerComm(BaseComm):
-    """A comm whose messages to the client are worker outputs."""
+    """A comm whose messages to the client are the worker's ``comm`` cell messages."""
 
     # ipywidgets sends nothing on a comm whose ``kernel`` is None, and an Output
     # widget asks it for the parent request (see ``_Kernel``)
@@ -56,11 +56,12 @@ class WorkerComm(BaseComm):
         content = {"data": {} if data is None else data, "comm_id": self.comm_id, **keys}
         _emit(
             {
-                "output_type": "comm",
-                "msg_type": msg_type,
-                "content": content,
-                "metadata": metadata or {},
-                "buffers": [base64.b64encode(bytes(b)).decode("ascii") for b in buffers or []],
+                "comm": {
+                    "msg_type": msg_type,
+                    "content": content,
+                    "metadata": metadata or {},
+                    "buffers": [base64.b64encode(bytes(b)).decode("ascii") for b in buffers or []],
+                }
             }
         )
 
@@ -75,7 +76,8 @@ def _create_comm(*args, **kwargs) -> BaseComm:
 
 
 def install(emit, parent=None) -> None:
-    """Make this runtime's comms; their messages go to ``emit``; ``parent()`` is
+    """Make this runtime's comms; their messages go to ``emit`` (as ``comm``
+    CellMessages, ``{"comm": {...}}``); ``parent()`` is
     the parent token of the calling thread (what an Output widget captures).
     ipywidgets registers its comm targets at import only inside an IPython shell,
     and a zygote imports it before the shell exists: register them here then."""
@@ -104,11 +106,12 @@ def handle(msg_type: str, content: dict, metadata: dict, buffers: list[str]) -> 
         if msg_type == "comm_open" and _emit is not None:  # no target here: closed, as ipykernel does
             _emit(
                 {
-                    "output_type": "comm",
-                    "msg_type": "comm_close",
-                    "content": {"comm_id": content.get("comm_id", ""), "data": {}},
-                    "metadata": {},
-                    "buffers": [],
+                    "comm": {
+                        "msg_type": "comm_close",
+                        "content": {"comm_id": content.get("comm_id", ""), "data": {}},
+                        "metadata": {},
+                        "buffers": [],
+                    }
                 }
             )
         return {"status": "ok", "comms": {}} if msg_type == "comm_info_request" else {}
@@ -177,8 +180,8 @@ def _note_msg_id(comm_id: str, data: Any) -> None:
 
 
 def capture(token: str | None, output: dict) -> bool:
-    """Put ``output`` (of parent ``token``) into the Output widget capturing that
-    parent, if any, as a frontend would; True if it was taken."""
+    """Put the notebook output ``output`` (of parent ``token``) into the Output
+    widget capturing that parent, if any, as a frontend would; True if it was taken."""
     if token is None or not _hooks.get(token):
         return False
     kind = output.get("output_type")

@@ -111,6 +111,9 @@ def _check(value: Any, ty: str, where: str) -> None:
     elif ty == "NbOutput":
         _check_output(value, where)
         return
+    elif ty == "CellMessage":
+        _check_cell_message(value, where)
+        return
     elif ty in TYPES:
         spec = TYPES[ty]
         if not isinstance(spec, dict):
@@ -140,33 +143,86 @@ def _check_fields(obj: Any, fields: dict, optional: dict, where: str) -> None:
             _check(obj[name], _field_type(spec), f"{where}.{name}")
 
 
+# An nbformat output, or a Jupyter message that changes the outputs shown.
 _OUTPUT_FIELDS = {
     "stream": {"name": "str", "text": "str"},
     "display_data": {"data": "dict", "metadata": "dict"},
     "execute_result": {"data": "dict", "metadata": "dict", "execution_count": "int"},
     "error": {"ename": "str", "evalue": "str", "traceback": "list[str]"},
-    # Jupyter messages that change outputs already shown, and the pager
     "update_display_data": {"data": "dict", "metadata": "dict"},
     "clear_output": {"wait": "bool"},
-    "pager": {"data": "dict"},
-    # a comm message to the client (ipywidgets), never a notebook output
+}
+
+# What a request sends its client (a CellMessage): one key names the kind. An
+# ``output`` is an NbOutput; the others are channels Jupyter keeps apart from a
+# notebook's outputs.
+CELL_MESSAGE_KINDS = ("output", "comm", "pager", "user_expressions")
+_SIDE_CHANNEL_FIELDS = {
+    # a comm message to the client (ipywidgets)
     "comm": {"msg_type": "str", "content": "dict", "metadata": "dict", "buffers": "list[str]"},
-    # the results of the run's user_expressions, for the client's reply
+    # the text of obj?, for a Jupyter pager (execute_reply's payload)
+    "pager": {"data": "dict", "start": "int"},
+    # the results of the run's user_expressions, for the client's execute_reply
     "user_expressions": {"data": "dict"},
+}
+_COMM_MSG_TYPES = ("comm_open", "comm_msg", "comm_close")
+
+# Kinds that once travelled as outputs: named in the error, to point at their place now.
+_NOT_OUTPUTS = {
+    "comm": "a comm message is a CellMessage of kind 'comm'",
+    "pager": "pager text is a CellMessage of kind 'pager'",
+    "user_expressions": "user_expressions results are a CellMessage of kind 'user_expressions'",
+    "input_request": "an input request is the 'input_request' frame",
 }
 
 
-def _check_output(out: Any, where: str) -> None:
-    if not isinstance(out, dict) or out.get("output_type") not in _OUTPUT_FIELDS:
-        raise ProtocolError(f"{where}: not an nbformat output")
-    for name, ty in _OUTPUT_FIELDS[out["output_type"]].items():
-        if name not in out:
-            raise ProtocolError(f"{where}: {out['output_type']} output lacks {name!r}")
+def message_kind(message: dict) -> str:
+    """The kind of a CellMessage (its one key): output, comm, pager or user_expressions."""
+    (kind,) = message
+    return kind
+
+
+def _check_body(body: Any, fields: dict, what: str, where: str) -> None:
+    """The fields of an output or side-channel message (``dict``: any object)."""
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{where}: expected {what} object, got {type(body).__name__}")
+    for name, ty in fields.items():
+        if name not in body:
+            raise ProtocolError(f"{where}: {what} lacks {name!r}")
         if ty == "dict":
-            if not isinstance(out[name], dict):
-                raise ProtocolError(f"{where}.{name}: expected an object")
+            if not isinstance(body[name], dict):
+                raise ProtocolError(f"{where}.{name}: expected an object, got {type(body[name]).__name__}")
         else:
-            _check(out[name], ty, f"{where}.{name}")
+            _check(body[name], ty, f"{where}.{name}")
+
+
+def _check_output(out: Any, where: str) -> None:
+    if not isinstance(out, dict):
+        raise ProtocolError(f"{where}: expected an nbformat output object, got {type(out).__name__}")
+    kind = out.get("output_type")
+    if kind not in _OUTPUT_FIELDS:
+        why = f" ({_NOT_OUTPUTS[kind]})" if kind in _NOT_OUTPUTS else ""
+        raise ProtocolError(f"{where}: output_type {kind!r} is not a notebook output{why}")
+    _check_body(out, _OUTPUT_FIELDS[kind], f"a {kind} output", where)
+
+
+def _check_cell_message(message: Any, where: str) -> None:
+    if not isinstance(message, dict):
+        raise ProtocolError(f"{where}: expected a CellMessage object, got {type(message).__name__}")
+    if len(message) != 1:
+        raise ProtocolError(
+            f"{where}: a CellMessage has exactly one key naming its kind ({' | '.join(CELL_MESSAGE_KINDS)}),"
+            f" got {len(message)}: {sorted(map(str, message))}"
+        )
+    ((kind, body),) = message.items()
+    if kind not in CELL_MESSAGE_KINDS:
+        raise ProtocolError(f"{where}: unknown CellMessage kind {kind!r} (not {' | '.join(CELL_MESSAGE_KINDS)})")
+    if kind == "output":
+        _check_output(body, f"{where}.output")
+        return
+    _check_body(body, _SIDE_CHANNEL_FIELDS[kind], f"a {kind} message", f"{where}.{kind}")
+    if kind == "comm" and body["msg_type"] not in _COMM_MSG_TYPES:
+        raise ProtocolError(f"{where}.comm.msg_type: {body['msg_type']!r} is not one of {' | '.join(_COMM_MSG_TYPES)}")
 
 
 def validate(msg: Any) -> dict:

@@ -1,7 +1,8 @@
-"""Which request an output belongs to, as in ipykernel: a cell's, or a client's
-comm message's; a thread's output is that of the request it was started in.
-Output of no request being served goes to the host's log, and comm messages
-made meanwhile wait for the next request."""
+"""Which request a cell message (a notebook output, a comm message, pager text,
+user_expressions results) belongs to, as in ipykernel: a cell's, or a client's
+comm message's; a thread's is that of the request it was started in. Output of
+no request being served goes to the host's log, and comm messages made
+meanwhile wait for the next request."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ PENDING_COMMS_MAX = 10_000
 def _track_thread_parents(parent_of_current) -> None:
     """As ipykernel does: a thread belongs to the request (cell or comm message)
     that was served where it was started, and a thread it starts belongs there
-    too; what it outputs is that request's (see ``Worker._emit_output``)."""
+    too; what it outputs is that request's (see ``Worker._emit_message``)."""
     start = threading.Thread.start
     if getattr(start, "_looseleaf", False):
         return
@@ -49,9 +50,9 @@ class OutputRouting:
         _track_thread_parents(self._thread_parent)
         for stream in self.shell._streams.values():
             self._share_stream(stream)
-        # comm messages to the client (ipywidgets) are outputs (ADR 33)
-        self._collected: list[dict] | None = None  # outputs of a comm message
-        comms.install(self._emit_output, self._thread_parent)
+        # comm messages to the client (ipywidgets) are cell messages (ADR 33)
+        self._collected: list[dict] | None = None  # cell messages for a comm answer
+        comms.install(self._emit_message, self._thread_parent)
 
     def _thread_parent(self) -> str | None:
         """The request the calling thread's output belongs to."""
@@ -92,49 +93,51 @@ class OutputRouting:
         stream.write, stream.flush, stream.flush_lines = routed_write, locked(flush), locked(flush_lines)
         stream._looseleaf_shared = True
 
-    def _emit_output(self, output: dict) -> None:
-        """Send one output as its request's: a cell's, streamed; a comm message's,
-        collected for its answer. As in ipykernel, a thread's output is that of
-        the request it was started in: when that one has ended, it is no cell's
-        (nbclient records none of it; the log has it). A comm message goes to
-        the client whatever its thread, with the request being served or the
-        next one."""
+    def _emit_message(self, message: dict) -> None:
+        """Send one CellMessage as its request's: a cell's, streamed; a comm
+        message's, collected for its answer. As in ipykernel, a thread's message
+        is that of the request it was started in: when that one has ended, it is
+        no cell's (nbclient records none of it; the log has it). A comm message
+        goes to the client whatever its thread, with the request being served or
+        the next one."""
         token = self._thread_parent()
         main = threading.current_thread() is threading.main_thread()
         # the main thread's frame is not cut by an interrupt; another thread's
         # is never interrupted (signals go to the main thread)
         with self.interrupts.shield() if main else contextlib.nullcontext(), self._send_lock:
-            if output["output_type"] != "comm" and comms.capture(token, output):
+            if "output" in message and comms.capture(token, message["output"]):
                 return  # an Output widget's, which syncs it to the client itself
-            if output["output_type"] == "comm" and self._parent is not None:
+            if is_comm(message) and self._parent is not None:
                 token = self._parent
             if token is None or token != self._parent:
-                self._stray(output)
+                self._stray(message)
             elif self._collected is not None:
-                self._collected.append(output)  # they answer the client's comm message
+                self._collected.append(message)  # they answer the client's comm message
             else:
-                self.send({"type": "output", "exec_id": self.exec_id, "output": output})
+                self.send({"type": "cell_message", "exec_id": self.exec_id, "message": message})
 
-    def _stray(self, output: dict) -> None:
-        """An output while no request of its own is served: a comm message waits
-        for the next request (the client's model must follow the widget); other
-        output (a __setstate__ that prints at restore, a thread after its cell)
-        goes to the host's log, never a cell's output."""
-        if output["output_type"] != "comm":
-            quiet.log(f"looseleaf worker: output outside its cell: {output.get('text') or output}")
+    def _stray(self, message: dict) -> None:
+        """A message while no request of its own is served: a comm message waits
+        for the next request (the client's model must follow the widget); any
+        other (output of a __setstate__ that prints at restore, of a thread after
+        its cell) goes to the host's log, never a cell's output."""
+        if not is_comm(message):
+            output = message.get("output")
+            shown = (output.get("text") or output) if output is not None else message
+            quiet.log(f"looseleaf worker: output outside its cell: {shown}")
             return
         last = self._pending_comms[-1] if self._pending_comms else None
-        if last is not None and _same_comm_update(last, output):
+        if last is not None and _same_comm_update(last["comm"], message["comm"]):
             # a widget updated again (a progress bar): one update with the latest state
-            last["content"]["data"]["state"].update(output["content"]["data"]["state"])
+            last["comm"]["content"]["data"]["state"].update(message["comm"]["content"]["data"]["state"])
             return
-        self._pending_comms.append(output)
+        self._pending_comms.append(message)
         if len(self._pending_comms) > PENDING_COMMS_MAX:
             dropped = self._pending_comms.pop(0)
-            quiet.log(f"looseleaf worker: a comm message made between cells was dropped: {dropped['msg_type']}")
+            quiet.log(f"looseleaf worker: a comm message made between cells was dropped: {dropped['comm']['msg_type']}")
 
     def _begin(self, token: str, collect: bool) -> None:
-        """Start serving a request: its outputs are collected for an answer
+        """Start serving a request: its messages are collected for an answer
         (``collect``) or streamed; comm messages made meanwhile go first."""
         with self._send_lock:
             self._parent = token
@@ -142,20 +145,27 @@ class OutputRouting:
             if collect:
                 self._collected = pending
                 return
-            for output in pending:
-                self.send({"type": "output", "exec_id": token, "output": output})
+            for message in pending:
+                self.send({"type": "cell_message", "exec_id": token, "message": message})
 
     def _end(self) -> list[dict] | None:
-        """Stop serving the request: no thread's output or exchange goes out as
-        its any more. Returns what was collected for an answer."""
+        """Stop serving the request: no thread's message or exchange goes out as
+        its any more. Returns the messages collected for an answer."""
         with self._exchange, self._send_lock:
             self._parent = self.exec_id = None
             collected, self._collected = self._collected, None
         return collected
 
 
+def is_comm(message: dict) -> bool:
+    """Whether a CellMessage is a comm message to the client (not a notebook
+    output, pager text or user_expressions results)."""
+    return "comm" in message
+
+
 def _same_comm_update(a: dict, b: dict) -> bool:
-    """Whether ``b`` only updates the same widget's state as ``a`` does."""
+    """Whether comm message ``b`` only updates the same widget's state as ``a`` does
+    (the bodies of two ``comm`` CellMessages)."""
 
     def update(o):
         data = o["content"].get("data") or {}

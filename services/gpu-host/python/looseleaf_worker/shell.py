@@ -3,7 +3,8 @@
 InteractiveShell is made to behave like ipykernel's ZMQInteractiveShell: rich
 displays and execute results go out as nbformat outputs, stdout/stderr become
 stream outputs, tracebacks become error outputs. Only the transport differs:
-``emit(output_dict)`` is called for every output, and the worker frames it.
+every output goes to ``emit`` as a CellMessage (``{"output": output_dict}``),
+and the worker frames it; the pager's text goes there as ``{"pager": ...}``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from traitlets import Type  # noqa: E402
 
 from . import placement  # noqa: E402
 
+# Takes a CellMessage (worker-protocol.json): one key, its kind
+# ("output", "comm", "pager", "user_expressions").
 Emit = Callable[[dict], None]
 
 
@@ -417,7 +420,8 @@ def _reduce_part(obj):
 
 
 class WorkerShell(InteractiveShell):
-    """The cell runtime. ``emit`` receives each nbformat output dict."""
+    """The cell runtime. ``emit`` receives each CellMessage: an nbformat output
+    dict as ``{"output": ...}``, the pager's text as ``{"pager": ...}``."""
 
     display_pub_class = WorkerDisplayPublisher
     displayhook_class = WorkerDisplayHook
@@ -495,12 +499,17 @@ class WorkerShell(InteractiveShell):
         super().init_history()
 
     def bind(self, emit: Emit) -> None:
-        """Send outputs to ``emit`` from now on (a zygote makes the shell before it
+        """Send cell messages to ``emit`` from now on (a zygote makes the shell before it
         forks; each worker binds it to its own socket)."""
         self._emit = emit
 
     def emit(self, output: dict) -> None:
-        self._emit(output)
+        """Send a notebook output (or a change to those shown)."""
+        self._emit({"output": output})
+
+    def emit_message(self, message: dict) -> None:
+        """Send a CellMessage of any kind (``{"pager": ...}``)."""
+        self._emit(message)
 
     def flush_streams(self):
         for s in self._streams.values():  # stdout first, as ipykernel
@@ -523,7 +532,7 @@ class WorkerShell(InteractiveShell):
     def _page(self, shell, strg, start=0, screen_lines=0, pager_cmd=None):
         data = strg if isinstance(strg, dict) else {"text/plain": strg}
         self.flush_streams()
-        self.emit({"output_type": "pager", "data": jsonable(data), "start": max(0, start)})
+        self.emit_message({"pager": {"data": jsonable(data), "start": max(0, start)}})
 
     def _get_exc_info(self, exc_tuple=None):
         etype, value, tb = super()._get_exc_info(exc_tuple)

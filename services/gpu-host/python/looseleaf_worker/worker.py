@@ -75,8 +75,8 @@ class Worker(OutputRouting):
         self.oid_of: dict[int, tuple] = {}  # id(obj) -> (oid, obj), kept alive
         self.save_seq = 0
         # made by the zygote before the fork when there is one (it costs ~15 ms)
-        self.shell = WorkerShell.instance(emit=self._emit_output)
-        self.shell.bind(self._emit_output)
+        self.shell = WorkerShell.instance(emit=self._emit_message)
+        self.shell.bind(self._emit_message)
         # As ipykernel does: the working directory is first on the path, so
         # modules beside the notebook import (zygotes leave it off).
         if "" not in sys.path:
@@ -304,8 +304,8 @@ class Worker(OutputRouting):
             reply = comms.handle(msg["msg_type"], msg["content"], msg["metadata"], msg["buffers"])
             self.shell.flush_streams()
         finally:
-            outputs = self._end()
-        self.send({"type": "comm_answer", "reply": reply, "outputs": outputs})
+            messages = self._end()
+        self.send({"type": "comm_answer", "reply": reply, "messages": messages})
 
     def on_query(self, msg: dict) -> None:
         """Complete or inspect code against this worker's live objects, as
@@ -366,7 +366,7 @@ class Worker(OutputRouting):
                     # as ipykernel: after a cell that succeeded, in its namespace
                     # (a name the closure missed is brought in, as for eval)
                     results = self._user_expressions(msg["user_expressions"])
-                    self._emit_output({"output_type": "user_expressions", "data": jsonable(results)})
+                    self._emit_message({"user_expressions": {"data": jsonable(results)}})
         except KeyboardInterrupt:
             # interrupted before the cell's code started, or in IPython's own code
             # around it: shown as a kernel shows any interrupt

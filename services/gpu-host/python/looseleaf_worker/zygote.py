@@ -153,8 +153,9 @@ def load_probe():
     return getattr(importlib.import_module(mod), fn)
 
 
-def _output_before_fork(output: dict) -> None:
-    _log(f"output before any worker: {output.get('text') or output}")
+def _output_before_fork(message: dict) -> None:
+    output = message.get("output")
+    _log(f"output before any worker: {(output.get('text') or output) if output is not None else message}")
 
 
 def _log(msg: str) -> None:

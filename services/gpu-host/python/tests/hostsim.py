@@ -164,11 +164,12 @@ class Worker:
         started = self.conn.expect("started")
         if interrupt_after is not None:
             threading.Timer(interrupt_after, os.killpg, (os.getpgid(self.pid), signal.SIGINT)).start()
-        outputs, faults, files, sent, inputs = [], [], [], set(), []
+        messages, faults, files, sent, inputs = [], [], [], set(), []
         while True:
             msg = self.conn.recv()
-            if msg["type"] == "output":
-                outputs.append(msg["output"])
+            if msg["type"] == "cell_message":
+                assert msg["exec_id"] == exec_id, msg
+                messages.append(msg["message"])
             elif msg["type"] == "fault":
                 # as the Rust host: those of the names the committed state has
                 faults.append(msg["names"])
@@ -204,7 +205,8 @@ class Worker:
                     os.unlink(f)
                 return {
                     "started": started,
-                    "outputs": outputs,
+                    "messages": messages,  # every CellMessage, in order
+                    "outputs": [m["output"] for m in messages if "output" in m],  # the notebook outputs
                     "finished": msg,
                     "exec_id": exec_id,
                     "faults": faults,

@@ -7,7 +7,7 @@ import re
 import textwrap
 from pathlib import Path
 
-from helpers import of_type, ok, result_text, stream_text
+from helpers import of_kind, of_type, ok, result_text, stream_text
 from hostsim import INTERRUPT
 
 
@@ -158,14 +158,15 @@ def test_display_messages_go_out_as_jupyter_messages(zygote):
 def test_help_goes_to_the_pager_not_the_notebook(zygote):
     w = zygote.fork()
     r = ok(w.run("x = 1\nx?"))
-    assert [o["output_type"] for o in r["outputs"]] == ["pager"]
-    assert "int" in r["outputs"][0]["data"]["text/plain"]
+    assert [list(m) for m in r["messages"]] == [["pager"]], r["messages"]
+    assert "int" in r["messages"][0]["pager"]["data"]["text/plain"]
+    assert r["messages"][0]["pager"]["start"] == 0
 
 
 def test_capture_keeps_a_cell_silent_and_shows_later(zygote):
     w = zygote.fork()
     r = ok(w.run("%%capture cap\nprint('hidden')\nfrom IPython.display import display\ndisplay('rich')"))
-    assert r["outputs"] == []
+    assert r["messages"] == []
     w.save()
     w2 = zygote.fork()
     assert w2.restore(["cap"])["ok"]
@@ -232,7 +233,7 @@ def test_the_platforms_warnings_never_reach_a_cell_and_user_filters_hold(zygote)
     saved = w.save()
     assert saved["committed"]["ok"]
     r = ok(w.run("print('next cell')"))
-    assert r["outputs"] == [{"output_type": "stream", "name": "stdout", "text": "next cell\n"}]
+    assert r["messages"] == [{"output": {"output_type": "stream", "name": "stdout", "text": "next cell\n"}}]
     # the user's filter is still in force for the user's own code
     r = w.run("warnings.warn('mine', FutureWarning)")
     assert of_type(r, "error")[0]["ename"] == "FutureWarning"
@@ -371,14 +372,14 @@ def test_user_expressions_are_evaluated_after_a_cell_that_succeeded(zygote):
     try:
         asked = {"n": "len(xs)", "bad": "1/0", "html": "__import__('IPython').display.HTML('<b>x</b>')"}
         r = w.run("xs = [1, 2, 3]\nprint('ran')", user_expressions=asked)
-        got = [o["data"] for o in r["outputs"] if o["output_type"] == "user_expressions"]
-        assert len(got) == 1, r["outputs"]
+        got = [u["data"] for u in of_kind(r, "user_expressions")]
+        assert len(got) == 1, r["messages"]
         assert got[0]["n"] == {"status": "ok", "data": {"text/plain": "3"}, "metadata": {}}
         assert got[0]["bad"]["status"] == "error" and got[0]["bad"]["ename"] == "ZeroDivisionError"
         assert got[0]["html"]["data"]["text/html"] == "<b>x</b>"
         # after a failed cell: none, as ipykernel
         r = w.run("raise ValueError('no')", user_expressions={"n": "len(xs)"})
-        assert not [o for o in r["outputs"] if o["output_type"] == "user_expressions"]
+        assert not of_kind(r, "user_expressions")
         w.save()
     finally:
         w.close()
@@ -386,7 +387,7 @@ def test_user_expressions_are_evaluated_after_a_cell_that_succeeded(zygote):
     w2 = zygote.fork()
     try:
         r = w2.run("y = 1", user_expressions={"n": "len(xs) + y"})
-        got = [o["data"] for o in r["outputs"] if o["output_type"] == "user_expressions"]
+        got = [u["data"] for u in of_kind(r, "user_expressions")]
         assert got == [{"n": {"status": "ok", "data": {"text/plain": "4"}, "metadata": {}}}]
         assert r["faults"] == [["xs"]]
     finally:

@@ -9,7 +9,7 @@ next cell reads."""
 
 import re
 
-from helpers import of_type, ok, result_text, stream_text
+from helpers import of_kind, of_type, ok, result_text, stream_text
 
 FINDER = """
 import sys, importlib.abc, importlib.util
@@ -301,7 +301,7 @@ def test_ipykernel_magics_exist_and_looseleaf_magics_stay_out_of_lsmagic(zygote)
     w = zygote.fork()
     r = ok(w.run("%connect_info"))
     assert "UserWarning: Could not get connection info: RuntimeError(" in stream_text(r, "stderr")
-    assert ok(w.run("%qtconsole"))["outputs"] == []  # as under nbclient: nothing opens
+    assert ok(w.run("%qtconsole"))["messages"] == []  # as under nbclient: nothing opens
     r = ok(w.run("%autosave 0"))
     assert [o["output_type"] for o in r["outputs"]] == ["display_data", "stream"]
     listing = ok(w.run("%lsmagic"))
@@ -312,7 +312,7 @@ def test_ipykernel_magics_exist_and_looseleaf_magics_stay_out_of_lsmagic(zygote)
     assert "%%gpu" not in text and "%%cpu" not in text and "gpu" not in as_json["cell"]
     assert "%%gpu" in result_text(ok(w.run("str(get_ipython().run_line_magic('lsmagic', '--all'))")))
     # asked for, it is there: its help, and a malformed placement line explained
-    assert "placement override" in of_type(ok(w.run("%%gpu?")), "pager")[0]["data"]["text/plain"]
+    assert "placement override" in of_kind(ok(w.run("%%gpu?")), "pager")[0]["data"]["text/plain"]
 
 
 def test_cells_are_named_as_ipykernel_names_them(zygote):

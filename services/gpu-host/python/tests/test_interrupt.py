@@ -80,7 +80,8 @@ def test_interrupt_as_soon_as_the_run_started_interrupts(zygote):
         while (m := w.conn.recv())["type"] != "finished":
             msgs.append(m)
         assert m["error"]["ename"] == "KeyboardInterrupt"
-        errors = [o["output"] for o in msgs if o["type"] == "output" and o["output"]["output_type"] == "error"]
+        outputs = [m["message"]["output"] for m in msgs if m["type"] == "cell_message" and "output" in m["message"]]
+        errors = [o for o in outputs if o["output_type"] == "error"]
         assert errors and errors[0]["ename"] == "KeyboardInterrupt"
         assert stream_text(ok(w.run("print('next')"))).strip() == "next"
     finally:

@@ -144,7 +144,7 @@ def test_every_ipywidgets_widget_restores_with_its_traits_or_is_refused_when_sav
         restored = w2.restore([*names, "W", "json", "wc_sig"])
         assert restored["ok"], restored["errors"]
         r = ok(w2.run(sigs))
-        assert not comms_of(r["outputs"], "comm_open"), "the client holds every model: no new comm_open"
+        assert not comms_of(r, "comm_open"), "the client holds every model: no new comm_open"
         after = json.loads(stream_text(r))
         for name in names:
             assert after[name] == before[name], name
@@ -180,7 +180,7 @@ def test_output_inside_an_output_widget_goes_to_the_widget_not_the_cell(zygote):
         )
         # as with ipykernel and nbclient: the cell keeps only its own output
         assert stream_text(r) == "the cell\nthe cell again\n"
-        assert [o["output_type"] for o in r["outputs"] if o["output_type"] != "comm"] == ["stream", "stream"]
+        assert [o["output_type"] for o in r["outputs"]] == ["stream", "stream"]
         # the widget has the rest, and the client is told (as the frontend syncs it)
         r = ok(
             w1.run(
@@ -202,7 +202,7 @@ def test_output_inside_an_output_widget_goes_to_the_widget_not_the_cell(zygote):
         assert w2.restore(["log", "W"])["ok"]
         r = ok(w2.run("log.clear_output()\nwith log:\n    print('one')\nwith log:\n    print('two')\nlen(log.outputs)"))
         assert not stream_text(r)
-        sent = [o["content"]["data"]["state"] for o in comms_of(r["outputs"], "comm_msg")]
+        sent = [c["content"]["data"]["state"] for c in comms_of(r, "comm_msg")]
         assert {"outputs": [{"output_type": "stream", "name": "stdout", "text": "one\ntwo\n"}]} in sent
     finally:
         w2.close()
@@ -218,8 +218,8 @@ def test_a_callback_captured_by_an_output_widget_prints_into_it(zygote):
         )
         bid = stream_text(ok(w.run(code))).strip()
         answer = w.comm("comm_msg", {"comm_id": bid, "data": {"method": "custom", "content": {"event": "click"}}})
-        assert not stream_text(answer), answer["outputs"]
-        sent = [o["content"]["data"].get("state", {}) for o in comms_of(answer["outputs"], "comm_msg")]
+        assert not stream_text(answer), answer["messages"]
+        sent = [c["content"]["data"].get("state", {}) for c in comms_of(answer, "comm_msg")]
         assert {"outputs": [{"output_type": "stream", "name": "stdout", "text": "clicked\n"}]} in sent
     finally:
         w.close()
@@ -292,9 +292,9 @@ def test_a_widget_a_thread_changes_between_cells_reaches_the_client_with_the_nex
         cid = stream_text(ok(w.run(code))).strip()
         time.sleep(1.0)
         r = ok(w.run("bar.value"))
-        first = r["outputs"][0]
+        first = r["messages"][0]
         # the updates made meanwhile, as one, before the cell's own output
-        assert first["output_type"] == "comm" and first["content"]["comm_id"] == cid
-        assert first["content"]["data"]["state"] == {"value": 3}
+        assert "comm" in first and first["comm"]["content"]["comm_id"] == cid, r["messages"]
+        assert first["comm"]["content"]["data"]["state"] == {"value": 3}
     finally:
         w.close()

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use schemas::checkpoint::Manifest;
 use schemas::messages::{
-    CellStatus, EventKind, OutputV1, Prepare, RecipeV3, SessionEventV2, StartPhases, OUTPUT_PART_BYTES,
+    CellMessage, CellStatus, EventKind, OutputV2, Prepare, RecipeV3, SessionEventV2, StartPhases, OUTPUT_PART_BYTES,
 };
 use schemas::{Bus, BusError};
 use tracing::Instrument as _;
@@ -94,16 +94,9 @@ impl ExecEnv {
         // a cell's input(): the wait is registered before its client is asked
         let on_input = |prompt: String, password: bool| {
             let wait = self.inputs.expect(exec_id);
-            let output = serde_json::json!({ "output_type": schemas::messages::INPUT_REQUEST_OUTPUT, "prompt": prompt, "password": password });
             let seq = seq.fetch_add(1, Ordering::SeqCst) + 1;
-            let asked = tx.send(Pending::Output(OutputV1 {
-                session,
-                exec_id,
-                seq,
-                output_json: output.to_string(),
-                part: 0,
-                parts: 1,
-            }));
+            let message = CellMessage::InputRequest { prompt, password };
+            let asked = tx.send(Pending::Message { session, exec_id, seq, message });
             let interrupts = &self.interrupts;
             async move {
                 if asked.is_err() {
@@ -151,14 +144,9 @@ impl ExecEnv {
                                 },
                             })
                         }
-                        RunEvent::Output(output) => Pending::Output(OutputV1 {
-                            session,
-                            exec_id,
-                            seq: seq.fetch_add(1, Ordering::SeqCst) + 1,
-                            output_json: output.to_string(),
-                            part: 0,
-                            parts: 1,
-                        }),
+                        RunEvent::Message(message) => {
+                            Pending::Message { session, exec_id, seq: seq.fetch_add(1, Ordering::SeqCst) + 1, message }
+                        }
                     };
                     // the receiver lives until we drop tx below
                     let _ = tx.send(p);
@@ -238,11 +226,9 @@ fn spawn_forwarder(bus: Bus, mut rx: tokio::sync::mpsc::UnboundedReceiver<Pendin
                     Pending::Event(ev) => {
                         unconfirmed.push_back(bus.send_kept(bus.subjects().event(ev.session), &ev).await)
                     }
-                    Pending::Output(out) => {
-                        let subject = bus.subjects().output(out.session, out.exec_id);
-                        for piece in
-                            OutputV1::pieces(out.session, out.exec_id, out.seq, out.output_json, OUTPUT_PART_BYTES)
-                        {
+                    Pending::Message { session, exec_id, seq, message } => {
+                        let subject = bus.subjects().output(session, exec_id);
+                        for piece in OutputV2::pieces(session, exec_id, seq, message, OUTPUT_PART_BYTES) {
                             unconfirmed.push_back(bus.send_kept(subject.clone(), &piece).await);
                         }
                     }
@@ -274,7 +260,7 @@ async fn confirm_kept(bus: &Bus, sent: Result<schemas::bus::Kept, BusError>) {
 
 enum Pending {
     Event(SessionEventV2),
-    Output(OutputV1),
+    Message { session: uuid::Uuid, exec_id: uuid::Uuid, seq: u64, message: CellMessage },
 }
 
 /// What a cell's `Started` event says that is known before the cell starts.

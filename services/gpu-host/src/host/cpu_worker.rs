@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use schemas::messages::{CommAnswerV1, CommV1, ErrorCode, QueryAnswerV1, QueryKind, QueryV1, Reply};
+use schemas::messages::{CommAnswerV2, CommV1, ErrorCode, QueryAnswerV1, QueryKind, QueryV1, Reply};
 use tokio::sync::Mutex;
 use uuid::Uuid;
 
@@ -50,7 +50,7 @@ pub(super) async fn query_cpu_worker(worker: Option<Arc<Mutex<WorkerProc>>>, q: 
 }
 
 /// A client's comm message handled by the session's CPU worker (ADR 33).
-pub(super) async fn comm_cpu_worker(worker: Option<Arc<Mutex<WorkerProc>>>, c: CommV1) -> Reply<CommAnswerV1> {
+pub(super) async fn comm_cpu_worker(worker: Option<Arc<Mutex<WorkerProc>>>, c: CommV1) -> Reply<CommAnswerV2> {
     let json = |what: &str, text: &str| {
         serde_json::from_str::<serde_json::Value>(text)
             .ok()
@@ -67,10 +67,7 @@ pub(super) async fn comm_cpu_worker(worker: Option<Arc<Mutex<WorkerProc>>>, c: C
     };
     let frame = Frame::Comm { msg_type: c.msg_type, content, metadata, buffers: c.buffers };
     match w.comm(frame).await {
-        Ok((reply, outputs)) => Reply::Ok(CommAnswerV1 {
-            reply_json: reply.to_string(),
-            outputs_json: outputs.iter().map(ToString::to_string).collect(),
-        }),
+        Ok((reply, messages)) => Reply::Ok(CommAnswerV2 { reply_json: reply.to_string(), messages }),
         Err(e) => Reply::Err {
             code: ErrorCode::Internal,
             message: format!("the session's CPU worker could not take the comm message: {e}"),

@@ -7,7 +7,7 @@ use std::time::Instant;
 use actix::prelude::*;
 use schemas::bus::Rejected;
 use schemas::messages::{
-    CommAnswerV1, CommV1, EvictV1, HostStatusV2, InputReplyV1, InterruptV1, QueryAnswerV1, QueryV1, RecipeKind,
+    CommAnswerV2, CommV1, EvictV1, HostStatusV2, InputReplyV1, InterruptV1, QueryAnswerV1, QueryV1, RecipeKind,
     RecipeV3, SessionCloseV1, SessionIdleV1,
 };
 use schemas::Envelope;
@@ -124,7 +124,7 @@ impl StreamHandler<Result<Envelope<CommV1>, Rejected>> for Host {
         let env = match item {
             Ok(env) => env,
             Err(rejected) => {
-                actix::spawn(async move { rejected.answer::<CommAnswerV1>(&bus).await });
+                actix::spawn(async move { rejected.answer::<CommAnswerV2>(&bus).await });
                 return;
             }
         };
