@@ -85,6 +85,10 @@ const EVERY_RUN: &[&str] = &[
     "frontend.event",
 ];
 
+/// The services' log filter: what each logs while it handles a cell.
+const SERVICE_LOGS: &str =
+    "warn,looseleaf_frontend=debug,looseleaf_planner=debug,looseleaf_gpu_host=debug,looseleaf_store=debug";
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_cell_is_one_trace_from_its_request_to_its_saved_event() -> anyhow::Result<()> {
     let receiver = OtlpReceiver::start().await?;
@@ -94,6 +98,9 @@ async fn a_cell_is_one_trace_from_its_request_to_its_saved_event() -> anyhow::Re
         // export soon after a span ends, so the test need not wait long
         ("OTEL_BSP_SCHEDULE_DELAY", "200".to_string()),
         ("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test".to_string()),
+        // each service's JSON log in a file, with what it logs inside a cell's spans
+        ("LOOSELEAF_LOG_FORMAT", "json".to_string()),
+        ("LOOSELEAF_LOG", SERVICE_LOGS.to_string()),
     ];
     let services = Services::start(&bin_dir_of(env!("CARGO_BIN_EXE_looseleaf")), &[1], &env).await?;
     let fe = services.client();
@@ -155,6 +162,27 @@ async fn a_cell_is_one_trace_from_its_request_to_its_saved_event() -> anyhow::Re
     let load = trace.one("load")?;
     assert!(imports.start_ns <= imports.end_ns && imports.end_ns <= load.start_ns + 1, "{imports:?} {load:?}");
     assert!(all.iter().all(|s| s.service.starts_with("looseleaf-")), "OTEL_RESOURCE_ATTRIBUTES named no service");
+    // a log line written in one of the cell's spans carries that span's ids, in
+    // every service, across NATS: a reader of the logs finds the trace
+    for (name, service) in [
+        ("looseleaf-frontend", "looseleaf-frontend"),
+        ("looseleaf-planner", "looseleaf-planner"),
+        ("host-0", "looseleaf-gpu-host"),
+        ("looseleaf-store", "looseleaf-store"),
+    ] {
+        let lines = services.log_lines(name)?;
+        let in_trace: Vec<&serde_json::Value> = lines.iter().filter(|l| l["trace_id"] == trace_id.as_str()).collect();
+        let joined = in_trace.iter().any(|l| {
+            let span = l["span_id"].as_str().and_then(|id| trace.spans.get(id));
+            span.is_some_and(|s| s.service == service)
+        });
+        assert!(
+            joined,
+            "no log line of {name} joins a span of the cell's trace ({} in the trace): {:#?}",
+            in_trace.len(),
+            &lines[lines.len().saturating_sub(5)..]
+        );
+    }
 
     // A cell prepared while edited, run with the caller's own trace context (as
     // the kernel sends for an execute_request): its trace continues the caller's,

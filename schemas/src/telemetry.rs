@@ -118,25 +118,42 @@ pub fn init(service: &'static str, filter: &str, format: LogFormat) -> Result<()
         LogFormat::Text => fmt.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).boxed(),
         LogFormat::Json => fmt.event_format(JsonLines { service }).boxed(),
     };
-    let logs = EnvFilter::try_new(filter).unwrap_or_else(|_| EnvFilter::new("info"));
-    // the exporter's own HTTP client and the SDK's reports must not become spans
-    // (a span per export would export itself)
-    let traced = Targets::new()
+    let _already_set = tracing_subscriber::registry()
+        .with(fmt.with_filter(log_filter(filter)))
+        .with(tracing_opentelemetry::layer().with_tracer(tracer).with_filter(traced()))
+        .try_init();
+    if let Some(export) = export {
+        tracing::info!(endpoint = %export.endpoint, from = export.endpoint_var, "exporting spans over OTLP");
+    }
+    Ok(())
+}
+
+/// What becomes a span: everything at INFO and above but the exporter's own HTTP
+/// client and the SDK's reports (a span per export would export itself).
+fn traced() -> Targets {
+    Targets::new()
         .with_default(LevelFilter::INFO)
         .with_target("opentelemetry", LevelFilter::OFF)
         .with_target("opentelemetry_sdk", LevelFilter::OFF)
         .with_target("opentelemetry_otlp", LevelFilter::OFF)
         .with_target("reqwest", LevelFilter::OFF)
         .with_target("hyper", LevelFilter::OFF)
-        .with_target("hyper_util", LevelFilter::OFF);
-    let _already_set = tracing_subscriber::registry()
-        .with(fmt.with_filter(logs))
-        .with(tracing_opentelemetry::layer().with_tracer(tracer).with_filter(traced))
-        .try_init();
-    if let Some(export) = export {
-        tracing::info!(endpoint = %export.endpoint, from = export.endpoint_var, "exporting spans over OTLP");
-    }
-    Ok(())
+        .with_target("hyper_util", LevelFilter::OFF)
+}
+
+/// What the log shows: the events `filter` (`--log`) enables, written in every
+/// span that is traced, whatever `filter` says of spans. A log line finds its
+/// trace through the spans the log layer sees, so one at `warn` written while
+/// the bus's `info` span of a message is entered still carries that message's
+/// trace.
+fn log_filter<S>(filter: &str) -> impl tracing_subscriber::layer::Filter<S>
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    use tracing_subscriber::filter::FilterExt as _;
+    let events = EnvFilter::try_new(filter).unwrap_or_else(|_| EnvFilter::new("info"));
+    let spans = tracing_subscriber::filter::filter_fn(|meta| meta.is_span()).and(traced());
+    events.or(spans)
 }
 
 /// `--log-format json`: one object per line with the time, level, service, target,
@@ -205,8 +222,15 @@ where
         // inside the subscriber: tracing answers a re-entrant call with no span)
         if let Some(span) = ctx.lookup_current() {
             if let Some(otel) = span.extensions().get::<tracing_opentelemetry::OtelData>() {
-                let parent = otel.parent_cx.span().span_context().trace_id();
-                let trace = otel.builder.trace_id.unwrap_or(parent);
+                // the trace the exported span joins: its parent's, when it has one
+                // (set after the span was made, from a message's or a request's
+                // headers); the id made for it as a root only otherwise
+                let parent = otel.parent_cx.span().span_context().clone();
+                let trace = if parent.is_valid() {
+                    parent.trace_id()
+                } else {
+                    otel.builder.trace_id.unwrap_or(opentelemetry::trace::TraceId::INVALID)
+                };
                 if trace != opentelemetry::trace::TraceId::INVALID {
                     line.insert("trace_id".into(), trace.to_string().into());
                 }
@@ -442,5 +466,44 @@ mod tests {
         assert_eq!(trace.len(), 32, "{line}");
         assert!(trace.chars().all(|c| c.is_ascii_hexdigit()) && trace != "0".repeat(32), "{line}");
         assert_eq!(line["span_id"].as_str().map(str::len), Some(16), "{line}");
+    }
+
+    /// A span continued from a message's headers (its parent set after it was
+    /// made, as `continue_trace` does): its log lines carry the trace it joins
+    /// when exported, the sender's, not the id it was given as a root; also
+    /// where the log shows warnings only, and the span is at info.
+    #[test]
+    fn json_lines_of_a_span_continued_from_headers_carry_the_senders_trace() {
+        let captured = Captured::default();
+        let writer = captured.clone();
+        let provider = SdkTracerProvider::builder().build();
+        let subscriber = tracing_subscriber::registry()
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .event_format(JsonLines { service: "looseleaf-test" })
+                    .with_writer(move || writer.clone())
+                    .with_filter(log_filter("warn")),
+            )
+            .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")).with_filter(traced()));
+        let sender = "0af7651916cd43dd8448eb211c80319c";
+        let mut headers = HeaderMap::new();
+        headers.insert("traceparent", format!("00-{sender}-b7ad6b7169203331-01").as_str());
+        tracing::subscriber::with_default(subscriber, || {
+            let span = tracing::info_span!("on_recipe");
+            continue_trace(&span, Some(&headers));
+            let _entered = span.enter();
+            tracing::warn!("claimed");
+            tracing::info!("not shown");
+            let child = tracing::info_span!("fork");
+            let _in_child = child.enter();
+            tracing::warn!("forked");
+        });
+        let text = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+        let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(lines.len(), 2, "{text}");
+        for line in &lines {
+            assert_eq!(line["trace_id"], sender, "{line}");
+        }
+        assert_eq!(lines[1]["spans"], serde_json::json!(["on_recipe", "fork"]));
     }
 }

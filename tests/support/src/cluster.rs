@@ -148,17 +148,34 @@ impl Services {
         Ok(s)
     }
 
-    fn spawn(&self, bin: &str, args: &[String], own: &[(String, String)]) -> anyhow::Result<Child> {
+    fn spawn(&self, name: &str, bin: &str, args: &[String], own: &[(String, String)]) -> anyhow::Result<Child> {
         let mut cmd = Command::new(self.bin_dir.join(bin));
         cmd.args(args).stdin(Stdio::null()).envs(self.env.iter().chain(own).map(|(k, v)| (k, v)));
+        if self.env.iter().any(|(k, v)| k == "LOOSELEAF_LOG_FORMAT" && v == "json") {
+            // JSON logs are for the test to read (`log_lines`), not for its output
+            let log = std::fs::OpenOptions::new().create(true).append(true).open(self.log_file(name))?;
+            cmd.stderr(log);
+        }
         cmd.spawn().with_context(|| format!("while starting {bin} (build the workspace's binaries first)"))
     }
 
     fn add(&mut self, name: &str, bin: &str, args: Vec<String>) -> anyhow::Result<()> {
         let env = (self.per_service)(name);
-        let child = self.spawn(bin, &args, &env)?;
+        let child = self.spawn(name, bin, &args, &env)?;
         self.procs.push(Proc { name: name.into(), bin: bin.into(), args, env, child: Some(child) });
         Ok(())
+    }
+
+    fn log_file(&self, name: &str) -> std::path::PathBuf {
+        self._dir.path().join(format!("{name}.log"))
+    }
+
+    /// The JSON log lines service `name` wrote so far, for a cluster started with
+    /// `LOOSELEAF_LOG_FORMAT=json` among its environment (each service's log then
+    /// goes to a file of its own).
+    pub fn log_lines(&self, name: &str) -> anyhow::Result<Vec<serde_json::Value>> {
+        let text = std::fs::read_to_string(self.log_file(name)).with_context(|| format!("no JSON log of {name}"))?;
+        Ok(text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect())
     }
 
     /// Start one more instance of the service binary `bin` under `name` (a
@@ -201,7 +218,7 @@ impl Services {
             let p = self.proc(name)?;
             (p.bin.clone(), p.args.clone(), p.env.clone())
         };
-        let child = self.spawn(&bin, &args, &env)?;
+        let child = self.spawn(name, &bin, &args, &env)?;
         self.proc(name)?.child = Some(child);
         Ok(())
     }

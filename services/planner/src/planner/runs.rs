@@ -21,6 +21,8 @@ impl StreamHandler<Result<Envelope<RunV2>, Rejected>> for Planner {
     fn handle(&mut self, item: Result<Envelope<RunV2>, Rejected>, ctx: &mut Self::Context) {
         let Ok(env) = item else { return };
         let span = env.span("planner.run");
+        // what is logged while the run is handled joins its trace
+        let _entered = span.clone().entered();
         // the frontend delivers runs (Bus::deliver): say it was heard
         let (acks, reply) = (self.bus.clone(), env.reply_to());
         ctx.spawn(async move { acks.acknowledge(reply).await }.into_actor(self));
@@ -43,6 +45,9 @@ impl StreamHandler<Result<Envelope<RunV2>, Rejected>> for Planner {
         let live_hosts = self.live_hosts();
         let fut = async move {
             let result = plan_run(bus.clone(), kv, run, prepared, cached, largest_host, live_hosts).await;
+            if result.is_ok() {
+                tracing::debug!(%session, exec = %exec_id, "planned");
+            }
             if let Err(error) = &result {
                 tracing::error!(%session, %error, "could not plan a run");
                 let ev = SessionEventV2 {
