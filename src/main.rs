@@ -119,8 +119,8 @@ enum Command {
         /// NOTEBOOK.looseleaf.ipynb beside the notebook.
         #[arg(long, env = "LOOSELEAF_OUTPUT")]
         output: Option<PathBuf>,
-        /// Where to write the per-cell report (JSON, its schema beside it); default
-        /// NOTEBOOK.looseleaf.json beside the notebook.
+        /// Where to write the per-cell report (JSON; its `$schema` names its JSON
+        /// Schema by URL); default NOTEBOOK.looseleaf.json beside the notebook.
         #[arg(long, env = "LOOSELEAF_REPORT")]
         report: Option<PathBuf>,
         /// Run every cell even after one raises; without it the run stops at the
@@ -235,7 +235,8 @@ enum Command {
     /// Show hosts (slots, zygotes, CPU sessions, cache) and the services that answer.
     Status {
         /// The NATS to ask (without `--nats-url`: the one `looseleaf up` recorded in
-        /// its data directory, else the default URL).
+        /// its data directory, else the default URL). It is tried once, unless
+        /// `--nats-connect-wait` asks to wait for it.
         #[command(flatten)]
         nats: NatsOptions,
         /// The data directory of a `looseleaf up` to find.
@@ -306,11 +307,25 @@ fn options(embed: EmbedArgs, data_dir: PathBuf, virtual_gpus: Option<u32>, port:
     }
 }
 
-/// Whether the running subcommand's `--nats-url` was given (on the command line or
-/// in the environment) rather than left at its default.
-fn nats_url_given(matches: &clap::ArgMatches) -> bool {
-    let source = matches.subcommand().and_then(|(_, m)| m.value_source("url"));
-    matches!(source, Some(clap::parser::ValueSource::CommandLine | clap::parser::ValueSource::EnvVariable))
+/// Which of the running subcommand's NATS options were given rather than left at
+/// their defaults.
+#[derive(Clone, Copy, Debug)]
+struct Given {
+    /// `--nats-url`.
+    nats_url: bool,
+    /// `--nats-connect-wait`.
+    nats_connect_wait: bool,
+}
+
+/// Whether the running subcommand's argument `id` was given (on the command line
+/// or in the environment) rather than left at its default.
+fn arg_given(matches: &clap::ArgMatches, id: &str) -> bool {
+    let Some((_, m)) = matches.subcommand() else { return false };
+    // a subcommand without that argument: `value_source` would panic in a debug build
+    if m.try_get_raw(id).is_err() {
+        return false;
+    }
+    matches!(m.value_source(id), Some(clap::parser::ValueSource::CommandLine | clap::parser::ValueSource::EnvVariable))
 }
 
 async fn up(opts: ClusterOptions) -> anyhow::Result<()> {
@@ -333,19 +348,39 @@ async fn up(opts: ClusterOptions) -> anyhow::Result<()> {
     res
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
     let matches = <Cli as clap::CommandFactory>::command().get_matches();
     let cli = <Cli as clap::FromArgMatches>::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
-    let nats_given = nats_url_given(&matches);
-    schemas::telemetry::init("looseleaf", &cli.log, cli.log_format)?;
-    let system = actix_rt::System::new();
-    let result = command(cli, nats_given, &system);
+    let given =
+        Given { nats_url: arg_given(&matches, "url"), nats_connect_wait: arg_given(&matches, "connect_wait_s") };
+    let result =
+        schemas::telemetry::init("looseleaf", &cli.log, cli.log_format).map_err(anyhow::Error::from).and_then(|()| {
+            let system = actix_rt::System::new();
+            command(cli, given, &system)
+        });
     // the last spans (a run's, a kernel's) leave before the process does
     schemas::telemetry::flush();
-    result
+    exit_code(result)
 }
 
-fn command(cli: Cli, nats_given: bool, system: &actix_rt::SystemRunner) -> anyhow::Result<()> {
+/// An error's exit status, printed as a `main` returning it would (`Error: ` and
+/// its chain, status 1); a run a signal stopped said what it wrote already and
+/// exits with the signal's status (130 for Ctrl-C), as a shell reports it.
+fn exit_code(result: anyhow::Result<()>) -> std::process::ExitCode {
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => match e.downcast_ref::<run::Interrupted>() {
+            Some(run::Interrupted(stop)) => std::process::ExitCode::from(stop.exit_code()),
+            None => {
+                eprintln!("Error: {e:?}");
+                std::process::ExitCode::FAILURE
+            }
+        },
+    }
+}
+
+fn command(cli: Cli, given: Given, system: &actix_rt::SystemRunner) -> anyhow::Result<()> {
+    let nats_given = given.nats_url;
     match cli.command {
         Command::Simulate(args) => simulate::simulate(&args).map(|_| ()),
         Command::Up { virtual_gpus, port, data_dir, session_uids, users, insecure_shared_workers, nats, embed } => {
@@ -472,13 +507,8 @@ fn command(cli: Cli, nats_given: bool, system: &actix_rt::SystemRunner) -> anyho
             system.block_on(analyze::bench_edits(&nats_url, &prefix, events, json.as_ref()))
         }
         Command::Status { nats, data_dir, prefix, wait_ms } => {
-            let nats = if nats_given {
-                nats
-            } else {
-                cluster::recorded_nats(&data_dir)
-                    .unwrap_or(NatsOptions { connect_wait_s: nats.connect_wait_s.min(5), ..nats })
-            };
-            system.block_on(status::status(&nats, &prefix, Duration::from_millis(wait_ms)))
+            let target = status::Target::find(nats, nats_given, given.nats_connect_wait, &data_dir);
+            system.block_on(status::status(&target, &prefix, Duration::from_millis(wait_ms)))
         }
     }
 }

@@ -272,16 +272,17 @@ impl SessionLog {
 /// The version of the report's layout (`docs/report.schema.json` describes it).
 pub const REPORT_VERSION: u32 = 1;
 
-/// The JSON Schema of the report, written beside every report.
-pub const SCHEMA: &str = include_str!("../docs/report.schema.json");
-
-/// The file name of the schema beside a report (the report's `$schema`).
-pub const SCHEMA_FILE: &str = "looseleaf-report.schema.json";
+/// The URL that names the JSON Schema of this layout: the `$id` of
+/// `docs/report.schema.json`, one per layout version, so that a report says what
+/// it is without a copy of its schema beside it.
+pub fn schema_url() -> String {
+    format!("https://looseleaf.dev/schemas/report/v{REPORT_VERSION}.json")
+}
 
 /// REPORT.json.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct Report {
-    /// The schema file beside the report.
+    /// The URL of its JSON Schema ([`schema_url`]).
     #[serde(rename = "$schema")]
     pub schema: String,
     pub report_version: u32,
@@ -296,13 +297,11 @@ pub struct Report {
     pub totals: Totals,
 }
 
-/// Write the report, and its schema beside it.
+/// Write the report (it names its schema by URL: nothing is written beside it).
 pub fn write(report: &Report, path: &std::path::Path) -> anyhow::Result<()> {
     use anyhow::Context;
     let json = serde_json::to_string_pretty(report).context("while encoding the report")?;
-    std::fs::write(path, json + "\n").with_context(|| format!("while writing {}", path.display()))?;
-    let schema = path.with_file_name(SCHEMA_FILE);
-    std::fs::write(&schema, SCHEMA).with_context(|| format!("while writing {}", schema.display()))
+    std::fs::write(path, json + "\n").with_context(|| format!("while writing {}", path.display()))
 }
 
 /// A time as RFC 3339 in UTC, to the second (`2026-11-30T09:08:27Z`).
@@ -358,7 +357,7 @@ pub fn build(
         speculation: speculation(&cells, log),
     };
     Report {
-        schema: SCHEMA_FILE.into(),
+        schema: schema_url(),
         report_version: REPORT_VERSION,
         looseleaf_version: env!("CARGO_PKG_VERSION").into(),
         started_at: rfc3339(started_at),

@@ -1,6 +1,9 @@
 use super::*;
 use looseleaf_client::events::{Device, Prepare, PreparedOutcome, SlotUse, StartPhases};
 
+/// The JSON Schema the report's `$schema` URL names, as the repository keeps it.
+const SCHEMA: &str = include_str!("../docs/report.schema.json");
+
 fn started(at: u64, device: Device) -> (u64, Event) {
     (
         at,
@@ -166,9 +169,13 @@ fn the_report_says_what_it_is_and_when_it_ran() {
     assert_eq!(r.report_version, REPORT_VERSION);
     assert_eq!(r.looseleaf_version, env!("CARGO_PKG_VERSION"));
     let json = serde_json::to_value(&r).unwrap_or_default();
-    assert_eq!(json["$schema"], SCHEMA_FILE);
-    // every field the report has is described by the schema, and the schema is JSON
+    // the report names its schema by a URL of its layout version, the schema's own `$id`
     let schema: serde_json::Value = serde_json::from_str(SCHEMA).unwrap_or_default();
+    assert_eq!(json["$schema"], format!("https://looseleaf.dev/schemas/report/v{REPORT_VERSION}.json"));
+    assert_eq!(json["$schema"], schema["$id"]);
+    assert_eq!(schema["properties"]["$schema"]["enum"][0], schema["$id"]);
+    assert_eq!(schema["properties"]["report_version"]["const"], REPORT_VERSION);
+    // every field the report has is described by the schema, and the schema is JSON
     for key in json.as_object().into_iter().flatten().map(|(k, _)| k) {
         assert!(schema["properties"].get(key).is_some(), "{key} is not in the schema");
     }
@@ -205,4 +212,24 @@ fn a_trace_keeps_notebook_outputs_and_no_side_channel() {
         t.push(StreamItem::Output { exec_id, seq, output });
     }
     assert_eq!(t.sorted_outputs(), vec![stream]);
+}
+
+/// The report is one file: its schema is named by URL, never written beside it.
+#[test]
+fn writing_a_report_writes_only_the_report() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("nb.looseleaf.json");
+    let r = build(
+        "nb.ipynb",
+        &[trace(0, 1000, 1200, 3000, Device::Cpu)],
+        &SessionLog::default(),
+        1.0,
+        std::time::UNIX_EPOCH,
+    );
+    write(&r, &path).unwrap();
+    let files: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(files, vec![std::ffi::OsString::from("nb.looseleaf.json")]);
+    let back: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    assert_eq!(back["$schema"], schema_url());
+    assert_eq!(back["cells"][0]["status"], "ok");
 }

@@ -42,9 +42,11 @@ pub struct SimulateArgs {
     /// host-to-GPU copy is charged.
     #[arg(long)]
     pub virtual_gpus: bool,
-    /// The bench results to take LooseLeaf's measured costs from.
-    #[arg(long, default_value = "bench/results")]
-    pub costs: PathBuf,
+    /// A directory of bench results to take LooseLeaf's measured costs from
+    /// (default: the repository's `bench/results`, built into looseleaf, so that
+    /// it runs from any folder).
+    #[arg(long)]
+    pub costs: Option<PathBuf>,
     /// Take start costs from the `--recorded` reports themselves where they hold samples.
     #[arg(long)]
     pub costs_from_reports: bool,
@@ -74,7 +76,10 @@ const PLOTS: &str = include_str!("../sim/plots.py");
 /// Run the comparison and write its files; returns the results.
 pub fn simulate(args: &SimulateArgs) -> anyhow::Result<Value> {
     let wall = std::time::Instant::now();
-    let mut costs = Costs::from_bench(&args.costs).context("while reading the measured costs")?;
+    let mut costs = match &args.costs {
+        Some(dir) => Costs::from_bench(dir).context("while reading the measured costs (--costs)")?,
+        None => Costs::built_in().context("while reading the built-in measured costs")?,
+    };
     let reports = read_reports(&args.recorded)?;
     if args.costs_from_reports {
         costs = costs.with_reports(&reports);

@@ -2,16 +2,116 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Context;
 use futures::StreamExt;
 use schemas::messages::HostStatusV2;
 use schemas::nats::NatsOptions;
-use schemas::Bus;
+use schemas::{Bus, BusError};
 
 /// The NATS service API's discovery subject (NATS protocol, not a LooseLeaf subject).
 const SRV_PING: &str = "$SRV.PING";
+
+/// How long the one try to reach NATS may take when no wait was asked for: a
+/// status is a glance, and a cluster that is not there will not come meanwhile.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Where `looseleaf status` found the NATS it asks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Found {
+    /// `--nats-url` (or `LOOSELEAF_NATS_URL`) named it.
+    Given,
+    /// The `looseleaf up` of this data directory recorded it there.
+    Recorded(PathBuf),
+    /// Nothing named one and this data directory records none: the default URL.
+    Default(PathBuf),
+}
+
+/// The NATS `looseleaf status` asks, and how it came to it.
+#[derive(Debug)]
+pub struct Target {
+    pub nats: NatsOptions,
+    pub found: Found,
+    /// `--nats-connect-wait` was given: wait that long for NATS, as asked.
+    pub wait_asked: bool,
+}
+
+impl Target {
+    /// The NATS the flags name, else the one the `looseleaf up` of `data_dir`
+    /// recorded, else the default URL. It is tried once unless `wait_asked`.
+    pub fn find(nats: NatsOptions, nats_given: bool, wait_asked: bool, data_dir: &Path) -> Self {
+        let wait_s = nats.connect_wait_s;
+        let (mut nats, found) = if nats_given {
+            (nats, Found::Given)
+        } else {
+            match crate::cluster::recorded_nats(data_dir) {
+                Some(recorded) => (recorded, Found::Recorded(data_dir.to_path_buf())),
+                None => (nats, Found::Default(data_dir.to_path_buf())),
+            }
+        };
+        // 0: one try, no retries
+        nats.connect_wait_s = if wait_asked { wait_s } else { 0 };
+        Self { nats, found, wait_asked }
+    }
+
+    /// What a failed connect says: where it looked and how to point it at a cluster.
+    fn nobody_there(&self) -> String {
+        let url = self.nats.shown();
+        let looked = match &self.found {
+            Found::Given => format!("{url} (given by --nats-url or LOOSELEAF_NATS_URL)"),
+            Found::Recorded(dir) => format!(
+                "{url}, which the `looseleaf up` of {} recorded there (one that crashed leaves it behind)",
+                dir.display()
+            ),
+            Found::Default(dir) => {
+                format!("{url}, the default URL ({} records no running `looseleaf up`)", dir.display())
+            }
+        };
+        format!(
+            "found no LooseLeaf cluster: no NATS answered at {looked}. Point looseleaf status at one: \
+             --data-dir DIR for the data directory of a `looseleaf up` on this machine, or --nats-url URL \
+             (with --nats-creds or the other login flags) for a shared cluster's NATS"
+        )
+    }
+}
+
+/// Whether a failed connect found nobody there (refused, unreachable, timed out),
+/// rather than a server that refused the login or the TLS.
+fn nobody_answered(e: &BusError) -> bool {
+    use async_nats::ConnectErrorKind as Kind;
+    match e {
+        BusError::Connect { source, .. } => {
+            matches!(source.kind(), Kind::TimedOut | Kind::Dns | Kind::Io)
+                && !source.to_string().contains("certificate")
+        }
+        _ => false,
+    }
+}
+
+/// Connect to the target's NATS: once, within [`CONNECT_TIMEOUT`], unless a wait
+/// was asked for; a failure says where it looked.
+async fn connect(target: &Target, prefix: &str) -> anyhow::Result<Bus> {
+    let url = target.nats.shown();
+    let connect = Bus::connect_with(&target.nats, prefix, "looseleaf-status");
+    let res = if target.wait_asked {
+        connect.await
+    } else {
+        match tokio::time::timeout(CONNECT_TIMEOUT, connect).await {
+            Ok(res) => res,
+            Err(_) => {
+                let late = anyhow::anyhow!("no answer from {url} within {CONNECT_TIMEOUT:?}");
+                return Err(late.context(target.nobody_there()));
+            }
+        }
+    };
+    match res {
+        Ok(bus) => Ok(bus),
+        Err(e) if nobody_answered(&e) => Err(anyhow::Error::new(e).context(target.nobody_there())),
+        Err(e) => Err(anyhow::Error::new(e).context(format!("while connecting to {url}"))),
+    }
+}
 
 fn bytes(n: u64) -> String {
     const MIB: f64 = (1 << 20) as f64;
@@ -66,8 +166,8 @@ pub fn render_hosts(hosts: &BTreeMap<String, HostStatusV2>) -> String {
 }
 
 /// Listen for `wait` and print hosts and services.
-pub async fn status(nats: &NatsOptions, prefix: &str, wait: Duration) -> anyhow::Result<()> {
-    let bus = Bus::connect_with(nats, prefix, "looseleaf-status").await?;
+pub async fn status(target: &Target, prefix: &str, wait: Duration) -> anyhow::Result<()> {
+    let bus = connect(target, prefix).await?;
     let mut hosts_sub = bus.subscribe::<HostStatusV2>(bus.subjects().all_host_status()).await?;
     let client = bus.client().clone();
     let inbox = client.new_inbox();
@@ -112,6 +212,58 @@ pub async fn status(nats: &NatsOptions, prefix: &str, wait: Duration) -> anyhow:
 mod tests {
     use super::*;
     use schemas::messages::{SlotStatus, WorkerState, WorkerStatus, ZygoteStatus};
+
+    /// A URL nothing listens on: a port the OS gave and took back.
+    fn dead_url() -> String {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        drop(listener);
+        format!("nats://127.0.0.1:{port}")
+    }
+
+    #[test]
+    fn the_target_says_where_it_looked_and_tries_once_unless_asked_to_wait() {
+        let dir = tempfile::tempdir().unwrap();
+        let flags = NatsOptions { connect_wait_s: 60, ..NatsOptions::url("nats://127.0.0.1:4222") };
+
+        // nothing named, nothing recorded: the default URL, once
+        let t = Target::find(flags.clone(), false, false, dir.path());
+        assert_eq!(t.found, Found::Default(dir.path().to_path_buf()));
+        assert_eq!(t.nats.connect_wait_s, 0);
+        let said = t.nobody_there();
+        let shown = dir.path().display().to_string();
+        for part in ["nats://127.0.0.1:4222", "default URL", shown.as_str(), "--data-dir DIR", "--nats-url URL"] {
+            assert!(said.contains(part), "{part:?} not in {said}");
+        }
+
+        // recorded by a `looseleaf up` of the data dir: that URL, naming the dir
+        std::fs::write(dir.path().join("nats-url"), "nats://127.0.0.1:4999\n").unwrap();
+        let t = Target::find(flags.clone(), false, false, dir.path());
+        assert_eq!(t.found, Found::Recorded(dir.path().to_path_buf()));
+        let said = t.nobody_there();
+        assert!(said.contains("nats://127.0.0.1:4999") && said.contains(&shown), "{said}");
+
+        // --nats-url wins over the record; --nats-connect-wait is kept as asked
+        let given = NatsOptions { url: "nats://10.0.0.1:4222".into(), ..flags };
+        let t = Target::find(given, true, true, dir.path());
+        assert_eq!((t.found.clone(), t.nats.connect_wait_s), (Found::Given, 60));
+        assert!(t.nobody_there().contains("nats://10.0.0.1:4222 (given by --nats-url"), "{}", t.nobody_there());
+    }
+
+    #[tokio::test]
+    async fn no_cluster_fails_at_once_saying_where_it_looked() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = dead_url();
+        let t = Target::find(NatsOptions::url(&url), true, false, dir.path());
+        let err = match connect(&t, "ll").await {
+            Ok(_) => panic!("something answered at {url}"),
+            Err(e) => format!("{e:#}"),
+        };
+        assert!(
+            err.contains("found no LooseLeaf cluster") && err.contains(&url) && err.contains("--data-dir"),
+            "{err}"
+        );
+    }
 
     #[test]
     fn renders_busy_and_free_slots() {

@@ -104,3 +104,33 @@ fn a_recorded_run_replays_with_its_cells_devices_and_closures() {
     assert!(!refused.status.success(), "{err}");
     assert!(err.contains("bad.report.json") && err.contains("started_at"), "{err}");
 }
+
+/// `looseleaf simulate` started outside the repository: the measured costs it
+/// needs are built in, its results land under `--out` relative to where it was
+/// started, and a `--costs` directory that is not there is named.
+#[test]
+fn simulate_runs_from_any_folder() {
+    let cwd = tempfile::tempdir().unwrap();
+    let sim = |extra: &[&str]| {
+        Command::new(looseleaf())
+            .arg("simulate")
+            .args(["--sessions", "2", "--no-trace", "--no-variants", "--no-floor-runs", "--no-plots"])
+            .args(["--policies", "looseleaf,pinned", "--hosts", "1", "--gpus-per-host", "2", "--out", "out"])
+            .args(extra)
+            .current_dir(cwd.path())
+            .stdin(Stdio::null())
+            .output()
+            .unwrap_or_else(|e| panic!("looseleaf simulate: {e}"))
+    };
+    let out = sim(&[]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let results = read(&cwd.path().join("out/simulation.json"));
+    let sources = results["costs"]["sources"].as_array().unwrap_or_else(|| panic!("no sources: {}", results["costs"]));
+    assert!(sources.iter().all(|s| s.as_str().is_some_and(|s| s.ends_with("(built in)"))), "{sources:?}");
+    assert!(results["loads"]["s2"]["policies"].as_array().is_some_and(|p| p.len() == 2), "{}", results["loads"]);
+
+    let missing = cwd.path().join("no-such-results");
+    let refused = sim(&["--costs", &missing.display().to_string()]);
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && err.contains(&missing.display().to_string()), "{err}");
+}

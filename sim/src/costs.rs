@@ -1,7 +1,9 @@
 //! What each step costs. LooseLeaf's steps are measured: drawn from the samples in
-//! the bench results files (cold-start, checkpoint, JupyterLab) or from the
+//! the bench results files (cold-start, checkpoint, JupyterLab; the repository's
+//! own are compiled in, so no file is read from the working directory) or from the
 //! REPORT.json files of real runs. The baselines' steps are the constants cited in
-//! `../shared/anchors/` (NotebookOS's simulator, the snapshot restore medians).
+//! `../shared/anchors/` (NotebookOS's simulator, the snapshot restore medians),
+//! compiled in as constants: nothing is read from there.
 
 use std::path::Path;
 
@@ -51,6 +53,17 @@ const S3_UP: f64 = 75e6;
 const GCR_S: f64 = 2.50;
 const CRIU_S: f64 = 4.38;
 
+/// The bench results files the measured costs come from.
+const BENCH_FILES: [&str; 3] = ["cold-start.json", "checkpoint.json", "jupyterlab.json"];
+
+/// The repository's own bench results, compiled in: the default costs hold
+/// wherever `looseleaf simulate` is started.
+const BUILT_IN: [(&str, &str); 3] = [
+    ("cold-start.json", include_str!("../../bench/results/cold-start.json")),
+    ("checkpoint.json", include_str!("../../bench/results/checkpoint.json")),
+    ("jupyterlab.json", include_str!("../../bench/results/jupyterlab.json")),
+];
+
 fn read(dir: &Path, name: &str) -> anyhow::Result<serde_json::Value> {
     let path = dir.join(name);
     let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
@@ -81,11 +94,37 @@ fn samples(
 }
 
 impl Costs {
-    /// Costs from the bench results in `dir` (`bench/results`).
+    /// Costs from the bench results in `dir` (a `bench/results` of one's own).
     pub fn from_bench(dir: &Path) -> anyhow::Result<Self> {
-        let cold = read(dir, "cold-start.json")?;
-        let ckpt = read(dir, "checkpoint.json")?;
-        let lab = read(dir, "jupyterlab.json")?;
+        anyhow::ensure!(
+            dir.is_dir(),
+            "{} is not a directory of bench results (it should hold {})",
+            dir.display(),
+            BENCH_FILES.join(", ")
+        );
+        let [cold, ckpt, lab] = BENCH_FILES.map(|name| read(dir, name));
+        let sources = BENCH_FILES.map(|name| dir.join(name).display().to_string());
+        Self::from_results(cold?, ckpt?, lab?, sources.into())
+    }
+
+    /// Costs from the repository's bench results as this build compiled them in
+    /// (`bench/results` when it was built).
+    pub fn built_in() -> anyhow::Result<Self> {
+        let [cold, ckpt, lab] = BUILT_IN.map(|(name, text)| {
+            serde_json::from_str::<serde_json::Value>(text)
+                .with_context(|| format!("the built-in bench/results/{name} is not JSON"))
+        });
+        let sources = BUILT_IN.map(|(name, _)| format!("bench/results/{name} (built in)"));
+        Self::from_results(cold?, ckpt?, lab?, sources.into())
+    }
+
+    /// Costs from the three results files (cold-start, checkpoint, JupyterLab).
+    fn from_results(
+        cold: serde_json::Value,
+        ckpt: serde_json::Value,
+        lab: serde_json::Value,
+        sources: Vec<String>,
+    ) -> anyhow::Result<Self> {
         let cells = list(&cold, "/looseleaf/cells", "cold-start.json")?;
         let naive = list(&cold, "/naive/cells", "cold-start.json")?;
         let lab_cells = list(&lab, "/cells_extension", "jupyterlab.json")?;
@@ -118,11 +157,7 @@ impl Costs {
             s3_up_bytes_per_s: S3_UP,
             snapshot_gcr_s: GCR_S,
             snapshot_criu_s: CRIU_S,
-            sources: vec![
-                dir.join("cold-start.json").display().to_string(),
-                dir.join("checkpoint.json").display().to_string(),
-                dir.join("jupyterlab.json").display().to_string(),
-            ],
+            sources,
         })
     }
 
@@ -155,5 +190,30 @@ impl Costs {
         }
         self.sources.extend(files.iter().map(|f| f.to_string()));
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The costs `looseleaf simulate` uses by default come with the binary and
+    /// hold samples, and a results directory of one's own gives the same costs.
+    #[test]
+    fn the_built_in_costs_are_the_repositorys_bench_results() {
+        let built_in = Costs::built_in().unwrap();
+        assert!(!built_in.hit_start_ms.values.is_empty() && !built_in.cold_start_ms.values.is_empty());
+        assert!(built_in.sources.iter().all(|s| s.ends_with("(built in)")), "{:?}", built_in.sources);
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/results");
+        let read = Costs::from_bench(&dir).unwrap();
+        assert_eq!(read.cold_start_ms.values, built_in.cold_start_ms.values);
+        assert_eq!(read.restore_bytes_per_s, built_in.restore_bytes_per_s);
+    }
+
+    #[test]
+    fn a_missing_results_directory_is_named() {
+        let err = Costs::from_bench(Path::new("/nonexistent/bench/results")).err().map(|e| format!("{e:#}"));
+        let err = err.unwrap_or_default();
+        assert!(err.contains("/nonexistent/bench/results") && err.contains("cold-start.json"), "{err}");
     }
 }
