@@ -15,7 +15,14 @@ use schemas::nats::NatsOptions;
 type Scrape = BTreeMap<String, f64>;
 
 async fn scrape(address: &str) -> anyhow::Result<Scrape> {
-    let resp = reqwest::Client::new().get(format!("http://{address}/metrics")).send().await?.error_for_status()?;
+    // as Prometheus asks
+    let accept = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
+    let resp = reqwest::Client::new()
+        .get(format!("http://{address}/metrics"))
+        .header("accept", accept)
+        .send()
+        .await?
+        .error_for_status()?;
     let kind = resp.headers().get("content-type").and_then(|v| v.to_str().ok()).unwrap_or_default().to_string();
     anyhow::ensure!(kind.starts_with("application/openmetrics-text"), "content type {kind}");
     let text = resp.text().await?;
@@ -43,6 +50,22 @@ async fn until(address: &str, what: &str, done: impl Fn(&Scrape) -> bool) -> any
         anyhow::ensure!(tokio::time::Instant::now() < deadline, "{address}: never {what}: {s:#?}");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+/// What `promtool check metrics` says of `text` (its lint findings; empty when it
+/// finds nothing).
+fn promtool_check(text: &str) -> anyhow::Result<String> {
+    use std::io::Write as _;
+    let mut child = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| anyhow::anyhow!("promtool (Debian's prometheus, installed by scripts/setup-tests): {e}"))?;
+    child.stdin.take().ok_or_else(|| anyhow::anyhow!("promtool's stdin"))?.write_all(text.as_bytes())?;
+    let out = child.wait_with_output()?;
+    Ok(format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
 }
 
 /// `$SRV.STATS` of service `name` (one instance runs): its endpoints by name.
@@ -89,6 +112,22 @@ async fn every_service_exports_what_happened() -> anyhow::Result<()> {
     })
     .await?;
     assert_eq!(value(&frontend, "looseleaf_sessions"), 1.0);
+    assert_eq!(value(&frontend, r#"looseleaf_cells_total{status="ok"}"#), 2.0, "{frontend:#?}");
+    // "within 1 s" is a bucket of its own
+    let within_1s = value(&frontend, r#"looseleaf_start_delay_seconds_bucket{le="1.0",prepare="speculative"}"#);
+    assert!(within_1s >= 1.0, "{frontend:#?}");
+    let runs = r#"http_server_request_duration_seconds_count{http_request_method="POST",http_route="/v1/sessions/{sid}/cells/{cell_id}/run",http_response_status_code="200"}"#;
+    assert_eq!(value(&frontend, runs), 2.0, "{frontend:#?}");
+    assert_eq!(value(&frontend, &format!(r#"looseleaf_build_info{{version="{}"}}"#, env!("CARGO_PKG_VERSION"))), 1.0);
+    assert!(value(&frontend, "process_resident_memory_bytes") > 0.0, "{frontend:#?}");
+    // a scraper that does not ask for OpenMetrics gets the text format 0.0.4,
+    // which promtool finds nothing to say of
+    let plain = reqwest::get(format!("http://{}/metrics", listen["looseleaf-frontend"])).await?;
+    let kind = plain.headers().get("content-type").and_then(|v| v.to_str().ok()).unwrap_or_default().to_string();
+    assert!(kind.starts_with("text/plain; version=0.0.4"), "{kind}");
+    let text = plain.text().await?;
+    assert!(!text.contains("# EOF") && text.contains("# TYPE looseleaf_cells_total counter"), "{text}");
+    assert_eq!(promtool_check(&text)?, "", "promtool check metrics on the frontend's /metrics");
     let host = until(&listen["host-0"], "the runs' slot time", |s| {
         value(s, r#"looseleaf_gpu_slot_seconds_total{use="cell"}"#) > 0.0
             && value(s, r#"looseleaf_gpu_slots{state="busy"}"#) == 0.0

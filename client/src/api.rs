@@ -157,6 +157,20 @@ pub enum ExecStatus {
     Aborted,
 }
 
+impl ExecStatus {
+    /// The status as its JSON names it (also a metric's label).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ExecStatus::Queued => "queued",
+            ExecStatus::Running => "running",
+            ExecStatus::Ok => "ok",
+            ExecStatus::Error => "error",
+            ExecStatus::Failed => "failed",
+            ExecStatus::Aborted => "aborted",
+        }
+    }
+}
+
 /// What `POST /v1/sessions/{sid}/interrupt` stopped.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Interrupted {

@@ -87,9 +87,17 @@ pub fn router(readiness: Readiness) -> Router {
         .route("/healthz", get(|| async { "ok\n" }))
         .route(
             "/metrics",
-            get(|| async {
-                let content_type = "application/openmetrics-text; version=1.0.0; charset=utf-8";
-                ([(axum::http::header::CONTENT_TYPE, content_type)], crate::metrics::metrics().encode())
+            get(|headers: axum::http::HeaderMap| async move {
+                // OpenMetrics for a scraper that asks for it (Prometheus does
+                // first); the text format 0.0.4 for any other, as client
+                // libraries answer
+                let accept = headers.get(axum::http::header::ACCEPT).and_then(|v| v.to_str().ok()).unwrap_or("");
+                let m = crate::metrics::metrics();
+                if accept.contains("application/openmetrics-text") {
+                    ([(axum::http::header::CONTENT_TYPE, crate::metrics::OPENMETRICS_CONTENT_TYPE)], m.encode())
+                } else {
+                    ([(axum::http::header::CONTENT_TYPE, crate::metrics::TEXT_004_CONTENT_TYPE)], m.encode_text_004())
+                }
             }),
         )
         .route(

@@ -6,11 +6,14 @@
 use std::sync::atomic::AtomicU64;
 use std::sync::OnceLock;
 
+use prometheus_client::collector::Collector;
 use prometheus_client::encoding::text::encode;
-use prometheus_client::metrics::counter::Counter;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::{Registry, Unit};
 
 /// One label.
@@ -18,11 +21,20 @@ pub type Label = [(&'static str, &'static str); 1];
 /// Two labels.
 pub type Labels2 = [(&'static str, &'static str); 2];
 
+/// Buckets of a duration, in seconds: prepared starts are milliseconds, cold ones
+/// with a large closure seconds; 0.25, 0.5, 1 and 2.5 s are among them, so that
+/// "started within 1 s" (DESIGN.md section 10) is one bucket's count.
+const SECONDS_BUCKETS: [f64; 16] =
+    [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
+
 fn seconds_histogram() -> Histogram {
-    // 1 ms to about 33 s: prepared starts are milliseconds, cold ones with a large
-    // closure seconds
-    Histogram::new(exponential_buckets(0.001, 2.0, 16))
+    Histogram::new(SECONDS_BUCKETS)
 }
+
+/// An HTTP request's labels, by OpenTelemetry's HTTP conventions:
+/// `http_request_method`, `http_route` (the route's template, not the path) and
+/// `http_response_status_code`.
+pub type HttpLabels = [(&'static str, String); 3];
 
 /// Every metric family.
 pub struct Metrics {
@@ -58,11 +70,15 @@ pub struct Metrics {
     pub nats_reconnects: Counter,
     /// Sessions this frontend serves. Frontend.
     pub sessions: Gauge,
+    /// Runs ended, by `status` (ok, error, failed, aborted). Frontend.
+    pub cells: Family<Label, Counter>,
+    /// HTTP requests served, by method, route and status. Frontend.
+    pub http_requests: Family<HttpLabels, Histogram, fn() -> Histogram>,
 }
 
 impl Metrics {
     fn new() -> Self {
-        let mut registry = Registry::with_prefix("looseleaf");
+        let mut registry = Registry::default();
         let m = Self {
             registry: Registry::default(),
             start_delay: Family::new_with_constructor(seconds_histogram),
@@ -78,8 +94,23 @@ impl Metrics {
             commits: Family::default(),
             nats_reconnects: Counter::default(),
             sessions: Gauge::default(),
+            cells: Family::default(),
+            http_requests: Family::new_with_constructor(seconds_histogram),
         };
-        let r = &mut registry;
+        // the conventions' own names (`process_*`, `http_server_*`) stand unprefixed
+        registry.register_collector(Box::new(ProcessMetrics));
+        registry.register_with_unit(
+            "http_server_request_duration",
+            "HTTP requests served, by method, route and status",
+            Unit::Seconds,
+            m.http_requests.clone(),
+        );
+        let r = registry.sub_registry_with_prefix("looseleaf");
+        r.register(
+            "build",
+            "The LooseLeaf version this process runs",
+            Info::new([("version", env!("CARGO_PKG_VERSION"))]),
+        );
         r.register_with_unit(
             "start_delay",
             "From Run to the cell starting, by how its worker was made",
@@ -111,16 +142,131 @@ impl Metrics {
         r.register("commits", "Commits answered by the store, by result", m.commits.clone());
         r.register("nats_reconnects", "Reconnections to NATS", m.nats_reconnects.clone());
         r.register("sessions", "Sessions this frontend serves", m.sessions.clone());
+        r.register("cells", "Runs ended, by status (ok, error, failed, aborted)", m.cells.clone());
         Self { registry, ..m }
     }
 
-    /// The families in Prometheus' text format.
+    /// The families in the OpenMetrics text format.
     pub fn encode(&self) -> String {
         let mut out = String::new();
         if let Err(e) = encode(&mut out, &self.registry) {
             tracing::error!(error = %e, "could not encode the metrics");
         }
         out
+    }
+
+    /// The families in Prometheus' text format 0.0.4, for a scraper that does not
+    /// ask for OpenMetrics.
+    pub fn encode_text_004(&self) -> String {
+        openmetrics_to_text_004(&self.encode())
+    }
+}
+
+/// The content type of `encode`.
+pub const OPENMETRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+/// The content type of `encode_text_004`.
+pub const TEXT_004_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// OpenMetrics text as text format 0.0.4: a counter family is named by its
+/// samples (`…_total`), an info family is a gauge `…_info`, and `# UNIT` and
+/// `# EOF` go (0.0.4 has neither).
+fn openmetrics_to_text_004(text: &str) -> String {
+    let mut renamed = std::collections::HashMap::new();
+    for line in text.lines() {
+        let mut words = line.splitn(4, ' ');
+        if let (Some("#"), Some("TYPE"), Some(name), Some(kind)) =
+            (words.next(), words.next(), words.next(), words.next())
+        {
+            match kind {
+                "counter" => renamed.insert(name.to_string(), (format!("{name}_total"), "counter")),
+                "info" => renamed.insert(name.to_string(), (format!("{name}_info"), "gauge")),
+                _ => None,
+            };
+        }
+    }
+    let mut out = String::with_capacity(text.len());
+    for line in text.lines() {
+        let mut words = line.splitn(4, ' ');
+        let line = match (words.next(), words.next(), words.next(), words.next()) {
+            (Some("#"), Some("EOF" | "UNIT"), ..) => continue,
+            (Some("#"), Some("HELP"), Some(name), rest) if renamed.contains_key(name) => {
+                format!("# HELP {} {}", renamed[name].0, rest.unwrap_or_default())
+            }
+            (Some("#"), Some("TYPE"), Some(name), _) if renamed.contains_key(name) => {
+                format!("# TYPE {} {}", renamed[name].0, renamed[name].1)
+            }
+            _ => line.to_string(),
+        };
+        out.push_str(&line);
+        out.push('\n');
+    }
+    out
+}
+
+/// The process's own figures, read from `/proc` at each scrape, by the names
+/// Prometheus' client libraries give them.
+#[derive(Debug)]
+struct ProcessMetrics;
+
+impl Collector for ProcessMetrics {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Some(p) = ProcessFigures::read() else { return Ok(()) };
+        let cpu = ConstCounter::new(p.cpu_seconds);
+        cpu.encode(encoder.encode_descriptor(
+            "process_cpu",
+            "User and system CPU time spent",
+            Some(&Unit::Seconds),
+            cpu.metric_type(),
+        )?)?;
+        let rss = ConstGauge::new(p.resident_bytes as i64);
+        rss.encode(encoder.encode_descriptor(
+            "process_resident_memory",
+            "Resident memory size",
+            Some(&Unit::Bytes),
+            rss.metric_type(),
+        )?)?;
+        let fds = ConstGauge::new(p.open_fds as i64);
+        fds.encode(encoder.encode_descriptor("process_open_fds", "Open file descriptors", None, fds.metric_type())?)?;
+        let start = ConstGauge::new(p.start_time_seconds);
+        start.encode(encoder.encode_descriptor(
+            "process_start_time",
+            "Start time of the process since the Unix epoch",
+            Some(&Unit::Seconds),
+            start.metric_type(),
+        )?)?;
+        Ok(())
+    }
+}
+
+/// What `/proc` says of this process.
+struct ProcessFigures {
+    cpu_seconds: f64,
+    resident_bytes: u64,
+    open_fds: usize,
+    start_time_seconds: f64,
+}
+
+impl ProcessFigures {
+    /// `/proc` counts CPU time and start time in clock ticks of USER_HZ, which
+    /// Linux fixes at 100 for what it shows user space.
+    const TICKS_PER_SECOND: f64 = 100.0;
+
+    fn read() -> Option<Self> {
+        let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+        // the fields after the command's name, which may hold spaces and parentheses
+        let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+        let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok());
+        // utime and stime are fields 14 and 15 of stat(5), starttime 22; here
+        // counted from field 3
+        let cpu_seconds = (ticks(11)? + ticks(12)?) / Self::TICKS_PER_SECOND;
+        let since_boot = ticks(19)? / Self::TICKS_PER_SECOND;
+        let boot = std::fs::read_to_string("/proc/stat").ok()?;
+        let btime: f64 = boot.lines().find_map(|l| l.strip_prefix("btime "))?.trim().parse().ok()?;
+        let status = std::fs::read_to_string("/proc/self/status").ok()?;
+        let rss_kib: u64 =
+            status.lines().find_map(|l| l.strip_prefix("VmRSS:"))?.trim().trim_end_matches("kB").trim().parse().ok()?;
+        let open_fds = std::fs::read_dir("/proc/self/fd").map(Iterator::count).unwrap_or(0);
+        Some(Self { cpu_seconds, resident_bytes: rss_kib * 1024, open_fds, start_time_seconds: btime + since_boot })
     }
 }
 
@@ -184,5 +330,26 @@ mod tests {
             assert!(text.lines().any(|l| l == line), "no line {line:?} in\n{text}");
         }
         assert!(text.ends_with("# EOF\n"), "{text}");
+        // "within 1 s" is a bucket
+        assert!(text.lines().any(|l| l.starts_with("looseleaf_start_delay_seconds_bucket{le=\"1.0\",")), "{text}");
+        assert!(text.lines().any(|l| l.starts_with("looseleaf_build_info{version=")), "{text}");
+        assert!(text.lines().any(|l| l.starts_with("process_resident_memory_bytes ")), "{text}");
+    }
+
+    #[test]
+    fn text_004_names_counters_by_their_samples_and_has_no_unit_or_eof() {
+        let m = metrics();
+        m.cells.get_or_create(&[("status", "ok")]).inc();
+        let text = m.encode_text_004();
+        for line in [
+            "# TYPE looseleaf_cells_total counter",
+            "# TYPE looseleaf_build_info gauge",
+            "# TYPE looseleaf_start_delay_seconds histogram",
+            "# TYPE process_cpu_seconds_total counter",
+        ] {
+            assert!(text.lines().any(|l| l == line), "no line {line:?} in\n{text}");
+        }
+        assert!(text.lines().any(|l| l.starts_with("# HELP looseleaf_cells_total ")), "{text}");
+        assert!(!text.contains("# EOF") && !text.contains("# UNIT"), "{text}");
     }
 }

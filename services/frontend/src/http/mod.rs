@@ -66,5 +66,27 @@ pub fn router(state: AppState, body_timeout: Duration) -> Router {
         // outermost: a request for a host not allowed, or a CORS preflight, never
         // reaches the token check
         .layer(axum::middleware::from_fn_with_state(state.origins.clone(), crate::origins::check))
+        // outside every other layer: refused requests are counted too
+        .layer(axum::middleware::from_fn(record_request))
         .with_state(state)
+}
+
+/// Count a request and its time by method, route template and status (OpenTelemetry's
+/// HTTP conventions; the template, never the path, bounds the labels).
+async fn record_request(req: axum::extract::Request, next: axum::middleware::Next) -> axum::response::Response {
+    let route = req
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map_or_else(|| "unmatched".to_string(), |p| p.as_str().to_string());
+    let method = req.method().as_str().to_string();
+    let started = std::time::Instant::now();
+    let response = next.run(req).await;
+    let labels = [
+        ("http_request_method", method),
+        ("http_route", route),
+        ("http_response_status_code", response.status().as_u16().to_string()),
+    ];
+    let histogram = schemas::metrics::metrics().http_requests.get_or_create(&labels);
+    histogram.observe(started.elapsed().as_secs_f64());
+    response
 }

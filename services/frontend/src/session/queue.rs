@@ -35,6 +35,7 @@ impl SessionActor {
     /// End queued run `exec_id` (taken out of the queue) without running it.
     fn abort(&mut self, exec_id: Uuid, reason: String) {
         self.traces.remove(&exec_id);
+        schemas::metrics::metrics().cells.get_or_create(&[("status", ExecStatus::Aborted.as_str())]).inc();
         let error = Some(reason);
         if let Some(r) = self.record(exec_id) {
             r.status = ExecStatus::Aborted;

@@ -305,6 +305,9 @@ impl SessionActor {
     ) {
         let Some(cur) = self.current.as_mut() else { return };
         let exec_id = cur.exec_id;
+        if !matches!(cur.state, RunState::Ended(_)) {
+            schemas::metrics::metrics().cells.get_or_create(&[("status", status.as_str())]).inc();
+        }
         cur.state = RunState::Ended(Ended { status, revision, error, unix_ms, saved });
         self.maybe_complete(ctx);
         if self.current.as_ref().is_some_and(|c| c.exec_id == exec_id) {
