@@ -64,7 +64,10 @@ fn has_all(spans: &[ReceivedSpan], trace_id: &str, names: &[&str]) -> bool {
 /// The trace whose root `run cell` span names `exec`.
 fn trace_of_exec(spans: &[ReceivedSpan], exec: Uuid) -> Option<String> {
     let exec = exec.to_string();
-    spans.iter().find(|s| s.name == "run cell" && s.attributes.get("exec") == Some(&exec)).map(|s| s.trace_id.clone())
+    spans
+        .iter()
+        .find(|s| s.name == "run cell" && s.attributes.get("looseleaf.exec_id") == Some(&exec))
+        .map(|s| s.trace_id.clone())
 }
 
 /// What one cell's trace must hold, whatever way its worker was made.
@@ -119,9 +122,29 @@ async fn a_cell_is_one_trace_from_its_request_to_its_saved_event() -> anyhow::Re
         .await?;
     let trace_id = trace_of_exec(&all, cold).unwrap_or_default();
     let trace = Trace::of(&all, &trace_id);
-    let root = trace.one("run cell")?;
+    // the request's SERVER span is the root, by the HTTP conventions
+    let request = "POST /v1/sessions/{sid}/cells/{cell_id}/run";
+    let root = trace.one(request)?;
     assert!(root.parent_id.is_empty(), "a run without trace context starts its own trace: {root:?}");
     assert_eq!(root.service, "looseleaf-frontend");
+    assert_eq!(root.kind, 2, "{root:?}");
+    for (key, value) in [
+        ("http.request.method", "POST"),
+        ("http.route", "/v1/sessions/{sid}/cells/{cell_id}/run"),
+        ("http.response.status_code", "200"),
+    ] {
+        assert_eq!(root.attributes.get(key).map(String::as_str), Some(value), "{root:?}");
+    }
+    assert!(trace.under("run cell", request)?, "the cell's span is not under its request's");
+    // a message handled is a CONSUMER span named by its subject's template
+    let recipe = trace.one("host.recipe")?;
+    assert_eq!(recipe.kind, 5, "{recipe:?}");
+    assert_eq!(recipe.attributes.get("messaging.operation.type").map(String::as_str), Some("process"));
+    assert_eq!(
+        recipe.attributes.get("messaging.destination.template").map(String::as_str),
+        Some("{prefix}.v1.session.{id}.recipe"),
+        "{recipe:?}"
+    );
     let services_seen: BTreeSet<&str> = trace.spans.values().map(|s| s.service.as_str()).collect();
     for service in ["looseleaf-frontend", "looseleaf-planner", "looseleaf-gpu-host", "looseleaf-store"] {
         assert!(services_seen.contains(service), "{service} is missing from the trace: {:?}", trace.names());
@@ -157,7 +180,10 @@ async fn a_cell_is_one_trace_from_its_request_to_its_saved_event() -> anyhow::Re
         .any(|e| trace.ancestors(e).first().map(String::as_str) == Some("saved event"));
     assert!(saved_at_frontend, "the frontend's handling of Saved is not a child of the host's 'saved event'");
     let execute = trace.one("execute")?;
-    assert_eq!(execute.attributes.get("prepare").map(String::as_str), Some("Cold"), "{execute:?}");
+    assert_eq!(execute.attributes.get("looseleaf.prepare").map(String::as_str), Some("cold"), "{execute:?}");
+    // attributes are the product's own, with plain values
+    let claim = trace.one("bid and claim")?;
+    assert_eq!(claim.attributes.get("looseleaf.claim.outcome").map(String::as_str), Some("won"), "{claim:?}");
     let imports = trace.one("imports")?;
     let load = trace.one("load")?;
     assert!(imports.start_ns <= imports.end_ns && imports.end_ns <= load.start_ns + 1, "{imports:?} {load:?}");
@@ -216,7 +242,7 @@ async fn a_cell_is_one_trace_from_its_request_to_its_saved_event() -> anyhow::Re
         .until(Duration::from_secs(60), "the prepared cell's trace", |s| has_all(s, &caller_trace, EVERY_RUN))
         .await?;
     let trace = Trace::of(&all, &caller_trace);
-    let root = trace.one("run cell")?;
+    let root = trace.one(request)?;
     assert_eq!(root.parent_id, caller_span, "the run did not continue the caller's trace");
     assert!(trace.named("fork worker").is_empty(), "a prepared run forks nothing: {:?}", trace.names());
     let execute = trace.one("execute")?;
@@ -244,7 +270,7 @@ async fn a_cell_is_one_trace_from_its_request_to_its_saved_event() -> anyhow::Re
     let prepare = edit.one("prepare")?;
     assert_eq!(
         edit.ancestors(prepare),
-        ["bid and claim", "host.recipe", "planner.edit", "cell edit"],
+        ["bid and claim", "host.recipe", "planner.edit", "cell edit", "PUT /v1/sessions/{sid}/cells/{cell_id}"],
         "the preparation is not under its edit"
     );
     Ok(())

@@ -230,6 +230,25 @@ impl StoreVerb {
     }
 }
 
+/// A subject with its variable parts named (`{prefix}.v1.session.{id}.run`,
+/// `{prefix}.v1.host.{host}.recipe`): what telemetry groups messages by, since
+/// the subject itself names one session or host.
+pub fn template(subject: &str) -> String {
+    let mut out = Vec::new();
+    let mut after_host = false;
+    for (i, token) in subject.split('.').enumerate() {
+        let named = match token {
+            _ if i == 0 => "{prefix}",
+            _ if after_host => "{host}",
+            _ if Uuid::parse_str(token).is_ok() => "{id}",
+            other => other,
+        };
+        after_host = i > 0 && token == "host";
+        out.push(named);
+    }
+    out.join(".")
+}
+
 /// The session id and verb of a `{prefix}.v1.session.{sid}.{verb}` subject.
 pub fn parse_session_subject(subject: &str) -> Option<(Uuid, &str)> {
     let mut parts = subject.rsplitn(3, '.');
@@ -245,6 +264,15 @@ pub fn parse_session_subject(subject: &str) -> Option<(Uuid, &str)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn templates_name_the_variable_parts() {
+        let sid = Uuid::from_u128(7);
+        assert_eq!(template(&format!("ll1.v1.session.{sid}.run")), "{prefix}.v1.session.{id}.run");
+        assert_eq!(template(&format!("ll1.v1.output.{sid}.{sid}")), "{prefix}.v1.output.{id}.{id}");
+        assert_eq!(template("ll1.v1.host.host-0.recipe"), "{prefix}.v1.host.{host}.recipe");
+        assert_eq!(template("ll1.v1.store.commit"), "{prefix}.v1.store.commit");
+    }
 
     #[test]
     fn session_subjects_parse_back() {

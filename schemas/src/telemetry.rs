@@ -432,8 +432,9 @@ mod tests {
         assert!(http_trace_headers().is_empty(), "outside any span there is no context to send");
     }
 
-    #[test]
-    fn json_lines_carry_fields_spans_and_the_trace_ids() {
+    /// The JSON log lines `body` writes, through the layers and filters `init`
+    /// sets up, with `--log` `filter`.
+    fn json_log_lines(filter: &str, body: impl FnOnce()) -> Vec<serde_json::Value> {
         let captured = Captured::default();
         let writer = captured.clone();
         let provider = SdkTracerProvider::builder().build();
@@ -441,18 +442,24 @@ mod tests {
             .with(
                 tracing_subscriber::fmt::layer()
                     .event_format(JsonLines { service: "looseleaf-test" })
-                    .with_writer(move || writer.clone()),
+                    .with_writer(move || writer.clone())
+                    .with_filter(log_filter(filter)),
             )
-            .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
-        tracing::subscriber::with_default(subscriber, || {
+            .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")).with_filter(traced()));
+        tracing::subscriber::with_default(subscriber, body);
+        let text = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+        text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    }
+
+    #[test]
+    fn json_lines_carry_fields_spans_and_the_trace_ids() {
+        let lines = json_log_lines("info", || {
             tracing::info!("outside any span");
             let span = tracing::info_span!("run_cell");
             let _entered = span.enter();
             tracing::warn!(exec = 7, host = "host-0", "claim failed");
         });
-        let text = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
-        let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-        assert_eq!(lines.len(), 2, "{text}");
+        assert_eq!(lines.len(), 2, "{lines:?}");
         assert_eq!(lines[0]["message"], "outside any span");
         assert!(lines[0].get("trace_id").is_none(), "{}", lines[0]);
         let line = &lines[1];
@@ -474,21 +481,10 @@ mod tests {
     /// where the log shows warnings only, and the span is at info.
     #[test]
     fn json_lines_of_a_span_continued_from_headers_carry_the_senders_trace() {
-        let captured = Captured::default();
-        let writer = captured.clone();
-        let provider = SdkTracerProvider::builder().build();
-        let subscriber = tracing_subscriber::registry()
-            .with(
-                tracing_subscriber::fmt::layer()
-                    .event_format(JsonLines { service: "looseleaf-test" })
-                    .with_writer(move || writer.clone())
-                    .with_filter(log_filter("warn")),
-            )
-            .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")).with_filter(traced()));
         let sender = "0af7651916cd43dd8448eb211c80319c";
         let mut headers = HeaderMap::new();
         headers.insert("traceparent", format!("00-{sender}-b7ad6b7169203331-01").as_str());
-        tracing::subscriber::with_default(subscriber, || {
+        let lines = json_log_lines("warn", || {
             let span = tracing::info_span!("on_recipe");
             continue_trace(&span, Some(&headers));
             let _entered = span.enter();
@@ -498,9 +494,7 @@ mod tests {
             let _in_child = child.enter();
             tracing::warn!("forked");
         });
-        let text = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
-        let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-        assert_eq!(lines.len(), 2, "{text}");
+        assert_eq!(lines.len(), 2, "{lines:?}");
         for line in &lines {
             assert_eq!(line["trace_id"], sender, "{line}");
         }

@@ -113,9 +113,11 @@ impl<M> Envelope<M> {
         let span = tracing::info_span!(
             "handle",
             otel.name = name,
+            otel.kind = "consumer",
             messaging.system = "nats",
             messaging.destination.name = %self.subject,
-            messaging.operation = "process",
+            messaging.destination.template = %crate::subjects::template(&self.subject),
+            messaging.operation.type = "process",
         );
         telemetry::continue_trace(&span, self.headers.as_ref());
         span

@@ -28,6 +28,9 @@ pub struct ReceivedSpan {
     pub parent_id: String,
     /// Its name.
     pub name: String,
+    /// Its kind, as OTLP numbers it: 1 internal, 2 server, 3 client, 4 producer,
+    /// 5 consumer.
+    pub kind: i32,
     /// Its attributes, as text.
     pub attributes: BTreeMap<String, String>,
     /// The spans it links to: (trace id, span id), hex.
@@ -87,6 +90,7 @@ async fn export(State(spans): State<Spans>, body: Bytes) -> (StatusCode, Vec<u8>
                 span_id: hex(&span.span_id),
                 parent_id: hex(&span.parent_span_id),
                 name: span.name,
+                kind: span.kind,
                 attributes: span.attributes.iter().map(|kv| (kv.key.clone(), text(kv))).collect(),
                 links: span.links.iter().map(|l| (hex(&l.trace_id), hex(&l.span_id))).collect(),
                 start_ns: span.start_time_unix_nano,

@@ -71,16 +71,31 @@ pub fn router(state: AppState, body_timeout: Duration) -> Router {
         .with_state(state)
 }
 
-/// Count a request and its time by method, route template and status (OpenTelemetry's
-/// HTTP conventions; the template, never the path, bounds the labels).
+/// The SERVER span of a request, continuing the trace its `traceparent` names.
+fn request_span(req: &axum::extract::Request, method: &str, route: &str) -> tracing::Span {
+    let span = tracing::info_span!("request", otel.name = %format!("{method} {route}"), otel.kind = "server",
+        http.request.method = %method, http.route = %route, url.path = %req.uri().path(),
+        http.response.status_code = tracing::field::Empty);
+    let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok());
+    schemas::telemetry::continue_http_trace(&span, header("traceparent"), header("tracestate"));
+    span
+}
+
+/// Serve a request in a SERVER span that continues the caller's trace (its
+/// `traceparent`, as a kernel's execute_request sends), and count it and its time
+/// by method, route template and status (OpenTelemetry's HTTP conventions; the
+/// template, never the path, bounds the labels and names the span).
 async fn record_request(req: axum::extract::Request, next: axum::middleware::Next) -> axum::response::Response {
+    use tracing::Instrument as _;
     let route = req
         .extensions()
         .get::<axum::extract::MatchedPath>()
         .map_or_else(|| "unmatched".to_string(), |p| p.as_str().to_string());
     let method = req.method().as_str().to_string();
+    let span = request_span(&req, &method, &route);
     let started = std::time::Instant::now();
-    let response = next.run(req).await;
+    let response = next.run(req).instrument(span.clone()).await;
+    span.record("http.response.status_code", response.status().as_u16());
     let labels = [
         ("http_request_method", method),
         ("http_route", route),

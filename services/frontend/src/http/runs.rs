@@ -4,7 +4,7 @@
 use actix::Addr;
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::StatusCode;
 use axum::{Extension, Json};
 use tracing::Instrument as _;
 use uuid::Uuid;
@@ -22,12 +22,12 @@ pub(super) async fn edit(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     Path((sid, cell_id)): Path<(String, String)>,
-    headers: HeaderMap,
     body: Result<Json<CellCode>, JsonRejection>,
 ) -> Result<StatusCode, ApiError> {
     // the preparation this edit starts is linked from the run it prepares
-    let span = tracing::info_span!("edit", otel.name = "cell edit", session = %sid, cell = %cell_id);
-    continue_http_trace(&span, &headers);
+    // (a child of the request's span, which continues the caller's trace)
+    let span = tracing::info_span!("edit", otel.name = "cell edit", looseleaf.session_id = %sid,
+        looseleaf.cell_id = %cell_id);
     async move {
         let (sid, addr) = lookup(&state, &sid, &caller).await?;
         let code = cell_code(json_body(body)?.code)?;
@@ -44,13 +44,6 @@ pub(super) async fn edit(
     .await
 }
 
-/// Continue the trace a request's `traceparent` header names (a kernel's
-/// execute_request, a caller's own trace), if it has one.
-fn continue_http_trace(span: &tracing::Span, headers: &HeaderMap) {
-    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
-    schemas::telemetry::continue_http_trace(span, header("traceparent"), header("tracestate"));
-}
-
 /// The most a run's `user_expressions` may hold (names and expressions): they
 /// travel in the run, the recipe and the session's record.
 const MAX_USER_EXPRESSION_BYTES: usize = 64 * 1024;
@@ -62,16 +55,14 @@ pub(super) async fn run(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     Path((sid, cell_id)): Path<(String, String)>,
-    headers: HeaderMap,
     body: Result<Json<RunCell>, JsonRejection>,
 ) -> Result<Json<RunAccepted>, ApiError> {
     // Run is the moment the request arrived (DESIGN.md section 10)
     let run_unix_ms = schemas::unix_ms();
-    // the root of the cell's one trace (under the caller's, if it sent one); it
-    // ends when the execution does
-    let span = tracing::info_span!("cell", otel.name = "run cell", session = %sid, cell = %cell_id,
-        exec = tracing::field::Empty);
-    continue_http_trace(&span, &headers);
+    // the cell's one trace, under the request's span (which continues the
+    // caller's trace, if it sent one); it ends when the execution does
+    let span = tracing::info_span!("cell", otel.name = "run cell", looseleaf.session_id = %sid,
+        looseleaf.cell_id = %cell_id, looseleaf.exec_id = tracing::field::Empty);
     let (_sid, addr) = lookup(&state, &sid, &caller).await?;
     let RunCell { code, allow_stdin, user_expressions } = json_body(body)?;
     let code = cell_code(code)?;

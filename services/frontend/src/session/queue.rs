@@ -201,7 +201,7 @@ impl Handler<Run> for SessionActor {
             }
         }
         let exec_id = Uuid::now_v7();
-        msg.span.record("exec", tracing::field::display(exec_id));
+        msg.span.record("looseleaf.exec_id", tracing::field::display(exec_id));
         self.traces.insert(exec_id, msg.span);
         let position = queued.len() + usize::from(self.current.is_some());
         self.executions.push(ExecRecord {

@@ -235,7 +235,7 @@ impl ExecEnv {
             Target::Fresh { slots } => (slots.clone(), Prepare::Cold),
             Target::Existing { prepare, slots, .. } => (slots.clone(), *prepare),
         };
-        tracing::Span::current().record("prepare", tracing::field::debug(prepare));
+        tracing::Span::current().record("looseleaf.prepare", prepare.as_str());
         // events name a cell's first slot; host status lists all it holds
         let slot = slots.first().copied();
         self.event(session, exec_id, EventKind::Claimed { host: self.host_id.clone(), slot, prepare }).await;

@@ -74,7 +74,8 @@ impl Host {
             }
             Command::Prepare { key, recipe, slots, worker } => {
                 let existing = worker.as_ref().and_then(|id| self.workers.get(id).cloned());
-                let span = tracing::info_span!("prepare", session = %key.0, cell = %key.1, revision = recipe.revision);
+                let span = tracing::info_span!("prepare", looseleaf.session_id = %key.0, looseleaf.cell_id = %key.1,
+                    looseleaf.revision = recipe.revision);
                 self.prepare_spans.insert(key.clone(), span.clone());
                 let env = self.env.clone();
                 let prepare = async move { env.prepare(&recipe, &slots, existing).await };
@@ -141,12 +142,12 @@ impl Host {
             _ => None,
         };
         let span = tracing::info_span!(parent: parent.as_ref().unwrap_or(&tracing::Span::current()), "claim",
-            otel.name = "bid and claim", claim = ?key, bid.delay_ms = delay.as_secs_f64() * 1000.0,
-            outcome = tracing::field::Empty);
+            otel.name = "bid and claim", looseleaf.claim = kind, looseleaf.bid.delay_ms = delay.as_secs_f64() * 1000.0,
+            looseleaf.claim.outcome = tracing::field::Empty);
         let recorded = span.clone();
         let fut = tracing::Instrument::instrument(async move { claims.claim(key, delay, live).await }, span);
         ctx.spawn(fut.into_actor(self).map(move |claim, act, ctx| {
-            recorded.record("outcome", tracing::field::debug(&claim));
+            recorded.record("looseleaf.claim.outcome", claim.as_str());
             schemas::metrics::metrics().claims.get_or_create(&[("claim", kind), ("outcome", claim.as_str())]).inc();
             let _entered = recorded.enter(); // what the claim leads to (prepare, execute) follows it
             act.drive(Input::Claimed { ticket, claim }, ctx);
@@ -175,8 +176,9 @@ impl Host {
         };
         let arrival = self.arrived.remove(&exec_id);
         let parent = arrival.as_ref().map_or_else(tracing::Span::current, |a| a.span.clone());
-        let span = tracing::info_span!(parent: &parent, "execute", exec = %exec_id, session = %recipe.session,
-            cell = %recipe.cell_id, prepare = tracing::field::Empty);
+        let span = tracing::info_span!(parent: &parent, "execute", looseleaf.exec_id = %exec_id,
+            looseleaf.session_id = %recipe.session, looseleaf.cell_id = %recipe.cell_id,
+            looseleaf.prepare = tracing::field::Empty);
         if let Some(prepared_by) = prepared.and_then(|key| self.prepare_spans.remove(&key)) {
             schemas::telemetry::link(&span, &prepared_by); // the edit-time preparation this run used
         }
