@@ -320,8 +320,18 @@ async fn drive(req: &RunRequest, mut nb: serde_json::Value, fe: &Frontend) -> an
     };
     let cells = notebook::code_cells(&nb);
     let total = nb.get("cells").and_then(|c| c.as_array()).map_or(0, Vec::len);
-    let sid = fe.create_session(&cwd, req.all_gpu, req.speculate).await?;
-    let mut rx = fe.events(sid).await?;
+    let opening = async {
+        let sid = fe.create_session(&cwd, req.all_gpu, req.speculate).await?;
+        anyhow::Ok((sid, fe.events(sid).await?))
+    };
+    // (a frontend that does not answer must not keep Ctrl-C from stopping the run)
+    let (sid, mut rx) = tokio::select! {
+        opened = opening => opened?,
+        stop = signals.next() => {
+            eprintln!("interrupted ({}) before any cell ran: wrote nothing", stop.name());
+            return Err(Interrupted(stop).into());
+        }
+    };
     let mut traces: HashMap<Uuid, Trace> = HashMap::new();
     let mut order = Vec::new();
     let mut log = SessionLog::default();
@@ -381,6 +391,8 @@ async fn drive(req: &RunRequest, mut nb: serde_json::Value, fe: &Frontend) -> an
                                 cell.cell_id, req.retries
                             )
                         });
+                        // (not running meanwhile: a signal now interrupts no cell)
+                        current = None;
                         tokio::time::sleep(RETRY_PAUSE).await;
                     }
                     _ => break accepted.exec_id,
@@ -419,12 +431,23 @@ async fn drive(req: &RunRequest, mut nb: serde_json::Value, fe: &Frontend) -> an
     if stopped.is_some() {
         stop_running(fe, sid, current, &mut rx, &mut traces, &mut log, &mut signals).await;
     }
-    if req.keep_session {
-        eprintln!("kept session {sid}");
-    } else if let Err(e) = fe.delete(sid).await {
-        tracing::warn!(error = format!("{e:#}"), "could not delete the session");
+    let cleanup = async {
+        if req.keep_session {
+            eprintln!("kept session {sid}");
+        } else if let Err(e) = fe.delete(sid).await {
+            tracing::warn!(error = format!("{e:#}"), "could not delete the session");
+        }
+        drain(&mut rx, &mut traces, &mut log).await;
+    };
+    if stopped.is_some() {
+        // stopping already: another signal ends the waiting for the session's end
+        tokio::select! {
+            () = cleanup => {}
+            _ = signals.next() => eprintln!("not waiting for the session {sid} to be deleted"),
+        }
+    } else {
+        cleanup.await;
     }
-    drain(&mut rx, &mut traces, &mut log).await;
     res?;
 
     let ordered: Vec<Trace> = order.iter().filter_map(|e| traces.get(e).cloned()).collect();

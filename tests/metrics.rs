@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
-use looseleaf_client::api::StreamItem;
+use looseleaf_client::api::{ExecStatus, StreamItem};
 use looseleaf_client::events::Event;
 use looseleaf_test_support::cluster::{bin_dir_of, Events, Services};
 use looseleaf_test_support::{free_port, random_prefix, NatsServer};
@@ -172,6 +172,15 @@ async fn every_service_exports_what_happened() -> anyhow::Result<()> {
     // edits' recipes are plain publishes (nothing to answer): only the two runs count
     assert_eq!(host["recipe"]["num_requests"], 2, "{host:#?}");
     assert!(host.contains_key("query") && host.contains_key("comm"), "{host:#?}");
+
+    // a cell that raises is counted an error, not ok (though its state is saved)
+    let raised = fe.run(sid, "c3", "1 / 0").await?.exec_id;
+    anyhow::ensure!(events.outcome(raised).await?.0 == ExecStatus::Error, "1 / 0 did not end as an error");
+    let frontend = until(&listen["looseleaf-frontend"], "the error counted", |s| {
+        value(s, r#"looseleaf_cells_total{status="error"}"#) >= 1.0
+    })
+    .await?;
+    assert_eq!(value(&frontend, r#"looseleaf_cells_total{status="ok"}"#), 2.0, "{frontend:#?}");
 
     // NATS goes away and comes back: every service counts its reconnection
     services.nats.restart()?;

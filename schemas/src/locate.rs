@@ -53,13 +53,18 @@ pub fn nats_server(explicit: Option<&Path>) -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("nats-server"))
 }
 
-/// Whether `python` can import the worker runtime with `worker_path` on its path;
-/// the error says what to install where. Bounded, so a broken interpreter cannot
-/// hang a host's start.
+/// The version of the worker protocol (`worker-protocol.json`'s `version`) this
+/// build's hosts speak.
+pub const WORKER_PROTOCOL_VERSION: u32 = 2;
+
+/// Whether `python` can import the worker runtime with `worker_path` on its path,
+/// and it speaks this host's worker protocol; the error says what to install
+/// where. Bounded, so a broken interpreter cannot hang a host's start.
 pub async fn check_worker_runtime(python: &Path, worker_path: Option<&Path>) -> Result<(), String> {
     let mut cmd = tokio::process::Command::new(python);
     // the zygote module: it loads the protocol contract and the runtime's imports
-    cmd.args(["-c", "import looseleaf_worker.zygote"]).stdin(std::process::Stdio::null()).kill_on_drop(true);
+    let probe = "import looseleaf_worker.zygote\nfrom looseleaf_worker import protocol\nprint(protocol.VERSION)";
+    cmd.args(["-c", probe]).stdin(std::process::Stdio::null()).kill_on_drop(true);
     if let Some(dir) = worker_path {
         cmd.env("PYTHONPATH", dir);
     }
@@ -67,7 +72,16 @@ pub async fn check_worker_runtime(python: &Path, worker_path: Option<&Path>) -> 
     match tokio::time::timeout(std::time::Duration::from_secs(60), cmd.output()).await {
         Err(_) => Err(format!("{shown} did not import the worker runtime within 60 s")),
         Ok(Err(e)) => Err(format!("cannot run the workers' Python {shown}: {e} (give it with --python)")),
-        Ok(Ok(out)) if out.status.success() => Ok(()),
+        Ok(Ok(out)) if out.status.success() => {
+            let spoken = String::from_utf8_lossy(&out.stdout).trim().to_string();
+            if spoken == WORKER_PROTOCOL_VERSION.to_string() {
+                return Ok(());
+            }
+            Err(format!(
+                "{shown}'s worker runtime speaks worker protocol {spoken:?}, this host {WORKER_PROTOCOL_VERSION}: \
+                 install the runtime of this LooseLeaf version (`pip install services/gpu-host/python`) or give --worker-path"
+            ))
+        }
         Ok(Ok(out)) => {
             let err = String::from_utf8_lossy(&out.stderr);
             let last = err.lines().last().unwrap_or("").trim().to_string();
@@ -79,5 +93,27 @@ pub async fn check_worker_runtime(python: &Path, worker_path: Option<&Path>) -> 
                 ),
             })
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A runtime of another protocol version is refused with both versions named;
+    /// one of this version is taken.
+    #[tokio::test]
+    async fn a_worker_runtime_of_another_protocol_is_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let package = dir.path().join("looseleaf_worker");
+        std::fs::create_dir(&package).unwrap();
+        std::fs::write(package.join("__init__.py"), "").unwrap();
+        std::fs::write(package.join("zygote.py"), "").unwrap();
+        let python = Path::new("python3");
+        std::fs::write(package.join("protocol.py"), "VERSION = 1\n").unwrap();
+        let err = check_worker_runtime(python, Some(dir.path())).await.unwrap_err();
+        assert!(err.contains("worker protocol \"1\"") && err.contains(&WORKER_PROTOCOL_VERSION.to_string()), "{err}");
+        std::fs::write(package.join("protocol.py"), format!("VERSION = {WORKER_PROTOCOL_VERSION}\n")).unwrap();
+        assert_eq!(check_worker_runtime(python, Some(dir.path())).await, Ok(()));
     }
 }

@@ -234,16 +234,20 @@ impl StoreVerb {
 /// `{prefix}.v1.host.{host}.recipe`): what telemetry groups messages by, since
 /// the subject itself names one session or host.
 pub fn template(subject: &str) -> String {
-    let mut out = Vec::new();
+    // the prefix is everything before the version, dots and all
+    let (prefix, rest) = match subject.split_once(".v1.") {
+        Some((_, rest)) => ("{prefix}.v1", rest),
+        None => ("", subject),
+    };
+    let mut out = if prefix.is_empty() { Vec::new() } else { vec![prefix] };
     let mut after_host = false;
-    for (i, token) in subject.split('.').enumerate() {
+    for token in rest.split('.') {
         let named = match token {
-            _ if i == 0 => "{prefix}",
             _ if after_host => "{host}",
             _ if Uuid::parse_str(token).is_ok() => "{id}",
             other => other,
         };
-        after_host = i > 0 && token == "host";
+        after_host = token == "host";
         out.push(named);
     }
     out.join(".")
@@ -272,6 +276,8 @@ mod tests {
         assert_eq!(template(&format!("ll1.v1.output.{sid}.{sid}")), "{prefix}.v1.output.{id}.{id}");
         assert_eq!(template("ll1.v1.host.host-0.recipe"), "{prefix}.v1.host.{host}.recipe");
         assert_eq!(template("ll1.v1.store.commit"), "{prefix}.v1.store.commit");
+        assert_eq!(template("team.a.v1.store.commit"), "{prefix}.v1.store.commit");
+        assert_eq!(template("$SRV.PING"), "$SRV.PING");
     }
 
     #[test]

@@ -95,8 +95,8 @@ impl Kernel {
             .map(str::to_owned)
             .unwrap_or_else(|| format!("code-{:016x}", xxhash_rust::xxh3::xxh3_64(code.as_bytes())));
         // the cell's trace starts at the request Jupyter sent
-        let span = tracing::info_span!("execute_request", otel.name = "execute_request", cell = %cell_id,
-            msg_id = %msg.header.msg_id);
+        let span = tracing::info_span!("execute_request", otel.name = "execute_request",
+            looseleaf.cell_id = %cell_id, looseleaf.jupyter.msg_id = %msg.header.msg_id);
         let mut ended = match self.ensure_session().instrument(span.clone()).await {
             Ok(()) => {
                 let run = RunCell { code: self.pinned(&cell_id, &code), allow_stdin, user_expressions };

@@ -87,7 +87,7 @@ pub use events::{
 pub use host::{BidV1, EvictV1, HostStatusV2, SlotStatus, WorkerState, WorkerStatus, ZygoteStatus};
 pub use output::{
     cell_message_json, cell_messages_json, CellMessage, CellMessageError, CommToClient, OutputBody, OutputV2,
-    OUTPUT_PART_BYTES,
+    MAX_OUTPUT_PIECES, OUTPUT_PART_BYTES,
 };
 pub use query::{CommAnswerV2, CommV1, QueryAnswerV1, QueryKind, QueryV1};
 pub use recipe::{ClosureVar, Device, PinnedWorker, PreparedWorker, RecipeKind, RecipeV3};

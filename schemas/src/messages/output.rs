@@ -252,6 +252,10 @@ pub enum OutputBody {
 /// stay in the outputs stream itself, never as bodies.
 pub const OUTPUT_PART_BYTES: usize = 192 * 1024;
 
+/// The most pieces a message has: a worker's frame holds at most 64 MiB, whose
+/// JSON (escaped) fits in fewer. A reader drops a piece that claims more.
+pub const MAX_OUTPUT_PIECES: u32 = 1024;
+
 impl OutputV2 {
     /// The messages that carry `message`: itself, or pieces of its JSON of at most
     /// `max` bytes cut at character boundaries.

@@ -526,6 +526,8 @@ mod tests {
             assert_eq!(&back, frame);
         }
         assert_eq!(spec["max_frame_bytes"].as_u64().unwrap() as usize, MAX_FRAME_BYTES);
+        let version = spec["version"].as_u64().unwrap();
+        assert_eq!(version, u64::from(schemas::locate::WORKER_PROTOCOL_VERSION), "the hosts' protocol version");
     }
 
     fn samples() -> Vec<Frame> {

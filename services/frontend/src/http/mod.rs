@@ -91,7 +91,12 @@ async fn record_request(req: axum::extract::Request, next: axum::middleware::Nex
         .extensions()
         .get::<axum::extract::MatchedPath>()
         .map_or_else(|| "unmatched".to_string(), |p| p.as_str().to_string());
-    let method = req.method().as_str().to_string();
+    // any token is a method in HTTP: the others are one label value, as
+    // OpenTelemetry's conventions say, so a client cannot make series without end
+    let method = match req.method().as_str() {
+        m @ ("GET" | "HEAD" | "POST" | "PUT" | "DELETE" | "CONNECT" | "OPTIONS" | "TRACE" | "PATCH") => m.to_string(),
+        _ => "_OTHER".to_string(),
+    };
     let span = request_span(&req, &method, &route);
     let started = std::time::Instant::now();
     let response = next.run(req).instrument(span.clone()).await;

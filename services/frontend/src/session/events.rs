@@ -3,7 +3,10 @@
 //! refused, and the run ended by its outcome event.
 
 use actix::prelude::*;
-use schemas::messages::{CellMessage, EventKind, InputReplyV1, OutputBody, OutputV2, Prepare, SessionEventV2};
+use schemas::messages::{
+    CellMessage, CellMessageError, EventKind, InputReplyV1, OutputBody, OutputV2, Prepare, SessionEventV2,
+    MAX_OUTPUT_PIECES,
+};
 use schemas::subjects::HostVerb;
 use uuid::Uuid;
 
@@ -103,6 +106,9 @@ impl SessionActor {
         }
         let message = match out.body {
             OutputBody::Whole(message) => Ok(message),
+            OutputBody::Piece { part, parts, .. } if part >= parts || parts > MAX_OUTPUT_PIECES => {
+                Err(CellMessageError::NotJson(format!("piece {part} of {parts}: no message has so many")))
+            }
             OutputBody::Piece { part, parts, text } => {
                 // a message too large for one bus message: gather its pieces first
                 let key = (out.exec_id, out.seq);

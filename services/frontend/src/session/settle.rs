@@ -255,6 +255,8 @@ impl SessionActor {
         unix_ms: u64,
     ) {
         let Some(cur) = self.current.take() else { return };
+        // counted here, where its outcome is final (a cell that raised ends Saved)
+        schemas::metrics::metrics().cells.get_or_create(&[("status", status.as_str())]).inc();
         self.traces.remove(&cur.exec_id); // the cell's root span ends
         self.last_active = Instant::now();
         self.stored.revision = revision;
@@ -305,9 +307,6 @@ impl SessionActor {
     ) {
         let Some(cur) = self.current.as_mut() else { return };
         let exec_id = cur.exec_id;
-        if !matches!(cur.state, RunState::Ended(_)) {
-            schemas::metrics::metrics().cells.get_or_create(&[("status", status.as_str())]).inc();
-        }
         cur.state = RunState::Ended(Ended { status, revision, error, unix_ms, saved });
         self.maybe_complete(ctx);
         if self.current.as_ref().is_some_and(|c| c.exec_id == exec_id) {

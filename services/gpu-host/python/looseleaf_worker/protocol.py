@@ -31,6 +31,8 @@ def _load_contract() -> dict:
 
 
 CONTRACT: dict = _load_contract()
+# which contract: the host refuses a runtime of another version at its start
+VERSION: int = int(CONTRACT["version"])
 MAX_FRAME_BYTES: int = int(CONTRACT["max_frame_bytes"])
 CHUNK_SIZE: int = int(CONTRACT["chunk"]["size"])
 MESSAGES: dict = CONTRACT["messages"]
