@@ -79,7 +79,7 @@ fn compose_prometheus_config_and_alerts_pass_promtool() {
         .unwrap_or_else(|e| panic!("promtool (Debian's prometheus, scripts/setup-tests): {e}"));
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "{text}");
-    assert!(text.contains("7 rules found"), "{text}");
+    assert!(text.contains("8 rules found"), "{text}");
 }
 
 /// processes.py running the topology; dropping it closes its stdin, which stops
