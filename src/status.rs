@@ -80,14 +80,7 @@ impl Target {
 /// Whether a failed connect found nobody there (refused, unreachable, timed out),
 /// rather than a server that refused the login or the TLS.
 fn nobody_answered(e: &BusError) -> bool {
-    use async_nats::ConnectErrorKind as Kind;
-    match e {
-        BusError::Connect { source, .. } => {
-            matches!(source.kind(), Kind::TimedOut | Kind::Dns | Kind::Io)
-                && !source.to_string().contains("certificate")
-        }
-        _ => false,
-    }
+    matches!(e, BusError::Connect { source, .. } if schemas::nats::nobody_answered(source))
 }
 
 /// Connect to the target's NATS: once, within [`CONNECT_TIMEOUT`], unless a wait

@@ -202,7 +202,9 @@ impl NatsOptions {
 /// Whether a failed connect is worth trying again: no server answered (refused,
 /// unreachable, timed out). A refused login, a certificate the client does not
 /// trust (rustls reports it as invalid data) or a TLS setup error will not change.
-fn nobody_answered(error: &async_nats::ConnectError) -> bool {
+/// Whether a connect failed because nothing answered there (not a refused login
+/// or a TLS certificate problem).
+pub fn nobody_answered(error: &async_nats::ConnectError) -> bool {
     match error.kind() {
         ConnectErrorKind::TimedOut | ConnectErrorKind::Dns => true,
         ConnectErrorKind::Io => {
