@@ -232,6 +232,15 @@ enum Command {
     /// policy (pinned, NotebookOS, naive, Modal-style, snapshot, LooseLeaf) and
     /// compare GPU-hours and start delays (DESIGN.md section 15).
     Simulate(simulate::SimulateArgs),
+    /// Probe a service's `/readyz` or `/healthz` (a container's healthcheck, where
+    /// the image has no curl): exit 0 when URL answers 2xx, else say why and exit 1.
+    Health {
+        /// The probe's URL, e.g. http://127.0.0.1:9464/readyz.
+        url: String,
+        /// Give up after this many seconds.
+        #[arg(long, default_value_t = 5.0)]
+        timeout_s: f64,
+    },
     /// Show hosts (slots, zygotes, CPU sessions, cache) and the services that answer.
     Status {
         /// The NATS to ask (without `--nats-url`: the one `looseleaf up` recorded in
@@ -506,6 +515,7 @@ fn command(cli: Cli, given: Given, system: &actix_rt::SystemRunner) -> anyhow::R
         Command::BenchEdits { nats_url, prefix, events, json } => {
             system.block_on(analyze::bench_edits(&nats_url, &prefix, events, json.as_ref()))
         }
+        Command::Health { url, timeout_s } => system.block_on(status::health(&url, timeout_s)),
         Command::Status { nats, data_dir, prefix, wait_ms } => {
             let target = status::Target::find(nats, nats_given, given.nats_connect_wait, &data_dir);
             system.block_on(status::status(&target, &prefix, Duration::from_millis(wait_ms)))

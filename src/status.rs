@@ -1,4 +1,5 @@
-//! `looseleaf status`: what the hosts report and which services answer `$SRV.PING`.
+//! `looseleaf status`: what the hosts report and which services answer `$SRV.PING`;
+//! `looseleaf health`: one service's probe, for a container's healthcheck.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -17,6 +18,22 @@ const SRV_PING: &str = "$SRV.PING";
 /// How long the one try to reach NATS may take when no wait was asked for: a
 /// status is a glance, and a cluster that is not there will not come meanwhile.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// `looseleaf health URL`: Ok when URL answers 2xx within `timeout_s`; else an
+/// error naming the status and the start of the body (a `/readyz` names the
+/// check that failed), which compose shows in `docker inspect`.
+pub async fn health(url: &str, timeout_s: f64) -> anyhow::Result<()> {
+    let timeout = Duration::try_from_secs_f64(timeout_s).context("--timeout-s must be a positive number of seconds")?;
+    let client = reqwest::Client::builder().timeout(timeout).build().context("an HTTP client")?;
+    let response = client.get(url).send().await.with_context(|| format!("{url} did not answer"))?;
+    let status = response.status();
+    if status.is_success() {
+        return Ok(());
+    }
+    let body = response.text().await.unwrap_or_default();
+    let body: String = body.chars().take(400).collect();
+    anyhow::bail!("{url} answered {status}: {}", body.trim())
+}
 
 /// Where `looseleaf status` found the NATS it asks.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -94,14 +94,32 @@ async fn services_are_ready_when_what_they_need_answers() -> anyhow::Result<()> 
     // NATS freezes: the socket stays open, nothing answers; not ready, naming NATS
     nats.pause(true)?;
     let not_ready = until(&format!("{planner}/readyz"), 503).await;
-    nats.pause(false)?;
-    let not_ready = not_ready?;
+    let not_ready = not_ready.inspect_err(|_| {
+        let _ = nats.pause(false);
+    })?;
     assert_eq!(not_ready["ready"], false, "{not_ready}");
     assert_ne!(not_ready["checks"]["nats"], "ok", "{not_ready}");
+    // `looseleaf health` (compose's healthcheck) fails too, naming the status
+    let probe = looseleaf_health(&format!("{planner}/readyz"));
+    nats.pause(false)?;
+    let probe = probe?;
+    assert!(!probe.0 && probe.1.contains("503"), "{probe:?}");
     // alive all along, and ready again once NATS answers
     assert_eq!(get(&format!("{planner}/healthz")).await.map(|(s, _)| s), Some(200));
     until(&format!("{planner}/readyz"), 200).await?;
+    let probe = looseleaf_health(&format!("{planner}/readyz"))?;
+    assert!(probe.0, "{probe:?}");
+    // nothing listening: it fails, naming the address
+    let nobody = format!("http://127.0.0.1:{}/readyz", free_port()?);
+    let probe = looseleaf_health(&nobody)?;
+    assert!(!probe.0 && probe.1.contains(&nobody), "{probe:?}");
     Ok(())
+}
+
+/// `looseleaf health URL`: (exited 0, its stderr).
+fn looseleaf_health(url: &str) -> anyhow::Result<(bool, String)> {
+    let out = Command::new(env!("CARGO_BIN_EXE_looseleaf")).args(["health", url, "--timeout-s", "5"]).output()?;
+    Ok((out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned()))
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -182,6 +182,21 @@ async fn every_service_exports_what_happened() -> anyhow::Result<()> {
     .await?;
     assert_eq!(value(&frontend, r#"looseleaf_cells_total{status="ok"}"#), 2.0, "{frontend:#?}");
 
+    // the runs gauge: a long cell running with another queued behind it, then none
+    let long = fe.run(sid, "c4", "import time\ntime.sleep(6)").await?.exec_id;
+    let behind = fe.run(sid, "c5", "z = 1").await?.exec_id;
+    let busy = until(&listen["looseleaf-frontend"], "a run running and one queued", |s| {
+        value(s, r#"looseleaf_runs{state="running"}"#) == 1.0 && value(s, r#"looseleaf_runs{state="queued"}"#) == 1.0
+    })
+    .await?;
+    assert_eq!(value(&busy, r#"looseleaf_runs{state="unclaimed"}"#), 0.0, "{busy:#?}");
+    anyhow::ensure!(events.outcome(long).await?.1.is_none(), "the long cell failed");
+    anyhow::ensure!(events.outcome(behind).await?.1.is_none(), "the queued cell failed");
+    until(&listen["looseleaf-frontend"], "no runs left", |s| {
+        ["queued", "unclaimed", "running"].iter().all(|k| value(s, &format!(r#"looseleaf_runs{{state="{k}"}}"#)) == 0.0)
+    })
+    .await?;
+
     // NATS goes away and comes back: every service counts its reconnection
     services.nats.restart()?;
     for (name, address) in &listen {

@@ -72,6 +72,10 @@ pub struct Metrics {
     pub sessions: Gauge,
     /// Runs ended, by `status` (ok, error, failed, aborted). Frontend.
     pub cells: Family<Label, Counter>,
+    /// Runs not ended, by `state`: `queued` behind another run of their session,
+    /// `unclaimed` (sent, no host holds it yet) and `running`. The GPU demand an
+    /// autoscaler reads. Frontend.
+    pub runs: Family<Label, Gauge>,
     /// HTTP requests served, by method, route and status. Frontend.
     pub http_requests: Family<HttpLabels, Histogram, fn() -> Histogram>,
 }
@@ -95,6 +99,7 @@ impl Metrics {
             nats_reconnects: Counter::default(),
             sessions: Gauge::default(),
             cells: Family::default(),
+            runs: Family::default(),
             http_requests: Family::new_with_constructor(seconds_histogram),
         };
         // the conventions' own names (`process_*`, `http_server_*`) stand unprefixed
@@ -143,6 +148,7 @@ impl Metrics {
         r.register("nats_reconnects", "Reconnections to NATS", m.nats_reconnects.clone());
         r.register("sessions", "Sessions this frontend serves", m.sessions.clone());
         r.register("cells", "Runs ended, by status (ok, error, failed, aborted)", m.cells.clone());
+        r.register("runs", "Runs not ended, by state (queued, unclaimed, running)", m.runs.clone());
         Self { registry, ..m }
     }
 

@@ -27,6 +27,13 @@ pub struct NatsOptions {
     /// `token@`; `tls://` requires TLS.
     #[arg(long = "nats-url", env = "LOOSELEAF_NATS_URL", default_value = "nats://127.0.0.1:4222")]
     pub url: String,
+    /// The user to log in as, with `--nats-password-file` (instead of a password
+    /// in the URL, which shows in the environment).
+    #[arg(long = "nats-user", env = "LOOSELEAF_NATS_USER", requires = "password_file")]
+    pub user: Option<String>,
+    /// A file holding the password of `--nats-user` (a mounted secret).
+    #[arg(long = "nats-password-file", env = "LOOSELEAF_NATS_PASSWORD_FILE", requires = "user")]
+    pub password_file: Option<PathBuf>,
     /// A `.creds` file (user JWT and NKEY seed) to log in with.
     #[arg(long = "nats-creds", env = "LOOSELEAF_NATS_CREDS")]
     pub creds: Option<PathBuf>,
@@ -61,6 +68,8 @@ impl std::fmt::Debug for NatsOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NatsOptions")
             .field("url", &self.shown())
+            .field("user", &self.user)
+            .field("password_file", &self.password_file)
             .field("creds", &self.creds)
             .field("nkey", &self.nkey)
             .field("token", &self.token.as_ref().map(|_| "…"))
@@ -79,6 +88,8 @@ impl NatsOptions {
     pub fn url(url: impl Into<String>) -> Self {
         Self {
             url: url.into(),
+            user: None,
+            password_file: None,
             creds: None,
             nkey: None,
             token: None,
@@ -137,6 +148,15 @@ impl NatsOptions {
                 file_error("NKEY seed file", path, std::io::Error::other("it holds no user seed (a line starting SU)"))
             })?;
             options = options.nkey(seed.to_string());
+        }
+        if let (Some(user), Some(path)) = (&self.user, &self.password_file) {
+            let text = std::fs::read_to_string(path).map_err(|e| file_error("password file", path, e))?;
+            // a secret file's trailing newline is not part of the password
+            let password = text.trim_end_matches(['\n', '\r']);
+            if password.is_empty() {
+                return Err(file_error("password file", path, std::io::Error::other("it is empty")));
+            }
+            login = Some((user.clone(), Some(password.to_string())));
         }
         match (login, &self.token) {
             (Some((user, Some(password))), _) => {

@@ -5,7 +5,8 @@
 //! - `s3://bucket[/prefix]`: S3 or any S3-compatible server. Credentials, region and
 //!   endpoint come from the usual `AWS_*` variables (`AWS_ACCESS_KEY_ID`,
 //!   `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`, `AWS_ENDPOINT_URL`, and
-//!   `AWS_ALLOW_HTTP=true` for a plain-HTTP test server).
+//!   `AWS_ALLOW_HTTP=true` for a plain-HTTP test server); `AWS_ACCESS_KEY_ID_FILE`
+//!   and `AWS_SECRET_ACCESS_KEY_FILE` name files holding the keys (mounted secrets).
 
 use std::sync::{Arc, Once};
 
@@ -79,6 +80,21 @@ fn open_s3(url: &str, settings: &[(&str, &str)]) -> Result<Arc<dyn ObjectStore>,
         return Err(OpenError::S3 { url: url.to_string(), reason: "no bucket name".into() });
     }
     let mut builder = AmazonS3Builder::from_env().with_bucket_name(bucket);
+    // keys from mounted secret files (compose's and Kubernetes' way), not the environment
+    let from_file = |var: &str| -> Result<Option<String>, OpenError> {
+        let Some(path) = std::env::var_os(var) else { return Ok(None) };
+        let text = std::fs::read_to_string(&path).map_err(|e| OpenError::S3 {
+            url: url.to_string(),
+            reason: format!("{var} names {}: {e}", std::path::Path::new(&path).display()),
+        })?;
+        Ok(Some(text.trim().to_string()))
+    };
+    if let Some(key) = from_file("AWS_ACCESS_KEY_ID_FILE")? {
+        builder = builder.with_access_key_id(key);
+    }
+    if let Some(secret) = from_file("AWS_SECRET_ACCESS_KEY_FILE")? {
+        builder = builder.with_secret_access_key(secret);
+    }
     for (key, value) in settings {
         let key =
             key.parse().map_err(|e| OpenError::S3 { url: url.to_string(), reason: format!("setting {key:?}: {e}") })?;

@@ -81,6 +81,9 @@ impl Default for Timeouts {
 /// and events, many times over).
 pub const DEFAULT_HISTORY_ITEMS: usize = 20_000;
 
+/// How often the `looseleaf_runs` gauge is counted again.
+const RUNS_GAUGE_EVERY: Duration = Duration::from_secs(2);
+
 /// Sessions idle this long are culled by default: a day.
 pub const DEFAULT_CULL_IDLE: Duration = Duration::from_secs(24 * 3600);
 
@@ -198,6 +201,13 @@ pub async fn run_with_bound(
             }
         });
     }
+    // the runs gauge, read by autoscalers: fresher than a scrape interval
+    let (counter, stop) = (state.clone(), token.clone());
+    tokio::spawn(async move {
+        while tokio::time::timeout(RUNS_GAUGE_EVERY, stop.cancelled()).await.is_err() {
+            counter.count_runs().await;
+        }
+    });
     // probes need no token: /healthz and /readyz sit beside the API, outside its checks
     let sessions = schemas::health::bucket(&bus, schemas::buckets::sessions_bucket(&config.prefix));
     let readiness = schemas::health::Readiness::new(&bus).with("sessions_bucket", sessions);

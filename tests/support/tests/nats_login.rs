@@ -83,6 +83,18 @@ async fn tls_with_a_private_ca_and_client_certificates_and_each_login() -> anyho
     let no_ca = NatsOptions { tls_ca: None, ..tls(format!("tls://svc:s3cret@127.0.0.1:{port}")) };
     let e = refused(&NatsOptions { connect_wait_s: 1, ..no_ca }).await;
     assert!(matches!(&e, BusError::Connect { .. }) && e.to_string().contains("certificate"), "{e}");
+    // a user with a password file (a mounted secret, its newline not part of it)
+    let password_file = seed_dir.path().join("svc-password");
+    std::fs::write(&password_file, "s3cret\n")?;
+    let from_file = |path: std::path::PathBuf| NatsOptions {
+        user: Some("svc".into()),
+        password_file: Some(path),
+        ..tls(format!("tls://127.0.0.1:{port}"))
+    };
+    round_trip(&from_file(password_file.clone())).await?;
+    // a missing password file names the file, before any server is asked
+    let e = refused(&from_file(seed_dir.path().join("absent"))).await;
+    assert!(matches!(&e, BusError::LoginFile { path, .. } if path.ends_with("absent")), "{e}");
     // a seed file that is not one names the file
     let bad_seed = seed_dir.path().join("empty.nk");
     std::fs::write(&bad_seed, "not a seed\n")?;

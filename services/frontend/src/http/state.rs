@@ -94,6 +94,22 @@ impl AppState {
         }
     }
 
+    /// Set the `looseleaf_runs` gauge from every served session's runs.
+    pub async fn count_runs(&self) {
+        let served: Vec<Addr<SessionActor>> =
+            self.sessions.read().unwrap_or_else(|e| e.into_inner()).values().map(|s| s.addr.clone()).collect();
+        let mut total = session::RunCounts::default();
+        for addr in served {
+            if let Ok(counts) = addr.send(session::CountRuns).await {
+                total += counts;
+            }
+        }
+        let runs = &schemas::metrics::metrics().runs;
+        runs.get_or_create(&[("state", "queued")]).set(total.queued as i64);
+        runs.get_or_create(&[("state", "unclaimed")]).set(total.unclaimed as i64);
+        runs.get_or_create(&[("state", "running")]).set(total.running as i64);
+    }
+
     /// Every session's address (for shutdown).
     pub fn drain(&self) -> Vec<Addr<SessionActor>> {
         self.sessions.write().unwrap_or_else(|e| e.into_inner()).drain().map(|(_, s)| s.addr).collect()

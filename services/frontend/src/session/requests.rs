@@ -1,6 +1,6 @@
 //! What HTTP handlers ask of a session besides runs: an edit's sequence number,
 //! an answer to `input()`, its CPU host, how long it has been idle, its
-//! summary, and its close.
+//! summary, where its runs are, and its close.
 
 use std::time::{Duration, Instant};
 
@@ -8,6 +8,7 @@ use actix::prelude::*;
 use schemas::messages::{EditV1, InputReplyV1};
 use uuid::Uuid;
 
+use super::current::RunState;
 use super::SessionActor;
 
 /// Assign the next edit sequence number of a cell; the caller publishes the edit.
@@ -114,6 +115,45 @@ impl Handler<Summary> for SessionActor {
             queue: self.stored.queued.iter().map(|p| p.exec_id).collect(),
             executions: self.executions.clone(),
         })
+    }
+}
+
+/// Where this session's runs are, for the `looseleaf_runs` gauge: the demand on
+/// GPU hosts an autoscaler reads.
+#[derive(Message)]
+#[rtype(result = "RunCounts")]
+pub struct CountRuns;
+
+/// A session's runs by where they are.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RunCounts {
+    /// Accepted, behind another run of the session.
+    pub queued: u64,
+    /// Sent, and no host holds it yet: demand not met.
+    pub unclaimed: u64,
+    /// A host holds it (running, or saving its state).
+    pub running: u64,
+}
+
+impl std::ops::AddAssign for RunCounts {
+    fn add_assign(&mut self, other: Self) {
+        self.queued += other.queued;
+        self.unclaimed += other.unclaimed;
+        self.running += other.running;
+    }
+}
+
+impl Handler<CountRuns> for SessionActor {
+    type Result = MessageResult<CountRuns>;
+
+    fn handle(&mut self, _msg: CountRuns, _ctx: &mut Self::Context) -> Self::Result {
+        let mut counts = RunCounts { queued: self.stored.queued.len() as u64, ..RunCounts::default() };
+        match self.current.as_ref().map(|c| &c.state) {
+            Some(RunState::Unclaimed) => counts.unclaimed = 1,
+            Some(RunState::Claimed { .. }) => counts.running = 1,
+            Some(RunState::Ended(_)) | None => {}
+        }
+        MessageResult(counts)
     }
 }
 
