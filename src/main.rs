@@ -362,11 +362,15 @@ fn main() -> std::process::ExitCode {
     let cli = <Cli as clap::FromArgMatches>::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let given =
         Given { nats_url: arg_given(&matches, "url"), nats_connect_wait: arg_given(&matches, "connect_wait_s") };
-    let result =
-        schemas::telemetry::init("looseleaf", &cli.log, cli.log_format).map_err(anyhow::Error::from).and_then(|()| {
-            let system = actix_rt::System::new();
-            command(cli, given, &system)
-        });
+    // a probe (run every few seconds by a healthcheck) neither logs nor traces
+    let telemetry = match cli.command {
+        Command::Health { .. } => Ok(()),
+        _ => schemas::telemetry::init(schemas::telemetry::MANY_COMPONENTS, &cli.log, cli.log_format),
+    };
+    let result = telemetry.map_err(anyhow::Error::from).and_then(|()| {
+        let system = actix_rt::System::new();
+        command(cli, given, &system)
+    });
     // the last spans (a run's, a kernel's) leave before the process does
     schemas::telemetry::flush();
     exit_code(result)

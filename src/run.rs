@@ -9,6 +9,7 @@ use anyhow::{bail, Context};
 use looseleaf_client::api::{ExecStatus, StreamItem};
 use schemas::messages::CellMessage;
 use tokio::sync::mpsc;
+use tracing::Instrument as _;
 use uuid::Uuid;
 
 use crate::cluster::{Cluster, ClusterOptions};
@@ -320,10 +321,14 @@ async fn drive(req: &RunRequest, mut nb: serde_json::Value, fe: &Frontend) -> an
     };
     let cells = notebook::code_cells(&nb);
     let total = nb.get("cells").and_then(|c| c.as_array()).map_or(0, Vec::len);
+    // one span for the notebook; each cell's run is a trace of its own (ADR 38)
+    // that links to it
+    let notebook_span = tracing::info_span!("run notebook", looseleaf.notebook = %abs.display());
     let opening = async {
         let sid = fe.create_session(&cwd, req.all_gpu, req.speculate).await?;
         anyhow::Ok((sid, fe.events(sid).await?))
-    };
+    }
+    .instrument(notebook_span.clone());
     // (a frontend that does not answer must not keep Ctrl-C from stopping the run)
     let (sid, mut rx) = tokio::select! {
         opened = opening => opened?,
@@ -358,7 +363,10 @@ async fn drive(req: &RunRequest, mut nb: serde_json::Value, fe: &Frontend) -> an
             }
             let mut attempt = 0;
             let exec_id = loop {
-                let accepted = fe.run(sid, &cell.cell_id, &cell.source).await?;
+                let cell_span = tracing::info_span!(parent: None, "notebook cell",
+                    looseleaf.cell_id = %cell.cell_id, looseleaf.cell_index = cell.index, looseleaf.attempt = attempt);
+                schemas::telemetry::link(&cell_span, &notebook_span);
+                let accepted = fe.run(sid, &cell.cell_id, &cell.source).instrument(cell_span.clone()).await?;
                 let trace = Trace {
                     index: cell.index,
                     cell_id: cell.cell_id.clone(),

@@ -50,6 +50,20 @@ impl Trace {
         out
     }
 
+    /// [`Trace::ancestors`] but the PRODUCER spans that sent the messages between
+    /// them: the steps of the work.
+    fn steps(&self, span: &ReceivedSpan) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut at = self.spans.get(&span.parent_id);
+        while let Some(s) = at {
+            if s.kind != 4 {
+                out.push(s.name.clone());
+            }
+            at = self.spans.get(&s.parent_id);
+        }
+        out
+    }
+
     /// Whether `child`'s parent chain reaches a span named `ancestor`.
     fn under(&self, child: &str, ancestor: &str) -> anyhow::Result<bool> {
         Ok(self.ancestors(self.one(child)?).iter().any(|a| a == ancestor))
@@ -145,6 +159,11 @@ async fn a_cell_is_one_trace_from_its_request_to_its_saved_event() -> anyhow::Re
         Some("{prefix}.v1.session.{id}.recipe"),
         "{recipe:?}"
     );
+    // and it was sent in a PRODUCER span of the planner's, by the same conventions
+    let sent = trace.spans.get(&recipe.parent_id).ok_or_else(|| anyhow::anyhow!("host.recipe has no parent"))?;
+    assert_eq!((sent.kind, sent.name.as_str()), (4, "send {prefix}.v1.session.{id}.recipe"), "{sent:?}");
+    assert_eq!(sent.service, "looseleaf-planner", "{sent:?}");
+    assert_eq!(sent.attributes.get("messaging.operation.type").map(String::as_str), Some("send"), "{sent:?}");
     let services_seen: BTreeSet<&str> = trace.spans.values().map(|s| s.service.as_str()).collect();
     for service in ["looseleaf-frontend", "looseleaf-planner", "looseleaf-gpu-host", "looseleaf-store"] {
         assert!(services_seen.contains(service), "{service} is missing from the trace: {:?}", trace.names());
@@ -177,7 +196,7 @@ async fn a_cell_is_one_trace_from_its_request_to_its_saved_event() -> anyhow::Re
     let saved_at_frontend = trace
         .named("frontend.event")
         .into_iter()
-        .any(|e| trace.ancestors(e).first().map(String::as_str) == Some("saved event"));
+        .any(|e| trace.steps(e).first().map(String::as_str) == Some("saved event"));
     assert!(saved_at_frontend, "the frontend's handling of Saved is not a child of the host's 'saved event'");
     let execute = trace.one("execute")?;
     assert_eq!(execute.attributes.get("looseleaf.prepare").map(String::as_str), Some("cold"), "{execute:?}");
@@ -269,9 +288,88 @@ async fn a_cell_is_one_trace_from_its_request_to_its_saved_event() -> anyhow::Re
     let edit = Trace::of(&all, &linked_trace);
     let prepare = edit.one("prepare")?;
     assert_eq!(
-        edit.ancestors(prepare),
+        edit.steps(prepare),
         ["bid and claim", "host.recipe", "planner.edit", "cell edit", "PUT /v1/sessions/{sid}/cells/{cell_id}"],
         "the preparation is not under its edit"
     );
+    Ok(())
+}
+
+/// Inside one process that runs every component (`looseleaf up`), each span leaves
+/// under its component's `service.name`, with the version and an instance id;
+/// `looseleaf run` adds a span for the notebook that each cell's trace links to;
+/// and spans still held when `run` exits and `up` stops on SIGINT leave first
+/// (the batch delay here is longer than the test).
+#[tokio::test(flavor = "multi_thread")]
+async fn one_process_exports_each_component_and_a_run_links_its_cells() -> anyhow::Result<()> {
+    let receiver = OtlpReceiver::start().await?;
+    let env = [
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint().to_string()),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf".to_string()),
+        ("OTEL_BSP_SCHEDULE_DELAY", "600000".to_string()),
+    ];
+    let looseleaf = std::path::Path::new(env!("CARGO_BIN_EXE_looseleaf"));
+    let up = looseleaf_test_support::LocalCluster::start_with_env(looseleaf, 1, &[], &env)?;
+    let dir = tempfile::tempdir()?;
+    let notebook = dir.path().join("two.ipynb");
+    let cell = |src: &str| serde_json::json!({"cell_type": "code", "metadata": {}, "source": src, "outputs": [], "execution_count": null});
+    let nb = serde_json::json!({"cells": [cell("a = 20"), cell("b = a + 22\nprint(b)")], "metadata": {}, "nbformat": 4, "nbformat_minor": 4});
+    std::fs::write(&notebook, nb.to_string())?;
+    let run = std::process::Command::new(looseleaf)
+        .args(["run", "--all-gpu", "--frontend", &up.url()])
+        .arg(&notebook)
+        .env("LOOSELEAF_TOKEN", up.token())
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .stdout(std::process::Stdio::null())
+        .output()?;
+    anyhow::ensure!(run.status.success(), "looseleaf run: {}", String::from_utf8_lossy(&run.stderr));
+
+    // `run` has exited: what it held left with it
+    let spans = receiver
+        .until(Duration::from_secs(30), "the run's spans", |s| {
+            s.iter().filter(|x| x.name == "notebook cell").count() == 2
+        })
+        .await?;
+    let notebook_span =
+        spans.iter().find(|s| s.name == "run notebook").ok_or_else(|| anyhow::anyhow!("no notebook span"))?;
+    assert_eq!(notebook_span.service, "looseleaf-run", "{notebook_span:?}");
+    let cells: Vec<&ReceivedSpan> = spans.iter().filter(|s| s.name == "notebook cell").collect();
+    let traces: BTreeSet<&str> = cells.iter().map(|c| c.trace_id.as_str()).collect();
+    assert_eq!(traces.len(), 2, "each cell is a trace of its own: {cells:?}");
+    for c in &cells {
+        assert!(c.parent_id.is_empty(), "{c:?}");
+        assert_eq!(c.links, [(notebook_span.trace_id.clone(), notebook_span.span_id.clone())], "{c:?}");
+    }
+
+    // `up` stops on SIGINT: every component's spans of each cell's trace leave then
+    drop(up);
+    let components = ["looseleaf-frontend", "looseleaf-planner", "looseleaf-gpu-host", "looseleaf-store"];
+    let all = receiver
+        .until(Duration::from_secs(30), "every component's spans of both cells", |s| {
+            traces.iter().all(|t| components.iter().all(|c| s.iter().any(|x| x.trace_id == *t && x.service == *c)))
+        })
+        .await?;
+    for c in &cells {
+        let trace = Trace::of(&all, &c.trace_id);
+        let request = trace.one("POST /v1/sessions/{sid}/cells/{cell_id}/run")?;
+        assert_eq!(request.parent_id, c.span_id, "the run request is not the cell span's child");
+        assert_eq!(request.service, "looseleaf-frontend");
+        for (name, service) in [
+            ("planner.run", "looseleaf-planner"),
+            ("execute", "looseleaf-gpu-host"),
+            ("store.commit", "looseleaf-store"),
+        ] {
+            assert_eq!(trace.one(name)?.service, service, "{name}");
+        }
+    }
+    let process: BTreeSet<&str> =
+        all.iter().filter_map(|s| s.resource.get("service.version").map(String::as_str)).collect();
+    assert_eq!(process, BTreeSet::from([env!("CARGO_PKG_VERSION")]), "every span names the version");
+    let instances: BTreeSet<(&str, &str)> = all
+        .iter()
+        .filter_map(|s| Some((s.service.as_str(), s.resource.get("service.instance.id")?.as_str())))
+        .collect();
+    let per_service: BTreeSet<&str> = instances.iter().map(|(s, _)| *s).collect();
+    assert_eq!(instances.len(), per_service.len(), "one instance id per component: {instances:?}");
     Ok(())
 }

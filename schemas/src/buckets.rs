@@ -73,6 +73,34 @@ impl Default for ElectionRetry {
     }
 }
 
+/// Open a bucket or stream, trying again while JetStream has no leader to answer
+/// (a cluster just started, or electing after losing a node: requests time out or
+/// JetStream is "unavailable") for up to [`LEADER_ELECTION`]. A service started
+/// beside its NATS cluster would otherwise exit at once and wait for its restart.
+async fn through_election<T, E, F, Fut>(open: F) -> Result<T, E>
+where
+    E: std::fmt::Display,
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
+    let mut retry = ElectionRetry::new();
+    loop {
+        let error = match open().await {
+            Ok(opened) => return Ok(opened),
+            Err(e) => e,
+        };
+        let text = error.to_string().to_ascii_lowercase();
+        let electing = ["timed out", "unavailable", "no responders"].iter().any(|s| text.contains(s));
+        match retry.next_wait() {
+            Some(wait) if electing => {
+                tracing::warn!(error = %error, "JetStream is not answering yet; trying again in {wait:?}");
+                tokio::time::sleep(wait).await;
+            }
+            _ => return Err(error),
+        }
+    }
+}
+
 /// How long a claim lives without renewal; a dead host's claims expire after this.
 pub const CLAIM_TTL: Duration = Duration::from_secs(30);
 
@@ -162,6 +190,10 @@ pub async fn planner(js: &jetstream::Context, prefix: &str, replicas: usize) -> 
 }
 
 async fn ensure_bucket(js: &jetstream::Context, config: kv::Config) -> Result<kv::Store, BucketError> {
+    through_election(|| ensure_bucket_once(js, config.clone())).await
+}
+
+async fn ensure_bucket_once(js: &jetstream::Context, config: kv::Config) -> Result<kv::Store, BucketError> {
     let name = config.bucket.clone();
     match js.get_key_value(&name).await {
         Ok(store) => Ok(store),
@@ -190,14 +222,16 @@ pub async fn outputs_stream(
     subjects: &crate::Subjects,
     replicas: usize,
 ) -> Result<stream::Stream, BucketError> {
-    js.get_or_create_stream(stream::Config {
-        name: subjects.outputs_stream(),
-        subjects: vec![subjects.all_outputs()],
-        max_age: Duration::from_secs(24 * 3600),
-        max_messages_per_subject: OUTPUTS_PER_EXEC,
-        max_bytes: OUTPUTS_BYTES,
-        num_replicas: replicas,
-        ..Default::default()
+    through_election(|| {
+        js.get_or_create_stream(stream::Config {
+            name: subjects.outputs_stream(),
+            subjects: vec![subjects.all_outputs()],
+            max_age: Duration::from_secs(24 * 3600),
+            max_messages_per_subject: OUTPUTS_PER_EXEC,
+            max_bytes: OUTPUTS_BYTES,
+            num_replicas: replicas,
+            ..Default::default()
+        })
     })
     .await
     .map_err(|source| BucketError::Stream { stream: subjects.outputs_stream(), source })
@@ -252,12 +286,14 @@ pub async fn events_stream(
     subjects: &crate::Subjects,
     replicas: usize,
 ) -> Result<stream::Stream, BucketError> {
-    js.get_or_create_stream(stream::Config {
-        name: subjects.events_stream(),
-        subjects: vec![subjects.all_events()],
-        max_age: Duration::from_secs(24 * 3600),
-        num_replicas: replicas,
-        ..Default::default()
+    through_election(|| {
+        js.get_or_create_stream(stream::Config {
+            name: subjects.events_stream(),
+            subjects: vec![subjects.all_events()],
+            max_age: Duration::from_secs(24 * 3600),
+            num_replicas: replicas,
+            ..Default::default()
+        })
     })
     .await
     .map_err(|source| BucketError::Stream { stream: subjects.events_stream(), source })

@@ -100,7 +100,7 @@ pub fn deployment_config(prefix: &str) -> String {
         .collect();
     users.push(NatsUser { password: env("operator"), ..NatsUser::new("operator") });
     format!(
-        "# Written by `looseleaf nats-config --prefix {prefix}`; tests/compose.rs checks it is current.\n{}",
+        "# Written by `looseleaf nats-config --prefix {prefix}` (regenerate, never edit: the deployment tests check it is current).\n{}",
         server_config(&users)
     )
 }

@@ -82,7 +82,7 @@ impl Service {
             Some(i) => format!("{name}-{i}"),
             None => name.to_string(),
         };
-        let bus = Bus::connect_with(nats, prefix, &client_name).await?;
+        let bus = Bus::connect_with(nats, prefix, &client_name).await?.for_service(name);
         let registration = bus.register_service(name, description).await?;
         Ok(Self { name, bus, registration, drain_timeout: DRAIN })
     }

@@ -15,6 +15,10 @@ use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::Layer as _;
 
+/// The service name of the `looseleaf` command, whose process may run several
+/// components (`up`, a kernel's embedded cluster): its spans leave by component.
+pub const MANY_COMPONENTS: &str = "looseleaf";
+
 /// The tracer provider `init` installed, kept so that `flush` can export from it.
 static PROVIDER: std::sync::OnceLock<SdkTracerProvider> = std::sync::OnceLock::new();
 
@@ -77,15 +81,115 @@ pub fn otlp_export(env: impl Fn(&str) -> Option<String>) -> Result<Option<OtlpEx
 
 /// The resource every span carries: `OTEL_SERVICE_NAME` or the `service.name` of
 /// `OTEL_RESOURCE_ATTRIBUTES` if set, else `service`; the other attributes of
-/// `OTEL_RESOURCE_ATTRIBUTES` too.
+/// `OTEL_RESOURCE_ATTRIBUTES` too; and the version and this process's instance id.
 fn resource(service: &'static str) -> opentelemetry_sdk::Resource {
-    let builder = opentelemetry_sdk::Resource::builder();
-    let named = std::env::var("OTEL_SERVICE_NAME").is_ok_and(|v| !v.is_empty())
-        || std::env::var("OTEL_RESOURCE_ATTRIBUTES").is_ok_and(|v| v.contains("service.name="));
-    if named {
+    let builder = opentelemetry_sdk::Resource::builder()
+        .with_attribute(opentelemetry::KeyValue::new("service.version", env!("CARGO_PKG_VERSION")))
+        .with_attribute(opentelemetry::KeyValue::new("service.instance.id", uuid::Uuid::new_v4().to_string()));
+    if env_names_the_service() {
         builder.build()
     } else {
         builder.with_service_name(service).build()
+    }
+}
+
+/// Whether the environment names the service (compose sets `OTEL_SERVICE_NAME`
+/// per container): then every span leaves under that name.
+fn env_names_the_service() -> bool {
+    std::env::var("OTEL_SERVICE_NAME").is_ok_and(|v| !v.is_empty())
+        || std::env::var("OTEL_RESOURCE_ATTRIBUTES").is_ok_and(|v| v.contains("service.name="))
+}
+
+/// The components a process may run together (`looseleaf up`, a kernel's
+/// embedded cluster), by the module prefix of the code that made a span; the
+/// first match wins. Spans made in shared code (the bus's PRODUCER and CONSUMER
+/// spans) name their component in `looseleaf.service`.
+const COMPONENTS: [(&str, &str); 6] = [
+    ("looseleaf_frontend", "looseleaf-frontend"),
+    ("looseleaf_planner", "looseleaf-planner"),
+    ("looseleaf_store", "looseleaf-store"),
+    ("looseleaf_gpu_host", "looseleaf-gpu-host"),
+    ("looseleaf::kernel", "looseleaf-kernel"),
+    ("looseleaf::run", "looseleaf-run"),
+];
+
+/// The component `span` belongs to, if it names or shows one.
+fn component_of(span: &opentelemetry_sdk::trace::SpanData) -> Option<&'static str> {
+    let attribute = |key: &str| span.attributes.iter().find(|kv| kv.key.as_str() == key).map(|kv| kv.value.as_str());
+    if let Some(named) = attribute("looseleaf.service") {
+        return COMPONENTS.iter().map(|(_, name)| *name).find(|name| *name == named);
+    }
+    let module = attribute("code.namespace")?;
+    COMPONENTS.iter().find(|(prefix, _)| module.starts_with(prefix)).map(|(_, name)| *name)
+}
+
+/// The span exporter of a process that runs several components: each span leaves
+/// under its component's own `service.name` (one OTLP exporter each, with the
+/// process's resource but for the name), the rest under the process's (ADR 38).
+#[derive(Debug)]
+struct ByComponent {
+    /// The process's own exporter, then one per component.
+    exporters: Vec<(&'static str, opentelemetry_otlp::SpanExporter)>,
+}
+
+impl ByComponent {
+    fn new(process: &'static str) -> Result<Self, TelemetryError> {
+        let names = std::iter::once(process).chain(COMPONENTS.iter().map(|(_, name)| *name));
+        let exporters = names
+            .map(|name| {
+                let exporter = opentelemetry_otlp::SpanExporter::builder()
+                    .with_http()
+                    .build()
+                    .map_err(|e| TelemetryError::Exporter(e.to_string()))?;
+                Ok((name, exporter))
+            })
+            .collect::<Result<_, TelemetryError>>()?;
+        Ok(Self { exporters })
+    }
+}
+
+impl opentelemetry_sdk::trace::SpanExporter for ByComponent {
+    async fn export(&self, batch: Vec<opentelemetry_sdk::trace::SpanData>) -> opentelemetry_sdk::error::OTelSdkResult {
+        let mut by_exporter: Vec<Vec<opentelemetry_sdk::trace::SpanData>> =
+            self.exporters.iter().map(|_| Vec::new()).collect();
+        for span in batch {
+            let name = component_of(&span);
+            let at = self.exporters.iter().position(|(n, _)| Some(*n) == name).unwrap_or(0);
+            by_exporter[at].push(span);
+        }
+        let mut result = Ok(());
+        for ((_, exporter), spans) in self.exporters.iter().zip(by_exporter) {
+            if !spans.is_empty() {
+                // one component's failure does not keep the others' spans back
+                if let Err(e) = exporter.export(spans).await {
+                    result = Err(e);
+                }
+            }
+        }
+        result
+    }
+
+    fn shutdown_with_timeout(&mut self, timeout: std::time::Duration) -> opentelemetry_sdk::error::OTelSdkResult {
+        self.exporters.iter_mut().map(|(_, e)| e.shutdown_with_timeout(timeout)).fold(Ok(()), Result::and)
+    }
+
+    fn force_flush(&mut self) -> opentelemetry_sdk::error::OTelSdkResult {
+        self.exporters.iter_mut().map(|(_, e)| e.force_flush()).fold(Ok(()), Result::and)
+    }
+
+    fn set_resource(&mut self, resource: &opentelemetry_sdk::Resource) {
+        for (name, exporter) in &mut self.exporters {
+            let attributes = resource
+                .iter()
+                .filter(|(key, _)| key.as_str() != "service.name" && key.as_str() != "service.instance.id")
+                .map(|(key, value)| opentelemetry::KeyValue::new(key.clone(), value.clone()));
+            let named = opentelemetry_sdk::Resource::builder_empty()
+                .with_attributes(attributes)
+                .with_service_name(*name)
+                .with_attribute(opentelemetry::KeyValue::new("service.instance.id", uuid::Uuid::new_v4().to_string()))
+                .build();
+            exporter.set_resource(&named);
+        }
     }
 }
 
@@ -100,8 +204,10 @@ pub fn init(service: &'static str, filter: &str, format: LogFormat) -> Result<()
         Some(p) => p.clone(),
         None => {
             let mut builder = SdkTracerProvider::builder().with_resource(resource(service));
-            if export.is_some() {
-                // the batch processor exports from its own thread, with the blocking client
+            // the batch processor exports from its own thread, with the blocking client
+            if export.is_some() && service == MANY_COMPONENTS && !env_names_the_service() {
+                builder = builder.with_batch_exporter(ByComponent::new(service)?);
+            } else if export.is_some() {
                 let exporter = opentelemetry_otlp::SpanExporter::builder()
                     .with_http()
                     .build()
@@ -276,8 +382,20 @@ impl Extractor for HeaderExtractor<'_> {
 
 /// Put the current span's trace context (`traceparent`) into NATS headers.
 pub fn inject_current(headers: &mut HeaderMap) {
-    let cx = tracing::Span::current().context();
+    inject(&tracing::Span::current(), headers);
+}
+
+/// Put `span`'s trace context into NATS headers; for a disabled span (none),
+/// the current span's.
+pub fn inject(span: &tracing::Span, headers: &mut HeaderMap) {
+    let cx = if span.is_disabled() { tracing::Span::current().context() } else { span.context() };
     TraceContextPropagator::new().inject_context(&cx, &mut HeaderInjector(headers));
+}
+
+/// Whether the current span belongs to a trace (a valid span context).
+pub fn in_trace() -> bool {
+    use opentelemetry::trace::TraceContextExt as _;
+    tracing::Span::current().context().span().span_context().is_valid()
 }
 
 /// Make `span` a child of the trace context carried in `headers`, if any.
@@ -336,26 +454,34 @@ pub fn timed_child(name: &'static str, start: std::time::SystemTime, end: std::t
     tracer.span_builder(name).with_start_time(start).start_with_context(&tracer, &parent).end_with_timestamp(end);
 }
 
-/// Resolves on SIGINT or SIGTERM.
-pub async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
+/// Resolves on SIGINT or SIGTERM. The listeners are set up when this is called
+/// (inside the runtime), not when it is first polled: a service that is still
+/// starting (connecting, starting its zygotes) must not miss a SIGTERM sent
+/// meanwhile, or it runs on until its supervisor's kill.
+pub fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     #[cfg(unix)]
     {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = ctrl_c => {},
-                    _ = term.recv() => {},
+        use tokio::signal::unix::{signal, SignalKind};
+        let (int, term) = (signal(SignalKind::interrupt()), signal(SignalKind::terminate()));
+        async move {
+            match (int, term) {
+                (Ok(mut int), Ok(mut term)) => {
+                    tokio::select! {
+                        _ = int.recv() => {},
+                        _ = term.recv() => {},
+                    }
                 }
-            }
-            Err(_) => {
-                let _ = ctrl_c.await;
+                _ => {
+                    let _ = tokio::signal::ctrl_c().await;
+                }
             }
         }
     }
     #[cfg(not(unix))]
     {
-        let _ = ctrl_c.await;
+        async {
+            let _ = tokio::signal::ctrl_c().await;
+        }
     }
 }
 

@@ -29,7 +29,8 @@ impl Bus {
     /// waits for the stream to have it (a sender keeps several in flight so that
     /// the round trips overlap).
     pub async fn send_kept<M: WireMessage>(&self, subject: String, msg: &M) -> Result<Kept, BusError> {
-        let (mut headers, payload) = self.encode(&subject, msg).await?;
+        let span = super::send_span(&subject, self.service);
+        let (mut headers, payload) = self.encode(&subject, msg, &span).await?;
         // one id for every copy: the stream keeps the first
         headers.insert(async_nats::header::NATS_MESSAGE_ID, uuid::Uuid::now_v7().simple().to_string().as_str());
         let ack = self.jetstream().publish_with_headers(subject.clone(), headers.clone(), payload.clone()).await;

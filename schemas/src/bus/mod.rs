@@ -57,6 +57,9 @@ pub struct Bus {
     subjects: Subjects,
     bodies: Bodies,
     replicas: usize,
+    /// The service this bus belongs to, named on the spans it makes (a process
+    /// may run several: `looseleaf up`).
+    service: &'static str,
     /// Error replies sent per `$SRV` endpoint (its stats' `data.errors`).
     endpoint_errors: Arc<Mutex<HashMap<String, u64>>>,
     /// Subjects nothing served when last asked, and since when
@@ -100,6 +103,8 @@ pub struct Envelope<M> {
     pub msg: M,
     /// The `$SRV` endpoint it came through, for requests to one.
     pub endpoint: Option<Arc<EndpointRequest>>,
+    /// The service that received it (see [`Bus::for_service`]).
+    pub service: &'static str,
 }
 
 impl<M> Envelope<M> {
@@ -118,10 +123,32 @@ impl<M> Envelope<M> {
             messaging.destination.name = %self.subject,
             messaging.destination.template = %crate::subjects::template(&self.subject),
             messaging.operation.type = "process",
+            looseleaf.service = self.service,
         );
         telemetry::continue_trace(&span, self.headers.as_ref());
         span
     }
+}
+
+/// A PRODUCER span for sending a message on `subject`, by OpenTelemetry's
+/// messaging conventions, when the sender is inside a trace (a status heartbeat
+/// is not: it starts no trace of its own). Its context travels in the message,
+/// so the receiver's CONSUMER span is its child.
+fn send_span(subject: &str, service: &'static str) -> tracing::Span {
+    if !telemetry::in_trace() {
+        return tracing::Span::none();
+    }
+    let template = crate::subjects::template(subject);
+    tracing::info_span!(
+        "send",
+        otel.name = %format_args!("send {template}"),
+        otel.kind = "producer",
+        messaging.system = "nats",
+        messaging.destination.name = %subject,
+        messaging.destination.template = %template,
+        messaging.operation.type = "send",
+        looseleaf.service = service,
+    )
 }
 
 /// `url` without its password, for messages and logs.
@@ -154,9 +181,16 @@ impl Bus {
             subjects: Subjects::new(prefix),
             bodies,
             replicas,
+            service: telemetry::MANY_COMPONENTS,
             endpoint_errors: Default::default(),
             absent: Default::default(),
         }
+    }
+
+    /// This bus belongs to `service` (its spans say so).
+    pub fn for_service(mut self, service: &'static str) -> Self {
+        self.service = service;
+        self
     }
 
     /// Replicas of the buckets and streams this service creates.
@@ -179,11 +213,18 @@ impl Bus {
         async_nats::jetstream::new(self.client.clone())
     }
 
-    /// Encode `msg`; a payload too large to travel inline is stored as a body.
-    async fn encode<M: WireMessage>(&self, subject: &str, msg: &M) -> Result<(HeaderMap, bytes::Bytes), BusError> {
+    /// Encode `msg` with the trace context of `span` (a PRODUCER span the sender
+    /// holds until it is sent, or none: then the current span's); a payload too
+    /// large to travel inline is stored as a body.
+    async fn encode<M: WireMessage>(
+        &self,
+        subject: &str,
+        msg: &M,
+        span: &tracing::Span,
+    ) -> Result<(HeaderMap, bytes::Bytes), BusError> {
         let (mut headers, payload) =
             codec::encode(msg).map_err(|source| BusError::Codec { subject: subject.to_string(), source })?;
-        telemetry::inject_current(&mut headers);
+        telemetry::inject(span, &mut headers);
         if payload.len() <= INLINE_MAX_BYTES {
             return Ok((headers, payload.into()));
         }
@@ -203,7 +244,8 @@ impl Bus {
 
     /// Publish a message.
     pub async fn publish<M: WireMessage>(&self, subject: String, msg: &M) -> Result<(), BusError> {
-        let (headers, payload) = self.encode(&subject, msg).await?;
+        let span = send_span(&subject, self.service);
+        let (headers, payload) = self.encode(&subject, msg, &span).await?;
         self.client
             .publish_with_headers(subject.clone(), headers, payload)
             .await
@@ -221,7 +263,8 @@ impl Bus {
     /// [`UNACKNOWLEDGED_SENDS`] such sends (a listener of an older version that
     /// never acknowledges) it is taken as received.
     pub async fn deliver<M: WireMessage>(&self, subject: String, msg: &M, patience: Duration) -> Result<(), BusError> {
-        let (headers, payload) = self.encode(&subject, msg).await?;
+        let span = send_span(&subject, self.service);
+        let (headers, payload) = self.encode(&subject, msg, &span).await?;
         let deadline = tokio::time::Instant::now() + patience;
         let mut backoff = Duration::from_millis(50);
         let mut unacknowledged = 0;
@@ -328,7 +371,8 @@ impl Bus {
         msg: &Req,
         timeout: Duration,
     ) -> Result<Resp, BusError> {
-        let (headers, payload) = self.encode(&subject, msg).await?;
+        let span = send_span(&subject, self.service);
+        let (headers, payload) = self.encode(&subject, msg, &span).await?;
         let request = async_nats::Request::new().headers(headers).payload(payload).timeout(Some(timeout));
         let reply = self
             .client
@@ -362,7 +406,9 @@ impl Bus {
         let to = reply_to.into();
         let Some(subject) = to.subject else { return Ok(()) };
         let mut failed = matches!(reply, Reply::Err { .. });
-        let (headers, payload) = match self.encode(&subject, reply).await {
+        // an answer travels in the handler's own span
+        let current = tracing::Span::current();
+        let (headers, payload) = match self.encode(&subject, reply, &current).await {
             Ok(encoded) => encoded,
             Err(BusError::Body { source, .. }) => {
                 failed = true;
@@ -370,7 +416,7 @@ impl Bus {
                     code: ErrorCode::Internal,
                     message: format!("the answer could not be sent: {source}"),
                 };
-                self.encode(&subject, &unsent).await?
+                self.encode(&subject, &unsent, &current).await?
             }
             Err(e) => return Err(e),
         };

@@ -19,6 +19,8 @@ pub struct Subscription<M> {
     /// Answers presence probes.
     client: Client,
     bodies: Bodies,
+    /// The service that subscribed (named on its messages' spans).
+    service: &'static str,
     _m: PhantomData<fn() -> M>,
 }
 
@@ -69,7 +71,7 @@ impl<M> std::fmt::Debug for Subscription<M> {
 
 impl<M: WireMessage> Subscription<M> {
     pub(super) fn new(source: Source, bus: &Bus) -> Self {
-        Self { source, client: bus.client.clone(), bodies: bus.bodies.clone(), _m: PhantomData }
+        Self { source, client: bus.client.clone(), bodies: bus.bodies.clone(), service: bus.service, _m: PhantomData }
     }
 
     /// The next message; `None` when the subscription ends.
@@ -83,7 +85,7 @@ impl<M: WireMessage> Subscription<M> {
                 }
             };
             if !answered_probe(&self.client, &message, endpoint.as_deref()).await {
-                return Some(decode_message(&self.bodies, message, endpoint).await);
+                return Some(decode_message(&self.bodies, message, endpoint, self.service).await);
             }
         }
     }
@@ -91,7 +93,7 @@ impl<M: WireMessage> Subscription<M> {
     /// The decoding stream, for `ctx.add_stream` in actors (in order: a message
     /// with a body is fetched before the next one is yielded).
     pub fn into_stream(self) -> futures::stream::BoxStream<'static, Result<Envelope<M>, Rejected>> {
-        let (bodies, client) = (self.bodies, self.client);
+        let (bodies, client, service) = (self.bodies, self.client, self.service);
         self.source
             .messages()
             .filter_map(move |(message, endpoint)| {
@@ -103,7 +105,7 @@ impl<M: WireMessage> Subscription<M> {
             })
             .then(move |(message, endpoint)| {
                 let bodies = bodies.clone();
-                async move { decode_message(&bodies, message, endpoint).await }
+                async move { decode_message(&bodies, message, endpoint, service).await }
             })
             .boxed()
     }
@@ -131,11 +133,12 @@ async fn decode_message<M: WireMessage>(
     bodies: &Bodies,
     message: Message,
     endpoint: Option<Arc<EndpointRequest>>,
+    service: &'static str,
 ) -> Result<Envelope<M>, Rejected> {
     let subject = message.subject.to_string();
     let reply = message.reply.as_ref().map(|r| r.to_string());
     match decode_with::<M>(bodies, message.headers.as_ref(), &message.payload).await {
-        Ok(msg) => Ok(Envelope { subject, reply, headers: message.headers, msg, endpoint }),
+        Ok(msg) => Ok(Envelope { subject, reply, headers: message.headers, msg, endpoint, service }),
         Err(error) => {
             tracing::error!(%subject, %error, "rejected a message that does not decode");
             Err(Rejected { subject, reply, endpoint, error })

@@ -101,5 +101,7 @@ fn main() -> anyhow::Result<()> {
             tracing::warn!(users, "--insecure-shared-workers: any user's cell can read every other user's work");
         }
     }
-    actix_rt::System::new().block_on(looseleaf_frontend::run(config, schemas::telemetry::shutdown_signal()))
+    // the signal listeners start with the runtime, before anything else
+    actix_rt::System::new()
+        .block_on(async { looseleaf_frontend::run(config, schemas::telemetry::shutdown_signal()).await })
 }

@@ -43,12 +43,41 @@ impl Limits {
     }
 }
 
-/// The machine's RAM (`MemTotal` of /proc/meminfo), if it can be read.
+/// The RAM this host may use: the machine's (`MemTotal` of /proc/meminfo), or
+/// less where its own cgroup or one above it is limited (a container's memory
+/// limit: workers sized by the machine's RAM would take the container down).
 fn total_memory() -> Option<u64> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let kib: u64 =
-        info.lines().find_map(|l| l.strip_prefix("MemTotal:"))?.trim().trim_end_matches("kB").trim().parse().ok()?;
-    Some(kib * 1024)
+    let info = std::fs::read_to_string("/proc/meminfo").ok();
+    let kib: Option<u64> = info.as_deref().and_then(|info| {
+        info.lines().find_map(|l| l.strip_prefix("MemTotal:"))?.trim().trim_end_matches("kB").trim().parse().ok()
+    });
+    let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    let limit = cgroup_memory_limit(Path::new("/sys/fs/cgroup"), &own);
+    match (kib.map(|k| k * 1024), limit) {
+        (Some(machine), Some(limit)) => Some(machine.min(limit)),
+        (machine, limit) => machine.or(limit),
+    }
+}
+
+/// The least memory limit of the cgroup `own` (/proc/self/cgroup) names and its
+/// parents, under the cgroup mount `root`: `memory.max` on cgroup v2,
+/// `memory.limit_in_bytes` on v1; None where none is set ("max").
+fn cgroup_memory_limit(root: &Path, own: &str) -> Option<u64> {
+    let (top, path, file) = match v1_path(own, "memory") {
+        Some(path) => (root.join("memory"), path, "memory.limit_in_bytes"),
+        None => (root.to_path_buf(), own.lines().find_map(|l| l.strip_prefix("0::"))?, "memory.max"),
+    };
+    let mut dir = top.join(path.trim_start_matches('/'));
+    let mut least: Option<u64> = None;
+    loop {
+        let limit = std::fs::read_to_string(dir.join(file)).ok().and_then(|t| t.trim().parse::<u64>().ok());
+        if let Some(limit) = limit {
+            least = Some(least.map_or(limit, |l| l.min(limit)));
+        }
+        if dir == top || !dir.pop() {
+            return least;
+        }
+    }
 }
 
 /// Why limits could not be set up or applied.
@@ -348,6 +377,27 @@ impl Drop for WorkerCgroup {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_containers_memory_limit_bounds_the_ram_workers_share() {
+        let root = tempfile::tempdir().unwrap();
+        // cgroup v2: the container's limit two levels up, "max" on the way
+        let own = root.path().join("ctr/host");
+        std::fs::create_dir_all(&own).unwrap();
+        std::fs::write(root.path().join("ctr/memory.max"), "17179869184\n").unwrap();
+        std::fs::write(own.join("memory.max"), "max\n").unwrap();
+        assert_eq!(cgroup_memory_limit(root.path(), "0::/ctr/host\n"), Some(16 << 30));
+        // a tighter one nearer wins; none anywhere is no limit
+        std::fs::write(own.join("memory.max"), "1073741824\n").unwrap();
+        assert_eq!(cgroup_memory_limit(root.path(), "0::/ctr/host\n"), Some(1 << 30));
+        assert_eq!(cgroup_memory_limit(root.path(), "0::/elsewhere\n"), None);
+        // cgroup v1: the memory hierarchy's limit_in_bytes
+        let v1 = root.path().join("memory/docker/abc");
+        std::fs::create_dir_all(&v1).unwrap();
+        std::fs::write(v1.join("memory.limit_in_bytes"), "2147483648\n").unwrap();
+        std::fs::write(root.path().join("memory/memory.limit_in_bytes"), "9223372036854771712\n").unwrap();
+        assert_eq!(cgroup_memory_limit(root.path(), "4:memory:/docker/abc\n0::/\n"), Some(2 << 30));
+    }
 
     #[test]
     fn v1_paths_and_counters_are_read() {

@@ -95,5 +95,7 @@ fn main() -> anyhow::Result<()> {
             .ok_or_else(|| anyhow::anyhow!("--interrupt-grace-s must be between 0 and 3600 seconds"))?,
         session_uids: a.session_uids,
     };
-    actix_rt::System::new().block_on(looseleaf_gpu_host::run(config, schemas::telemetry::shutdown_signal()))
+    // the signal listeners start with the runtime, before anything else
+    actix_rt::System::new()
+        .block_on(async { looseleaf_gpu_host::run(config, schemas::telemetry::shutdown_signal()).await })
 }

@@ -36,5 +36,7 @@ fn main() -> anyhow::Result<()> {
             idle_seconds_per_session: a.idle_gpu_seconds_per_session,
         },
     };
-    actix_rt::System::new().block_on(looseleaf_planner::run(config, schemas::telemetry::shutdown_signal()))
+    // the signal listeners start with the runtime, before anything else
+    actix_rt::System::new()
+        .block_on(async { looseleaf_planner::run(config, schemas::telemetry::shutdown_signal()).await })
 }

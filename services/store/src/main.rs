@@ -51,5 +51,7 @@ fn main() -> anyhow::Result<()> {
         gc_free_bytes: args.gc_free_bytes,
         manifest_key_file: args.manifest_key_file,
     };
-    actix_rt::System::new().block_on(looseleaf_store::run(config, schemas::telemetry::shutdown_signal()))
+    // the signal listeners start with the runtime, before anything else
+    actix_rt::System::new()
+        .block_on(async { looseleaf_store::run(config, schemas::telemetry::shutdown_signal()).await })
 }

@@ -265,12 +265,23 @@ impl LocalCluster {
 
     /// [`LocalCluster::start`] with more arguments to `looseleaf up`.
     pub fn start_with(looseleaf: &Path, virtual_gpus: u32, args: &[&str]) -> anyhow::Result<Self> {
+        Self::start_with_env(looseleaf, virtual_gpus, args, &[])
+    }
+
+    /// [`LocalCluster::start_with`], with more environment variables.
+    pub fn start_with_env(
+        looseleaf: &Path,
+        virtual_gpus: u32,
+        args: &[&str],
+        env: &[(&str, String)],
+    ) -> anyhow::Result<Self> {
         let port = free_port()?;
         let data = tempfile::tempdir()?;
         let child = Command::new(looseleaf)
             .args(["up", "--virtual-gpus", &virtual_gpus.to_string(), "--port", &port.to_string(), "--data-dir"])
             .arg(data.path())
             .args(args)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .spawn()

@@ -20,6 +20,8 @@ use prost::Message as _;
 pub struct ReceivedSpan {
     /// `service.name` of the resource that sent it.
     pub service: String,
+    /// Every attribute of that resource, as text.
+    pub resource: BTreeMap<String, String>,
     /// Hex trace id.
     pub trace_id: String,
     /// Hex span id.
@@ -76,16 +78,13 @@ async fn export(State(spans): State<Spans>, body: Bytes) -> (StatusCode, Vec<u8>
     };
     let mut got = Vec::new();
     for rs in req.resource_spans {
-        let service = rs
-            .resource
-            .iter()
-            .flat_map(|r| r.attributes.iter())
-            .find(|kv| kv.key == "service.name")
-            .map(text)
-            .unwrap_or_default();
+        let resource: BTreeMap<String, String> =
+            rs.resource.iter().flat_map(|r| r.attributes.iter()).map(|kv| (kv.key.clone(), text(kv))).collect();
+        let service = resource.get("service.name").cloned().unwrap_or_default();
         for span in rs.scope_spans.into_iter().flat_map(|s| s.spans) {
             got.push(ReceivedSpan {
                 service: service.clone(),
+                resource: resource.clone(),
                 trace_id: hex(&span.trace_id),
                 span_id: hex(&span.span_id),
                 parent_id: hex(&span.parent_span_id),
