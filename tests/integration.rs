@@ -19,6 +19,7 @@ mod isolation;
 mod jupyterlab;
 mod kernel;
 mod kernel_faults;
+mod kubernetes;
 mod large_state;
 mod limits;
 mod metrics;
