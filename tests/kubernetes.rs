@@ -205,6 +205,8 @@ struct Cluster {
     stdin: Option<ChildStdin>,
     stdout: BufReader<ChildStdout>,
     started: serde_json::Value,
+    /// pods.py's work folder (its logs under logs/).
+    work: PathBuf,
 }
 
 impl Drop for Cluster {
@@ -231,7 +233,7 @@ impl Cluster {
             .spawn()?;
         let stdin = child.stdin.take();
         let stdout = BufReader::new(child.stdout.take().context("stdout")?);
-        let mut cluster = Self { child, stdin, stdout, started: serde_json::Value::Null };
+        let mut cluster = Self { child, stdin, stdout, started: serde_json::Value::Null, work: work.to_path_buf() };
         cluster.started = cluster.answer().context("pods.py did not start its pods (see work/logs)")?;
         Ok(cluster)
     }
@@ -266,7 +268,27 @@ impl Cluster {
             waiting = unready.map(|(name, _)| name.clone()).collect::<Vec<String>>();
             waiting.is_empty()
         });
-        ready.with_context(|| format!("pods not ready: {waiting:?} (see work/logs)"))
+        ready.with_context(|| format!("pods not ready: {waiting:?}\n{}", self.log_tails(&waiting)))
+    }
+
+    /// The last lines each of `pods`' containers logged (the work folder goes
+    /// with the test: a failure in CI must say why itself).
+    fn log_tails(&self, pods: &[String]) -> String {
+        let Ok(entries) = std::fs::read_dir(self.work.join("logs")) else { return "(no logs)".into() };
+        let mut out = String::new();
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().to_string();
+            if !pods.iter().any(|p| name.starts_with(&format!("{p}."))) {
+                continue;
+            }
+            let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            out.push_str(&format!(
+                "--- {name} (last 30 lines)\n{}\n",
+                lines[lines.len().saturating_sub(30)..].join("\n")
+            ));
+        }
+        out
     }
 
     /// The pods whose names start with `prefix`, and their addresses.

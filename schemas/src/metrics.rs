@@ -346,6 +346,9 @@ mod tests {
     fn text_004_names_counters_by_their_samples_and_has_no_unit_or_eof() {
         let m = metrics();
         m.cells.get_or_create(&[("status", "ok")]).inc();
+        // (a family with no sample yet is not written: this test does not rely on
+        // another one having observed a start first)
+        m.start_delay.get_or_create(&[("prepare", "cold")]).observe(0.5);
         let text = m.encode_text_004();
         for line in [
             "# TYPE looseleaf_cells_total counter",
