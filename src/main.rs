@@ -189,8 +189,24 @@ enum Command {
         /// CPU-backed GPU slots per host of the embedded cluster.
         #[arg(long, env = "LOOSELEAF_VIRTUAL_GPUS", default_value_t = 2)]
         virtual_gpus: u32,
+        /// The notebook this kernel runs, where Jupyter does not say
+        /// (`JPY_SESSION_NAME`): the next kernel on it resumes its session.
+        #[arg(long, env = "LOOSELEAF_NOTEBOOK")]
+        notebook: Option<String>,
         #[command(flatten)]
         embed: EmbedArgs,
+    },
+    /// A user's sessions on a frontend: list them, resume a detached one, or
+    /// discard one with its state.
+    Sessions {
+        #[command(subcommand)]
+        action: SessionsAction,
+        /// The frontend.
+        #[arg(long, env = "LOOSELEAF_FRONTEND", default_value = "http://127.0.0.1:8470", global = true)]
+        frontend: String,
+        /// The bearer token for that frontend.
+        #[arg(long, env = "LOOSELEAF_TOKEN", hide_env_values = true, global = true)]
+        token: Option<String>,
     },
     /// Print the nats-server configuration LooseLeaf's services log in with: the
     /// bus's message limit, a user per service allowed only what it uses, and an
@@ -258,6 +274,17 @@ enum Command {
         #[arg(long, env = "LOOSELEAF_WAIT_MS", default_value_t = 2500)]
         wait_ms: u64,
     },
+}
+
+/// What `looseleaf sessions` does.
+#[derive(Subcommand, Debug)]
+enum SessionsAction {
+    /// List the caller's sessions, live and detached.
+    List,
+    /// Resume a detached session (its id, from `list`).
+    Resume { session: uuid::Uuid },
+    /// Delete a session with its state.
+    Discard { session: uuid::Uuid },
 }
 
 /// What `looseleaf kernel` does besides serving.
@@ -376,6 +403,34 @@ fn main() -> std::process::ExitCode {
     exit_code(result)
 }
 
+/// `looseleaf sessions ACTION`.
+async fn sessions(fe: &looseleaf_client::Frontend, action: SessionsAction) -> anyhow::Result<()> {
+    let when = |ms: u64| humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + Duration::from_millis(ms));
+    match action {
+        SessionsAction::List => {
+            let listed = fe.sessions().await?;
+            if listed.is_empty() {
+                println!("no sessions");
+            }
+            for s in listed {
+                let state = s.detached_unix_ms.map_or("live".to_string(), |ms| format!("detached {}", when(ms)));
+                let notebook = s.notebook.as_deref().unwrap_or("-");
+                println!("{}  {state:<30}  revision {:<5} {notebook}  (in {})", s.session_id, s.revision, s.cwd);
+            }
+        }
+        SessionsAction::Resume { session } => {
+            let created = fe.resume(session).await?;
+            let revision = created.resumed.map_or(0, |r| r.revision);
+            println!("resumed {} at revision {revision}", created.session_id);
+        }
+        SessionsAction::Discard { session } => {
+            fe.delete(session).await?;
+            println!("discarded {session}");
+        }
+    }
+    Ok(())
+}
+
 /// An error's exit status, printed as a `main` returning it would (`Error: ` and
 /// its chain, status 1); a run a signal stopped said what it wrote already and
 /// exits with the signal's status (130 for Ctrl-C), as a shell reports it.
@@ -491,6 +546,7 @@ fn command(cli: Cli, given: Given, system: &actix_rt::SystemRunner) -> anyhow::R
             all_gpu,
             no_speculation,
             virtual_gpus,
+            notebook,
             embed,
         } => {
             let connection_file =
@@ -508,7 +564,10 @@ fn command(cli: Cli, given: Given, system: &actix_rt::SystemRunner) -> anyhow::R
             let tmp =
                 tempfile::Builder::new().prefix("looseleaf-kernel-").tempdir().context("while making a temp dir")?;
             let opts = options(embed, tmp.path().to_path_buf(), Some(virtual_gpus), 0);
-            let kopts = kernel::KernelOptions { frontend, token, all_gpu, speculate: !no_speculation, python };
+            // what Jupyter Server tells a kernel of its notebook, else the flag
+            let notebook = std::env::var("JPY_SESSION_NAME").ok().filter(|n| !n.is_empty()).or(notebook);
+            let kopts =
+                kernel::KernelOptions { frontend, token, all_gpu, speculate: !no_speculation, python, notebook };
             system.block_on(kernel::serve(&connection_file, kopts, opts))
         }
         Command::NatsConfig { prefix } => {
@@ -518,6 +577,11 @@ fn command(cli: Cli, given: Given, system: &actix_rt::SystemRunner) -> anyhow::R
         Command::Analyze { notebook, json, time } => analyze::analyze_command(&notebook, json.as_ref(), time),
         Command::BenchEdits { nats_url, prefix, events, json } => {
             system.block_on(analyze::bench_edits(&nats_url, &prefix, events, json.as_ref()))
+        }
+        Command::Sessions { action, frontend, token } => {
+            let fe = looseleaf_client::Frontend::new(&frontend);
+            let fe = token.as_deref().map_or(fe.clone(), |t| fe.with_token(t));
+            system.block_on(sessions(&fe, action))
         }
         Command::Health { url, timeout_s } => system.block_on(status::health(&url, timeout_s)),
         Command::Status { nats, data_dir, prefix, wait_ms } => {

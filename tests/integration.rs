@@ -11,6 +11,7 @@ mod competition;
 mod compose;
 mod corpus;
 mod dashboard;
+mod detached;
 mod health;
 mod host_loss;
 mod http_faults;

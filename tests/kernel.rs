@@ -218,22 +218,33 @@ fn nbclient_runs_corpus_notebooks_through_the_kernel_as_a_plain_kernel_would() -
             .env("LOOSELEAF_LOG", "error")
             .status()?;
         anyhow::ensure!(status.success(), "nbclient could not run {} through the kernel", notebook.display());
-        let verdict = prefix.path().join("verdict.json");
-        let status = Command::new(venv_python())
-            .arg(repo_root().join("../shared/tools/nbequiv.py"))
-            .arg(&notebook)
-            .arg(&executed)
-            .arg("--cwd")
-            .arg(&folder)
-            .arg("--reference-cache")
-            .arg(repo_root().join("target/nbequiv-cache-kernel"))
-            .arg("--json")
-            .arg(&verdict)
-            .status()?;
-        let text = std::fs::read_to_string(&verdict).unwrap_or_default();
-        assert!(status.success(), "nbequiv finds {} different through the kernel: {text}", notebook.display());
+        let (same, text) = nbequiv(&notebook, &executed, &folder, prefix.path())?;
+        assert!(same, "nbequiv finds {} different through the kernel: {text}", notebook.display());
     }
     Ok(())
+}
+
+/// nbequiv on `executed` against a plain kernel's run of `notebook` in `folder`
+/// (its verdict written under `scratch`): (equal, the verdict's JSON).
+pub(crate) fn nbequiv(
+    notebook: &Path,
+    executed: &Path,
+    folder: &Path,
+    scratch: &Path,
+) -> anyhow::Result<(bool, String)> {
+    let verdict = scratch.join("verdict.json");
+    let status = Command::new(venv_python())
+        .arg(repo_root().join("../shared/tools/nbequiv.py"))
+        .arg(notebook)
+        .arg(executed)
+        .arg("--cwd")
+        .arg(folder)
+        .arg("--reference-cache")
+        .arg(repo_root().join("target/nbequiv-cache-kernel"))
+        .arg("--json")
+        .arg(&verdict)
+        .status()?;
+    Ok((status.success(), std::fs::read_to_string(&verdict).unwrap_or_default()))
 }
 
 #[test]

@@ -19,17 +19,73 @@ pub struct CreateSession {
     /// Prepare workers while cells are edited (default true).
     #[serde(default = "yes")]
     pub speculate: bool,
+    /// The notebook the session runs (a kernel names it by Jupyter's session
+    /// path), so that a later kernel on the same notebook can resume it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub notebook: Option<String>,
+    /// Resume the caller's latest detached session of `notebook` instead of
+    /// starting a fresh one, if there is one.
+    #[serde(default)]
+    pub resume: bool,
 }
 
 fn yes() -> bool {
     true
 }
 
-/// `POST /v1/sessions` answer.
+/// `POST /v1/sessions` answer (and `POST /v1/sessions/{sid}/resume`'s).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct SessionCreated {
-    /// The new session.
+    /// The new session, or the one resumed.
     pub session_id: Uuid,
+    /// What was resumed, when a detached session was.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resumed: Option<ResumedSession>,
+    /// Why a resume asked for gave a fresh session (another kernel resumed it
+    /// first, ...); absent when there was nothing to resume.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fresh_because: Option<String>,
+}
+
+/// A detached session as it was resumed.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ResumedSession {
+    /// When it was detached (unix ms).
+    pub detached_unix_ms: Option<u64>,
+    /// Its state's revision (the executions it saved).
+    pub revision: u64,
+    /// Variables its state holds.
+    pub variables: u64,
+    /// Bytes of their objects.
+    pub bytes: u64,
+    /// Names it lost, since they could not be saved.
+    pub unsavable: Vec<String>,
+}
+
+/// One of `GET /v1/sessions`: a session of the caller's, live or detached.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct SessionListed {
+    /// The session.
+    pub session_id: Uuid,
+    /// The notebook it runs, if its client named one.
+    pub notebook: Option<String>,
+    /// Its working directory.
+    pub cwd: String,
+    /// When it was created (unix ms).
+    pub created_unix_ms: u64,
+    /// Its state's revision.
+    pub revision: u64,
+    /// When it was detached (unix ms); absent while it is attached.
+    pub detached_unix_ms: Option<u64>,
+}
+
+/// `POST /v1/sessions/{sid}/detach` answer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct SessionDetached {
+    /// The session.
+    pub session_id: Uuid,
+    /// When it was detached (unix ms).
+    pub detached_unix_ms: u64,
 }
 
 /// Body of `PUT …/cells/{cell}`.

@@ -7,7 +7,7 @@ pub mod events;
 
 use api::{
     read_items, CellCode, CodeAtCursor, CommAnswer, CommMessage, CreateSession, InputLine, Interrupted, RunAccepted,
-    RunCell, SessionCreated, StreamItem, StreamPosition,
+    RunCell, SessionCreated, SessionDetached, SessionListed, StreamItem, StreamPosition,
 };
 use tokio::sync::mpsc;
 use uuid::Uuid;
@@ -150,10 +150,33 @@ impl Frontend {
 
     /// Create a session whose cells run in `cwd`.
     pub async fn create_session(&self, cwd: &str, all_gpu: bool, speculate: bool) -> Result<Uuid, ClientError> {
-        let body = CreateSession { cwd: cwd.to_string(), all_gpu, speculate };
-        let req = self.http.post(format!("{}/v1/sessions", self.base)).json(&body);
-        let created: SessionCreated = self.json("create session", req).await?;
-        Ok(created.session_id)
+        let body = CreateSession { cwd: cwd.to_string(), all_gpu, speculate, notebook: None, resume: false };
+        Ok(self.open_session(&body).await?.session_id)
+    }
+
+    /// Create a session as `body` says: with `resume`, the caller's latest
+    /// detached session of its notebook, if there is one.
+    pub async fn open_session(&self, body: &CreateSession) -> Result<SessionCreated, ClientError> {
+        let req = self.http.post(format!("{}/v1/sessions", self.base)).json(body);
+        self.json("create session", req).await
+    }
+
+    /// The caller's sessions, live and detached.
+    pub async fn sessions(&self) -> Result<Vec<SessionListed>, ClientError> {
+        let req = self.http.get(format!("{}/v1/sessions", self.base));
+        self.json("list sessions", req).await
+    }
+
+    /// Detach a session: its workers are freed, its state stays to resume.
+    pub async fn detach(&self, sid: Uuid) -> Result<SessionDetached, ClientError> {
+        let req = self.http.post(format!("{}/v1/sessions/{sid}/detach", self.base));
+        self.json("detach session", req).await
+    }
+
+    /// Resume a detached session by id.
+    pub async fn resume(&self, sid: Uuid) -> Result<SessionCreated, ClientError> {
+        let req = self.http.post(format!("{}/v1/sessions/{sid}/resume", self.base));
+        self.json("resume session", req).await
     }
 
     /// Publish a cell's code as an edit (the planner prepares a worker for it).

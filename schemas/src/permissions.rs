@@ -108,6 +108,8 @@ impl Role {
                     s.host_command("*", HostVerb::Comm),
                     s.store(StoreVerb::Settle),
                     s.store(StoreVerb::SessionDelete),
+                    // what a resumed session holds
+                    s.store(StoreVerb::ManifestGet),
                     "$JS.API.INFO".into(),
                 ]);
                 publish.extend(bucket(&buckets::sessions_bucket(prefix)));

@@ -163,14 +163,18 @@ impl Kernel {
             JupyterMessageContent::ShutdownRequest(r) => r.restart,
             _ => false,
         };
-        // the session's workers and slots are freed at once (the API's delete)
+        // the session's workers and slots are freed at once. Jupyter's "Restart
+        // kernel" is a fresh session, as users expect (the old one is deleted);
+        // any other end detaches it, for the next kernel on this notebook (ADR 63)
         if let Some(s) = self.session.take() {
-            if let Err(e) = s.fe.delete(s.sid).await {
-                tracing::warn!(session = %s.sid, error = %e, "could not delete the session");
+            let done = if restart { s.fe.delete(s.sid).await } else { s.fe.detach(s.sid).await.map(|_| ()) };
+            if let Err(e) = done {
+                tracing::warn!(session = %s.sid, error = %e, restart, "could not end the session");
             }
         }
         if restart {
             self.execution_count = 0;
+            self.resume = false;
             let _ = self.ensure_session().await;
         }
         self.reply_on(control, "shutdown_reply", json!({ "status": "ok", "restart": restart }), &msg).await;

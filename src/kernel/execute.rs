@@ -71,6 +71,9 @@ impl Running<'_> {
     }
 }
 
+/// The kernel's own magic that discards the notebook's session for a clean one.
+const FRESH_MAGIC: &str = "%looseleaf fresh";
+
 impl Kernel {
     pub(super) async fn execute(&mut self, msg: &JupyterMessage) {
         let JupyterMessageContent::ExecuteRequest(req) = &msg.content else { return };
@@ -97,8 +100,18 @@ impl Kernel {
         // the cell's trace starts at the request Jupyter sent
         let span = tracing::info_span!("execute_request", otel.name = "execute_request",
             looseleaf.cell_id = %cell_id, looseleaf.jupyter.msg_id = %msg.header.msg_id);
-        let mut ended = match self.ensure_session().instrument(span.clone()).await {
-            Ok(()) => {
+        let opened = if code.trim() == FRESH_MAGIC {
+            self.fresh_session(msg, silent).await
+        } else {
+            self.ensure_session().instrument(span.clone()).await.map(|()| None)
+        };
+        let mut ended = match opened {
+            // `%looseleaf fresh` ran (it is the kernel's, not the cell's)
+            Ok(Some(ended)) => ended,
+            Ok(None) => {
+                if let (Some(notice), false) = (self.notice.take(), silent) {
+                    self.iopub("stream", json!({ "name": "stderr", "text": notice }), msg).await;
+                }
                 let run = RunCell { code: self.pinned(&cell_id, &code), allow_stdin, user_expressions };
                 self.run_cell(msg, &cell_id, &run, silent, count).instrument(span).await
             }
@@ -157,6 +170,30 @@ impl Kernel {
             }
             Err(e) => tracing::warn!(error = %e, "could not build an execute reply"),
         }
+    }
+
+    /// `%looseleaf fresh`: the notebook's session is deleted with its state and a
+    /// clean one opens (as a restart would, keeping the kernel).
+    async fn fresh_session(&mut self, msg: &JupyterMessage, silent: bool) -> Result<Option<Ended>, String> {
+        if let Some(s) = self.session.take() {
+            if let Err(e) = s.fe.delete(s.sid).await {
+                tracing::warn!(session = %s.sid, error = %e, "could not delete the session for a fresh one");
+            }
+        }
+        self.resume = false;
+        self.ensure_session().await?;
+        self.notice = None;
+        if !silent {
+            let text = "LooseLeaf: a fresh session: every variable is gone.\n";
+            self.iopub("stream", json!({ "name": "stdout", "text": text }), msg).await;
+        }
+        Ok(Some(Ended {
+            ok: true,
+            error: None,
+            payload: vec![],
+            user_expressions: json!({}),
+            placement: Default::default(),
+        }))
     }
 
     /// Abort the execute requests queued now; other requests are kept.

@@ -47,7 +47,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use jupyter_protocol::JupyterMessage;
-use looseleaf_client::api::StreamItem;
+use looseleaf_client::api::{CreateSession, ResumedSession, StreamItem};
 use looseleaf_client::Frontend;
 use tokio::sync::{mpsc, watch};
 use uuid::Uuid;
@@ -79,6 +79,10 @@ pub struct KernelOptions {
     pub speculate: bool,
     /// The Python that runs the cells (for `language_info`).
     pub python: PathBuf,
+    /// The notebook this kernel runs (Jupyter's `JPY_SESSION_NAME`, else
+    /// `--notebook`): its session detaches when the kernel ends, and the next
+    /// kernel on the same notebook resumes it.
+    pub notebook: Option<String>,
 }
 
 /// The session the kernel runs cells in, and the stream of what happens in it.
@@ -94,16 +98,52 @@ struct Session {
 }
 
 impl Session {
-    async fn open(fe: &Frontend, opts: &KernelOptions) -> anyhow::Result<Self> {
+    /// A session for the kernel: with `resume`, its notebook's latest detached
+    /// session if there is one; and the one line that tells the user what was
+    /// resumed (or why a resume gave a fresh session).
+    async fn open(fe: &Frontend, opts: &KernelOptions, resume: bool) -> anyhow::Result<(Self, Option<String>)> {
         let cwd = std::env::current_dir().context("the kernel's working directory")?;
-        let sid = fe
-            .create_session(&cwd.display().to_string(), opts.all_gpu, opts.speculate)
+        let body = CreateSession {
+            cwd: cwd.display().to_string(),
+            all_gpu: opts.all_gpu,
+            speculate: opts.speculate,
+            notebook: opts.notebook.clone(),
+            resume: resume && opts.notebook.is_some(),
+        };
+        let created = fe
+            .open_session(&body)
             .await
             .with_context(|| format!("could not create a session on the LooseLeaf frontend at {}", fe.base()))?;
+        let sid = created.session_id;
         let items = fe.events(sid).await.with_context(|| format!("could not follow session {sid}"))?;
-        tracing::info!(session = %sid, frontend = fe.base(), "kernel session open");
-        Ok(Self { fe: fe.clone(), sid, items, tally: badge::SessionTally::new(), ended: false })
+        tracing::info!(session = %sid, frontend = fe.base(), resumed = created.resumed.is_some(), "kernel session open");
+        let notice = match (&created.resumed, &created.fresh_because) {
+            (Some(r), _) => Some(resumed_notice(r)),
+            (None, Some(why)) => Some(format!("LooseLeaf: a fresh session: {why}.\n")),
+            (None, None) => None,
+        };
+        Ok((Self { fe: fe.clone(), sid, items, tally: badge::SessionTally::new(), ended: false }, notice))
     }
+}
+
+/// The line a resumed session's first cell shows.
+fn resumed_notice(r: &ResumedSession) -> String {
+    let when = r
+        .detached_unix_ms
+        .map(|ms| {
+            let at = std::time::UNIX_EPOCH + Duration::from_millis(ms);
+            format!(" saved {}", humantime::format_rfc3339_seconds(at))
+        })
+        .unwrap_or_default();
+    let lost = if r.unsavable.is_empty() {
+        String::new()
+    } else {
+        format!("; not saved, so gone: {}", r.unsavable.join(", "))
+    };
+    format!(
+        "LooseLeaf: resumed this notebook's session{when}: {} variables, {} bytes (revision {}){lost}. `%looseleaf fresh` starts a clean one.\n",
+        r.variables, r.bytes, r.revision
+    )
 }
 
 /// What the main task knows.
@@ -131,6 +171,11 @@ struct Kernel {
     /// Cells the user pinned to a device (the extension's badge; the notebook keeps
     /// it in the cell's metadata): cell id -> `gpu` or `cpu`.
     pins: std::collections::HashMap<String, &'static str>,
+    /// The next session opened resumes the notebook's detached one (false after
+    /// a restart or `%looseleaf fresh`: the user asked for a clean one).
+    resume: bool,
+    /// What the next cell's output says first (a resumed session's line).
+    notice: Option<String>,
     /// Why the embedded cluster cannot run cells now, while it heals (its
     /// nats-server is down and being started again; see
     /// [`Cluster::keep_nats_up`]): named in the errors of the cells it fails.
@@ -144,9 +189,10 @@ impl Kernel {
         if self.session.is_some() {
             return Ok(());
         }
-        match Session::open(&self.fe, &self.opts).await {
-            Ok(s) => {
+        match Session::open(&self.fe, &self.opts, self.resume).await {
+            Ok((s, notice)) => {
                 self.session = Some(s);
+                self.notice = notice;
                 Ok(())
             }
             Err(e) => {
@@ -205,6 +251,8 @@ pub async fn serve(connection_file: &Path, opts: KernelOptions, cluster: Cluster
         edit_comms: Default::default(),
         last_edit: None,
         pins: Default::default(),
+        resume: true,
+        notice: None,
         cluster_trouble,
     };
     // a frontend that is not there is said in the log now, and in each cell's
@@ -224,9 +272,10 @@ pub async fn serve(connection_file: &Path, opts: KernelOptions, cluster: Cluster
         () = supervise => {}
     }
     if let Some(s) = kernel.session.take() {
-        // its workers and slots are freed now, not when the session is culled idle
-        if let Err(e) = s.fe.delete(s.sid).await {
-            tracing::warn!(session = %s.sid, error = %e, "could not delete the kernel's session on exit");
+        // its workers and slots are freed now; its state stays for the next
+        // kernel on this notebook (ADR 63)
+        if let Err(e) = s.fe.detach(s.sid).await {
+            tracing::warn!(session = %s.sid, error = %e, "could not detach the kernel's session on exit");
         }
     }
     if let Some(c) = embedded {

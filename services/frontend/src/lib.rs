@@ -84,8 +84,15 @@ pub const DEFAULT_HISTORY_ITEMS: usize = 20_000;
 /// How often the `looseleaf_runs` gauge is counted again.
 const RUNS_GAUGE_EVERY: Duration = Duration::from_secs(2);
 
-/// Sessions idle this long are culled by default: a day.
-pub const DEFAULT_CULL_IDLE: Duration = Duration::from_secs(24 * 3600);
+/// Sessions idle this long with no client following them are detached by
+/// default: a minute (a kernel that was killed, a script that stopped).
+pub const DEFAULT_CULL_IDLE: Duration = Duration::from_secs(60);
+
+/// Detached sessions are kept this long by default: a week.
+pub const DEFAULT_SESSION_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// How often the detached sessions past their retention are looked for.
+const RETENTION_SWEEP_EVERY: Duration = Duration::from_secs(600);
 
 /// What the frontend needs.
 #[derive(Clone, Debug)]
@@ -104,8 +111,10 @@ pub struct Config {
     pub tokens: auth::Tokens,
     /// Stream items each session keeps for clients that connect or reconnect later.
     pub history_items: usize,
-    /// Sessions idle this long are culled (None: never).
+    /// Sessions idle this long with no client are detached (None: never).
     pub cull_idle: Option<Duration>,
+    /// Detached sessions are deleted with their state after this long (None: never).
+    pub session_retention: Option<Duration>,
     /// Working-directory root, sessions per user, queued runs per session.
     pub limits: admission::Limits,
     /// Host names the API answers and browser origins that may read it (None: the
@@ -127,6 +136,7 @@ impl Config {
             tokens: auth::Tokens::open(),
             history_items: DEFAULT_HISTORY_ITEMS,
             cull_idle: Some(DEFAULT_CULL_IDLE),
+            session_retention: Some(DEFAULT_SESSION_RETENTION),
             limits: admission::Limits::default(),
             origins: None,
             http_timeouts: serve::HttpTimeouts::default(),
@@ -198,6 +208,19 @@ pub async fn run_with_bound(
         tokio::spawn(async move {
             while tokio::time::timeout(every, stop.cancelled()).await.is_err() {
                 culler.cull_idle(after).await;
+            }
+        });
+    }
+    if let Some(retention) = config.session_retention {
+        let (sweeper, stop) = (state.clone(), token.clone());
+        tokio::spawn(async move {
+            loop {
+                sweeper.sweep_detached(retention).await;
+                // (a retention shorter than the sweep's period is swept within half of it)
+                let every = RETENTION_SWEEP_EVERY.min(retention / 2).max(Duration::from_millis(200));
+                if tokio::time::timeout(every, stop.cancelled()).await.is_ok() {
+                    return;
+                }
             }
         });
     }

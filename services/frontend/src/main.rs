@@ -39,10 +39,15 @@ struct Args {
     #[arg(long, env = "LOOSELEAF_HISTORY_ITEMS", default_value_t = looseleaf_frontend::DEFAULT_HISTORY_ITEMS)]
     history_items: usize,
     /// Seconds a session may be idle (nothing running or queued, nobody watching
-    /// its events, no request) before it is culled: its workers stop, its state
-    /// stays and the session reopens on its next request (0: never).
+    /// its events, no request) before it is detached: its workers stop, its state
+    /// stays, a new kernel on its notebook resumes it and any request of its
+    /// owner attaches it again (0: never).
     #[arg(long, env = "LOOSELEAF_CULL_IDLE_S", default_value_t = looseleaf_frontend::DEFAULT_CULL_IDLE.as_secs_f64())]
     cull_idle_s: f64,
+    /// Seconds a detached session is kept before it is deleted with its state
+    /// (0: forever).
+    #[arg(long, env = "LOOSELEAF_SESSION_RETENTION_S", default_value_t = looseleaf_frontend::DEFAULT_SESSION_RETENTION.as_secs_f64())]
+    session_retention_s: f64,
     /// Seconds without a host's status after which a cell it runs ends as lost.
     #[arg(long, env = "LOOSELEAF_HOST_LOST_S", default_value_t = 10)]
     host_lost_s: u64,
@@ -80,6 +85,10 @@ fn main() -> anyhow::Result<()> {
         .then(|| std::time::Duration::try_from_secs_f64(args.cull_idle_s))
         .transpose()
         .map_err(|e| anyhow::anyhow!("--cull-idle-s: {e}"))?;
+    config.session_retention = (args.session_retention_s > 0.0)
+        .then(|| std::time::Duration::try_from_secs_f64(args.session_retention_s))
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("--session-retention-s: {e}"))?;
     config.limits = looseleaf_frontend::admission::Limits {
         cwd_root: args.cwd_root,
         sessions_per_user: args.max_sessions_per_user,

@@ -63,6 +63,14 @@ pub struct SessionRecord {
     /// request is answered).
     #[serde(default)]
     pub queued: VecDeque<QueuedRun>,
+    /// The notebook the session runs (what its kernel names it by: Jupyter's
+    /// session path), so that a new kernel on the same notebook finds it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub notebook: Option<String>,
+    /// When it was detached (unix ms): no client follows it and no frontend serves
+    /// it; its state stays for a new kernel to resume, until the retention ends.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detached_unix_ms: Option<u64>,
 }
 
 /// A run waiting for its turn, as its session's record keeps it.
@@ -221,6 +229,8 @@ impl SessionRecord {
             owner: self.owner.clone(),
             in_flight: self.in_flight.clone(),
             queued,
+            notebook: self.notebook.clone(),
+            detached_unix_ms: self.detached_unix_ms,
         }
     }
 }
@@ -285,6 +295,12 @@ impl Records {
     /// How many sessions `owner` holds (every record is read: sessions are created
     /// rarely, and only a frontend with a per-user limit asks).
     pub async fn count_owned_by(&self, owner: &Option<String>) -> Result<usize, RecordError> {
+        Ok(self.all().await?.iter().filter(|r| &r.owner == owner).count())
+    }
+
+    /// Every record this frontend can read (one read each: listing sessions and
+    /// the retention sweep are rare); unreadable ones are left out.
+    pub async fn all(&self) -> Result<Vec<SessionRecord>, RecordError> {
         use futures::TryStreamExt as _;
         let keys: Vec<String> = self
             .kv
@@ -294,17 +310,40 @@ impl Records {
             .try_collect()
             .await
             .map_err(|e| RecordError::Bucket(e.to_string()))?;
-        let mut held = 0;
+        let mut records = Vec::new();
         for key in keys {
             let Ok(session) = Uuid::parse_str(&key) else { continue };
             match self.get(session).await {
-                Ok(Some(r)) if &r.owner == owner => held += 1,
-                // another user's, gone meanwhile, or unreadable here (whose it is unknown)
-                Ok(_) | Err(RecordError::Corrupt { .. }) => {}
+                Ok(Some(r)) => records.push(r),
+                // gone meanwhile, or unreadable here (whose it is unknown)
+                Ok(None) | Err(RecordError::Corrupt { .. }) => {}
                 Err(e) => return Err(e),
             }
         }
-        Ok(held)
+        Ok(records)
+    }
+
+    /// Attach a detached session: its record, no longer marked detached, and when
+    /// it was detached, if this call attached it; None when it is not detached
+    /// (any more) or another frontend or kernel attached it first (the write is
+    /// checked against the revision read: one of two at once wins).
+    pub async fn attach(&self, session: Uuid) -> Result<Option<(SessionRecord, u64)>, RecordError> {
+        let bucket = |e: &dyn std::fmt::Display| RecordError::Bucket(e.to_string());
+        let Some(entry) = self.kv.entry(session.to_string()).await.map_err(|e| bucket(&e))? else {
+            return Ok(None);
+        };
+        if entry.operation != kv::Operation::Put {
+            return Ok(None);
+        }
+        let mut record: SessionRecord = serde_json::from_slice(&entry.value)
+            .map_err(|e| RecordError::Corrupt { session, reason: e.to_string() })?;
+        let Some(detached) = record.detached_unix_ms.take() else { return Ok(None) };
+        let bytes = serde_json::to_vec(&record.to_write()).map_err(|e| bucket(&e))?;
+        match self.kv.update(session.to_string(), bytes.into(), entry.revision).await {
+            Ok(_) => Ok(Some((record, detached))),
+            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => Ok(None),
+            Err(e) => Err(bucket(&e)),
+        }
     }
 
     /// Remove a session's record (the session is deleted).
@@ -332,6 +371,8 @@ mod tests {
             owner: None,
             in_flight: None,
             queued: Default::default(),
+            notebook: None,
+            detached_unix_ms: None,
         }
     }
 
@@ -398,6 +439,29 @@ mod tests {
         bodies.delete(&header).await;
         let gone = read_aside(&bodies, &header).await;
         assert!(matches!(gone, Err(RecordError::Aside(_))), "{gone:?}");
+        Ok(())
+    }
+
+    /// A detached session is attached once: of two attaching at once one gets the
+    /// record (unmarked), the other nothing; an attached one is not attached again.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_detached_session_is_attached_once() -> anyhow::Result<()> {
+        let nats = NatsServer::start()?;
+        let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await?);
+        let records = Records::new(schemas::buckets::sessions(&js, "rec-attach", 1).await?);
+        let mut detached = record();
+        detached.notebook = Some("a.ipynb".into());
+        detached.detached_unix_ms = Some(5);
+        records.put(&detached).await?;
+        let sid = detached.session_id;
+        let (a, b) = tokio::join!(records.attach(sid), records.attach(sid));
+        let won: Vec<(SessionRecord, u64)> = [a?, b?].into_iter().flatten().collect();
+        assert_eq!(won.len(), 1, "{won:?}");
+        assert_eq!((won[0].0.detached_unix_ms, won[0].1), (None, 5));
+        assert_eq!(won[0].0.notebook.as_deref(), Some("a.ipynb"));
+        assert_eq!(records.get(sid).await?.and_then(|r| r.detached_unix_ms), None);
+        assert_eq!(records.attach(sid).await?, None, "attached already");
+        assert_eq!(records.attach(Uuid::now_v7()).await?, None, "no such session");
         Ok(())
     }
 

@@ -27,7 +27,7 @@ pub use errors::ApiError;
 pub use openapi::ApiDoc;
 use openapi::{health, openapi_json};
 use runs::{edit, input, interrupt, run};
-use sessions::{create_session, delete_session, summary};
+use sessions::{create_session, delete_session, detach_session, list_sessions, resume_session, summary};
 pub use state::{AppState, Served};
 use streams::{dashboard, dashboard_page, events};
 
@@ -47,8 +47,10 @@ pub fn router(state: AppState, body_timeout: Duration) -> Router {
         .route("/v1/dashboard", get(dashboard))
         .route("/v1/health", get(health))
         .route("/v1/openapi.json", get(openapi_json))
-        .route("/v1/sessions", post(create_session))
+        .route("/v1/sessions", post(create_session).get(list_sessions))
         .route("/v1/sessions/{sid}", get(summary).delete(delete_session))
+        .route("/v1/sessions/{sid}/detach", post(detach_session))
+        .route("/v1/sessions/{sid}/resume", post(resume_session))
         .route("/v1/sessions/{sid}/events", get(events))
         .route("/v1/sessions/{sid}/interrupt", post(interrupt))
         .route("/v1/sessions/{sid}/executions/{exec_id}/input", post(input))

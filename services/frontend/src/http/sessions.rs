@@ -1,4 +1,5 @@
-//! Sessions: create one, read its summary, delete it with its state.
+//! Sessions: create one (or resume its notebook's detached one), list them, read
+//! one's summary, detach it, resume it, delete it with its state.
 
 use std::time::Duration;
 
@@ -6,13 +7,15 @@ use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::{Extension, Json};
-use schemas::messages::{DoneV1, SessionCloseV1, SessionDeleteV1, SessionOptions};
+use schemas::messages::{ManifestGetV2, ManifestV1, SessionOptions};
 use schemas::subjects::StoreVerb;
 use uuid::Uuid;
 
 use super::errors::{bad_request, internal, json_body, mailbox, unavailable, ApiError};
-use super::state::{lookup, start_session, AppState, Served};
-use crate::api::{CreateSession, SessionCreated, SessionDeleted, SessionSummary};
+use super::state::{delete_state, lookup, start_session, AppState, Served};
+use crate::api::{
+    CreateSession, ResumedSession, SessionCreated, SessionDeleted, SessionDetached, SessionListed, SessionSummary,
+};
 use crate::auth::Caller;
 use crate::records::{SessionRecord, RECORD_VERSION};
 use crate::session;
@@ -38,6 +41,14 @@ pub(super) async fn create_session(
             return Err(ApiError(StatusCode::TOO_MANY_REQUESTS, msg));
         }
     }
+    let mut fresh_because = None;
+    if let (true, Some(notebook)) = (req.resume, &req.notebook) {
+        match resume_notebook(&state, &caller, notebook).await? {
+            Resume::Resumed(created) => return Ok(Json(created)),
+            Resume::Taken(why) => fresh_because = Some(why),
+            Resume::Nothing => {}
+        }
+    }
     let sid = Uuid::now_v7();
     let record = SessionRecord {
         version: RECORD_VERSION,
@@ -49,13 +60,147 @@ pub(super) async fn create_session(
         owner: caller.0.clone(),
         in_flight: None,
         queued: Default::default(),
+        notebook: req.notebook.clone(),
+        detached_unix_ms: None,
     };
     // recorded first: a session is never served that a restarted frontend would lose
     state.shared.records.put_new(&record).await.map_err(unavailable)?;
     let addr = start_session(&state, record).await?;
     state.insert(sid, Served { addr, owner: caller.0 });
     tracing::info!(session = %sid, "session created");
-    Ok(Json(SessionCreated { session_id: sid }))
+    Ok(Json(SessionCreated { session_id: sid, resumed: None, fresh_because }))
+}
+
+/// What a resume by notebook found.
+enum Resume {
+    /// The session it attached.
+    Resumed(SessionCreated),
+    /// There were detached sessions of the notebook, and others attached them first.
+    Taken(String),
+    /// None to resume.
+    Nothing,
+}
+
+/// The records of the caller's sessions, live and detached.
+async fn owned_records(state: &AppState, caller: &Caller) -> Result<Vec<SessionRecord>, ApiError> {
+    let all = state.shared.records.all().await.map_err(unavailable)?;
+    Ok(all.into_iter().filter(|r| r.owner == caller.0).collect())
+}
+
+/// Attach and serve the caller's latest detached session of `notebook`.
+async fn resume_notebook(state: &AppState, caller: &Caller, notebook: &str) -> Result<Resume, ApiError> {
+    let mut candidates: Vec<SessionRecord> = owned_records(state, caller)
+        .await?
+        .into_iter()
+        .filter(|r| r.notebook.as_deref() == Some(notebook) && r.detached_unix_ms.is_some())
+        .collect();
+    if candidates.is_empty() {
+        return Ok(Resume::Nothing);
+    }
+    candidates.sort_by_key(|r| std::cmp::Reverse(r.detached_unix_ms));
+    for candidate in &candidates {
+        if let Some(created) = attach_and_serve(state, caller, candidate.session_id).await? {
+            return Ok(Resume::Resumed(created));
+        }
+    }
+    let taken = candidates.iter().map(|r| r.session_id.to_string()).collect::<Vec<_>>().join(", ");
+    Ok(Resume::Taken(format!("another kernel resumed this notebook's detached session ({taken}) first")))
+}
+
+/// Attach detached session `sid` (checked against its record's revision: one of
+/// two at once wins) and serve it; None if it was not detached (any more).
+async fn attach_and_serve(state: &AppState, caller: &Caller, sid: Uuid) -> Result<Option<SessionCreated>, ApiError> {
+    let Some((record, detached)) = state.shared.records.attach(sid).await.map_err(unavailable)? else {
+        return Ok(None);
+    };
+    let resumed = describe(state, &record, Some(detached)).await;
+    let addr = start_session(state, record).await?;
+    state.insert(sid, Served { addr, owner: caller.0.clone() });
+    tracing::info!(session = %sid, "detached session resumed");
+    Ok(Some(SessionCreated { session_id: sid, resumed: Some(resumed), fresh_because: None }))
+}
+
+/// What a resumed session holds, from its latest manifest (its revision alone
+/// when the store does not answer).
+async fn describe(state: &AppState, record: &SessionRecord, detached_unix_ms: Option<u64>) -> ResumedSession {
+    let mut resumed =
+        ResumedSession { detached_unix_ms, revision: record.revision, variables: 0, bytes: 0, unsavable: Vec::new() };
+    let bus = &state.shared.bus;
+    let ask = ManifestGetV2 { session: record.session_id, at_least: Some(record.revision) };
+    match bus.request::<_, ManifestV1>(bus.subjects().store(StoreVerb::ManifestGet), &ask, MANIFEST_WAIT).await {
+        Ok(ManifestV1 { manifest }) => {
+            resumed.revision = manifest.revision;
+            resumed.variables = manifest.variables.len() as u64;
+            resumed.bytes = manifest.objects.values().map(|o| o.bytes()).sum();
+            resumed.unsavable = manifest.unsavable.keys().cloned().collect();
+        }
+        Err(e) => {
+            tracing::warn!(session = %record.session_id, error = %e, "could not read a resumed session's manifest")
+        }
+    }
+    resumed
+}
+
+/// How long a resume waits for the session's manifest (only to describe it).
+const MANIFEST_WAIT: Duration = Duration::from_secs(5);
+
+/// The caller's sessions, live and detached (newest first).
+#[utoipa::path(get, path = "/v1/sessions", responses((status = 200, body = Vec<SessionListed>)))]
+pub(super) async fn list_sessions(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+) -> Result<Json<Vec<SessionListed>>, ApiError> {
+    let mut listed: Vec<SessionListed> = owned_records(&state, &caller)
+        .await?
+        .into_iter()
+        .map(|r| SessionListed {
+            session_id: r.session_id,
+            notebook: r.notebook,
+            cwd: r.options.cwd,
+            created_unix_ms: r.created_unix_ms,
+            revision: r.revision,
+            detached_unix_ms: r.detached_unix_ms,
+        })
+        .collect();
+    listed.sort_by_key(|s| std::cmp::Reverse(s.created_unix_ms));
+    Ok(Json(listed))
+}
+
+/// Detach the session: its workers and slots are freed now, its state stays for
+/// a later kernel on its notebook to resume (a kernel's shutdown does this).
+#[utoipa::path(post, path = "/v1/sessions/{sid}/detach", params(("sid" = uuid::Uuid, Path, description = "the session")), responses((status = 200, body = SessionDetached)))]
+pub(super) async fn detach_session(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    Path(sid): Path<String>,
+) -> Result<Json<SessionDetached>, ApiError> {
+    let (sid, addr) = lookup(&state, &sid, &caller).await?;
+    let served = Served { addr, owner: caller.0.clone() };
+    let detached_unix_ms = state
+        .detach(sid, &served, false)
+        .await
+        .ok_or_else(|| ApiError(StatusCode::CONFLICT, format!("session {sid} is being detached or deleted")))?;
+    tracing::info!(session = %sid, "session detached by its client");
+    Ok(Json(SessionDetached { session_id: sid, detached_unix_ms }))
+}
+
+/// Resume a detached session by id (a 409 when it is attached already).
+#[utoipa::path(post, path = "/v1/sessions/{sid}/resume", params(("sid" = uuid::Uuid, Path, description = "the session")), responses((status = 200, body = SessionCreated)))]
+pub(super) async fn resume_session(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    Path(raw): Path<String>,
+) -> Result<Json<SessionCreated>, ApiError> {
+    let sid = super::errors::parse_sid(&raw)?;
+    let record = state.shared.records.get(sid).await.map_err(unavailable)?.filter(|r| r.owner == caller.0);
+    let Some(record) = record else { return Err(ApiError(StatusCode::NOT_FOUND, format!("no session {sid}"))) };
+    if record.detached_unix_ms.is_none() {
+        return Err(ApiError(StatusCode::CONFLICT, format!("session {sid} is not detached: it is in use")));
+    }
+    match attach_and_serve(&state, &caller, sid).await? {
+        Some(created) => Ok(Json(created)),
+        None => Err(ApiError(StatusCode::CONFLICT, format!("session {sid} was resumed by another client first"))),
+    }
 }
 
 /// The session's revision, current run, queue and executions.
@@ -79,35 +224,7 @@ pub(super) async fn delete_session(
     let (sid, addr) = lookup(&state, &sid, &caller).await?;
     state.remove(sid);
     addr.do_send(session::Close { grace: state.shared.timeouts.close_grace });
-    let s = state.shared.bus.subjects().clone();
-    state
-        .shared
-        .bus
-        .publish(s.close(sid), &SessionCloseV1 { session: sid })
-        .await
-        .map_err(|e| internal(format!("could not publish the close: {e}")))?;
-    state
-        .shared
-        .records
-        .remove(sid)
-        .await
-        .map_err(|e| internal(format!("could not remove the session's record: {e}")))?;
-    let store = state
-        .shared
-        .bus
-        .request::<SessionDeleteV1, DoneV1>(
-            s.store(StoreVerb::SessionDelete),
-            &SessionDeleteV1 { session: sid },
-            Duration::from_secs(10),
-        )
-        .await;
-    let store_error = match store {
-        Ok(DoneV1 {}) => None,
-        Err(e) => {
-            tracing::warn!(session = %sid, error = %e, "store did not delete the session's state");
-            Some(e.to_string())
-        }
-    };
+    let store_error = delete_state(&state, sid).await.map_err(internal)?;
     tracing::info!(session = %sid, "session deleted");
     Ok(Json(SessionDeleted { session_id: sid, deleted: true, store_error }))
 }

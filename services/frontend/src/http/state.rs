@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use actix::prelude::*;
 use axum::http::StatusCode;
-use schemas::messages::{OutputV2, SessionEventV2, SessionIdleV1};
+use schemas::messages::{DoneV1, OutputV2, SessionCloseV1, SessionDeleteV1, SessionEventV2, SessionIdleV1};
+use schemas::subjects::StoreVerb;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -65,9 +66,8 @@ impl AppState {
         removed
     }
 
-    /// Stop serving the sessions idle for longer than `after`: their actors stop
-    /// and hosts stop the workers they keep for them (`SessionIdleV1`); their state
-    /// and records stay, and the next request adopts them again.
+    /// Detach the sessions nobody has watched or used for longer than `after`
+    /// (their kernel is gone, or a script stopped): see [`AppState::detach`].
     pub async fn cull_idle(&self, after: Duration) {
         let served: Vec<(Uuid, Served)> =
             self.sessions.read().unwrap_or_else(|e| e.into_inner()).iter().map(|(k, v)| (*k, v.clone())).collect();
@@ -76,21 +76,69 @@ impl AppState {
             if idle < after {
                 continue;
             }
-            {
-                let mut sessions = self.sessions.write().unwrap_or_else(|e| e.into_inner());
-                // only the actor asked: a session adopted again meanwhile stays
-                if !sessions.get(&sid).is_some_and(|now| now.addr == s.addr) {
-                    continue;
-                }
+            if self.detach(sid, &s, true).await.is_some() {
+                tracing::info!(session = %sid, idle = ?idle, "session detached: idle with no client (its state stays)");
+            }
+        }
+    }
+
+    /// Detach session `sid` (served by `served`): its record is marked detached,
+    /// this frontend stops serving it, and the hosts stop the workers they keep
+    /// for it (`SessionIdleV1`); its state and record stay, for a new kernel on
+    /// the same notebook to resume or any request of its owner to attach again.
+    /// With `only_if_idle` (the culler), not if a run or a client came since it
+    /// looked. None if it was not detached.
+    pub async fn detach(&self, sid: Uuid, served: &Served, only_if_idle: bool) -> Option<u64> {
+        let serving = |sessions: &HashMap<Uuid, Served>| sessions.get(&sid).is_some_and(|s| s.addr == served.addr);
+        // only the actor asked: a session adopted again meanwhile stays
+        if !serving(&self.sessions.read().unwrap_or_else(|e| e.into_inner())) {
+            return None;
+        }
+        // marked first, then no longer served: a request meanwhile finds the
+        // actor (which is closing), never the record unmarked beside a live actor
+        let detached = served.addr.send(session::Detach { only_if_idle }).await.ok()??;
+        // landed or not, the record's writer keeps trying while NATS is away
+        let _ = tokio::time::timeout(DETACH_RECORD_WAIT, detached.landed).await;
+        {
+            let mut sessions = self.sessions.write().unwrap_or_else(|e| e.into_inner());
+            if serving(&sessions) {
                 sessions.remove(&sid);
                 count_sessions(&sessions);
             }
-            s.addr.do_send(session::Close { grace: Duration::ZERO });
+        }
+        served.addr.do_send(session::Close { grace: Duration::ZERO });
+        // a run still going keeps its worker until it ends
+        if !detached.busy {
             let bus = &self.shared.bus;
             if let Err(e) = bus.publish(bus.subjects().idle(sid), &SessionIdleV1 { session: sid }).await {
-                tracing::warn!(session = %sid, error = %e, "could not tell the hosts a session was culled");
+                tracing::warn!(session = %sid, error = %e, "could not tell the hosts a session was detached");
             }
-            tracing::info!(session = %sid, idle = ?idle, "session culled for idleness (its state stays)");
+        }
+        Some(detached.unix_ms)
+    }
+
+    /// Delete every session detached for longer than `retention`, with its state
+    /// (the store frees its chunks); each is logged.
+    pub async fn sweep_detached(&self, retention: Duration) {
+        let records = match self.shared.records.all().await {
+            Ok(records) => records,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not list sessions to find the expired detached ones");
+                return;
+            }
+        };
+        let now = schemas::unix_ms();
+        for r in records {
+            let Some(since) = r.detached_unix_ms else { continue };
+            if now.saturating_sub(since) < retention.as_millis() as u64 {
+                continue;
+            }
+            let sid = r.session_id;
+            match delete_state(self, sid).await {
+                Ok(store_error) => tracing::info!(session = %sid, notebook = ?r.notebook, owner = ?r.owner,
+                    ?store_error, "detached session discarded: past its retention"),
+                Err(e) => tracing::warn!(session = %sid, error = %e, "could not discard an expired detached session"),
+            }
         }
     }
 
@@ -129,14 +177,23 @@ pub(super) async fn lookup(
     if let Some(served) = state.session(sid) {
         return if served.owner == caller.0 { Ok((sid, served.addr)) } else { Err(not_found()) };
     }
-    let record = state
+    let unavailable = |e: crate::records::RecordError| ApiError(StatusCode::SERVICE_UNAVAILABLE, e.to_string());
+    let mut record = state
         .shared
         .records
         .get(sid)
         .await
-        .map_err(|e| ApiError(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?
+        .map_err(unavailable)?
         .filter(|r| r.owner == caller.0)
         .ok_or_else(not_found)?;
+    // a request of its owner attaches a detached session again (unless another
+    // attached it first: then it is adopted as it is now)
+    if record.detached_unix_ms.is_some() {
+        record = match state.shared.records.attach(sid).await.map_err(unavailable)? {
+            Some((attached, _)) => attached,
+            None => state.shared.records.get(sid).await.map_err(unavailable)?.ok_or_else(not_found)?,
+        };
+    }
     let owner = record.owner.clone();
     let adopted = start_session(state, record).await?;
     let mut sessions = state.sessions.write().unwrap_or_else(|e| e.into_inner());
@@ -169,6 +226,34 @@ pub(super) async fn start_session(state: &AppState, record: SessionRecord) -> Re
         ctx.add_stream(outputs.into_stream());
         SessionActor::new(record, shared)
     }))
+}
+
+/// How long a detach waits for its record to land before it closes the actor.
+const DETACH_RECORD_WAIT: Duration = Duration::from_secs(10);
+
+/// Delete session `sid`'s record and its state in the store (its actor, if any,
+/// is the caller's to close): the store's error, if it could not delete the state.
+pub(super) async fn delete_state(state: &AppState, sid: Uuid) -> Result<Option<String>, String> {
+    let bus = &state.shared.bus;
+    let s = bus.subjects().clone();
+    bus.publish(s.close(sid), &SessionCloseV1 { session: sid })
+        .await
+        .map_err(|e| format!("could not publish the close: {e}"))?;
+    state.shared.records.remove(sid).await.map_err(|e| format!("could not remove the session's record: {e}"))?;
+    let store = bus
+        .request::<SessionDeleteV1, DoneV1>(
+            s.store(StoreVerb::SessionDelete),
+            &SessionDeleteV1 { session: sid },
+            Duration::from_secs(10),
+        )
+        .await;
+    Ok(match store {
+        Ok(DoneV1 {}) => None,
+        Err(e) => {
+            tracing::warn!(session = %sid, error = %e, "store did not delete the session's state");
+            Some(e.to_string())
+        }
+    })
 }
 
 /// The sessions gauge follows the sessions served.

@@ -46,7 +46,7 @@ pub use queue::{Interrupt, QueueFull, Run, RunAnswer, Withdraw};
 use read_back::{event_key, output_key};
 pub use relay::Attach;
 use relay::Watcher;
-pub use requests::{Close, CountRuns, CpuHost, Edit, IdleFor, Input, RunCounts, Summary};
+pub use requests::{Close, CountRuns, CpuHost, Detach, Detached, Edit, IdleFor, Input, RunCounts, Summary};
 pub(crate) use settle::claim_holder;
 
 /// A record to write, and who waits until it landed.

@@ -1,6 +1,6 @@
 //! What HTTP handlers ask of a session besides runs: an edit's sequence number,
 //! an answer to `input()`, its CPU host, how long it has been idle, its
-//! summary, where its runs are, and its close.
+//! summary, where its runs are, its detaching, and its close.
 
 use std::time::{Duration, Instant};
 
@@ -154,6 +154,46 @@ impl Handler<CountRuns> for SessionActor {
             Some(RunState::Ended(_)) | None => {}
         }
         MessageResult(counts)
+    }
+}
+
+/// Detach the session (its client is gone, its kernel shut down or it idled
+/// unwatched): its record is written marked detached now. A run in flight or
+/// queued goes on (the frontend that adopts the session follows it). The caller
+/// closes the actor once the record landed.
+#[derive(Message)]
+#[rtype(result = "Option<Detached>")]
+pub struct Detach {
+    /// Only if it is still idle and unwatched (the culler's detach: a run or a
+    /// client may have come since it looked); None if not.
+    pub only_if_idle: bool,
+}
+
+/// What [`Detach`] did.
+#[derive(Debug)]
+pub struct Detached {
+    /// When (unix ms).
+    pub unix_ms: u64,
+    /// A run was in flight or queued.
+    pub busy: bool,
+    /// Hears once the record marked detached landed.
+    pub landed: tokio::sync::oneshot::Receiver<()>,
+}
+
+impl Handler<Detach> for SessionActor {
+    type Result = MessageResult<Detach>;
+
+    fn handle(&mut self, msg: Detach, _ctx: &mut Self::Context) -> Self::Result {
+        self.clients.retain(|c| !c.tx.is_closed());
+        let busy = self.current.is_some() || !self.stored.queued.is_empty();
+        if msg.only_if_idle && (busy || !self.clients.is_empty()) {
+            return MessageResult(None);
+        }
+        let unix_ms = schemas::unix_ms();
+        self.stored.detached_unix_ms = Some(unix_ms);
+        let (tx, landed) = tokio::sync::oneshot::channel();
+        self.write_record(Some(tx));
+        MessageResult(Some(Detached { unix_ms, busy, landed }))
     }
 }
 
