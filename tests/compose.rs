@@ -397,6 +397,7 @@ const CELLS: &[&str] = &[
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_compose_topology_runs_a_notebook_as_processes() -> anyhow::Result<()> {
+    let _alone = looseleaf_test_support::DEPLOYMENT.lock().await;
     // the file and what it mounts, with fresh secrets, as an operator would have them
     let dir = tempfile::tempdir()?;
     let d = dir.path();

@@ -379,6 +379,7 @@ fn run_checked(
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_trial_overlay_runs_notebooks_as_pods_and_outlives_a_deleted_gpu_host() -> anyhow::Result<()> {
+    let _alone = looseleaf_test_support::DEPLOYMENT.lock().await;
     use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
     // the manifests with fresh secrets, as an operator would have them; the pods'
     // users (10001, the sessions' uids) must reach the folders under it

@@ -16,6 +16,11 @@ pub mod cluster;
 pub mod otlp;
 pub mod secure_nats;
 
+/// Held by a test that starts a whole deployment as processes (compose's, the
+/// Kubernetes trial's): each starts a dozen services with their zygotes, and two
+/// at once on a CI machine of two cores starve each other's probes.
+pub static DEPLOYMENT: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// The repository root (where Cargo.toml of the workspace is).
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().unwrap_or_else(|_| PathBuf::from("."))
