@@ -723,8 +723,11 @@ class Cluster:
                 fail(f"pod {pod.name}: env {var['name']}: {', '.join(ref)}: not implemented here")
         return env
 
-    def command(self, pod: Pod, c: dict, kind: str, env: dict[str, str]) -> list[str]:
-        argv = [expand(a, env) for a in (c.get("command") or []) + (c.get("args") or [])]
+    def command(self, pod: Pod, c: dict, kind: str, env: dict[str, str], mounts: list[tuple[str, str]]) -> list[str]:
+        """The container's command and arguments, their container paths mapped to
+        the folders here, run by its image's stand-in. (The stand-in's own paths
+        are not mapped: a checkout under /tmp is not the pod's /tmp volume.)"""
+        argv = [mapped(expand(a, env), mounts) for a in (c.get("command") or []) + (c.get("args") or [])]
         if kind == MINIO:
             address = argv[argv.index("--address") + 1] if "--address" in argv else ":9000"
             # moto, stopping on SIGTERM as MinIO does (a PID 1 without a handler ignores it)
@@ -749,9 +752,8 @@ class Cluster:
         volumes = self.volumes(pod)
         mounts = self.mounts(pod, c, volumes, kind)
         env = self.environment(pod, c, kind)
-        argv = self.command(pod, c, kind, env)
+        argv = self.command(pod, c, kind, env, mounts)
         env = {k: mapped(v, mounts) for k, v in env.items()}
-        argv = [mapped(a, mounts) for a in argv]
         tmp = dict(mounts).get("/tmp")
         if tmp and "TMPDIR" not in env:
             env["TMPDIR"] = tmp
