@@ -10,7 +10,7 @@ use anyhow::Context as _;
 use looseleaf_client::api::StreamItem;
 use looseleaf_client::events::Event;
 use looseleaf_test_support::cluster::{bin_dir_of, Events, Services, TestSession};
-use schemas::messages::{ManifestGetV2, ManifestV1};
+use schemas::messages::{ManifestGetV2, ManifestV2};
 use schemas::subjects::StoreVerb;
 use schemas::Bus;
 
@@ -40,7 +40,7 @@ async fn deleting_a_session_stops_its_running_cell_and_frees_its_slot() -> anyho
     // the deleted session stays deleted
     let bus = Bus::connect(services.nats.url(), &services.prefix, "delete-test").await?;
     let get = ManifestGetV2 { session: sid, at_least: None };
-    let m: ManifestV1 =
+    let m: ManifestV2 =
         bus.request(bus.subjects().store(StoreVerb::ManifestGet), &get, Duration::from_secs(10)).await?;
     assert_eq!(m.manifest.revision, 0, "nothing was committed to the deleted session");
     Ok(())

@@ -242,7 +242,7 @@ mod tests {
     use super::*;
     use crate::checkpoint::{Manifest, VarEntry};
     use crate::local_nats::{LocalNats, NatsUser};
-    use crate::messages::{ManifestGetV2, ManifestV1, Reply};
+    use crate::messages::{ManifestGetV2, ManifestV2, Reply};
     use crate::permissions::Role;
     use crate::subjects::StoreVerb;
     use crate::Bus;
@@ -274,7 +274,7 @@ mod tests {
         let mut gets =
             store_bus.subscribe::<ManifestGetV2>(store_bus.subjects().store(StoreVerb::ManifestGet)).await.unwrap();
         store_bus.flush().await.unwrap();
-        let answer = ManifestV1 { manifest: manifest.clone() };
+        let answer = ManifestV2 { manifest: manifest.clone() };
         let server = tokio::spawn(async move {
             let get = gets.next().await.unwrap().unwrap();
             store_bus.respond(get.reply, &Reply::Ok(answer)).await.unwrap();
@@ -282,7 +282,7 @@ mod tests {
         });
         let subject = host_bus.subjects().store(StoreVerb::ManifestGet);
         let get = ManifestGetV2 { session, at_least: None };
-        let got: ManifestV1 = host_bus.request(subject, &get, std::time::Duration::from_secs(20)).await.unwrap();
+        let got: ManifestV2 = host_bus.request(subject, &get, std::time::Duration::from_secs(20)).await.unwrap();
         assert_eq!(got.manifest, manifest);
         assert!(crate::codec::encode_bincode(&got).unwrap().len() > 2 * BUS_MESSAGE_MAX_BYTES);
 

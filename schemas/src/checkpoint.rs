@@ -113,6 +113,25 @@ pub struct Manifest {
     pub unsavable: BTreeMap<String, Unsavable>,
     /// Ambient state (RNGs, settings, cwd, counter, history).
     pub ambient: Option<Blob>,
+    /// The revision whose state this one was built on: a save's base; for a
+    /// revision that copies an earlier one's state (undo, checkout), that one's
+    /// parent, so that undo again steps further back. None: no earlier state (the
+    /// state before the first cell, a fork's first revision, or a manifest written
+    /// before lineage was kept).
+    #[serde(default)]
+    pub parent: Option<u64>,
+    /// For a fork's revisions: the session and revision it was forked from.
+    #[serde(default)]
+    pub forked_from: Option<ForkPoint>,
+}
+
+/// Where a fork came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForkPoint {
+    /// The session forked.
+    pub session: Uuid,
+    /// Its revision that the fork's first revision copies.
+    pub revision: u64,
 }
 
 /// A name in a worker's save.
@@ -229,6 +248,7 @@ impl Manifest {
         let mut next = self.clone();
         next.revision = self.revision + 1;
         next.exec_id = origin.exec_id;
+        next.parent = Some(self.revision);
 
         let mut rewritten: BTreeSet<&str> = BTreeSet::new();
         for (oid, obj) in &delta.objects {

@@ -214,6 +214,10 @@ pub enum StoreVerb {
     Settle,
     /// Collect chunks no manifest references.
     Gc,
+    /// Commit an earlier revision's state again (undo, checkout).
+    Revert,
+    /// Fork a session into a new one sharing its chunks.
+    Fork,
 }
 
 impl StoreVerb {
@@ -226,6 +230,8 @@ impl StoreVerb {
             StoreVerb::SessionDelete => "session.delete",
             StoreVerb::Settle => "settle",
             StoreVerb::Gc => "gc",
+            StoreVerb::Revert => "revert",
+            StoreVerb::Fork => "fork",
         }
     }
 }

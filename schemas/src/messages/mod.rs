@@ -93,8 +93,8 @@ pub use query::{CommAnswerV2, CommV1, QueryAnswerV1, QueryKind, QueryV1};
 pub use recipe::{ClosureVar, Device, PinnedWorker, PreparedWorker, RecipeKind, RecipeV3};
 pub use run::{EditV1, RunV2, SessionOptions};
 pub use store::{
-    ChunkPlanV2, ChunkPlannedV1, CommitV2, CommittedV1, GcDoneV1, GcV1, ManifestGetV2, ManifestV1, SessionDeleteV1,
-    SettleV1,
+    ChunkPlanV2, ChunkPlannedV1, CommitV2, CommittedV1, ForkV1, GcDoneV1, GcV1, ManifestGetV2, ManifestV2, RevertTo,
+    RevertV1, SessionDeleteV1, SettleV1, StateMovedV1,
 };
 
 /// A typed error in a reply.

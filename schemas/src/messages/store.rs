@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use super::frozen::{ChunkPlanV1, CommitV1, ManifestGetV1};
+use super::frozen::{ChunkPlanV1, CommitV1, ManifestGetV1, ManifestV1};
 use crate::checkpoint::{Delta, Manifest};
 use crate::codec::WireMessage;
 
@@ -63,11 +63,65 @@ wire!(ChunkPlannedV1, "chunk-planned", 1);
 
 /// store ->: a session's manifest (revision 0 and empty if it never saved).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct ManifestV1 {
-    /// The manifest.
+pub struct ManifestV2 {
+    /// The manifest, with its lineage.
     pub manifest: Manifest,
 }
-wire!(ManifestV1, "manifest", 1);
+wire!(ManifestV2, "manifest", 2, upgrades ManifestV1 from 1);
+
+/// frontend -> store: move a session's state to an earlier revision's by
+/// committing that state again as the next revision (undo, checkout): a
+/// metadata operation, no chunk is copied. Refused (conflict) if the session's
+/// latest revision is no longer `base_revision`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RevertV1 {
+    /// The session.
+    pub session: Uuid,
+    /// The revision the asker holds as the session's latest.
+    pub base_revision: u64,
+    /// Which state.
+    pub to: RevertTo,
+}
+wire!(RevertV1, "revert", 1);
+
+/// Which earlier state a revert commits again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RevertTo {
+    /// The state before the cell that made the latest one (again: before the one
+    /// before it).
+    Undo,
+    /// The state revision N committed.
+    Revision(u64),
+}
+
+/// frontend -> store: fork session `parent` into the new session `child`, whose
+/// first revision is the parent's latest state (its chunks shared, not copied).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ForkV1 {
+    /// The session forked.
+    pub parent: Uuid,
+    /// A revision of it the asker knows is committed.
+    pub at_least: Option<u64>,
+    /// The new session (it must have no state yet).
+    pub child: Uuid,
+}
+wire!(ForkV1, "fork", 1);
+
+/// store ->: the revision a revert or fork committed, and what it holds.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StateMovedV1 {
+    /// The revision committed (the fork's first: 1).
+    pub revision: u64,
+    /// The revision whose state it holds (for a fork: the parent's).
+    pub state_of: u64,
+    /// Live savable names.
+    pub variables: u64,
+    /// Bytes of their records and payloads.
+    pub bytes: u64,
+    /// Names that could not be saved: not in this state.
+    pub unsavable: Vec<String>,
+}
+wire!(StateMovedV1, "state-moved", 1);
 
 /// host -> store: commit a worker's save as revision `base_revision + 1`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

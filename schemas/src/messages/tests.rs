@@ -300,15 +300,18 @@ mod fuzz {
             ManifestGetV2,
             ChunkPlanV2,
             ChunkPlannedV1,
-            ManifestV1,
+            ManifestV2,
             CommitV2,
             CommittedV1,
             SessionDeleteV1,
             SettleV1,
             GcV1,
             GcDoneV1,
+            RevertV1,
+            ForkV1,
+            StateMovedV1,
             DoneV1,
-            Reply<ManifestV1>,
+            Reply<ManifestV2>,
             Reply<CommittedV1>,
         );
     }
@@ -330,7 +333,7 @@ mod fuzz {
             options: SessionOptions { cwd: "/tmp".into(), all_gpu: true, speculate: false },
             user_expressions: Default::default(),
         };
-        let manifest = ManifestV1 { manifest: crate::checkpoint::Manifest::empty(Uuid::nil()) };
+        let manifest = ManifestV2 { manifest: crate::checkpoint::Manifest::empty(Uuid::nil()) };
         vec![
             codec::encode(&ev).map(|e| e.1.to_vec()).unwrap_or_default(),
             codec::encode(&run).map(|e| e.1.to_vec()).unwrap_or_default(),

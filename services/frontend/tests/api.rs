@@ -60,7 +60,7 @@ async fn start_frontend_with(
 /// Play the store for the frontend's questions: every session is empty (revision
 /// 0, nothing committed). One answer per question across the test's frontends.
 async fn fake_store(nats: &NatsServer, prefix: &str) -> anyhow::Result<()> {
-    use schemas::messages::{ManifestGetV2, ManifestV1, Reply, SettleV1};
+    use schemas::messages::{ManifestGetV2, ManifestV2, Reply, SettleV1};
     use schemas::subjects::StoreVerb;
     let bus = Bus::connect(nats.url(), prefix, "fake-store").await?;
     let mut gets =
@@ -71,14 +71,14 @@ async fn fake_store(nats: &NatsServer, prefix: &str) -> anyhow::Result<()> {
     actix_rt::spawn(async move {
         while let Some(Ok(env)) = gets.next().await {
             let manifest = schemas::checkpoint::Manifest::empty(env.msg.session);
-            let _ = answer.respond(env.reply, &Reply::Ok(ManifestV1 { manifest })).await;
+            let _ = answer.respond(env.reply, &Reply::Ok(ManifestV2 { manifest })).await;
         }
     });
     // a given-up run committed nothing
     actix_rt::spawn(async move {
         while let Some(Ok(env)) = settles.next().await {
             let manifest = schemas::checkpoint::Manifest::empty(env.msg.session);
-            let _ = bus.respond(env.reply, &Reply::Ok(ManifestV1 { manifest })).await;
+            let _ = bus.respond(env.reply, &Reply::Ok(ManifestV2 { manifest })).await;
         }
     });
     Ok(())

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use actix::prelude::*;
 use schemas::bus::Rejected;
 use schemas::messages::{
-    ChunkPlanV2, ChunkPlannedV1, CommitV2, CommittedV1, DoneV1, ErrorCode, GcDoneV1, GcV1, ManifestGetV2, ManifestV1,
-    Reply, SessionDeleteV1, SettleV1,
+    ChunkPlanV2, ChunkPlannedV1, CommitV2, CommittedV1, DoneV1, ErrorCode, ForkV1, GcDoneV1, GcV1, ManifestGetV2,
+    ManifestV2, Reply, RevertV1, SessionDeleteV1, SettleV1, StateMovedV1,
 };
 use schemas::{Bus, Envelope, WireMessage};
 use tracing::Instrument;
@@ -75,7 +75,9 @@ impl Actor for Gateway {
 fn error_reply<T>(e: &ManifestError) -> Reply<T> {
     let code = match e {
         ManifestError::Stale { .. } | ManifestError::Lost { .. } => ErrorCode::Conflict,
-        ManifestError::Deleted { .. } => ErrorCode::NotFound,
+        ManifestError::Deleted { .. } | ManifestError::NoRevision { .. } => ErrorCode::NotFound,
+        ManifestError::NothingToUndo { .. } => ErrorCode::BadRequest,
+        ManifestError::ForkExists { .. } => ErrorCode::Conflict,
         ManifestError::BadDelta { .. } | ManifestError::MissingChunks { .. } => ErrorCode::BadRequest,
         ManifestError::QuotaExceeded { .. } | ManifestError::StoreFull { .. } => ErrorCode::QuotaExceeded,
         ManifestError::Storage(_)
@@ -128,7 +130,7 @@ fn serve<Req, Resp, F, Fut>(
 impl StreamHandler<Result<Envelope<ManifestGetV2>, Rejected>> for Gateway {
     fn handle(&mut self, item: Result<Envelope<ManifestGetV2>, Rejected>, ctx: &mut Self::Context) {
         serve(self, ctx, item, "store.manifest.get", |m, req: ManifestGetV2| async move {
-            Ok(ManifestV1 { manifest: (*m.latest_from(req.session, req.at_least).await?).clone() })
+            Ok(ManifestV2 { manifest: (*m.latest_from(req.session, req.at_least).await?).clone() })
         });
     }
 }
@@ -177,10 +179,42 @@ impl StreamHandler<Result<Envelope<GcV1>, Rejected>> for Gateway {
     }
 }
 
+/// What a revert or fork committed, as its reply says.
+fn moved(m: &schemas::checkpoint::Manifest, state_of: u64) -> StateMovedV1 {
+    StateMovedV1 {
+        revision: m.revision,
+        state_of,
+        variables: m.variables.len() as u64,
+        bytes: m.stored_bytes(),
+        unsavable: m.unsavable.keys().cloned().collect(),
+    }
+}
+
+impl StreamHandler<Result<Envelope<RevertV1>, Rejected>> for Gateway {
+    fn handle(&mut self, item: Result<Envelope<RevertV1>, Rejected>, ctx: &mut Self::Context) {
+        serve(self, ctx, item, "store.revert", |m, req: RevertV1| async move {
+            let (next, state_of) = m.revert(req.session, req.base_revision, req.to).await?;
+            tracing::info!(session = %req.session, to = ?req.to, revision = next.revision, state_of, "session state reverted");
+            Ok(moved(&next, state_of))
+        });
+    }
+}
+
+impl StreamHandler<Result<Envelope<ForkV1>, Rejected>> for Gateway {
+    fn handle(&mut self, item: Result<Envelope<ForkV1>, Rejected>, ctx: &mut Self::Context) {
+        serve(self, ctx, item, "store.fork", |m, req: ForkV1| async move {
+            let first = m.fork(req.parent, req.at_least, req.child).await?;
+            let state_of = first.forked_from.map_or(0, |f| f.revision);
+            tracing::info!(parent = %req.parent, child = %req.child, state_of, "session forked");
+            Ok(moved(&first, state_of))
+        });
+    }
+}
+
 impl StreamHandler<Result<Envelope<SettleV1>, Rejected>> for Gateway {
     fn handle(&mut self, item: Result<Envelope<SettleV1>, Rejected>, ctx: &mut Self::Context) {
         serve(self, ctx, item, "store.settle", |m, req: SettleV1| async move {
-            Ok(ManifestV1 { manifest: (*m.settle(req.session, req.exec_id, req.base_revision).await?).clone() })
+            Ok(ManifestV2 { manifest: (*m.settle(req.session, req.exec_id, req.base_revision).await?).clone() })
         });
     }
 }

@@ -31,10 +31,10 @@ pub struct Schedule {
 }
 
 impl Default for Schedule {
-    /// Hourly, keeping each session's newest two revisions and chunks younger than
-    /// an hour.
+    /// Hourly, keeping each session's newest 20 revisions (how far back undo and
+    /// checkout reach) and chunks younger than an hour.
     fn default() -> Self {
-        Self { every: Duration::from_secs(3600), keep_revisions: 2, grace: Duration::from_secs(3600) }
+        Self { every: Duration::from_secs(3600), keep_revisions: 20, grace: Duration::from_secs(3600) }
     }
 }
 
@@ -369,6 +369,34 @@ mod tests {
         assert!(objects.head(&Path::from(chunk_key("shared").as_str())).await.is_ok());
         let trash: Vec<_> = objects.list(Some(&Path::from("trash"))).try_collect().await.unwrap();
         assert!(trash.is_empty(), "{trash:?}");
+    }
+
+    #[tokio::test]
+    async fn a_fork_keeps_its_parents_chunks_after_the_parent_is_discarded() {
+        let objects: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+        let m = Manifests::new(objects.clone());
+        let (parent, child) = (Uuid::now_v7(), Uuid::now_v7());
+        for c in ["before-fork", "at-fork", "after-fork", "fork-own"] {
+            put(&objects, c).await;
+        }
+        m.commit(&commit(parent, 0, "before-fork")).await.unwrap();
+        m.commit(&commit(parent, 1, "at-fork")).await.unwrap();
+        m.fork(parent, Some(2), child).await.unwrap();
+        m.commit(&commit(parent, 2, "after-fork")).await.unwrap();
+        m.commit(&commit(child, 1, "fork-own")).await.unwrap();
+
+        let deleted = m.delete(parent).await.unwrap();
+        let done = free_deleted_after(&m, deleted.chunks, Duration::ZERO, Duration::from_millis(10)).await.unwrap();
+        // only what the fork never referenced goes; the fork's latest state still loads
+        assert_eq!(done.chunks_deleted, 2);
+        for (c, present) in [("before-fork", false), ("after-fork", false), ("at-fork", true), ("fork-own", true)] {
+            let found = objects.head(&Path::from(chunk_key(c).as_str())).await.is_ok();
+            assert_eq!(found, present, "{c}");
+        }
+        // and the collector keeps the fork's revisions' chunks too
+        let swept = collect(&m, 20, Duration::ZERO).await.unwrap();
+        assert_eq!(swept.chunks_deleted, 0);
+        assert!(objects.head(&Path::from(chunk_key("at-fork").as_str())).await.is_ok());
     }
 
     #[tokio::test]

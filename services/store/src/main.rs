@@ -16,8 +16,9 @@ struct Args {
     /// Collect garbage every this many seconds (0: only when asked on the bus).
     #[arg(long, env = "LOOSELEAF_GC_INTERVAL_S", default_value_t = 3600)]
     gc_interval_s: u64,
-    /// Manifest revisions garbage collection keeps per session.
-    #[arg(long, env = "LOOSELEAF_GC_KEEP_REVISIONS", default_value_t = 2)]
+    /// Manifest revisions garbage collection keeps per session: how far back
+    /// `%looseleaf undo` and checkout reach.
+    #[arg(long, env = "LOOSELEAF_GC_KEEP_REVISIONS", default_value_t = 20)]
     gc_keep_revisions: u64,
     /// Chunks younger than this many seconds are never collected (keep it above the
     /// longest save: a save uploads its chunks before it commits them).

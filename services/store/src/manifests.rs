@@ -11,8 +11,8 @@ use std::sync::{Arc, Mutex};
 use futures::{StreamExt, TryStreamExt};
 use object_store::path::Path;
 use object_store::{ObjectStore, PutMode, PutOptions};
-use schemas::checkpoint::{self, Manifest, SaveOrigin};
-use schemas::messages::{CommitV2, CommittedV1};
+use schemas::checkpoint::{self, ForkPoint, Manifest, SaveOrigin};
+use schemas::messages::{CommitV2, CommittedV1, RevertTo};
 use uuid::Uuid;
 
 use crate::signing::{self, ManifestKey};
@@ -105,6 +105,30 @@ pub enum ManifestError {
         revision: u64,
         /// The latest revision in the store.
         latest: u64,
+    },
+    /// Undo asked of a state with no earlier one.
+    #[error("session {session}: nothing to undo: {why}")]
+    NothingToUndo {
+        /// Session.
+        session: Uuid,
+        /// Why there is no earlier state.
+        why: String,
+    },
+    /// A revert asked for a revision the store does not hold.
+    #[error("session {session}: there is no revision {revision}; it holds {held}")]
+    NoRevision {
+        /// Session.
+        session: Uuid,
+        /// The revision asked for.
+        revision: u64,
+        /// The revisions it holds (older ones were collected).
+        held: String,
+    },
+    /// A fork's new session already has state.
+    #[error("session {child} already exists; a fork needs a new session")]
+    ForkExists {
+        /// The would-be fork.
+        child: Uuid,
     },
     /// The save references chunks the store does not have.
     #[error("session {session}: the save references {count} chunk(s) missing from the store, e.g. {example}")]
@@ -265,17 +289,7 @@ impl Manifests {
             return Err(ManifestError::Deleted { session });
         }
 
-        let key = checkpoint::manifest_key(session, next.revision);
-        let body = signing::seal(&next, self.key.as_ref())
-            .map_err(|e| ManifestError::Corrupt { key: key.clone(), reason: e.to_string() })?;
-        let opts = PutOptions { mode: PutMode::Create, ..Default::default() };
-        match self.objects.put_opts(&Path::from(key.as_str()), body.into(), opts).await {
-            Ok(_) => {}
-            Err(object_store::Error::AlreadyExists { .. }) => {
-                return Err(ManifestError::Lost { session, revision: next.revision })
-            }
-            Err(e) => return Err(e.into()),
-        }
+        let next = self.put_next(session, next).await?;
         let names = commit.delta.variables.keys().chain(commit.delta.unsavable.keys());
         let versions = names
             .filter_map(|n| {
@@ -290,9 +304,7 @@ impl Manifests {
             .map(|(n, _)| n.clone())
             .chain(next.unsavable.iter().filter(|(_, u)| u.version == commit.exec_id).map(|(n, _)| n.clone()))
             .collect();
-        let revision = next.revision;
-        self.remember(Arc::new(next));
-        Ok(CommittedV1 { revision, versions, changed })
+        Ok(CommittedV1 { revision: next.revision, versions, changed })
     }
 
     /// Every chunk a commit's objects reference must already be in the store, so a
@@ -409,6 +421,120 @@ impl Manifests {
             // another execution or a fence holds base + 1: this run never commits
             _ => self.latest(session).await,
         }
+    }
+
+    /// Commit revision `to`'s state again as the session's next revision (undo,
+    /// checkout): the manifest is copied, no chunk. `base` is the revision the
+    /// asker holds as the latest; if another was committed since, the revert is
+    /// stale. The new revision keeps the copied state's parent, so that undo
+    /// again steps further back. Answers the new revision and the one whose state
+    /// it holds.
+    pub async fn revert(
+        &self,
+        session: Uuid,
+        base: u64,
+        to: RevertTo,
+    ) -> Result<(Arc<Manifest>, u64), ManifestError> {
+        if self.is_deleted(session).await? {
+            return Err(ManifestError::Deleted { session });
+        }
+        let latest = self.latest(session).await?;
+        if latest.revision != base {
+            return Err(ManifestError::Stale { session, base, latest: latest.revision });
+        }
+        let target = match to {
+            RevertTo::Undo => match (latest.parent, latest.forked_from) {
+                _ if latest.revision == 0 => {
+                    return Err(ManifestError::NothingToUndo { session, why: "no cell has saved state yet".into() })
+                }
+                (Some(parent), _) => parent,
+                (None, Some(from)) => {
+                    let why = format!(
+                        "this state is where the session was forked from session {} (revision {})",
+                        from.session, from.revision
+                    );
+                    return Err(ManifestError::NothingToUndo { session, why });
+                }
+                // the state before any cell (or a manifest from before lineage was kept)
+                (None, None) => {
+                    let why = "this is the session's state before its first cell".into();
+                    return Err(ManifestError::NothingToUndo { session, why });
+                }
+            },
+            RevertTo::Revision(r) => r,
+        };
+        let state = if target == 0 && latest.forked_from.is_none() {
+            Manifest::empty(session)
+        } else if target > latest.revision {
+            return Err(self.no_revision(session, target).await);
+        } else {
+            match self.read(session, target).await? {
+                Some(m) => m,
+                None => return Err(self.no_revision(session, target).await),
+            }
+        };
+        let mut next = state;
+        next.revision = latest.revision + 1;
+        next.exec_id = Uuid::nil();
+        // `parent` and `forked_from` stay the copied state's
+        Ok((self.put_next(session, next).await?, target))
+    }
+
+    /// Fork `parent` into the new session `child`: its revision 1 is the parent's
+    /// latest state (`at_least`: a revision the asker knows is committed), and
+    /// both reference the same chunks.
+    pub async fn fork(&self, parent: Uuid, at_least: Option<u64>, child: Uuid) -> Result<Arc<Manifest>, ManifestError> {
+        if self.is_deleted(parent).await? {
+            return Err(ManifestError::Deleted { session: parent });
+        }
+        if self.is_deleted(child).await? || self.latest(child).await?.revision != 0 {
+            return Err(ManifestError::ForkExists { child });
+        }
+        let from = self.latest_from(parent, at_least).await?;
+        let mut first = (*from).clone();
+        first.session = child;
+        first.revision = 1;
+        first.exec_id = Uuid::nil();
+        first.parent = None;
+        first.forked_from = Some(ForkPoint { session: parent, revision: from.revision });
+        self.put_next(child, first).await.map_err(|e| match e {
+            ManifestError::Lost { .. } => ManifestError::ForkExists { child },
+            e => e,
+        })
+    }
+
+    /// Store `next` as the session's next revision (create-only: a writer that
+    /// took that revision first wins).
+    async fn put_next(&self, session: Uuid, next: Manifest) -> Result<Arc<Manifest>, ManifestError> {
+        let key = checkpoint::manifest_key(session, next.revision);
+        let body = signing::seal(&next, self.key.as_ref())
+            .map_err(|e| ManifestError::Corrupt { key: key.clone(), reason: e.to_string() })?;
+        let opts = PutOptions { mode: PutMode::Create, ..Default::default() };
+        match self.objects.put_opts(&Path::from(key.as_str()), body.into(), opts).await {
+            Ok(_) => {}
+            Err(object_store::Error::AlreadyExists { .. }) => {
+                return Err(ManifestError::Lost { session, revision: next.revision })
+            }
+            Err(e) => return Err(e.into()),
+        }
+        let next = Arc::new(next);
+        self.remember(next.clone());
+        Ok(next)
+    }
+
+    /// The error for a revision the session does not hold, naming those it does.
+    async fn no_revision(&self, session: Uuid, revision: u64) -> ManifestError {
+        let prefix = Path::from(checkpoint::manifests_dir(session).as_str());
+        let held: Vec<u64> = match self.objects.list(Some(&prefix)).try_collect::<Vec<_>>().await {
+            Ok(keys) => keys.iter().filter_map(|m| checkpoint::revision_of_key(m.location.as_ref())).collect(),
+            Err(_) => Vec::new(),
+        };
+        let held = match (held.iter().min(), held.iter().max()) {
+            (Some(lo), Some(hi)) if lo == hi => format!("only revision {lo}"),
+            (Some(lo), Some(hi)) => format!("revisions {lo} to {hi} (older ones were collected)"),
+            _ => "no revisions".to_string(),
+        };
+        ManifestError::NoRevision { session, revision, held }
     }
 
     /// An error if a session holding `bytes` (None: not known) is over its quota.

@@ -127,7 +127,7 @@ impl Delta {
 }
 
 impl ObjectEntry {
-    fn upgrade(self) -> live::ObjectEntry {
+    pub(super) fn upgrade(self) -> live::ObjectEntry {
         live::ObjectEntry {
             record: self.record.upgrade(),
             refs: self.refs,
@@ -149,7 +149,7 @@ impl ObjectEntry {
 }
 
 impl Blob {
-    fn upgrade(self) -> live::Blob {
+    pub(super) fn upgrade(self) -> live::Blob {
         live::Blob { len: self.len, chunks: self.chunks }
     }
 }

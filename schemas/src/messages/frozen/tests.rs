@@ -300,3 +300,45 @@ fn every_version_1_outcome_string_maps_to_its_enum() {
         assert!(matches!(v1.upgrade().kind, live::EventKind::PreparedEnded { outcome, .. } if outcome == o), "{s}");
     }
 }
+
+#[test]
+fn manifest_v1_bytes() {
+    use manifest_v1::{Manifest, Unsavable, VarEntry};
+    let blob = commit_v1::Blob { len: 9, chunks: vec!["c0".into()] };
+    let object = commit_v1::ObjectEntry {
+        record: blob.clone(),
+        refs: vec![],
+        payloads: vec![],
+        modules: vec!["numpy".into()],
+        on_gpu: true,
+    };
+    let var = VarEntry { version: EXEC, oid: Some("o1".into()), module: None, global_reads: vec!["y".into()] };
+    let lost = Unsavable {
+        version: EXEC,
+        reason: "generator".into(),
+        host: "h".into(),
+        worker: "w".into(),
+        cell_id: "c".into(),
+    };
+    let v1 = ManifestV1 {
+        manifest: Manifest {
+            session: SESSION,
+            revision: 3,
+            exec_id: EXEC,
+            variables: [("x".to_string(), var)].into(),
+            objects: [("o1".to_string(), object)].into(),
+            unsavable: [("g".to_string(), lost)].into(),
+            ambient: Some(blob),
+        },
+    };
+    let now: live::ManifestV2 = pinned(&v1, MANIFEST_V1);
+    let m = now.manifest;
+    assert_eq!((m.revision, m.parent, m.forked_from), (3, None, None));
+    assert_eq!(m.variables["x"].global_reads, vec!["y".to_string()]);
+    assert!(m.objects["o1"].on_gpu);
+    assert_eq!(m.unsavable["g"].reason, "generator");
+    // version 2 is version 1 with the lineage appended (two absent options)
+    let v2 = hex(&encode_bincode(&live::ManifestV2 { manifest: m }).unwrap());
+    assert_eq!(v2, format!("{MANIFEST_V1}0000"));
+}
+const MANIFEST_V1: &str = "1001900000000070008000000000000001031001900000000070008000000000000002010178100190000000007000800000000000000201026f310001017901026f310901026330000001056e756d70790101016710019000000000700080000000000000020967656e657261746f72016801770163010901026330";

@@ -7,7 +7,7 @@ use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::{Extension, Json};
-use schemas::messages::{ManifestGetV2, ManifestV1, SessionOptions};
+use schemas::messages::{ManifestGetV2, ManifestV2, SessionOptions};
 use schemas::subjects::StoreVerb;
 use uuid::Uuid;
 
@@ -127,8 +127,8 @@ async fn describe(state: &AppState, record: &SessionRecord, detached_unix_ms: Op
         ResumedSession { detached_unix_ms, revision: record.revision, variables: 0, bytes: 0, unsavable: Vec::new() };
     let bus = &state.shared.bus;
     let ask = ManifestGetV2 { session: record.session_id, at_least: Some(record.revision) };
-    match bus.request::<_, ManifestV1>(bus.subjects().store(StoreVerb::ManifestGet), &ask, MANIFEST_WAIT).await {
-        Ok(ManifestV1 { manifest }) => {
+    match bus.request::<_, ManifestV2>(bus.subjects().store(StoreVerb::ManifestGet), &ask, MANIFEST_WAIT).await {
+        Ok(ManifestV2 { manifest }) => {
             resumed.revision = manifest.revision;
             resumed.variables = manifest.variables.len() as u64;
             resumed.bytes = manifest.objects.values().map(|o| o.bytes()).sum();

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
-use schemas::messages::{ErrorCode, InterruptV1, ManifestV1, SettleV1};
+use schemas::messages::{ErrorCode, InterruptV1, ManifestV2, SettleV1};
 use schemas::subjects::{HostVerb, StoreVerb};
 use uuid::Uuid;
 
@@ -106,7 +106,7 @@ impl SessionActor {
         let bus = self.shared.bus.clone();
         let req = SettleV1 { session: self.sid, exec_id, base_revision: self.stored.revision };
         let ask = async move {
-            bus.request_idempotent::<_, ManifestV1>(bus.subjects().store(StoreVerb::Settle), &req, STORE_TIMEOUT).await
+            bus.request_idempotent::<_, ManifestV2>(bus.subjects().store(StoreVerb::Settle), &req, STORE_TIMEOUT).await
         };
         ctx.spawn(ask.into_actor(self).map(move |answer, act, ctx| {
             if !act.current.as_ref().is_some_and(|c| c.exec_id == exec_id && c.ended().is_none()) {

@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use schemas::checkpoint::Manifest;
-use schemas::messages::{Device, EventKind, ManifestGetV2, ManifestV1, Prepare, RecipeV3, SessionEventV2, StartPhases};
+use schemas::messages::{Device, EventKind, ManifestGetV2, ManifestV2, Prepare, RecipeV3, SessionEventV2, StartPhases};
 use schemas::subjects::StoreVerb;
 use schemas::{unix_ms, Bus};
 use tokio::sync::Mutex;
@@ -166,7 +166,7 @@ impl ExecEnv {
         let get = ManifestGetV2 { session, at_least: Some(at_least) };
         let manifest = self
             .bus
-            .request_idempotent::<_, ManifestV1>(subject, &get, STORE_TIMEOUT)
+            .request_idempotent::<_, ManifestV2>(subject, &get, STORE_TIMEOUT)
             .await
             .map(|m| m.manifest)
             .map_err(ExecError::Manifest)?;

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use schemas::checkpoint::{Delta, Manifest, SaveOrigin};
 use schemas::messages::{
-    ChunkPlanV2, ChunkPlannedV1, CommitV2, CommittedV1, ErrorCode, EventKind, ManifestGetV2, ManifestV1, RecipeV3,
+    ChunkPlanV2, ChunkPlannedV1, CommitV2, CommittedV1, ErrorCode, EventKind, ManifestGetV2, ManifestV2, RecipeV3,
 };
 use schemas::subjects::StoreVerb;
 use schemas::{Bus, BusError};
@@ -146,7 +146,7 @@ async fn landed_copy(
 ) -> Result<(u64, Vec<(String, Uuid)>), BusError> {
     let get = ManifestGetV2 { session: msg.session, at_least: None };
     let subject = bus.subjects().store(StoreVerb::ManifestGet);
-    let m = bus.request_idempotent::<_, ManifestV1>(subject, &get, answer_within).await?;
+    let m = bus.request_idempotent::<_, ManifestV2>(subject, &get, answer_within).await?;
     let m = m.manifest;
     if m.exec_id != msg.exec_id {
         return Err(BusError::Remote {
@@ -199,7 +199,7 @@ mod commit_tests {
                 "x".into(),
                 VarEntry { version: exec, oid: Some("o".into()), module: None, global_reads: vec![] },
             );
-            store.respond(get.and_then(|e| e.reply), &Reply::Ok(ManifestV1 { manifest })).await.ok();
+            store.respond(get.and_then(|e| e.reply), &Reply::Ok(ManifestV2 { manifest })).await.ok();
             store.flush().await.ok(); // the fake ends here: what it sent must leave first
         };
         actix_rt::spawn(fake);

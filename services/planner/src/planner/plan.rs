@@ -10,7 +10,7 @@ use std::time::Duration;
 use async_nats::jetstream::kv;
 use schemas::checkpoint::Manifest;
 use schemas::messages::{
-    EventKind, ManifestGetV2, ManifestV1, PinnedWorker, PreparedWorker, RecipeKind, RecipeV3, RunV2, SessionEventV2,
+    EventKind, ManifestGetV2, ManifestV2, PinnedWorker, PreparedWorker, RecipeKind, RecipeV3, RunV2, SessionEventV2,
     SessionOptions,
 };
 use schemas::subjects::StoreVerb;
@@ -63,7 +63,7 @@ pub enum PlanError {
 /// The session's latest manifest; `at_least`: a revision known to be committed.
 pub(super) async fn fetch_manifest(bus: &Bus, session: Uuid, at_least: Option<u64>) -> Result<Manifest, PlanError> {
     let get = ManifestGetV2 { session, at_least };
-    bus.request_idempotent::<_, ManifestV1>(bus.subjects().store(StoreVerb::ManifestGet), &get, Duration::from_secs(30))
+    bus.request_idempotent::<_, ManifestV2>(bus.subjects().store(StoreVerb::ManifestGet), &get, Duration::from_secs(30))
         .await
         .map(|m| m.manifest)
         .map_err(PlanError::Manifest)

@@ -4,7 +4,7 @@ use object_store::memory::InMemory;
 use object_store::path::Path;
 use object_store::ObjectStore;
 use schemas::checkpoint::{chunk_key, Blob, Delta, DeltaVar, ObjectEntry};
-use schemas::messages::CommitV2;
+use schemas::messages::{CommitV2, RevertTo};
 use uuid::Uuid;
 
 use super::{ManifestError, Manifests};
@@ -52,6 +52,7 @@ on_every_backend!(a_get_at_a_known_revision_is_answered_from_memory);
 on_every_backend!(only_manifests_signed_with_the_key_load);
 on_every_backend!(a_run_given_up_never_commits_later);
 on_every_backend!(settling_a_run_whose_save_landed_answers_its_commit);
+on_every_backend!(undo_steps_back_one_cells_state_at_a_time);
 
 async fn put_chunk(objects: &Arc<dyn ObjectStore>, hash: &str) {
     objects.put(&Path::from(chunk_key(hash).as_str()), vec![1u8, 2, 3].into()).await.unwrap();
@@ -324,4 +325,121 @@ async fn only_manifests_signed_with_the_key_load(objects: Arc<dyn ObjectStore>) 
     let stray = format!("{}/99.json", schemas::checkpoint::manifests_dir(attacker));
     objects.put(&Path::from(stray.as_str()), b"{}".to_vec().into()).await.unwrap();
     assert_eq!(signed(&objects, 7).latest(attacker).await.unwrap().revision, 1);
+}
+
+/// The chunk each name of the session's latest state points at.
+async fn state(m: &Manifests, session: Uuid) -> Vec<(String, String)> {
+    let latest = m.latest(session).await.unwrap();
+    latest
+        .variables
+        .iter()
+        .map(|(n, v)| {
+            let oid = v.oid.as_deref().unwrap();
+            (n.clone(), latest.objects[oid].record.chunks[0].clone())
+        })
+        .collect()
+}
+
+fn pairs(p: &[(&str, &str)]) -> Vec<(String, String)> {
+    p.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect()
+}
+
+async fn undo_steps_back_one_cells_state_at_a_time(objects: Arc<dyn ObjectStore>) {
+    let m = Manifests::new(objects.clone());
+    let sid = Uuid::now_v7();
+    for c in ["c1", "c2", "c3"] {
+        put_chunk(&objects, c).await;
+    }
+    m.commit(&commit(sid, 0, "a", "c1")).await.unwrap();
+    m.commit(&commit(sid, 1, "a", "c2")).await.unwrap(); // `a` mutated in place
+    m.commit(&commit(sid, 2, "b", "c3")).await.unwrap();
+
+    let (r4, of) = m.revert(sid, 3, RevertTo::Undo).await.unwrap();
+    assert_eq!((r4.revision, of, r4.exec_id), (4, 2, Uuid::nil()));
+    assert_eq!(state(&m, sid).await, pairs(&[("a", "c2")]));
+    // again: the state before the cell before, not back to revision 3
+    let (r5, of) = m.revert(sid, 4, RevertTo::Undo).await.unwrap();
+    assert_eq!((r5.revision, of), (5, 1));
+    assert_eq!(state(&m, sid).await, pairs(&[("a", "c1")]));
+    let (_, of) = m.revert(sid, 5, RevertTo::Undo).await.unwrap();
+    assert_eq!(of, 0);
+    assert!(state(&m, sid).await.is_empty());
+    let err = m.revert(sid, 6, RevertTo::Undo).await.unwrap_err();
+    assert!(matches!(err, ManifestError::NothingToUndo { .. }), "{err}");
+
+    // a cell after an undo builds on the state it left; undo returns there
+    m.commit(&commit(sid, 6, "c", "c3")).await.unwrap();
+    m.revert(sid, 7, RevertTo::Undo).await.unwrap();
+    assert!(state(&m, sid).await.is_empty());
+    // a revert based on an old revision is stale and changes nothing
+    let err = m.revert(sid, 3, RevertTo::Undo).await.unwrap_err();
+    assert!(matches!(err, ManifestError::Stale { latest: 8, .. }), "{err}");
+    // and a restart reads the same lineage back
+    let fresh = Manifests::new(objects.clone());
+    assert_eq!(fresh.latest(sid).await.unwrap().revision, 8);
+    let (_, of) = fresh.revert(sid, 8, RevertTo::Revision(2)).await.unwrap();
+    assert_eq!(of, 2);
+    assert_eq!(state(&fresh, sid).await, pairs(&[("a", "c2")]));
+}
+
+#[tokio::test]
+async fn checkout_commits_a_kept_revisions_state_and_names_what_is_held() {
+    let objects: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+    let m = Manifests::new(objects.clone());
+    let sid = Uuid::now_v7();
+    for c in ["c1", "c2", "c3"] {
+        put_chunk(&objects, c).await;
+    }
+    m.commit(&commit(sid, 0, "a", "c1")).await.unwrap();
+    m.commit(&commit(sid, 1, "b", "c2")).await.unwrap();
+    m.commit(&commit(sid, 2, "a", "c3")).await.unwrap();
+    let (r4, of) = m.revert(sid, 3, RevertTo::Revision(1)).await.unwrap();
+    assert_eq!((r4.revision, of), (4, 1));
+    assert_eq!(state(&m, sid).await, pairs(&[("a", "c1")]));
+    // undo after a checkout: the state before the cell that made the one checked out
+    m.revert(sid, 4, RevertTo::Undo).await.unwrap();
+    assert!(state(&m, sid).await.is_empty());
+
+    let err = m.revert(sid, 5, RevertTo::Revision(9)).await.unwrap_err();
+    assert!(matches!(err, ManifestError::NoRevision { revision: 9, .. }), "{err}");
+    assert!(err.to_string().contains("revisions 1 to 5"), "{err}");
+    // a collected revision is not there either, and the message says why
+    crate::gc::collect(&m, 2, std::time::Duration::from_secs(3600)).await.unwrap();
+    let err = m.revert(sid, 5, RevertTo::Revision(2)).await.unwrap_err();
+    assert!(err.to_string().contains("revisions 4 to 5 (older ones were collected)"), "{err}");
+    assert_eq!(m.latest(sid).await.unwrap().revision, 5, "a refused revert commits nothing");
+}
+
+#[tokio::test]
+async fn forks_diverge_without_touching_each_other_or_their_parent() {
+    let objects: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+    let m = Manifests::new(objects.clone());
+    let (parent, f1, f2) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
+    for c in ["c1", "c2", "c3", "c4"] {
+        put_chunk(&objects, c).await;
+    }
+    m.commit(&commit(parent, 0, "a", "c1")).await.unwrap();
+    let first = m.fork(parent, Some(1), f1).await.unwrap();
+    assert_eq!((first.session, first.revision, first.parent), (f1, 1, None));
+    assert_eq!(first.forked_from.map(|f| (f.session, f.revision)), Some((parent, 1)));
+    m.fork(parent, Some(1), f2).await.unwrap();
+
+    m.commit(&commit(f1, 1, "a", "c2")).await.unwrap();
+    m.commit(&commit(f2, 1, "b", "c3")).await.unwrap();
+    m.commit(&commit(parent, 1, "a", "c4")).await.unwrap();
+    assert_eq!(state(&m, f1).await, pairs(&[("a", "c2")]));
+    assert_eq!(state(&m, f2).await, pairs(&[("a", "c1"), ("b", "c3")]));
+    assert_eq!(state(&m, parent).await, pairs(&[("a", "c4")]));
+
+    // a fork's undo stops where it was forked
+    m.revert(f1, 2, RevertTo::Undo).await.unwrap();
+    assert_eq!(state(&m, f1).await, pairs(&[("a", "c1")]));
+    let err = m.revert(f1, 3, RevertTo::Undo).await.unwrap_err();
+    assert!(err.to_string().contains("forked from session"), "{err}");
+    // a fork never lands on a session that has state
+    let err = m.fork(parent, None, f2).await.unwrap_err();
+    assert!(matches!(err, ManifestError::ForkExists { .. }), "{err}");
+    m.delete(parent).await.unwrap();
+    let err = m.fork(parent, None, Uuid::now_v7()).await.unwrap_err();
+    assert!(matches!(err, ManifestError::Deleted { .. }), "{err}");
 }
