@@ -38,6 +38,7 @@ mod simulate;
 mod speculation;
 mod store_faults;
 mod system;
+mod undo;
 mod unsavable;
 // named for what it checks: a module `tracing` would shadow the crate of that name
 #[path = "tracing.rs"]

@@ -88,6 +88,36 @@ pub struct SessionDetached {
     pub detached_unix_ms: u64,
 }
 
+/// Body of `POST /v1/sessions/{sid}/checkout`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Checkout {
+    /// The revision whose state the session goes back to (an execution's
+    /// `after_revision`).
+    pub revision: u64,
+}
+
+/// `POST …/undo`, `…/checkout` and `…/fork` answer: the session's state moved
+/// (for a fork: the new session's first state). Only variables and the other
+/// kernel state move; outputs, and files cells wrote, stay as they are.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct StateMoved {
+    /// The session (for a fork: the new one).
+    pub session_id: Uuid,
+    /// The revision committed: the session's state from now on.
+    pub revision: u64,
+    /// The earlier revision whose state it holds (for a fork: the parent's).
+    pub state_of: u64,
+    /// Variables it holds.
+    pub variables: u64,
+    /// Bytes of their objects.
+    pub bytes: u64,
+    /// Names that could not be saved, so are not in it.
+    pub unsavable: Vec<String>,
+    /// For a fork: the session forked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forked_from: Option<Uuid>,
+}
+
 /// Body of `PUT …/cells/{cell}`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct CellCode {

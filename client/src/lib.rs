@@ -6,8 +6,8 @@ pub mod api;
 pub mod events;
 
 use api::{
-    read_items, CellCode, CodeAtCursor, CommAnswer, CommMessage, CreateSession, InputLine, Interrupted, RunAccepted,
-    RunCell, SessionCreated, SessionDetached, SessionListed, StreamItem, StreamPosition,
+    read_items, CellCode, Checkout, CodeAtCursor, CommAnswer, CommMessage, CreateSession, InputLine, Interrupted, RunAccepted,
+    RunCell, SessionCreated, SessionDetached, SessionListed, StateMoved, StreamItem, StreamPosition,
 };
 use tokio::sync::mpsc;
 use uuid::Uuid;
@@ -52,6 +52,18 @@ impl ClientError {
             ClientError::Status { status, .. } => Some(*status),
             _ => None,
         }
+    }
+
+    /// What went wrong, for a user: the frontend's own error message when it
+    /// answered one, else the whole error.
+    pub fn detail(&self) -> String {
+        let said = match self {
+            ClientError::Status { body, .. } => serde_json::from_str::<serde_json::Value>(body)
+                .ok()
+                .and_then(|v| v.get("error").and_then(|e| e.as_str()).map(str::to_owned)),
+            _ => None,
+        };
+        said.unwrap_or_else(|| self.to_string())
     }
 }
 
@@ -177,6 +189,24 @@ impl Frontend {
     pub async fn resume(&self, sid: Uuid) -> Result<SessionCreated, ClientError> {
         let req = self.http.post(format!("{}/v1/sessions/{sid}/resume", self.base));
         self.json("resume session", req).await
+    }
+
+    /// Move the session's state back to before its last cell.
+    pub async fn undo(&self, sid: Uuid) -> Result<StateMoved, ClientError> {
+        let req = self.http.post(format!("{}/v1/sessions/{sid}/undo", self.base));
+        self.json("undo", req).await
+    }
+
+    /// Move the session's state to the one revision `revision` holds.
+    pub async fn checkout(&self, sid: Uuid, revision: u64) -> Result<StateMoved, ClientError> {
+        let req = self.http.post(format!("{}/v1/sessions/{sid}/checkout", self.base)).json(&Checkout { revision });
+        self.json("checkout", req).await
+    }
+
+    /// Fork the session into a new one that shares its state.
+    pub async fn fork(&self, sid: Uuid) -> Result<StateMoved, ClientError> {
+        let req = self.http.post(format!("{}/v1/sessions/{sid}/fork", self.base));
+        self.json("fork", req).await
     }
 
     /// Publish a cell's code as an edit (the planner prepares a worker for it).

@@ -110,6 +110,9 @@ impl Role {
                     s.store(StoreVerb::SessionDelete),
                     // what a resumed session holds
                     s.store(StoreVerb::ManifestGet),
+                    // undo, checkout and fork
+                    s.store(StoreVerb::Revert),
+                    s.store(StoreVerb::Fork),
                     "$JS.API.INFO".into(),
                 ]);
                 publish.extend(bucket(&buckets::sessions_bucket(prefix)));
@@ -242,6 +245,8 @@ mod tests {
         assert!(!reaches(&nats, &op, &host, s.run(sid)).await, "a host cannot send runs");
         assert!(!reaches(&nats, &op, &frontend, s.store(StoreVerb::Commit)).await, "the frontend cannot commit");
         assert!(!reaches(&nats, &op, &host, s.store(StoreVerb::SessionDelete)).await, "a host cannot delete sessions");
+        assert!(!reaches(&nats, &op, &host, s.store(StoreVerb::Revert)).await, "a host cannot move a session's state");
+        assert!(!reaches(&nats, &op, &planner, s.store(StoreVerb::Fork)).await, "the planner cannot fork sessions");
         assert!(!reaches(&nats, &op, &store, s.event(sid)).await, "the store sends no events");
         assert!(!reaches(&nats, &op, &planner, s.store(StoreVerb::Commit)).await, "the planner cannot commit");
         assert!(!hears(&nats, &op, &host, s.edit(sid)).await, "a host cannot read edits (users' code)");

@@ -174,6 +174,7 @@ impl Kernel {
         }
         if restart {
             self.execution_count = 0;
+            self.revisions.clear();
             self.resume = false;
             let _ = self.ensure_session().await;
         }

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use jupyter_protocol::{JupyterMessage, JupyterMessageContent};
-use looseleaf_client::api::{ExecStatus, RunCell, StreamItem};
+use looseleaf_client::api::{ExecStatus, RunCell, StateMoved, StreamItem};
 use looseleaf_client::events::Event;
 use looseleaf_client::Frontend;
 use schemas::messages::CellMessage;
@@ -71,8 +71,45 @@ impl Running<'_> {
     }
 }
 
-/// The kernel's own magic that discards the notebook's session for a clean one.
-const FRESH_MAGIC: &str = "%looseleaf fresh";
+/// The kernel's own magics (`%looseleaf ...`): they act on the session, and
+/// never reach a worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Magic {
+    /// Discard the notebook's session for a clean one.
+    Fresh,
+    /// The session's state before its last cell.
+    Undo,
+    /// The session's state after execution N (this kernel's `In[N]`).
+    Checkout(u64),
+    /// A new session holding this state.
+    Fork,
+}
+
+const MAGIC_USAGE: &str = "%looseleaf fresh | undo | checkout N | fork";
+
+/// The kernel magic `code` is, if it is one (an error for `%looseleaf` with
+/// anything else, or with more lines after it).
+fn magic(code: &str) -> Option<Result<Magic, String>> {
+    let code = code.trim();
+    let rest = code.strip_prefix("%looseleaf")?;
+    // `%looseleafx` is some other magic
+    if !rest.is_empty() && !rest.starts_with(char::is_whitespace) {
+        return None;
+    }
+    if rest.contains('\n') {
+        return Some(Err(format!("a `%looseleaf` magic is a cell of its own ({MAGIC_USAGE})")));
+    }
+    let words: Vec<&str> = rest.split_whitespace().collect();
+    Some(match words.as_slice() {
+        ["fresh"] => Ok(Magic::Fresh),
+        ["undo"] => Ok(Magic::Undo),
+        ["fork"] => Ok(Magic::Fork),
+        ["checkout", n] => {
+            n.parse().map(Magic::Checkout).map_err(|_| format!("`{n}` is not an execution number; usage: {MAGIC_USAGE}"))
+        }
+        _ => Err(format!("usage: {MAGIC_USAGE}")),
+    })
+}
 
 impl Kernel {
     pub(super) async fn execute(&mut self, msg: &JupyterMessage) {
@@ -100,13 +137,13 @@ impl Kernel {
         // the cell's trace starts at the request Jupyter sent
         let span = tracing::info_span!("execute_request", otel.name = "execute_request",
             looseleaf.cell_id = %cell_id, looseleaf.jupyter.msg_id = %msg.header.msg_id);
-        let opened = if code.trim() == FRESH_MAGIC {
-            self.fresh_session(msg, silent).await
+        let opened = if let Some(magic) = magic(&code) {
+            self.kernel_magic(magic, msg, silent).await
         } else {
             self.ensure_session().instrument(span.clone()).await.map(|()| None)
         };
         let mut ended = match opened {
-            // `%looseleaf fresh` ran (it is the kernel's, not the cell's)
+            // a `%looseleaf` magic ran (it is the kernel's, not the cell's)
             Ok(Some(ended)) => ended,
             Ok(None) => {
                 if let (Some(notice), false) = (self.notice.take(), silent) {
@@ -172,6 +209,87 @@ impl Kernel {
         }
     }
 
+    /// Run a `%looseleaf` magic: what it did is printed; a magic that could not
+    /// be done is the cell's error.
+    async fn kernel_magic(
+        &mut self,
+        magic: Result<Magic, String>,
+        msg: &JupyterMessage,
+        silent: bool,
+    ) -> Result<Option<Ended>, String> {
+        let done = match magic {
+            Ok(Magic::Fresh) => return self.fresh_session(msg, silent).await,
+            Err(usage) => Err(usage),
+            Ok(other) => {
+                self.ensure_session().await?;
+                self.move_state(other).await
+            }
+        };
+        let mut ended =
+            Ended { ok: true, error: None, payload: vec![], user_expressions: json!({}), placement: Default::default() };
+        match done {
+            Ok(text) if !silent => self.iopub("stream", json!({ "name": "stdout", "text": text }), msg).await,
+            Ok(_) => {}
+            Err(why) => {
+                ended.ok = false;
+                ended.error = Some(("LooseLeafError".into(), why, vec![]));
+            }
+        }
+        Ok(Some(ended))
+    }
+
+    /// `%looseleaf undo`, `checkout N` and `fork`: what the session's state did,
+    /// in one line for the user.
+    async fn move_state(&mut self, magic: Magic) -> Result<String, String> {
+        let Some(session) = &self.session else { return Err("the kernel has no LooseLeaf session".into()) };
+        let (fe, sid) = (session.fe.clone(), session.sid);
+        let holds = |m: &StateMoved| {
+            let lost = if m.unsavable.is_empty() {
+                String::new()
+            } else {
+                format!("; not saved, so not in it: {}", m.unsavable.join(", "))
+            };
+            format!("{} variables, {} bytes{lost}", m.variables, m.bytes)
+        };
+        let kept = "Outputs stay as they are, and files cells wrote are not undone.";
+        match magic {
+            Magic::Undo => {
+                let m = fe.undo(sid).await.map_err(|e| format!("undo: {}", e.detail()))?;
+                Ok(format!(
+                    "LooseLeaf: undone: the session's state is back to revision {}'s ({}). {kept}\n",
+                    m.state_of,
+                    holds(&m)
+                ))
+            }
+            Magic::Checkout(n) => {
+                let Some(&revision) = self.revisions.get(&n) else {
+                    let known = match (self.revisions.keys().next(), self.revisions.keys().last()) {
+                        (Some(lo), Some(hi)) => format!("it ran executions {lo} to {hi}"),
+                        _ => "it has run none yet".into(),
+                    };
+                    return Err(format!("execution {n} is not one this kernel ran ({known})"));
+                };
+                let m = fe.checkout(sid, revision).await.map_err(|e| format!("checkout: {}", e.detail()))?;
+                Ok(format!(
+                    "LooseLeaf: the session's state is execution {n}'s again (revision {}: {}). {kept}\n",
+                    m.state_of,
+                    holds(&m)
+                ))
+            }
+            Magic::Fork => {
+                let m = fe.fork(sid).await.map_err(|e| format!("fork: {}", e.detail()))?;
+                Ok(format!(
+                    "LooseLeaf: forked: session {} holds this state ({}); this notebook stays on session {sid}. \
+                     `looseleaf sessions resume {}` (or any API request on it) opens it.\n",
+                    m.session_id,
+                    holds(&m),
+                    m.session_id
+                ))
+            }
+            Magic::Fresh => Err("`%looseleaf fresh` opens a new session".into()),
+        }
+    }
+
     /// `%looseleaf fresh`: the notebook's session is deleted with its state and a
     /// clean one opens (as a restart would, keeping the kernel).
     async fn fresh_session(&mut self, msg: &JupyterMessage, silent: bool) -> Result<Option<Ended>, String> {
@@ -181,6 +299,7 @@ impl Kernel {
             }
         }
         self.resume = false;
+        self.revisions.clear();
         self.ensure_session().await?;
         self.notice = None;
         if !silent {
@@ -276,7 +395,11 @@ impl Kernel {
             StreamItem::Event { exec_id: e, event, .. } if e == run.exec_id => {
                 placement_of(&event, run.sent, &mut run.ended.placement);
             }
-            StreamItem::Done { exec_id: e, status, error, .. } if e == run.exec_id => {
+            StreamItem::Done { exec_id: e, status, error, after_revision, .. } if e == run.exec_id => {
+                // the state `%looseleaf checkout N` returns to
+                if !run.silent {
+                    self.revisions.insert(run.count, after_revision);
+                }
                 run.ended.ok = status == ExecStatus::Ok;
                 if !run.ended.ok && run.ended.error.is_none() {
                     let why = error.unwrap_or_else(|| "the cell failed".into());
@@ -380,5 +503,24 @@ impl Kernel {
             return;
         }
         self.iopub(&kind, output, msg).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{magic, Magic};
+
+    #[test]
+    fn kernel_magics_are_told_from_cells_and_bad_ones_named() {
+        assert_eq!(magic("%looseleaf undo"), Some(Ok(Magic::Undo)));
+        assert_eq!(magic("  %looseleaf   checkout 12 \n"), Some(Ok(Magic::Checkout(12))));
+        assert_eq!(magic("%looseleaf fork"), Some(Ok(Magic::Fork)));
+        assert_eq!(magic("%looseleaf fresh"), Some(Ok(Magic::Fresh)));
+        assert_eq!(magic("x = 1"), None);
+        assert_eq!(magic("%looseleafy undo"), None);
+        for bad in ["%looseleaf", "%looseleaf undo 3", "%looseleaf checkout", "%looseleaf checkout x", "%looseleaf undo\nx = 1"] {
+            let err = magic(bad).unwrap().unwrap_err();
+            assert!(err.contains("%looseleaf fresh | undo | checkout N | fork"), "{bad}: {err}");
+        }
     }
 }

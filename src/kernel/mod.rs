@@ -171,6 +171,8 @@ struct Kernel {
     /// Cells the user pinned to a device (the extension's badge; the notebook keeps
     /// it in the cell's metadata): cell id -> `gpu` or `cpu`.
     pins: std::collections::HashMap<String, &'static str>,
+    /// The revision each of this kernel's executions left (`%looseleaf checkout N`).
+    revisions: std::collections::BTreeMap<u64, u64>,
     /// The next session opened resumes the notebook's detached one (false after
     /// a restart or `%looseleaf fresh`: the user asked for a clean one).
     resume: bool,
@@ -244,6 +246,7 @@ pub async fn serve(connection_file: &Path, opts: KernelOptions, cluster: Cluster
         fe,
         session: None,
         execution_count: 0,
+        revisions: Default::default(),
         history: Vec::new(),
         sockets,
         pending: VecDeque::new(),

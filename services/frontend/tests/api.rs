@@ -60,13 +60,36 @@ async fn start_frontend_with(
 /// Play the store for the frontend's questions: every session is empty (revision
 /// 0, nothing committed). One answer per question across the test's frontends.
 async fn fake_store(nats: &NatsServer, prefix: &str) -> anyhow::Result<()> {
-    use schemas::messages::{ManifestGetV2, ManifestV2, Reply, SettleV1};
+    use schemas::messages::{
+        ErrorCode, ForkV1, ManifestGetV2, ManifestV2, Reply, RevertTo, RevertV1, SettleV1, StateMovedV1,
+    };
     use schemas::subjects::StoreVerb;
     let bus = Bus::connect(nats.url(), prefix, "fake-store").await?;
     let mut gets =
         bus.queue_subscribe::<ManifestGetV2>(bus.subjects().store(StoreVerb::ManifestGet), "fake-store").await?;
     let mut settles = bus.queue_subscribe::<SettleV1>(bus.subjects().store(StoreVerb::Settle), "fake-store").await?;
+    let mut reverts = bus.queue_subscribe::<RevertV1>(bus.subjects().store(StoreVerb::Revert), "fake-store").await?;
+    let mut forks = bus.queue_subscribe::<ForkV1>(bus.subjects().store(StoreVerb::Fork), "fake-store").await?;
     bus.flush().await?;
+    // an empty session has nothing to undo and no revision to check out
+    let answer = bus.clone();
+    actix_rt::spawn(async move {
+        while let Some(Ok(env)) = reverts.next().await {
+            let (code, message) = match env.msg.to {
+                RevertTo::Undo => (ErrorCode::BadRequest, "nothing to undo: no cell has saved state yet".to_string()),
+                RevertTo::Revision(r) => (ErrorCode::NotFound, format!("there is no revision {r}")),
+            };
+            let _ = answer.respond::<Reply<StateMovedV1>>(env.reply, &Reply::Err { code, message }).await;
+        }
+    });
+    // and its fork is as empty
+    let answer = bus.clone();
+    actix_rt::spawn(async move {
+        while let Some(Ok(env)) = forks.next().await {
+            let moved = StateMovedV1 { revision: 1, state_of: 0, variables: 0, bytes: 0, unsavable: vec![] };
+            let _ = answer.respond(env.reply, &Reply::Ok(moved)).await;
+        }
+    });
     let answer = bus.clone();
     actix_rt::spawn(async move {
         while let Some(Ok(env)) = gets.next().await {

@@ -27,7 +27,10 @@ pub use errors::ApiError;
 pub use openapi::ApiDoc;
 use openapi::{health, openapi_json};
 use runs::{edit, input, interrupt, run};
-use sessions::{create_session, delete_session, detach_session, list_sessions, resume_session, summary};
+use sessions::{
+    checkout_session, create_session, delete_session, detach_session, fork_session, list_sessions, resume_session,
+    summary, undo_session,
+};
 pub use state::{AppState, Served};
 use streams::{dashboard, dashboard_page, events};
 
@@ -51,6 +54,9 @@ pub fn router(state: AppState, body_timeout: Duration) -> Router {
         .route("/v1/sessions/{sid}", get(summary).delete(delete_session))
         .route("/v1/sessions/{sid}/detach", post(detach_session))
         .route("/v1/sessions/{sid}/resume", post(resume_session))
+        .route("/v1/sessions/{sid}/undo", post(undo_session))
+        .route("/v1/sessions/{sid}/checkout", post(checkout_session))
+        .route("/v1/sessions/{sid}/fork", post(fork_session))
         .route("/v1/sessions/{sid}/events", get(events))
         .route("/v1/sessions/{sid}/interrupt", post(interrupt))
         .route("/v1/sessions/{sid}/executions/{exec_id}/input", post(input))

@@ -1,5 +1,6 @@
 //! Sessions: create one (or resume its notebook's detached one), list them, read
-//! one's summary, detach it, resume it, delete it with its state.
+//! one's summary, detach it, resume it, move its state back (undo, checkout),
+//! fork it, delete it with its state.
 
 use std::time::Duration;
 
@@ -7,14 +8,17 @@ use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::{Extension, Json};
-use schemas::messages::{ManifestGetV2, ManifestV2, SessionOptions};
+use schemas::messages::{
+    ErrorCode, ForkV1, ManifestGetV2, ManifestV2, RevertTo, SessionDeleteV1, SessionOptions, StateMovedV1,
+};
 use schemas::subjects::StoreVerb;
 use uuid::Uuid;
 
 use super::errors::{bad_request, internal, json_body, mailbox, unavailable, ApiError};
 use super::state::{delete_state, lookup, start_session, AppState, Served};
 use crate::api::{
-    CreateSession, ResumedSession, SessionCreated, SessionDeleted, SessionDetached, SessionListed, SessionSummary,
+    Checkout, CreateSession, ResumedSession, SessionCreated, SessionDeleted, SessionDetached, SessionListed,
+    SessionSummary, StateMoved,
 };
 use crate::auth::Caller;
 use crate::records::{SessionRecord, RECORD_VERSION};
@@ -29,18 +33,7 @@ pub(super) async fn create_session(
 ) -> Result<Json<SessionCreated>, ApiError> {
     let req = json_body(body)?;
     state.limits.check_cwd(&req.cwd).map_err(bad_request)?;
-    let _creating = match state.limits.sessions_per_user {
-        Some(_) => Some(state.creating.lock().await),
-        None => None,
-    };
-    if let Some(limit) = state.limits.sessions_per_user {
-        let held = state.shared.records.count_owned_by(&caller.0).await.map_err(unavailable)?;
-        if held >= limit {
-            let who = caller.0.as_deref().unwrap_or("anonymous");
-            let msg = format!("user {who} holds {held} sessions, the most allowed; delete one first");
-            return Err(ApiError(StatusCode::TOO_MANY_REQUESTS, msg));
-        }
-    }
+    let _creating = within_session_limit(&state, &caller).await?;
     let mut fresh_because = None;
     if let (true, Some(notebook)) = (req.resume, &req.notebook) {
         match resume_notebook(&state, &caller, notebook).await? {
@@ -69,6 +62,23 @@ pub(super) async fn create_session(
     state.insert(sid, Served { addr, owner: caller.0 });
     tracing::info!(session = %sid, "session created");
     Ok(Json(SessionCreated { session_id: sid, resumed: None, fresh_because }))
+}
+
+/// An error if the caller holds as many sessions as a user may; else, with a
+/// limit set, the lock that keeps two creations from both passing it.
+async fn within_session_limit<'a>(
+    state: &'a AppState,
+    caller: &Caller,
+) -> Result<Option<tokio::sync::MutexGuard<'a, ()>>, ApiError> {
+    let Some(limit) = state.limits.sessions_per_user else { return Ok(None) };
+    let creating = state.creating.lock().await;
+    let held = state.shared.records.count_owned_by(&caller.0).await.map_err(unavailable)?;
+    if held >= limit {
+        let who = caller.0.as_deref().unwrap_or("anonymous");
+        let msg = format!("user {who} holds {held} sessions, the most allowed; delete one first");
+        return Err(ApiError(StatusCode::TOO_MANY_REQUESTS, msg));
+    }
+    Ok(Some(creating))
 }
 
 /// What a resume by notebook found.
@@ -227,4 +237,117 @@ pub(super) async fn delete_session(
     let store_error = delete_state(&state, sid).await.map_err(internal)?;
     tracing::info!(session = %sid, "session deleted");
     Ok(Json(SessionDeleted { session_id: sid, deleted: true, store_error }))
+}
+
+/// Move the session's state back to before its last cell (again: before the one
+/// before it). Outputs, and files cells wrote, stay as they are.
+#[utoipa::path(post, path = "/v1/sessions/{sid}/undo", params(("sid" = uuid::Uuid, Path, description = "the session")), responses((status = 200, body = StateMoved)))]
+pub(super) async fn undo_session(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    Path(sid): Path<String>,
+) -> Result<Json<StateMoved>, ApiError> {
+    revert(&state, &caller, &sid, RevertTo::Undo).await.map(Json)
+}
+
+/// Move the session's state to what revision `revision` holds (an execution's
+/// `after_revision`); the revisions after it stay, so a later checkout may
+/// return to them.
+#[utoipa::path(post, path = "/v1/sessions/{sid}/checkout", params(("sid" = uuid::Uuid, Path, description = "the session")), request_body = Checkout, responses((status = 200, body = StateMoved)))]
+pub(super) async fn checkout_session(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    Path(sid): Path<String>,
+    body: Result<Json<Checkout>, JsonRejection>,
+) -> Result<Json<StateMoved>, ApiError> {
+    let req = json_body(body)?;
+    revert(&state, &caller, &sid, RevertTo::Revision(req.revision)).await.map(Json)
+}
+
+async fn revert(state: &AppState, caller: &Caller, raw: &str, to: RevertTo) -> Result<StateMoved, ApiError> {
+    let (sid, addr) = lookup(state, raw, caller).await?;
+    let moved = match addr.send(session::Revert { to }).await.map_err(mailbox)? {
+        Ok(moved) => moved,
+        Err(session::Refused::Busy(why)) => return Err(ApiError(StatusCode::CONFLICT, why)),
+        Err(session::Refused::Store(e)) => return Err(store_refused(e)),
+    };
+    tracing::info!(session = %sid, ?to, revision = moved.revision, state_of = moved.state_of, "session state moved");
+    Ok(state_moved(sid, moved, None))
+}
+
+/// Fork the session: a new session of the caller's whose state is this one's
+/// now, sharing its chunks (nothing is copied). Names that could not be saved
+/// are not in it. The fork starts detached: resuming it, or any request on it,
+/// attaches it.
+#[utoipa::path(post, path = "/v1/sessions/{sid}/fork", params(("sid" = uuid::Uuid, Path, description = "the session")), responses((status = 200, body = StateMoved)))]
+pub(super) async fn fork_session(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    Path(raw): Path<String>,
+) -> Result<Json<StateMoved>, ApiError> {
+    let (sid, addr) = lookup(&state, &raw, &caller).await?;
+    let _creating = within_session_limit(&state, &caller).await?;
+    let revision = addr.send(session::Summary).await.map_err(mailbox)?.revision;
+    let parent = state.shared.records.get(sid).await.map_err(unavailable)?;
+    let parent = parent.ok_or_else(|| ApiError(StatusCode::NOT_FOUND, format!("no session {sid}")))?;
+    let child = Uuid::now_v7();
+    let bus = &state.shared.bus;
+    let ask = ForkV1 { parent: sid, at_least: Some(revision), child };
+    let moved = bus
+        .request::<_, StateMovedV1>(bus.subjects().store(StoreVerb::Fork), &ask, STORE_WAIT)
+        .await
+        .map_err(store_refused)?;
+    let record = SessionRecord {
+        version: RECORD_VERSION,
+        session_id: child,
+        options: parent.options.clone(),
+        created_unix_ms: schemas::unix_ms(),
+        revision: moved.revision,
+        last_exec: None,
+        owner: caller.0.clone(),
+        in_flight: None,
+        queued: Default::default(),
+        // a fork is opened by its id: a kernel on the notebook resumes the original
+        notebook: None,
+        // nothing follows it yet: any request of its owner attaches it
+        detached_unix_ms: Some(schemas::unix_ms()),
+    };
+    if let Err(e) = state.shared.records.put_new(&record).await {
+        // no record, no session: its manifest goes too
+        let delete = SessionDeleteV1 { session: child };
+        let subject = bus.subjects().store(StoreVerb::SessionDelete);
+        if let Err(e) = bus.request::<_, schemas::messages::DoneV1>(subject, &delete, STORE_WAIT).await {
+            tracing::warn!(session = %child, error = %e, "a fork without a record kept its manifest");
+        }
+        return Err(unavailable(e));
+    }
+    tracing::info!(parent = %sid, session = %child, state_of = moved.state_of, "session forked");
+    Ok(Json(state_moved(child, moved, Some(sid))))
+}
+
+/// How long a revert or fork waits for the store.
+const STORE_WAIT: Duration = Duration::from_secs(10);
+
+fn state_moved(session_id: Uuid, m: StateMovedV1, forked_from: Option<Uuid>) -> StateMoved {
+    StateMoved {
+        session_id,
+        revision: m.revision,
+        state_of: m.state_of,
+        variables: m.variables,
+        bytes: m.bytes,
+        unsavable: m.unsavable,
+        forked_from,
+    }
+}
+
+/// The API's answer to a store that refused or did not answer: a revision that
+/// is not there is 404; nothing to undo, or a state that changed meanwhile, 409.
+fn store_refused(e: schemas::BusError) -> ApiError {
+    match e {
+        schemas::BusError::Remote { code: ErrorCode::NotFound, message, .. } => ApiError(StatusCode::NOT_FOUND, message),
+        schemas::BusError::Remote { code: ErrorCode::BadRequest | ErrorCode::Conflict, message, .. } => {
+            ApiError(StatusCode::CONFLICT, message)
+        }
+        e => unavailable(format!("the store: {e}")),
+    }
 }

@@ -46,7 +46,9 @@ pub use queue::{Interrupt, QueueFull, Run, RunAnswer, Withdraw};
 use read_back::{event_key, output_key};
 pub use relay::Attach;
 use relay::Watcher;
-pub use requests::{Close, CountRuns, CpuHost, Detach, Detached, Edit, IdleFor, Input, RunCounts, Summary};
+pub use requests::{
+    Close, CountRuns, CpuHost, Detach, Detached, Edit, IdleFor, Input, Refused, Revert, RunCounts, Summary,
+};
 pub(crate) use settle::claim_holder;
 
 /// A record to write, and who waits until it landed.
@@ -105,6 +107,8 @@ pub struct SessionActor {
     log: resume::Log,
     clients: Vec<Watcher>,
     closing: bool,
+    /// A revert (undo, checkout) waits for the store: no run is sent meanwhile.
+    reverting: bool,
     /// When a client last did something with the session, or a cell last ended.
     last_active: Instant,
     /// The host that keeps the session's CPU worker, as its last CPU cell said
@@ -162,6 +166,7 @@ impl SessionActor {
             log,
             clients: Vec::new(),
             closing: false,
+            reverting: false,
             last_active: Instant::now(),
             cpu_host: None,
             replayed: HashSet::new(),

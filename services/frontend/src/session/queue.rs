@@ -53,7 +53,7 @@ impl SessionActor {
 
     /// Send the next queued run to the planner if nothing is running.
     pub(super) fn start_next(&mut self, ctx: &mut Context<Self>) {
-        if self.current.is_some() || self.closing {
+        if self.current.is_some() || self.closing || self.reverting {
             return;
         }
         let Some(p) = self.stored.queued.pop_front() else { return };

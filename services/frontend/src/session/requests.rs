@@ -1,11 +1,13 @@
 //! What HTTP handlers ask of a session besides runs: an edit's sequence number,
 //! an answer to `input()`, its CPU host, how long it has been idle, its
-//! summary, where its runs are, its detaching, and its close.
+//! summary, where its runs are, its detaching, reverting its state (undo,
+//! checkout), and its close.
 
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
-use schemas::messages::{EditV1, InputReplyV1};
+use schemas::messages::{EditV1, InputReplyV1, RevertTo, RevertV1, SessionCloseV1, StateMovedV1};
+use schemas::subjects::StoreVerb;
 use uuid::Uuid;
 
 use super::current::RunState;
@@ -196,6 +198,73 @@ impl Handler<Detach> for SessionActor {
         MessageResult(Some(Detached { unix_ms, busy, landed }))
     }
 }
+
+/// Move the session's state to an earlier revision's (undo, checkout) while
+/// nothing of it runs: a run sent meanwhile waits until the store answered.
+/// Once moved, every worker holding the state it left is stopped (the hosts and
+/// the planner hear the session's close); its next cell restores the new state.
+#[derive(Message)]
+#[rtype(result = "Result<StateMovedV1, Refused>")]
+pub struct Revert {
+    /// Which state.
+    pub to: RevertTo,
+}
+
+/// Why a [`Revert`] did not happen.
+#[derive(Debug)]
+pub enum Refused {
+    /// A cell runs or waits, or another revert is under way: try after it.
+    Busy(String),
+    /// The store refused it, or did not answer.
+    Store(schemas::BusError),
+}
+
+impl Handler<Revert> for SessionActor {
+    type Result = ResponseActFuture<Self, Result<StateMovedV1, Refused>>;
+
+    fn handle(&mut self, msg: Revert, _ctx: &mut Self::Context) -> Self::Result {
+        self.last_active = Instant::now();
+        let busy = if self.closing {
+            Some("the session is closing")
+        } else if self.reverting {
+            Some("another undo or checkout of this session is under way")
+        } else if self.current.is_some() || !self.stored.queued.is_empty() {
+            Some("a cell of this session is running or queued; try again once it ends")
+        } else {
+            None
+        };
+        if let Some(why) = busy {
+            return Box::pin(actix::fut::ready(Err(Refused::Busy(why.into()))));
+        }
+        self.reverting = true;
+        let bus = self.shared.bus.clone();
+        let ask = RevertV1 { session: self.sid, base_revision: self.stored.revision, to: msg.to };
+        let asked = async move { bus.request::<_, StateMovedV1>(bus.subjects().store(StoreVerb::Revert), &ask, STORE_WAIT).await };
+        Box::pin(asked.into_actor(self).map(|answer, act, ctx| {
+            act.reverting = false;
+            let refused_by_store = matches!(answer, Err(schemas::BusError::Remote { .. }));
+            if let Ok(moved) = &answer {
+                act.stored.revision = moved.revision;
+                act.write_record(None);
+            }
+            // the workers' state is not the session's any more (or may not be:
+            // a revert that went unanswered may have landed)
+            if !refused_by_store {
+                let (bus, sid) = (act.shared.bus.clone(), act.sid);
+                actix::spawn(async move {
+                    if let Err(e) = bus.publish(bus.subjects().close(sid), &SessionCloseV1 { session: sid }).await {
+                        tracing::warn!(session = %sid, error = %e, "could not stop the workers of a reverted session");
+                    }
+                });
+            }
+            act.start_next(ctx);
+            answer.map_err(Refused::Store)
+        }))
+    }
+}
+
+/// How long a revert waits for the store.
+const STORE_WAIT: Duration = Duration::from_secs(10);
 
 /// The session is being deleted: stop running, relay late events for `grace`
 /// (slot releases at close), then end every client stream and stop.
