@@ -40,10 +40,11 @@ async fn a_detached_session_is_resumed_by_its_notebook_once() -> anyhow::Result<
     let first = fe.open_session(&asking(&cwd, "work/a.ipynb")).await?;
     assert!(first.resumed.is_none() && first.fresh_because.is_none(), "{first:?}");
     let sid = first.session_id;
-    run(&fe, sid, "c1", "xs = [1, 2]\nxs.append(3)").await?;
+    run(&fe, sid, "c1", "xs = [1, 2]\nxs.append(3)\ngen = (i for i in range(3))").await?;
 
     let detached = fe.detach(sid).await?;
     assert_eq!(detached.session_id, sid);
+    assert_eq!(detached.unsavable, vec!["gen".to_string()], "what is gone is named at detach");
     let listed = fe.sessions().await?;
     let mine = listed.iter().find(|s| s.session_id == sid).ok_or_else(|| anyhow::anyhow!("not listed: {listed:?}"))?;
     assert_eq!(mine.detached_unix_ms, Some(detached.detached_unix_ms), "{mine:?}");
@@ -84,7 +85,7 @@ async fn a_detached_session_is_resumed_by_its_notebook_once() -> anyhow::Result<
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_session_idle_with_no_client_detaches_and_expires_after_its_retention() -> anyhow::Result<()> {
-    let env = [("LOOSELEAF_CULL_IDLE_S", "1".to_string()), ("LOOSELEAF_SESSION_RETENTION_S", "20".to_string())];
+    let env = [("LOOSELEAF_DETACH_UNWATCHED_S", "1".to_string()), ("LOOSELEAF_SESSION_RETENTION_S", "20".to_string())];
     let services = Services::start(&bin_dir_of(env!("CARGO_BIN_EXE_looseleaf")), &[1], &env).await?;
     let fe = services.client();
     let dir = tempfile::tempdir()?;
@@ -126,7 +127,7 @@ async fn a_session_idle_with_no_client_detaches_and_expires_after_its_retention(
 #[tokio::test(flavor = "multi_thread")]
 async fn a_killed_kernels_notebook_resumes_in_a_new_kernel() -> anyhow::Result<()> {
     use looseleaf_test_support::{copy_dir, repo_root};
-    let env = [("LOOSELEAF_CULL_IDLE_S", "1".to_string())];
+    let env = [("LOOSELEAF_DETACH_UNWATCHED_S", "1".to_string())];
     let services = Services::start(&bin_dir_of(env!("CARGO_BIN_EXE_looseleaf")), &[2], &env).await?;
     let prefix = tempfile::tempdir()?;
     crate::kernel::install_as(prefix.path(), &["--name", "looseleaf-resume", "--all-gpu"])?;

@@ -72,7 +72,7 @@ async fn a_session_whose_directory_is_gone_fails_at_once_and_delays_no_one() -> 
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_culled_session_stops_its_cpu_worker_and_reopens_with_its_state() -> anyhow::Result<()> {
-    let env = [("LOOSELEAF_CULL_IDLE_S", "1".to_string())];
+    let env = [("LOOSELEAF_DETACH_UNWATCHED_S", "1".to_string())];
     let services = Services::start(&bin_dir_of(env!("CARGO_BIN_EXE_looseleaf")), &[1], &env).await?;
     let mut s = services.session(false).await?;
     let exec = s.fe.run(s.sid, "a", "a = 41").await?.exec_id;

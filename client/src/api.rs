@@ -86,6 +86,9 @@ pub struct SessionDetached {
     pub session_id: Uuid,
     /// When it was detached (unix ms).
     pub detached_unix_ms: u64,
+    /// Names its workers held that could not be saved: gone with them.
+    #[serde(default)]
+    pub unsavable: Vec<String>,
 }
 
 /// Body of `POST /v1/sessions/{sid}/checkout`.

@@ -6,8 +6,8 @@ pub mod api;
 pub mod events;
 
 use api::{
-    read_items, CellCode, Checkout, CodeAtCursor, CommAnswer, CommMessage, CreateSession, InputLine, Interrupted, RunAccepted,
-    RunCell, SessionCreated, SessionDetached, SessionListed, StateMoved, StreamItem, StreamPosition,
+    read_items, CellCode, Checkout, CodeAtCursor, CommAnswer, CommMessage, CreateSession, InputLine, Interrupted,
+    RunAccepted, RunCell, SessionCreated, SessionDetached, SessionListed, StateMoved, StreamItem, StreamPosition,
 };
 use tokio::sync::mpsc;
 use uuid::Uuid;

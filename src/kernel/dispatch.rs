@@ -167,7 +167,17 @@ impl Kernel {
         // kernel" is a fresh session, as users expect (the old one is deleted);
         // any other end detaches it, for the next kernel on this notebook (ADR 63)
         if let Some(s) = self.session.take() {
-            let done = if restart { s.fe.delete(s.sid).await } else { s.fe.detach(s.sid).await.map(|_| ()) };
+            let done = if restart {
+                s.fe.delete(s.sid).await
+            } else {
+                s.fe.detach(s.sid).await.map(|d| {
+                    // Jupyter's log is where a closing notebook's user can read it
+                    if !d.unsavable.is_empty() {
+                        tracing::warn!(session = %s.sid, names = %d.unsavable.join(", "),
+                            "the session is detached; these names could not be saved and are gone");
+                    }
+                })
+            };
             if let Err(e) = done {
                 tracing::warn!(session = %s.sid, error = %e, restart, "could not end the session");
             }

@@ -104,9 +104,10 @@ fn magic(code: &str) -> Option<Result<Magic, String>> {
         ["fresh"] => Ok(Magic::Fresh),
         ["undo"] => Ok(Magic::Undo),
         ["fork"] => Ok(Magic::Fork),
-        ["checkout", n] => {
-            n.parse().map(Magic::Checkout).map_err(|_| format!("`{n}` is not an execution number; usage: {MAGIC_USAGE}"))
-        }
+        ["checkout", n] => n
+            .parse()
+            .map(Magic::Checkout)
+            .map_err(|_| format!("`{n}` is not an execution number; usage: {MAGIC_USAGE}")),
         _ => Err(format!("usage: {MAGIC_USAGE}")),
     })
 }
@@ -225,8 +226,13 @@ impl Kernel {
                 self.move_state(other).await
             }
         };
-        let mut ended =
-            Ended { ok: true, error: None, payload: vec![], user_expressions: json!({}), placement: Default::default() };
+        let mut ended = Ended {
+            ok: true,
+            error: None,
+            payload: vec![],
+            user_expressions: json!({}),
+            placement: Default::default(),
+        };
         match done {
             Ok(text) if !silent => self.iopub("stream", json!({ "name": "stdout", "text": text }), msg).await,
             Ok(_) => {}
@@ -518,7 +524,13 @@ mod tests {
         assert_eq!(magic("%looseleaf fresh"), Some(Ok(Magic::Fresh)));
         assert_eq!(magic("x = 1"), None);
         assert_eq!(magic("%looseleafy undo"), None);
-        for bad in ["%looseleaf", "%looseleaf undo 3", "%looseleaf checkout", "%looseleaf checkout x", "%looseleaf undo\nx = 1"] {
+        for bad in [
+            "%looseleaf",
+            "%looseleaf undo 3",
+            "%looseleaf checkout",
+            "%looseleaf checkout x",
+            "%looseleaf undo\nx = 1",
+        ] {
             let err = magic(bad).unwrap().unwrap_err();
             assert!(err.contains("%looseleaf fresh | undo | checkout N | fork"), "{bad}: {err}");
         }

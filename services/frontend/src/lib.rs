@@ -86,7 +86,11 @@ const RUNS_GAUGE_EVERY: Duration = Duration::from_secs(2);
 
 /// Sessions idle this long with no client following them are detached by
 /// default: a minute (a kernel that was killed, a script that stopped).
-pub const DEFAULT_CULL_IDLE: Duration = Duration::from_secs(60);
+pub const DEFAULT_DETACH_UNWATCHED: Duration = Duration::from_secs(60);
+
+/// A session watched but idle this long gives back its workers by default: an
+/// hour (a notebook left open; its next cell restores its closure).
+pub const DEFAULT_IDLE_CULL: Duration = Duration::from_secs(3600);
 
 /// Detached sessions are kept this long by default: a week.
 pub const DEFAULT_SESSION_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
@@ -112,7 +116,10 @@ pub struct Config {
     /// Stream items each session keeps for clients that connect or reconnect later.
     pub history_items: usize,
     /// Sessions idle this long with no client are detached (None: never).
-    pub cull_idle: Option<Duration>,
+    pub detach_unwatched: Option<Duration>,
+    /// Sessions idle this long, watched or not, give back their CPU worker and
+    /// kept workers (None: never).
+    pub idle_cull: Option<Duration>,
     /// Detached sessions are deleted with their state after this long (None: never).
     pub session_retention: Option<Duration>,
     /// Working-directory root, sessions per user, queued runs per session.
@@ -135,7 +142,8 @@ impl Config {
             timeouts: Timeouts::default(),
             tokens: auth::Tokens::open(),
             history_items: DEFAULT_HISTORY_ITEMS,
-            cull_idle: Some(DEFAULT_CULL_IDLE),
+            detach_unwatched: Some(DEFAULT_DETACH_UNWATCHED),
+            idle_cull: Some(DEFAULT_IDLE_CULL),
             session_retention: Some(DEFAULT_SESSION_RETENTION),
             limits: admission::Limits::default(),
             origins: None,
@@ -202,12 +210,21 @@ pub async fn run_with_bound(
     if !config.tokens.required() {
         tracing::warn!("the HTTP API asks for no token: anyone who reaches {bound} can use every session");
     }
-    if let Some(after) = config.cull_idle {
+    if let Some(after) = config.detach_unwatched {
         let (culler, stop) = (state.clone(), token.clone());
         let every = (after / 4).clamp(Duration::from_millis(200), Duration::from_secs(60));
         tokio::spawn(async move {
             while tokio::time::timeout(every, stop.cancelled()).await.is_err() {
-                culler.cull_idle(after).await;
+                culler.detach_unwatched(after).await;
+            }
+        });
+    }
+    if let Some(after) = config.idle_cull {
+        let (culler, stop) = (state.clone(), token.clone());
+        let every = (after / 4).clamp(Duration::from_millis(200), Duration::from_secs(60));
+        tokio::spawn(async move {
+            while tokio::time::timeout(every, stop.cancelled()).await.is_err() {
+                culler.cull_idle_workers(after).await;
             }
         });
     }

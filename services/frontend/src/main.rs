@@ -42,8 +42,14 @@ struct Args {
     /// its events, no request) before it is detached: its workers stop, its state
     /// stays, a new kernel on its notebook resumes it and any request of its
     /// owner attaches it again (0: never).
-    #[arg(long, env = "LOOSELEAF_CULL_IDLE_S", default_value_t = looseleaf_frontend::DEFAULT_CULL_IDLE.as_secs_f64())]
-    cull_idle_s: f64,
+    #[arg(long, env = "LOOSELEAF_DETACH_UNWATCHED_S", default_value_t = looseleaf_frontend::DEFAULT_DETACH_UNWATCHED.as_secs_f64())]
+    detach_unwatched_s: f64,
+    /// Seconds a session may be idle (nothing running or queued, no request)
+    /// before it gives back its CPU worker and kept workers, even while a client
+    /// watches it: it stays attached, and its next cell restores its closure (0:
+    /// never).
+    #[arg(long, env = "LOOSELEAF_IDLE_CULL_S", default_value_t = looseleaf_frontend::DEFAULT_IDLE_CULL.as_secs_f64())]
+    idle_cull_s: f64,
     /// Seconds a detached session is kept before it is deleted with its state
     /// (0: forever).
     #[arg(long, env = "LOOSELEAF_SESSION_RETENTION_S", default_value_t = looseleaf_frontend::DEFAULT_SESSION_RETENTION.as_secs_f64())]
@@ -81,10 +87,14 @@ fn main() -> anyhow::Result<()> {
         (args.exec_deadline_s > 0).then(|| std::time::Duration::from_secs(args.exec_deadline_s));
     config.timeouts.host_lost = std::time::Duration::from_secs(args.host_lost_s);
     config.history_items = args.history_items;
-    config.cull_idle = (args.cull_idle_s > 0.0)
-        .then(|| std::time::Duration::try_from_secs_f64(args.cull_idle_s))
+    config.detach_unwatched = (args.detach_unwatched_s > 0.0)
+        .then(|| std::time::Duration::try_from_secs_f64(args.detach_unwatched_s))
         .transpose()
-        .map_err(|e| anyhow::anyhow!("--cull-idle-s: {e}"))?;
+        .map_err(|e| anyhow::anyhow!("--detach-unwatched-s: {e}"))?;
+    config.idle_cull = (args.idle_cull_s > 0.0)
+        .then(|| std::time::Duration::try_from_secs_f64(args.idle_cull_s))
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("--idle-cull-s: {e}"))?;
     config.session_retention = (args.session_retention_s > 0.0)
         .then(|| std::time::Duration::try_from_secs_f64(args.session_retention_s))
         .transpose()

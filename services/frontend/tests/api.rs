@@ -751,7 +751,7 @@ async fn a_reconnecting_client_gets_what_came_after_its_last_event_and_history_i
 async fn an_idle_session_is_culled_and_reopens_while_a_watched_one_stays() -> anyhow::Result<()> {
     let nats = NatsServer::start()?;
     let prefix = random_prefix();
-    let fe = start_frontend_with(&nats, &prefix, |c| c.cull_idle = Some(Duration::from_millis(400))).await?;
+    let fe = start_frontend_with(&nats, &prefix, |c| c.detach_unwatched = Some(Duration::from_millis(400))).await?;
     let bus = Bus::connect(nats.url(), &prefix, "fake").await?;
     let mut idles = bus.subscribe::<schemas::messages::SessionIdleV1>(bus.subjects().all_idles()).await?;
     bus.flush().await?;
@@ -770,6 +770,34 @@ async fn an_idle_session_is_culled_and_reopens_while_a_watched_one_stays() -> an
     );
     // the culled session reopens from its record
     assert_eq!(fe.client.summary(idle).await?["cwd"], "/tmp/idle");
+    Ok(())
+}
+
+#[actix_rt::test]
+async fn a_watched_session_idle_past_the_cull_gives_back_its_workers_once_and_stays() -> anyhow::Result<()> {
+    let nats = NatsServer::start()?;
+    let prefix = random_prefix();
+    let fe = start_frontend_with(&nats, &prefix, |c| {
+        c.detach_unwatched = None;
+        c.idle_cull = Some(Duration::from_millis(400));
+    })
+    .await?;
+    let bus = Bus::connect(nats.url(), &prefix, "fake").await?;
+    let mut idles = bus.subscribe::<schemas::messages::SessionIdleV1>(bus.subjects().all_idles()).await?;
+    bus.flush().await?;
+    let watched = fe.client.create_session("/tmp/watched", true, false).await?;
+    let _watching = fe.client.events(watched).await?;
+
+    let culled = tokio::time::timeout(WAIT, idles.next()).await?.context("no cull")?;
+    assert_eq!(culled.map_err(|e| anyhow::anyhow!("{e:?}"))?.msg.session, watched);
+    // once per idle spell: not again while it stays idle
+    assert!(tokio::time::timeout(Duration::from_millis(1500), idles.next()).await.is_err(), "culled twice");
+    let health: serde_json::Value = reqwest::get(format!("{}/v1/health", fe.base)).await?.json().await?;
+    assert_eq!(health["sessions"], 1, "it is still served: {health}");
+    // activity starts a new spell, which ends in a cull of its own
+    fe.client.summary(watched).await?;
+    let again = tokio::time::timeout(WAIT, idles.next()).await?.context("no second cull")?;
+    assert_eq!(again.map_err(|e| anyhow::anyhow!("{e:?}"))?.msg.session, watched);
     Ok(())
 }
 

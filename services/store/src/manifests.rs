@@ -429,12 +429,7 @@ impl Manifests {
     /// stale. The new revision keeps the copied state's parent, so that undo
     /// again steps further back. Answers the new revision and the one whose state
     /// it holds.
-    pub async fn revert(
-        &self,
-        session: Uuid,
-        base: u64,
-        to: RevertTo,
-    ) -> Result<(Arc<Manifest>, u64), ManifestError> {
+    pub async fn revert(&self, session: Uuid, base: u64, to: RevertTo) -> Result<(Arc<Manifest>, u64), ManifestError> {
         if self.is_deleted(session).await? {
             return Err(ManifestError::Deleted { session });
         }

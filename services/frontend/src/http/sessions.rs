@@ -177,7 +177,8 @@ pub(super) async fn list_sessions(
 }
 
 /// Detach the session: its workers and slots are freed now, its state stays for
-/// a later kernel on its notebook to resume (a kernel's shutdown does this).
+/// a later kernel on its notebook to resume (a kernel's shutdown does this). The
+/// answer names what could not be saved, so is gone.
 #[utoipa::path(post, path = "/v1/sessions/{sid}/detach", params(("sid" = uuid::Uuid, Path, description = "the session")), responses((status = 200, body = SessionDetached)))]
 pub(super) async fn detach_session(
     State(state): State<AppState>,
@@ -190,8 +191,14 @@ pub(super) async fn detach_session(
         .detach(sid, &served, false)
         .await
         .ok_or_else(|| ApiError(StatusCode::CONFLICT, format!("session {sid} is being detached or deleted")))?;
-    tracing::info!(session = %sid, "session detached by its client");
-    Ok(Json(SessionDetached { session_id: sid, detached_unix_ms }))
+    // what its workers held that no later kernel gets back
+    let record = state.shared.records.get(sid).await.ok().flatten();
+    let unsavable = match record {
+        Some(record) => describe(&state, &record, None).await.unsavable,
+        None => Vec::new(),
+    };
+    tracing::info!(session = %sid, ?unsavable, "session detached by its client");
+    Ok(Json(SessionDetached { session_id: sid, detached_unix_ms, unsavable }))
 }
 
 /// Resume a detached session by id (a 409 when it is attached already).
@@ -344,7 +351,9 @@ fn state_moved(session_id: Uuid, m: StateMovedV1, forked_from: Option<Uuid>) -> 
 /// is not there is 404; nothing to undo, or a state that changed meanwhile, 409.
 fn store_refused(e: schemas::BusError) -> ApiError {
     match e {
-        schemas::BusError::Remote { code: ErrorCode::NotFound, message, .. } => ApiError(StatusCode::NOT_FOUND, message),
+        schemas::BusError::Remote { code: ErrorCode::NotFound, message, .. } => {
+            ApiError(StatusCode::NOT_FOUND, message)
+        }
         schemas::BusError::Remote { code: ErrorCode::BadRequest | ErrorCode::Conflict, message, .. } => {
             ApiError(StatusCode::CONFLICT, message)
         }

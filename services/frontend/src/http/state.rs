@@ -68,7 +68,7 @@ impl AppState {
 
     /// Detach the sessions nobody has watched or used for longer than `after`
     /// (their kernel is gone, or a script stopped): see [`AppState::detach`].
-    pub async fn cull_idle(&self, after: Duration) {
+    pub async fn detach_unwatched(&self, after: Duration) {
         let served: Vec<(Uuid, Served)> =
             self.sessions.read().unwrap_or_else(|e| e.into_inner()).iter().map(|(k, v)| (*k, v.clone())).collect();
         for (sid, s) in served {
@@ -78,6 +78,23 @@ impl AppState {
             }
             if self.detach(sid, &s, true).await.is_some() {
                 tracing::info!(session = %sid, idle = ?idle, "session detached: idle with no client (its state stays)");
+            }
+        }
+    }
+
+    /// Stop the workers the hosts keep for every session idle (nothing running
+    /// or queued, no request) for longer than `after`, watched or not: once per
+    /// idle spell. The session stays attached; its next cell restores its
+    /// closure into a new worker.
+    pub async fn cull_idle_workers(&self, after: Duration) {
+        let served: Vec<(Uuid, Served)> =
+            self.sessions.read().unwrap_or_else(|e| e.into_inner()).iter().map(|(k, v)| (*k, v.clone())).collect();
+        for (sid, s) in served {
+            let Ok(Some(idle)) = s.addr.send(session::FreeIdleWorkers { after }).await else { continue };
+            let bus = &self.shared.bus;
+            match bus.publish(bus.subjects().idle(sid), &SessionIdleV1 { session: sid }).await {
+                Ok(()) => tracing::info!(session = %sid, idle = ?idle, "idle session's workers given back"),
+                Err(e) => tracing::warn!(session = %sid, error = %e, "could not tell the hosts a session is idle"),
             }
         }
     }

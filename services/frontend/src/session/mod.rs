@@ -47,7 +47,8 @@ use read_back::{event_key, output_key};
 pub use relay::Attach;
 use relay::Watcher;
 pub use requests::{
-    Close, CountRuns, CpuHost, Detach, Detached, Edit, IdleFor, Input, Refused, Revert, RunCounts, Summary,
+    Close, CountRuns, CpuHost, Detach, Detached, Edit, FreeIdleWorkers, IdleFor, Input, Refused, Revert, RunCounts,
+    Summary,
 };
 pub(crate) use settle::claim_holder;
 
@@ -111,6 +112,8 @@ pub struct SessionActor {
     reverting: bool,
     /// When a client last did something with the session, or a cell last ended.
     last_active: Instant,
+    /// When its workers were last given back for idleness (`--idle-cull-s`).
+    workers_freed_at: Option<Instant>,
     /// The host that keeps the session's CPU worker, as its last CPU cell said
     /// (completions and inspections are asked there).
     cpu_host: Option<String>,
@@ -168,6 +171,7 @@ impl SessionActor {
             closing: false,
             reverting: false,
             last_active: Instant::now(),
+            workers_freed_at: None,
             cpu_host: None,
             replayed: HashSet::new(),
             traces: HashMap::new(),

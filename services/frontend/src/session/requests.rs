@@ -98,6 +98,32 @@ impl Handler<IdleFor> for SessionActor {
     }
 }
 
+/// Whether the session's workers should be given back now: it has been idle
+/// (nothing running or queued, no request; clients may watch) for `after`, and
+/// they were not given back since it was last active. Answers how long it was
+/// idle, and counts them as given back.
+#[derive(Message)]
+#[rtype(result = "Option<Duration>")]
+pub struct FreeIdleWorkers {
+    /// How long idle.
+    pub after: Duration,
+}
+
+impl Handler<FreeIdleWorkers> for SessionActor {
+    type Result = Option<Duration>;
+
+    fn handle(&mut self, msg: FreeIdleWorkers, _ctx: &mut Self::Context) -> Self::Result {
+        let busy = self.current.is_some() || !self.stored.queued.is_empty() || self.closing;
+        let idle = self.last_active.elapsed();
+        let freed_since = self.workers_freed_at.is_some_and(|at| at >= self.last_active);
+        if busy || idle < msg.after || freed_since {
+            return None;
+        }
+        self.workers_freed_at = Some(Instant::now());
+        Some(idle)
+    }
+}
+
 /// The session's summary.
 #[derive(Message)]
 #[rtype(result = "crate::api::SessionSummary")]
@@ -239,7 +265,9 @@ impl Handler<Revert> for SessionActor {
         self.reverting = true;
         let bus = self.shared.bus.clone();
         let ask = RevertV1 { session: self.sid, base_revision: self.stored.revision, to: msg.to };
-        let asked = async move { bus.request::<_, StateMovedV1>(bus.subjects().store(StoreVerb::Revert), &ask, STORE_WAIT).await };
+        let asked = async move {
+            bus.request::<_, StateMovedV1>(bus.subjects().store(StoreVerb::Revert), &ask, STORE_WAIT).await
+        };
         Box::pin(asked.into_actor(self).map(|answer, act, ctx| {
             act.reverting = false;
             let refused_by_store = matches!(answer, Err(schemas::BusError::Remote { .. }));
