@@ -187,6 +187,9 @@ fn jupyterlab_in_a_browser_runs_interrupts_and_restarts_a_notebook_on_looseleaf(
     assert!(number("pinned-gpu-seconds").is_some_and(|p| p > number("gpu-slot-seconds").unwrap_or(f64::MAX)), "{seen}");
     assert!(number("cells").is_some_and(|c| c >= 10.0), "{seen}");
     assert!(panel["hit-rate"].as_str().is_some_and(|h| h.ends_with('%')), "{seen}");
+    // its Undo button took back the last cell: `later` is gone, `x` stays
+    assert!(seen["panel_undo"].as_str().is_some_and(|u| u.starts_with("LooseLeaf: undone")), "{seen}");
+    assert_eq!(seen["after_panel_undo"], "False 1000\n", "{seen}");
     // pinned to GPU from its badge: in the cell's metadata, and run on a GPU
     assert_eq!(seen["pin_metadata"], serde_json::json!({"device": "gpu"}), "{seen}");
     assert_eq!(seen["pinned_output"], "1001\n", "{seen}");

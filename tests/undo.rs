@@ -119,3 +119,37 @@ async fn forks_diverge_without_touching_each_other_or_their_parent() -> anyhow::
     assert_eq!(gone.status().map(|c| c.as_u16()), Some(404), "{gone}");
     Ok(())
 }
+
+/// The kernel's own magics, as a notebook user types them: `%looseleaf undo`
+/// after an in-place mutation, `checkout N` by the `In[N]` the user sees,
+/// `fork`; a bad magic and an execution the kernel never ran are the cell's
+/// error, naming what was wrong.
+#[test]
+fn the_kernels_magics_undo_check_out_and_fork_the_notebooks_state() -> anyhow::Result<()> {
+    use looseleaf_test_support::repo_root;
+    let prefix = tempfile::tempdir()?;
+    crate::kernel::install_as(prefix.path(), &["--name", "looseleaf-magic"])?;
+    let work = tempfile::tempdir()?;
+    let out = crate::kernel::python(prefix.path())
+        .arg(repo_root().join("tests/support/magic_probe.py"))
+        .arg("looseleaf-magic")
+        .current_dir(work.path())
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    anyhow::ensure!(out.status.success(), "magic_probe.py failed:\n{stderr}");
+    let seen: serde_json::Value = serde_json::from_slice(out.stdout.trim_ascii())?;
+    eprintln!("{seen}");
+    let said = |key: &str, i: usize| seen[key][i].as_str().unwrap_or_default().to_string();
+    assert_eq!(said("undo", 0), "ok");
+    assert!(said("undo", 1).starts_with("LooseLeaf: undone") && said("undo", 1).contains("not undone"), "{seen}");
+    assert_eq!(said("after_undo", 1), "[1, 2]\n");
+    assert!(said("checkout", 1).contains("execution 2's again"), "{seen}");
+    assert_eq!(said("after_checkout", 1), "[1, 2, 3]\n");
+    assert_eq!(said("unknown_execution", 0), "error");
+    assert!(said("unknown_execution", 2).contains("execution 99 is not one this kernel ran"), "{seen}");
+    assert_eq!(said("bad_magic", 0), "error");
+    assert!(said("bad_magic", 2).contains("undo | checkout N | fork"), "{seen}");
+    assert!(said("fork", 1).starts_with("LooseLeaf: forked: session "), "{seen}");
+    assert_eq!(said("still_here", 1), "[1, 2, 3]\n", "the notebook stays on its own session");
+    Ok(())
+}

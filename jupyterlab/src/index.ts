@@ -97,6 +97,27 @@ class NotebookLink {
     this.watchCells();
   }
 
+  /**
+   * Undo the session's last cell (`%looseleaf undo`, outside the notebook's
+   * history): what the kernel answered, in one line.
+   */
+  async undo(): Promise<string> {
+    const kernel = await this.looseleafKernel();
+    if (!kernel) {
+      return 'This notebook has no LooseLeaf kernel.';
+    }
+    let said = '';
+    const future = kernel.requestExecute({ code: '%looseleaf undo', silent: false, store_history: false });
+    future.onIOPub = msg => {
+      if (msg.header.msg_type === 'stream') {
+        said += (msg.content as { text: string }).text;
+      }
+    };
+    const reply = await future.done;
+    const content = reply.content as { status: string; evalue?: string };
+    return content.status === 'ok' ? said.trim() : `Not undone: ${content.evalue ?? content.status}`;
+  }
+
   /** The kernel, if it is LooseLeaf's. */
   private async looseleafKernel(): Promise<Kernel.IKernelConnection | null> {
     const kernel = this.panel.sessionContext.session?.kernel ?? null;
@@ -393,7 +414,13 @@ function renderBadge(
 
 /** The side panel: the current notebook's session. */
 class SessionPanel extends Widget {
-  constructor() {
+  /** What the last undo answered (shown under its button). */
+  private undone = '';
+  /** The totals shown. */
+  private totals: SessionTotals | null = null;
+
+  /** `undo`: undo the current notebook's last cell (null: no notebook). */
+  constructor(private undo: () => Promise<string> | null) {
     super();
     this.id = 'looseleaf-session';
     this.addClass('ll-session-panel');
@@ -404,6 +431,7 @@ class SessionPanel extends Widget {
 
   /** Show `t`, the totals of the current notebook's session (null: none yet). */
   render(t: SessionTotals | null): void {
+    this.totals = t;
     this.node.replaceChildren();
     const h = document.createElement('h3');
     h.textContent = 'LooseLeaf session';
@@ -433,6 +461,34 @@ class SessionPanel extends Widget {
       tr.insertCell().textContent = value;
     }
     this.node.appendChild(table);
+    this.renderUndo();
+  }
+
+  /** A button that takes the session's state back to before its last cell. */
+  private renderUndo(): void {
+    const button = document.createElement('button');
+    button.className = 'll-undo jp-mod-styled';
+    button.textContent = 'Undo last cell';
+    button.title = 'Variables go back to before the last cell ran; outputs and files stay as they are.';
+    const said = document.createElement('p');
+    said.className = 'll-undo-said';
+    said.textContent = this.undone;
+    button.onclick = async () => {
+      const undone = this.undo();
+      if (!undone) {
+        return;
+      }
+      button.disabled = true;
+      try {
+        this.undone = await undone;
+      } catch (e) {
+        this.undone = `Not undone: ${e}`;
+      }
+      // (the panel may have been drawn again meanwhile)
+      this.render(this.totals);
+    };
+    this.node.appendChild(button);
+    this.node.appendChild(said);
   }
 }
 
@@ -442,10 +498,10 @@ const plugin: JupyterFrontEndPlugin<void> = {
   autoStart: true,
   requires: [INotebookTracker],
   activate: (app: JupyterFrontEnd, tracker: INotebookTracker) => {
-    const side = new SessionPanel();
-    app.shell.add(side, 'right', { rank: 900 });
     const links = new WeakMap<NotebookPanel, NotebookLink>();
     const current = () => (tracker.currentWidget ? links.get(tracker.currentWidget) : undefined);
+    const side = new SessionPanel(() => current()?.undo() ?? null);
+    app.shell.add(side, 'right', { rank: 900 });
     tracker.widgetAdded.connect((_, panel) => {
       const link = new NotebookLink(panel, l => {
         if (l === current()) {

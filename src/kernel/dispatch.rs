@@ -166,7 +166,10 @@ impl Kernel {
         // the session's workers and slots are freed at once. Jupyter's "Restart
         // kernel" is a fresh session, as users expect (the old one is deleted);
         // any other end detaches it, for the next kernel on this notebook (ADR 63)
-        if let Some(s) = self.session.take() {
+        if let Some(mut s) = self.session.take() {
+            // stop following its events first: a reconnection of this kernel's
+            // own stream would attach the session again
+            s.stop_following();
             let done = if restart {
                 s.fe.delete(s.sid).await
             } else {

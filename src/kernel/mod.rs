@@ -126,6 +126,15 @@ impl Session {
     }
 }
 
+impl Session {
+    /// Stop following the session's events (before it is detached: the
+    /// stream's reader would otherwise reconnect and attach it again).
+    fn stop_following(&mut self) {
+        self.items.close();
+        while self.items.try_recv().is_ok() {}
+    }
+}
+
 /// The line a resumed session's first cell shows.
 fn resumed_notice(r: &ResumedSession) -> String {
     let when = r
@@ -274,9 +283,10 @@ pub async fn serve(connection_file: &Path, opts: KernelOptions, cluster: Cluster
         _ = terminate.recv() => {}
         () = supervise => {}
     }
-    if let Some(s) = kernel.session.take() {
+    if let Some(mut s) = kernel.session.take() {
         // its workers and slots are freed now; its state stays for the next
         // kernel on this notebook (ADR 63)
+        s.stop_following();
         if let Err(e) = s.fe.detach(s.sid).await {
             tracing::warn!(session = %s.sid, error = %e, "could not detach the kernel's session on exit");
         }

@@ -172,7 +172,15 @@ try {
     seen.panel = await panel.evaluate((p) => Object.fromEntries(
       [...p.querySelectorAll("tr")].map((r) => [r.dataset.key, r.cells[1].textContent])));
     await page.screenshot({ path: `${out}/side-panel.png` });
+    // the panel's Undo takes back the last cell (it bound `later`)
+    await panel.locator("button.ll-undo").click();
+    await page.waitForFunction(() => document.querySelector("#looseleaf-session .ll-undo-said")?.textContent,
+      null, { timeout: MINUTE });
+    seen.panel_undo = await panel.locator(".ll-undo-said").textContent();
     await page.locator('.jp-SideBar [data-id="looseleaf-session"]').click(); // closed again
+    await runNewCell("print('later' in dir(), len(x))");
+    await lastCellPrinted();
+    seen.after_panel_undo = (await lastOutputs()).map((o) => o.text || o.ename).join("");
   });
 
   await step("pin", async () => {
