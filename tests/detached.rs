@@ -2,7 +2,8 @@
 //! detached by its client, or idle with no client, frees its workers and keeps its
 //! state; a new session asking to resume the same notebook gets it back with its
 //! variables, once (of two asking at once, one wins and the other gets a fresh
-//! session saying why); a detached session past its retention is deleted.
+//! session saying why); a detached session past its retention is deleted, and
+//! under disk pressure the oldest detached sessions are discarded first.
 
 use std::time::Duration;
 
@@ -121,9 +122,10 @@ async fn a_session_idle_with_no_client_detaches_and_expires_after_its_retention(
     Ok(())
 }
 
-/// The issue's own scenario: a corpus notebook run halfway in a kernel, the kernel
-/// SIGKILLed, a new kernel on the same notebook resumes (saying so) and runs the
-/// rest, re-running nothing: the notebook equals a plain kernel's run (nbequiv).
+/// The issue's own scenario: corpus notebooks (three) each run halfway in a
+/// kernel, the kernel SIGKILLed, a new kernel on the same notebook resumes
+/// (saying so) and runs the rest, re-running nothing: each notebook equals a
+/// plain kernel's run (nbequiv).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_killed_kernels_notebook_resumes_in_a_new_kernel() -> anyhow::Result<()> {
     use looseleaf_test_support::{copy_dir, repo_root};
@@ -133,24 +135,79 @@ async fn a_killed_kernels_notebook_resumes_in_a_new_kernel() -> anyhow::Result<(
     crate::kernel::install_as(prefix.path(), &["--name", "looseleaf-resume", "--all-gpu"])?;
     let corpus = prefix.path().join("corpus");
     copy_dir(&repo_root().join("../shared/corpus"), &corpus)?;
-    let notebook = corpus.join("pdsh_02.02-The-Basics-Of-NumPy-Arrays.ipynb");
-    let executed = prefix.path().join("executed.ipynb");
-    let mut probe = crate::kernel::python(prefix.path());
-    probe
-        .arg(repo_root().join("tests/support/resume_probe.py"))
-        .arg("looseleaf-resume")
-        .arg(&notebook)
-        .arg(&executed)
-        .arg(&corpus)
-        .arg(&services.frontend);
-    let out = tokio::task::spawn_blocking(move || probe.output()).await??;
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    anyhow::ensure!(out.status.success(), "resume_probe.py failed:\n{stderr}");
-    let said: serde_json::Value = serde_json::from_slice(&out.stdout)?;
-    let notice = said["notice"].as_str().unwrap_or_default();
-    assert!(notice.starts_with("LooseLeaf: resumed") && notice.contains("%looseleaf fresh"), "{said}");
-    assert!(said["split"].as_u64() > Some(0), "{said}");
-    let (same, text) = crate::kernel::nbequiv(&notebook, &executed, &corpus, prefix.path())?;
-    assert!(same, "the resumed notebook differs from a plain kernel's run: {text}");
+    // three notebooks of different kinds: arrays, a kishu test notebook, pandas
+    for name in [
+        "pdsh_02.02-The-Basics-Of-NumPy-Arrays.ipynb",
+        "kishu_numpy.ipynb",
+        "pdsh_03.02-Data-Indexing-and-Selection.ipynb",
+    ] {
+        let notebook = corpus.join(name);
+        let executed = prefix.path().join(format!("executed-{name}"));
+        let mut probe = crate::kernel::python(prefix.path());
+        probe
+            .arg(repo_root().join("tests/support/resume_probe.py"))
+            .arg("looseleaf-resume")
+            .arg(&notebook)
+            .arg(&executed)
+            .arg(&corpus)
+            .arg(&services.frontend);
+        let out = tokio::task::spawn_blocking(move || probe.output()).await??;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        anyhow::ensure!(out.status.success(), "resume_probe.py failed on {name}:\n{stderr}");
+        let said: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        let notice = said["notice"].as_str().unwrap_or_default();
+        assert!(notice.starts_with("LooseLeaf: resumed") && notice.contains("%looseleaf fresh"), "{name}: {said}");
+        assert!(said["split"].as_u64() > Some(0), "{name}: {said}");
+        let (same, text) = crate::kernel::nbequiv(&notebook, &executed, &corpus, prefix.path())?;
+        assert!(same, "{name}: the resumed notebook differs from a plain kernel's run: {text}");
+    }
+    Ok(())
+}
+
+/// A store that stays low on space after collecting has the oldest detached
+/// sessions discarded first, one at a time; attached sessions are never
+/// discarded (item 5 of the issue).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_store_low_on_space_discards_the_oldest_detached_sessions_first() -> anyhow::Result<()> {
+    // a threshold above the volume's free space: low on space from the start,
+    // while saves still fit (they need only half of it free)
+    let free = {
+        let st = nix::sys::statvfs::statvfs(&std::env::temp_dir())?;
+        st.blocks_available() as u64 * st.fragment_size() as u64
+    };
+    anyhow::ensure!(free > 4 << 30, "the test needs 4 GiB free, the volume has {free} bytes");
+    let env = [("LOOSELEAF_GC_FREE_BYTES", (free + (1 << 30)).to_string())];
+    let services = Services::start(&bin_dir_of(env!("CARGO_BIN_EXE_looseleaf")), &[1], &env).await?;
+    let fe = services.client();
+    let dir = tempfile::tempdir()?;
+    let cwd = dir.path().display().to_string();
+    let mut sids = Vec::new();
+    for name in ["oldest", "newer", "attached"] {
+        let sid = fe.open_session(&asking(&cwd, &format!("{name}.ipynb"))).await?.session_id;
+        run(&fe, sid, "c1", &format!("kept = '{name}'")).await?;
+        sids.push(sid);
+    }
+    let [oldest, newer, attached] = sids[..] else { unreachable!() };
+    fe.detach(oldest).await?;
+    fe.detach(newer).await?;
+
+    // when each went from the list (the store asks again every few seconds)
+    let (mut gone, start) = (std::collections::HashMap::new(), tokio::time::Instant::now());
+    while gone.len() < 2 {
+        anyhow::ensure!(start.elapsed() < Duration::from_secs(90), "not discarded: {gone:?}");
+        let listed = fe.sessions().await?;
+        for sid in [oldest, newer] {
+            if !listed.iter().any(|s| s.session_id == sid) {
+                gone.entry(sid).or_insert_with(tokio::time::Instant::now);
+            }
+        }
+        assert!(listed.iter().any(|s| s.session_id == attached), "an attached session was discarded");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(gone[&oldest] < gone[&newer], "the newer detached session went first");
+    // the attached one still works, with its state
+    assert!(run(&fe, attached, "c2", "print(kept)").await?.contains("attached"));
+    let resumed = fe.open_session(&asking(&cwd, "oldest.ipynb")).await?;
+    assert!(resumed.resumed.is_none(), "a discarded session came back: {resumed:?}");
     Ok(())
 }

@@ -119,7 +119,7 @@ impl Role {
                 publish.extend(bucket(&buckets::claims_bucket(prefix)));
                 publish.extend(jetstream_on(&s.events_stream()));
                 publish.extend(jetstream_on(&s.outputs_stream()));
-                subscribe.extend([s.all_events(), s.all_outputs(), s.all_host_status()]);
+                subscribe.extend([s.all_events(), s.all_outputs(), s.all_host_status(), s.store_pressure()]);
             }
             Role::Planner => {
                 publish.extend([
@@ -134,6 +134,7 @@ impl Role {
             }
             Role::Store => {
                 subscribe.push(format!("{prefix}.v1.store.>"));
+                publish.push(s.store_pressure());
             }
             Role::GpuHost => {
                 publish.extend([

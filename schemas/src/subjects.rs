@@ -131,6 +131,13 @@ impl Subjects {
         format!("{}.v1.host.{hid}.{}", self.prefix, verb.as_str())
     }
 
+    /// `{prefix}.v1.space.store` — store to frontends: its volume stays low on
+    /// space after garbage collection; a frontend discards the oldest detached
+    /// session (queue group: one of them).
+    pub fn store_pressure(&self) -> String {
+        format!("{}.v1.space.store", self.prefix)
+    }
+
     /// `{prefix}.v1.store.{verb}` — requests to the store gateway (queue group).
     pub fn store(&self, verb: StoreVerb) -> String {
         format!("{}.v1.store.{}", self.prefix, verb.as_str())

@@ -194,3 +194,18 @@ pub struct GcDoneV1 {
     pub chunks_kept: u64,
 }
 wire!(GcDoneV1, "gc-done", 1);
+
+/// store -> frontends: the store's volume is still low on space after garbage
+/// collection; one frontend discards the oldest detached session (its chunks
+/// that nothing else references are freed). Sent every few seconds while it
+/// lasts.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StorePressureV1 {
+    /// Bytes free.
+    pub free: u64,
+    /// The volume's size.
+    pub total: u64,
+    /// The free space it collects garbage below (`--gc-free-bytes`).
+    pub threshold: u64,
+}
+wire!(StorePressureV1, "store-pressure", 1);

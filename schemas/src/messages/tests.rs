@@ -310,6 +310,7 @@ mod fuzz {
             RevertV1,
             ForkV1,
             StateMovedV1,
+            StorePressureV1,
             DoneV1,
             Reply<ManifestV2>,
             Reply<CommittedV1>,

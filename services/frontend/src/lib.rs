@@ -219,6 +219,25 @@ pub async fn run_with_bound(
             }
         });
     }
+    // the store stays low on space: one frontend discards the oldest detached session
+    let mut pressures =
+        bus.queue_subscribe::<schemas::messages::StorePressureV1>(bus.subjects().store_pressure(), "frontend").await?;
+    {
+        let (discarder, stop) = (state.clone(), token.clone());
+        tokio::spawn(async move {
+            loop {
+                let pressure = tokio::select! {
+                    () = stop.cancelled() => return,
+                    next = pressures.next() => match next {
+                        Some(Ok(env)) => env.msg,
+                        Some(Err(_)) => continue, // logged by the bus
+                        None => return,
+                    },
+                };
+                discarder.discard_for_space(&pressure).await;
+            }
+        });
+    }
     if let Some(after) = config.idle_cull {
         let (culler, stop) = (state.clone(), token.clone());
         let every = (after / 4).clamp(Duration::from_millis(200), Duration::from_secs(60));

@@ -7,7 +7,7 @@ use actix::prelude::*;
 use schemas::bus::Rejected;
 use schemas::messages::{
     ChunkPlanV2, ChunkPlannedV1, CommitV2, CommittedV1, DoneV1, ErrorCode, ForkV1, GcDoneV1, GcV1, ManifestGetV2,
-    ManifestV2, Reply, RevertV1, SessionDeleteV1, SettleV1, StateMovedV1,
+    ManifestV2, Reply, RevertV1, SessionDeleteV1, SettleV1, StateMovedV1, StorePressureV1,
 };
 use schemas::{Bus, Envelope, WireMessage};
 use tracing::Instrument;
@@ -37,8 +37,15 @@ impl Gateway {
 }
 
 /// Collect whenever the volume is below its threshold (checked every few seconds,
-/// and at once when a save was refused for space). One collection at a time.
-async fn collect_under_pressure(manifests: Arc<Manifests>, volume: Arc<Volume>, schedule: crate::gc::Schedule) {
+/// and at once when a save was refused for space). One collection at a time. If
+/// it is still below after collecting, the frontends hear so: one discards the
+/// oldest detached session (ADR 63), and the next round collects what it freed.
+async fn collect_under_pressure(
+    bus: Bus,
+    manifests: Arc<Manifests>,
+    volume: Arc<Volume>,
+    schedule: crate::gc::Schedule,
+) {
     loop {
         volume.woken_or_due().await;
         let Some(space) = volume.pressed() else { continue };
@@ -46,6 +53,16 @@ async fn collect_under_pressure(manifests: Arc<Manifests>, volume: Arc<Volume>, 
         match crate::gc::collect(&manifests, schedule.keep_revisions, schedule.grace).await {
             Ok(done) => tracing::info!(?done, "garbage collection for space"),
             Err(e) => tracing::warn!(error = %e, "garbage collection for space failed"),
+        }
+        let Some(space) = volume.pressed() else { continue };
+        let pressure =
+            StorePressureV1 { free: space.free, total: space.total, threshold: volume.threshold(space.total) };
+        tracing::warn!(
+            free = space.free,
+            "still low on space after collecting: asking for the oldest detached session to be discarded"
+        );
+        if let Err(e) = bus.publish(bus.subjects().store_pressure(), &pressure).await {
+            tracing::warn!(error = %e, "could not tell the frontends the store is low on space");
         }
     }
 }
@@ -56,7 +73,8 @@ impl Actor for Gateway {
     fn started(&mut self, ctx: &mut Self::Context) {
         if let Some(volume) = self.volume.clone() {
             let schedule = self.gc.unwrap_or_default();
-            ctx.spawn(collect_under_pressure(self.manifests.clone(), volume, schedule).into_actor(self));
+            let pressure = collect_under_pressure(self.bus.clone(), self.manifests.clone(), volume, schedule);
+            ctx.spawn(pressure.into_actor(self));
         }
         let Some(schedule) = self.gc else { return };
         ctx.run_interval(schedule.every, move |act, ctx| {

@@ -78,6 +78,11 @@ impl Volume {
         space_of(&self.dir)
     }
 
+    /// The free space below which it collects, for a volume of `total` bytes.
+    pub fn threshold(&self, total: u64) -> u64 {
+        threshold(self.configured, total)
+    }
+
     /// Whether free space is below the threshold (and what it is).
     pub fn pressed(&self) -> Option<Space> {
         let space = self.space().ok()?;

@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use actix::prelude::*;
 use axum::http::StatusCode;
-use schemas::messages::{DoneV1, OutputV2, SessionCloseV1, SessionDeleteV1, SessionEventV2, SessionIdleV1};
+use schemas::messages::{
+    DoneV1, OutputV2, SessionCloseV1, SessionDeleteV1, SessionEventV2, SessionIdleV1, StorePressureV1,
+};
 use schemas::subjects::StoreVerb;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -157,6 +159,48 @@ impl AppState {
                 Err(e) => tracing::warn!(session = %sid, error = %e, "could not discard an expired detached session"),
             }
         }
+    }
+
+    /// The store is still low on space after collecting: discard the session
+    /// detached longest ago, with its state (the store frees the chunks nothing
+    /// else references), logged with whose it was. One per word from the store,
+    /// which says again while it stays low. Answers the session discarded.
+    pub async fn discard_for_space(&self, pressure: &StorePressureV1) -> Option<Uuid> {
+        let records = match self.shared.records.all().await {
+            Ok(records) => records,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not list sessions to discard one for space");
+                return None;
+            }
+        };
+        let mut detached: Vec<_> = records.into_iter().filter(|r| r.detached_unix_ms.is_some()).collect();
+        detached.sort_by_key(|r| r.detached_unix_ms);
+        for r in detached {
+            let sid = r.session_id;
+            // taken first (checked against the record read): one resumed meanwhile stays
+            match self.shared.records.attach(sid).await {
+                Ok(Some(_)) => {}
+                Ok(None) => continue,
+                Err(e) => {
+                    tracing::warn!(session = %sid, error = %e, "could not take a detached session to discard it");
+                    return None;
+                }
+            }
+            return match delete_state(self, sid).await {
+                Ok(store_error) => {
+                    tracing::warn!(session = %sid, notebook = ?r.notebook, owner = ?r.owner,
+                        detached_unix_ms = ?r.detached_unix_ms, free = pressure.free, threshold = pressure.threshold,
+                        ?store_error, "detached session discarded: the store is low on space (oldest detached first)");
+                    Some(sid)
+                }
+                Err(e) => {
+                    tracing::warn!(session = %sid, error = %e, "could not discard a detached session for space");
+                    None
+                }
+            };
+        }
+        tracing::warn!(free = pressure.free, "the store is low on space and no detached session is left to discard");
+        None
     }
 
     /// Set the `looseleaf_runs` gauge from every served session's runs.
