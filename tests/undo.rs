@@ -80,12 +80,15 @@ async fn forks_diverge_without_touching_each_other_or_their_parent() -> anyhow::
     // GPU cells (virtual GPUs): each restores its closure from the store
     let mut parent = services.session(true).await?;
     let fe = parent.fe.clone();
-    printed(&mut parent, "c1", "import numpy as np\nxs = [1, 2]\nbig = np.arange(1_000_000)").await?;
+    // `gen` cannot be saved: only the parent's worker holds it
+    let c1 = "import numpy as np\nxs = [1, 2]\nbig = np.arange(1_000_000)\ngen = (i for i in range(3))";
+    printed(&mut parent, "c1", c1).await?;
 
     let mut forks = Vec::new();
     for _ in 0..2 {
         let forked = fe.fork(parent.sid).await?;
         assert_eq!(forked.forked_from, Some(parent.sid));
+        assert_eq!(forked.unsavable, vec!["gen".to_string()], "what the fork does not get is named");
         assert!(forked.variables >= 2 && forked.bytes >= 8_000_000, "{forked:?}");
         // a fork starts detached, and is listed as the caller's
         let listed = fe.sessions().await?;
@@ -102,6 +105,9 @@ async fn forks_diverge_without_touching_each_other_or_their_parent() -> anyhow::
     assert_eq!(printed(f1, "c3", "print(xs, big[0])").await?, "[1, 2, 'f1'] -1");
     assert_eq!(printed(f2, "c3", "print(xs, big[0])").await?, "[1, 2, 'f2'] 0");
     assert_eq!(printed(&mut parent, "c3", "print(xs, big[0])").await?, "[1, 2, 'p'] 0");
+    // the generator stayed the parent's: a fork's cell never runs in its worker
+    assert_eq!(printed(f2, "c3b", "print('gen' in dir())").await?, "False");
+    assert_eq!(printed(&mut parent, "c3b", "print(next(gen))").await?, "0");
 
     // a fork's undo stops at the state it was forked with
     fe.undo(f1.sid).await?; // c3
@@ -114,7 +120,7 @@ async fn forks_diverge_without_touching_each_other_or_their_parent() -> anyhow::
     // the parent discarded, its forks keep their state (the chunks they share stay)
     fe.delete(parent.sid).await?;
     assert_eq!(printed(f2, "c4", "print(xs, big.sum())").await?, "[1, 2, 'f2'] 499999500000");
-    // another session's id, or a deleted one, is not forked
+    // a deleted session is not forked
     let gone = fe.fork(parent.sid).await.expect_err("fork of a deleted session");
     assert_eq!(gone.status().map(|c| c.as_u16()), Some(404), "{gone}");
     Ok(())

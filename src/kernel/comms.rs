@@ -156,13 +156,7 @@ impl Kernel {
         if !answer.held && msg.message_type() == "comm_open" {
             self.iopub("comm_close", json!({ "comm_id": comm_id, "data": {} }), msg).await;
         }
-        let mut ended = Ended {
-            ok: true,
-            error: None,
-            payload: vec![],
-            user_expressions: json!({}),
-            placement: Default::default(),
-        };
+        let mut ended = Ended::ok();
         for message in answer.outputs {
             self.relay(msg, message, false, self.execution_count, &mut ended).await;
         }

@@ -46,6 +46,22 @@ pub(super) struct Ended {
     pub(super) user_expressions: Value,
     /// Where and how the cell ran, for the reply's `metadata.looseleaf`.
     pub(super) placement: serde_json::Map<String, Value>,
+    /// The session's revision after it (the state `%looseleaf checkout N` returns to).
+    pub(super) after_revision: Option<u64>,
+}
+
+impl Ended {
+    /// A cell that ended well, with nothing to say yet.
+    pub(super) fn ok() -> Self {
+        Ended {
+            ok: true,
+            error: None,
+            payload: vec![],
+            user_expressions: json!({}),
+            placement: Default::default(),
+            after_revision: None,
+        }
+    }
 }
 
 /// A cell being run: what the dispatch loop's turns need while it runs, and how
@@ -156,7 +172,7 @@ impl Kernel {
             Err(why) => {
                 let evalue = format!("no LooseLeaf session: {why}");
                 let error = Some(("LooseLeafUnavailable".into(), evalue, vec![]));
-                Ended { ok: false, error, payload: vec![], user_expressions: json!({}), placement: Default::default() }
+                Ended { ok: false, error, ..Ended::ok() }
             }
         };
         // the reply is `ok` only for a cell that ran to its end: one the platform
@@ -182,6 +198,9 @@ impl Kernel {
         }
         if store_history {
             self.history.push((count, code));
+            if let Some(revision) = ended.after_revision {
+                self.revisions.insert(count, revision);
+            }
         }
         let content = match &ended.error {
             None => json!({ "status": "ok", "execution_count": count, "payload": ended.payload,
@@ -226,22 +245,17 @@ impl Kernel {
                 self.move_state(other).await
             }
         };
-        let mut ended = Ended {
-            ok: true,
-            error: None,
-            payload: vec![],
-            user_expressions: json!({}),
-            placement: Default::default(),
-        };
         match done {
-            Ok(text) if !silent => self.iopub("stream", json!({ "name": "stdout", "text": text }), msg).await,
-            Ok(_) => {}
+            Ok(text) => {
+                if !silent {
+                    self.iopub("stream", json!({ "name": "stdout", "text": text }), msg).await;
+                }
+                Ok(Some(Ended::ok()))
+            }
             Err(why) => {
-                ended.ok = false;
-                ended.error = Some(("LooseLeafError".into(), why, vec![]));
+                Ok(Some(Ended { ok: false, error: Some(("LooseLeafError".into(), why, vec![])), ..Ended::ok() }))
             }
         }
-        Ok(Some(ended))
     }
 
     /// `%looseleaf undo`, `checkout N` and `fork`: what the session's state did,
@@ -312,13 +326,7 @@ impl Kernel {
             let text = "LooseLeaf: a fresh session: every variable is gone.\n";
             self.iopub("stream", json!({ "name": "stdout", "text": text }), msg).await;
         }
-        Ok(Some(Ended {
-            ok: true,
-            error: None,
-            payload: vec![],
-            user_expressions: json!({}),
-            placement: Default::default(),
-        }))
+        Ok(Some(Ended::ok()))
     }
 
     /// Abort the execute requests queued now; other requests are kept.
@@ -350,13 +358,7 @@ impl Kernel {
         silent: bool,
         count: u64,
     ) -> Ended {
-        let mut ended = Ended {
-            ok: false,
-            error: None,
-            payload: vec![],
-            user_expressions: json!({}),
-            placement: Default::default(),
-        };
+        let mut ended = Ended { ok: false, ..Ended::ok() };
         let Some(session) = &self.session else {
             ended.error = Some(("LooseLeafError".into(), "the kernel has no LooseLeaf session".into(), vec![]));
             return ended;
@@ -402,10 +404,7 @@ impl Kernel {
                 placement_of(&event, run.sent, &mut run.ended.placement);
             }
             StreamItem::Done { exec_id: e, status, error, after_revision, .. } if e == run.exec_id => {
-                // the state `%looseleaf checkout N` returns to
-                if !run.silent {
-                    self.revisions.insert(run.count, after_revision);
-                }
+                run.ended.after_revision = Some(after_revision);
                 run.ended.ok = status == ExecStatus::Ok;
                 if !run.ended.ok && run.ended.error.is_none() {
                     let why = error.unwrap_or_else(|| "the cell failed".into());

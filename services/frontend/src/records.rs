@@ -214,6 +214,24 @@ pub enum RecordError {
 }
 
 impl SessionRecord {
+    /// The record of a new session of `owner`'s, created now, whose state is at
+    /// `revision` (0: nothing saved yet).
+    pub fn new(session_id: Uuid, options: SessionOptions, owner: Option<String>, notebook: Option<String>) -> Self {
+        SessionRecord {
+            version: RECORD_VERSION,
+            session_id,
+            options,
+            created_unix_ms: schemas::unix_ms(),
+            revision: 0,
+            last_exec: None,
+            owner,
+            in_flight: None,
+            queued: VecDeque::new(),
+            notebook,
+            detached_unix_ms: None,
+        }
+    }
+
     /// The record as it is written: queued runs without the code they keep aside,
     /// and the oldest version that reads it right.
     pub fn to_write(&self) -> SessionRecord {

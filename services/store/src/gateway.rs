@@ -1,6 +1,7 @@
 //! The store gateway actor: answers manifest gets, chunk plans, commits and session deletes on
 //! `{prefix}.v1.store.*` (queue group `store`, so replicas share the work).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use actix::prelude::*;
@@ -21,6 +22,8 @@ pub struct Gateway {
     manifests: Arc<Manifests>,
     gc: Option<crate::gc::Schedule>,
     volume: Option<Arc<Volume>>,
+    /// Deleted sessions whose chunks are being freed now.
+    freeing: Arc<AtomicUsize>,
 }
 
 impl Gateway {
@@ -32,7 +35,7 @@ impl Gateway {
         gc: Option<crate::gc::Schedule>,
         volume: Option<Arc<Volume>>,
     ) -> Self {
-        Self { bus, manifests, gc, volume }
+        Self { bus, manifests, gc, volume, freeing: Arc::new(AtomicUsize::new(0)) }
     }
 }
 
@@ -40,11 +43,14 @@ impl Gateway {
 /// and at once when a save was refused for space). One collection at a time. If
 /// it is still below after collecting, the frontends hear so: one discards the
 /// oldest detached session (ADR 63), and the next round collects what it freed.
+/// Not while a deleted session's chunks are still being freed (`freeing`): what
+/// that frees is not free yet, and another discard would be one too many.
 async fn collect_under_pressure(
     bus: Bus,
     manifests: Arc<Manifests>,
     volume: Arc<Volume>,
     schedule: crate::gc::Schedule,
+    freeing: Arc<AtomicUsize>,
 ) {
     loop {
         volume.woken_or_due().await;
@@ -55,6 +61,9 @@ async fn collect_under_pressure(
             Err(e) => tracing::warn!(error = %e, "garbage collection for space failed"),
         }
         let Some(space) = volume.pressed() else { continue };
+        if freeing.load(Ordering::SeqCst) > 0 {
+            continue;
+        }
         let pressure =
             StorePressureV1 { free: space.free, total: space.total, threshold: volume.threshold(space.total) };
         tracing::warn!(
@@ -73,7 +82,13 @@ impl Actor for Gateway {
     fn started(&mut self, ctx: &mut Self::Context) {
         if let Some(volume) = self.volume.clone() {
             let schedule = self.gc.unwrap_or_default();
-            let pressure = collect_under_pressure(self.bus.clone(), self.manifests.clone(), volume, schedule);
+            let pressure = collect_under_pressure(
+                self.bus.clone(),
+                self.manifests.clone(),
+                volume,
+                schedule,
+                self.freeing.clone(),
+            );
             ctx.spawn(pressure.into_actor(self));
         }
         let Some(schedule) = self.gc else { return };
@@ -221,10 +236,10 @@ impl StreamHandler<Result<Envelope<RevertV1>, Rejected>> for Gateway {
 impl StreamHandler<Result<Envelope<ForkV1>, Rejected>> for Gateway {
     fn handle(&mut self, item: Result<Envelope<ForkV1>, Rejected>, ctx: &mut Self::Context) {
         serve(self, ctx, item, "store.fork", |m, req: ForkV1| async move {
-            let first = m.fork(req.parent, req.at_least, req.child).await?;
+            let (first, lost) = m.fork(req.parent, req.at_least, req.child).await?;
             let state_of = first.forked_from.map_or(0, |f| f.revision);
             tracing::info!(parent = %req.parent, child = %req.child, state_of, "session forked");
-            Ok(moved(&first, state_of))
+            Ok(StateMovedV1 { unsavable: lost, ..moved(&first, state_of) })
         });
     }
 }
@@ -239,11 +254,13 @@ impl StreamHandler<Result<Envelope<SettleV1>, Rejected>> for Gateway {
 
 impl StreamHandler<Result<Envelope<SessionDeleteV1>, Rejected>> for Gateway {
     fn handle(&mut self, item: Result<Envelope<SessionDeleteV1>, Rejected>, ctx: &mut Self::Context) {
+        let freeing = self.freeing.clone();
         serve(self, ctx, item, "store.session.delete", |m, req: SessionDeleteV1| async move {
             let deleted = m.delete(req.session).await?;
             tracing::info!(session = %req.session, manifests = deleted.manifests, "session deleted");
             // its chunks no other session holds are freed now, not after the grace
             let session = req.session;
+            freeing.fetch_add(1, Ordering::SeqCst);
             actix::spawn(async move {
                 match crate::gc::free_deleted(&m, deleted.chunks).await {
                     Ok(done) => tracing::info!(%session, ?done, "a deleted session's chunks freed"),
@@ -251,6 +268,7 @@ impl StreamHandler<Result<Envelope<SessionDeleteV1>, Rejected>> for Gateway {
                         tracing::warn!(%session, error = %e, "a deleted session's chunks were not freed; the collector will")
                     }
                 }
+                freeing.fetch_sub(1, Ordering::SeqCst);
             });
             Ok(DoneV1 {})
         });

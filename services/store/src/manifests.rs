@@ -450,9 +450,11 @@ impl Manifests {
                     );
                     return Err(ManifestError::NothingToUndo { session, why });
                 }
-                // the state before any cell (or a manifest from before lineage was kept)
+                // the state before any cell, or a manifest from before lineage was kept
                 (None, None) => {
-                    let why = "this is the session's state before its first cell".into();
+                    let why = "no earlier state of this session is known (its cells ran before undo existed, \
+                        or none has saved state)"
+                        .into();
                     return Err(ManifestError::NothingToUndo { session, why });
                 }
             },
@@ -471,14 +473,45 @@ impl Manifests {
         let mut next = state;
         next.revision = latest.revision + 1;
         next.exec_id = Uuid::nil();
-        // `parent` and `forked_from` stay the copied state's
+        // `parent` and `forked_from` stay the copied state's. Its chunks must all
+        // be stored (the collector may have taken an old revision's meanwhile)
+        self.chunks_stored(session, &latest, &next).await?;
+        if self.is_deleted(session).await? {
+            return Err(ManifestError::Deleted { session });
+        }
         Ok((self.put_next(session, next).await?, target))
+    }
+
+    /// An error unless every chunk `next` references is stored (those `base`
+    /// references are; one in the trash comes back, as for a commit).
+    async fn chunks_stored(&self, session: Uuid, base: &Manifest, next: &Manifest) -> Result<(), ManifestError> {
+        let chunks = next.chunks();
+        let mut missing = self.missing_in(base, chunks.iter().collect()).await?;
+        let mut back = Vec::new();
+        for hash in &missing {
+            if crate::gc::untrash(&self.objects, hash).await? {
+                back.push(hash.clone());
+            }
+        }
+        missing.retain(|h| !back.contains(h));
+        match missing.first() {
+            None => Ok(()),
+            Some(example) => {
+                Err(ManifestError::MissingChunks { session, count: missing.len(), example: example.clone() })
+            }
+        }
     }
 
     /// Fork `parent` into the new session `child`: its revision 1 is the parent's
     /// latest state (`at_least`: a revision the asker knows is committed), and
-    /// both reference the same chunks.
-    pub async fn fork(&self, parent: Uuid, at_least: Option<u64>, child: Uuid) -> Result<Arc<Manifest>, ManifestError> {
+    /// both reference the same chunks. Names that could not be saved live only in
+    /// the parent's workers: the fork has none of them (answered beside it).
+    pub async fn fork(
+        &self,
+        parent: Uuid,
+        at_least: Option<u64>,
+        child: Uuid,
+    ) -> Result<(Arc<Manifest>, Vec<String>), ManifestError> {
         if self.is_deleted(parent).await? {
             return Err(ManifestError::Deleted { session: parent });
         }
@@ -492,10 +525,13 @@ impl Manifests {
         first.exec_id = Uuid::nil();
         first.parent = None;
         first.forked_from = Some(ForkPoint { session: parent, revision: from.revision });
-        self.put_next(child, first).await.map_err(|e| match e {
+        // never routed to the parent's workers, which hold them
+        let lost: Vec<String> = std::mem::take(&mut first.unsavable).into_keys().collect();
+        let first = self.put_next(child, first).await.map_err(|e| match e {
             ManifestError::Lost { .. } => ManifestError::ForkExists { child },
             e => e,
-        })
+        })?;
+        Ok((first, lost))
     }
 
     /// Store `next` as the session's next revision (create-only: a writer that
@@ -526,7 +562,8 @@ impl Manifests {
         };
         let held = match (held.iter().min(), held.iter().max()) {
             (Some(lo), Some(hi)) if lo == hi => format!("only revision {lo}"),
-            (Some(lo), Some(hi)) => format!("revisions {lo} to {hi} (older ones were collected)"),
+            (Some(lo), Some(hi)) if *lo > 1 => format!("revisions {lo} to {hi} (older ones were collected)"),
+            (Some(lo), Some(hi)) => format!("revisions {lo} to {hi}"),
             _ => "no revisions".to_string(),
         };
         ManifestError::NoRevision { session, revision, held }

@@ -21,7 +21,7 @@ use crate::api::{
     SessionSummary, StateMoved,
 };
 use crate::auth::Caller;
-use crate::records::{SessionRecord, RECORD_VERSION};
+use crate::records::SessionRecord;
 use crate::session;
 
 /// Create a session whose cells run in `cwd` (under the operator's root).
@@ -43,19 +43,8 @@ pub(super) async fn create_session(
         }
     }
     let sid = Uuid::now_v7();
-    let record = SessionRecord {
-        version: RECORD_VERSION,
-        session_id: sid,
-        options: SessionOptions { cwd: req.cwd, all_gpu: req.all_gpu, speculate: req.speculate },
-        created_unix_ms: schemas::unix_ms(),
-        revision: 0,
-        last_exec: None,
-        owner: caller.0.clone(),
-        in_flight: None,
-        queued: Default::default(),
-        notebook: req.notebook.clone(),
-        detached_unix_ms: None,
-    };
+    let options = SessionOptions { cwd: req.cwd, all_gpu: req.all_gpu, speculate: req.speculate };
+    let record = SessionRecord::new(sid, options, caller.0.clone(), req.notebook.clone());
     // recorded first: a session is never served that a restarted frontend would lose
     state.shared.records.put_new(&record).await.map_err(unavailable)?;
     let addr = start_session(&state, record).await?;
@@ -187,10 +176,9 @@ pub(super) async fn detach_session(
 ) -> Result<Json<SessionDetached>, ApiError> {
     let (sid, addr) = lookup(&state, &sid, &caller).await?;
     let served = Served { addr, owner: caller.0.clone() };
-    let detached_unix_ms = state
-        .detach(sid, &served, false)
-        .await
-        .ok_or_else(|| ApiError(StatusCode::CONFLICT, format!("session {sid} is being detached or deleted")))?;
+    let detached_unix_ms = state.detach(sid, &served, false).await.ok_or_else(|| {
+        ApiError(StatusCode::CONFLICT, format!("session {sid} is being detached or deleted, or its state moved"))
+    })?;
     // what its workers held that no later kernel gets back
     let record = state.shared.records.get(sid).await.ok().flatten();
     let unsavable = match record {
@@ -300,36 +288,38 @@ pub(super) async fn fork_session(
     let child = Uuid::now_v7();
     let bus = &state.shared.bus;
     let ask = ForkV1 { parent: sid, at_least: Some(revision), child };
-    let moved = bus
-        .request::<_, StateMovedV1>(bus.subjects().store(StoreVerb::Fork), &ask, STORE_WAIT)
-        .await
-        .map_err(store_refused)?;
-    let record = SessionRecord {
-        version: RECORD_VERSION,
-        session_id: child,
-        options: parent.options.clone(),
-        created_unix_ms: schemas::unix_ms(),
-        revision: moved.revision,
-        last_exec: None,
-        owner: caller.0.clone(),
-        in_flight: None,
-        queued: Default::default(),
-        // a fork is opened by its id: a kernel on the notebook resumes the original
-        notebook: None,
-        // nothing follows it yet: any request of its owner attaches it
-        detached_unix_ms: Some(schemas::unix_ms()),
+    let moved = match bus.request::<_, StateMovedV1>(bus.subjects().store(StoreVerb::Fork), &ask, STORE_WAIT).await {
+        Ok(moved) => moved,
+        Err(e) => {
+            // unanswered, it may have landed: no manifest is left without a record
+            if !matches!(e, schemas::BusError::Remote { .. }) {
+                discard_fork(&state, child).await;
+            }
+            return Err(store_refused(e));
+        }
     };
+    // a fork is opened by its id (a kernel on the notebook resumes the original),
+    // and starts detached: nothing follows it yet, any request of its owner attaches it
+    let mut record = SessionRecord::new(child, parent.options.clone(), caller.0.clone(), None);
+    record.revision = moved.revision;
+    record.detached_unix_ms = Some(record.created_unix_ms);
     if let Err(e) = state.shared.records.put_new(&record).await {
         // no record, no session: its manifest goes too
-        let delete = SessionDeleteV1 { session: child };
-        let subject = bus.subjects().store(StoreVerb::SessionDelete);
-        if let Err(e) = bus.request::<_, schemas::messages::DoneV1>(subject, &delete, STORE_WAIT).await {
-            tracing::warn!(session = %child, error = %e, "a fork without a record kept its manifest");
-        }
+        discard_fork(&state, child).await;
         return Err(unavailable(e));
     }
     tracing::info!(parent = %sid, session = %child, state_of = moved.state_of, "session forked");
     Ok(Json(state_moved(child, moved, Some(sid))))
+}
+
+/// Delete a fork's state in the store: it has no record (the fork failed).
+async fn discard_fork(state: &AppState, child: Uuid) {
+    let bus = &state.shared.bus;
+    let delete = SessionDeleteV1 { session: child };
+    let subject = bus.subjects().store(StoreVerb::SessionDelete);
+    if let Err(e) = bus.request::<_, schemas::messages::DoneV1>(subject, &delete, STORE_WAIT).await {
+        tracing::warn!(session = %child, error = %e, "a fork without a record kept its manifest");
+    }
 }
 
 /// How long a revert or fork waits for the store.

@@ -178,14 +178,14 @@ impl AppState {
         for r in detached {
             let sid = r.session_id;
             // taken first (checked against the record read): one resumed meanwhile stays
-            match self.shared.records.attach(sid).await {
-                Ok(Some(_)) => {}
+            let taken = match self.shared.records.attach(sid).await {
+                Ok(Some((taken, _))) => taken,
                 Ok(None) => continue,
                 Err(e) => {
                     tracing::warn!(session = %sid, error = %e, "could not take a detached session to discard it");
                     return None;
                 }
-            }
+            };
             return match delete_state(self, sid).await {
                 Ok(store_error) => {
                     tracing::warn!(session = %sid, notebook = ?r.notebook, owner = ?r.owner,
@@ -195,6 +195,12 @@ impl AppState {
                 }
                 Err(e) => {
                     tracing::warn!(session = %sid, error = %e, "could not discard a detached session for space");
+                    // detached again, as it was: nothing serves it
+                    let mut back = taken;
+                    back.detached_unix_ms = r.detached_unix_ms;
+                    if let Err(e) = self.shared.records.put(&back).await {
+                        tracing::warn!(session = %sid, error = %e, "a session taken to discard stays attached");
+                    }
                     None
                 }
             };

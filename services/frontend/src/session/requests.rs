@@ -193,7 +193,8 @@ impl Handler<CountRuns> for SessionActor {
 #[rtype(result = "Option<Detached>")]
 pub struct Detach {
     /// Only if it is still idle and unwatched (the culler's detach: a run or a
-    /// client may have come since it looked); None if not.
+    /// client may have come since it looked); None if not. None too while an
+    /// undo or checkout waits for the store.
     pub only_if_idle: bool,
 }
 
@@ -214,7 +215,8 @@ impl Handler<Detach> for SessionActor {
     fn handle(&mut self, msg: Detach, _ctx: &mut Self::Context) -> Self::Result {
         self.clients.retain(|c| !c.tx.is_closed());
         let busy = self.current.is_some() || !self.stored.queued.is_empty();
-        if msg.only_if_idle && (busy || !self.clients.is_empty()) {
+        // an undo or checkout under way lands first (its revision goes in the record)
+        if self.reverting || (msg.only_if_idle && (busy || !self.clients.is_empty())) {
             return MessageResult(None);
         }
         let unix_ms = schemas::unix_ms();
@@ -263,27 +265,35 @@ impl Handler<Revert> for SessionActor {
             return Box::pin(actix::fut::ready(Err(Refused::Busy(why.into()))));
         }
         self.reverting = true;
-        let bus = self.shared.bus.clone();
-        let ask = RevertV1 { session: self.sid, base_revision: self.stored.revision, to: msg.to };
+        let (bus, sid) = (self.shared.bus.clone(), self.sid);
+        let ask = RevertV1 { session: sid, base_revision: self.stored.revision, to: msg.to };
         let asked = async move {
-            bus.request::<_, StateMovedV1>(bus.subjects().store(StoreVerb::Revert), &ask, STORE_WAIT).await
+            let answer =
+                bus.request::<_, StateMovedV1>(bus.subjects().store(StoreVerb::Revert), &ask, STORE_WAIT).await;
+            // the workers' state is not the session's any more (or may not be: a
+            // revert that went unanswered may have landed): they stop before any
+            // run held meanwhile is sent
+            if !matches!(answer, Err(schemas::BusError::Remote { .. })) {
+                let closed = async {
+                    bus.publish(bus.subjects().close(sid), &SessionCloseV1 { session: sid }).await?;
+                    bus.flush().await
+                };
+                if let Err(e) = closed.await {
+                    tracing::warn!(session = %sid, error = %e, "could not stop the workers of a reverted session");
+                }
+            }
+            answer
         };
         Box::pin(asked.into_actor(self).map(|answer, act, ctx| {
             act.reverting = false;
-            let refused_by_store = matches!(answer, Err(schemas::BusError::Remote { .. }));
-            if let Ok(moved) = &answer {
-                act.stored.revision = moved.revision;
-                act.write_record(None);
-            }
-            // the workers' state is not the session's any more (or may not be:
-            // a revert that went unanswered may have landed)
-            if !refused_by_store {
-                let (bus, sid) = (act.shared.bus.clone(), act.sid);
-                actix::spawn(async move {
-                    if let Err(e) = bus.publish(bus.subjects().close(sid), &SessionCloseV1 { session: sid }).await {
-                        tracing::warn!(session = %sid, error = %e, "could not stop the workers of a reverted session");
-                    }
-                });
+            match &answer {
+                // a session being deleted keeps no record
+                Ok(moved) if !act.closing => {
+                    act.stored.revision = moved.revision;
+                    act.write_record(None);
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!(session = %act.sid, error = %e, "the session's state did not move"),
             }
             act.start_next(ctx);
             answer.map_err(Refused::Store)

@@ -418,8 +418,13 @@ async fn forks_diverge_without_touching_each_other_or_their_parent() {
     for c in ["c1", "c2", "c3", "c4"] {
         put_chunk(&objects, c).await;
     }
-    m.commit(&commit(parent, 0, "a", "c1")).await.unwrap();
-    let first = m.fork(parent, Some(1), f1).await.unwrap();
+    let mut with_generator = commit(parent, 0, "a", "c1");
+    with_generator.delta.unsavable.insert("g".into(), "a generator".into());
+    m.commit(&with_generator).await.unwrap();
+    // what only the parent's worker holds is not the fork's (nor routed there)
+    let (first, lost) = m.fork(parent, Some(1), f1).await.unwrap();
+    assert_eq!(lost, vec!["g".to_string()]);
+    assert!(first.unsavable.is_empty());
     assert_eq!((first.session, first.revision, first.parent), (f1, 1, None));
     assert_eq!(first.forked_from.map(|f| (f.session, f.revision)), Some((parent, 1)));
     m.fork(parent, Some(1), f2).await.unwrap();
