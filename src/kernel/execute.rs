@@ -93,6 +93,13 @@ impl Running<'_> {
 enum Magic {
     /// Discard the notebook's session for a clean one.
     Fresh,
+    /// Move the session's state, or fork it.
+    Move(StateMove),
+}
+
+/// What `%looseleaf undo`, `checkout N` and `fork` ask of the session's state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum StateMove {
     /// The session's state before its last cell.
     Undo,
     /// The session's state after execution N (this kernel's `In[N]`).
@@ -118,11 +125,11 @@ fn magic(code: &str) -> Option<Result<Magic, String>> {
     let words: Vec<&str> = rest.split_whitespace().collect();
     Some(match words.as_slice() {
         ["fresh"] => Ok(Magic::Fresh),
-        ["undo"] => Ok(Magic::Undo),
-        ["fork"] => Ok(Magic::Fork),
+        ["undo"] => Ok(Magic::Move(StateMove::Undo)),
+        ["fork"] => Ok(Magic::Move(StateMove::Fork)),
         ["checkout", n] => n
             .parse()
-            .map(Magic::Checkout)
+            .map(|n| Magic::Move(StateMove::Checkout(n)))
             .map_err(|_| format!("`{n}` is not an execution number; usage: {MAGIC_USAGE}")),
         _ => Err(format!("usage: {MAGIC_USAGE}")),
     })
@@ -240,9 +247,9 @@ impl Kernel {
         let done = match magic {
             Ok(Magic::Fresh) => return self.fresh_session(msg, silent).await,
             Err(usage) => Err(usage),
-            Ok(other) => {
+            Ok(Magic::Move(asked)) => {
                 self.ensure_session().await?;
-                self.move_state(other).await
+                self.move_state(asked).await
             }
         };
         match done {
@@ -260,7 +267,7 @@ impl Kernel {
 
     /// `%looseleaf undo`, `checkout N` and `fork`: what the session's state did,
     /// in one line for the user.
-    async fn move_state(&mut self, magic: Magic) -> Result<String, String> {
+    async fn move_state(&mut self, asked: StateMove) -> Result<String, String> {
         let Some(session) = &self.session else { return Err("the kernel has no LooseLeaf session".into()) };
         let (fe, sid) = (session.fe.clone(), session.sid);
         let holds = |m: &StateMoved| {
@@ -272,8 +279,8 @@ impl Kernel {
             format!("{} variables, {} bytes{lost}", m.variables, m.bytes)
         };
         let kept = "Outputs stay as they are, and files cells wrote are not undone.";
-        match magic {
-            Magic::Undo => {
+        match asked {
+            StateMove::Undo => {
                 let m = fe.undo(sid).await.map_err(|e| format!("undo: {}", e.detail()))?;
                 Ok(format!(
                     "LooseLeaf: undone: the session's state is back to revision {}'s ({}). {kept}\n",
@@ -281,7 +288,7 @@ impl Kernel {
                     holds(&m)
                 ))
             }
-            Magic::Checkout(n) => {
+            StateMove::Checkout(n) => {
                 let Some(&revision) = self.revisions.get(&n) else {
                     let known = match (self.revisions.keys().next(), self.revisions.keys().last()) {
                         (Some(lo), Some(hi)) => format!("it ran executions {lo} to {hi}"),
@@ -296,7 +303,7 @@ impl Kernel {
                     holds(&m)
                 ))
             }
-            Magic::Fork => {
+            StateMove::Fork => {
                 let m = fe.fork(sid).await.map_err(|e| format!("fork: {}", e.detail()))?;
                 Ok(format!(
                     "LooseLeaf: forked: session {} holds this state ({}); this notebook stays on session {sid}. \
@@ -306,7 +313,6 @@ impl Kernel {
                     m.session_id
                 ))
             }
-            Magic::Fresh => Err("`%looseleaf fresh` opens a new session".into()),
         }
     }
 
@@ -513,13 +519,13 @@ impl Kernel {
 
 #[cfg(test)]
 mod tests {
-    use super::{magic, Magic};
+    use super::{magic, Magic, StateMove};
 
     #[test]
     fn kernel_magics_are_told_from_cells_and_bad_ones_named() {
-        assert_eq!(magic("%looseleaf undo"), Some(Ok(Magic::Undo)));
-        assert_eq!(magic("  %looseleaf   checkout 12 \n"), Some(Ok(Magic::Checkout(12))));
-        assert_eq!(magic("%looseleaf fork"), Some(Ok(Magic::Fork)));
+        assert_eq!(magic("%looseleaf undo"), Some(Ok(Magic::Move(StateMove::Undo))));
+        assert_eq!(magic("  %looseleaf   checkout 12 \n"), Some(Ok(Magic::Move(StateMove::Checkout(12)))));
+        assert_eq!(magic("%looseleaf fork"), Some(Ok(Magic::Move(StateMove::Fork))));
         assert_eq!(magic("%looseleaf fresh"), Some(Ok(Magic::Fresh)));
         assert_eq!(magic("x = 1"), None);
         assert_eq!(magic("%looseleafy undo"), None);

@@ -1,5 +1,6 @@
 //! Session manifests over `object_store`: find the latest revision, commit the next
-//! one with a create-only put (atomic on every backend), delete a session.
+//! one with a create-only put (atomic on every backend), delete a session; undo,
+//! checkout and fork are in [`lineage`].
 //!
 //! Two writers racing for revision N+1 cannot both win: the loser's create fails with
 //! `AlreadyExists` and it gets a conflict. A crash before the create leaves revision N
@@ -11,8 +12,8 @@ use std::sync::{Arc, Mutex};
 use futures::{StreamExt, TryStreamExt};
 use object_store::path::Path;
 use object_store::{ObjectStore, PutMode, PutOptions};
-use schemas::checkpoint::{self, ForkPoint, Manifest, SaveOrigin};
-use schemas::messages::{CommitV2, CommittedV1, RevertTo};
+use schemas::checkpoint::{self, Manifest, SaveOrigin};
+use schemas::messages::{CommitV2, CommittedV1};
 use uuid::Uuid;
 
 use crate::signing::{self, ManifestKey};
@@ -317,8 +318,13 @@ impl Manifests {
             wanted.extend(a.chunks.iter());
         }
         wanted.retain(|h| !uploaded.contains(h));
+        self.ensure_stored(commit.session, base, wanted).await
+    }
+
+    /// An error unless every chunk of `wanted` is stored (those `base` references
+    /// are); one a deleted session's freeing holds in the trash comes back (ADR 54).
+    async fn ensure_stored(&self, session: Uuid, base: &Manifest, wanted: Vec<&String>) -> Result<(), ManifestError> {
         let mut missing = self.missing_in(base, wanted).await?;
-        // one a deleted session's freeing holds in the trash comes back (ADR 54)
         let mut back = Vec::new();
         for hash in &missing {
             if crate::gc::untrash(&self.objects, hash).await? {
@@ -328,11 +334,9 @@ impl Manifests {
         missing.retain(|h| !back.contains(h));
         match missing.first() {
             None => Ok(()),
-            Some(example) => Err(ManifestError::MissingChunks {
-                session: commit.session,
-                count: missing.len(),
-                example: example.clone(),
-            }),
+            Some(example) => {
+                Err(ManifestError::MissingChunks { session, count: missing.len(), example: example.clone() })
+            }
         }
     }
 
@@ -400,20 +404,14 @@ impl Manifests {
             let mut fence = (*latest).clone();
             fence.revision = base + 1;
             fence.exec_id = Uuid::nil();
-            let key = checkpoint::manifest_key(session, fence.revision);
-            let body = signing::seal(&fence, self.key.as_ref())
-                .map_err(|e| ManifestError::Corrupt { key: key.clone(), reason: e.to_string() })?;
-            let opts = PutOptions { mode: PutMode::Create, ..Default::default() };
-            match self.objects.put_opts(&Path::from(key.as_str()), body.into(), opts).await {
-                Ok(_) => {
+            match self.put_next(session, fence).await {
+                Ok(fence) => {
                     tracing::info!(%session, exec = %exec_id, revision = fence.revision, "run given up: revision fenced");
-                    let fence = Arc::new(fence);
-                    self.remember(fence.clone());
                     return Ok(fence);
                 }
                 // the run's commit (or an earlier settle) took it first
-                Err(object_store::Error::AlreadyExists { .. }) => {}
-                Err(e) => return Err(e.into()),
+                Err(ManifestError::Lost { .. }) => {}
+                Err(e) => return Err(e),
             }
         }
         match self.read(session, base + 1).await? {
@@ -421,117 +419,6 @@ impl Manifests {
             // another execution or a fence holds base + 1: this run never commits
             _ => self.latest(session).await,
         }
-    }
-
-    /// Commit revision `to`'s state again as the session's next revision (undo,
-    /// checkout): the manifest is copied, no chunk. `base` is the revision the
-    /// asker holds as the latest; if another was committed since, the revert is
-    /// stale. The new revision keeps the copied state's parent, so that undo
-    /// again steps further back. Answers the new revision and the one whose state
-    /// it holds.
-    pub async fn revert(&self, session: Uuid, base: u64, to: RevertTo) -> Result<(Arc<Manifest>, u64), ManifestError> {
-        if self.is_deleted(session).await? {
-            return Err(ManifestError::Deleted { session });
-        }
-        let latest = self.latest(session).await?;
-        if latest.revision != base {
-            return Err(ManifestError::Stale { session, base, latest: latest.revision });
-        }
-        let target = match to {
-            RevertTo::Undo => match (latest.parent, latest.forked_from) {
-                _ if latest.revision == 0 => {
-                    return Err(ManifestError::NothingToUndo { session, why: "no cell has saved state yet".into() })
-                }
-                (Some(parent), _) => parent,
-                (None, Some(from)) => {
-                    let why = format!(
-                        "this state is where the session was forked from session {} (revision {})",
-                        from.session, from.revision
-                    );
-                    return Err(ManifestError::NothingToUndo { session, why });
-                }
-                // the state before any cell, or a manifest from before lineage was kept
-                (None, None) => {
-                    let why = "no earlier state of this session is known (its cells ran before undo existed, \
-                        or none has saved state)"
-                        .into();
-                    return Err(ManifestError::NothingToUndo { session, why });
-                }
-            },
-            RevertTo::Revision(r) => r,
-        };
-        let state = if target == 0 && latest.forked_from.is_none() {
-            Manifest::empty(session)
-        } else if target > latest.revision {
-            return Err(self.no_revision(session, target).await);
-        } else {
-            match self.read(session, target).await? {
-                Some(m) => m,
-                None => return Err(self.no_revision(session, target).await),
-            }
-        };
-        let mut next = state;
-        next.revision = latest.revision + 1;
-        next.exec_id = Uuid::nil();
-        // `parent` and `forked_from` stay the copied state's. Its chunks must all
-        // be stored (the collector may have taken an old revision's meanwhile)
-        self.chunks_stored(session, &latest, &next).await?;
-        if self.is_deleted(session).await? {
-            return Err(ManifestError::Deleted { session });
-        }
-        Ok((self.put_next(session, next).await?, target))
-    }
-
-    /// An error unless every chunk `next` references is stored (those `base`
-    /// references are; one in the trash comes back, as for a commit).
-    async fn chunks_stored(&self, session: Uuid, base: &Manifest, next: &Manifest) -> Result<(), ManifestError> {
-        let chunks = next.chunks();
-        let mut missing = self.missing_in(base, chunks.iter().collect()).await?;
-        let mut back = Vec::new();
-        for hash in &missing {
-            if crate::gc::untrash(&self.objects, hash).await? {
-                back.push(hash.clone());
-            }
-        }
-        missing.retain(|h| !back.contains(h));
-        match missing.first() {
-            None => Ok(()),
-            Some(example) => {
-                Err(ManifestError::MissingChunks { session, count: missing.len(), example: example.clone() })
-            }
-        }
-    }
-
-    /// Fork `parent` into the new session `child`: its revision 1 is the parent's
-    /// latest state (`at_least`: a revision the asker knows is committed), and
-    /// both reference the same chunks. Names that could not be saved live only in
-    /// the parent's workers: the fork has none of them (answered beside it).
-    pub async fn fork(
-        &self,
-        parent: Uuid,
-        at_least: Option<u64>,
-        child: Uuid,
-    ) -> Result<(Arc<Manifest>, Vec<String>), ManifestError> {
-        if self.is_deleted(parent).await? {
-            return Err(ManifestError::Deleted { session: parent });
-        }
-        if self.is_deleted(child).await? || self.latest(child).await?.revision != 0 {
-            return Err(ManifestError::ForkExists { child });
-        }
-        let from = self.latest_from(parent, at_least).await?;
-        let mut first = (*from).clone();
-        first.session = child;
-        first.revision = 1;
-        first.exec_id = Uuid::nil();
-        first.parent = None;
-        first.forked_from = Some(ForkPoint { session: parent, revision: from.revision });
-        // never routed to the parent's workers, which hold them
-        let lost: Vec<String> = std::mem::take(&mut first.unsavable).into_keys().collect();
-        let first = self.put_next(child, first).await.map_err(|e| match e {
-            ManifestError::Lost { .. } => ManifestError::ForkExists { child },
-            e => e,
-        })?;
-        Ok((first, lost))
     }
 
     /// Store `next` as the session's next revision (create-only: a writer that
@@ -551,22 +438,6 @@ impl Manifests {
         let next = Arc::new(next);
         self.remember(next.clone());
         Ok(next)
-    }
-
-    /// The error for a revision the session does not hold, naming those it does.
-    async fn no_revision(&self, session: Uuid, revision: u64) -> ManifestError {
-        let prefix = Path::from(checkpoint::manifests_dir(session).as_str());
-        let held: Vec<u64> = match self.objects.list(Some(&prefix)).try_collect::<Vec<_>>().await {
-            Ok(keys) => keys.iter().filter_map(|m| checkpoint::revision_of_key(m.location.as_ref())).collect(),
-            Err(_) => Vec::new(),
-        };
-        let held = match (held.iter().min(), held.iter().max()) {
-            (Some(lo), Some(hi)) if lo == hi => format!("only revision {lo}"),
-            (Some(lo), Some(hi)) if *lo > 1 => format!("revisions {lo} to {hi} (older ones were collected)"),
-            (Some(lo), Some(hi)) => format!("revisions {lo} to {hi}"),
-            _ => "no revisions".to_string(),
-        };
-        ManifestError::NoRevision { session, revision, held }
     }
 
     /// An error if a session holding `bytes` (None: not known) is over its quota.
@@ -628,5 +499,6 @@ impl Manifests {
     }
 }
 
+mod lineage;
 #[cfg(test)]
 mod tests;

@@ -8,14 +8,12 @@ use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::{Extension, Json};
-use schemas::messages::{
-    ErrorCode, ForkV1, ManifestGetV2, ManifestV2, RevertTo, SessionDeleteV1, SessionOptions, StateMovedV1,
-};
+use schemas::messages::{ErrorCode, ForkV1, ManifestGetV2, ManifestV2, RevertTo, SessionOptions, StateMovedV1};
 use schemas::subjects::StoreVerb;
 use uuid::Uuid;
 
 use super::errors::{bad_request, internal, json_body, mailbox, unavailable, ApiError};
-use super::state::{delete_state, lookup, start_session, AppState, Served};
+use super::state::{delete_in_store, delete_state, lookup, start_session, AppState, Served};
 use crate::api::{
     Checkout, CreateSession, ResumedSession, SessionCreated, SessionDeleted, SessionDetached, SessionListed,
     SessionSummary, StateMoved,
@@ -288,16 +286,17 @@ pub(super) async fn fork_session(
     let child = Uuid::now_v7();
     let bus = &state.shared.bus;
     let ask = ForkV1 { parent: sid, at_least: Some(revision), child };
-    let moved = match bus.request::<_, StateMovedV1>(bus.subjects().store(StoreVerb::Fork), &ask, STORE_WAIT).await {
-        Ok(moved) => moved,
-        Err(e) => {
-            // unanswered, it may have landed: no manifest is left without a record
-            if !matches!(e, schemas::BusError::Remote { .. }) {
-                discard_fork(&state, child).await;
+    let moved =
+        match bus.request::<_, StateMovedV1>(bus.subjects().store(StoreVerb::Fork), &ask, session::STORE_WAIT).await {
+            Ok(moved) => moved,
+            Err(e) => {
+                // unanswered, it may have landed: no manifest is left without a record
+                if !matches!(e, schemas::BusError::Remote { .. }) {
+                    discard_fork(&state, child).await;
+                }
+                return Err(store_refused(e));
             }
-            return Err(store_refused(e));
-        }
-    };
+        };
     // a fork is opened by its id (a kernel on the notebook resumes the original),
     // and starts detached: nothing follows it yet, any request of its owner attaches it
     let mut record = SessionRecord::new(child, parent.options.clone(), caller.0.clone(), None);
@@ -314,16 +313,10 @@ pub(super) async fn fork_session(
 
 /// Delete a fork's state in the store: it has no record (the fork failed).
 async fn discard_fork(state: &AppState, child: Uuid) {
-    let bus = &state.shared.bus;
-    let delete = SessionDeleteV1 { session: child };
-    let subject = bus.subjects().store(StoreVerb::SessionDelete);
-    if let Err(e) = bus.request::<_, schemas::messages::DoneV1>(subject, &delete, STORE_WAIT).await {
+    if let Err(e) = delete_in_store(state, child).await {
         tracing::warn!(session = %child, error = %e, "a fork without a record kept its manifest");
     }
 }
-
-/// How long a revert or fork waits for the store.
-const STORE_WAIT: Duration = Duration::from_secs(10);
 
 fn state_moved(session_id: Uuid, m: StateMovedV1, forked_from: Option<Uuid>) -> StateMoved {
     StateMoved {

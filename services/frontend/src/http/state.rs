@@ -61,6 +61,11 @@ impl AppState {
         count_sessions(&sessions);
     }
 
+    /// Every session this frontend serves now.
+    fn served(&self) -> Vec<(Uuid, Served)> {
+        self.sessions.read().unwrap_or_else(|e| e.into_inner()).iter().map(|(k, v)| (*k, v.clone())).collect()
+    }
+
     pub(super) fn remove(&self, sid: Uuid) -> Option<Served> {
         let mut sessions = self.sessions.write().unwrap_or_else(|e| e.into_inner());
         let removed = sessions.remove(&sid);
@@ -71,9 +76,7 @@ impl AppState {
     /// Detach the sessions nobody has watched or used for longer than `after`
     /// (their kernel is gone, or a script stopped): see [`AppState::detach`].
     pub async fn detach_unwatched(&self, after: Duration) {
-        let served: Vec<(Uuid, Served)> =
-            self.sessions.read().unwrap_or_else(|e| e.into_inner()).iter().map(|(k, v)| (*k, v.clone())).collect();
-        for (sid, s) in served {
+        for (sid, s) in self.served() {
             let Ok(Some(idle)) = s.addr.send(session::IdleFor).await else { continue };
             if idle < after {
                 continue;
@@ -89,9 +92,7 @@ impl AppState {
     /// idle spell. The session stays attached; its next cell restores its
     /// closure into a new worker.
     pub async fn cull_idle_workers(&self, after: Duration) {
-        let served: Vec<(Uuid, Served)> =
-            self.sessions.read().unwrap_or_else(|e| e.into_inner()).iter().map(|(k, v)| (*k, v.clone())).collect();
-        for (sid, s) in served {
+        for (sid, s) in self.served() {
             let Ok(Some(idle)) = s.addr.send(session::FreeIdleWorkers { after }).await else { continue };
             let bus = &self.shared.bus;
             match bus.publish(bus.subjects().idle(sid), &SessionIdleV1 { session: sid }).await {
@@ -139,83 +140,83 @@ impl AppState {
     /// Delete every session detached for longer than `retention`, with its state
     /// (the store frees its chunks); each is logged.
     pub async fn sweep_detached(&self, retention: Duration) {
-        let records = match self.shared.records.all().await {
-            Ok(records) => records,
-            Err(e) => {
-                tracing::warn!(error = %e, "could not list sessions to find the expired detached ones");
-                return;
-            }
-        };
+        let Some(records) = self.detached_records("find the expired detached ones").await else { return };
         let now = schemas::unix_ms();
         for r in records {
-            let Some(since) = r.detached_unix_ms else { continue };
-            if now.saturating_sub(since) < retention.as_millis() as u64 {
-                continue;
-            }
-            let sid = r.session_id;
-            match delete_state(self, sid).await {
-                Ok(store_error) => tracing::info!(session = %sid, notebook = ?r.notebook, owner = ?r.owner,
-                    ?store_error, "detached session discarded: past its retention"),
-                Err(e) => tracing::warn!(session = %sid, error = %e, "could not discard an expired detached session"),
+            if r.detached_unix_ms.is_some_and(|since| now.saturating_sub(since) >= retention.as_millis() as u64) {
+                self.discard_detached(&r, "past its retention").await;
             }
         }
     }
 
     /// The store is still low on space after collecting: discard the session
     /// detached longest ago, with its state (the store frees the chunks nothing
-    /// else references), logged with whose it was. One per word from the store,
-    /// which says again while it stays low. Answers the session discarded.
+    /// else references). One per word from the store, which says again once
+    /// what it freed is free and it is still low. Answers the session discarded.
     pub async fn discard_for_space(&self, pressure: &StorePressureV1) -> Option<Uuid> {
-        let records = match self.shared.records.all().await {
-            Ok(records) => records,
-            Err(e) => {
-                tracing::warn!(error = %e, "could not list sessions to discard one for space");
-                return None;
-            }
-        };
-        let mut detached: Vec<_> = records.into_iter().filter(|r| r.detached_unix_ms.is_some()).collect();
+        let mut detached = self.detached_records("discard one for space").await?;
         detached.sort_by_key(|r| r.detached_unix_ms);
+        let why = format!("the store is low on space ({} bytes free, under {})", pressure.free, pressure.threshold);
         for r in detached {
-            let sid = r.session_id;
-            // taken first (checked against the record read): one resumed meanwhile stays
-            let taken = match self.shared.records.attach(sid).await {
-                Ok(Some((taken, _))) => taken,
-                Ok(None) => continue,
-                Err(e) => {
-                    tracing::warn!(session = %sid, error = %e, "could not take a detached session to discard it");
-                    return None;
-                }
-            };
-            return match delete_state(self, sid).await {
-                Ok(store_error) => {
-                    tracing::warn!(session = %sid, notebook = ?r.notebook, owner = ?r.owner,
-                        detached_unix_ms = ?r.detached_unix_ms, free = pressure.free, threshold = pressure.threshold,
-                        ?store_error, "detached session discarded: the store is low on space (oldest detached first)");
-                    Some(sid)
-                }
-                Err(e) => {
-                    tracing::warn!(session = %sid, error = %e, "could not discard a detached session for space");
-                    // detached again, as it was: nothing serves it
-                    let mut back = taken;
-                    back.detached_unix_ms = r.detached_unix_ms;
-                    if let Err(e) = self.shared.records.put(&back).await {
-                        tracing::warn!(session = %sid, error = %e, "a session taken to discard stays attached");
-                    }
-                    None
-                }
-            };
+            match self.discard_detached(&r, &why).await {
+                Discard::Done => return Some(r.session_id),
+                Discard::Resumed => continue,
+                Discard::Failed => return None,
+            }
         }
         tracing::warn!(free = pressure.free, "the store is low on space and no detached session is left to discard");
         None
     }
 
+    /// The records of every detached session (None, logged, if they could not
+    /// be listed: `to` says what for).
+    async fn detached_records(&self, to: &str) -> Option<Vec<SessionRecord>> {
+        match self.shared.records.all().await {
+            Ok(records) => Some(records.into_iter().filter(|r| r.detached_unix_ms.is_some()).collect()),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not list sessions to {to}");
+                None
+            }
+        }
+    }
+
+    /// Delete detached session `r` with its state, logged with `why` and whose it
+    /// was. Taken first with the checked update a resume uses, so one resumed
+    /// meanwhile stays; one that could not be deleted is detached again.
+    async fn discard_detached(&self, r: &SessionRecord, why: &str) -> Discard {
+        let sid = r.session_id;
+        let taken = match self.shared.records.attach(sid).await {
+            Ok(Some((taken, _))) => taken,
+            Ok(None) => return Discard::Resumed,
+            Err(e) => {
+                tracing::warn!(session = %sid, error = %e, "could not take a detached session to discard it");
+                return Discard::Failed;
+            }
+        };
+        match delete_state(self, sid).await {
+            Ok(store_error) => {
+                tracing::warn!(session = %sid, notebook = ?r.notebook, owner = ?r.owner,
+                    detached_unix_ms = ?r.detached_unix_ms, ?store_error, "detached session discarded: {why}");
+                Discard::Done
+            }
+            Err(e) => {
+                tracing::warn!(session = %sid, error = %e, "could not discard a detached session ({why})");
+                // detached again, as it was: nothing serves it
+                let mut back = taken;
+                back.detached_unix_ms = r.detached_unix_ms;
+                if let Err(e) = self.shared.records.put(&back).await {
+                    tracing::warn!(session = %sid, error = %e, "a session taken to discard stays attached");
+                }
+                Discard::Failed
+            }
+        }
+    }
+
     /// Set the `looseleaf_runs` gauge from every served session's runs.
     pub async fn count_runs(&self) {
-        let served: Vec<Addr<SessionActor>> =
-            self.sessions.read().unwrap_or_else(|e| e.into_inner()).values().map(|s| s.addr.clone()).collect();
         let mut total = session::RunCounts::default();
-        for addr in served {
-            if let Ok(counts) = addr.send(session::CountRuns).await {
+        for (_, s) in self.served() {
+            if let Ok(counts) = s.addr.send(session::CountRuns).await {
                 total += counts;
             }
         }
@@ -298,29 +299,40 @@ pub(super) async fn start_session(state: &AppState, record: SessionRecord) -> Re
 /// How long a detach waits for its record to land before it closes the actor.
 const DETACH_RECORD_WAIT: Duration = Duration::from_secs(10);
 
+/// What discarding a detached session came to.
+enum Discard {
+    /// It is gone, with its state.
+    Done,
+    /// Someone resumed it first: it stays.
+    Resumed,
+    /// It could not be taken or deleted (logged).
+    Failed,
+}
+
 /// Delete session `sid`'s record and its state in the store (its actor, if any,
 /// is the caller's to close): the store's error, if it could not delete the state.
 pub(super) async fn delete_state(state: &AppState, sid: Uuid) -> Result<Option<String>, String> {
     let bus = &state.shared.bus;
-    let s = bus.subjects().clone();
-    bus.publish(s.close(sid), &SessionCloseV1 { session: sid })
+    bus.publish(bus.subjects().close(sid), &SessionCloseV1 { session: sid })
         .await
         .map_err(|e| format!("could not publish the close: {e}"))?;
     state.shared.records.remove(sid).await.map_err(|e| format!("could not remove the session's record: {e}"))?;
-    let store = bus
-        .request::<SessionDeleteV1, DoneV1>(
-            s.store(StoreVerb::SessionDelete),
-            &SessionDeleteV1 { session: sid },
-            Duration::from_secs(10),
-        )
-        .await;
-    Ok(match store {
-        Ok(DoneV1 {}) => None,
+    Ok(match delete_in_store(state, sid).await {
+        Ok(()) => None,
         Err(e) => {
             tracing::warn!(session = %sid, error = %e, "store did not delete the session's state");
             Some(e.to_string())
         }
     })
+}
+
+/// Ask the store to delete session `sid`'s state (it frees the chunks no other
+/// session holds).
+pub(super) async fn delete_in_store(state: &AppState, sid: Uuid) -> Result<(), schemas::BusError> {
+    let bus = &state.shared.bus;
+    let delete = SessionDeleteV1 { session: sid };
+    bus.request::<_, DoneV1>(bus.subjects().store(StoreVerb::SessionDelete), &delete, session::STORE_WAIT).await?;
+    Ok(())
 }
 
 /// The sessions gauge follows the sessions served.

@@ -59,6 +59,10 @@ type RecordWrite = (SessionRecord, Option<tokio::sync::oneshot::Sender<()>>);
 /// is not sent (a frontend that adopts the session could not follow it).
 pub const RECORD_WAIT: Duration = Duration::from_secs(10);
 
+/// How long the frontend waits for the store's answer (settling a run, moving
+/// or forking a session's state, deleting it).
+pub(crate) const STORE_WAIT: Duration = Duration::from_secs(10);
+
 /// How soon a record write that failed is tried again.
 const RECORD_RETRY: Duration = Duration::from_secs(1);
 

@@ -269,7 +269,7 @@ impl Handler<Revert> for SessionActor {
         let ask = RevertV1 { session: sid, base_revision: self.stored.revision, to: msg.to };
         let asked = async move {
             let answer =
-                bus.request::<_, StateMovedV1>(bus.subjects().store(StoreVerb::Revert), &ask, STORE_WAIT).await;
+                bus.request::<_, StateMovedV1>(bus.subjects().store(StoreVerb::Revert), &ask, super::STORE_WAIT).await;
             // the workers' state is not the session's any more (or may not be: a
             // revert that went unanswered may have landed): they stop before any
             // run held meanwhile is sent
@@ -300,9 +300,6 @@ impl Handler<Revert> for SessionActor {
         }))
     }
 }
-
-/// How long a revert waits for the store.
-const STORE_WAIT: Duration = Duration::from_secs(10);
 
 /// The session is being deleted: stop running, relay late events for `grace`
 /// (slot releases at close), then end every client stream and stop.

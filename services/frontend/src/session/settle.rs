@@ -17,9 +17,6 @@ use crate::api::{ExecStatus, StreamItem};
 /// How soon the store is asked again what a run committed, when it did not say.
 const STORE_RETRY: Duration = Duration::from_secs(2);
 
-/// How long the store may take to say what a lost host's cell committed.
-const STORE_TIMEOUT: Duration = Duration::from_secs(10);
-
 /// How soon abandoning an unclaimed run is tried again when the claims bucket
 /// could not be reached.
 const ABANDON_RETRY: Duration = Duration::from_secs(2);
@@ -106,7 +103,8 @@ impl SessionActor {
         let bus = self.shared.bus.clone();
         let req = SettleV1 { session: self.sid, exec_id, base_revision: self.stored.revision };
         let ask = async move {
-            bus.request_idempotent::<_, ManifestV2>(bus.subjects().store(StoreVerb::Settle), &req, STORE_TIMEOUT).await
+            bus.request_idempotent::<_, ManifestV2>(bus.subjects().store(StoreVerb::Settle), &req, super::STORE_WAIT)
+                .await
         };
         ctx.spawn(ask.into_actor(self).map(move |answer, act, ctx| {
             if !act.current.as_ref().is_some_and(|c| c.exec_id == exec_id && c.ended().is_none()) {
