@@ -64,6 +64,9 @@ pub struct ClusterOptions {
     pub insecure_shared_workers: bool,
     /// Bounds on each worker (memory, processes, cell time).
     pub bounds: looseleaf_gpu_host::Bounds,
+    /// Its frontend is the only one of its data folder (the user's local
+    /// cluster): sessions left attached when it last stopped are detached at start.
+    pub sole_frontend: bool,
 }
 
 /// The uids a cluster of several users gives its sessions' workers when the
@@ -372,6 +375,7 @@ impl Cluster {
         let listen = SocketAddr::from(([127, 0, 0, 1], opts.port));
         let mut config = looseleaf_frontend::Config::new(frontend_nats, PREFIX, listen);
         config.tokens = looseleaf_frontend::auth::Tokens::parse(tokens)?;
+        config.sole_frontend = opts.sole_frontend;
         let (tx, rx) = tokio::sync::oneshot::channel();
         self.spawn("frontend", move |stop| {
             looseleaf_frontend::run_with_bound(config, stop, move |addr| {

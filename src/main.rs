@@ -3,6 +3,7 @@
 mod analyze;
 mod cluster;
 mod kernel;
+mod local;
 mod notebook;
 mod outputs;
 mod report;
@@ -103,6 +104,16 @@ enum Command {
         /// variables, files, tokens and checkpoints.
         #[arg(long, env = "LOOSELEAF_INSECURE_SHARED_WORKERS")]
         insecure_shared_workers: bool,
+        /// Run as the user's local cluster, the one `looseleaf kernel` uses (and
+        /// starts in the background when none runs): its data folder is the
+        /// user's (`LOOSELEAF_USER_DIR`, else ~/.local/share/looseleaf), its
+        /// address is in the user's runtime folder, its port a free one (ADR 65).
+        #[arg(long, conflicts_with_all = ["users", "session_uids", "data_dir", "port", "url"])]
+        local: bool,
+        /// With `--local`: stop after this many seconds with no attached session
+        /// (0: never); detached sessions stay in the data folder.
+        #[arg(long, env = "LOOSELEAF_IDLE_EXIT_S", default_value_t = local::DEFAULT_IDLE_EXIT_S, requires = "local")]
+        idle_exit_s: f64,
         /// Use the NATS these options name (`--nats-url` and the login and TLS
         /// flags) instead of starting one; without `--nats-url`, a nats-server is
         /// started in the data directory.
@@ -171,12 +182,16 @@ enum Command {
         /// The connection file Jupyter gives the kernel.
         #[arg(short = 'f', long = "connection-file")]
         connection_file: Option<PathBuf>,
-        /// Use this frontend instead of an embedded cluster.
+        /// Use this frontend instead of the user's local cluster.
         #[arg(long, env = "LOOSELEAF_FRONTEND")]
         frontend: Option<String>,
         /// The bearer token for that frontend.
         #[arg(long, env = "LOOSELEAF_TOKEN", hide_env_values = true)]
         token: Option<String>,
+        /// Start a cluster for this kernel alone, stopped with it (its sessions
+        /// go with it), instead of using the user's local cluster.
+        #[arg(long, env = "LOOSELEAF_OWN_CLUSTER", conflicts_with = "frontend")]
+        own_cluster: bool,
         /// A file holding the bearer token (its first line).
         #[arg(long, env = "LOOSELEAF_TOKEN_FILE")]
         token_file: Option<PathBuf>,
@@ -186,7 +201,7 @@ enum Command {
         /// Do not prepare workers while cells are edited.
         #[arg(long, env = "LOOSELEAF_NO_SPECULATION")]
         no_speculation: bool,
-        /// CPU-backed GPU slots per host of the embedded cluster.
+        /// CPU-backed GPU slots per host of the cluster the kernel starts.
         #[arg(long, env = "LOOSELEAF_VIRTUAL_GPUS", default_value_t = 2)]
         virtual_gpus: u32,
         /// The notebook this kernel runs, where Jupyter does not say
@@ -201,9 +216,10 @@ enum Command {
     Sessions {
         #[command(subcommand)]
         action: SessionsAction,
-        /// The frontend.
-        #[arg(long, env = "LOOSELEAF_FRONTEND", default_value = "http://127.0.0.1:8470", global = true)]
-        frontend: String,
+        /// The frontend (default: the user's local cluster if it runs, else
+        /// http://127.0.0.1:8470).
+        #[arg(long, env = "LOOSELEAF_FRONTEND", global = true)]
+        frontend: Option<String>,
         /// The bearer token for that frontend.
         #[arg(long, env = "LOOSELEAF_TOKEN", hide_env_values = true, global = true)]
         token: Option<String>,
@@ -340,6 +356,7 @@ fn options(embed: EmbedArgs, data_dir: PathBuf, virtual_gpus: Option<u32>, port:
         users: None,
         insecure_shared_workers: false,
         bounds: embed.bounds,
+        sole_frontend: false,
     }
 }
 
@@ -362,6 +379,46 @@ fn arg_given(matches: &clap::ArgMatches, id: &str) -> bool {
         return false;
     }
     matches!(m.value_source(id), Some(clap::parser::ValueSource::CommandLine | clap::parser::ValueSource::EnvVariable))
+}
+
+/// `looseleaf up --local`: the user's local cluster (ADR 65), until a signal or
+/// `idle_exit` with no attached session.
+async fn up_local(local: local::LocalCluster, opts: ClusterOptions, idle_exit: Option<Duration>) -> anyhow::Result<()> {
+    let running = local.hold().await?;
+    let mut cluster = Cluster::start(&opts).await?;
+    if let Err(e) = cluster.wait_ready(opts.hosts, Duration::from_secs(180)).await {
+        cluster.stop().await;
+        return Err(e);
+    }
+    let address = local::Address {
+        pid: std::process::id(),
+        frontend: cluster.frontend_url.clone(),
+        data_dir: local.data_dir().to_path_buf(),
+        version: env!("CARGO_PKG_VERSION").to_string(),
+    };
+    if let Err(e) = running.publish(&address) {
+        cluster.stop().await;
+        return Err(e);
+    }
+    eprintln!("the local cluster is up: frontend {} (data in {})", address.frontend, address.data_dir.display());
+    let fe = looseleaf_client::Frontend::new(&cluster.frontend_url).with_token(&cluster.api_token);
+    let idle = async {
+        match idle_exit {
+            Some(after) => local::idle_exit(&fe, after).await,
+            None => futures::future::pending().await,
+        }
+    };
+    // its nats-server, if it exits, is started again meanwhile (as a kernel's own cluster's)
+    let (trouble, _) = tokio::sync::watch::channel(None);
+    tokio::select! {
+        () = schemas::telemetry::shutdown_signal() => eprintln!("stopping"),
+        () = idle => eprintln!("no attached session for {idle_exit:?}: stopping"),
+        () = cluster.keep_nats_up(trouble) => {}
+    }
+    // no kernel connects from now on; the lock stays until it stopped
+    running.withdraw();
+    cluster.stop().await;
+    Ok(())
 }
 
 async fn up(opts: ClusterOptions) -> anyhow::Result<()> {
@@ -451,7 +508,28 @@ fn command(cli: Cli, given: Given, system: &actix_rt::SystemRunner) -> anyhow::R
     let nats_given = given.nats_url;
     match cli.command {
         Command::Simulate(args) => simulate::simulate(&args).map(|_| ()),
-        Command::Up { virtual_gpus, port, data_dir, session_uids, users, insecure_shared_workers, nats, embed } => {
+        Command::Up { local: true, idle_exit_s, virtual_gpus, embed, .. } => {
+            let local = local::LocalCluster::of_user()?;
+            let opts =
+                ClusterOptions { sole_frontend: true, ..options(embed, local.data_dir().into(), virtual_gpus, 0) };
+            let idle_exit = (idle_exit_s > 0.0)
+                .then(|| Duration::try_from_secs_f64(idle_exit_s))
+                .transpose()
+                .map_err(|e| anyhow::anyhow!("--idle-exit-s: {e}"))?;
+            system.block_on(up_local(local, opts, idle_exit))
+        }
+        Command::Up {
+            local: false,
+            virtual_gpus,
+            port,
+            data_dir,
+            session_uids,
+            users,
+            insecure_shared_workers,
+            nats,
+            embed,
+            ..
+        } => {
             let nats = nats_given.then_some(nats);
             let opts = ClusterOptions {
                 session_uids,
@@ -542,6 +620,7 @@ fn command(cli: Cli, given: Given, system: &actix_rt::SystemRunner) -> anyhow::R
             connection_file,
             frontend,
             token,
+            own_cluster,
             token_file,
             all_gpu,
             no_speculation,
@@ -566,8 +645,12 @@ fn command(cli: Cli, given: Given, system: &actix_rt::SystemRunner) -> anyhow::R
             let opts = options(embed, tmp.path().to_path_buf(), Some(virtual_gpus), 0);
             // what Jupyter Server tells a kernel of its notebook, else the flag
             let notebook = std::env::var("JPY_SESSION_NAME").ok().filter(|n| !n.is_empty()).or(notebook);
-            let kopts =
-                kernel::KernelOptions { frontend, token, all_gpu, speculate: !no_speculation, python, notebook };
+            let place = match frontend {
+                Some(url) => kernel::Place::Frontend { url, token },
+                None if own_cluster => kernel::Place::OwnCluster,
+                None => kernel::Place::Local(local::LocalCluster::of_user()?),
+            };
+            let kopts = kernel::KernelOptions { place, all_gpu, speculate: !no_speculation, python, notebook };
             system.block_on(kernel::serve(&connection_file, kopts, opts))
         }
         Command::NatsConfig { prefix } => {
@@ -578,11 +661,21 @@ fn command(cli: Cli, given: Given, system: &actix_rt::SystemRunner) -> anyhow::R
         Command::BenchEdits { nats_url, prefix, events, json } => {
             system.block_on(analyze::bench_edits(&nats_url, &prefix, events, json.as_ref()))
         }
-        Command::Sessions { action, frontend, token } => {
-            let fe = looseleaf_client::Frontend::new(&frontend);
-            let fe = token.as_deref().map_or(fe.clone(), |t| fe.with_token(t));
-            system.block_on(sessions(&fe, action))
-        }
+        Command::Sessions { action, frontend, token } => system.block_on(async {
+            let local = match &frontend {
+                Some(_) => None,
+                None => local::LocalCluster::of_user().ok(),
+            };
+            let fe = match local {
+                Some(local) => local.connect().await,
+                None => None,
+            };
+            let fe = fe.unwrap_or_else(|| {
+                let fe = looseleaf_client::Frontend::new(frontend.as_deref().unwrap_or("http://127.0.0.1:8470"));
+                token.as_deref().map_or(fe.clone(), |t| fe.with_token(t))
+            });
+            sessions(&fe, action).await
+        }),
         Command::Health { url, timeout_s } => system.block_on(status::health(&url, timeout_s)),
         Command::Status { nats, data_dir, prefix, wait_ms } => {
             let target = status::Target::find(nats, nats_given, given.nats_connect_wait, &data_dir);

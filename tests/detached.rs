@@ -62,7 +62,9 @@ async fn a_detached_session_is_resumed_by_its_notebook_once() -> anyhow::Result<
     assert!(resumed.revision >= 1 && resumed.variables >= 1 && resumed.bytes > 0, "{resumed:?}");
     assert_eq!(resumed.detached_unix_ms, Some(detached.detached_unix_ms));
     assert!(run(&fe, sid, "c2", "print(xs)").await?.contains("[1, 2, 3]"), "the resumed state");
-    // it is attached now: nothing is left to resume, and resuming it by id is refused
+    // it is attached now, its client following it as a kernel does: nothing is
+    // left to resume, and resuming it by id is refused
+    let _following = Events::open(&fe, sid).await?;
     let again = fe.open_session(&asking(&cwd, "work/a.ipynb")).await?;
     assert!(again.resumed.is_none() && again.session_id != sid, "{again:?}");
     let refused = fe.resume(sid).await;
@@ -129,7 +131,8 @@ async fn a_session_idle_with_no_client_detaches_and_expires_after_its_retention(
 #[tokio::test(flavor = "multi_thread")]
 async fn a_killed_kernels_notebook_resumes_in_a_new_kernel() -> anyhow::Result<()> {
     use looseleaf_test_support::{copy_dir, repo_root};
-    let env = [("LOOSELEAF_DETACH_UNWATCHED_S", "1".to_string())];
+    // the new kernel takes over the dead one's session at once, not the culler
+    let env = [("LOOSELEAF_DETACH_UNWATCHED_S", "600".to_string())];
     let services = Services::start(&bin_dir_of(env!("CARGO_BIN_EXE_looseleaf")), &[2], &env).await?;
     let prefix = tempfile::tempdir()?;
     crate::kernel::install_as(prefix.path(), &["--name", "looseleaf-resume", "--all-gpu"])?;
@@ -158,6 +161,7 @@ async fn a_killed_kernels_notebook_resumes_in_a_new_kernel() -> anyhow::Result<(
         let notice = said["notice"].as_str().unwrap_or_default();
         assert!(notice.starts_with("LooseLeaf: resumed") && notice.contains("%looseleaf fresh"), "{name}: {said}");
         assert!(said["split"].as_u64() > Some(0), "{name}: {said}");
+        assert!(said["killed"]["detached_unix_ms"].is_null(), "{name}: detached before it was taken over: {said}");
         let (same, text) = crate::kernel::nbequiv(&notebook, &executed, &corpus, prefix.path())?;
         assert!(same, "{name}: the resumed notebook differs from a plain kernel's run: {text}");
     }

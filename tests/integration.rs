@@ -23,6 +23,7 @@ mod kernel_faults;
 mod kubernetes;
 mod large_state;
 mod limits;
+mod local_cluster;
 mod metrics;
 mod multi_gpu;
 mod nats_cluster;

@@ -57,7 +57,8 @@ fn jupyterlab_in_a_browser_runs_interrupts_and_restarts_a_notebook_on_looseleaf(
         repo_root().join("tests/browser/node_modules/playwright-core").exists(),
         "playwright-core is not installed: run scripts/setup-tests"
     );
-    let dir = tempfile::tempdir()?;
+    // the kernels' local cluster, stopped after JupyterLab (declared before it)
+    let mut dir = looseleaf_test_support::local_cluster::UserDirs::new()?;
     let (root, prefix, state, shots) =
         (dir.path().join("root"), dir.path().join("prefix"), dir.path().join("state"), dir.path().join("shots"));
     for d in [&root, &state, &shots] {
@@ -98,6 +99,7 @@ fn jupyterlab_in_a_browser_runs_interrupts_and_restarts_a_notebook_on_looseleaf(
             .env("JUPYTER_RUNTIME_DIR", state.join("runtime"))
             .env("JUPYTERLAB_SETTINGS_DIR", state.join("settings"))
             .env("JUPYTERLAB_WORKSPACES_DIR", state.join("workspaces"))
+            .envs(dir.env())
             .current_dir(&root)
             .stdout(log.try_clone()?)
             .stderr(log)

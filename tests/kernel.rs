@@ -11,6 +11,7 @@
 use std::path::Path;
 use std::process::Command;
 
+use looseleaf_test_support::local_cluster::UserDirs;
 use looseleaf_test_support::{copy_dir, repo_root, venv_python};
 
 fn install(prefix: &Path) -> anyhow::Result<()> {
@@ -27,18 +28,21 @@ pub(crate) fn install_as(prefix: &Path, args: &[&str]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `python` with the venv's bin first on PATH and Jupyter looking in `prefix`.
+/// `python` with the venv's bin first on PATH and Jupyter looking in `prefix`;
+/// the kernels it starts share one local cluster in `prefix`'s user folder (the
+/// test's [`UserDirs`] stops it).
 pub(crate) fn python(prefix: &Path) -> Command {
     let mut cmd = Command::new(venv_python());
     let venv_bin = venv_python().parent().map(Path::to_path_buf).unwrap_or_default();
     let path = format!("{}:{}", venv_bin.display(), std::env::var("PATH").unwrap_or_default());
     cmd.env("JUPYTER_PATH", prefix.join("share/jupyter")).env("PATH", path);
+    cmd.env("LOOSELEAF_USER_DIR", prefix.join("user")).env("LOOSELEAF_RUNTIME_DIR", prefix.join("user/run"));
     cmd
 }
 
 #[test]
 fn jupyter_clients_run_cells_interrupt_and_restart_through_the_kernel() -> anyhow::Result<()> {
-    let prefix = tempfile::tempdir()?;
+    let prefix = UserDirs::new()?;
     install(prefix.path())?;
     let spec: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(
         prefix.path().join("share/jupyter/kernels/looseleaf-test/kernel.json"),
@@ -108,7 +112,7 @@ fn completion_and_inspection_without_a_cpu_worker_come_from_the_sessions_code() 
 }
 
 fn completes_and_inspects(install_args: &[&str]) -> anyhow::Result<()> {
-    let prefix = tempfile::tempdir()?;
+    let prefix = UserDirs::new()?;
     install_as(prefix.path(), install_args)?;
     let work = tempfile::tempdir()?;
     let out = python(prefix.path())
@@ -130,7 +134,7 @@ fn completes_and_inspects(install_args: &[&str]) -> anyhow::Result<()> {
 
 #[test]
 fn edits_streamed_on_the_kernel_comm_prepare_the_worker_that_runs_the_cell() -> anyhow::Result<()> {
-    let prefix = tempfile::tempdir()?;
+    let prefix = UserDirs::new()?;
     install_as(prefix.path(), &["--name", "looseleaf-edits", "--all-gpu"])?;
     let work = tempfile::tempdir()?;
     let out = python(prefix.path())
@@ -166,7 +170,7 @@ fn edits_streamed_on_the_kernel_comm_prepare_the_worker_that_runs_the_cell() -> 
 
 #[test]
 fn a_slider_moved_in_the_browser_is_read_back_in_a_later_cell() -> anyhow::Result<()> {
-    let prefix = tempfile::tempdir()?;
+    let prefix = UserDirs::new()?;
     install_as(prefix.path(), &["--name", "looseleaf-widgets"])?;
     let work = tempfile::tempdir()?;
     let out = python(prefix.path())
@@ -191,7 +195,7 @@ fn a_slider_moved_in_the_browser_is_read_back_in_a_later_cell() -> anyhow::Resul
 
 #[test]
 fn nbclient_runs_corpus_notebooks_through_the_kernel_as_a_plain_kernel_would() -> anyhow::Result<()> {
-    let prefix = tempfile::tempdir()?;
+    let prefix = UserDirs::new()?;
     install(prefix.path())?;
     // a copy: the notebooks write files, and the corpus test copies the corpus meanwhile
     let corpus = prefix.path().join("corpus");
@@ -249,7 +253,7 @@ pub(crate) fn nbequiv(
 
 #[test]
 fn the_jupyter_kernel_conformance_suite_passes() -> anyhow::Result<()> {
-    let prefix = tempfile::tempdir()?;
+    let prefix = UserDirs::new()?;
     install(prefix.path())?;
     let out = python(prefix.path())
         .args(["-m", "unittest", "-v", "kernel_conformance"])
@@ -281,7 +285,7 @@ fn the_jupyter_kernel_conformance_suite_passes() -> anyhow::Result<()> {
 
 #[test]
 fn papermill_runs_a_parameterised_notebook_through_the_kernel() -> anyhow::Result<()> {
-    let prefix = tempfile::tempdir()?;
+    let prefix = UserDirs::new()?;
     install(prefix.path())?;
     let cell = |source: &str, tags: &[&str]| {
         serde_json::json!({"cell_type": "code", "execution_count": null, "metadata": {"tags": tags},
@@ -314,7 +318,7 @@ fn papermill_runs_a_parameterised_notebook_through_the_kernel() -> anyhow::Resul
 /// and output (naming the frontend), instead of hanging or running elsewhere.
 #[test]
 fn a_kernel_without_its_frontend_says_so_in_the_notebook() -> anyhow::Result<()> {
-    let prefix = tempfile::tempdir()?;
+    let prefix = UserDirs::new()?;
     let dead = format!("http://127.0.0.1:{}", looseleaf_test_support::free_port()?);
     let status = Command::new(env!("CARGO_BIN_EXE_looseleaf"))
         .args(["kernel", "install", "--prefix"])

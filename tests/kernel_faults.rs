@@ -140,6 +140,8 @@ fn a_kernel_heals_its_lost_nats_server_and_says_when_its_cluster_cannot_run_a_ce
     let out = python(prefix.path())
         .args(["-c", DRIVER, "looseleaf-faults"])
         .current_dir(work.path())
+        // a cluster of the kernel's own: its nats-server is the kernel's child
+        .env("LOOSELEAF_OWN_CLUSTER", "true")
         // LOOSELEAF_TEST_LOG (e.g. "info") turns up the kernel's log to debug it
         .env("LOOSELEAF_LOG", std::env::var("LOOSELEAF_TEST_LOG").unwrap_or_else(|_| "warn".into()))
         .output()?;

@@ -133,7 +133,7 @@ async fn forks_diverge_without_touching_each_other_or_their_parent() -> anyhow::
 #[test]
 fn the_kernels_magics_undo_check_out_and_fork_the_notebooks_state() -> anyhow::Result<()> {
     use looseleaf_test_support::repo_root;
-    let prefix = tempfile::tempdir()?;
+    let prefix = looseleaf_test_support::local_cluster::UserDirs::new()?;
     crate::kernel::install_as(prefix.path(), &["--name", "looseleaf-magic"])?;
     let work = tempfile::tempdir()?;
     let out = crate::kernel::python(prefix.path())

@@ -186,17 +186,20 @@ impl Kernel {
             }
         }
         if restart {
-            self.execution_count = 0;
-            self.revisions.clear();
+            // Jupyter starts a new kernel process, as ipykernel's exits: it resumes
+            // the notebook's latest detached session, so that one is left empty
             self.resume = false;
-            let _ = self.ensure_session().await;
+            if self.ensure_session().await.is_ok() {
+                if let Some(mut s) = self.session.take() {
+                    s.stop_following();
+                    if let Err(e) = s.fe.detach(s.sid).await {
+                        tracing::warn!(session = %s.sid, error = %e, "could not leave a fresh session for the restart");
+                    }
+                }
+            }
         }
         self.reply_on(control, "shutdown_reply", json!({ "status": "ok", "restart": restart }), &msg).await;
-        if restart {
-            Next::Continue
-        } else {
-            Next::Stop
-        }
+        Next::Stop
     }
 
     async fn unsupported(&mut self, control: bool, msg_type: &str, msg: &JupyterMessage) {

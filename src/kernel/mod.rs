@@ -18,11 +18,16 @@
 //!
 //! Outcomes are honest: a cell's reply is `ok` only if the cell ran to its end; a
 //! cell the platform could not run (its cluster lost NATS, no session) is an
-//! `error` reply with the matching `error` message, naming what went wrong. An
-//! embedded cluster heals meanwhile: its nats-server, if it exits, is started
-//! again on its port with its JetStream store (`Cluster::keep_nats_up`), the
-//! services reconnect by themselves, and the next cell runs with the session's
-//! committed state, with no restart of the kernel.
+//! `error` reply with the matching `error` message, naming what went wrong.
+//!
+//! Without `--frontend`, the kernel uses the user's local cluster (ADR 65,
+//! `crate::local`), starting it if none runs; if it dies, the next cell starts it
+//! again and resumes the session there. With `--own-cluster`, a cluster of the
+//! kernel's own heals meanwhile: its nats-server, if it exits, is started again
+//! on its port with its JetStream store (`Cluster::keep_nats_up`), the services
+//! reconnect by themselves, and the next cell runs with the session's committed
+//! state, with no restart of the kernel. Any `shutdown_request` ends the process,
+//! as ipykernel's: Jupyter starts a new one for a restart.
 //!
 //! The files, one layer each:
 //! - `install`: the kernelspec `looseleaf kernel install` writes.
@@ -47,12 +52,13 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use jupyter_protocol::JupyterMessage;
-use looseleaf_client::api::{CreateSession, ResumedSession, StreamItem};
+use looseleaf_client::api::{CreateSession, ResumedSession, SessionCreated, StreamItem};
 use looseleaf_client::Frontend;
 use tokio::sync::{mpsc, watch};
 use uuid::Uuid;
 
 use crate::cluster::{Cluster, ClusterOptions};
+use crate::local::LocalCluster;
 
 mod badge;
 mod codehelp;
@@ -68,11 +74,19 @@ mod queries;
 pub use self::install::{install, Install, InstallPlace};
 
 /// Where the kernel's cells run.
+pub enum Place {
+    /// The user's local cluster, started if none runs (ADR 65).
+    Local(LocalCluster),
+    /// A running frontend, with its bearer token.
+    Frontend { url: String, token: Option<String> },
+    /// A cluster of the kernel's own, stopped with it (ADR 31).
+    OwnCluster,
+}
+
+/// How the kernel runs cells.
 pub struct KernelOptions {
-    /// A running frontend; None: start an embedded cluster (ADR 31).
-    pub frontend: Option<String>,
-    /// Its bearer token.
-    pub token: Option<String>,
+    /// Where.
+    pub place: Place,
     /// Every cell serverless (`--all-gpu`).
     pub all_gpu: bool,
     /// Prepare workers while cells are edited.
@@ -86,6 +100,10 @@ pub struct KernelOptions {
 }
 
 /// The session the kernel runs cells in, and the stream of what happens in it.
+///
+/// On the user's local cluster, a cluster that stopped or died meanwhile is
+/// started again before the next cell, and the session resumed in it (see
+/// [`Kernel::heal_local`]).
 struct Session {
     fe: Frontend,
     sid: Uuid,
@@ -114,10 +132,17 @@ impl Session {
             .open_session(&body)
             .await
             .with_context(|| format!("could not create a session on the LooseLeaf frontend at {}", fe.base()))?;
+        Self::follow(fe, created).await
+    }
+
+    /// Follow the session `created` names; the line that says what it resumed.
+    async fn follow(fe: &Frontend, created: SessionCreated) -> anyhow::Result<(Self, Option<String>)> {
         let sid = created.session_id;
         let items = fe.events(sid).await.with_context(|| format!("could not follow session {sid}"))?;
         tracing::info!(session = %sid, frontend = fe.base(), resumed = created.resumed.is_some(), "kernel session open");
         let notice = match (&created.resumed, &created.fresh_because) {
+            // one with nothing saved (a restart's) is a fresh session to the user
+            (Some(r), _) if r.revision == 0 => None,
             (Some(r), _) => Some(resumed_notice(r)),
             (None, Some(why)) => Some(format!("LooseLeaf: a fresh session: {why}.\n")),
             (None, None) => None,
@@ -192,11 +217,14 @@ struct Kernel {
     /// [`Cluster::keep_nats_up`]): named in the errors of the cells it fails.
     /// None when all is well, or with no embedded cluster.
     cluster_trouble: watch::Receiver<Option<String>>,
+    /// How to start the user's local cluster, if it has to be started again.
+    cluster: ClusterOptions,
 }
 
 impl Kernel {
     /// Open the session if there is none (a frontend that was down may be back).
     async fn ensure_session(&mut self) -> Result<(), String> {
+        self.heal_local().await?;
         if self.session.is_some() {
             return Ok(());
         }
@@ -215,6 +243,43 @@ impl Kernel {
     }
 }
 
+impl Kernel {
+    /// On the user's local cluster: if the one this kernel uses stopped or died
+    /// (killed, idle-exited), connect to the one running now, or start it, and
+    /// resume this kernel's session there (the new cluster detached it at its
+    /// start). Cheap when it still runs: its address file and /proc.
+    async fn heal_local(&mut self) -> Result<(), String> {
+        let Place::Local(local) = &self.opts.place else { return Ok(()) };
+        if local.serves(self.fe.base()) {
+            return Ok(());
+        }
+        tracing::warn!(frontend = self.fe.base(), "the local cluster this kernel used is gone; connecting again");
+        self.fe = local.connect_or_start(&self.cluster).await.map_err(|e| format!("{e:#}"))?;
+        let Some(mut old) = self.session.take() else { return Ok(()) };
+        old.stop_following();
+        let resumed = match self.fe.resume(old.sid).await {
+            Ok(created) => Session::follow(&self.fe, created).await,
+            Err(e) => Err(e.into()),
+        };
+        match resumed {
+            Ok((session, notice)) => {
+                self.session = Some(session);
+                let said = |n: String| n.strip_prefix("LooseLeaf: ").map(str::to_owned).unwrap_or(n);
+                self.notice = notice.map(|n| format!("LooseLeaf: the local cluster was started again; {}", said(n)));
+            }
+            Err(e) => {
+                tracing::error!(session = %old.sid, error = format!("{e:#}"), "could not resume the session");
+                self.notice = Some(format!(
+                    "LooseLeaf: the local cluster was started again, and session {} could not be resumed ({e:#}): a \
+                     fresh session.\n",
+                    old.sid
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// `looseleaf kernel -f CONNECTION_FILE`.
 pub async fn serve(connection_file: &Path, opts: KernelOptions, cluster: ClusterOptions) -> anyhow::Result<()> {
     let info = connection::read_connection_file(connection_file)?;
@@ -222,12 +287,16 @@ pub async fn serve(connection_file: &Path, opts: KernelOptions, cluster: Cluster
     // its own (nats-server, the frontend), and one of those could be a port the
     // client chose for us that nothing holds yet.
     let sockets = connection::bind(&info).await?;
-    let (fe, mut embedded) = match &opts.frontend {
-        Some(url) => {
+    let (fe, mut embedded) = match &opts.place {
+        Place::Frontend { url, token } => {
             let fe = Frontend::new(url);
-            (opts.token.as_ref().map_or(fe.clone(), |t| fe.with_token(t)), None)
+            (token.as_ref().map_or(fe.clone(), |t| fe.with_token(t)), None)
         }
-        None => {
+        Place::Local(local) => {
+            let fe = local.connect_or_start(&cluster).await.context("while connecting to the local cluster")?;
+            (fe, None)
+        }
+        Place::OwnCluster => {
             tracing::info!(data_dir = %cluster.data_dir.display(), "starting an embedded cluster");
             let mut c = Cluster::start(&cluster).await.context("while starting the embedded cluster")?;
             if let Err(e) = c.wait_ready(cluster.hosts, Duration::from_secs(180)).await {
@@ -266,6 +335,7 @@ pub async fn serve(connection_file: &Path, opts: KernelOptions, cluster: Cluster
         resume: true,
         notice: None,
         cluster_trouble,
+        cluster,
     };
     // a frontend that is not there is said in the log now, and in each cell's
     // reply until it is back

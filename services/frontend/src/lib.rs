@@ -129,6 +129,10 @@ pub struct Config {
     pub origins: Option<origins::Origins>,
     /// How long a client may take to send a request's headers and body.
     pub http_timeouts: serve::HttpTimeouts,
+    /// This is the only frontend of its records (the user's local cluster): at
+    /// start, the sessions they hold attached were served by a frontend that is
+    /// gone, so they are marked detached, for their notebooks to resume.
+    pub sole_frontend: bool,
 }
 
 impl Config {
@@ -148,6 +152,7 @@ impl Config {
             limits: admission::Limits::default(),
             origins: None,
             http_timeouts: serve::HttpTimeouts::default(),
+            sole_frontend: false,
         }
     }
 }
@@ -187,6 +192,12 @@ pub async fn run_with_bound(
     tokio::spawn(dashboard.clone().follow_hosts(statuses));
     let records =
         records::Records::new(schemas::buckets::sessions(&bus.jetstream(), &config.prefix, bus.replicas()).await?);
+    if config.sole_frontend {
+        let orphans = records.detach_orphans().await.context("while detaching the sessions left attached")?;
+        if !orphans.is_empty() {
+            tracing::info!(sessions = ?orphans, "sessions left attached when the cluster stopped are detached");
+        }
+    }
     let state = http::AppState {
         shared: session::Shared {
             bus: bus.clone(),

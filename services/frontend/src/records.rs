@@ -364,6 +364,36 @@ impl Records {
         }
     }
 
+    /// Mark detached every session whose record says attached, as of now: for
+    /// the only frontend of these records at its start, whose sessions nothing
+    /// serves any more (the user's local cluster, stopped with sessions open).
+    /// Each write is checked against the revision read. Returns the sessions
+    /// marked.
+    pub async fn detach_orphans(&self) -> Result<Vec<Uuid>, RecordError> {
+        let bucket = |e: &dyn std::fmt::Display| RecordError::Bucket(e.to_string());
+        let mut marked = Vec::new();
+        for record in self.all().await? {
+            let session = record.session_id;
+            if record.detached_unix_ms.is_some() {
+                continue;
+            }
+            let Some(entry) = self.kv.entry(session.to_string()).await.map_err(|e| bucket(&e))? else { continue };
+            if entry.operation != kv::Operation::Put {
+                continue;
+            }
+            let mut record: SessionRecord = serde_json::from_slice(&entry.value)
+                .map_err(|e| RecordError::Corrupt { session, reason: e.to_string() })?;
+            record.detached_unix_ms = Some(schemas::unix_ms());
+            let bytes = serde_json::to_vec(&record.to_write()).map_err(|e| bucket(&e))?;
+            match self.kv.update(session.to_string(), bytes.into(), entry.revision).await {
+                Ok(_) => marked.push(session),
+                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {}
+                Err(e) => return Err(bucket(&e)),
+            }
+        }
+        Ok(marked)
+    }
+
     /// Remove a session's record (the session is deleted).
     pub async fn remove(&self, session: Uuid) -> Result<(), RecordError> {
         self.kv.delete(session.to_string()).await.map_err(|e| RecordError::Bucket(e.to_string()))

@@ -86,10 +86,25 @@ async fn owned_records(state: &AppState, caller: &Caller) -> Result<Vec<SessionR
 
 /// Attach and serve the caller's latest detached session of `notebook`.
 async fn resume_notebook(state: &AppState, caller: &Caller, notebook: &str) -> Result<Resume, ApiError> {
+    let of_notebook = |r: &SessionRecord| r.notebook.as_deref() == Some(notebook);
+    // a kernel that died (killed, crashed, its machine asleep) left its session
+    // attached with nobody following it: the notebook's next kernel takes it
+    // over now, rather than after the unwatched-session detacher's wait
+    let attached: Vec<Uuid> = owned_records(state, caller)
+        .await?
+        .into_iter()
+        .filter(|r| of_notebook(r) && r.detached_unix_ms.is_none())
+        .map(|r| r.session_id)
+        .collect();
+    for sid in attached {
+        if state.detach_abandoned(sid).await {
+            tracing::info!(session = %sid, notebook, "session of a kernel that is gone detached, to be resumed");
+        }
+    }
     let mut candidates: Vec<SessionRecord> = owned_records(state, caller)
         .await?
         .into_iter()
-        .filter(|r| r.notebook.as_deref() == Some(notebook) && r.detached_unix_ms.is_some())
+        .filter(|r| of_notebook(r) && r.detached_unix_ms.is_some())
         .collect();
     if candidates.is_empty() {
         return Ok(Resume::Nothing);

@@ -87,6 +87,16 @@ impl AppState {
         }
     }
 
+    /// Detach session `sid` if this frontend serves it and nobody follows it or
+    /// runs anything in it (its client is gone); whether it did.
+    pub(super) async fn detach_abandoned(&self, sid: Uuid) -> bool {
+        let Some(served) = self.session(sid) else { return false };
+        if !matches!(served.addr.send(session::IdleFor).await, Ok(Some(_))) {
+            return false;
+        }
+        self.detach(sid, &served, true).await.is_some()
+    }
+
     /// Stop the workers the hosts keep for every session idle (nothing running
     /// or queued, no request) for longer than `after`, watched or not: once per
     /// idle spell. The session stays attached; its next cell restores its
