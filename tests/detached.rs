@@ -219,3 +219,38 @@ async fn a_store_low_on_space_discards_the_oldest_detached_sessions_first() -> a
     assert!(resumed.resumed.is_none(), "a discarded session came back: {resumed:?}");
     Ok(())
 }
+
+/// A detached session whose chunks are gone from the store (deleted behind its
+/// back) is not resumed: its notebook's next kernel gets a fresh session that
+/// says why, resuming it by id is a 410 naming the chunks, and it stays listed
+/// for its owner to discard.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_session_whose_chunks_are_gone_is_said_and_a_fresh_one_opens() -> anyhow::Result<()> {
+    let services = Services::start(&bin_dir_of(env!("CARGO_BIN_EXE_looseleaf")), &[1], &[]).await?;
+    let fe = services.client();
+    let dir = tempfile::tempdir()?;
+    let cwd = dir.path().display().to_string();
+    let sid = fe.open_session(&asking(&cwd, "gone.ipynb")).await?.session_id;
+    run(&fe, sid, "c1", "big = list(range(100_000))").await?;
+    fe.detach(sid).await?;
+    let chunks = services.data_dir().join("store/chunks");
+    let mut removed = 0;
+    for fan in std::fs::read_dir(&chunks)? {
+        for chunk in std::fs::read_dir(fan?.path())? {
+            std::fs::remove_file(chunk?.path())?;
+            removed += 1;
+        }
+    }
+    assert!(removed > 0, "the session saved no chunk");
+
+    let next = fe.open_session(&asking(&cwd, "gone.ipynb")).await?;
+    assert!(next.resumed.is_none() && next.session_id != sid, "{next:?}");
+    let why = next.fresh_because.clone().unwrap_or_default();
+    assert!(why.contains(&sid.to_string()) && why.contains("chunks are gone"), "{next:?}");
+    assert!(run(&fe, next.session_id, "c1", "print('big' in dir())").await?.contains("False"), "a fresh session");
+    let by_id = fe.resume(sid).await;
+    assert!(by_id.as_ref().is_err_and(|e| e.to_string().contains("410")), "{by_id:?}");
+    let listed = fe.sessions().await?;
+    assert!(listed.iter().any(|s| s.session_id == sid && s.detached_unix_ms.is_some()), "{listed:?}");
+    Ok(())
+}

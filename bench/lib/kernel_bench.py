@@ -6,6 +6,14 @@ prefix, its cells on the session's CPU worker), a jupyter_client client times
 execute_request to the idle status that ends it: an empty cell and a cell that
 prints 1 MB, `--reps` times each after a warm-up, and complete_request and
 inspect_request round trips answered from a variable a cell made.
+Kernel starts and restarts (the Team issue): each kernel is started and
+restarted `--starts` times, timed from the launch to its first answer to
+kernel_info (`start_ratio`, `restart_ratio`: LooseLeaf's median over ipykernel's,
+the user's local cluster already running); `cold_start_s` is the first start with
+no local cluster, the cluster's own start included; `extra_notebook_rss_mib` is
+the PSS of every process of the user's LooseLeaf (kernels, the local cluster, its
+workers) with two notebooks open (a kernel each, a cell run in each) less with one.
+The local cluster lives in a scratch user folder, stopped at the end.
 Writes bench/results/kernel.json: `empty_cell_ratio` and `print_1mb_ratio` (p50,
 with `_p99` beside them; targets 4 and 2 for a CPU cell), `complete_ms_p50` (target
 under 50) and every kernel's raw figures; `complete_inferred_ms_p50` is completion
@@ -22,13 +30,28 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import nbformat
-from benchlib import CORPUS, LOOSELEAF, PYTHON, REPO, WORK, ensure_release, log, percentile, scratch, write_result
+from benchlib import (
+    CORPUS,
+    LOOSELEAF,
+    PYTHON,
+    REPO,
+    WORK,
+    ensure_release,
+    log,
+    median,
+    percentile,
+    proc_memory,
+    scratch,
+    write_result,
+)
 from jupyter_client.manager import start_new_kernel
 from nbclient import NotebookClient
 
@@ -116,6 +139,101 @@ def measure_inferred(kernel: str) -> dict:
         km.shutdown_kernel(now=False)
 
 
+def timed_start(kernel: str):
+    """(seconds from launch to ready, km, kc)."""
+    t0 = time.perf_counter()
+    km, kc = start_new_kernel(kernel_name=kernel, startup_timeout=TIMEOUT)
+    return time.perf_counter() - t0, km, kc
+
+
+def starts(kernel: str, n: int) -> dict:
+    """`n` starts and `n` restarts (Jupyter's: a new process) of `kernel`."""
+    start_s, restart_s = [], []
+    for _ in range(n):
+        seconds, km, kc = timed_start(kernel)
+        start_s.append(seconds)
+        round_trip(kc, "x = 1")
+        kc.stop_channels()
+        t0 = time.perf_counter()
+        km.restart_kernel(now=False)
+        kc = km.client()
+        kc.start_channels()
+        kc.wait_for_ready(timeout=TIMEOUT)
+        restart_s.append(time.perf_counter() - t0)
+        kc.stop_channels()
+        km.shutdown_kernel(now=False)
+    log(f"{kernel}: start median {median(start_s):.3f} s, restart median {median(restart_s):.3f} s")
+    return {
+        "start_s": start_s,
+        "restart_s": restart_s,
+        "start_s_p50": median(start_s),
+        "restart_s_p50": median(restart_s),
+    }
+
+
+def pss_of_user(user_dir: str) -> int:
+    """Bytes of PSS of every process whose environment names `user_dir` as its
+    LooseLeaf user folder (the kernels, the local cluster), and of all their
+    descendants (nats-server, zygotes and workers, whose environment is their own)."""
+    marker = f"LOOSELEAF_USER_DIR={user_dir}".encode()
+    children, roots = {}, []
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if marker in f.read().split(b"\0"):
+                    roots.append(pid)
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(pid)
+    seen, todo = set(), list(roots)
+    while todo:
+        pid = todo.pop()
+        if pid not in seen:
+            seen.add(pid)
+            todo.extend(children.get(pid, []))
+    total = 0
+    for pid in seen:
+        try:
+            total += proc_memory(pid).get("pss_bytes", 0)
+        except OSError:
+            continue
+    return total
+
+
+def extra_notebook_memory(kernel: str, user_dir: str) -> dict:
+    """PSS with one notebook open against two (a kernel each, a cell run in each)."""
+    opened = []
+    try:
+        pss = []
+        for i in range(2):
+            _, km, kc = timed_start(kernel)
+            opened.append((km, kc))
+            round_trip(kc, f"notebook = {i}")
+            time.sleep(2)  # the session's CPU worker settles
+            pss.append(pss_of_user(user_dir))
+        extra = (pss[1] - pss[0]) / 2**20
+        log(f"{kernel}: PSS one notebook {pss[0] / 2**20:.0f} MiB, two {pss[1] / 2**20:.0f} MiB: +{extra:.0f} MiB")
+        return {"pss_one_mib": pss[0] / 2**20, "pss_two_mib": pss[1] / 2**20, "extra_mib": extra}
+    finally:
+        for km, kc in opened:
+            kc.stop_channels()
+            km.shutdown_kernel(now=False)
+
+
+def stop_local_cluster(runtime: Path) -> None:
+    """Stop the scratch user's local cluster, if it runs."""
+    try:
+        pid = json.loads((runtime / "cluster.json").read_text())["pid"]
+    except (OSError, ValueError, KeyError):
+        return
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+        time.sleep(0.1)
+
+
 def reads_uninitialised_memory(code: str) -> bool:
     """A cell that shows memory it never initialised (`np.empty`, `torch.empty`):
     what a process's allocator left there is not comparable across processes
@@ -196,6 +314,7 @@ def corpus_through_kernel(kernel: str, work) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=200, help="timed runs of each cell per kernel")
+    ap.add_argument("--starts", type=int, default=10, help="timed starts and restarts of each kernel")
     args = ap.parse_args()
     ensure_release()
     work = scratch("kernel")
@@ -207,7 +326,29 @@ def main() -> None:
     os.environ.setdefault("LOOSELEAF_PYTHON", str(PYTHON))
     os.environ.setdefault("LOOSELEAF_NATS_SERVER", str(REPO / ".venv" / "bin" / "nats-server"))
     os.environ["PATH"] = f"{PYTHON.parent}:{os.environ.get('PATH', '')}"
+    # the user's local cluster in a scratch user folder, none running yet
+    user_dir, runtime = work / "user", work / "user" / "run"
+    stop_local_cluster(runtime)
+    shutil.rmtree(user_dir, ignore_errors=True)
+    os.environ["LOOSELEAF_USER_DIR"], os.environ["LOOSELEAF_RUNTIME_DIR"] = str(user_dir), str(runtime)
     os.chdir(work)
+    try:
+        result = run_all(args, prefix, work, str(user_dir))
+    finally:
+        stop_local_cluster(runtime)
+    write_result("kernel", result)
+    print(json.dumps({k: v for k, v in result.items() if not isinstance(v, (dict, list))}, indent=1))
+
+
+def run_all(args, prefix: Path, work: Path, user_dir: str) -> dict:
+    # the first LooseLeaf kernel of the day starts the local cluster
+    cold_s, km, kc = timed_start("looseleaf-bench")
+    kc.stop_channels()
+    km.shutdown_kernel(now=False)
+    log(f"looseleaf-bench: cold start (the local cluster's start included) {cold_s:.2f} s")
+    memory = extra_notebook_memory("looseleaf-bench", user_dir)
+    ipykernel_starts = starts("python3", args.starts)
+    looseleaf_starts = starts("looseleaf-bench", args.starts)
     ipykernel = measure("python3", args.reps)
     looseleaf = measure("looseleaf-bench", args.reps)
     subprocess.run(
@@ -220,7 +361,11 @@ def main() -> None:
     def ratio(name: str, q: str) -> float:
         return looseleaf[name][q] / ipykernel[name][q]
 
-    result = {
+    return {
+        "start_ratio": looseleaf_starts["start_s_p50"] / ipykernel_starts["start_s_p50"],
+        "restart_ratio": looseleaf_starts["restart_s_p50"] / ipykernel_starts["restart_s_p50"],
+        "cold_start_s": cold_s,
+        "extra_notebook_rss_mib": memory["extra_mib"],
         "empty_cell_ratio": ratio("empty_cell", "p50_ms"),
         "empty_cell_ratio_p99": ratio("empty_cell", "p99_ms"),
         "print_1mb_ratio": ratio("print_1mb", "p50_ms"),
@@ -235,7 +380,16 @@ def main() -> None:
         "complete_inferred_ms_p50": inferred["complete"]["p50_ms"],
         "complete_inferred_ms_p99": inferred["complete"]["p99_ms"],
         "inspect_inferred_ms_p50": inferred["inspect"]["p50_ms"],
-        "targets": {"empty_cell_ratio": 4, "print_1mb_ratio": 2, "complete_ms_p50": 50},
+        "targets": {
+            "start_ratio": 1.25,
+            "restart_ratio": 1.25,
+            "extra_notebook_rss_mib": 150,
+            "empty_cell_ratio": 1.5,
+            "print_1mb_ratio": 1.5,
+            "complete_ms_p50": 50,
+        },
+        "starts": {"ipykernel": ipykernel_starts, "looseleaf": looseleaf_starts},
+        "memory": memory,
         "placement": "CPU cells (the session's persistent CPU worker)",
         # every corpus notebook through nbclient and the kernel, every cell serverless
         "notebooks_equal": sum(r["equal"] for r in notebooks.values()),
@@ -247,8 +401,6 @@ def main() -> None:
         "reps": args.reps,
         "machine_cores": os.cpu_count(),
     }
-    write_result("kernel", result)
-    print(json.dumps({k: v for k, v in result.items() if not isinstance(v, dict)}, indent=1))
 
 
 if __name__ == "__main__":

@@ -108,8 +108,9 @@ impl Role {
                     s.host_command("*", HostVerb::Comm),
                     s.store(StoreVerb::Settle),
                     s.store(StoreVerb::SessionDelete),
-                    // what a resumed session holds
+                    // what a resumed session holds, and whether all of it is there
                     s.store(StoreVerb::ManifestGet),
+                    s.store(StoreVerb::Check),
                     // undo, checkout and fork
                     s.store(StoreVerb::Revert),
                     s.store(StoreVerb::Fork),

@@ -225,6 +225,8 @@ pub enum StoreVerb {
     Revert,
     /// Fork a session into a new one sharing its chunks.
     Fork,
+    /// Check that a session's latest state can be restored (before a resume).
+    Check,
 }
 
 impl StoreVerb {
@@ -239,6 +241,7 @@ impl StoreVerb {
             StoreVerb::Gc => "gc",
             StoreVerb::Revert => "revert",
             StoreVerb::Fork => "fork",
+            StoreVerb::Check => "check",
         }
     }
 }

@@ -94,7 +94,7 @@ pub use recipe::{ClosureVar, Device, PinnedWorker, PreparedWorker, RecipeKind, R
 pub use run::{EditV1, RunV2, SessionOptions};
 pub use store::{
     ChunkPlanV2, ChunkPlannedV1, CommitV2, CommittedV1, ForkV1, GcDoneV1, GcV1, ManifestGetV2, ManifestV2, RevertTo,
-    RevertV1, SessionDeleteV1, SettleV1, StateMovedV1, StorePressureV1,
+    RevertV1, SessionDeleteV1, SettleV1, StateCheckV1, StateCheckedV1, StateMovedV1, StorePressureV1,
 };
 
 /// A typed error in a reply.

@@ -107,6 +107,31 @@ pub struct ForkV1 {
 }
 wire!(ForkV1, "fork", 1);
 
+/// frontend -> store: check that a session's latest state can be restored:
+/// every chunk its manifest references is stored (one in the trash comes back).
+/// Asked before a detached session is resumed.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StateCheckV1 {
+    /// The session.
+    pub session: Uuid,
+    /// A revision the asker knows is committed.
+    pub at_least: Option<u64>,
+}
+wire!(StateCheckV1, "state-check", 1);
+
+/// store ->: the session's latest manifest, and the chunks it references that
+/// the store no longer has.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StateCheckedV1 {
+    /// The latest manifest.
+    pub manifest: Manifest,
+    /// How many of its chunks are gone.
+    pub missing_chunks: u64,
+    /// One of them, to name in an error.
+    pub example: Option<String>,
+}
+wire!(StateCheckedV1, "state-checked", 1);
+
 /// store ->: the revision a revert or fork committed, and what it holds.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct StateMovedV1 {

@@ -310,6 +310,8 @@ mod fuzz {
             RevertV1,
             ForkV1,
             StateMovedV1,
+            StateCheckV1,
+            StateCheckedV1,
             StorePressureV1,
             DoneV1,
             Reply<ManifestV2>,

@@ -8,7 +8,8 @@ use actix::prelude::*;
 use schemas::bus::Rejected;
 use schemas::messages::{
     ChunkPlanV2, ChunkPlannedV1, CommitV2, CommittedV1, DoneV1, ErrorCode, ForkV1, GcDoneV1, GcV1, ManifestGetV2,
-    ManifestV2, Reply, RevertV1, SessionDeleteV1, SettleV1, StateMovedV1, StorePressureV1,
+    ManifestV2, Reply, RevertV1, SessionDeleteV1, SettleV1, StateCheckV1, StateCheckedV1, StateMovedV1,
+    StorePressureV1,
 };
 use schemas::{Bus, Envelope, WireMessage};
 use tracing::Instrument;
@@ -164,6 +165,23 @@ impl StreamHandler<Result<Envelope<ManifestGetV2>, Rejected>> for Gateway {
     fn handle(&mut self, item: Result<Envelope<ManifestGetV2>, Rejected>, ctx: &mut Self::Context) {
         serve(self, ctx, item, "store.manifest.get", |m, req: ManifestGetV2| async move {
             Ok(ManifestV2 { manifest: (*m.latest_from(req.session, req.at_least).await?).clone() })
+        });
+    }
+}
+
+impl StreamHandler<Result<Envelope<StateCheckV1>, Rejected>> for Gateway {
+    fn handle(&mut self, item: Result<Envelope<StateCheckV1>, Rejected>, ctx: &mut Self::Context) {
+        serve(self, ctx, item, "store.check", |m, req: StateCheckV1| async move {
+            let (latest, missing) = m.check(req.session, req.at_least).await?;
+            if let Some(example) = missing.first() {
+                tracing::warn!(session = %req.session, missing = missing.len(), %example,
+                    "a session's saved state is incomplete: chunks are gone from the store");
+            }
+            Ok(StateCheckedV1 {
+                manifest: (*latest).clone(),
+                missing_chunks: missing.len() as u64,
+                example: missing.first().cloned(),
+            })
         });
     }
 }

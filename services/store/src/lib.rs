@@ -19,7 +19,9 @@ use std::sync::Arc;
 
 use actix::prelude::*;
 use anyhow::Context as _;
-use schemas::messages::{ChunkPlanV2, CommitV2, ForkV1, GcV1, ManifestGetV2, RevertV1, SessionDeleteV1, SettleV1};
+use schemas::messages::{
+    ChunkPlanV2, CommitV2, ForkV1, GcV1, ManifestGetV2, RevertV1, SessionDeleteV1, SettleV1, StateCheckV1,
+};
 use schemas::service::Service;
 use schemas::subjects::StoreVerb;
 
@@ -86,6 +88,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     let settles = service.endpoint::<SettleV1>("settle", s.store(StoreVerb::Settle), "store").await?;
     let reverts = service.endpoint::<RevertV1>("revert", s.store(StoreVerb::Revert), "store").await?;
     let forks = service.endpoint::<ForkV1>("fork", s.store(StoreVerb::Fork), "store").await?;
+    let checks = service.endpoint::<StateCheckV1>("check", s.store(StoreVerb::Check), "store").await?;
     let gw_bus = bus.clone();
     let volume = space::Volume::of(&config.store_url, config.gc_free_bytes).map(Arc::new);
     let addr = gateway::Gateway::create(move |ctx| {
@@ -97,6 +100,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         ctx.add_stream(settles.into_stream());
         ctx.add_stream(reverts.into_stream());
         ctx.add_stream(forks.into_stream());
+        ctx.add_stream(checks.into_stream());
         gateway::Gateway::new(gw_bus, manifests, config.gc, volume)
     });
     tracing::info!(store = %config.store_url, prefix = %config.prefix, "store gateway serving");

@@ -340,6 +340,27 @@ impl Manifests {
         }
     }
 
+    /// The session's latest manifest (at least revision `at_least`), and the
+    /// chunks it references that are gone: every one is looked up, none taken
+    /// on trust (a resume asks, after the session lay detached for days); one in
+    /// the trash comes back.
+    pub async fn check(
+        &self,
+        session: Uuid,
+        at_least: Option<u64>,
+    ) -> Result<(Arc<Manifest>, Vec<String>), ManifestError> {
+        let latest = self.latest_from(session, at_least).await?;
+        let mut missing = self.missing_in(&Manifest::empty(session), latest.chunks().iter().collect()).await?;
+        let mut back = Vec::new();
+        for hash in &missing {
+            if crate::gc::untrash(&self.objects, hash).await? {
+                back.push(hash.clone());
+            }
+        }
+        missing.retain(|h| !back.contains(h));
+        Ok((latest, missing))
+    }
+
     /// Which of `hashes` the store lacks (a save's chunk plan). Chunks of the
     /// session's latest revision are known to be stored; the rest are looked up.
     pub async fn missing_chunks(&self, session: Uuid, hashes: &[String]) -> Result<Vec<String>, ManifestError> {

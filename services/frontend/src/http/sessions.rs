@@ -8,7 +8,10 @@ use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::{Extension, Json};
-use schemas::messages::{ErrorCode, ForkV1, ManifestGetV2, ManifestV2, RevertTo, SessionOptions, StateMovedV1};
+use schemas::checkpoint::Manifest;
+use schemas::messages::{
+    ErrorCode, ForkV1, ManifestGetV2, ManifestV2, RevertTo, SessionOptions, StateCheckV1, StateCheckedV1, StateMovedV1,
+};
 use schemas::subjects::StoreVerb;
 use uuid::Uuid;
 
@@ -36,7 +39,7 @@ pub(super) async fn create_session(
     if let (true, Some(notebook)) = (req.resume, &req.notebook) {
         match resume_notebook(&state, &caller, notebook).await? {
             Resume::Resumed(created) => return Ok(Json(created)),
-            Resume::Taken(why) => fresh_because = Some(why),
+            Resume::Fresh(why) => fresh_because = Some(why),
             Resume::Nothing => {}
         }
     }
@@ -72,8 +75,9 @@ async fn within_session_limit<'a>(
 enum Resume {
     /// The session it attached.
     Resumed(SessionCreated),
-    /// There were detached sessions of the notebook, and others attached them first.
-    Taken(String),
+    /// None could be resumed, and this says why: others attached them first, or
+    /// the latest one's state cannot be restored.
+    Fresh(String),
     /// None to resume.
     Nothing,
 }
@@ -111,50 +115,108 @@ async fn resume_notebook(state: &AppState, caller: &Caller, notebook: &str) -> R
     }
     candidates.sort_by_key(|r| std::cmp::Reverse(r.detached_unix_ms));
     for candidate in &candidates {
-        if let Some(created) = attach_and_serve(state, caller, candidate.session_id).await? {
-            return Ok(Resume::Resumed(created));
+        match attach_and_serve(state, caller, candidate.session_id).await? {
+            Attached::Served(created) => return Ok(Resume::Resumed(created)),
+            Attached::Taken => {}
+            // the notebook's latest state cannot be restored: said, and a fresh
+            // session rather than an older one the user did not ask for
+            Attached::Broken(why) => return Ok(Resume::Fresh(why)),
         }
     }
     let taken = candidates.iter().map(|r| r.session_id.to_string()).collect::<Vec<_>>().join(", ");
-    Ok(Resume::Taken(format!("another kernel resumed this notebook's detached session ({taken}) first")))
+    Ok(Resume::Fresh(format!("another kernel resumed this notebook's detached session ({taken}) first")))
+}
+
+/// What attaching a detached session came to.
+enum Attached {
+    /// Attached, served here.
+    Served(SessionCreated),
+    /// It was not detached (any more): another client attached it first.
+    Taken,
+    /// Its saved state cannot be restored (chunks are gone): it stays detached,
+    /// and this says why.
+    Broken(String),
 }
 
 /// Attach detached session `sid` (checked against its record's revision: one of
-/// two at once wins) and serve it; None if it was not detached (any more).
-async fn attach_and_serve(state: &AppState, caller: &Caller, sid: Uuid) -> Result<Option<SessionCreated>, ApiError> {
-    let Some((record, detached)) = state.shared.records.attach(sid).await.map_err(unavailable)? else {
-        return Ok(None);
+/// two at once wins) and serve it, once the store found its state whole.
+async fn attach_and_serve(state: &AppState, caller: &Caller, sid: Uuid) -> Result<Attached, ApiError> {
+    let record = state.shared.records.get(sid).await.map_err(unavailable)?;
+    let Some(record) = record.filter(|r| r.detached_unix_ms.is_some()) else { return Ok(Attached::Taken) };
+    let manifest = match check_state(state, &record).await {
+        Ok(manifest) => manifest,
+        Err(why) => return Ok(Attached::Broken(why)),
     };
-    let resumed = describe(state, &record, Some(detached)).await;
+    let Some((record, detached)) = state.shared.records.attach(sid).await.map_err(unavailable)? else {
+        return Ok(Attached::Taken);
+    };
+    let resumed = described(&record, Some(detached), manifest.as_ref());
     let addr = start_session(state, record).await?;
     state.insert(sid, Served { addr, owner: caller.0.clone() });
     tracing::info!(session = %sid, "detached session resumed");
-    Ok(Some(SessionCreated { session_id: sid, resumed: Some(resumed), fresh_because: None }))
+    Ok(Attached::Served(SessionCreated { session_id: sid, resumed: Some(resumed), fresh_because: None }))
+}
+
+/// The session's latest manifest, once the store found every chunk it references
+/// (None: the store did not answer, so the resume goes on unchecked); why not,
+/// if chunks are gone.
+async fn check_state(state: &AppState, record: &SessionRecord) -> Result<Option<Manifest>, String> {
+    let sid = record.session_id;
+    let bus = &state.shared.bus;
+    let ask = StateCheckV1 { session: sid, at_least: Some(record.revision) };
+    match bus.request::<_, StateCheckedV1>(bus.subjects().store(StoreVerb::Check), &ask, CHECK_WAIT).await {
+        Ok(StateCheckedV1 { missing_chunks: 0, manifest, .. }) => Ok(Some(manifest)),
+        Ok(StateCheckedV1 { missing_chunks, example, manifest }) => {
+            let of = manifest.chunks().len();
+            let example = example.unwrap_or_default();
+            tracing::error!(session = %sid, missing_chunks, of, %example, "a detached session's state is incomplete");
+            Err(format!(
+                "session {sid}'s saved state (revision {}) cannot be restored: {missing_chunks} of its {of} chunks \
+                 are gone from the store (one is {example}); it stays detached, and `looseleaf sessions discard \
+                 {sid}` removes it",
+                manifest.revision
+            ))
+        }
+        Err(e) => {
+            tracing::warn!(session = %sid, error = %e, "could not check a resumed session's state; resuming it unchecked");
+            Ok(None)
+        }
+    }
 }
 
 /// What a resumed session holds, from its latest manifest (its revision alone
-/// when the store does not answer).
-async fn describe(state: &AppState, record: &SessionRecord, detached_unix_ms: Option<u64>) -> ResumedSession {
+/// without one).
+fn described(record: &SessionRecord, detached_unix_ms: Option<u64>, manifest: Option<&Manifest>) -> ResumedSession {
     let mut resumed =
         ResumedSession { detached_unix_ms, revision: record.revision, variables: 0, bytes: 0, unsavable: Vec::new() };
-    let bus = &state.shared.bus;
-    let ask = ManifestGetV2 { session: record.session_id, at_least: Some(record.revision) };
-    match bus.request::<_, ManifestV2>(bus.subjects().store(StoreVerb::ManifestGet), &ask, MANIFEST_WAIT).await {
-        Ok(ManifestV2 { manifest }) => {
-            resumed.revision = manifest.revision;
-            resumed.variables = manifest.variables.len() as u64;
-            resumed.bytes = manifest.objects.values().map(|o| o.bytes()).sum();
-            resumed.unsavable = manifest.unsavable.keys().cloned().collect();
-        }
-        Err(e) => {
-            tracing::warn!(session = %record.session_id, error = %e, "could not read a resumed session's manifest")
-        }
+    if let Some(manifest) = manifest {
+        resumed.revision = manifest.revision;
+        resumed.variables = manifest.variables.len() as u64;
+        resumed.bytes = manifest.objects.values().map(|o| o.bytes()).sum();
+        resumed.unsavable = manifest.unsavable.keys().cloned().collect();
     }
     resumed
 }
 
-/// How long a resume waits for the session's manifest (only to describe it).
+/// What a session holds now, from its latest manifest (see [`described`]).
+async fn describe(state: &AppState, record: &SessionRecord, detached_unix_ms: Option<u64>) -> ResumedSession {
+    let bus = &state.shared.bus;
+    let ask = ManifestGetV2 { session: record.session_id, at_least: Some(record.revision) };
+    match bus.request::<_, ManifestV2>(bus.subjects().store(StoreVerb::ManifestGet), &ask, MANIFEST_WAIT).await {
+        Ok(ManifestV2 { manifest }) => described(record, detached_unix_ms, Some(&manifest)),
+        Err(e) => {
+            tracing::warn!(session = %record.session_id, error = %e, "could not read a session's manifest");
+            described(record, detached_unix_ms, None)
+        }
+    }
+}
+
+/// How long a detach waits for the session's manifest (only to describe it).
 const MANIFEST_WAIT: Duration = Duration::from_secs(5);
+
+/// How long a resume waits for the store's check of the session's chunks (one
+/// lookup each: a large session on S3 takes a while).
+const CHECK_WAIT: Duration = Duration::from_secs(30);
 
 /// The caller's sessions, live and detached (newest first).
 #[utoipa::path(get, path = "/v1/sessions", responses((status = 200, body = Vec<SessionListed>)))]
@@ -216,8 +278,11 @@ pub(super) async fn resume_session(
         return Err(ApiError(StatusCode::CONFLICT, format!("session {sid} is not detached: it is in use")));
     }
     match attach_and_serve(&state, &caller, sid).await? {
-        Some(created) => Ok(Json(created)),
-        None => Err(ApiError(StatusCode::CONFLICT, format!("session {sid} was resumed by another client first"))),
+        Attached::Served(created) => Ok(Json(created)),
+        Attached::Taken => {
+            Err(ApiError(StatusCode::CONFLICT, format!("session {sid} was resumed by another client first")))
+        }
+        Attached::Broken(why) => Err(ApiError(StatusCode::GONE, why)),
     }
 }
 

@@ -53,6 +53,7 @@ on_every_backend!(only_manifests_signed_with_the_key_load);
 on_every_backend!(a_run_given_up_never_commits_later);
 on_every_backend!(settling_a_run_whose_save_landed_answers_its_commit);
 on_every_backend!(undo_steps_back_one_cells_state_at_a_time);
+on_every_backend!(a_check_finds_every_chunk_that_is_gone_and_brings_back_the_trashed);
 
 async fn put_chunk(objects: &Arc<dyn ObjectStore>, hash: &str) {
     objects.put(&Path::from(chunk_key(hash).as_str()), vec![1u8, 2, 3].into()).await.unwrap();
@@ -234,6 +235,30 @@ async fn only_chunks_new_to_the_base_revision_are_checked(objects: Arc<dyn Objec
     assert_eq!(m.commit(&commit(sid, 1, "y", "aa")).await.unwrap().revision, 2);
     // a chunk new to the session still must be there
     assert!(matches!(m.commit(&commit(sid, 2, "z", "cc")).await, Err(ManifestError::MissingChunks { count: 1, .. })));
+}
+
+async fn a_check_finds_every_chunk_that_is_gone_and_brings_back_the_trashed(objects: Arc<dyn ObjectStore>) {
+    for hash in ["aa", "bb", "cc"] {
+        put_chunk(&objects, hash).await;
+    }
+    let sid = Uuid::now_v7();
+    let m = Manifests::new(objects.clone());
+    m.commit(&commit(sid, 0, "x", "aa")).await.unwrap();
+    m.commit(&commit(sid, 1, "y", "bb")).await.unwrap();
+    m.commit(&commit(sid, 2, "z", "cc")).await.unwrap();
+    let (latest, missing) = m.check(sid, None).await.unwrap();
+    assert_eq!((latest.revision, missing), (3, Vec::<String>::new()));
+    // "aa" deleted behind the store's back (the commit trusts what the latest
+    // revision references; the check does not), "bb" waiting in the trash
+    objects.delete(&Path::from(chunk_key("aa").as_str())).await.unwrap();
+    let trashed = Path::from("trash/bb/1");
+    objects.rename(&Path::from(chunk_key("bb").as_str()), &trashed).await.unwrap();
+    let (_, missing) = m.check(sid, Some(3)).await.unwrap();
+    assert_eq!(missing, vec!["aa".to_string()], "only the deleted one is gone");
+    assert!(objects.head(&Path::from(chunk_key("bb").as_str())).await.is_ok(), "the trashed one is back");
+    // a session with no state has nothing to miss
+    let (empty, missing) = m.check(Uuid::now_v7(), None).await.unwrap();
+    assert_eq!((empty.revision, missing.len()), (0, 0));
 }
 
 async fn a_chunk_plan_names_exactly_the_chunks_the_store_lacks(objects: Arc<dyn ObjectStore>) {
