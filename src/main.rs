@@ -474,6 +474,12 @@ async fn sessions(fe: &looseleaf_client::Frontend, action: SessionsAction) -> an
                 let notebook = s.notebook.as_deref().unwrap_or("-");
                 println!("{}  {state:<30}  revision {:<5} {notebook}  (in {})", s.session_id, s.revision, s.cwd);
             }
+            // what LooseLeaf discarded lately (past its retention, or for space), and why
+            for d in fe.discards().await? {
+                let notebook = d.notebook.as_deref().unwrap_or("-");
+                let state = format!("discarded {}", when(d.discarded_unix_ms));
+                println!("{}  {state:<30}  {notebook}: {}", d.session_id, d.why);
+            }
         }
         SessionsAction::Resume { session } => {
             let created = fe.resume(session).await?;

@@ -3,7 +3,9 @@
 //! state; a new session asking to resume the same notebook gets it back with its
 //! variables, once (of two asking at once, one wins and the other gets a fresh
 //! session saying why); a detached session past its retention is deleted, and
-//! under disk pressure the oldest detached sessions are discarded first.
+//! under disk pressure the oldest detached sessions are discarded first, each
+//! listed for its owner and named to its notebook's next kernel; a session whose
+//! chunks are gone is said, and a fresh one opens.
 
 use std::time::Duration;
 
@@ -217,6 +219,14 @@ async fn a_store_low_on_space_discards_the_oldest_detached_sessions_first() -> a
     assert!(run(&fe, attached, "c2", "print(kept)").await?.contains("attached"));
     let resumed = fe.open_session(&asking(&cwd, "oldest.ipynb")).await?;
     assert!(resumed.resumed.is_none(), "a discarded session came back: {resumed:?}");
+    // listed for their owner, and said to the notebook's next kernel
+    let discards = fe.discards().await?;
+    for sid in [oldest, newer] {
+        let d = discards.iter().find(|d| d.session_id == sid);
+        assert!(d.is_some_and(|d| d.why.contains("low on space") && d.detached_unix_ms.is_some()), "{discards:?}");
+    }
+    let why = resumed.fresh_because.unwrap_or_default();
+    assert!(why.contains(&oldest.to_string()) && why.contains("discarded") && why.contains("low on space"), "{why}");
     Ok(())
 }
 

@@ -79,6 +79,26 @@ pub struct SessionListed {
     pub detached_unix_ms: Option<u64>,
 }
 
+/// `GET /v1/discards` item: a detached session of the caller's that LooseLeaf
+/// discarded with its state (past its retention, or to free space), listed for
+/// [`DISCARDS_KEPT_DAYS`] days after.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct SessionDiscarded {
+    /// The session.
+    pub session_id: Uuid,
+    /// The notebook it ran, if its client named one.
+    pub notebook: Option<String>,
+    /// When it was detached (unix ms).
+    pub detached_unix_ms: Option<u64>,
+    /// When it was discarded (unix ms).
+    pub discarded_unix_ms: u64,
+    /// Why.
+    pub why: String,
+}
+
+/// How long a discarded session stays listed.
+pub const DISCARDS_KEPT_DAYS: u64 = 30;
+
 /// `POST /v1/sessions/{sid}/detach` answer.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct SessionDetached {

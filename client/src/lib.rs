@@ -7,7 +7,8 @@ pub mod events;
 
 use api::{
     read_items, CellCode, Checkout, CodeAtCursor, CommAnswer, CommMessage, CreateSession, InputLine, Interrupted,
-    RunAccepted, RunCell, SessionCreated, SessionDetached, SessionListed, StateMoved, StreamItem, StreamPosition,
+    RunAccepted, RunCell, SessionCreated, SessionDetached, SessionDiscarded, SessionListed, StateMoved, StreamItem,
+    StreamPosition,
 };
 use tokio::sync::mpsc;
 use uuid::Uuid;
@@ -177,6 +178,12 @@ impl Frontend {
     pub async fn sessions(&self) -> Result<Vec<SessionListed>, ClientError> {
         let req = self.http.get(format!("{}/v1/sessions", self.base));
         self.json("list sessions", req).await
+    }
+
+    /// The caller's detached sessions LooseLeaf discarded lately, and why.
+    pub async fn discards(&self) -> Result<Vec<SessionDiscarded>, ClientError> {
+        let req = self.http.get(format!("{}/v1/discards", self.base));
+        self.json("list discarded sessions", req).await
     }
 
     /// Detach a session: its workers are freed, its state stays to resume.

@@ -253,6 +253,20 @@ impl SessionRecord {
     }
 }
 
+/// What is listed of a detached session the frontend discarded: for its owner
+/// (`GET /v1/discards`), and for the next kernel on its notebook.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Discarded {
+    /// Whose it was.
+    pub owner: Option<String>,
+    /// What its owner is told.
+    #[serde(flatten)]
+    pub listed: crate::api::SessionDiscarded,
+}
+
+/// The key prefix of discards in the records bucket.
+const DISCARD_KEY: &str = "discarded.";
+
 /// The session records bucket.
 #[derive(Clone)]
 pub struct Records {
@@ -392,6 +406,47 @@ impl Records {
             }
         }
         Ok(marked)
+    }
+
+    /// Keep what is listed of a detached session discarded (its own record is
+    /// gone): under `discarded.{id}` in the same bucket, which [`Records::all`]
+    /// leaves out.
+    pub async fn put_discard(&self, discard: &Discarded) -> Result<(), RecordError> {
+        let bytes = serde_json::to_vec(discard).map_err(|e| RecordError::Bucket(e.to_string()))?;
+        let key = format!("{DISCARD_KEY}{}", discard.listed.session_id);
+        self.kv.put(key, bytes.into()).await.map_err(|e| RecordError::Bucket(e.to_string()))?;
+        Ok(())
+    }
+
+    /// Every discard listed (unreadable ones left out).
+    pub async fn discards(&self) -> Result<Vec<Discarded>, RecordError> {
+        use futures::TryStreamExt as _;
+        let bucket = |e: &dyn std::fmt::Display| RecordError::Bucket(e.to_string());
+        let keys: Vec<String> =
+            self.kv.keys().await.map_err(|e| bucket(&e))?.try_collect().await.map_err(|e| bucket(&e))?;
+        let mut discards = Vec::new();
+        for key in keys.into_iter().filter(|k| k.starts_with(DISCARD_KEY)) {
+            if let Some(bytes) = self.kv.get(&key).await.map_err(|e| bucket(&e))? {
+                match serde_json::from_slice::<Discarded>(&bytes) {
+                    Ok(d) => discards.push(d),
+                    Err(e) => tracing::warn!(%key, error = %e, "an unreadable discard listing"),
+                }
+            }
+        }
+        Ok(discards)
+    }
+
+    /// Stop listing the discards older than `before` (unix ms).
+    pub async fn forget_discards(&self, before: u64) -> Result<usize, RecordError> {
+        let mut forgotten = 0;
+        for d in self.discards().await? {
+            if d.listed.discarded_unix_ms < before {
+                let key = format!("{DISCARD_KEY}{}", d.listed.session_id);
+                self.kv.purge(key).await.map_err(|e| RecordError::Bucket(e.to_string()))?;
+                forgotten += 1;
+            }
+        }
+        Ok(forgotten)
     }
 
     /// Remove a session's record (the session is deleted).

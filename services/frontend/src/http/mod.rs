@@ -28,8 +28,8 @@ pub use openapi::ApiDoc;
 use openapi::{health, openapi_json};
 use runs::{edit, input, interrupt, run};
 use sessions::{
-    checkout_session, create_session, delete_session, detach_session, fork_session, list_sessions, resume_session,
-    summary, undo_session,
+    checkout_session, create_session, delete_session, detach_session, fork_session, list_discards, list_sessions,
+    resume_session, summary, undo_session,
 };
 pub use state::{AppState, Served};
 use streams::{dashboard, dashboard_page, events};
@@ -51,6 +51,7 @@ pub fn router(state: AppState, body_timeout: Duration) -> Router {
         .route("/v1/health", get(health))
         .route("/v1/openapi.json", get(openapi_json))
         .route("/v1/sessions", post(create_session).get(list_sessions))
+        .route("/v1/discards", get(list_discards))
         .route("/v1/sessions/{sid}", get(summary).delete(delete_session))
         .route("/v1/sessions/{sid}/detach", post(detach_session))
         .route("/v1/sessions/{sid}/resume", post(resume_session))

@@ -10,7 +10,7 @@ use super::cpu_worker::{__path_comm, __path_complete, __path_inspect};
 use super::runs::{__path_edit, __path_input, __path_interrupt, __path_run};
 use super::sessions::{
     __path_checkout_session, __path_create_session, __path_delete_session, __path_detach_session, __path_fork_session,
-    __path_list_sessions, __path_resume_session, __path_summary, __path_undo_session,
+    __path_list_discards, __path_list_sessions, __path_resume_session, __path_summary, __path_undo_session,
 };
 use super::state::AppState;
 use super::streams::{__path_dashboard, __path_events};
@@ -28,7 +28,7 @@ pub(super) async fn health(State(state): State<AppState>) -> Json<Health> {
 #[derive(utoipa::OpenApi)]
 #[openapi(
     info(title = "LooseLeaf frontend API", version = "1", description = "Sessions, edits, runs and their event stream"),
-    paths(health, openapi_json, create_session, list_sessions, summary, delete_session, detach_session, resume_session, undo_session, checkout_session, fork_session, edit, run, interrupt, input, complete, inspect, comm, events, dashboard),
+    paths(health, openapi_json, create_session, list_sessions, list_discards, summary, delete_session, detach_session, resume_session, undo_session, checkout_session, fork_session, edit, run, interrupt, input, complete, inspect, comm, events, dashboard),
     components(schemas(ApiErrorBody)),
     modifiers(&Errors),
     security(("bearer" = []))

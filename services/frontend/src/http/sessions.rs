@@ -18,8 +18,8 @@ use uuid::Uuid;
 use super::errors::{bad_request, internal, json_body, mailbox, unavailable, ApiError};
 use super::state::{delete_in_store, delete_state, lookup, start_session, AppState, Served};
 use crate::api::{
-    Checkout, CreateSession, ResumedSession, SessionCreated, SessionDeleted, SessionDetached, SessionListed,
-    SessionSummary, StateMoved,
+    Checkout, CreateSession, ResumedSession, SessionCreated, SessionDeleted, SessionDetached, SessionDiscarded,
+    SessionListed, SessionSummary, StateMoved,
 };
 use crate::auth::Caller;
 use crate::records::SessionRecord;
@@ -105,11 +105,11 @@ async fn resume_notebook(state: &AppState, caller: &Caller, notebook: &str) -> R
             tracing::info!(session = %sid, notebook, "session of a kernel that is gone detached, to be resumed");
         }
     }
-    let mut candidates: Vec<SessionRecord> = owned_records(state, caller)
-        .await?
-        .into_iter()
-        .filter(|r| of_notebook(r) && r.detached_unix_ms.is_some())
-        .collect();
+    let records: Vec<SessionRecord> = owned_records(state, caller).await?.into_iter().filter(of_notebook).collect();
+    if records.is_empty() {
+        return discarded_since(state, caller, notebook).await;
+    }
+    let mut candidates: Vec<SessionRecord> = records.into_iter().filter(|r| r.detached_unix_ms.is_some()).collect();
     if candidates.is_empty() {
         return Ok(Resume::Nothing);
     }
@@ -125,6 +125,22 @@ async fn resume_notebook(state: &AppState, caller: &Caller, notebook: &str) -> R
     }
     let taken = candidates.iter().map(|r| r.session_id.to_string()).collect::<Vec<_>>().join(", ");
     Ok(Resume::Fresh(format!("another kernel resumed this notebook's detached session ({taken}) first")))
+}
+
+/// With no session of `notebook` left, the latest discard of one, if LooseLeaf
+/// discarded it (the user is told why the state is gone).
+async fn discarded_since(state: &AppState, caller: &Caller, notebook: &str) -> Result<Resume, ApiError> {
+    let discards = owned_discards(state, caller).await?;
+    let latest =
+        discards.into_iter().filter(|d| d.notebook.as_deref() == Some(notebook)).max_by_key(|d| d.discarded_unix_ms);
+    Ok(match latest {
+        Some(d) => {
+            let when =
+                humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + Duration::from_millis(d.discarded_unix_ms));
+            Resume::Fresh(format!("this notebook's session {} was discarded at {when}: {}", d.session_id, d.why))
+        }
+        None => Resume::Nothing,
+    })
 }
 
 /// What attaching a detached session came to.
@@ -238,6 +254,23 @@ pub(super) async fn list_sessions(
         .collect();
     listed.sort_by_key(|s| std::cmp::Reverse(s.created_unix_ms));
     Ok(Json(listed))
+}
+
+/// The caller's detached sessions LooseLeaf discarded with their state (past
+/// their retention, or to free space) in the last 30 days, newest first, and why.
+#[utoipa::path(get, path = "/v1/discards", responses((status = 200, body = Vec<SessionDiscarded>)))]
+pub(super) async fn list_discards(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+) -> Result<Json<Vec<SessionDiscarded>>, ApiError> {
+    let mut listed: Vec<SessionDiscarded> = owned_discards(&state, &caller).await?;
+    listed.sort_by_key(|d| std::cmp::Reverse(d.discarded_unix_ms));
+    Ok(Json(listed))
+}
+
+async fn owned_discards(state: &AppState, caller: &Caller) -> Result<Vec<SessionDiscarded>, ApiError> {
+    let all = state.shared.records.discards().await.map_err(unavailable)?;
+    Ok(all.into_iter().filter(|d| d.owner == caller.0).map(|d| d.listed).collect())
 }
 
 /// Detach the session: its workers and slots are freed now, its state stays for

@@ -16,9 +16,10 @@ use uuid::Uuid;
 
 use super::errors::{internal, parse_sid, ApiError};
 use crate::admission::Limits;
+use crate::api::{SessionDiscarded, DISCARDS_KEPT_DAYS};
 use crate::auth::{Caller, Tokens};
 use crate::origins::Origins;
-use crate::records::SessionRecord;
+use crate::records::{self, SessionRecord};
 use crate::session::{self, SessionActor};
 
 /// What every handler shares.
@@ -152,6 +153,10 @@ impl AppState {
     pub async fn sweep_detached(&self, retention: Duration) {
         let Some(records) = self.detached_records("find the expired detached ones").await else { return };
         let now = schemas::unix_ms();
+        let kept = Duration::from_secs(DISCARDS_KEPT_DAYS * 24 * 3600).as_millis() as u64;
+        if let Err(e) = self.shared.records.forget_discards(now.saturating_sub(kept)).await {
+            tracing::warn!(error = %e, "could not forget old discards");
+        }
         for r in records {
             if r.detached_unix_ms.is_some_and(|since| now.saturating_sub(since) >= retention.as_millis() as u64) {
                 self.discard_detached(&r, "past its retention").await;
@@ -207,6 +212,18 @@ impl AppState {
             Ok(store_error) => {
                 tracing::warn!(session = %sid, notebook = ?r.notebook, owner = ?r.owner,
                     detached_unix_ms = ?r.detached_unix_ms, ?store_error, "detached session discarded: {why}");
+                // listed for its owner, and said to the next kernel on its notebook
+                let listed = SessionDiscarded {
+                    session_id: sid,
+                    notebook: r.notebook.clone(),
+                    detached_unix_ms: r.detached_unix_ms,
+                    discarded_unix_ms: schemas::unix_ms(),
+                    why: why.to_string(),
+                };
+                let discard = records::Discarded { owner: r.owner.clone(), listed };
+                if let Err(e) = self.shared.records.put_discard(&discard).await {
+                    tracing::warn!(session = %sid, error = %e, "a discarded session could not be listed");
+                }
                 Discard::Done
             }
             Err(e) => {
