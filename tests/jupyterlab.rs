@@ -6,7 +6,9 @@
 //! interrupt stays), moves an ipywidgets slider with the keyboard and reads its
 //! value back in a later cell, and restarts the kernel (a fresh session). With the
 //! LooseLeaf extension installed, a GPU cell typed a character at a time runs on
-//! the worker prepared while it was typed, and its badge says so.
+//! the worker prepared while it was typed, and its badge says so. Last, Jupyter
+//! Server culls the idle kernel, and the notebook opened again has its variables
+//! (the Lossless-sessions issue).
 //! scripts/setup installs JupyterLab; scripts/setup-tests Chromium and playwright-core.
 
 use std::path::Path;
@@ -91,6 +93,10 @@ fn jupyterlab_in_a_browser_runs_interrupts_and_restarts_a_notebook_on_looseleaf(
             .arg(format!("--ServerApp.root_dir={}", root.display()))
             // the driver reaches JupyterLab's commands and models, as Galata does
             .arg("--LabApp.expose_app_in_browser=True")
+            // Jupyter's culler, as hubs run it (an hour there): the last step
+            // waits for it, then opens the notebook again
+            .arg("--MappingKernelManager.cull_idle_timeout=20")
+            .arg("--MappingKernelManager.cull_interval=5")
             .env("PATH", &path)
             .env("JUPYTER_PATH", prefix.join("share/jupyter"))
             // a fresh user: no settings or workspace of this machine's
@@ -148,6 +154,11 @@ fn jupyterlab_in_a_browser_runs_interrupts_and_restarts_a_notebook_on_looseleaf(
     assert!(seen["slider_drawn"].as_u64().unwrap_or(0) >= 1, "{seen}");
     assert_eq!(seen["slider_value"], "5\n", "the slider's value moved in the browser: {seen}");
     assert_eq!(seen["after_restart"], "NameError", "{seen}");
+    // culled by Jupyter Server and opened again: the new kernel resumed the
+    // notebook's session, said so, and the variable is there
+    assert_eq!(seen["culled"], true, "{seen}");
+    let after_cull = seen["after_cull"].as_str().unwrap_or_default();
+    assert!(after_cull.starts_with("LooseLeaf: resumed") && after_cull.ends_with("42\n"), "{seen}");
     // the extension: a GPU cell typed at 20 characters a second ran on the worker
     // prepared while it was typed, and its badge says so
     assert_eq!(seen["typed_source_equal"], true, "the typed text is not the cell's source: {seen}");

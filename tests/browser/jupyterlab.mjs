@@ -1,7 +1,9 @@
 // Drive JupyterLab in headless Chromium as a user would: open a notebook, choose
 // the LooseLeaf kernel in the kernel dialog, run all cells, see an image, type a
 // GPU cell and see its badge say it ran on a prepared worker, interrupt
-// a looping cell, move a slider and read its value back, restart. Prints one JSON line of what it saw; tests/jupyterlab.rs
+// a looping cell, move a slider and read its value back, restart; then leave the
+// kernel idle until Jupyter Server culls it, open the notebook again and find its
+// variables there. Prints one JSON line of what it saw; tests/jupyterlab.rs
 // asserts on it. A step that fails leaves a screenshot in $OUT.
 //
 // Environment: LAB_URL, LAB_TOKEN, NOTEBOOK (path under the server's root),
@@ -254,6 +256,37 @@ try {
     await runNewCell("print(looping)");
     await lastCellPrinted();
     seen.after_restart = (await lastOutputs()).map((o) => o.ename || o.text).join("");
+  });
+
+  await step("culled", async () => {
+    // Jupyter Server's culler (MappingKernelManager.cull_idle_timeout) shuts the
+    // idle kernel down; the notebook, opened again, gets a new kernel that
+    // resumes its session: its variables are there
+    await runNewCell("culled_x = 41");
+    await page.waitForFunction(() => {
+      const nb = window.jupyterapp.shell.currentWidget.content;
+      return nb.widgets.at(-1).model.executionCount !== null;
+    }, null, { timeout: 2 * MINUTE });
+    await kernelIdle(kernelName);
+    await command("docmanager:save");
+    const id = await page.evaluate(() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.id);
+    // the laptop closed: no client is connected (Jupyter culls only those)
+    await page.goto("about:blank");
+    const deadline = Date.now() + 3 * MINUTE;
+    for (;;) {
+      const kernels = await (await fetch(`${base}/api/kernels?token=${token}`)).json();
+      if (!kernels.some((k) => k.id === id)) break;
+      if (Date.now() > deadline) throw new Error(`the kernel was never culled: ${JSON.stringify(kernels)}`);
+      await new Promise((r) => setTimeout(r, 1000));
+    }
+    seen.culled = true;
+    await page.goto(`${base}/lab/tree/${notebook}?token=${token}`);
+    await page.waitForFunction(() => window.jupyterapp?.shell.currentWidget?.sessionContext?.isReady,
+      null, { timeout: 2 * MINUTE });
+    await kernelIdle(kernelName);
+    await runNewCell("print(culled_x + 1)");
+    await lastCellPrinted();
+    seen.after_cull = (await lastOutputs()).map((o) => o.text || o.ename).join("");
   });
 } finally {
   await page.screenshot({ path: `${out}/last.png` }).catch(() => {});
