@@ -4,11 +4,11 @@
 //!
 //! Its data folder (the store, the bus's streams, the session records, the API
 //! token) is the user's own and outlives it, so a notebook's detached session
-//! resumes even after the cluster stopped or died (ADR 63). Its runtime folder
+//! resumes even after the cluster stopped or died (ADR 63). The data folder's
+//! `cluster.lock` is held by the cluster for as long as it runs, so that a second
+//! cannot start on the same data, whatever its environment. The runtime folder
 //! holds what kernels find it by:
 //! - `cluster.json`: the [`Address`] of the one running (written once it is ready);
-//! - `cluster.lock`: held by that cluster for as long as it runs, so a second
-//!   cannot start on the same data;
 //! - `start.lock`: held by the kernel starting one, so two kernels racing to
 //!   start it make one cluster.
 //!
@@ -122,14 +122,12 @@ async fn lock(path: &Path, wait: Option<Duration>) -> anyhow::Result<Option<Floc
 
 impl LocalCluster {
     /// The current user's (see [`user_dir`]; the runtime folder is
-    /// `LOOSELEAF_RUNTIME_DIR`, else `$XDG_RUNTIME_DIR/looseleaf`, else `run` in
-    /// the user's folder).
+    /// `LOOSELEAF_RUNTIME_DIR`, else `run` in the user's folder: not
+    /// `$XDG_RUNTIME_DIR`, which some launchers of kernels set and others not).
     pub fn of_user() -> anyhow::Result<Self> {
         let user = user_dir()?;
         let var = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
-        let runtime = var("LOOSELEAF_RUNTIME_DIR")
-            .or_else(|| var("XDG_RUNTIME_DIR").map(|d| d.join("looseleaf")))
-            .unwrap_or_else(|| user.join("run"));
+        let runtime = var("LOOSELEAF_RUNTIME_DIR").unwrap_or_else(|| user.join("run"));
         Ok(Self { runtime, data: user.join("cluster") })
     }
 
@@ -150,19 +148,19 @@ impl LocalCluster {
         alive(address.pid).then_some(address)
     }
 
-    /// Whether the running cluster is the one at `frontend` (a kernel checks
-    /// before each cell that its cluster did not stop or die meanwhile).
-    pub fn serves(&self, frontend: &str) -> bool {
-        self.address().is_some_and(|a| a.frontend == frontend)
+    /// Whether the running cluster is still the one at `address` (a kernel
+    /// checks before each cell that its cluster did not stop or die meanwhile).
+    pub fn serves(&self, address: &Address) -> bool {
+        self.address().as_ref() == Some(address)
     }
 
-    /// A client of the running cluster, if one runs and answers.
-    pub async fn connect(&self) -> Option<Frontend> {
+    /// A client of the running cluster, and its address, if one runs and answers.
+    pub async fn connect(&self) -> Option<(Frontend, Address)> {
         let address = self.address()?;
         let token = std::fs::read_to_string(address.data_dir.join("api-token")).ok()?;
         let fe = Frontend::new(&address.frontend).with_token(token.trim());
         match tokio::time::timeout(Duration::from_secs(10), fe.sessions()).await {
-            Ok(Ok(_)) => Some(fe),
+            Ok(Ok(_)) => Some((fe, address)),
             Ok(Err(e)) => {
                 tracing::warn!(frontend = %address.frontend, error = %e, "the local cluster does not answer");
                 None
@@ -173,9 +171,9 @@ impl LocalCluster {
 
     /// A client of the running cluster, starting it (as `opts` says) if none
     /// runs. Of two kernels at once, one starts it and the other waits for it.
-    pub async fn connect_or_start(&self, opts: &ClusterOptions) -> anyhow::Result<Frontend> {
-        if let Some(fe) = self.connect().await {
-            return Ok(fe);
+    pub async fn connect_or_start(&self, opts: &ClusterOptions) -> anyhow::Result<(Frontend, Address)> {
+        if let Some(connected) = self.connect().await {
+            return Ok(connected);
         }
         private_dir(&self.runtime)?;
         private_dir(&self.data)?;
@@ -187,23 +185,27 @@ impl LocalCluster {
             );
         };
         // another kernel may have started it while this one waited
-        if let Some(fe) = self.connect().await {
-            return Ok(fe);
+        if let Some(connected) = self.connect().await {
+            return Ok(connected);
         }
         let mut child = self.spawn(opts)?;
-        let pid = child.id();
         let deadline = tokio::time::Instant::now() + START_WAIT;
         loop {
-            if let Some(address) = self.address().filter(|a| Some(a.pid) == pid) {
-                tracing::info!(pid = address.pid, frontend = %address.frontend, "the local cluster started");
+            // this one's, or one a kernel killed while starting it had started
+            // (this one's then waits for the data folder's lock: not needed)
+            if let Some((fe, address)) = self.connect().await {
+                if Some(address.pid) != child.id() {
+                    stop_group(&mut child).await;
+                }
+                tracing::info!(pid = address.pid, frontend = %address.frontend, "the local cluster runs");
                 // it runs on when this kernel ends: reaped by init then
-                drop(child);
-                return self.connect().await.context("the local cluster started but does not answer");
+                return Ok((fe, address));
             }
             if let Some(status) = child.try_wait().context("while watching the local cluster start")? {
                 bail!("the local cluster stopped as it started ({status}):\n{}", self.log_tail());
             }
             if tokio::time::Instant::now() >= deadline {
+                stop_group(&mut child).await;
                 bail!("the local cluster was not ready within {START_WAIT:?}:\n{}", self.log_tail());
             }
             tokio::time::sleep(POLL).await;
@@ -227,7 +229,12 @@ impl LocalCluster {
     /// the cluster (Python, hosts, bounds) goes in its environment.
     fn spawn(&self, opts: &ClusterOptions) -> anyhow::Result<tokio::process::Child> {
         let exe = std::env::current_exe().context("while finding the looseleaf binary")?;
-        let log = File::create(self.log()).with_context(|| format!("while creating {}", self.log().display()))?;
+        // appended to: a cluster that runs may be writing it
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log())
+            .with_context(|| format!("while opening {}", self.log().display()))?;
         let mut cmd = tokio::process::Command::new(exe);
         cmd.args(["up", "--local"])
             .stdin(std::process::Stdio::null())
@@ -239,7 +246,14 @@ impl LocalCluster {
             cmd.env(name, value);
         }
         // what this user's shell may set for an operator's cluster is not the local one's
-        for name in ["LOOSELEAF_USERS", "LOOSELEAF_SESSION_UIDS", "LOOSELEAF_NATS_URL", "LOOSELEAF_PORT"] {
+        for name in [
+            "LOOSELEAF_USERS",
+            "LOOSELEAF_SESSION_UIDS",
+            "LOOSELEAF_INSECURE_SHARED_WORKERS",
+            "LOOSELEAF_NATS_URL",
+            "LOOSELEAF_PORT",
+            "LOOSELEAF_DATA_DIR",
+        ] {
             cmd.env_remove(name);
         }
         let child = cmd.spawn().context("while starting the local cluster")?;
@@ -252,13 +266,24 @@ impl LocalCluster {
     pub async fn hold(&self) -> anyhow::Result<Running> {
         private_dir(&self.runtime)?;
         private_dir(&self.data)?;
-        let path = self.runtime.join("cluster.lock");
+        let path = self.data.join("cluster.lock");
         // one stopping (idle) still holds it for a few seconds
         let Some(lock) = lock(&path, Some(Duration::from_secs(30))).await? else {
             let running = self.address().map(|a| format!(" (pid {}, {})", a.pid, a.frontend)).unwrap_or_default();
             bail!("the local cluster of {} runs already{running}", self.data.display());
         };
         Ok(Running { _lock: lock, address_file: self.address_file() })
+    }
+}
+
+/// Stop a cluster this kernel started and no longer wants (its process group:
+/// what it started too).
+async fn stop_group(child: &mut tokio::process::Child) {
+    if let Some(pid) = child.id() {
+        let _ = nix::sys::signal::killpg(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::SIGTERM);
+        if tokio::time::timeout(Duration::from_secs(15), child.wait()).await.is_err() {
+            let _ = child.kill().await;
+        }
     }
 }
 

@@ -108,11 +108,13 @@ enum Command {
         /// starts in the background when none runs): its data folder is the
         /// user's (`LOOSELEAF_USER_DIR`, else ~/.local/share/looseleaf), its
         /// address is in the user's runtime folder, its port a free one (ADR 65).
-        #[arg(long, conflicts_with_all = ["users", "session_uids", "data_dir", "port", "url"])]
+        /// `--data-dir`, `--port`, `--users`, `--session-uids` and the NATS options
+        /// do not apply to it.
+        #[arg(long)]
         local: bool,
         /// With `--local`: stop after this many seconds with no attached session
         /// (0: never); detached sessions stay in the data folder.
-        #[arg(long, env = "LOOSELEAF_IDLE_EXIT_S", default_value_t = local::DEFAULT_IDLE_EXIT_S, requires = "local")]
+        #[arg(long, env = "LOOSELEAF_IDLE_EXIT_S", default_value_t = local::DEFAULT_IDLE_EXIT_S)]
         idle_exit_s: f64,
         /// Use the NATS these options name (`--nats-url` and the login and TLS
         /// flags) instead of starting one; without `--nats-url`, a nats-server is
@@ -216,8 +218,7 @@ enum Command {
     Sessions {
         #[command(subcommand)]
         action: SessionsAction,
-        /// The frontend (default: the user's local cluster if it runs, else
-        /// http://127.0.0.1:8470).
+        /// The frontend (default: the user's local cluster, which must be running).
         #[arg(long, env = "LOOSELEAF_FRONTEND", global = true)]
         frontend: Option<String>,
         /// The bearer token for that frontend.
@@ -323,7 +324,7 @@ enum KernelAction {
         /// The name Jupyter shows.
         #[arg(long, default_value = "LooseLeaf (Python)")]
         display_name: String,
-        /// The frontend the kernel uses (default: an embedded cluster per kernel).
+        /// The frontend the kernel uses (default: the user's local cluster).
         #[arg(long)]
         frontend: Option<String>,
         /// A file holding the frontend's bearer token.
@@ -475,7 +476,13 @@ async fn sessions(fe: &looseleaf_client::Frontend, action: SessionsAction) -> an
                 println!("{}  {state:<30}  revision {:<5} {notebook}  (in {})", s.session_id, s.revision, s.cwd);
             }
             // what LooseLeaf discarded lately (past its retention, or for space), and why
-            for d in fe.discards().await? {
+            let discards = match fe.discards().await {
+                Ok(d) => d,
+                // a frontend from before discards were listed
+                Err(e) if e.status() == Some(reqwest::StatusCode::NOT_FOUND) => Vec::new(),
+                Err(e) => return Err(e.into()),
+            };
+            for d in discards {
                 let notebook = d.notebook.as_deref().unwrap_or("-");
                 let state = format!("discarded {}", when(d.discarded_unix_ms));
                 println!("{}  {state:<30}  {notebook}: {}", d.session_id, d.why);
@@ -668,18 +675,24 @@ fn command(cli: Cli, given: Given, system: &actix_rt::SystemRunner) -> anyhow::R
             system.block_on(analyze::bench_edits(&nats_url, &prefix, events, json.as_ref()))
         }
         Command::Sessions { action, frontend, token } => system.block_on(async {
-            let local = match &frontend {
-                Some(_) => None,
-                None => local::LocalCluster::of_user().ok(),
+            let fe = match frontend {
+                Some(url) => {
+                    let fe = looseleaf_client::Frontend::new(&url);
+                    token.as_deref().map_or(fe.clone(), |t| fe.with_token(t))
+                }
+                None => {
+                    let local = local::LocalCluster::of_user()?;
+                    let (fe, _) = local.connect().await.with_context(|| {
+                        format!(
+                            "the local cluster of {} is not running (it stops after --idle-exit-s with no \
+                             session): open a LooseLeaf notebook, or run `looseleaf up --local`, or name a \
+                             --frontend",
+                            local.data_dir().display()
+                        )
+                    })?;
+                    fe
+                }
             };
-            let fe = match local {
-                Some(local) => local.connect().await,
-                None => None,
-            };
-            let fe = fe.unwrap_or_else(|| {
-                let fe = looseleaf_client::Frontend::new(frontend.as_deref().unwrap_or("http://127.0.0.1:8470"));
-                token.as_deref().map_or(fe.clone(), |t| fe.with_token(t))
-            });
             sessions(&fe, action).await
         }),
         Command::Health { url, timeout_s } => system.block_on(status::health(&url, timeout_s)),

@@ -185,7 +185,8 @@ impl Kernel {
                 tracing::warn!(session = %s.sid, error = %e, restart, "could not end the session");
             }
         }
-        if restart {
+        // a cluster of the kernel's own ends with it: nothing to leave there
+        if restart && !matches!(self.opts.place, super::Place::OwnCluster) {
             // Jupyter starts a new kernel process, as ipykernel's exits: it resumes
             // the notebook's latest detached session, so that one is left empty
             self.resume = false;

@@ -219,6 +219,8 @@ struct Kernel {
     cluster_trouble: watch::Receiver<Option<String>>,
     /// How to start the user's local cluster, if it has to be started again.
     cluster: ClusterOptions,
+    /// The local cluster this kernel uses (None: another place).
+    local_address: Option<crate::local::Address>,
 }
 
 impl Kernel {
@@ -231,7 +233,8 @@ impl Kernel {
         match Session::open(&self.fe, &self.opts, self.resume).await {
             Ok((s, notice)) => {
                 self.session = Some(s);
-                self.notice = notice;
+                // a line already waiting (why a heal gave a fresh session) is kept
+                self.notice = self.notice.take().or(notice);
                 Ok(())
             }
             Err(e) => {
@@ -250,11 +253,12 @@ impl Kernel {
     /// start). Cheap when it still runs: its address file and /proc.
     async fn heal_local(&mut self) -> Result<(), String> {
         let Place::Local(local) = &self.opts.place else { return Ok(()) };
-        if local.serves(self.fe.base()) {
+        if self.local_address.as_ref().is_some_and(|a| local.serves(a)) {
             return Ok(());
         }
         tracing::warn!(frontend = self.fe.base(), "the local cluster this kernel used is gone; connecting again");
-        self.fe = local.connect_or_start(&self.cluster).await.map_err(|e| format!("{e:#}"))?;
+        let (fe, address) = local.connect_or_start(&self.cluster).await.map_err(|e| format!("{e:#}"))?;
+        (self.fe, self.local_address) = (fe, Some(address));
         let Some(mut old) = self.session.take() else { return Ok(()) };
         old.stop_following();
         let resumed = match self.fe.resume(old.sid).await {
@@ -269,6 +273,7 @@ impl Kernel {
             }
             Err(e) => {
                 tracing::error!(session = %old.sid, error = format!("{e:#}"), "could not resume the session");
+                self.revisions.clear(); // they were the old session's
                 self.notice = Some(format!(
                     "LooseLeaf: the local cluster was started again, and session {} could not be resumed ({e:#}): a \
                      fresh session.\n",
@@ -287,14 +292,17 @@ pub async fn serve(connection_file: &Path, opts: KernelOptions, cluster: Cluster
     // its own (nats-server, the frontend), and one of those could be a port the
     // client chose for us that nothing holds yet.
     let sockets = connection::bind(&info).await?;
-    let (fe, mut embedded) = match &opts.place {
+    let (mut local_address, mut embedded): (_, Option<Cluster>) = (None, None);
+    let fe = match &opts.place {
         Place::Frontend { url, token } => {
             let fe = Frontend::new(url);
-            (token.as_ref().map_or(fe.clone(), |t| fe.with_token(t)), None)
+            token.as_ref().map_or(fe.clone(), |t| fe.with_token(t))
         }
         Place::Local(local) => {
-            let fe = local.connect_or_start(&cluster).await.context("while connecting to the local cluster")?;
-            (fe, None)
+            let (fe, address) =
+                local.connect_or_start(&cluster).await.context("while connecting to the local cluster")?;
+            local_address = Some(address);
+            fe
         }
         Place::OwnCluster => {
             tracing::info!(data_dir = %cluster.data_dir.display(), "starting an embedded cluster");
@@ -303,7 +311,9 @@ pub async fn serve(connection_file: &Path, opts: KernelOptions, cluster: Cluster
                 c.stop().await;
                 return Err(e.context("while waiting for the gpu-hosts"));
             }
-            (Frontend::new(&c.frontend_url).with_token(&c.api_token), Some(c))
+            let fe = Frontend::new(&c.frontend_url).with_token(&c.api_token);
+            embedded = Some(c);
+            fe
         }
     };
     let (sigint_tx, sigint) = mpsc::unbounded_channel();
@@ -336,6 +346,7 @@ pub async fn serve(connection_file: &Path, opts: KernelOptions, cluster: Cluster
         notice: None,
         cluster_trouble,
         cluster,
+        local_address,
     };
     // a frontend that is not there is said in the log now, and in each cell's
     // reply until it is back

@@ -109,9 +109,13 @@ async fn resume_notebook(state: &AppState, caller: &Caller, notebook: &str) -> R
     if records.is_empty() {
         return discarded_since(state, caller, notebook).await;
     }
+    let open: Vec<String> =
+        records.iter().filter(|r| r.detached_unix_ms.is_none()).map(|r| r.session_id.to_string()).collect();
     let mut candidates: Vec<SessionRecord> = records.into_iter().filter(|r| r.detached_unix_ms.is_some()).collect();
     if candidates.is_empty() {
-        return Ok(Resume::Nothing);
+        // every session of the notebook is in use by a kernel that still follows it
+        let why = format!("this notebook's session ({}) is open in another kernel", open.join(", "));
+        return Ok(Resume::Fresh(why));
     }
     candidates.sort_by_key(|r| std::cmp::Reverse(r.detached_unix_ms));
     for candidate in &candidates {
@@ -191,6 +195,14 @@ async fn check_state(state: &AppState, record: &SessionRecord) -> Result<Option<
                  are gone from the store (one is {example}); it stays detached, and `looseleaf sessions discard \
                  {sid}` removes it",
                 manifest.revision
+            ))
+        }
+        // the store answered: its manifests cannot be read
+        Err(schemas::BusError::Remote { message, .. }) => {
+            tracing::error!(session = %sid, error = %message, "a detached session's state cannot be read");
+            Err(format!(
+                "session {sid}'s saved state cannot be restored: {message}; it stays detached, and `looseleaf \
+                 sessions discard {sid}` removes it"
             ))
         }
         Err(e) => {

@@ -153,10 +153,6 @@ impl AppState {
     pub async fn sweep_detached(&self, retention: Duration) {
         let Some(records) = self.detached_records("find the expired detached ones").await else { return };
         let now = schemas::unix_ms();
-        let kept = Duration::from_secs(DISCARDS_KEPT_DAYS * 24 * 3600).as_millis() as u64;
-        if let Err(e) = self.shared.records.forget_discards(now.saturating_sub(kept)).await {
-            tracing::warn!(error = %e, "could not forget old discards");
-        }
         for r in records {
             if r.detached_unix_ms.is_some_and(|since| now.saturating_sub(since) >= retention.as_millis() as u64) {
                 self.discard_detached(&r, "past its retention").await;
@@ -223,6 +219,10 @@ impl AppState {
                 let discard = records::Discarded { owner: r.owner.clone(), listed };
                 if let Err(e) = self.shared.records.put_discard(&discard).await {
                     tracing::warn!(session = %sid, error = %e, "a discarded session could not be listed");
+                }
+                let kept = Duration::from_secs(DISCARDS_KEPT_DAYS * 24 * 3600).as_millis() as u64;
+                if let Err(e) = self.shared.records.forget_discards(schemas::unix_ms().saturating_sub(kept)).await {
+                    tracing::warn!(error = %e, "could not forget old discards");
                 }
                 Discard::Done
             }
