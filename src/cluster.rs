@@ -517,12 +517,7 @@ impl Cluster {
 /// behind its `Child`'s back.
 fn nats_down(server: &LocalNats) -> Option<String> {
     let Some(pid) = server.pid() else { return Some("is not running".into()) };
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // `pid (comm) state ...`: comm may hold spaces, so the state follows the last ')'
-    match stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()) {
-        Some("Z" | "X") | None => Some(format!("(pid {pid}) exited")),
-        Some(_) => None,
-    }
+    (!crate::local::alive(pid)).then(|| format!("(pid {pid}) exited"))
 }
 
 /// Wait until `hosts` gpu-hosts report a ready zygote, watching as `nats` says.

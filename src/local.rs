@@ -87,9 +87,10 @@ fn private_dir(path: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Whether process `pid` is alive (a zombie counts as gone).
-fn alive(pid: u32) -> bool {
+/// Whether process `pid` is alive (a zombie counts as gone), from /proc.
+pub fn alive(pid: u32) -> bool {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // `pid (comm) state ...`: comm may hold spaces, so the state follows the last ')'
     match stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()) {
         Some("Z" | "X") | None => false,
         Some(_) => true,
