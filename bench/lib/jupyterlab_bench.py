@@ -160,6 +160,9 @@ class Lab:
             "JUPYTERLAB_SETTINGS_DIR": str(state / "settings"),
             "JUPYTERLAB_WORKSPACES_DIR": str(state / "workspaces"),
             "LOOSELEAF_VIRTUAL_GPUS": "2",
+            # the pass's kernels share a local cluster of their own (ADR 65)
+            "LOOSELEAF_USER_DIR": str(work / "user"),
+            "LOOSELEAF_RUNTIME_DIR": str(work / "user" / "run"),
         }
         self.log = open(work / "lab.log", "w")
         self.proc = subprocess.Popen(
@@ -214,7 +217,7 @@ class Lab:
         return json.loads(r.stdout.strip().splitlines()[-1])
 
     def stop(self) -> None:
-        # SIGTERM: the server shuts its kernels down, and they their clusters
+        # SIGTERM: the server shuts its kernels down; then their local cluster
         self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(timeout=30)
@@ -222,6 +225,14 @@ class Lab:
             self.proc.kill()
             self.proc.wait()
         self.log.close()
+        try:
+            pid = json.loads((self.work / "user" / "run" / "cluster.json").read_text())["pid"]
+        except (OSError, ValueError, KeyError):
+            return
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.time() + 30
+        while time.time() < deadline and Path(f"/proc/{pid}").exists():
+            time.sleep(0.1)
 
 
 def run_pass(name: str, work: Path, corpus: Path, sample: list[dict], extension: bool) -> list[dict]:
