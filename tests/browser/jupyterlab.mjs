@@ -268,7 +268,10 @@ try {
       return nb.widgets.at(-1).model.executionCount !== null;
     }, null, { timeout: 2 * MINUTE });
     await kernelIdle(kernelName);
-    await command("docmanager:save");
+    // saved (with its kernel) before the page goes: the server opens it again from disk
+    await page.evaluate(() => window.jupyterapp.commands.execute("docmanager:save"));
+    await page.waitForFunction(() => !window.jupyterapp.shell.currentWidget.context.model.dirty,
+      null, { timeout: MINUTE });
     const id = await page.evaluate(() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.id);
     // the laptop closed: no client is connected (Jupyter culls only those)
     await page.goto("about:blank");
