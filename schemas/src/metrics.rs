@@ -347,8 +347,9 @@ mod tests {
         let m = metrics();
         m.cells.get_or_create(&[("status", "ok")]).inc();
         // (a family with no sample yet is not written: this test does not rely on
-        // another one having observed a start first)
-        m.start_delay.get_or_create(&[("prepare", "cold")]).observe(0.5);
+        // another one having observed a start first; its label is its own, as the
+        // registry is shared with the test that counts `cold` starts)
+        m.start_delay.get_or_create(&[("prepare", "text-004")]).observe(0.5);
         let text = m.encode_text_004();
         for line in [
             "# TYPE looseleaf_cells_total counter",
