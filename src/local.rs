@@ -344,7 +344,7 @@ impl Drop for Running {
 
 /// Resolves once the cluster at `fe` has had no attached session for `after`
 /// (looked at every few seconds).
-pub async fn idle_exit(fe: &Frontend, after: Duration) {
+async fn until_idle(fe: &Frontend, after: Duration) {
     let every = (after / 4).clamp(Duration::from_millis(250), Duration::from_secs(10));
     let mut idle_since = tokio::time::Instant::now();
     loop {
@@ -364,4 +364,44 @@ pub async fn idle_exit(fe: &Frontend, after: Duration) {
             return;
         }
     }
+}
+
+/// `looseleaf up --local`: the user's local cluster (ADR 65), until a signal or
+/// `idle_exit` with no attached session.
+pub async fn serve(local: LocalCluster, opts: ClusterOptions, idle_exit: Option<Duration>) -> anyhow::Result<()> {
+    let running = local.hold().await?;
+    let mut cluster = crate::cluster::Cluster::start(&opts).await?;
+    if let Err(e) = cluster.wait_ready(opts.hosts, Duration::from_secs(180)).await {
+        cluster.stop().await;
+        return Err(e);
+    }
+    let address = Address {
+        pid: std::process::id(),
+        frontend: cluster.frontend_url.clone(),
+        data_dir: local.data_dir().to_path_buf(),
+        version: env!("CARGO_PKG_VERSION").to_string(),
+    };
+    if let Err(e) = running.publish(&address) {
+        cluster.stop().await;
+        return Err(e);
+    }
+    eprintln!("the local cluster is up: frontend {} (data in {})", address.frontend, address.data_dir.display());
+    let fe = Frontend::new(&cluster.frontend_url).with_token(&cluster.api_token);
+    let idle = async {
+        match idle_exit {
+            Some(after) => until_idle(&fe, after).await,
+            None => futures::future::pending().await,
+        }
+    };
+    // its nats-server, if it exits, is started again meanwhile (as a kernel's own cluster's)
+    let (trouble, _) = tokio::sync::watch::channel(None);
+    tokio::select! {
+        () = schemas::telemetry::shutdown_signal() => eprintln!("stopping"),
+        () = idle => eprintln!("no attached session for {idle_exit:?}: stopping"),
+        () = cluster.keep_nats_up(trouble) => {}
+    }
+    // no kernel connects from now on; the lock stays until it stopped
+    running.withdraw();
+    cluster.stop().await;
+    Ok(())
 }

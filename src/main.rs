@@ -8,6 +8,7 @@ mod notebook;
 mod outputs;
 mod report;
 mod run;
+mod sessions;
 mod simulate;
 mod status;
 
@@ -217,7 +218,7 @@ enum Command {
     /// discard one with its state.
     Sessions {
         #[command(subcommand)]
-        action: SessionsAction,
+        action: sessions::SessionsAction,
         /// The frontend (default: the user's local cluster, which must be running).
         #[arg(long, env = "LOOSELEAF_FRONTEND", global = true)]
         frontend: Option<String>,
@@ -291,17 +292,6 @@ enum Command {
         #[arg(long, env = "LOOSELEAF_WAIT_MS", default_value_t = 2500)]
         wait_ms: u64,
     },
-}
-
-/// What `looseleaf sessions` does.
-#[derive(Subcommand, Debug)]
-enum SessionsAction {
-    /// List the caller's sessions, live and detached.
-    List,
-    /// Resume a detached session (its id, from `list`).
-    Resume { session: uuid::Uuid },
-    /// Delete a session with its state.
-    Discard { session: uuid::Uuid },
 }
 
 /// What `looseleaf kernel` does besides serving.
@@ -382,46 +372,6 @@ fn arg_given(matches: &clap::ArgMatches, id: &str) -> bool {
     matches!(m.value_source(id), Some(clap::parser::ValueSource::CommandLine | clap::parser::ValueSource::EnvVariable))
 }
 
-/// `looseleaf up --local`: the user's local cluster (ADR 65), until a signal or
-/// `idle_exit` with no attached session.
-async fn up_local(local: local::LocalCluster, opts: ClusterOptions, idle_exit: Option<Duration>) -> anyhow::Result<()> {
-    let running = local.hold().await?;
-    let mut cluster = Cluster::start(&opts).await?;
-    if let Err(e) = cluster.wait_ready(opts.hosts, Duration::from_secs(180)).await {
-        cluster.stop().await;
-        return Err(e);
-    }
-    let address = local::Address {
-        pid: std::process::id(),
-        frontend: cluster.frontend_url.clone(),
-        data_dir: local.data_dir().to_path_buf(),
-        version: env!("CARGO_PKG_VERSION").to_string(),
-    };
-    if let Err(e) = running.publish(&address) {
-        cluster.stop().await;
-        return Err(e);
-    }
-    eprintln!("the local cluster is up: frontend {} (data in {})", address.frontend, address.data_dir.display());
-    let fe = looseleaf_client::Frontend::new(&cluster.frontend_url).with_token(&cluster.api_token);
-    let idle = async {
-        match idle_exit {
-            Some(after) => local::idle_exit(&fe, after).await,
-            None => futures::future::pending().await,
-        }
-    };
-    // its nats-server, if it exits, is started again meanwhile (as a kernel's own cluster's)
-    let (trouble, _) = tokio::sync::watch::channel(None);
-    tokio::select! {
-        () = schemas::telemetry::shutdown_signal() => eprintln!("stopping"),
-        () = idle => eprintln!("no attached session for {idle_exit:?}: stopping"),
-        () = cluster.keep_nats_up(trouble) => {}
-    }
-    // no kernel connects from now on; the lock stays until it stopped
-    running.withdraw();
-    cluster.stop().await;
-    Ok(())
-}
-
 async fn up(opts: ClusterOptions) -> anyhow::Result<()> {
     let mut cluster = Cluster::start(&opts).await?;
     cluster.wait_ready(opts.hosts, std::time::Duration::from_secs(180)).await?;
@@ -461,46 +411,6 @@ fn main() -> std::process::ExitCode {
     exit_code(result)
 }
 
-/// `looseleaf sessions ACTION`.
-async fn sessions(fe: &looseleaf_client::Frontend, action: SessionsAction) -> anyhow::Result<()> {
-    let when = |ms: u64| humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + Duration::from_millis(ms));
-    match action {
-        SessionsAction::List => {
-            let listed = fe.sessions().await?;
-            if listed.is_empty() {
-                println!("no sessions");
-            }
-            for s in listed {
-                let state = s.detached_unix_ms.map_or("live".to_string(), |ms| format!("detached {}", when(ms)));
-                let notebook = s.notebook.as_deref().unwrap_or("-");
-                println!("{}  {state:<30}  revision {:<5} {notebook}  (in {})", s.session_id, s.revision, s.cwd);
-            }
-            // what LooseLeaf discarded lately (past its retention, or for space), and why
-            let discards = match fe.discards().await {
-                Ok(d) => d,
-                // a frontend from before discards were listed
-                Err(e) if e.status() == Some(reqwest::StatusCode::NOT_FOUND) => Vec::new(),
-                Err(e) => return Err(e.into()),
-            };
-            for d in discards {
-                let notebook = d.notebook.as_deref().unwrap_or("-");
-                let state = format!("discarded {}", when(d.discarded_unix_ms));
-                println!("{}  {state:<30}  {notebook}: {}", d.session_id, d.why);
-            }
-        }
-        SessionsAction::Resume { session } => {
-            let created = fe.resume(session).await?;
-            let revision = created.resumed.map_or(0, |r| r.revision);
-            println!("resumed {} at revision {revision}", created.session_id);
-        }
-        SessionsAction::Discard { session } => {
-            fe.delete(session).await?;
-            println!("discarded {session}");
-        }
-    }
-    Ok(())
-}
-
 /// An error's exit status, printed as a `main` returning it would (`Error: ` and
 /// its chain, status 1); a run a signal stopped said what it wrote already and
 /// exits with the signal's status (130 for Ctrl-C), as a shell reports it.
@@ -529,7 +439,7 @@ fn command(cli: Cli, given: Given, system: &actix_rt::SystemRunner) -> anyhow::R
                 .then(|| Duration::try_from_secs_f64(idle_exit_s))
                 .transpose()
                 .map_err(|e| anyhow::anyhow!("--idle-exit-s: {e}"))?;
-            system.block_on(up_local(local, opts, idle_exit))
+            system.block_on(local::serve(local, opts, idle_exit))
         }
         Command::Up {
             local: false,
@@ -674,27 +584,7 @@ fn command(cli: Cli, given: Given, system: &actix_rt::SystemRunner) -> anyhow::R
         Command::BenchEdits { nats_url, prefix, events, json } => {
             system.block_on(analyze::bench_edits(&nats_url, &prefix, events, json.as_ref()))
         }
-        Command::Sessions { action, frontend, token } => system.block_on(async {
-            let fe = match frontend {
-                Some(url) => {
-                    let fe = looseleaf_client::Frontend::new(&url);
-                    token.as_deref().map_or(fe.clone(), |t| fe.with_token(t))
-                }
-                None => {
-                    let local = local::LocalCluster::of_user()?;
-                    let (fe, _) = local.connect().await.with_context(|| {
-                        format!(
-                            "the local cluster of {} is not running (it stops after --idle-exit-s with no \
-                             session): open a LooseLeaf notebook, or run `looseleaf up --local`, or name a \
-                             --frontend",
-                            local.data_dir().display()
-                        )
-                    })?;
-                    fe
-                }
-            };
-            sessions(&fe, action).await
-        }),
+        Command::Sessions { action, frontend, token } => system.block_on(sessions::sessions(action, frontend, token)),
         Command::Health { url, timeout_s } => system.block_on(status::health(&url, timeout_s)),
         Command::Status { nats, data_dir, prefix, wait_ms } => {
             let target = status::Target::find(nats, nats_given, given.nats_connect_wait, &data_dir);

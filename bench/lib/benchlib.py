@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -331,6 +332,18 @@ def proc_memory(pid: int) -> dict:
 
 def cmdline(pid: int) -> list[str]:
     return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+
+
+def stop_local_cluster(runtime: Path) -> None:
+    """Stop the local cluster (ADR 65) whose runtime folder is `runtime`, if one runs."""
+    try:
+        pid = json.loads((runtime / "cluster.json").read_text())["pid"]
+    except (OSError, ValueError, KeyError):
+        return
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+        time.sleep(0.1)
 
 
 def median(xs):

@@ -225,14 +225,7 @@ class Lab:
             self.proc.kill()
             self.proc.wait()
         self.log.close()
-        try:
-            pid = json.loads((self.work / "user" / "run" / "cluster.json").read_text())["pid"]
-        except (OSError, ValueError, KeyError):
-            return
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.time() + 30
-        while time.time() < deadline and Path(f"/proc/{pid}").exists():
-            time.sleep(0.1)
+        B.stop_local_cluster(self.work / "user" / "run")
 
 
 def run_pass(name: str, work: Path, corpus: Path, sample: list[dict], extension: bool) -> list[dict]:

@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -50,6 +49,7 @@ from benchlib import (
     percentile,
     proc_memory,
     scratch,
+    stop_local_cluster,
     write_result,
 )
 from jupyter_client.manager import start_new_kernel
@@ -220,18 +220,6 @@ def extra_notebook_memory(kernel: str, user_dir: str) -> dict:
         for km, kc in opened:
             kc.stop_channels()
             km.shutdown_kernel(now=False)
-
-
-def stop_local_cluster(runtime: Path) -> None:
-    """Stop the scratch user's local cluster, if it runs."""
-    try:
-        pid = json.loads((runtime / "cluster.json").read_text())["pid"]
-    except (OSError, ValueError, KeyError):
-        return
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
-        time.sleep(0.1)
 
 
 def reads_uninitialised_memory(code: str) -> bool:
