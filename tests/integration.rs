@@ -41,6 +41,7 @@ mod store_faults;
 mod system;
 mod undo;
 mod unsavable;
+mod usage;
 // named for what it checks: a module `tracing` would shadow the crate of that name
 #[path = "tracing.rs"]
 mod trace_tree;

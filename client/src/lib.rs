@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod events;
+pub mod usage;
 
 use api::{
     read_items, CellCode, Checkout, CodeAtCursor, CommAnswer, CommMessage, CreateSession, InputLine, Interrupted,
@@ -11,6 +12,7 @@ use api::{
     StreamPosition,
 };
 use tokio::sync::mpsc;
+use usage::{UsageBy, UsageReport};
 use uuid::Uuid;
 
 /// Why a call to the frontend failed.
@@ -184,6 +186,23 @@ impl Frontend {
     pub async fn discards(&self) -> Result<Vec<SessionDiscarded>, ClientError> {
         let req = self.http.get(format!("{}/v1/discards", self.base));
         self.json("list discarded sessions", req).await
+    }
+
+    /// What was used from `from` to `to` (UTC days, `YYYY-MM-DD`; None: the
+    /// frontend's defaults), grouped `by`; an admin may ask for one `user`'s.
+    pub async fn usage(
+        &self,
+        by: UsageBy,
+        from: Option<&str>,
+        to: Option<&str>,
+        user: Option<&str>,
+    ) -> Result<UsageReport, ClientError> {
+        let mut query = vec![("by", by.as_str())];
+        query.extend(from.map(|d| ("from", d)));
+        query.extend(to.map(|d| ("to", d)));
+        query.extend(user.map(|u| ("user", u)));
+        let req = self.http.get(format!("{}/v1/usage", self.base)).query(&query);
+        self.json("read usage", req).await
     }
 
     /// Detach a session: its workers are freed, its state stays to resume.

@@ -182,6 +182,29 @@ pub async fn sessions(js: &jetstream::Context, prefix: &str, replicas: usize) ->
     ensure_bucket(js, config).await
 }
 
+/// Bucket of usage (issue 40): key = `{day}.{session id}` (the UTC day as
+/// `YYYY-MM-DD`), value = what the session used that day (JSON, see the frontend's
+/// `usage`). Kept [`USAGE_KEPT`] after its last write.
+pub fn usage_bucket(prefix: &str) -> String {
+    format!("{}_usage", sanitize(prefix))
+}
+
+/// How long a day's usage of a session is kept: 400 days, a year's reports and
+/// more.
+pub const USAGE_KEPT: Duration = Duration::from_secs(400 * 24 * 3600);
+
+/// Get or create the usage bucket.
+pub async fn usage(js: &jetstream::Context, prefix: &str, replicas: usize) -> Result<kv::Store, BucketError> {
+    let config = kv::Config {
+        bucket: usage_bucket(prefix),
+        history: 1,
+        max_age: USAGE_KEPT,
+        num_replicas: replicas,
+        ..Default::default()
+    };
+    ensure_bucket(js, config).await
+}
+
 /// Get or create the planner bucket.
 pub async fn planner(js: &jetstream::Context, prefix: &str, replicas: usize) -> Result<kv::Store, BucketError> {
     let config =

@@ -36,6 +36,15 @@ fn seconds_histogram() -> Histogram {
 /// `http_response_status_code`.
 pub type HttpLabels = [(&'static str, String); 3];
 
+/// A user's label (`user`: the API's user name, `anonymous` on an open API); the
+/// users a frontend serves are those its tokens name, so the series are bounded.
+pub type UserLabel = [(&'static str, String); 1];
+
+/// The label of `user` (None: the open API's one anonymous user).
+pub fn user_label(user: Option<&str>) -> UserLabel {
+    [("user", user.unwrap_or("anonymous").to_string())]
+}
+
 /// Every metric family.
 pub struct Metrics {
     registry: Registry,
@@ -78,6 +87,14 @@ pub struct Metrics {
     pub runs: Family<Label, Gauge>,
     /// HTTP requests served, by method, route and status. Frontend.
     pub http_requests: Family<HttpLabels, Histogram, fn() -> Histogram>,
+    /// GPU-slot seconds a user's sessions held, by `user`. Frontend.
+    pub user_gpu_seconds: Family<UserLabel, Counter<f64, AtomicU64>>,
+    /// Seconds a user's cells ran on the CPU, by `user`. Frontend.
+    pub user_cpu_seconds: Family<UserLabel, Counter<f64, AtomicU64>>,
+    /// A user's cells that ran, by `user`. Frontend.
+    pub user_cells: Family<UserLabel, Counter>,
+    /// A user's GPU cells refused by a quota, by `user`. Frontend.
+    pub user_quota_refusals: Family<UserLabel, Counter>,
 }
 
 impl Metrics {
@@ -101,6 +118,10 @@ impl Metrics {
             cells: Family::default(),
             runs: Family::default(),
             http_requests: Family::new_with_constructor(seconds_histogram),
+            user_gpu_seconds: Family::default(),
+            user_cpu_seconds: Family::default(),
+            user_cells: Family::default(),
+            user_quota_refusals: Family::default(),
         };
         // the conventions' own names (`process_*`, `http_server_*`) stand unprefixed
         registry.register_collector(Box::new(ProcessMetrics));
@@ -149,6 +170,16 @@ impl Metrics {
         r.register("sessions", "Sessions this frontend serves", m.sessions.clone());
         r.register("cells", "Runs ended, by status (ok, error, failed, aborted)", m.cells.clone());
         r.register("runs", "Runs not ended, by state (queued, unclaimed, running)", m.runs.clone());
+        let u = r.sub_registry_with_prefix("user");
+        u.register_with_unit(
+            "gpu_slot",
+            "GPU-slot time a user's sessions held",
+            Unit::Seconds,
+            m.user_gpu_seconds.clone(),
+        );
+        u.register_with_unit("cpu", "Time a user's cells ran on the CPU", Unit::Seconds, m.user_cpu_seconds.clone());
+        u.register("cells", "A user's cells that ran", m.user_cells.clone());
+        u.register("quota_refusals", "A user's GPU cells refused by a quota", m.user_quota_refusals.clone());
         Self { registry, ..m }
     }
 
@@ -340,6 +371,22 @@ mod tests {
         assert!(text.lines().any(|l| l.starts_with("looseleaf_start_delay_seconds_bucket{le=\"1.0\",")), "{text}");
         assert!(text.lines().any(|l| l.starts_with("looseleaf_build_info{version=")), "{text}");
         assert!(text.lines().any(|l| l.starts_with("process_resident_memory_bytes ")), "{text}");
+    }
+
+    #[test]
+    fn usage_is_labelled_by_user_only() {
+        let m = metrics();
+        m.user_gpu_seconds.get_or_create(&user_label(Some("metrics-ada"))).inc_by(2.5);
+        m.user_cells.get_or_create(&user_label(None)).inc();
+        let text = m.encode();
+        for line in [
+            "looseleaf_user_gpu_slot_seconds_total{user=\"metrics-ada\"} 2.5",
+            "# TYPE looseleaf_user_cpu_seconds counter",
+            "# TYPE looseleaf_user_quota_refusals counter",
+        ] {
+            assert!(text.lines().any(|l| l == line), "no line {line:?} in\n{text}");
+        }
+        assert!(text.lines().any(|l| l.starts_with("looseleaf_user_cells_total{user=\"anonymous\"} ")), "{text}");
     }
 
     #[test]

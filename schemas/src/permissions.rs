@@ -117,6 +117,7 @@ impl Role {
                     "$JS.API.INFO".into(),
                 ]);
                 publish.extend(bucket(&buckets::sessions_bucket(prefix)));
+                publish.extend(bucket(&buckets::usage_bucket(prefix)));
                 publish.extend(bucket(&buckets::claims_bucket(prefix)));
                 publish.extend(jetstream_on(&s.events_stream()));
                 publish.extend(jetstream_on(&s.outputs_stream()));

@@ -49,7 +49,14 @@ pub enum TokensError {
 
 /// The API's tokens (None: the API is open).
 #[derive(Clone, Debug, Default)]
-pub struct Tokens(Option<Arc<HashMap<String, String>>>);
+pub struct Tokens(Option<Arc<Table>>);
+
+/// Who each token names, and which users are admins.
+#[derive(Debug, Default)]
+struct Table {
+    users: HashMap<String, String>,
+    admins: std::collections::BTreeSet<String>,
+}
 
 impl Tokens {
     /// An open API: no token asked.
@@ -57,7 +64,9 @@ impl Tokens {
         Self(None)
     }
 
-    /// Tokens from a file of `USER TOKEN` lines (blank lines and `#` comments allowed).
+    /// Tokens from a file of `USER TOKEN` lines, or `USER TOKEN admin` for a user
+    /// who sees every user's usage and sessions on the dashboard (blank lines and
+    /// `#` comments allowed).
     pub fn load(path: &Path) -> Result<Self, TokensError> {
         let text = std::fs::read_to_string(path)
             .map_err(|source| TokensError::Read { path: path.display().to_string(), source })?;
@@ -66,7 +75,7 @@ impl Tokens {
 
     /// Tokens from the text of a tokens file.
     pub fn parse(text: &str) -> Result<Self, TokensError> {
-        let mut tokens = HashMap::new();
+        let mut table = Table::default();
         for (i, raw) in text.lines().enumerate() {
             let line = raw.trim();
             if line.is_empty() || line.starts_with('#') {
@@ -74,25 +83,42 @@ impl Tokens {
             }
             let bad = |reason: &str| TokensError::Line { line: i + 1, reason: reason.to_string() };
             let mut words = line.split_whitespace();
-            let (Some(user), Some(token), None) = (words.next(), words.next(), words.next()) else {
-                return Err(bad("expected `USER TOKEN`"));
+            let (Some(user), Some(token), role, None) = (words.next(), words.next(), words.next(), words.next()) else {
+                return Err(bad("expected `USER TOKEN` or `USER TOKEN admin`"));
             };
+            match role {
+                None => {}
+                Some("admin") => {
+                    table.admins.insert(user.to_string());
+                }
+                Some(other) => return Err(bad(&format!("unknown role {other:?} (the one role is `admin`)"))),
+            }
             if token.chars().count() < MIN_TOKEN_CHARS {
                 return Err(bad(&format!("the token is shorter than {MIN_TOKEN_CHARS} characters")));
             }
-            if tokens.insert(token.to_string(), user.to_string()).is_some() {
+            if table.users.insert(token.to_string(), user.to_string()).is_some() {
                 return Err(bad("the token is used twice"));
             }
         }
-        if tokens.is_empty() {
+        if table.users.is_empty() {
             return Err(TokensError::Empty);
         }
-        Ok(Self(Some(Arc::new(tokens))))
+        Ok(Self(Some(Arc::new(table))))
     }
 
     /// The users the tokens name (none for an open API).
     pub fn users(&self) -> std::collections::BTreeSet<&str> {
-        self.0.iter().flat_map(|t| t.values()).map(String::as_str).collect()
+        self.0.iter().flat_map(|t| t.users.values()).map(String::as_str).collect()
+    }
+
+    /// Whether `caller` is an admin: one a tokens file names so, or the open
+    /// API's one user (who owns every session there is).
+    pub fn is_admin(&self, caller: &Caller) -> bool {
+        match (&self.0, &caller.0) {
+            (None, _) => true,
+            (Some(t), Some(user)) => t.admins.contains(user),
+            (Some(_), None) => false,
+        }
     }
 
     /// Whether the API asks for a token.
@@ -109,7 +135,7 @@ impl Tokens {
             .ok_or("this API needs a bearer token (Authorization: Bearer TOKEN)")?;
         // every token is compared, in time that does not depend on where they differ
         let mut found = None;
-        for (token, user) in tokens.iter() {
+        for (token, user) in tokens.users.iter() {
             if same(token.as_bytes(), given.as_bytes()) {
                 found = Some(user.clone());
             }
@@ -162,6 +188,11 @@ mod tests {
         let err = Tokens::parse("a xxxxxxxxxxxxxxxxxxxx\nb xxxxxxxxxxxxxxxxxxxx\n").unwrap_err().to_string();
         assert!(err.contains("line 2") && err.contains("twice"), "{err}");
         assert!(Tokens::parse("alice\n").unwrap_err().to_string().contains("USER TOKEN"));
+        let err = Tokens::parse("alice aaaaaaaaaaaaaaaaaaaa root\n").unwrap_err().to_string();
+        assert!(err.contains("unknown role \"root\""), "{err}");
+        let t = Tokens::parse("alice aaaaaaaaaaaaaaaaaaaa admin\nbob bbbbbbbbbbbbbbbbbbbb\n").unwrap();
+        assert!(t.is_admin(&Caller(Some("alice".into()))) && !t.is_admin(&Caller(Some("bob".into()))));
+        assert!(Tokens::open().is_admin(&Caller(None)), "the open API's one user owns everything");
         assert!(matches!(Tokens::parse("# nothing\n"), Err(TokensError::Empty)));
     }
 }

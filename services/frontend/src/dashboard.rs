@@ -65,7 +65,7 @@ impl Default for View {
 #[derive(Clone, Debug, Serialize)]
 struct SessionView {
     session_id: Uuid,
-    #[serde(skip)]
+    /// Its owner (shown to an admin, who sees every user's sessions).
     owner: Option<String>,
     opened_unix_ms: u64,
     closed_unix_ms: Option<u64>,
@@ -220,8 +220,9 @@ impl Dashboard {
         self.changed();
     }
 
-    /// What `caller` may see now, as the page reads it.
-    pub fn snapshot(&self, caller: &Caller) -> serde_json::Value {
+    /// What `caller` may see now, as the page reads it: its own sessions, or
+    /// every user's for an `admin`.
+    pub fn snapshot(&self, caller: &Caller, admin: bool) -> serde_json::Value {
         let view = self.lock();
         let now = schemas::unix_ms();
         let mut heard: Vec<_> = view.hosts.all(Instant::now()).collect();
@@ -252,7 +253,7 @@ impl Dashboard {
                 })
             })
             .collect();
-        let sessions: Vec<&SessionView> = view.sessions.values().filter(|s| s.owner == caller.0).collect();
+        let sessions: Vec<&SessionView> = view.sessions.values().filter(|s| admin || s.owner == caller.0).collect();
         let visible: std::collections::HashSet<Uuid> = sessions.iter().map(|s| s.session_id).collect();
         let executions: Vec<&ExecView> =
             view.executions.iter().rev().filter(|e| visible.contains(&e.session_id)).collect();
@@ -333,7 +334,7 @@ mod tests {
             StreamItem::Done { exec_id: exec, status: ExecStatus::Ok, after_revision: 1, unix_ms: 3_002, error: None };
         d.observe(sid, &done);
 
-        let seen = d.snapshot(&Caller(Some("alice".into())));
+        let seen = d.snapshot(&Caller(Some("alice".into())), false);
         let e = &seen["executions"][0];
         assert_eq!(e["cell_id"], "c1");
         assert_eq!(e["start_delay_ms"], 13);
@@ -344,8 +345,11 @@ mod tests {
         assert_eq!(seen["sessions"][0]["gpu_runs"], 1);
         assert!(seen["pinned_gpu_seconds"].as_f64().is_some_and(|p| p >= 0.0));
 
-        let other = d.snapshot(&Caller(Some("bob".into())));
+        let other = d.snapshot(&Caller(Some("bob".into())), false);
         assert_eq!(other["sessions"].as_array().map(Vec::len), Some(0));
         assert_eq!(other["executions"].as_array().map(Vec::len), Some(0));
+        let admin = d.snapshot(&Caller(Some("bob".into())), true);
+        assert_eq!(admin["sessions"][0]["owner"], "alice", "an admin sees every user's sessions");
+        assert_eq!(admin["executions"].as_array().map(Vec::len), Some(1));
     }
 }

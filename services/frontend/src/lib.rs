@@ -33,6 +33,7 @@ pub mod records;
 pub mod resume;
 pub mod serve;
 pub mod session;
+pub mod usage;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -198,6 +199,9 @@ pub async fn run_with_bound(
             tracing::info!(sessions = ?orphans, "sessions left attached when the cluster stopped are detached");
         }
     }
+    let usage = usage::Ledger::open(schemas::buckets::usage(&bus.jetstream(), &config.prefix, bus.replicas()).await?)
+        .await
+        .context("while reading today's usage")?;
     let state = http::AppState {
         shared: session::Shared {
             bus: bus.clone(),
@@ -209,6 +213,7 @@ pub async fn run_with_bound(
             history_items: config.history_items.max(1),
             queued_runs: config.limits.queued_runs.max(1),
             dashboard,
+            usage,
         },
         arbiter: actix::Arbiter::current(),
         sessions: Arc::new(RwLock::new(HashMap::new())),

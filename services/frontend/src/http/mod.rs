@@ -6,7 +6,7 @@
 //! Laid out by concern: `state` (what handlers share, and the sessions served),
 //! `errors` (the API's error answers), `sessions`, `runs` (edits, runs, interrupts
 //! and input), `cpu_worker` (what the session's CPU worker answers), `streams`
-//! (Server-Sent Events) and `openapi` (health and the API's description).
+//! (Server-Sent Events), `usage` (what was used) and `openapi` (health and the API's description).
 
 use std::time::Duration;
 
@@ -21,6 +21,7 @@ mod runs;
 mod sessions;
 mod state;
 mod streams;
+mod usage;
 
 use cpu_worker::{comm, complete, inspect};
 pub use errors::ApiError;
@@ -52,6 +53,7 @@ pub fn router(state: AppState, body_timeout: Duration) -> Router {
         .route("/v1/openapi.json", get(openapi_json))
         .route("/v1/sessions", post(create_session).get(list_sessions))
         .route("/v1/discards", get(list_discards))
+        .route("/v1/usage", get(usage::usage))
         .route("/v1/sessions/{sid}", get(summary).delete(delete_session))
         .route("/v1/sessions/{sid}/detach", post(detach_session))
         .route("/v1/sessions/{sid}/resume", post(resume_session))

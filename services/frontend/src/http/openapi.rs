@@ -14,6 +14,7 @@ use super::sessions::{
 };
 use super::state::AppState;
 use super::streams::{__path_dashboard, __path_events};
+use super::usage::__path_usage;
 use crate::api::{ApiErrorBody, Health};
 
 /// Whether the frontend answers (no token needed: for probes).
@@ -28,7 +29,7 @@ pub(super) async fn health(State(state): State<AppState>) -> Json<Health> {
 #[derive(utoipa::OpenApi)]
 #[openapi(
     info(title = "LooseLeaf frontend API", version = "1", description = "Sessions, edits, runs and their event stream"),
-    paths(health, openapi_json, create_session, list_sessions, list_discards, summary, delete_session, detach_session, resume_session, undo_session, checkout_session, fork_session, edit, run, interrupt, input, complete, inspect, comm, events, dashboard),
+    paths(health, openapi_json, create_session, list_sessions, list_discards, usage, summary, delete_session, detach_session, resume_session, undo_session, checkout_session, fork_session, edit, run, interrupt, input, complete, inspect, comm, events, dashboard),
     components(schemas(ApiErrorBody)),
     modifiers(&Errors),
     security(("bearer" = []))
@@ -48,7 +49,7 @@ impl utoipa::Modify for Errors {
         let errors = [
             ("400", "the request is malformed (the message names what)"),
             ("401", "no token, or not a token of this API"),
-            ("403", "a browser origin not allowed"),
+            ("403", "a browser origin not allowed, or another user's usage asked by one who is not an admin"),
             ("404", "no such session (or another user's)"),
             ("408", "the body did not arrive in time"),
             ("409", "the session is not in the state asked (resume of one in use, detach of one going away, undo with a cell running or nothing to undo)"),

@@ -41,22 +41,51 @@ pub(super) async fn dashboard_page() -> Response {
 
 /// What the dashboard shows, as Server-Sent Events: a snapshot at once, then one
 /// after each change (at most every 200 ms) and at least every 2 s. The caller
-/// sees the sessions it owns and every gpu-host.
+/// sees the sessions it owns (an admin every user's), every gpu-host, and what
+/// each user it may see used today.
 #[utoipa::path(get, path = "/v1/dashboard",
     responses((status = 200, content_type = "text/event-stream", description = "JSON snapshots, one per `data:` line")))]
 pub(super) async fn dashboard(State(state): State<AppState>, Extension(caller): Extension<Caller>) -> Response {
     let board = state.shared.dashboard.clone();
     let seen = board.subscribe();
-    let stream = futures::stream::unfold((board, seen, caller, true), |(board, mut seen, caller, first)| async move {
-        if !first {
-            board.changes(&mut seen, DASHBOARD_EVERY).await;
-            tokio::time::sleep(DASHBOARD_GATHER).await; // a burst of changes is one snapshot
+    let admin = state.tokens.is_admin(&caller);
+    let ledger = state.shared.usage.clone();
+    let stream = futures::stream::unfold((board, seen, true), move |(board, mut seen, first)| {
+        let (caller, ledger) = (caller.clone(), ledger.clone());
+        async move {
+            if !first {
+                board.changes(&mut seen, DASHBOARD_EVERY).await;
+                tokio::time::sleep(DASHBOARD_GATHER).await; // a burst of changes is one snapshot
+            }
+            let mut snapshot = board.snapshot(&caller, admin);
+            snapshot["usage_today"] = usage_today(&ledger, &caller, admin);
+            let event = Event::default().data(snapshot.to_string());
+            Some((Ok::<_, Infallible>(event), (board, seen, false)))
         }
-        let event = Event::default().data(board.snapshot(&caller).to_string());
-        Some((Ok::<_, Infallible>(event), (board, seen, caller, false)))
     })
     .take_until(state.shutdown.clone().cancelled_owned());
     Sse::new(stream).keep_alive(KeepAlive::new().interval(SSE_KEEP_ALIVE)).into_response()
+}
+
+/// Today's (UTC) usage per user, as this frontend heard it: every user's for an
+/// admin, the caller's own for others.
+fn usage_today(ledger: &crate::usage::Ledger, caller: &Caller, admin: bool) -> serde_json::Value {
+    let today = crate::usage::day_of(schemas::unix_ms());
+    let rows: Vec<serde_json::Value> = ledger
+        .recent_by_user(&today)
+        .into_iter()
+        .filter(|(user, _)| admin || *user == caller.0)
+        .map(|(user, spent)| {
+            serde_json::json!({
+                "user": user,
+                "gpu_seconds": spent.gpu_ms / 1000.0,
+                "cpu_seconds": spent.cpu_ms / 1000.0,
+                "cells": spent.cells,
+                "gpu_cells": spent.gpu_cells,
+            })
+        })
+        .collect();
+    serde_json::Value::Array(rows)
 }
 
 /// The dashboard's stream sends a snapshot at least this often.

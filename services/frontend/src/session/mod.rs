@@ -34,6 +34,7 @@ use crate::Timeouts;
 mod current;
 mod events;
 mod hosts;
+mod meter;
 mod queue;
 mod read_back;
 mod relay;
@@ -91,6 +92,8 @@ pub struct Shared {
     pub queued_runs: usize,
     /// What the dashboard at `/` shows (every session's stream items go there too).
     pub dashboard: crate::dashboard::Dashboard,
+    /// Where what each session used is booked.
+    pub usage: crate::usage::Ledger,
 }
 
 /// The per-session actor.
@@ -127,6 +130,8 @@ pub struct SessionActor {
     /// The root span of each run this frontend accepted and has not ended: the
     /// run is sent under it, so its trace goes through planner, host and store.
     traces: HashMap<Uuid, tracing::Span>,
+    /// What its runs used, until they are booked.
+    meter: meter::Meter,
 }
 
 impl SessionActor {
@@ -179,6 +184,7 @@ impl SessionActor {
             cpu_host: None,
             replayed: HashSet::new(),
             traces: HashMap::new(),
+            meter: meter::Meter::default(),
         }
     }
 
@@ -224,6 +230,7 @@ impl Actor for SessionActor {
     }
 
     fn stopped(&mut self, _ctx: &mut Self::Context) {
+        self.meter_flush();
         self.shared.dashboard.closed(self.sid);
     }
 }

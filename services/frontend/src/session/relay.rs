@@ -19,6 +19,7 @@ pub(super) struct Watcher {
 impl SessionActor {
     pub(super) fn emit(&mut self, item: &StreamItem) {
         self.shared.dashboard.observe(self.sid, item);
+        self.meter(item);
         let line = match serde_json::to_string(item) {
             Ok(l) => l,
             Err(e) => {

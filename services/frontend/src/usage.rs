@@ -1,0 +1,451 @@
+//! Usage (issue 40, ADR 66): what each session used, per UTC day, in JetStream KV
+//! (`{prefix}_usage`, key `{day}.{session id}`), so that any frontend reports it
+//! and a quota counts it across frontends.
+//!
+//! - GPU-seconds: the GPU-slot time the session's workers held, whatever held it
+//!   (a cell, a prepared worker, unsavable state): what the kernel's badge counts
+//!   as the session's GPU time, and what the pool paid for.
+//! - CPU-seconds: the time its cells ran on the CPU (its persistent CPU worker).
+//! - Cells: the runs that started, and how many of them on a GPU.
+//!
+//! A session's serving actor books what each run used when the run is done
+//! (`session::meter`); each booking is a compare-and-set on the day's entry, which
+//! keeps the last runs it counted, so a run booked twice (a frontend that adopts a
+//! session replays its run) counts once. Every frontend keeps today's entries in
+//! memory, followed through a KV watch, for the dashboard and the quotas.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, UNIX_EPOCH};
+
+use async_nats::jetstream::kv;
+use looseleaf_client::usage::{UsageBy, UsageRow};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+/// The version of [`DayUsage`] this frontend writes and reads.
+pub const USAGE_VERSION: u32 = 1;
+
+/// Runs a day's entry remembers as counted (a run is booked again only by a
+/// frontend that adopts its session while it ends: the last few suffice).
+const COUNTED_KEPT: usize = 32;
+
+/// The longest span a usage report covers.
+pub const MAX_REPORT_DAYS: u64 = 400;
+
+const DAY_MS: u64 = 24 * 3600 * 1000;
+
+/// What was used: the figures a day's entry sums.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Spent {
+    /// GPU-slot milliseconds held.
+    pub gpu_ms: f64,
+    /// Milliseconds cells ran on the CPU.
+    pub cpu_ms: f64,
+    /// Runs that started.
+    pub cells: u64,
+    /// Of those, runs on a GPU.
+    pub gpu_cells: u64,
+}
+
+impl Spent {
+    /// Nothing was used.
+    pub fn is_empty(&self) -> bool {
+        self.gpu_ms == 0.0 && self.cpu_ms == 0.0 && self.cells == 0
+    }
+
+    fn add(&mut self, other: &Spent) {
+        self.gpu_ms += other.gpu_ms;
+        self.cpu_ms += other.cpu_ms;
+        self.cells += other.cells;
+        self.gpu_cells += other.gpu_cells;
+    }
+}
+
+/// Whose use a booking is.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Account {
+    /// The session.
+    pub session_id: Uuid,
+    /// Its owner (None: the open API's one user).
+    pub owner: Option<String>,
+    /// Its notebook, if its kernel named one.
+    pub notebook: Option<String>,
+}
+
+/// What one session used on one UTC day (a KV value, JSON).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DayUsage {
+    /// The format's version.
+    pub version: u32,
+    /// The UTC day, `YYYY-MM-DD`.
+    pub day: String,
+    /// The session.
+    pub session_id: Uuid,
+    /// Its owner.
+    pub owner: Option<String>,
+    /// Its notebook.
+    pub notebook: Option<String>,
+    /// What it used that day.
+    #[serde(flatten)]
+    pub spent: Spent,
+    /// The last runs counted (newest last).
+    #[serde(default)]
+    pub counted: VecDeque<Uuid>,
+}
+
+/// Why usage could not be read or booked.
+#[derive(Debug, thiserror::Error)]
+pub enum UsageError {
+    /// The bucket did not answer.
+    #[error("the usage bucket: {0}")]
+    Bucket(String),
+    /// A day is not `YYYY-MM-DD`.
+    #[error("{0:?} is not a day (YYYY-MM-DD)")]
+    Day(String),
+    /// Two days are no span a report covers.
+    #[error("{0}")]
+    Span(String),
+}
+
+/// The UTC day of `unix_ms`, `YYYY-MM-DD`.
+pub fn day_of(unix_ms: u64) -> String {
+    let at = UNIX_EPOCH + Duration::from_millis(unix_ms);
+    humantime::format_rfc3339_seconds(at).to_string()[..10].to_string()
+}
+
+/// The first millisecond of `day` (`YYYY-MM-DD`), or why it is not a day.
+pub fn day_start_ms(day: &str) -> Result<u64, UsageError> {
+    let bad = || UsageError::Day(day.to_string());
+    if day.len() != 10 {
+        return Err(bad());
+    }
+    let at = humantime::parse_rfc3339(&format!("{day}T00:00:00Z")).map_err(|_| bad())?;
+    let ms = at.duration_since(UNIX_EPOCH).map_err(|_| bad())?.as_millis();
+    u64::try_from(ms).map_err(|_| bad())
+}
+
+/// When the UTC day after `unix_ms`'s begins (a daily quota resets then).
+pub fn next_day_ms(unix_ms: u64) -> u64 {
+    (unix_ms / DAY_MS + 1) * DAY_MS
+}
+
+/// The days from `from` to `to`, both included, or why they are no such span.
+pub fn days_between(from: &str, to: &str) -> Result<Vec<String>, UsageError> {
+    let (start, end) = (day_start_ms(from)?, day_start_ms(to)?);
+    if start > end {
+        return Err(UsageError::Span(format!("the report's first day {from} is after its last {to}")));
+    }
+    if (end - start) / DAY_MS >= MAX_REPORT_DAYS {
+        return Err(UsageError::Span(format!("{from} to {to} spans more than {MAX_REPORT_DAYS} days")));
+    }
+    Ok((start / DAY_MS..=end / DAY_MS).map(|d| day_of(d * DAY_MS)).collect())
+}
+
+fn key(day: &str, session: Uuid) -> String {
+    format!("{day}.{session}")
+}
+
+/// The usage bucket, and today's entries as this frontend last heard them.
+#[derive(Clone)]
+pub struct Ledger {
+    kv: kv::Store,
+    /// Entries of the current UTC day (and the day before, until it is a day
+    /// old), by key: every frontend's bookings, through a watch.
+    recent: Arc<Mutex<HashMap<String, (u64, DayUsage)>>>,
+}
+
+impl Ledger {
+    /// The ledger in `kv`, with today's entries read and followed from now on.
+    pub async fn open(kv: kv::Store) -> Result<Self, UsageError> {
+        let ledger = Self { kv, recent: Default::default() };
+        let bucket = |e: &dyn std::fmt::Display| UsageError::Bucket(e.to_string());
+        // watch first, then read: a booking between the two is heard either way
+        let mut watch = ledger.kv.watch_all().await.map_err(|e| bucket(&e))?;
+        for (revision, usage) in ledger.entries(&[day_of(schemas::unix_ms())]).await? {
+            ledger.heard(revision, usage);
+        }
+        let follower = ledger.clone();
+        tokio::spawn(async move {
+            use futures::StreamExt as _;
+            while let Some(item) = watch.next().await {
+                match item {
+                    Ok(entry) if entry.operation == kv::Operation::Put => {
+                        match serde_json::from_slice::<DayUsage>(&entry.value) {
+                            Ok(usage) => follower.heard(entry.revision, usage),
+                            Err(e) => tracing::warn!(key = %entry.key, error = %e, "an unreadable usage entry"),
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!(error = %e, "the usage watch failed; today's usage may lag"),
+                }
+            }
+            tracing::warn!("the usage watch ended; today's usage shown and counted may lag");
+        });
+        Ok(ledger)
+    }
+
+    fn heard(&self, revision: u64, usage: DayUsage) {
+        let today = day_of(schemas::unix_ms());
+        let yesterday = day_of(schemas::unix_ms().saturating_sub(DAY_MS));
+        let mut recent = self.lock();
+        recent.retain(|_, (_, u)| u.day == today || u.day == yesterday);
+        if usage.day == today || usage.day == yesterday {
+            let key = key(&usage.day, usage.session_id);
+            // the watch may deliver a write after a newer one was read or booked here
+            if recent.get(&key).is_none_or(|(known, _)| *known < revision) {
+                recent.insert(key, (revision, usage));
+            }
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, (u64, DayUsage)>> {
+        self.recent.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// What each user used on `day` (today or yesterday), as this frontend heard it.
+    pub fn recent_by_user(&self, day: &str) -> BTreeMap<Option<String>, Spent> {
+        let mut by_user: BTreeMap<Option<String>, Spent> = BTreeMap::new();
+        for (_, u) in self.lock().values().filter(|(_, u)| u.day == day) {
+            by_user.entry(u.owner.clone()).or_default().add(&u.spent);
+        }
+        by_user
+    }
+
+    /// Book what `account`'s session used on `day`; `run` is the run it was for
+    /// (None: a slot held outside any run), counted once however often it is
+    /// booked. Tried again while the bucket elects a leader, and against a
+    /// concurrent booking of the same day and session.
+    pub async fn book(&self, account: &Account, day: &str, spent: Spent, run: Option<Uuid>) -> Result<(), UsageError> {
+        let bucket = |e: &dyn std::fmt::Display| UsageError::Bucket(e.to_string());
+        let key = key(day, account.session_id);
+        let mut retry = schemas::buckets::ElectionRetry::new();
+        loop {
+            let attempt = async {
+                let entry = self.kv.entry(key.clone()).await.map_err(|e| bucket(&e))?;
+                let (mut usage, revision) = match entry.filter(|e| e.operation == kv::Operation::Put) {
+                    Some(e) => {
+                        (serde_json::from_slice::<DayUsage>(&e.value).map_err(|e| bucket(&e))?, Some(e.revision))
+                    }
+                    None => (
+                        DayUsage {
+                            version: USAGE_VERSION,
+                            day: day.to_string(),
+                            session_id: account.session_id,
+                            owner: account.owner.clone(),
+                            notebook: account.notebook.clone(),
+                            spent: Spent::default(),
+                            counted: VecDeque::new(),
+                        },
+                        None,
+                    ),
+                };
+                if let Some(run) = run {
+                    if usage.counted.contains(&run) {
+                        return Ok(true); // booked already
+                    }
+                    usage.counted.push_back(run);
+                    while usage.counted.len() > COUNTED_KEPT {
+                        usage.counted.pop_front();
+                    }
+                }
+                usage.spent.add(&spent);
+                if usage.notebook.is_none() {
+                    usage.notebook = account.notebook.clone();
+                }
+                let bytes = serde_json::to_vec(&usage).map_err(|e| bucket(&e))?;
+                let written = match revision {
+                    Some(revision) => self
+                        .kv
+                        .update(&key, bytes.into(), revision)
+                        .await
+                        .map_err(|e| (e.kind() == kv::UpdateErrorKind::WrongLastRevision, e.to_string())),
+                    None => self
+                        .kv
+                        .create(&key, bytes.into())
+                        .await
+                        .map_err(|e| (e.kind() == kv::CreateErrorKind::AlreadyExists, e.to_string())),
+                };
+                match written {
+                    Ok(revision) => {
+                        self.heard(revision, usage);
+                        Ok(true)
+                    }
+                    Err((true, _)) => Ok(false), // another booking landed first: read it again
+                    Err((false, e)) => Err(UsageError::Bucket(e)),
+                }
+            };
+            match attempt.await {
+                Ok(true) => return Ok(()),
+                Ok(false) => continue,
+                Err(e) => match retry.next_wait() {
+                    Some(wait) => tokio::time::sleep(wait).await,
+                    None => return Err(e),
+                },
+            }
+        }
+    }
+
+    /// Every session's entries of `days` (one listing of the bucket's keys;
+    /// unreadable ones logged and left out).
+    pub async fn days(&self, days: &[String]) -> Result<Vec<DayUsage>, UsageError> {
+        Ok(self.entries(days).await?.into_iter().map(|(_, u)| u).collect())
+    }
+
+    async fn entries(&self, days: &[String]) -> Result<Vec<(u64, DayUsage)>, UsageError> {
+        use futures::TryStreamExt as _;
+        let bucket = |e: &dyn std::fmt::Display| UsageError::Bucket(e.to_string());
+        let wanted: std::collections::HashSet<&str> = days.iter().map(String::as_str).collect();
+        let keys: Vec<String> =
+            self.kv.keys().await.map_err(|e| bucket(&e))?.try_collect().await.map_err(|e| bucket(&e))?;
+        let mut entries = Vec::new();
+        for key in keys.into_iter().filter(|k| k.split_once('.').is_some_and(|(d, _)| wanted.contains(d))) {
+            let Some(entry) = self.kv.entry(&key).await.map_err(|e| bucket(&e))? else { continue };
+            if entry.operation != kv::Operation::Put {
+                continue;
+            }
+            match serde_json::from_slice::<DayUsage>(&entry.value) {
+                Ok(u) => entries.push((entry.revision, u)),
+                Err(e) => tracing::warn!(%key, error = %e, "an unreadable usage entry"),
+            }
+        }
+        Ok(entries)
+    }
+}
+
+/// `entries` grouped `by`, largest GPU use first.
+pub fn report(entries: &[DayUsage], by: UsageBy) -> Vec<UsageRow> {
+    type Group = (Option<String>, Option<String>, Option<String>, Option<Uuid>);
+    let mut groups: BTreeMap<Group, Spent> = BTreeMap::new();
+    for u in entries {
+        let group = match by {
+            UsageBy::User => (None, u.owner.clone(), None, None),
+            UsageBy::Notebook => (None, u.owner.clone(), u.notebook.clone(), None),
+            UsageBy::Session => (None, u.owner.clone(), u.notebook.clone(), Some(u.session_id)),
+            UsageBy::Day => (Some(u.day.clone()), u.owner.clone(), None, None),
+        };
+        groups.entry(group).or_default().add(&u.spent);
+    }
+    let mut rows: Vec<UsageRow> = groups
+        .into_iter()
+        .map(|((day, user, notebook, session_id), spent)| UsageRow {
+            day,
+            user,
+            notebook,
+            session_id,
+            gpu_seconds: spent.gpu_ms / 1000.0,
+            cpu_seconds: spent.cpu_ms / 1000.0,
+            cells: spent.cells,
+            gpu_cells: spent.gpu_cells,
+        })
+        .collect();
+    if by != UsageBy::Day {
+        rows.sort_by(|a, b| b.gpu_seconds.total_cmp(&a.gpu_seconds));
+    }
+    rows
+}
+
+/// `rows` as CSV (RFC 4180), with the columns that name a group `by` first.
+pub fn csv(rows: &[UsageRow], by: UsageBy) -> String {
+    let names: &[&str] = match by {
+        UsageBy::User => &["user"],
+        UsageBy::Notebook => &["user", "notebook"],
+        UsageBy::Session => &["user", "notebook", "session_id"],
+        UsageBy::Day => &["day", "user"],
+    };
+    let field = |s: &str| {
+        if s.contains([',', '"', '\n', '\r']) {
+            format!("\"{}\"", s.replace('"', "\"\""))
+        } else {
+            s.to_string()
+        }
+    };
+    let mut out = names.join(",") + ",gpu_seconds,cpu_seconds,cells,gpu_cells\r\n";
+    for r in rows {
+        let session = r.session_id.map(|s| s.to_string());
+        let named: Vec<String> = names
+            .iter()
+            .map(|n| match *n {
+                "day" => r.day.as_deref(),
+                "user" => r.user.as_deref(),
+                "notebook" => r.notebook.as_deref(),
+                _ => session.as_deref(),
+            })
+            .map(|v| field(v.unwrap_or_default()))
+            .collect();
+        out +=
+            &format!("{},{:.3},{:.3},{},{}\r\n", named.join(","), r.gpu_seconds, r.cpu_seconds, r.cells, r.gpu_cells);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn days_are_utc_and_spans_are_checked() {
+        assert_eq!(day_of(0), "1970-01-01");
+        assert_eq!(day_of(DAY_MS - 1), "1970-01-01");
+        assert_eq!(day_of(DAY_MS), "1970-01-02");
+        let start = day_start_ms("2026-12-06").unwrap();
+        assert_eq!(day_of(start), "2026-12-06");
+        assert_eq!(next_day_ms(start + 5), start + DAY_MS);
+        assert_eq!(
+            days_between("2026-11-29", "2026-12-02").unwrap(),
+            ["2026-11-29", "2026-11-30", "2026-12-01", "2026-12-02"]
+        );
+        assert!(days_between("2026-12-02", "2026-12-01").unwrap_err().to_string().contains("after"));
+        assert!(days_between("2024-01-01", "2026-01-01").unwrap_err().to_string().contains("400 days"));
+        for bad in ["2026-13-01", "yesterday", "2026-1-1", "2026-12-06T00"] {
+            assert!(day_start_ms(bad).unwrap_err().to_string().contains("YYYY-MM-DD"), "{bad}");
+        }
+    }
+
+    fn used(day: &str, owner: &str, notebook: &str, session_id: Uuid, gpu_ms: f64, cells: u64) -> DayUsage {
+        DayUsage {
+            version: USAGE_VERSION,
+            day: day.into(),
+            session_id,
+            owner: Some(owner.into()),
+            notebook: Some(notebook.into()),
+            spent: Spent { gpu_ms, cpu_ms: 500.0, cells, gpu_cells: cells / 2 },
+            counted: VecDeque::new(),
+        }
+    }
+
+    #[test]
+    fn reports_sum_each_group_and_csv_quotes_what_needs_it() {
+        let (s1, s2, s3) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
+        let entries = [
+            used("2026-12-05", "ada", "a.ipynb", s1, 1000.0, 2),
+            used("2026-12-06", "ada", "a.ipynb", s1, 3000.0, 4),
+            used("2026-12-06", "ada", "b, \"the\" one.ipynb", s2, 500.0, 1),
+            used("2026-12-06", "bob", "a.ipynb", s3, 8000.0, 6),
+        ];
+        let by_user = report(&entries, UsageBy::User);
+        assert_eq!(by_user.len(), 2);
+        assert_eq!((by_user[0].user.as_deref(), by_user[0].gpu_seconds), (Some("bob"), 8.0), "largest first");
+        assert_eq!((by_user[1].gpu_seconds, by_user[1].cpu_seconds, by_user[1].cells), (4.5, 1.5, 7));
+        let by_notebook = report(&entries, UsageBy::Notebook);
+        assert_eq!(by_notebook.len(), 3, "ada's two notebooks and bob's");
+        let by_session = report(&entries, UsageBy::Session);
+        assert_eq!(by_session.iter().find(|r| r.session_id == Some(s1)).map(|r| r.cells), Some(6));
+        let by_day = report(&entries, UsageBy::Day);
+        let days: Vec<_> = by_day.iter().map(|r| (r.day.clone().unwrap(), r.user.clone().unwrap())).collect();
+        assert_eq!(
+            days,
+            [
+                ("2026-12-05".into(), "ada".into()),
+                ("2026-12-06".into(), "ada".into()),
+                ("2026-12-06".into(), "bob".into())
+            ]
+        );
+
+        let text = csv(&by_notebook, UsageBy::Notebook);
+        let lines: Vec<&str> = text.split("\r\n").collect();
+        assert_eq!(lines[0], "user,notebook,gpu_seconds,cpu_seconds,cells,gpu_cells");
+        assert_eq!(lines[1], "bob,a.ipynb,8.000,0.500,6,3");
+        assert!(lines.contains(&"ada,\"b, \"\"the\"\" one.ipynb\",0.500,0.500,1,0"), "{text}");
+    }
+}
