@@ -67,6 +67,8 @@ pub struct ClusterOptions {
     /// Its frontend is the only one of its data folder (the user's local
     /// cluster): sessions left attached when it last stopped are detached at start.
     pub sole_frontend: bool,
+    /// Per-user GPU limits (`--quota-file`), read again when the file changes.
+    pub quota_file: Option<PathBuf>,
 }
 
 /// The uids a cluster of several users gives its sessions' workers when the
@@ -376,6 +378,9 @@ impl Cluster {
         let mut config = looseleaf_frontend::Config::new(frontend_nats, PREFIX, listen);
         config.tokens = looseleaf_frontend::auth::Tokens::parse(tokens)?;
         config.sole_frontend = opts.sole_frontend;
+        if let Some(path) = &opts.quota_file {
+            config.quotas = looseleaf_frontend::quota::Quotas::load(path)?;
+        }
         let (tx, rx) = tokio::sync::oneshot::channel();
         self.spawn("frontend", move |stop| {
             looseleaf_frontend::run_with_bound(config, stop, move |addr| {

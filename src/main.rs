@@ -2,6 +2,7 @@
 
 mod analyze;
 mod cluster;
+mod embed;
 mod kernel;
 mod local;
 mod notebook;
@@ -16,10 +17,11 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::{Args, Parser, Subcommand};
+use clap::{Parser, Subcommand};
 use schemas::nats::NatsOptions;
 
 use crate::cluster::{Cluster, ClusterOptions};
+use crate::embed::{options, EmbedArgs};
 
 /// LooseLeaf: serverless GPUs for notebooks.
 #[derive(Parser, Debug)]
@@ -34,46 +36,6 @@ struct Cli {
     log_format: schemas::telemetry::LogFormat,
     #[command(subcommand)]
     command: Command,
-}
-
-/// Where the embedded cluster finds its pieces.
-#[derive(Args, Debug, Clone)]
-struct EmbedArgs {
-    /// The nats-server binary (default: the checkout's `.venv/bin/nats-server` when
-    /// run from one, else PATH).
-    #[arg(long, env = "LOOSELEAF_NATS_SERVER")]
-    nats_server: Option<PathBuf>,
-    /// Python interpreter for zygotes and workers (default: the checkout's `.venv`
-    /// when run from one, else `python3` on PATH).
-    #[arg(long, env = "LOOSELEAF_PYTHON")]
-    python: Option<PathBuf>,
-    /// Directory holding the worker runtime, the `looseleaf_worker` package (default:
-    /// the checkout's when run from one, else the package installed in that Python).
-    #[arg(long, env = "LOOSELEAF_WORKER_PATH")]
-    worker_path: Option<PathBuf>,
-    /// Number of gpu-hosts to run.
-    #[arg(long, env = "LOOSELEAF_HOSTS", default_value_t = 1)]
-    hosts: u32,
-    /// Checkpoint object store: s3://bucket[/prefix] (AWS_* variables give the
-    /// endpoint and credentials) or a directory (default: <data dir>/store).
-    #[arg(long, env = "LOOSELEAF_STORE_URL")]
-    store_url: Option<String>,
-    /// A directory store collects garbage at once below this many free bytes
-    /// (default: 5% of its volume or 2 GiB, whichever is smaller).
-    #[arg(long, env = "LOOSELEAF_GC_FREE_BYTES")]
-    gc_free_bytes: Option<u64>,
-    /// Speculation budget: prepared-but-idle workers per host.
-    #[arg(long, env = "LOOSELEAF_PREPARED_PER_HOST", default_value_t = looseleaf_planner::DEFAULT_BUDGET.prepared_per_host)]
-    prepared_per_host: usize,
-    /// Speculation budget: idle GPU-slot seconds one session's prepared workers may spend per hour.
-    #[arg(long, env = "LOOSELEAF_IDLE_GPU_SECONDS", default_value_t = looseleaf_planner::DEFAULT_BUDGET.idle_seconds_per_session)]
-    idle_gpu_seconds_per_session: f64,
-    /// Prepared workers hold a GPU slot even when their closure has no GPU-resident state.
-    #[arg(long, env = "LOOSELEAF_PREPARE_HOLDS_SLOT")]
-    prepare_holds_slot: bool,
-    /// Bounds on each worker.
-    #[command(flatten)]
-    bounds: looseleaf_gpu_host::Bounds,
 }
 
 #[derive(Subcommand, Debug)]
@@ -324,31 +286,6 @@ enum KernelAction {
         #[arg(long)]
         all_gpu: bool,
     },
-}
-
-fn options(embed: EmbedArgs, data_dir: PathBuf, virtual_gpus: Option<u32>, port: u16) -> ClusterOptions {
-    ClusterOptions {
-        worker_path: embed.worker_path,
-        data_dir,
-        nats_server: embed.nats_server,
-        python: embed.python,
-        virtual_gpus,
-        hosts: embed.hosts,
-        store_url: embed.store_url,
-        gc_free_bytes: embed.gc_free_bytes,
-        budget: looseleaf_planner::speculator::Budget {
-            prepared_per_host: embed.prepared_per_host,
-            idle_seconds_per_session: embed.idle_gpu_seconds_per_session,
-        },
-        prepare_holds_slot: embed.prepare_holds_slot,
-        port,
-        session_uids: None,
-        nats: None,
-        users: None,
-        insecure_shared_workers: false,
-        bounds: embed.bounds,
-        sole_frontend: false,
-    }
 }
 
 /// Which of the running subcommand's NATS options were given rather than left at

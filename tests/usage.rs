@@ -147,3 +147,102 @@ async fn usage_is_booked_per_session_and_user_and_each_user_reads_their_own() ->
     }
     Ok(())
 }
+
+/// Run `code` as a GPU cell of `s`'s session; its outcome, and whether any host claimed it.
+async fn gpu_cell(
+    fe: &Frontend,
+    sid: Uuid,
+    events: &mut Events,
+    code: &str,
+) -> anyhow::Result<(ExecStatus, String, bool)> {
+    let exec = fe.run(sid, "g", code).await?.exec_id;
+    let (status, error) = events.outcome(exec).await?;
+    let claimed = events
+        .seen
+        .iter()
+        .any(|i| matches!(i, StreamItem::Event { exec_id, event: Event::Claimed { .. }, .. } if *exec_id == exec));
+    Ok((status, error.unwrap_or_default(), claimed))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_gpu_cell_over_its_users_quota_fails_before_it_takes_a_slot_and_cpu_cells_still_run() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let tokens = dir.path().join("tokens");
+    std::fs::write(&tokens, format!("alice {ALICE}\nbob {BOB}\n"))?;
+    let quotas = dir.path().join("quotas");
+    std::fs::write(
+        &quotas,
+        "*  gpu_seconds_per_day=3600\nalice gpu_seconds_per_day=0.001\nbob concurrent_gpu_cells=1\n",
+    )?;
+    let bin = bin_dir_of(env!("CARGO_BIN_EXE_looseleaf"));
+
+    // a malformed quota file stops the frontend at its start, naming the line
+    let refused = std::process::Command::new(bin.join("looseleaf-frontend"))
+        .args(["--quota-file", &dir.path().join("tokens").display().to_string()])
+        .env("LOOSELEAF_NATS_URL", "nats://127.0.0.1:1")
+        .output()?;
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && stderr.contains("quota file line 1"), "{stderr}");
+
+    let env = [
+        ("LOOSELEAF_TOKENS_FILE", tokens.display().to_string()),
+        ("LOOSELEAF_INSECURE_SHARED_WORKERS", "true".to_string()),
+        ("LOOSELEAF_QUOTA_FILE", quotas.display().to_string()),
+    ];
+    let services = Services::start(&bin, &[1], &env).await?;
+    let (alice, bob) = (services.client().with_token(ALICE), services.client().with_token(BOB));
+
+    // alice's first GPU cell runs; it uses up her day, so the next one fails
+    // before any host claims it, saying what was used, the limit and the reset
+    let cwd = tempfile::tempdir()?;
+    let gpu = alice.create_session(&cwd.path().display().to_string(), true, false).await?;
+    let mut gpu_events = Events::open(&alice, gpu).await?;
+    let (status, error, _) = gpu_cell(&alice, gpu, &mut gpu_events, "x = 1").await?;
+    assert_eq!(status, ExecStatus::Ok, "{error}");
+    report_when(&alice, UsageBy::User, |r| r.rows.iter().any(|row| row.gpu_seconds > 0.0)).await?;
+    let (status, error, claimed) = gpu_cell(&alice, gpu, &mut gpu_events, "y = 2").await?;
+    assert_eq!(status, ExecStatus::Failed, "{error}");
+    assert!(
+        error.starts_with("GPU quota reached: alice used") && error.contains("of 0.001 GPU-seconds today"),
+        "{error}"
+    );
+    assert!(error.contains("resets at ") && error.contains("CPU cells still run"), "{error}");
+    assert!(!claimed, "a refused cell takes no slot");
+    // her CPU cells still run
+    let cpu = alice.create_session(&cwd.path().display().to_string(), false, false).await?;
+    let mut cpu_events = Events::open(&alice, cpu).await?;
+    let exec = alice.run(cpu, "c", "z = 40 + 2").await?.exec_id;
+    assert_eq!(cpu_events.outcome(exec).await?.0, ExecStatus::Ok);
+
+    // bob may run one GPU cell at once: a second one, while the first runs, is refused
+    let (b1, b2) = (
+        bob.create_session(&cwd.path().display().to_string(), true, false).await?,
+        bob.create_session(&cwd.path().display().to_string(), true, false).await?,
+    );
+    let (mut b1_events, mut b2_events) = (Events::open(&bob, b1).await?, Events::open(&bob, b2).await?);
+    let long = bob.run(b1, "long", "import time; time.sleep(3)").await?.exec_id;
+    b1_events.started(long).await?;
+    let (status, error, claimed) = gpu_cell(&bob, b2, &mut b2_events, "w = 1").await?;
+    assert_eq!(status, ExecStatus::Failed, "{error}");
+    assert!(error.contains("bob runs 1 GPU cells at once, and may run 1") && !claimed, "{error}");
+    assert_eq!(b1_events.outcome(long).await?.0, ExecStatus::Ok);
+    let (status, error, _) = gpu_cell(&bob, b2, &mut b2_events, "w = 1").await?;
+    assert_eq!(status, ExecStatus::Ok, "once the first ended: {error}");
+
+    // a changed file takes effect; a malformed change leaves the quotas as they were
+    std::fs::write(&quotas, "alice gpu_seconds_per_day=1000\n")?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let (status, error, _) = gpu_cell(&alice, gpu, &mut gpu_events, "y = 2").await?;
+        if status == ExecStatus::Ok {
+            break;
+        }
+        anyhow::ensure!(tokio::time::Instant::now() < deadline, "the raised quota never took effect: {error}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    std::fs::write(&quotas, "alice gpu_seconds_per_day=0.001 cells=5\n")?;
+    tokio::time::sleep(looseleaf_frontend::quota::RELOAD_EVERY * 2).await;
+    let (status, error, _) = gpu_cell(&alice, gpu, &mut gpu_events, "y = 3").await?;
+    assert_eq!(status, ExecStatus::Ok, "a malformed file was taken: {error}");
+    Ok(())
+}

@@ -378,11 +378,11 @@ mod tests {
         let m = metrics();
         m.user_gpu_seconds.get_or_create(&user_label(Some("metrics-ada"))).inc_by(2.5);
         m.user_cells.get_or_create(&user_label(None)).inc();
+        m.user_quota_refusals.get_or_create(&user_label(Some("metrics-ada"))).inc();
         let text = m.encode();
         for line in [
             "looseleaf_user_gpu_slot_seconds_total{user=\"metrics-ada\"} 2.5",
-            "# TYPE looseleaf_user_cpu_seconds counter",
-            "# TYPE looseleaf_user_quota_refusals counter",
+            "looseleaf_user_quota_refusals_total{user=\"metrics-ada\"} 1",
         ] {
             assert!(text.lines().any(|l| l == line), "no line {line:?} in\n{text}");
         }

@@ -27,7 +27,7 @@ use crate::codec::WireMessage;
 
 pub mod frozen;
 pub use frozen::{
-    ChunkPlanV1, CommitV1, HostStatusV1, ManifestGetV1, OutputV1, RecipeV1, RecipeV2, RunV1, SessionEventV1,
+    ChunkPlanV1, CommitV1, HostStatusV1, ManifestGetV1, OutputV1, RecipeV1, RecipeV2, RunV1, RunV2, SessionEventV1,
 };
 
 macro_rules! wire {
@@ -91,7 +91,7 @@ pub use output::{
 };
 pub use query::{CommAnswerV2, CommV1, QueryAnswerV1, QueryKind, QueryV1};
 pub use recipe::{ClosureVar, Device, PinnedWorker, PreparedWorker, RecipeKind, RecipeV3};
-pub use run::{EditV1, RunV2, SessionOptions};
+pub use run::{EditV1, RunV3, SessionOptions};
 pub use store::{
     ChunkPlanV2, ChunkPlannedV1, CommitV2, CommittedV1, ForkV1, GcDoneV1, GcV1, ManifestGetV2, ManifestV2, RevertTo,
     RevertV1, SessionDeleteV1, SettleV1, StateCheckV1, StateCheckedV1, StateMovedV1, StorePressureV1,

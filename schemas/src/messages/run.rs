@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use super::frozen::RunV1;
+use super::frozen::{RunV1, RunV2};
 use crate::codec::WireMessage;
 
 /// frontend -> planner: the code of a cell changed (`session.{sid}.edit`).
@@ -37,7 +37,7 @@ pub struct SessionOptions {
 
 /// frontend -> planner: run a cell now (`session.{sid}.run`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct RunV2 {
+pub struct RunV3 {
     /// The session.
     pub session: Uuid,
     /// This execution.
@@ -56,5 +56,9 @@ pub struct RunV2 {
     /// Jupyter's `user_expressions`: name -> expression, evaluated after the cell
     /// if it succeeds, in its namespace; the results are an output of the cell.
     pub user_expressions: BTreeMap<String, String>,
+    /// Why the cell may not have a GPU (its user's GPU quota is used up): a cell
+    /// the planner places on a GPU fails with this, before any slot is taken; a
+    /// CPU cell runs. None: no quota stands in the way.
+    pub gpu_refused: Option<String>,
 }
-wire!(RunV2, "run", 2, upgrades RunV1 from 1);
+wire!(RunV3, "run", 3, upgrades RunV2 from 2, RunV1 from 1);

@@ -31,8 +31,9 @@ proptest! {
 
     #[test]
     fn run_roundtrips(session in uuid(), exec_id in uuid(), code in ".{0,200}", t in any::<u64>(), rev in any::<u64>(), options in options(),
-                      user_expressions in proptest::collection::btree_map("[a-z]{1,6}", ".{0,20}", 0..4)) {
-        roundtrip(&RunV2 { session, exec_id, cell_id: "c".into(), code, run_unix_ms: t, after_revision: rev, options, user_expressions });
+                      user_expressions in proptest::collection::btree_map("[a-z]{1,6}", ".{0,20}", 0..4),
+                      gpu_refused in proptest::option::of(".{0,40}")) {
+        roundtrip(&RunV3 { session, exec_id, cell_id: "c".into(), code, run_unix_ms: t, after_revision: rev, options, user_expressions, gpu_refused });
     }
 
     #[test]
@@ -280,7 +281,7 @@ mod fuzz {
         }
         each!(
             EditV1,
-            RunV2,
+            RunV3,
             RecipeV3,
             SessionEventV2,
             OutputV2,
@@ -326,7 +327,7 @@ mod fuzz {
             unix_ms: 5,
             kind: EventKind::Failed { error: "worker died".into() },
         };
-        let run = RunV2 {
+        let run = RunV3 {
             session: Uuid::nil(),
             exec_id: Uuid::nil(),
             cell_id: "c".into(),
@@ -335,6 +336,7 @@ mod fuzz {
             after_revision: 2,
             options: SessionOptions { cwd: "/tmp".into(), all_gpu: true, speculate: false },
             user_expressions: Default::default(),
+            gpu_refused: Some("over quota".into()),
         };
         let manifest = ManifestV2 { manifest: crate::checkpoint::Manifest::empty(Uuid::nil()) };
         vec![

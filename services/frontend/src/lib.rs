@@ -29,6 +29,7 @@ pub mod auth;
 pub mod dashboard;
 pub mod http;
 pub mod origins;
+pub mod quota;
 pub mod records;
 pub mod resume;
 pub mod serve;
@@ -130,6 +131,9 @@ pub struct Config {
     pub origins: Option<origins::Origins>,
     /// How long a client may take to send a request's headers and body.
     pub http_timeouts: serve::HttpTimeouts,
+    /// Per-user limits on GPU use (none: no limit), read again when their file
+    /// changes.
+    pub quotas: quota::Quotas,
     /// This is the only frontend of its records (the user's local cluster): at
     /// start, the sessions they hold attached were served by a frontend that is
     /// gone, so they are marked detached, for their notebooks to resume.
@@ -153,6 +157,7 @@ impl Config {
             limits: admission::Limits::default(),
             origins: None,
             http_timeouts: serve::HttpTimeouts::default(),
+            quotas: quota::Quotas::none(),
             sole_frontend: false,
         }
     }
@@ -214,6 +219,7 @@ pub async fn run_with_bound(
             queued_runs: config.limits.queued_runs.max(1),
             dashboard,
             usage,
+            quotas: config.quotas.clone(),
         },
         arbiter: actix::Arbiter::current(),
         sessions: Arc::new(RwLock::new(HashMap::new())),
@@ -223,6 +229,7 @@ pub async fn run_with_bound(
         origins: config.origins.clone().unwrap_or_else(|| origins::Origins::new(bound, &[], &[])),
         creating: Default::default(),
     };
+    tokio::spawn(config.quotas.clone().follow(token.clone()));
     if !config.tokens.required() {
         tracing::warn!("the HTTP API asks for no token: anyone who reaches {bound} can use every session");
     }

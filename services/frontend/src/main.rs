@@ -25,6 +25,11 @@ struct Args {
     /// and each session belongs to its creator (without it the API is open).
     #[arg(long, env = "LOOSELEAF_TOKENS_FILE")]
     tokens_file: Option<std::path::PathBuf>,
+    /// Per-user GPU limits: a file of `USER gpu_seconds_per_day=N
+    /// concurrent_gpu_cells=N` lines (`*`: every user), read again when it changes;
+    /// a malformed file is refused at start, and on a change the quotas stay (ADR 66).
+    #[arg(long, env = "LOOSELEAF_QUOTA_FILE")]
+    quota_file: Option<std::path::PathBuf>,
     /// Every gpu-host of this cluster runs each session's workers as a uid of its
     /// own (`--session-uids`, as compose sets): required of a frontend whose tokens
     /// file names two or more users, unless `--insecure-shared-workers` (ADR 52).
@@ -106,6 +111,9 @@ fn main() -> anyhow::Result<()> {
     };
     config.origins =
         Some(looseleaf_frontend::origins::Origins::new(args.listen, &args.allowed_hosts, &args.cors_origins));
+    if let Some(path) = &args.quota_file {
+        config.quotas = looseleaf_frontend::quota::Quotas::load(path)?;
+    }
     if let Some(path) = &args.tokens_file {
         config.tokens = looseleaf_frontend::auth::Tokens::load(path)?;
         let users = config.tokens.users().len();

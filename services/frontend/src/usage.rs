@@ -153,23 +153,41 @@ pub struct Ledger {
     /// Entries of the current UTC day (and the day before, until it is a day
     /// old), by key: every frontend's bookings, through a watch.
     recent: Arc<Mutex<HashMap<String, (u64, DayUsage)>>>,
+    /// The runs that hold, or may take, a GPU, by execution: every frontend's,
+    /// through the same watch (a quota on GPU cells at once counts them).
+    running: Arc<Mutex<HashMap<Uuid, Running>>>,
 }
+
+/// A run sent while its user has a limit on GPU cells at once, until it is
+/// planned on the CPU or done (a KV value, JSON, under `running.{exec_id}`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Running {
+    /// Its session's owner.
+    pub owner: Option<String>,
+    /// Its session.
+    pub session_id: Uuid,
+}
+
+/// The key prefix of running marks (no day starts so).
+const RUNNING_KEY: &str = "running.";
 
 impl Ledger {
     /// The ledger in `kv`, with today's entries read and followed from now on.
     pub async fn open(kv: kv::Store) -> Result<Self, UsageError> {
-        let ledger = Self { kv, recent: Default::default() };
+        let ledger = Self { kv, recent: Default::default(), running: Default::default() };
         let bucket = |e: &dyn std::fmt::Display| UsageError::Bucket(e.to_string());
         // watch first, then read: a booking between the two is heard either way
         let mut watch = ledger.kv.watch_all().await.map_err(|e| bucket(&e))?;
         for (revision, usage) in ledger.entries(&[day_of(schemas::unix_ms())]).await? {
             ledger.heard(revision, usage);
         }
+        ledger.read_running().await?;
         let follower = ledger.clone();
         tokio::spawn(async move {
             use futures::StreamExt as _;
             while let Some(item) = watch.next().await {
                 match item {
+                    Ok(entry) if entry.key.starts_with(RUNNING_KEY) => follower.heard_running(&entry),
                     Ok(entry) if entry.operation == kv::Operation::Put => {
                         match serde_json::from_slice::<DayUsage>(&entry.value) {
                             Ok(usage) => follower.heard(entry.revision, usage),
@@ -197,6 +215,71 @@ impl Ledger {
                 recent.insert(key, (revision, usage));
             }
         }
+    }
+
+    fn heard_running(&self, entry: &kv::Entry) {
+        let Some(exec_id) = entry.key.strip_prefix(RUNNING_KEY).and_then(|s| Uuid::parse_str(s).ok()) else { return };
+        let mut running = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        match serde_json::from_slice::<Running>(&entry.value) {
+            Ok(mark) if entry.operation == kv::Operation::Put => {
+                running.insert(exec_id, mark);
+            }
+            _ => {
+                running.remove(&exec_id);
+            }
+        }
+    }
+
+    async fn read_running(&self) -> Result<(), UsageError> {
+        use futures::TryStreamExt as _;
+        let bucket = |e: &dyn std::fmt::Display| UsageError::Bucket(e.to_string());
+        let keys: Vec<String> =
+            self.kv.keys().await.map_err(|e| bucket(&e))?.try_collect().await.map_err(|e| bucket(&e))?;
+        for key in keys.into_iter().filter(|k| k.starts_with(RUNNING_KEY)) {
+            if let Some(entry) = self.kv.entry(&key).await.map_err(|e| bucket(&e))? {
+                self.heard_running(&entry);
+            }
+        }
+        Ok(())
+    }
+
+    /// Mark `session`'s run `exec_id` as one that may hold a GPU (here at once,
+    /// and for every frontend through the bucket).
+    pub fn mark_running(&self, session: Uuid, owner: Option<String>, exec_id: Uuid) {
+        let mark = Running { owner, session_id: session };
+        self.running.lock().unwrap_or_else(|e| e.into_inner()).insert(exec_id, mark.clone());
+        let kv = self.kv.clone();
+        tokio::spawn(async move {
+            let Ok(bytes) = serde_json::to_vec(&mark) else { return };
+            if let Err(e) = kv.put(format!("{RUNNING_KEY}{exec_id}"), bytes.into()).await {
+                tracing::warn!(%session, error = %e, "a running GPU cell is not marked for other frontends");
+            }
+        });
+    }
+
+    /// `session`'s run `exec_id` holds no GPU any more (planned on the CPU, or done).
+    pub fn unmark_running(&self, exec_id: Uuid) {
+        if self.running.lock().unwrap_or_else(|e| e.into_inner()).remove(&exec_id).is_none() {
+            return;
+        }
+        let kv = self.kv.clone();
+        tokio::spawn(async move {
+            if let Err(e) = kv.delete(format!("{RUNNING_KEY}{exec_id}")).await {
+                tracing::warn!(exec = %exec_id, error = %e, "a GPU cell's end is not marked for other frontends");
+            }
+        });
+    }
+
+    /// How many runs of `owner` may hold a GPU, other than `session`'s (a
+    /// session runs one cell at a time).
+    pub fn running_gpu_cells(&self, owner: &Option<String>, session: Uuid) -> usize {
+        let running = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        running.values().filter(|m| m.session_id != session && &m.owner == owner).count()
+    }
+
+    /// What `owner` used today (UTC), as this frontend heard it.
+    pub fn used_today(&self, owner: &Option<String>) -> Spent {
+        self.recent_by_user(&day_of(schemas::unix_ms())).remove(owner).unwrap_or_default()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, (u64, DayUsage)>> {

@@ -9,7 +9,7 @@ use looseleaf_frontend::auth::Tokens;
 use looseleaf_frontend::resume::Position;
 use looseleaf_frontend::{Config, Timeouts};
 use looseleaf_test_support::{random_prefix, NatsServer};
-use schemas::messages::{CellMessage, CellStatus, Device, EditV1, EventKind, OutputV2, Prepare, RunV2, SessionEventV2};
+use schemas::messages::{CellMessage, CellStatus, Device, EditV1, EventKind, OutputV2, Prepare, RunV3, SessionEventV2};
 use schemas::Bus;
 use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
@@ -207,7 +207,7 @@ fn saved(revision: u64) -> EventKind {
 
 /// The next run the frontend sent, acknowledged as the planner does (a run nobody
 /// acknowledges is sent again, ADR 46).
-async fn next_run(bus: &Bus, runs: &mut schemas::bus::Subscription<RunV2>) -> anyhow::Result<RunV2> {
+async fn next_run(bus: &Bus, runs: &mut schemas::bus::Subscription<RunV3>) -> anyhow::Result<RunV3> {
     match tokio::time::timeout(WAIT, runs.next()).await {
         Ok(Some(Ok(env))) => {
             bus.acknowledge(env.reply_to()).await;
@@ -226,7 +226,7 @@ async fn run_queue_waits_for_saved_and_relays_outputs_before_done() -> anyhow::R
     let fe = start_frontend(&nats, &prefix, Timeouts::default()).await?;
     let host = Bus::connect(nats.url(), &prefix, "fake-host").await?;
     let sid = fe.client.create_session("/tmp", true, true).await?;
-    let mut runs = host.subscribe::<RunV2>(host.subjects().run(sid)).await?;
+    let mut runs = host.subscribe::<RunV3>(host.subjects().run(sid)).await?;
     let mut edits = host.subscribe::<EditV1>(host.subjects().edit(sid)).await?;
     // the server must know both subscriptions before the frontend publishes
     host.flush().await?;
@@ -394,7 +394,7 @@ async fn bad_input_gets_4xx_with_a_json_error() -> anyhow::Result<()> {
     assert_eq!(over.status(), Some(reqwest::StatusCode::PAYLOAD_TOO_LARGE), "{over}");
     assert!(over.to_string().contains("over the limit of 8388608 bytes"), "{over}");
     let bus = Bus::connect(nats.url(), &prefix, "fake-planner").await?;
-    let mut runs = bus.subscribe::<RunV2>(bus.subjects().run(sid)).await?;
+    let mut runs = bus.subscribe::<RunV3>(bus.subjects().run(sid)).await?;
     bus.flush().await?;
     let big = format!("x = '{}'\n", "y".repeat(3 << 20));
     fe.client.run(sid, "a", &big).await?;
@@ -428,7 +428,7 @@ async fn short_claims() -> anyhow::Result<ShortClaims> {
 #[actix_rt::test]
 async fn a_run_no_host_takes_fails_and_the_queue_moves_on() -> anyhow::Result<()> {
     let ShortClaims { nats: _nats, prefix, fe, sid, bus } = short_claims().await?;
-    let mut runs = bus.subscribe::<RunV2>(bus.subjects().run(sid)).await?;
+    let mut runs = bus.subscribe::<RunV3>(bus.subjects().run(sid)).await?;
     // the server must know the subscription before the first run is published
     bus.flush().await?;
     let mut sse = fe.client.events(sid).await?;
@@ -509,7 +509,7 @@ async fn a_restarted_frontend_serves_every_session_from_its_record() -> anyhow::
     let cwd = tempfile::tempdir()?;
     let sid = first.client.create_session(&cwd.path().display().to_string(), true, false).await?;
     let bus = Bus::connect(nats.url(), &prefix, "fake").await?;
-    let mut runs = bus.subscribe::<RunV2>(bus.subjects().run(sid)).await?;
+    let mut runs = bus.subscribe::<RunV3>(bus.subjects().run(sid)).await?;
     bus.flush().await?;
     let mut sse = first.client.events(sid).await?;
     let a = first.client.run(sid, "a", "x = 1").await?;
@@ -565,7 +565,7 @@ async fn a_run_in_flight_survives_a_frontend_restart_with_every_output_once() ->
     let first = start_frontend_with(&nats, &prefix, |c| c.listen = listen).await?;
     let sid = first.client.create_session("/tmp", true, false).await?;
     let bus = Bus::connect(nats.url(), &prefix, "fake").await?;
-    let mut runs = bus.subscribe::<RunV2>(bus.subjects().run(sid)).await?;
+    let mut runs = bus.subscribe::<RunV3>(bus.subjects().run(sid)).await?;
     bus.flush().await?;
     // a client watching from before the restart: its reader reconnects and resumes
     let mut watching = first.client.events(sid).await?;
@@ -612,7 +612,7 @@ async fn runs_queued_behind_the_one_in_flight_survive_a_frontend_restart() -> an
     let first = start_frontend_with(&nats, &prefix, |c| c.listen = listen).await?;
     let sid = first.client.create_session("/tmp", true, false).await?;
     let bus = Bus::connect(nats.url(), &prefix, "fake").await?;
-    let mut runs = bus.subscribe::<RunV2>(bus.subjects().run(sid)).await?;
+    let mut runs = bus.subscribe::<RunV3>(bus.subjects().run(sid)).await?;
     bus.flush().await?;
     let a = first.client.run(sid, "a", "x = 1").await?;
     next_run(&bus, &mut runs).await?;
@@ -1017,7 +1017,7 @@ async fn the_dashboard_page_needs_no_token_and_its_live_data_shows_each_user_the
 
     let as_alice = fe.client.clone().with_token(alice);
     let sid = as_alice.create_session("/tmp", true, false).await?;
-    let mut runs = host.subscribe::<RunV2>(host.subjects().run(sid)).await?;
+    let mut runs = host.subscribe::<RunV3>(host.subjects().run(sid)).await?;
     host.flush().await?;
     let watch = |token: &str| http.get(format!("{}/v1/dashboard", fe.base)).bearer_auth(token).send();
     let mut alices = watch(alice).await?.error_for_status()?.bytes_stream();
@@ -1092,7 +1092,7 @@ async fn a_stream_resumed_across_a_frontend_restart_repeats_no_item() -> anyhow:
     let first = start_frontend_with(&nats, &prefix, |c| c.listen = listen).await?;
     let sid = first.client.create_session("/tmp", true, false).await?;
     let bus = Bus::connect(nats.url(), &prefix, "fake").await?;
-    let mut runs = bus.subscribe::<RunV2>(bus.subjects().run(sid)).await?;
+    let mut runs = bus.subscribe::<RunV3>(bus.subjects().run(sid)).await?;
     bus.flush().await?;
     let a = first.client.run(sid, "a", "print(1); print(2); print(3)").await?;
     next_run(&bus, &mut runs).await?;
@@ -1165,7 +1165,7 @@ async fn large_cells_queued_behind_a_running_one_are_kept_aside_and_run_whole() 
     let first = start_frontend_with(&nats, &prefix, configure).await?;
     let sid = first.client.create_session("/tmp", true, false).await?;
     let bus = Bus::connect(nats.url(), &prefix, "fake").await?;
-    let mut runs = bus.subscribe::<RunV2>(bus.subjects().run(sid)).await?;
+    let mut runs = bus.subscribe::<RunV3>(bus.subjects().run(sid)).await?;
     bus.flush().await?;
     let records = Records::new(schemas::buckets::sessions(&bus.jetstream(), &prefix, 1).await?);
     let bodies = schemas::bodies::Bodies::new(bus.client().clone(), &prefix, 1);

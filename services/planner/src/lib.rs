@@ -28,7 +28,7 @@ use std::time::Duration;
 use actix::prelude::*;
 use schemas::buckets;
 use schemas::health::Readiness;
-use schemas::messages::{EditV1, HostStatusV2, RunV2, SessionCloseV1, SessionEventV2};
+use schemas::messages::{EditV1, HostStatusV2, RunV3, SessionCloseV1, SessionEventV2};
 use schemas::service::Service;
 
 /// Default edit debounce (ms): typing yields a recipe at most this often per cell.
@@ -78,7 +78,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     };
     let s = bus.subjects().clone();
     // requests (the frontend delivers runs): a `$SRV` endpoint with its stats
-    let runs = service.endpoint::<RunV2>("run", s.all_runs(), "planner").await?;
+    let runs = service.endpoint::<RunV3>("run", s.all_runs(), "planner").await?;
     let edits = bus.queue_subscribe::<EditV1>(s.all_edits(), "planner").await?;
     let closes = bus.queue_subscribe::<SessionCloseV1>(s.all_closes(), "planner").await?;
     let events = bus.queue_subscribe::<SessionEventV2>(s.all_events(), "planner").await?;

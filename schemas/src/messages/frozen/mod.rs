@@ -12,6 +12,7 @@ mod output_v1;
 mod recipe_v1;
 mod recipe_v2;
 mod run_v1;
+mod run_v2;
 mod session_event_v1;
 
 pub use chunk_plan_v1::ChunkPlanV1;
@@ -23,6 +24,7 @@ pub use output_v1::OutputV1;
 pub use recipe_v1::RecipeV1;
 pub use recipe_v2::RecipeV2;
 pub use run_v1::RunV1;
+pub use run_v2::RunV2;
 pub use session_event_v1::SessionEventV1;
 
 #[cfg(test)]

@@ -3,7 +3,8 @@
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use crate::messages::{self as live, RunV2};
+use super::run_v2::RunV2;
+use crate::messages as live;
 
 /// frontend -> planner: run a cell now (`session.{sid}.run`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -52,7 +53,7 @@ impl RunV1 {
             code: self.code,
             run_unix_ms: self.run_unix_ms,
             after_revision: self.after_revision,
-            options: self.options.upgrade(),
+            options: self.options,
             user_expressions: Default::default(),
         }
     }

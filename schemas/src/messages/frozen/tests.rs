@@ -8,7 +8,7 @@ use uuid::Uuid;
 use super::*;
 use crate::codec::{decode_bincode, encode_bincode, WireMessage};
 use crate::messages::{
-    self as live, ChunkPlanV2, CommitV2, HostStatusV2, ManifestGetV2, OutputV2, PreparedOutcome, RecipeV3, RunV2,
+    self as live, ChunkPlanV2, CommitV2, HostStatusV2, ManifestGetV2, OutputV2, PreparedOutcome, RecipeV3, RunV3,
     SessionEventV2, SlotUse,
 };
 
@@ -84,13 +84,35 @@ fn run_v1_bytes() {
         after_revision: 3,
         options,
     };
-    let now: RunV2 = pinned(&v1, RUN_V1);
+    let now: RunV3 = pinned(&v1, RUN_V1);
     assert_eq!(now.code, "x = 1");
     assert_eq!(now.options, live::SessionOptions { cwd: "/nb".into(), all_gpu: true, speculate: false });
     assert!(now.user_expressions.is_empty(), "a version 1 run asks for no user expressions");
+    assert_eq!(now.gpu_refused, None, "no quota refused a version 1 run");
 }
 const RUN_V1: &str =
     "1001900000000070008000000000000001100190000000007000800000000000000201630578203d20310703032f6e620100";
+
+#[test]
+fn run_v2_bytes() {
+    let options = run_v1::SessionOptions { cwd: "/nb".into(), all_gpu: false, speculate: true };
+    let v2 = RunV2 {
+        session: SESSION,
+        exec_id: EXEC,
+        cell_id: "c".into(),
+        code: "x = 1".into(),
+        run_unix_ms: 7,
+        after_revision: 3,
+        options,
+        user_expressions: [("n".to_string(), "x".to_string())].into(),
+    };
+    let now: RunV3 = pinned_at(2, &v2, RUN_V2);
+    assert_eq!(now.user_expressions.get("n").map(String::as_str), Some("x"));
+    assert_eq!(now.options, live::SessionOptions { cwd: "/nb".into(), all_gpu: false, speculate: true });
+    assert_eq!(now.gpu_refused, None, "no quota refused a version 2 run");
+}
+const RUN_V2: &str =
+    "1001900000000070008000000000000001100190000000007000800000000000000201630578203d20310703032f6e62000101016e0178";
 
 #[test]
 fn recipe_v1_bytes() {

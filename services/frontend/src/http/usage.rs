@@ -20,6 +20,7 @@ const DEFAULT_DAYS: u64 = 30;
 
 /// What a usage report asks for.
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub(super) struct UsageQuery {
     /// `user` (default), `notebook`, `session` or `day`.
     by: Option<UsageBy>,

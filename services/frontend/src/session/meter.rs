@@ -2,14 +2,16 @@
 //! each run's GPU-slot time, CPU time and start are gathered from its events and
 //! booked once it is done; a slot held outside any run (a prepared worker, state
 //! that cannot be saved) or released after its run was booked is booked at once.
+//! And whether the owner's quota ([`crate::quota`]) lets a run have a GPU.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use looseleaf_client::events::{Device, Event};
 use uuid::Uuid;
 
 use super::SessionActor;
 use crate::api::{ExecStatus, StreamItem};
+use crate::quota;
 use crate::usage::{day_of, Account, Spent};
 
 /// Runs booked lately, whose late slot releases are booked on their own.
@@ -21,6 +23,9 @@ pub(super) struct Meter {
     /// Per run not done: what it used so far, and whether it ran on a GPU.
     pending: HashMap<Uuid, (Spent, bool)>,
     booked: VecDeque<Uuid>,
+    /// Runs sent with a GPU refused, until they are done (one that ends failed
+    /// without starting was refused: counted per user).
+    refused: HashSet<Uuid>,
 }
 
 impl SessionActor {
@@ -33,6 +38,9 @@ impl SessionActor {
             StreamItem::Queued { .. } | StreamItem::Output { .. } => return,
         };
         match item {
+            StreamItem::Event { event: Event::Planned { device: Device::Cpu, .. }, .. } if !exec_id.is_nil() => {
+                self.shared.usage.unmark_running(exec_id);
+            }
             StreamItem::Event { event: Event::Started { device, .. }, .. } => {
                 let (spent, gpu) = self.meter.pending.entry(exec_id).or_default();
                 spent.cells = 1;
@@ -53,6 +61,12 @@ impl SessionActor {
                 }
             }
             StreamItem::Done { status, .. } => {
+                self.shared.usage.unmark_running(exec_id);
+                let started = self.meter.pending.get(&exec_id).is_some_and(|(spent, _)| spent.cells > 0);
+                if self.meter.refused.remove(&exec_id) && *status == ExecStatus::Failed && !started {
+                    let user = schemas::metrics::user_label(self.stored.owner.as_deref());
+                    schemas::metrics::metrics().user_quota_refusals.get_or_create(&user).inc();
+                }
                 let Some((spent, _)) = self.meter.pending.remove(&exec_id) else { return };
                 // an aborted run never started; a slot it held still counts
                 let spent = if *status == ExecStatus::Aborted {
@@ -75,6 +89,34 @@ impl SessionActor {
         for (exec_id, (spent, _)) in std::mem::take(&mut self.meter.pending) {
             self.book(schemas::unix_ms(), spent, Some(exec_id));
         }
+    }
+
+    /// Why run `exec_id`, about to be sent, may not have a GPU (its owner's
+    /// quota), if so; otherwise, where the owner's GPU cells at once are limited,
+    /// the run counts as one until it is planned on the CPU or done.
+    pub(super) fn gpu_refusal(&mut self, exec_id: Uuid) -> Option<String> {
+        let owner = &self.stored.owner;
+        let limit = self.shared.quotas.current().limit_of(owner.as_deref());
+        let usage = &self.shared.usage;
+        let running = usage.running_gpu_cells(owner, self.sid);
+        let refused =
+            quota::gpu_refusal(limit, owner.as_deref(), &usage.used_today(owner), running, schemas::unix_ms());
+        if refused.is_some() {
+            self.meter.refused.insert(exec_id);
+        } else if limit.concurrent_gpu_cells.is_some() {
+            usage.mark_running(self.sid, owner.clone(), exec_id);
+        }
+        refused
+    }
+
+    /// Whether the owner's GPU-seconds of the day are used up (then no worker is
+    /// prepared for an edit: it could hold a slot).
+    pub(super) fn gpu_day_used_up(&self) -> bool {
+        let owner = &self.stored.owner;
+        let limit = self.shared.quotas.current().limit_of(owner.as_deref());
+        let day_only = quota::Limit { concurrent_gpu_cells: None, ..limit };
+        let used = self.shared.usage.used_today(owner);
+        quota::gpu_refusal(day_only, owner.as_deref(), &used, 0, schemas::unix_ms()).is_some()
     }
 
     fn book(&self, unix_ms: u64, spent: Spent, run: Option<Uuid>) {

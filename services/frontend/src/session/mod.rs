@@ -94,6 +94,8 @@ pub struct Shared {
     pub dashboard: crate::dashboard::Dashboard,
     /// Where what each session used is booked.
     pub usage: crate::usage::Ledger,
+    /// The users' quotas.
+    pub quotas: crate::quota::Quotas,
 }
 
 /// The per-session actor.

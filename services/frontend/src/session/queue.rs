@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use actix::prelude::*;
-use schemas::messages::RunV2;
+use schemas::messages::RunV3;
 use tracing::Instrument as _;
 use uuid::Uuid;
 
@@ -60,7 +60,7 @@ impl SessionActor {
         // a run adopted from the record has only the reference to its code kept aside
         let read_back = p.aside.clone().filter(|_| p.code_elsewhere());
         let aside = p.aside.clone();
-        let run = RunV2 {
+        let run = RunV3 {
             session: self.sid,
             exec_id: p.exec_id,
             cell_id: p.cell_id.clone(),
@@ -69,6 +69,7 @@ impl SessionActor {
             after_revision: self.stored.revision,
             options: self.stored.options.clone(),
             user_expressions: p.user_expressions,
+            gpu_refused: self.gpu_refusal(p.exec_id),
         };
         self.current = Some(Current::new(p.exec_id, p.allow_stdin, self.connects()));
         self.log.follow(p.exec_id);

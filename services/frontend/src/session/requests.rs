@@ -30,13 +30,10 @@ impl Handler<Edit> for SessionActor {
         self.last_active = Instant::now();
         let seq = self.edit_seq.entry(msg.cell_id.clone()).or_insert(0);
         *seq += 1;
-        MessageResult(EditV1 {
-            session: self.sid,
-            cell_id: msg.cell_id,
-            code: msg.code,
-            seq: *seq,
-            options: self.stored.options.clone(),
-        })
+        let seq = *seq;
+        let mut options = self.stored.options.clone();
+        options.speculate &= !self.gpu_day_used_up();
+        MessageResult(EditV1 { session: self.sid, cell_id: msg.cell_id, code: msg.code, seq, options })
     }
 }
 

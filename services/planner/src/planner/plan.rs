@@ -10,8 +10,8 @@ use std::time::Duration;
 use async_nats::jetstream::kv;
 use schemas::checkpoint::Manifest;
 use schemas::messages::{
-    EventKind, ManifestGetV2, ManifestV2, PinnedWorker, PreparedWorker, RecipeKind, RecipeV3, RunV2, SessionEventV2,
-    SessionOptions,
+    Device, EventKind, ManifestGetV2, ManifestV2, PinnedWorker, PreparedWorker, RecipeKind, RecipeV3, RunV3,
+    SessionEventV2, SessionOptions,
 };
 use schemas::subjects::StoreVerb;
 use schemas::{unix_ms, Bus, BusError};
@@ -58,6 +58,10 @@ pub enum PlanError {
         /// The most slots one live host has.
         largest: u32,
     },
+    /// The cell is a GPU cell and its user's GPU quota is used up (the
+    /// frontend's words, with what was used, the limit and when it resets).
+    #[error("{0}")]
+    GpuRefused(String),
 }
 
 /// The session's latest manifest; `at_least`: a revision known to be committed.
@@ -136,7 +140,7 @@ pub(super) fn planned(session: Uuid, exec_id: Uuid, cell_id: &str, d: &Derived) 
 pub(super) async fn plan_run(
     bus: Bus,
     kv: kv::Store,
-    run: RunV2,
+    run: RunV3,
     prepared: Option<PreparedWorker>,
     cached: Option<Arc<Manifest>>,
     largest_host: Option<u32>,
@@ -171,6 +175,10 @@ pub(super) async fn plan_run(
 
     let planned = planned(run.session, run.exec_id, &run.cell_id, &d);
     bus.publish(bus.subjects().event(run.session), &planned).await.map_err(PlanError::Publish)?;
+    // over quota: no slot is taken (a CPU cell runs as ever)
+    if let Some(why) = run.gpu_refused.filter(|_| d.device == Device::Gpu) {
+        return Err(PlanError::GpuRefused(why));
+    }
     // no host would ever claim it: say so now rather than at the claim timeout
     if let Some(largest) = largest_host.filter(|largest| d.gpus > 1 && d.gpus > *largest) {
         return Err(PlanError::TooFewGpus { asked: d.gpus, largest });

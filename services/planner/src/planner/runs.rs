@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use schemas::bus::Rejected;
-use schemas::messages::{EventKind, RunV2, SessionEventV2};
+use schemas::messages::{EventKind, RunV3, SessionEventV2};
 use schemas::{unix_ms, Envelope};
 use tracing::Instrument;
 
@@ -14,11 +14,11 @@ use super::plan::{code_hash, plan_run};
 use super::Planner;
 
 /// How long a planner remembers a run it heard: longer than the frontend keeps
-/// sending one nobody acknowledged (`RunV2`'s patience, half the claim timeout).
+/// sending one nobody acknowledged (`RunV3`'s patience, half the claim timeout).
 const RUN_MEMORY: Duration = Duration::from_secs(300);
 
-impl StreamHandler<Result<Envelope<RunV2>, Rejected>> for Planner {
-    fn handle(&mut self, item: Result<Envelope<RunV2>, Rejected>, ctx: &mut Self::Context) {
+impl StreamHandler<Result<Envelope<RunV3>, Rejected>> for Planner {
+    fn handle(&mut self, item: Result<Envelope<RunV3>, Rejected>, ctx: &mut Self::Context) {
         let Ok(env) = item else { return };
         let span = env.span("planner.run");
         // what is logged while the run is handled joins its trace
@@ -49,7 +49,11 @@ impl StreamHandler<Result<Envelope<RunV2>, Rejected>> for Planner {
                 tracing::debug!(%session, exec = %exec_id, "planned");
             }
             if let Err(error) = &result {
-                tracing::error!(%session, %error, "could not plan a run");
+                if matches!(error, super::plan::PlanError::GpuRefused(_)) {
+                    tracing::info!(%session, %error, "a GPU cell refused for its user's quota");
+                } else {
+                    tracing::error!(%session, %error, "could not plan a run");
+                }
                 let ev = SessionEventV2 {
                     session,
                     exec_id,
