@@ -166,6 +166,16 @@ fn jupyterlab_in_a_browser_runs_interrupts_and_restarts_a_notebook_on_looseleaf(
     assert_eq!(seen["typed_badge"]["prepare"], "speculative", "{seen}");
     assert_eq!(seen["typed_badge"]["device"], "gpu", "{seen}");
     assert!(seen["typed_badge"]["text"].as_str().is_some_and(|t| t.starts_with("GPU · prepared")), "{seen}");
+    // and what its run cost: the GPU-slot seconds its slot was held
+    let costed = &seen["typed_cost_badge"];
+    let cost: serde_json::Value = serde_json::from_str(costed["cost"].as_str().unwrap_or("{}"))?;
+    assert_eq!(cost["device"], "gpu", "{seen}");
+    assert!(cost["gpu_seconds"].as_f64().is_some_and(|s| s > 0.0), "{seen}");
+    assert!(
+        costed["text"].as_str().is_some_and(|t| t.starts_with("GPU · prepared") && t.ends_with(" GPU-s")),
+        "{seen}"
+    );
+    assert!(costed["title"].as_str().is_some_and(|t| t.contains("Last run cost")), "{seen}");
     // before Run, the badge followed the worker: planned on a GPU, preparing, ready
     // on a host; after it, running and saved
     let ready = &seen["typed_ready_badge"];

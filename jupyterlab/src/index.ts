@@ -59,6 +59,19 @@ interface LiveState {
   error?: string;
 }
 
+/** What a cell's last run cost (`{"action": "cost"}`, src/kernel/cost.rs). */
+export interface RunCost {
+  device: string;
+  run_seconds: number;
+  gpu_seconds: number;
+}
+
+/** A cost in words: GPU-slot seconds for a GPU cell, run time for a CPU one. */
+export function costWords(c: RunCost): string {
+  const n = (x: number) => (x < 10 ? x.toFixed(2) : x.toFixed(0));
+  return c.device === 'gpu' ? `${n(c.gpu_seconds)} GPU-s` : `${n(c.run_seconds)} s CPU`;
+}
+
 /** The session's totals (`{"action": "session"}`, src/kernel/badge.rs). */
 export interface SessionTotals {
   cells: number;
@@ -267,6 +280,14 @@ class NotebookLink {
       if (cell) {
         renderBadge(this.badge(cell), pinOf(cell.model), null, data as unknown as LiveState, this.unchanged(cell));
       }
+    } else if (data.action === 'cost') {
+      // kept on the badge: before the next Run it says what the last one cost
+      const cell = this.panel.content.widgets.find(c => c.model.id === data.cell_id);
+      if (cell) {
+        const badge = this.badge(cell);
+        badge.dataset.cost = JSON.stringify(data);
+        renderBadge(badge, pinOf(cell.model), null, null, this.unchanged(cell));
+      }
     } else if (data.action === 'session') {
       this.totals = data as unknown as SessionTotals;
       this.onTotals(this);
@@ -283,6 +304,9 @@ class NotebookLink {
         // Run carries the text: an edit still waiting for the throttle is moot
         clearTimeout(this.timers.get(cellId));
         this.timers.delete(cellId);
+        // the last run's cost is this run's once it is told
+        const cell = this.panel.content.widgets.find(c => c.model.id === cellId);
+        delete cell?.node.querySelector<HTMLElement>('.ll-badge')?.dataset.cost;
       }
     } else if (direction === 'recv' && type === 'execute_reply') {
       const parent = (msg.parent_header as KernelMessage.IHeader).msg_id;
@@ -345,7 +369,13 @@ function liveWords(s: LiveState): string | null {
 
 /** The badge's words: the pin, the device, then the worker's live state, or
  * after a run how its worker was prepared and its start delay. */
-export function badgeText(pin: Pin, p: Placement | null, live: LiveState | null, showRun: boolean): string {
+export function badgeText(
+  pin: Pin,
+  p: Placement | null,
+  live: LiveState | null,
+  showRun: boolean,
+  cost: RunCost | null = null
+): string {
   const parts = pin ? [`pinned ${pin.toUpperCase()}`] : [];
   const run = showRun && live?.state !== 'running' && live?.state !== 'saving' ? p : null;
   const device = run ? run.device : (live?.device ?? p?.device);
@@ -359,6 +389,9 @@ export function badgeText(pin: Pin, p: Placement | null, live: LiveState | null,
     }
     if (typeof run.start_delay_ms === 'number') {
       parts.push(`started in ${Math.round(run.start_delay_ms)} ms`);
+    }
+    if (cost) {
+      parts.push(costWords(cost));
     }
     // a worker prepared again for the same text (to run it again)
     if (live?.state === 'ready') {
@@ -401,7 +434,8 @@ function renderBadge(
   }
   const last = badge.dataset.run ? (JSON.parse(badge.dataset.run) as Placement) : null;
   const now = badge.dataset.live ? (JSON.parse(badge.dataset.live) as LiveState) : null;
-  badge.textContent = badgeText(pin, last, now, showRun);
+  const cost = badge.dataset.cost ? (JSON.parse(badge.dataset.cost) as RunCost) : null;
+  badge.textContent = badgeText(pin, last, now, showRun, cost);
   badge.dataset.device = (showRun && last?.device) || now?.device || last?.device || '';
   const why = now?.device_reason ?? last?.device_reason;
   const closure = now?.closure ?? last?.closure;
@@ -409,7 +443,8 @@ function renderBadge(
   const ran = last
     ? `Last run${where(last)}, ${last.prepare ?? ''} worker, started in ${Math.round(last.start_delay_ms ?? 0)} ms. `
     : '';
-  badge.title = `${plan}${ran}Click: pin to GPU, to CPU, or let LooseLeaf choose.`;
+  const paid = cost ? `Last run cost ${costWords(cost)} (ran ${cost.run_seconds.toFixed(2)} s). ` : '';
+  badge.title = `${plan}${ran}${paid}Click: pin to GPU, to CPU, or let LooseLeaf choose.`;
 }
 
 /** The side panel: the current notebook's session. */

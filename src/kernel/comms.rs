@@ -31,11 +31,15 @@ impl Kernel {
     pub(super) async fn follow(&mut self, item: &StreamItem, run: Option<badge::CurrentRun<'_>>) {
         // counted whether or not a client listens: one may open a comm later
         let totals = self.session.as_mut().and_then(|s| s.tally.observe(item).then(|| s.tally.message()));
+        let cost = self.session.as_mut().and_then(|s| s.costs.observe(item));
         if self.edit_comms.is_empty() {
             return;
         }
         if let Some(state) = badge::cell_state(item, run) {
             self.tell_edit_comms(state).await;
+        }
+        if let Some(cost) = cost {
+            self.tell_edit_comms(cost).await;
         }
         if let Some(totals) = totals {
             self.tell_edit_comms(totals).await;

@@ -65,6 +65,7 @@ mod codehelp;
 mod comms;
 mod complete;
 mod connection;
+mod cost;
 mod dispatch;
 mod execute;
 mod install;
@@ -110,6 +111,8 @@ struct Session {
     items: mpsc::UnboundedReceiver<StreamItem>,
     /// The totals the extension's side panel shows.
     tally: badge::SessionTally,
+    /// What each cell's last run cost, told as it is known.
+    costs: cost::RunCosts,
     /// The stream ended between runs (the session is gone, or the frontend was
     /// unreachable for the client's reconnection window): the next run says so.
     ended: bool,
@@ -147,7 +150,17 @@ impl Session {
             (None, Some(why)) => Some(format!("LooseLeaf: a fresh session: {why}.\n")),
             (None, None) => None,
         };
-        Ok((Self { fe: fe.clone(), sid, items, tally: badge::SessionTally::new(), ended: false }, notice))
+        Ok((
+            Self {
+                fe: fe.clone(),
+                sid,
+                items,
+                tally: badge::SessionTally::new(),
+                costs: Default::default(),
+                ended: false,
+            },
+            notice,
+        ))
     }
 }
 

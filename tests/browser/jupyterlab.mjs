@@ -135,6 +135,10 @@ try {
     const badge = page.locator(".jp-Notebook .jp-Cell").last().locator(".ll-badge");
     await badge.waitFor({ timeout: MINUTE });
     seen.typed_badge = await badge.evaluate((b) => ({ text: b.textContent, ...b.dataset }));
+    // what the run cost comes once its slot is released, and stays for the next Run
+    const costed = page.locator(".jp-Notebook .jp-Cell").last().locator(".ll-badge[data-cost]");
+    await costed.waitFor({ timeout: MINUTE });
+    seen.typed_cost_badge = await costed.evaluate((b) => ({ text: b.textContent, title: b.title, ...b.dataset }));
     seen.typed_states = await page.evaluate(() => window.llStates);
     await page.screenshot({ path: `${out}/typed.png` });
   });
