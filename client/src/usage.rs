@@ -62,6 +62,6 @@ pub struct UsageReport {
     pub to: String,
     /// How the rows are grouped.
     pub by: UsageBy,
-    /// One per group, largest GPU use first.
+    /// One per group, largest GPU use first (`by=day`: by day, then user).
     pub rows: Vec<UsageRow>,
 }

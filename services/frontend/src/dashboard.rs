@@ -255,8 +255,17 @@ impl Dashboard {
             .collect();
         let sessions: Vec<&SessionView> = view.sessions.values().filter(|s| admin || s.owner == caller.0).collect();
         let visible: std::collections::HashSet<Uuid> = sessions.iter().map(|s| s.session_id).collect();
-        let executions: Vec<&ExecView> =
-            view.executions.iter().rev().filter(|e| visible.contains(&e.session_id)).collect();
+        // an admin sees other users' runs, never what they said (an error's text)
+        let executions: Vec<ExecView> = view
+            .executions
+            .iter()
+            .rev()
+            .filter(|e| visible.contains(&e.session_id))
+            .map(|e| {
+                let own = view.sessions.get(&e.session_id).is_some_and(|s| s.owner == caller.0);
+                ExecView { error: e.error.clone().filter(|_| own), ..e.clone() }
+            })
+            .collect();
         let used_ms: u64 = sessions.iter().map(|s| s.gpu_slot_ms).sum();
         // a pinned platform holds a GPU from a GPU session's start to its end
         let pinned_ms: u64 = sessions
@@ -330,8 +339,13 @@ mod tests {
         let claimed = Event::Claimed { host: "host-0".into(), slot: Some(0), prepare: Prepare::Speculative };
         d.observe(sid, &StreamItem::Event { exec_id: exec, unix_ms: 1_002, event: claimed });
         d.observe(sid, &started(1_013));
-        let done =
-            StreamItem::Done { exec_id: exec, status: ExecStatus::Ok, after_revision: 1, unix_ms: 3_002, error: None };
+        let done = StreamItem::Done {
+            exec_id: exec,
+            status: ExecStatus::Error,
+            after_revision: 1,
+            unix_ms: 3_002,
+            error: Some("KeyError: 'secret'".into()),
+        };
         d.observe(sid, &done);
 
         let seen = d.snapshot(&Caller(Some("alice".into())), false);
@@ -340,7 +354,8 @@ mod tests {
         assert_eq!(e["start_delay_ms"], 13);
         assert_eq!(e["prepare"], "speculative");
         assert_eq!(e["device"], "gpu");
-        assert_eq!(e["status"], "ok");
+        assert_eq!(e["status"], "error");
+        assert_eq!(e["error"], "KeyError: 'secret'", "its owner reads what the run said");
         assert_eq!(seen["gpu_slot_seconds"], 2.0);
         assert_eq!(seen["sessions"][0]["gpu_runs"], 1);
         assert!(seen["pinned_gpu_seconds"].as_f64().is_some_and(|p| p >= 0.0));
@@ -351,5 +366,6 @@ mod tests {
         let admin = d.snapshot(&Caller(Some("bob".into())), true);
         assert_eq!(admin["sessions"][0]["owner"], "alice", "an admin sees every user's sessions");
         assert_eq!(admin["executions"].as_array().map(Vec::len), Some(1));
+        assert_eq!(admin["executions"][0]["error"], serde_json::Value::Null, "an admin never reads what it said");
     }
 }

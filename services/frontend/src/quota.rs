@@ -130,6 +130,8 @@ impl QuotaTable {
 pub struct Quotas {
     table: Arc<RwLock<Arc<QuotaTable>>>,
     path: Option<PathBuf>,
+    /// The text the quotas in force were read from.
+    text: Option<String>,
 }
 
 impl Quotas {
@@ -140,8 +142,10 @@ impl Quotas {
 
     /// The quotas `path` sets, or why it is refused.
     pub fn load(path: &Path) -> Result<Self, QuotaError> {
-        let table = read(path)?;
-        Ok(Self { table: Arc::new(RwLock::new(Arc::new(table))), path: Some(path.to_path_buf()) })
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| QuotaError::Read { path: path.display().to_string(), source })?;
+        let table = QuotaTable::parse(&text)?;
+        Ok(Self { table: Arc::new(RwLock::new(Arc::new(table))), path: Some(path.to_path_buf()), text: Some(text) })
     }
 
     /// The quotas now.
@@ -154,7 +158,7 @@ impl Quotas {
     /// quotas as they were, and the error is logged (once per change).
     pub async fn follow(self, stop: tokio_util::sync::CancellationToken) {
         let Some(path) = self.path.clone() else { return };
-        let mut last_text = std::fs::read_to_string(&path).ok();
+        let mut last_text = self.text.clone();
         while tokio::time::timeout(RELOAD_EVERY, stop.cancelled()).await.is_err() {
             let text = std::fs::read_to_string(&path).ok();
             if text == last_text {
@@ -163,7 +167,10 @@ impl Quotas {
             last_text = text.clone();
             let parsed = match text {
                 Some(text) => QuotaTable::parse(&text),
-                None => read(&path),
+                None => Err(QuotaError::Read {
+                    path: path.display().to_string(),
+                    source: std::io::Error::new(std::io::ErrorKind::NotFound, "it is gone or unreadable"),
+                }),
             };
             match parsed {
                 Ok(table) => {
@@ -176,12 +183,6 @@ impl Quotas {
             }
         }
     }
-}
-
-fn read(path: &Path) -> Result<QuotaTable, QuotaError> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|source| QuotaError::Read { path: path.display().to_string(), source })?;
-    QuotaTable::parse(&text)
 }
 
 /// The start of every quota refusal (a cell's error, as its user reads it).

@@ -166,7 +166,15 @@ pub struct Running {
     pub owner: Option<String>,
     /// Its session.
     pub session_id: Uuid,
+    /// When it was marked (unix ms): a mark older than [`MARK_STALE`] no longer
+    /// counts, should its end never be heard.
+    #[serde(default)]
+    pub since_unix_ms: u64,
 }
+
+/// A running mark this old no longer counts: a GPU cell that ran a day is ended,
+/// or its end was lost (a frontend that died before it could clear the mark).
+pub const MARK_STALE: Duration = Duration::from_secs(24 * 3600);
 
 /// The key prefix of running marks (no day starts so).
 const RUNNING_KEY: &str = "running.";
@@ -194,7 +202,10 @@ impl Ledger {
                             Err(e) => tracing::warn!(key = %entry.key, error = %e, "an unreadable usage entry"),
                         }
                     }
-                    Ok(_) => {}
+                    // an operator deleted a day's entry (forgave it)
+                    Ok(entry) => {
+                        follower.lock().remove(&entry.key);
+                    }
                     Err(e) => tracing::warn!(error = %e, "the usage watch failed; today's usage may lag"),
                 }
             }
@@ -246,7 +257,7 @@ impl Ledger {
     /// Mark `session`'s run `exec_id` as one that may hold a GPU (here at once,
     /// and for every frontend through the bucket).
     pub fn mark_running(&self, session: Uuid, owner: Option<String>, exec_id: Uuid) {
-        let mark = Running { owner, session_id: session };
+        let mark = Running { owner, session_id: session, since_unix_ms: schemas::unix_ms() };
         self.running.lock().unwrap_or_else(|e| e.into_inner()).insert(exec_id, mark.clone());
         let kv = self.kv.clone();
         tokio::spawn(async move {
@@ -264,8 +275,18 @@ impl Ledger {
         }
         let kv = self.kv.clone();
         tokio::spawn(async move {
-            if let Err(e) = kv.delete(format!("{RUNNING_KEY}{exec_id}")).await {
-                tracing::warn!(exec = %exec_id, error = %e, "a GPU cell's end is not marked for other frontends");
+            let mut retry = schemas::buckets::ElectionRetry::new();
+            loop {
+                match kv.delete(format!("{RUNNING_KEY}{exec_id}")).await {
+                    Ok(()) => return,
+                    Err(e) => match retry.next_wait() {
+                        Some(wait) => tokio::time::sleep(wait).await,
+                        None => {
+                            tracing::warn!(exec = %exec_id, error = %e, "a GPU cell's end is not marked for other frontends");
+                            return;
+                        }
+                    },
+                }
             }
         });
     }
@@ -273,8 +294,9 @@ impl Ledger {
     /// How many runs of `owner` may hold a GPU, other than `session`'s (a
     /// session runs one cell at a time).
     pub fn running_gpu_cells(&self, owner: &Option<String>, session: Uuid) -> usize {
+        let fresh = schemas::unix_ms().saturating_sub(MARK_STALE.as_millis() as u64);
         let running = self.running.lock().unwrap_or_else(|e| e.into_inner());
-        running.values().filter(|m| m.session_id != session && &m.owner == owner).count()
+        running.values().filter(|m| m.session_id != session && &m.owner == owner && m.since_unix_ms >= fresh).count()
     }
 
     /// What `owner` used today (UTC), as this frontend heard it.
@@ -297,9 +319,15 @@ impl Ledger {
 
     /// Book what `account`'s session used on `day`; `run` is the run it was for
     /// (None: a slot held outside any run), counted once however often it is
-    /// booked. Tried again while the bucket elects a leader, and against a
-    /// concurrent booking of the same day and session.
-    pub async fn book(&self, account: &Account, day: &str, spent: Spent, run: Option<Uuid>) -> Result<(), UsageError> {
+    /// booked (false: it was). Tried again while the bucket elects a leader, and
+    /// against a concurrent booking of the same day and session.
+    pub async fn book(
+        &self,
+        account: &Account,
+        day: &str,
+        spent: Spent,
+        run: Option<Uuid>,
+    ) -> Result<bool, UsageError> {
         let bucket = |e: &dyn std::fmt::Display| UsageError::Bucket(e.to_string());
         let key = key(day, account.session_id);
         let mut retry = schemas::buckets::ElectionRetry::new();
@@ -325,7 +353,7 @@ impl Ledger {
                 };
                 if let Some(run) = run {
                     if usage.counted.contains(&run) {
-                        return Ok(true); // booked already
+                        return Ok(Some(false)); // booked already
                     }
                     usage.counted.push_back(run);
                     while usage.counted.len() > COUNTED_KEPT {
@@ -352,15 +380,15 @@ impl Ledger {
                 match written {
                     Ok(revision) => {
                         self.heard(revision, usage);
-                        Ok(true)
+                        Ok(Some(true))
                     }
-                    Err((true, _)) => Ok(false), // another booking landed first: read it again
+                    Err((true, _)) => Ok(None), // another booking landed first: read it again
                     Err((false, e)) => Err(UsageError::Bucket(e)),
                 }
             };
             match attempt.await {
-                Ok(true) => return Ok(()),
-                Ok(false) => continue,
+                Ok(Some(booked)) => return Ok(booked),
+                Ok(None) => continue,
                 Err(e) => match retry.next_wait() {
                     Some(wait) => tokio::time::sleep(wait).await,
                     None => return Err(e),
@@ -437,10 +465,12 @@ pub fn csv(rows: &[UsageRow], by: UsageBy) -> String {
         UsageBy::Day => &["day", "user"],
     };
     let field = |s: &str| {
+        // a spreadsheet would take a name starting so for a formula
+        let s = if s.starts_with(['=', '+', '-', '@']) { format!("'{s}") } else { s.to_string() };
         if s.contains([',', '"', '\n', '\r']) {
             format!("\"{}\"", s.replace('"', "\"\""))
         } else {
-            s.to_string()
+            s
         }
     };
     let mut out = names.join(",") + ",gpu_seconds,cpu_seconds,cells,gpu_cells\r\n";
@@ -505,13 +535,14 @@ mod tests {
             used("2026-12-06", "ada", "a.ipynb", s1, 3000.0, 4),
             used("2026-12-06", "ada", "b, \"the\" one.ipynb", s2, 500.0, 1),
             used("2026-12-06", "bob", "a.ipynb", s3, 8000.0, 6),
+            used("2026-12-06", "bob", "=HYPERLINK(1).ipynb", Uuid::now_v7(), 0.0, 1),
         ];
         let by_user = report(&entries, UsageBy::User);
         assert_eq!(by_user.len(), 2);
         assert_eq!((by_user[0].user.as_deref(), by_user[0].gpu_seconds), (Some("bob"), 8.0), "largest first");
         assert_eq!((by_user[1].gpu_seconds, by_user[1].cpu_seconds, by_user[1].cells), (4.5, 1.5, 7));
         let by_notebook = report(&entries, UsageBy::Notebook);
-        assert_eq!(by_notebook.len(), 3, "ada's two notebooks and bob's");
+        assert_eq!(by_notebook.len(), 4, "ada's two notebooks and bob's two");
         let by_session = report(&entries, UsageBy::Session);
         assert_eq!(by_session.iter().find(|r| r.session_id == Some(s1)).map(|r| r.cells), Some(6));
         let by_day = report(&entries, UsageBy::Day);
@@ -530,5 +561,6 @@ mod tests {
         assert_eq!(lines[0], "user,notebook,gpu_seconds,cpu_seconds,cells,gpu_cells");
         assert_eq!(lines[1], "bob,a.ipynb,8.000,0.500,6,3");
         assert!(lines.contains(&"ada,\"b, \"\"the\"\" one.ipynb\",0.500,0.500,1,0"), "{text}");
+        assert!(lines.contains(&"bob,'=HYPERLINK(1).ipynb,0.000,0.500,1,0"), "no formula: {text}");
     }
 }

@@ -26,6 +26,11 @@ pub(super) struct Meter {
     /// Runs sent with a GPU refused, until they are done (one that ends failed
     /// without starting was refused: counted per user).
     refused: HashSet<Uuid>,
+    /// Runs this actor marked as running on a GPU, until planned on the CPU or done.
+    marked: HashSet<Uuid>,
+    /// Slot releases of no run booked lately (host, slot, when): one the bus
+    /// delivers again is not booked twice.
+    released: VecDeque<(String, u32, u64)>,
 }
 
 impl SessionActor {
@@ -39,7 +44,7 @@ impl SessionActor {
         };
         match item {
             StreamItem::Event { event: Event::Planned { device: Device::Cpu, .. }, .. } if !exec_id.is_nil() => {
-                self.shared.usage.unmark_running(exec_id);
+                self.unmark(exec_id);
             }
             StreamItem::Event { event: Event::Started { device, .. }, .. } => {
                 let (spent, gpu) = self.meter.pending.entry(exec_id).or_default();
@@ -52,8 +57,16 @@ impl SessionActor {
                     spent.cpu_ms = *run_ms;
                 }
             }
-            StreamItem::Event { event: Event::SlotReleased { held_ms, .. }, .. } => {
+            StreamItem::Event { event: Event::SlotReleased { host, slot, held_ms, .. }, .. } => {
                 let held = Spent { gpu_ms: *held_ms, ..Spent::default() };
+                let release = (host.clone(), *slot, unix_ms);
+                if self.meter.released.contains(&release) {
+                    return; // delivered again
+                }
+                self.meter.released.push_back(release);
+                while self.meter.released.len() > BOOKED_KEPT {
+                    self.meter.released.pop_front();
+                }
                 if exec_id.is_nil() || self.meter.booked.contains(&exec_id) {
                     self.book(unix_ms, held, None);
                 } else {
@@ -61,7 +74,7 @@ impl SessionActor {
                 }
             }
             StreamItem::Done { status, .. } => {
-                self.shared.usage.unmark_running(exec_id);
+                self.unmark(exec_id);
                 let started = self.meter.pending.get(&exec_id).is_some_and(|(spent, _)| spent.cells > 0);
                 if self.meter.refused.remove(&exec_id) && *status == ExecStatus::Failed && !started {
                     let user = schemas::metrics::user_label(self.stored.owner.as_deref());
@@ -84,10 +97,24 @@ impl SessionActor {
         }
     }
 
-    /// Book what every run not done used so far (the actor stops).
+    /// The actor stops: book what runs not done used so far, except the run in
+    /// flight (the frontend that adopts the session books it whole), and clear
+    /// its marks (a mark nobody clears would count against its user for good).
     pub(super) fn meter_flush(&mut self) {
+        let in_flight = self.stored.in_flight.as_ref().map(|f| f.exec_id);
         for (exec_id, (spent, _)) in std::mem::take(&mut self.meter.pending) {
-            self.book(schemas::unix_ms(), spent, Some(exec_id));
+            if Some(exec_id) != in_flight {
+                self.book(schemas::unix_ms(), spent, Some(exec_id));
+            }
+        }
+        for exec_id in std::mem::take(&mut self.meter.marked) {
+            self.shared.usage.unmark_running(exec_id);
+        }
+    }
+
+    fn unmark(&mut self, exec_id: Uuid) {
+        if self.meter.marked.remove(&exec_id) {
+            self.shared.usage.unmark_running(exec_id);
         }
     }
 
@@ -105,6 +132,7 @@ impl SessionActor {
             self.meter.refused.insert(exec_id);
         } else if limit.concurrent_gpu_cells.is_some() {
             usage.mark_running(self.sid, owner.clone(), exec_id);
+            self.meter.marked.insert(exec_id);
         }
         refused
     }
@@ -125,16 +153,20 @@ impl SessionActor {
         }
         let account =
             Account { session_id: self.sid, owner: self.stored.owner.clone(), notebook: self.stored.notebook.clone() };
-        let m = schemas::metrics::metrics();
-        let user = schemas::metrics::user_label(account.owner.as_deref());
-        m.user_gpu_seconds.get_or_create(&user).inc_by(spent.gpu_ms / 1000.0);
-        m.user_cpu_seconds.get_or_create(&user).inc_by(spent.cpu_ms / 1000.0);
-        m.user_cells.get_or_create(&user).inc_by(spent.cells);
         let ledger = self.shared.usage.clone();
         let day = day_of(unix_ms);
         tokio::spawn(async move {
-            if let Err(e) = ledger.book(&account, &day, spent, run).await {
-                tracing::error!(session = %account.session_id, ?spent, error = %e, "usage not booked");
+            match ledger.book(&account, &day, spent, run).await {
+                // counted here once it is in the ledger (a run booked already is not)
+                Ok(true) => {
+                    let m = schemas::metrics::metrics();
+                    let user = schemas::metrics::user_label(account.owner.as_deref());
+                    m.user_gpu_seconds.get_or_create(&user).inc_by(spent.gpu_ms / 1000.0);
+                    m.user_cpu_seconds.get_or_create(&user).inc_by(spent.cpu_ms / 1000.0);
+                    m.user_cells.get_or_create(&user).inc_by(spent.cells);
+                }
+                Ok(false) => {}
+                Err(e) => tracing::error!(session = %account.session_id, ?spent, error = %e, "usage not booked"),
             }
         });
     }

@@ -155,11 +155,16 @@ pub(super) async fn plan_run(
         None => Arc::new(fetch_manifest(&bus, run.session, Some(run.after_revision)).await?),
     };
     let cell_id = run.cell_id.clone();
+    let refused = run.gpu_refused.is_some();
     let (d, revision, st) = state::modify(&kv, run.session, |st| {
         let mut d = derive(&analysis, &run.code, &manifest, st, run.options.all_gpu, run.exec_id, &cell_id);
         // a cell that reads no unsavable state is not sent to a worker that is gone
         if d.pinned.as_ref().is_some_and(|p| p.names.is_empty() && !live_hosts.may_keep(p, &manifest)) {
             d.pinned = None;
+        }
+        // refused a GPU: it never runs, so the session's state learns nothing of it
+        if refused && d.device == Device::Gpu {
+            return (d, 0, st.clone());
         }
         let revision = st.recipes.get(&cell_id).map(|r| r.0 + 1).unwrap_or(1);
         st.recipes.insert(cell_id.clone(), (revision, d.fingerprint()));
