@@ -199,8 +199,9 @@ pub fn gpu_refusal(limit: Limit, user: Option<&str>, today: &Spent, running: usi
             let at = std::time::UNIX_EPOCH + Duration::from_millis(resets);
             let within = humantime::format_duration(Duration::from_secs(resets.saturating_sub(now_ms) / 60_000 * 60));
             return Some(format!(
-                "{REFUSED}: {who} used {used:.1} of {most} GPU-seconds today (UTC); it resets at {} (in {within}). \
+                "{REFUSED}: {who} used {} of {most} GPU-seconds today (UTC); it resets at {} (in {within}). \
                  CPU cells still run.",
+                seconds(used),
                 humantime::format_rfc3339_seconds(at)
             ));
         }
@@ -214,6 +215,15 @@ pub fn gpu_refusal(limit: Limit, user: Option<&str>, today: &Spent, running: usi
         }
     }
     None
+}
+
+/// Seconds as a person reads them: small ones to the millisecond.
+fn seconds(s: f64) -> String {
+    match s {
+        s if s < 1.0 => format!("{s:.3}"),
+        s if s < 100.0 => format!("{s:.1}"),
+        s => format!("{s:.0}"),
+    }
 }
 
 #[cfg(test)]
@@ -258,6 +268,9 @@ mod tests {
         assert!(day.contains("CPU cells still run"), "{day}");
         let many = gpu_refusal(limit, Some("ada"), &spent(0.0), 2, noon).unwrap();
         assert!(many.contains("runs 2 GPU cells at once, and may run 2"), "{many}");
+        let tiny = Limit { gpu_seconds_per_day: Some(0.001), concurrent_gpu_cells: None };
+        let small = gpu_refusal(tiny, Some("ada"), &spent(0.0153), 0, noon).unwrap();
+        assert!(small.contains("ada used 0.015 of 0.001 GPU-seconds"), "{small}");
         assert_eq!(gpu_refusal(Limit::default(), None, &spent(1e9), 99, noon), None, "no limit, no refusal");
     }
 }
