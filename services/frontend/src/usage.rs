@@ -317,17 +317,17 @@ impl Ledger {
         by_user
     }
 
-    /// Book what `account`'s session used on `day`; `run` is the run it was for
-    /// (None: a slot held outside any run), counted once however often it is
-    /// booked (false: it was). Tried again while the bucket elects a leader, and
-    /// against a concurrent booking of the same day and session.
+    /// Book what `account`'s session used on `day`, in one write: each item is
+    /// what a run used (None: a slot held outside any run), a run counted once
+    /// however often it is booked. Returns what was added. Tried again while the
+    /// bucket elects a leader, and against a concurrent booking of the same day
+    /// and session.
     pub async fn book(
         &self,
         account: &Account,
         day: &str,
-        spent: Spent,
-        run: Option<Uuid>,
-    ) -> Result<bool, UsageError> {
+        items: &[(Option<Uuid>, Spent)],
+    ) -> Result<Spent, UsageError> {
         let bucket = |e: &dyn std::fmt::Display| UsageError::Bucket(e.to_string());
         let key = key(day, account.session_id);
         let mut retry = schemas::buckets::ElectionRetry::new();
@@ -351,16 +351,23 @@ impl Ledger {
                         None,
                     ),
                 };
-                if let Some(run) = run {
-                    if usage.counted.contains(&run) {
-                        return Ok(Some(false)); // booked already
+                let mut added = Spent::default();
+                for (run, spent) in items {
+                    if let Some(run) = run {
+                        if usage.counted.contains(run) {
+                            continue; // booked already
+                        }
+                        usage.counted.push_back(*run);
                     }
-                    usage.counted.push_back(run);
-                    while usage.counted.len() > COUNTED_KEPT {
-                        usage.counted.pop_front();
-                    }
+                    added.add(spent);
                 }
-                usage.spent.add(&spent);
+                while usage.counted.len() > COUNTED_KEPT {
+                    usage.counted.pop_front();
+                }
+                if added.is_empty() {
+                    return Ok(Some(added));
+                }
+                usage.spent.add(&added);
                 if usage.notebook.is_none() {
                     usage.notebook = account.notebook.clone();
                 }
@@ -380,7 +387,7 @@ impl Ledger {
                 match written {
                     Ok(revision) => {
                         self.heard(revision, usage);
-                        Ok(Some(true))
+                        Ok(Some(added))
                     }
                     Err((true, _)) => Ok(None), // another booking landed first: read it again
                     Err((false, e)) => Err(UsageError::Bucket(e)),

@@ -6,6 +6,8 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
+use tokio::sync::mpsc;
+
 use looseleaf_client::events::{Device, Event};
 use uuid::Uuid;
 
@@ -18,8 +20,9 @@ use crate::usage::{day_of, Account, Spent};
 const BOOKED_KEPT: usize = 16;
 
 /// What the session's runs used that is not booked yet.
-#[derive(Default)]
 pub(super) struct Meter {
+    /// The session's booker ([`booker`]).
+    booker: mpsc::UnboundedSender<Booking>,
     /// Per run not done: what it used so far, and whether it ran on a GPU.
     pending: HashMap<Uuid, (Spent, bool)>,
     booked: VecDeque<Uuid>,
@@ -31,6 +34,20 @@ pub(super) struct Meter {
     /// Slot releases of no run booked lately (host, slot, when): one the bus
     /// delivers again is not booked twice.
     released: VecDeque<(String, u32, u64)>,
+}
+
+impl Meter {
+    /// A meter that books through `booker`.
+    pub(super) fn new(booker: mpsc::UnboundedSender<Booking>) -> Self {
+        Self {
+            booker,
+            pending: HashMap::new(),
+            booked: VecDeque::new(),
+            refused: HashSet::new(),
+            marked: HashSet::new(),
+            released: VecDeque::new(),
+        }
+    }
 }
 
 impl SessionActor {
@@ -151,23 +168,53 @@ impl SessionActor {
         if spent.is_empty() {
             return;
         }
-        let account =
-            Account { session_id: self.sid, owner: self.stored.owner.clone(), notebook: self.stored.notebook.clone() };
-        let ledger = self.shared.usage.clone();
-        let day = day_of(unix_ms);
-        tokio::spawn(async move {
-            match ledger.book(&account, &day, spent, run).await {
-                // counted here once it is in the ledger (a run booked already is not)
-                Ok(true) => {
-                    let m = schemas::metrics::metrics();
-                    let user = schemas::metrics::user_label(account.owner.as_deref());
-                    m.user_gpu_seconds.get_or_create(&user).inc_by(spent.gpu_ms / 1000.0);
-                    m.user_cpu_seconds.get_or_create(&user).inc_by(spent.cpu_ms / 1000.0);
-                    m.user_cells.get_or_create(&user).inc_by(spent.cells);
-                }
-                Ok(false) => {}
-                Err(e) => tracing::error!(session = %account.session_id, ?spent, error = %e, "usage not booked"),
-            }
-        });
+        // the booker lives as long as the actor
+        let _ = self.meter.booker.send((day_of(unix_ms), run, spent));
     }
+}
+
+/// A run's (or a slot's) use to book: its day, its run, what it used.
+pub(super) type Booking = (String, Option<Uuid>, Spent);
+
+/// What a run (None: a slot outside any run) used.
+type RunSpent = (Option<Uuid>, Spent);
+
+/// How long the booker gathers bookings into one write: a burst of short cells
+/// is one compare-and-set, not one per cell.
+const BOOKING_GATHER: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The session's booker: what its runs used goes to the ledger, gathered, in
+/// order, once per [`BOOKING_GATHER`] at most; what is queued when the actor
+/// stops is still booked.
+pub(super) fn booker(ledger: crate::usage::Ledger, account: Account) -> mpsc::UnboundedSender<Booking> {
+    let (tx, mut rx) = mpsc::unbounded_channel::<Booking>();
+    tokio::spawn(async move {
+        while let Some(first) = rx.recv().await {
+            tokio::time::sleep(BOOKING_GATHER).await;
+            // (a day's items; a burst around midnight spans two)
+            let mut days: Vec<(String, Vec<RunSpent>)> = Vec::new();
+            for (day, run, spent) in std::iter::once(first).chain(std::iter::from_fn(|| rx.try_recv().ok())) {
+                match days.iter_mut().find(|(d, _)| *d == day) {
+                    Some((_, items)) => items.push((run, spent)),
+                    None => days.push((day, vec![(run, spent)])),
+                }
+            }
+            for (day, items) in days {
+                match ledger.book(&account, &day, &items).await {
+                    // counted here once it is in the ledger (a run booked already is not)
+                    Ok(added) => {
+                        let m = schemas::metrics::metrics();
+                        let user = schemas::metrics::user_label(account.owner.as_deref());
+                        m.user_gpu_seconds.get_or_create(&user).inc_by(added.gpu_ms / 1000.0);
+                        m.user_cpu_seconds.get_or_create(&user).inc_by(added.cpu_ms / 1000.0);
+                        m.user_cells.get_or_create(&user).inc_by(added.cells);
+                    }
+                    Err(e) => {
+                        tracing::error!(session = %account.session_id, ?items, error = %e, "usage not booked")
+                    }
+                }
+            }
+        }
+    });
+    tx
 }

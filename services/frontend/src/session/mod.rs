@@ -167,6 +167,12 @@ impl SessionActor {
             }
         });
         let log = resume::Log::new(shared.history_items);
+        let account = crate::usage::Account {
+            session_id: record.session_id,
+            owner: record.owner.clone(),
+            notebook: record.notebook.clone(),
+        };
+        let booker = meter::booker(shared.usage.clone(), account);
         shared.dashboard.opened(record.session_id, record.owner.clone());
         Self {
             sid: record.session_id,
@@ -186,7 +192,7 @@ impl SessionActor {
             cpu_host: None,
             replayed: HashSet::new(),
             traces: HashMap::new(),
-            meter: meter::Meter::default(),
+            meter: meter::Meter::new(booker),
         }
     }
 
