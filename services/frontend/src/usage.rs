@@ -32,7 +32,6 @@ const COUNTED_KEPT: usize = 32;
 
 /// The longest span a usage report covers.
 pub const MAX_REPORT_DAYS: u64 = 400;
-
 const DAY_MS: u64 = 24 * 3600 * 1000;
 
 /// What was used: the figures a day's entry sums.
@@ -178,6 +177,8 @@ pub const MARK_STALE: Duration = Duration::from_secs(24 * 3600);
 
 /// The key prefix of running marks (no day starts so).
 const RUNNING_KEY: &str = "running.";
+/// How soon a usage watch that ended is opened again.
+const WATCH_AGAIN: Duration = Duration::from_secs(1);
 
 impl Ledger {
     /// The ledger in `kv`, with today's entries read and followed from now on.
@@ -185,33 +186,58 @@ impl Ledger {
         let ledger = Self { kv, recent: Default::default(), running: Default::default() };
         let bucket = |e: &dyn std::fmt::Display| UsageError::Bucket(e.to_string());
         // watch first, then read: a booking between the two is heard either way
-        let mut watch = ledger.kv.watch_all().await.map_err(|e| bucket(&e))?;
+        let watch = ledger.kv.watch_all().await.map_err(|e| bucket(&e))?;
         for (revision, usage) in ledger.entries(&[day_of(schemas::unix_ms())]).await? {
             ledger.heard(revision, usage);
         }
         ledger.read_running().await?;
-        let follower = ledger.clone();
-        tokio::spawn(async move {
-            use futures::StreamExt as _;
+        tokio::spawn(ledger.clone().follow(watch));
+        Ok(ledger)
+    }
+
+    /// Keep today's entries and the running marks as every frontend writes them;
+    /// a watch that ends (its connection gone for good) is opened again, and what
+    /// changed meanwhile read again.
+    async fn follow(self, mut watch: kv::Watch) {
+        use futures::StreamExt as _;
+        loop {
             while let Some(item) = watch.next().await {
                 match item {
-                    Ok(entry) if entry.key.starts_with(RUNNING_KEY) => follower.heard_running(&entry),
+                    Ok(entry) if entry.key.starts_with(RUNNING_KEY) => self.heard_running(&entry),
                     Ok(entry) if entry.operation == kv::Operation::Put => {
                         match serde_json::from_slice::<DayUsage>(&entry.value) {
-                            Ok(usage) => follower.heard(entry.revision, usage),
+                            Ok(usage) => self.heard(entry.revision, usage),
                             Err(e) => tracing::warn!(key = %entry.key, error = %e, "an unreadable usage entry"),
                         }
                     }
                     // an operator deleted a day's entry (forgave it)
                     Ok(entry) => {
-                        follower.lock().remove(&entry.key);
+                        self.lock().remove(&entry.key);
                     }
-                    Err(e) => tracing::warn!(error = %e, "the usage watch failed; today's usage may lag"),
+                    Err(e) => tracing::debug!(error = %e, "the usage watch missed a beat; it goes on"),
                 }
             }
-            tracing::warn!("the usage watch ended; today's usage shown and counted may lag");
-        });
-        Ok(ledger)
+            tracing::warn!("the usage watch ended; opening it again");
+            loop {
+                tokio::time::sleep(WATCH_AGAIN).await;
+                match self.kv.watch_all().await {
+                    Ok(again) => {
+                        watch = again;
+                        break;
+                    }
+                    Err(e) => tracing::debug!(error = %e, "the usage watch cannot be opened yet"),
+                }
+            }
+            if let Ok(entries) = self.entries(&[day_of(schemas::unix_ms())]).await {
+                for (revision, usage) in entries {
+                    self.heard(revision, usage);
+                }
+            }
+            self.running.lock().unwrap_or_else(|e| e.into_inner()).clear();
+            if let Err(e) = self.read_running().await {
+                tracing::warn!(error = %e, "the running GPU cells could not be read again")
+            }
+        }
     }
 
     fn heard(&self, revision: u64, usage: DayUsage) {
