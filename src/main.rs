@@ -158,8 +158,12 @@ enum Command {
         #[arg(long, env = "LOOSELEAF_OWN_CLUSTER", conflicts_with = "frontend")]
         own_cluster: bool,
         /// A file holding the bearer token (its first line).
-        #[arg(long, env = "LOOSELEAF_TOKEN_FILE")]
+        #[arg(long, env = "LOOSELEAF_TOKEN_FILE", conflicts_with = "token_env")]
         token_file: Option<PathBuf>,
+        /// The environment variable holding the bearer token: JUPYTERHUB_API_TOKEN
+        /// in a JupyterHub user's server, whose frontend serves the Hub's users.
+        #[arg(long, env = "LOOSELEAF_TOKEN_ENV")]
+        token_env: Option<String>,
         /// Treat every code cell as a GPU cell.
         #[arg(long, env = "LOOSELEAF_ALL_GPU")]
         all_gpu: bool,
@@ -280,8 +284,12 @@ enum KernelAction {
         #[arg(long)]
         frontend: Option<String>,
         /// A file holding the frontend's bearer token.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "token_env")]
         token_file: Option<PathBuf>,
+        /// The environment variable that holds the frontend's bearer token when
+        /// the kernel starts (`JUPYTERHUB_API_TOKEN` for a JupyterHub's users).
+        #[arg(long)]
+        token_env: Option<String>,
         /// Run every cell serverless.
         #[arg(long)]
         all_gpu: bool,
@@ -458,6 +466,7 @@ fn command(cli: Cli, given: Given, system: &actix_rt::SystemRunner) -> anyhow::R
                     display_name,
                     frontend,
                     token_file,
+                    token_env,
                     all_gpu,
                 }),
             ..
@@ -471,7 +480,15 @@ fn command(cli: Cli, given: Given, system: &actix_rt::SystemRunner) -> anyhow::R
                 Some(f) => Some(std::path::absolute(&f).with_context(|| format!("{}", f.display()))?),
                 None => None,
             };
-            let dir = kernel::install(&kernel::Install { place, name, display_name, frontend, token_file, all_gpu })?;
+            let dir = kernel::install(&kernel::Install {
+                place,
+                name,
+                display_name,
+                frontend,
+                token_file,
+                token_env,
+                all_gpu,
+            })?;
             println!("installed the LooseLeaf kernelspec in {}", dir.display());
             Ok(())
         }
@@ -482,6 +499,7 @@ fn command(cli: Cli, given: Given, system: &actix_rt::SystemRunner) -> anyhow::R
             token,
             own_cluster,
             token_file,
+            token_env,
             all_gpu,
             no_speculation,
             virtual_gpus,
@@ -490,14 +508,20 @@ fn command(cli: Cli, given: Given, system: &actix_rt::SystemRunner) -> anyhow::R
         } => {
             let connection_file =
                 connection_file.context("looseleaf kernel needs -f CONNECTION_FILE (Jupyter gives it)")?;
-            let token = match (token, token_file) {
-                (Some(t), _) => Some(t),
-                (None, Some(f)) => {
+            let token = match (token, token_file, token_env) {
+                (Some(t), _, _) => Some(t),
+                (None, Some(f), _) => {
                     let text = std::fs::read_to_string(&f)
                         .with_context(|| format!("while reading the token file {}", f.display()))?;
                     Some(text.lines().next().unwrap_or_default().trim().to_string())
                 }
-                (None, None) => None,
+                (None, None, Some(var)) => Some(
+                    std::env::var(&var)
+                        .ok()
+                        .filter(|t| !t.trim().is_empty())
+                        .with_context(|| format!("--token-env {var}: the environment has no {var}"))?,
+                ),
+                (None, None, None) => None,
             };
             let python = schemas::locate::python(embed.python.as_deref());
             let tmp =

@@ -434,11 +434,17 @@ impl SseParser {
 
     /// Add bytes; returns each event they completed.
     pub fn push_events(&mut self, bytes: &[u8]) -> Vec<SseEvent> {
+        // what the buffer held has no line end (each push takes every whole
+        // line), so only the new bytes are searched: a megabyte's line arriving
+        // in many chunks is not searched again with each
+        let mut search = self.buf.len();
         self.buf.extend_from_slice(bytes);
         let mut events = Vec::new();
-        while let Some(pos) = self.buf.iter().position(|&b| b == b'\n') {
-            let line: Vec<u8> = self.buf.drain(..=pos).collect();
-            let line = String::from_utf8_lossy(&line);
+        let mut start = 0;
+        while let Some(offset) = self.buf[search..].iter().position(|&b| b == b'\n') {
+            let end = search + offset;
+            let line = String::from_utf8_lossy(&self.buf[start..=end]);
+            (start, search) = (end + 1, end + 1);
             let line = line.trim_end_matches(['\n', '\r']);
             let field =
                 |name: &str| line.strip_prefix(name).map(|rest| rest.strip_prefix(' ').unwrap_or(rest).to_string());
@@ -453,6 +459,7 @@ impl SseParser {
                 self.id = Some(id);
             }
         }
+        self.buf.drain(..start);
         events
     }
 
@@ -567,6 +574,17 @@ mod tests {
         let events = p.push_events(b"id: 7\ndata: a\n\ndata: b\n\n");
         assert_eq!(events[0], SseEvent { id: Some("7".into()), data: "a".into() });
         assert_eq!(events[1], SseEvent { id: None, data: "b".into() });
+        // a long line in small chunks, its end split from its `\r`, then the next
+        let line = "x".repeat(100_000);
+        let stream = format!("id: 8\ndata: {line}\r\n\r\ndata: after\n\n");
+        let mut got = Vec::new();
+        for chunk in stream.as_bytes().chunks(997) {
+            got.extend(p.push_events(chunk));
+        }
+        assert_eq!(
+            got,
+            vec![SseEvent { id: Some("8".into()), data: line }, SseEvent { id: None, data: "after".into() }]
+        );
     }
 
     /// A frontend that adopted a session replays what the client saw, and may

@@ -1,6 +1,7 @@
 //! `looseleaf kernel install`: the kernelspec (`kernel.json`) that makes Jupyter
 //! list the LooseLeaf kernel and start it as `looseleaf kernel -f CONNECTION_FILE`,
-//! and the kernelspec directory it is written into.
+//! its logo (the launcher's card and the notebook's kernel icon), and the
+//! kernelspec directory they are written into.
 
 use std::path::{Path, PathBuf};
 
@@ -31,6 +32,8 @@ pub struct Install {
     pub frontend: Option<String>,
     /// A file holding the frontend's token.
     pub token_file: Option<PathBuf>,
+    /// The environment variable holding it when the kernel starts.
+    pub token_env: Option<String>,
     /// Run every cell serverless.
     pub all_gpu: bool,
 }
@@ -44,6 +47,9 @@ pub fn kernelspec(exe: &Path, install: &Install) -> Value {
     if let Some(file) = &install.token_file {
         argv.extend(["--token-file".into(), file.display().to_string()]);
     }
+    if let Some(var) = &install.token_env {
+        argv.extend(["--token-env".into(), var.clone()]);
+    }
     if install.all_gpu {
         argv.push("--all-gpu".into());
     }
@@ -55,6 +61,14 @@ pub fn kernelspec(exe: &Path, install: &Install) -> Value {
         "metadata": { "debugger": false, "looseleaf": { "all_gpu": install.all_gpu } },
     })
 }
+
+/// The kernel's logo, in the names Jupyter serves as a kernelspec's resources
+/// (`/kernelspecs/NAME/logo-64x64.png`; JupyterLab prefers the SVG).
+pub const LOGO: [(&str, &[u8]); 3] = [
+    ("logo-svg.svg", include_bytes!("logo/logo-svg.svg")),
+    ("logo-32x32.png", include_bytes!("logo/logo-32x32.png")),
+    ("logo-64x64.png", include_bytes!("logo/logo-64x64.png")),
+];
 
 /// The Jupyter data directory of this user (`JUPYTER_DATA_DIR`, else XDG's).
 fn user_data_dir() -> anyhow::Result<PathBuf> {
@@ -102,5 +116,9 @@ pub fn install(install: &Install) -> anyhow::Result<PathBuf> {
     let spec = serde_json::to_string_pretty(&kernelspec(&exe, install))?;
     let file = dir.join("kernel.json");
     std::fs::write(&file, spec + "\n").with_context(|| format!("while writing {}", file.display()))?;
+    for (name, bytes) in LOGO {
+        let file = dir.join(name);
+        std::fs::write(&file, bytes).with_context(|| format!("while writing {}", file.display()))?;
+    }
     Ok(dir)
 }

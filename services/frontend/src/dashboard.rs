@@ -253,7 +253,7 @@ impl Dashboard {
                 })
             })
             .collect();
-        let sessions: Vec<&SessionView> = view.sessions.values().filter(|s| admin || s.owner == caller.0).collect();
+        let sessions: Vec<&SessionView> = view.sessions.values().filter(|s| admin || s.owner == caller.user).collect();
         let visible: std::collections::HashSet<Uuid> = sessions.iter().map(|s| s.session_id).collect();
         // an admin sees other users' runs, never what they said (an error's text)
         let executions: Vec<ExecView> = view
@@ -262,7 +262,7 @@ impl Dashboard {
             .rev()
             .filter(|e| visible.contains(&e.session_id))
             .map(|e| {
-                let own = view.sessions.get(&e.session_id).is_some_and(|s| s.owner == caller.0);
+                let own = view.sessions.get(&e.session_id).is_some_and(|s| s.owner == caller.user);
                 ExecView { error: e.error.clone().filter(|_| own), ..e.clone() }
             })
             .collect();
@@ -348,7 +348,7 @@ mod tests {
         };
         d.observe(sid, &done);
 
-        let seen = d.snapshot(&Caller(Some("alice".into())), false);
+        let seen = d.snapshot(&Caller::user("alice"), false);
         let e = &seen["executions"][0];
         assert_eq!(e["cell_id"], "c1");
         assert_eq!(e["start_delay_ms"], 13);
@@ -360,10 +360,10 @@ mod tests {
         assert_eq!(seen["sessions"][0]["gpu_runs"], 1);
         assert!(seen["pinned_gpu_seconds"].as_f64().is_some_and(|p| p >= 0.0));
 
-        let other = d.snapshot(&Caller(Some("bob".into())), false);
+        let other = d.snapshot(&Caller::user("bob"), false);
         assert_eq!(other["sessions"].as_array().map(Vec::len), Some(0));
         assert_eq!(other["executions"].as_array().map(Vec::len), Some(0));
-        let admin = d.snapshot(&Caller(Some("bob".into())), true);
+        let admin = d.snapshot(&Caller::user("bob"), true);
         assert_eq!(admin["sessions"][0]["owner"], "alice", "an admin sees every user's sessions");
         assert_eq!(admin["executions"].as_array().map(Vec::len), Some(1));
         assert_eq!(admin["executions"][0]["error"], serde_json::Value::Null, "an admin never reads what it said");

@@ -28,6 +28,7 @@ pub mod admission;
 pub mod auth;
 pub mod dashboard;
 pub mod http;
+pub mod hub;
 pub mod origins;
 pub mod quota;
 pub mod records;

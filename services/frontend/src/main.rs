@@ -25,6 +25,28 @@ struct Args {
     /// and each session belongs to its creator (without it the API is open).
     #[arg(long, env = "LOOSELEAF_TOKENS_FILE")]
     tokens_file: Option<std::path::PathBuf>,
+    /// Serve a JupyterHub's users, as the Hub service `--jupyterhub-service`: a
+    /// token the tokens file does not name is asked of the Hub's API at this URL
+    /// (`http://HUB:8081/hub/api`), and the dashboard logs in through the Hub's
+    /// OAuth (ADR 67).
+    #[arg(long, env = "LOOSELEAF_JUPYTERHUB_API_URL")]
+    jupyterhub_api_url: Option<String>,
+    /// The Hub as browsers reach it, with its base_url (`https://hub.example.org/`),
+    /// for the dashboard's login. Default: the API URL without its `hub/api`.
+    #[arg(long, env = "LOOSELEAF_JUPYTERHUB_URL", requires = "jupyterhub_api_url")]
+    jupyterhub_url: Option<String>,
+    /// This service's name in the Hub's `c.JupyterHub.services`.
+    #[arg(long, env = "LOOSELEAF_JUPYTERHUB_SERVICE", default_value = "looseleaf")]
+    jupyterhub_service: String,
+    /// A file holding this service's Hub API token (its first line). Default: the
+    /// environment's JUPYTERHUB_API_TOKEN, which the Hub sets for a service it runs.
+    #[arg(long, env = "LOOSELEAF_JUPYTERHUB_TOKEN_FILE", requires = "jupyterhub_api_url")]
+    jupyterhub_token_file: Option<std::path::PathBuf>,
+    /// The service's OAuth redirect URI as registered with the Hub: this
+    /// frontend's `/hub/oauth_callback` as browsers reach it. Default: built from
+    /// the request's Host, over http.
+    #[arg(long, env = "LOOSELEAF_JUPYTERHUB_OAUTH_CALLBACK_URL", requires = "jupyterhub_api_url")]
+    jupyterhub_oauth_callback_url: Option<String>,
     /// Per-user GPU limits: a file of `USER gpu_seconds_per_day=N
     /// concurrent_gpu_cells=N` lines (`*`: every user), read again when it changes;
     /// a malformed file is refused at start, and on a change the quotas stay (ADR 66).
@@ -116,17 +138,49 @@ fn main() -> anyhow::Result<()> {
     }
     if let Some(path) = &args.tokens_file {
         config.tokens = looseleaf_frontend::auth::Tokens::load(path)?;
-        let users = config.tokens.users().len();
-        if users >= 2 && !args.workers_isolated {
-            anyhow::ensure!(
-                args.insecure_shared_workers,
-                "{} names {users} users: their cells must run as uids of their own (every gpu-host with \
-                 --session-uids FIRST-LAST, as root); say so with --workers-isolated, or pass \
-                 --insecure-shared-workers to serve them anyway (any cell can then read every other user's work)",
-                path.display()
-            );
-            tracing::warn!(users, "--insecure-shared-workers: any user's cell can read every other user's work");
-        }
+    }
+    if let Some(api_url) = args.jupyterhub_api_url {
+        let token = match &args.jupyterhub_token_file {
+            Some(path) => std::fs::read_to_string(path)
+                .map_err(|e| anyhow::anyhow!("--jupyterhub-token-file {}: {e}", path.display()))?
+                .lines()
+                .next()
+                .unwrap_or_default()
+                .trim()
+                .to_string(),
+            None => std::env::var("JUPYTERHUB_API_TOKEN").map_err(|_| {
+                anyhow::anyhow!("--jupyterhub-api-url needs this service's Hub token: --jupyterhub-token-file, or JUPYTERHUB_API_TOKEN")
+            })?,
+        };
+        let public_url = match args.jupyterhub_url {
+            Some(url) => url,
+            None => looseleaf_frontend::hub::base_of(&api_url)?,
+        };
+        let hub = looseleaf_frontend::hub::Hub::new(looseleaf_frontend::hub::HubConfig {
+            api_url,
+            public_url,
+            service: args.jupyterhub_service,
+            token,
+            callback_url: args.jupyterhub_oauth_callback_url,
+        })?;
+        tracing::info!(scope = %hub.access_scope(), "serving JupyterHub's users");
+        config.tokens = config.tokens.with_hub(hub);
+    }
+    // several users on this cluster, a tokens file's or a Hub's (ADR 52)
+    let users = config.tokens.users().len();
+    let shared_by = match (&args.tokens_file, config.tokens.hub()) {
+        (_, Some(_)) => Some("--jupyterhub-api-url serves every Hub user".to_string()),
+        (Some(path), None) if users >= 2 => Some(format!("{} names {users} users", path.display())),
+        _ => None,
+    };
+    if let (Some(shared_by), false) = (shared_by, args.workers_isolated) {
+        anyhow::ensure!(
+            args.insecure_shared_workers,
+            "{shared_by}: their cells must run as uids of their own (every gpu-host with --session-uids \
+             FIRST-LAST, as root); say so with --workers-isolated, or pass --insecure-shared-workers to serve \
+             them anyway (any cell can then read every other user's work)"
+        );
+        tracing::warn!("--insecure-shared-workers: any user's cell can read every other user's work");
     }
     // the signal listeners start with the runtime, before anything else
     actix_rt::System::new()

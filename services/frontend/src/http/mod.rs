@@ -6,7 +6,8 @@
 //! Laid out by concern: `state` (what handlers share, and the sessions served),
 //! `errors` (the API's error answers), `sessions`, `runs` (edits, runs, interrupts
 //! and input), `cpu_worker` (what the session's CPU worker answers), `streams`
-//! (Server-Sent Events), `usage` (what was used) and `openapi` (health and the API's description).
+//! (Server-Sent Events), `usage` (what was used), `hub_login` (the dashboard's
+//! JupyterHub login) and `openapi` (health and the API's description).
 
 use std::time::Duration;
 
@@ -16,6 +17,7 @@ use axum::Router;
 
 mod cpu_worker;
 mod errors;
+mod hub_login;
 mod openapi;
 mod runs;
 mod sessions;
@@ -49,6 +51,8 @@ pub fn router(state: AppState, body_timeout: Duration) -> Router {
     Router::new()
         .route("/", get(dashboard_page))
         .route("/v1/dashboard", get(dashboard))
+        .route("/hub/login", get(hub_login::login))
+        .route("/hub/oauth_callback", get(hub_login::callback))
         .route("/v1/health", get(health))
         .route("/v1/openapi.json", get(openapi_json))
         .route("/v1/sessions", post(create_session).get(list_sessions))

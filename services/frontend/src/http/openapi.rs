@@ -48,8 +48,8 @@ impl utoipa::Modify for Errors {
         components.add_security_scheme("bearer", security::SecurityScheme::Http(bearer));
         let errors = [
             ("400", "the request is malformed (the message names what)"),
-            ("401", "no token, or not a token of this API"),
-            ("403", "a browser origin not allowed, or another user's usage asked by one who is not an admin"),
+            ("401", "no token, or not a token of this API (nor of the JupyterHub it serves, which then adds `login`)"),
+            ("403", "a browser origin not allowed, another user's usage asked by one who is not an admin, or a JupyterHub token without this service's access scope"),
             ("404", "no such session (or another user's)"),
             ("408", "the body did not arrive in time"),
             ("409", "the session is not in the state asked (resume of one in use, detach of one going away, undo with a cell running or nothing to undo)"),
@@ -59,7 +59,7 @@ impl utoipa::Modify for Errors {
             ("421", "a Host this API does not answer"),
             ("429", "a limit (sessions per user, queued runs) is reached"),
             ("500", "the frontend could not do it (it says why)"),
-            ("503", "a service it needs did not answer in time"),
+            ("503", "a service it needs (NATS, the store, the JupyterHub it serves) did not answer in time"),
         ];
         for item in api.paths.paths.values_mut() {
             let operations = [&mut item.get, &mut item.put, &mut item.post, &mut item.delete];

@@ -45,11 +45,11 @@ pub(super) async fn create_session(
     }
     let sid = Uuid::now_v7();
     let options = SessionOptions { cwd: req.cwd, all_gpu: req.all_gpu, speculate: req.speculate };
-    let record = SessionRecord::new(sid, options, caller.0.clone(), req.notebook.clone());
+    let record = SessionRecord::new(sid, options, caller.user.clone(), req.notebook.clone());
     // recorded first: a session is never served that a restarted frontend would lose
     state.shared.records.put_new(&record).await.map_err(unavailable)?;
     let addr = start_session(&state, record).await?;
-    state.insert(sid, Served { addr, owner: caller.0 });
+    state.insert(sid, Served { addr, owner: caller.user });
     tracing::info!(session = %sid, "session created");
     Ok(Json(SessionCreated { session_id: sid, resumed: None, fresh_because }))
 }
@@ -62,9 +62,9 @@ async fn within_session_limit<'a>(
 ) -> Result<Option<tokio::sync::MutexGuard<'a, ()>>, ApiError> {
     let Some(limit) = state.limits.sessions_per_user else { return Ok(None) };
     let creating = state.creating.lock().await;
-    let held = state.shared.records.count_owned_by(&caller.0).await.map_err(unavailable)?;
+    let held = state.shared.records.count_owned_by(&caller.user).await.map_err(unavailable)?;
     if held >= limit {
-        let who = caller.0.as_deref().unwrap_or("anonymous");
+        let who = caller.user.as_deref().unwrap_or("anonymous");
         let msg = format!("user {who} holds {held} sessions, the most allowed; delete one first");
         return Err(ApiError(StatusCode::TOO_MANY_REQUESTS, msg));
     }
@@ -85,7 +85,7 @@ enum Resume {
 /// The records of the caller's sessions, live and detached.
 async fn owned_records(state: &AppState, caller: &Caller) -> Result<Vec<SessionRecord>, ApiError> {
     let all = state.shared.records.all().await.map_err(unavailable)?;
-    Ok(all.into_iter().filter(|r| r.owner == caller.0).collect())
+    Ok(all.into_iter().filter(|r| r.owner == caller.user).collect())
 }
 
 /// Attach and serve the caller's latest detached session of `notebook`.
@@ -172,7 +172,7 @@ async fn attach_and_serve(state: &AppState, caller: &Caller, sid: Uuid) -> Resul
     };
     let resumed = described(&record, Some(detached), manifest.as_ref());
     let addr = start_session(state, record).await?;
-    state.insert(sid, Served { addr, owner: caller.0.clone() });
+    state.insert(sid, Served { addr, owner: caller.user.clone() });
     tracing::info!(session = %sid, "detached session resumed");
     Ok(Attached::Served(SessionCreated { session_id: sid, resumed: Some(resumed), fresh_because: None }))
 }
@@ -282,7 +282,7 @@ pub(super) async fn list_discards(
 
 async fn owned_discards(state: &AppState, caller: &Caller) -> Result<Vec<SessionDiscarded>, ApiError> {
     let all = state.shared.records.discards().await.map_err(unavailable)?;
-    Ok(all.into_iter().filter(|d| d.owner == caller.0).map(|d| d.listed).collect())
+    Ok(all.into_iter().filter(|d| d.owner == caller.user).map(|d| d.listed).collect())
 }
 
 /// Detach the session: its workers and slots are freed now, its state stays for
@@ -295,7 +295,7 @@ pub(super) async fn detach_session(
     Path(sid): Path<String>,
 ) -> Result<Json<SessionDetached>, ApiError> {
     let (sid, addr) = lookup(&state, &sid, &caller).await?;
-    let served = Served { addr, owner: caller.0.clone() };
+    let served = Served { addr, owner: caller.user.clone() };
     let detached_unix_ms = state.detach(sid, &served, false).await.ok_or_else(|| {
         ApiError(StatusCode::CONFLICT, format!("session {sid} is being detached or deleted, or its state moved"))
     })?;
@@ -317,7 +317,7 @@ pub(super) async fn resume_session(
     Path(raw): Path<String>,
 ) -> Result<Json<SessionCreated>, ApiError> {
     let sid = super::errors::parse_sid(&raw)?;
-    let record = state.shared.records.get(sid).await.map_err(unavailable)?.filter(|r| r.owner == caller.0);
+    let record = state.shared.records.get(sid).await.map_err(unavailable)?.filter(|r| r.owner == caller.user);
     let Some(record) = record else { return Err(ApiError(StatusCode::NOT_FOUND, format!("no session {sid}"))) };
     if record.detached_unix_ms.is_none() {
         return Err(ApiError(StatusCode::CONFLICT, format!("session {sid} is not detached: it is in use")));
@@ -424,7 +424,7 @@ pub(super) async fn fork_session(
         };
     // a fork is opened by its id (a kernel on the notebook resumes the original),
     // and starts detached: nothing follows it yet, any request of its owner attaches it
-    let mut record = SessionRecord::new(child, parent.options.clone(), caller.0.clone(), None);
+    let mut record = SessionRecord::new(child, parent.options.clone(), caller.user.clone(), None);
     record.revision = moved.revision;
     record.detached_unix_ms = Some(record.created_unix_ms);
     if let Err(e) = state.shared.records.put_new(&record).await {

@@ -270,7 +270,7 @@ pub(super) async fn lookup(
     let sid = parse_sid(raw)?;
     let not_found = || ApiError(StatusCode::NOT_FOUND, format!("no session {sid}"));
     if let Some(served) = state.session(sid) {
-        return if served.owner == caller.0 { Ok((sid, served.addr)) } else { Err(not_found()) };
+        return if served.owner == caller.user { Ok((sid, served.addr)) } else { Err(not_found()) };
     }
     let unavailable = |e: crate::records::RecordError| ApiError(StatusCode::SERVICE_UNAVAILABLE, e.to_string());
     let mut record = state
@@ -279,7 +279,7 @@ pub(super) async fn lookup(
         .get(sid)
         .await
         .map_err(unavailable)?
-        .filter(|r| r.owner == caller.0)
+        .filter(|r| r.owner == caller.user)
         .ok_or_else(not_found)?;
     // a request of its owner attaches a detached session again (unless another
     // attached it first: then it is adopted as it is now)

@@ -48,7 +48,7 @@ pub(super) async fn dashboard_page() -> Response {
 pub(super) async fn dashboard(State(state): State<AppState>, Extension(caller): Extension<Caller>) -> Response {
     let board = state.shared.dashboard.clone();
     let seen = board.subscribe();
-    let admin = state.tokens.is_admin(&caller);
+    let admin = caller.admin;
     let ledger = state.shared.usage.clone();
     let stream = futures::stream::unfold((board, seen, true), move |(board, mut seen, first)| {
         let (caller, ledger) = (caller.clone(), ledger.clone());
@@ -74,7 +74,7 @@ fn usage_today(ledger: &crate::usage::Ledger, caller: &Caller, admin: bool) -> s
     let rows: Vec<serde_json::Value> = ledger
         .recent_by_user(&today)
         .into_iter()
-        .filter(|(user, _)| admin || *user == caller.0)
+        .filter(|(user, _)| admin || *user == caller.user)
         .map(|(user, spent)| {
             serde_json::json!({
                 "user": user,

@@ -60,14 +60,14 @@ pub(super) async fn usage(
         }
     };
     let days = days_between(&from, &to).map_err(|e| bad_request(e.to_string()))?;
-    let admin = state.tokens.is_admin(&caller);
+    let admin = caller.admin;
     let only = match q.user {
-        Some(user) if admin || caller.0.as_deref() == Some(user.as_str()) => Some(Some(user)),
+        Some(user) if admin || caller.user.as_deref() == Some(user.as_str()) => Some(Some(user)),
         Some(user) => {
             return Err(ApiError(StatusCode::FORBIDDEN, format!("only an admin reads another user's usage ({user:?})")))
         }
         None if admin => None,
-        None => Some(caller.0.clone()),
+        None => Some(caller.user.clone()),
     };
     let mut entries = state.shared.usage.days(&days).await.map_err(unavailable)?;
     if let Some(owner) = &only {

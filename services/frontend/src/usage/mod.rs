@@ -217,10 +217,16 @@ impl Ledger {
                     Ok(entry) => {
                         self.lock().remove(&entry.key);
                     }
-                    Err(e) => tracing::debug!(error = %e, "the usage watch missed a beat; it goes on"),
+                    // opened again rather than polled on: async-nats 0.51's ordered
+                    // consumer panics when polled after its connection's state
+                    // watcher is gone (as the claims' watch does, ADR 57)
+                    Err(e) => {
+                        tracing::debug!(error = %e, "the usage watch broke; opening it again");
+                        break;
+                    }
                 }
             }
-            tracing::warn!("the usage watch ended; opening it again");
+            tracing::debug!("the usage watch ended; opening it again");
             loop {
                 tokio::time::sleep(WATCH_AGAIN).await;
                 match self.kv.watch_all().await {
@@ -231,10 +237,16 @@ impl Ledger {
                     Err(e) => tracing::debug!(error = %e, "the usage watch cannot be opened yet"),
                 }
             }
-            if let Ok(entries) = self.entries(&[day_of(schemas::unix_ms())]).await {
-                for (revision, usage) in entries {
-                    self.heard(revision, usage);
+            match self.entries(&[day_of(schemas::unix_ms())]).await {
+                Ok(entries) => {
+                    for (revision, usage) in entries {
+                        self.heard(revision, usage);
+                    }
                 }
+                // the watch brings what is written from now on; what was written
+                // while it was down counts once each entry is written again
+                Err(e) => tracing::warn!(error = %e, "today's usage could not be read again; \
+                    the dashboard and quotas may miss what was booked while the watch was down"),
             }
             self.running.lock().unwrap_or_else(|e| e.into_inner()).clear();
             if let Err(e) = self.read_running().await {
