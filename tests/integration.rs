@@ -17,6 +17,7 @@ mod host_loss;
 mod http_faults;
 mod interrupt;
 mod isolation;
+mod jupyterhub;
 mod jupyterlab;
 mod kernel;
 mod kernel_faults;
