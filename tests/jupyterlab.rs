@@ -4,42 +4,23 @@
 //! the LooseLeaf kernel in the kernel dialog, runs all cells, sees the plots
 //! rendered, interrupts a looping cell from the toolbar (its state before the
 //! interrupt stays), moves an ipywidgets slider with the keyboard and reads its
-//! value back in a later cell, and restarts the kernel (a fresh session). With the
-//! LooseLeaf extension installed, a GPU cell typed a character at a time runs on
+//! value back in a later cell, and restarts the kernel (a fresh session); the
+//! launcher shows the kernel's logo. With the LooseLeaf extension installed from
+//! its wheel, a GPU cell typed a character at a time runs on
 //! the worker prepared while it was typed, and its badge says so. Last, Jupyter
 //! Server culls the idle kernel, and the notebook opened again has its variables
 //! (the Lossless-sessions issue).
 //! scripts/setup installs JupyterLab; scripts/setup-tests Chromium and playwright-core.
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use looseleaf_test_support::jupyter::{chromium, install_extension, Terminated};
 use looseleaf_test_support::{copy_dir, free_port, repo_root, venv_python, wait_for};
 use serde_json::json;
 
 const NOTEBOOK: &str = "pdsh_04.01-Simple-Line-Plots.ipynb";
-
-/// A JupyterLab server, stopped (with its kernels) on drop.
-struct Lab {
-    child: Child,
-}
-
-impl Drop for Lab {
-    fn drop(&mut self) {
-        // SIGTERM: the server shuts its kernels down, and the kernels their clusters
-        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), nix::sys::signal::SIGTERM);
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        while std::time::Instant::now() < deadline {
-            if matches!(self.child.try_wait(), Ok(Some(_))) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn venv_bin() -> std::path::PathBuf {
     venv_python().parent().map(Path::to_path_buf).unwrap_or_default()
@@ -47,13 +28,7 @@ fn venv_bin() -> std::path::PathBuf {
 
 #[test]
 fn jupyterlab_in_a_browser_runs_interrupts_and_restarts_a_notebook_on_looseleaf() -> anyhow::Result<()> {
-    let chromium = ["chromium", "chromium-browser"]
-        .iter()
-        .map(|b| Path::new("/usr/bin").join(b))
-        .find(|p| p.exists())
-        .ok_or_else(|| {
-            anyhow::anyhow!("no Chromium in /usr/bin: run scripts/setup-tests (it installs Debian's chromium)")
-        })?;
+    let chromium = chromium()?;
     let driver = repo_root().join("tests/browser/jupyterlab.mjs");
     anyhow::ensure!(
         repo_root().join("tests/browser/node_modules/playwright-core").exists(),
@@ -73,20 +48,16 @@ fn jupyterlab_in_a_browser_runs_interrupts_and_restarts_a_notebook_on_looseleaf(
         .args(["--name", "looseleaf-lab", "--display-name", "LooseLeaf (lab test)"])
         .status()?;
     anyhow::ensure!(installed.success(), "looseleaf kernel install failed");
-    // the LooseLeaf extension (scripts/setup builds it), where this JupyterLab looks
-    let extension = repo_root().join("jupyterlab/labextension");
-    anyhow::ensure!(
-        extension.join("package.json").exists(),
-        "the JupyterLab extension is not built: run scripts/setup"
-    );
-    copy_dir(&extension, &prefix.join("share/jupyter/labextensions/looseleaf-jupyterlab"))?;
+    // the LooseLeaf extension as a team installs it: its wheel, into the Jupyter
+    // prefix this JupyterLab looks in
+    install_extension(&prefix)?;
 
     let port = free_port()?;
     let token = uuid::Uuid::new_v4().simple().to_string();
     let path = format!("{}:{}", venv_bin().display(), std::env::var("PATH").unwrap_or_default());
     let log = std::fs::File::create(dir.path().join("lab.log"))?;
-    let _lab = Lab {
-        child: Command::new(venv_bin().join("jupyter"))
+    let _lab = Terminated(
+        Command::new(venv_bin().join("jupyter"))
             .args(["lab", "--no-browser", "--allow-root", "--ip=127.0.0.1"])
             .arg(format!("--port={port}"))
             .arg(format!("--ServerApp.token={token}"))
@@ -110,7 +81,7 @@ fn jupyterlab_in_a_browser_runs_interrupts_and_restarts_a_notebook_on_looseleaf(
             .stdout(log.try_clone()?)
             .stderr(log)
             .spawn()?,
-    };
+    );
     wait_for(Duration::from_secs(120), || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok())?;
 
     let out = Command::new("node")
@@ -141,6 +112,10 @@ fn jupyterlab_in_a_browser_runs_interrupts_and_restarts_a_notebook_on_looseleaf(
     let seen: serde_json::Value = serde_json::from_slice(out.stdout.trim_ascii())?;
     eprintln!("{seen}");
     assert_eq!(seen["kernel"], "looseleaf-lab", "{seen}");
+    // the kernel's logo on the launcher: the kernelspec's, drawn
+    let logo = &seen["launcher_logo"];
+    assert!(logo["src"].as_str().is_some_and(|s| s.contains("/kernelspecs/looseleaf-lab/logo")), "{seen}");
+    assert!(logo["width"].as_u64().is_some_and(|w| w > 0), "{seen}");
     let code_cells = seen["code_cells"].as_u64().unwrap_or(0);
     assert!(code_cells >= 10, "{seen}");
     assert_eq!(seen["executed"], code_cells, "every code cell ran: {seen}");

@@ -83,6 +83,18 @@ try {
     seen.kernel = await page.evaluate(() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.name);
   });
 
+  await step("launcher-logo", async () => {
+    // the kernelspec's logo on the launcher's card for the kernel, drawn
+    await command("launcher:create");
+    const card = page.locator(".jp-LauncherCard", { hasText: kernelDisplay }).first();
+    await card.waitFor({ timeout: MINUTE });
+    const img = card.locator("img").first();
+    await img.waitFor({ timeout: MINUTE });
+    await page.waitForFunction((i) => i.complete, await img.elementHandle(), { timeout: MINUTE });
+    seen.launcher_logo = await img.evaluate((i) => ({ src: i.getAttribute("src"), width: i.naturalWidth }));
+    await command("application:close");
+  });
+
   await step("run-all", async () => {
     await command("notebook:run-all-cells");
     await page.waitForFunction(() => {

@@ -13,6 +13,7 @@ use anyhow::{bail, Context};
 use schemas::local_nats::LocalNats;
 
 pub mod cluster;
+pub mod jupyter;
 pub mod local_cluster;
 pub mod otlp;
 pub mod secure_nats;
