@@ -53,6 +53,13 @@ fn jupyter_clients_run_cells_interrupt_and_restart_through_the_kernel() -> anyho
     let listed = python(prefix.path()).args(["-m", "jupyter_client.kernelspecapp", "list", "--json"]).output()?;
     let listed: serde_json::Value = serde_json::from_slice(&listed.stdout)?;
     assert!(listed["kernelspecs"]["looseleaf-test"].is_object(), "jupyter does not list the kernel: {listed}");
+    // its logo, which Jupyter serves to the launcher from the kernelspec's directory
+    let dir = Path::new(listed["kernelspecs"]["looseleaf-test"]["resource_dir"].as_str().unwrap_or_default());
+    for logo in ["logo-svg.svg", "logo-32x32.png", "logo-64x64.png"] {
+        let bytes = std::fs::read(dir.join(logo)).unwrap_or_default();
+        let is_image = bytes.starts_with(b"\x89PNG") || bytes.starts_with(b"<svg");
+        assert!(is_image, "the kernelspec has no {logo} in {}", dir.display());
+    }
 
     let work = tempfile::tempdir()?;
     let out = python(prefix.path())
@@ -69,6 +76,8 @@ fn jupyter_clients_run_cells_interrupt_and_restart_through_the_kernel() -> anyho
     assert_eq!(seen["reply_count"], 2);
     assert_eq!(seen["execute_result_count"], serde_json::json!([2]));
     assert_eq!(seen["execute_input"], serde_json::json!(["print(x + 1)\nx * 2"]));
+    // an empty cell counts nothing, as in IPython: `x` after it is Out[3], and kept so
+    assert_eq!(seen["empty_cell"], serde_json::json!(["ok", 2, 3, [3], "[2, 3]\n"]), "{seen}");
     assert_eq!(
         seen["user_expressions"],
         serde_json::json!({"double": "10", "prev": "42", "missing": "NameError"}),

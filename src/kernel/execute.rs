@@ -143,6 +143,18 @@ impl Kernel {
             req.user_expressions.clone().unwrap_or_default().into_iter().collect();
         let store_history = req.store_history && !silent;
         let stop_on_error = req.stop_on_error;
+        // a cell of whitespace alone is nothing to IPython: no count, no history,
+        // no run; ipykernel still announces it with the next count
+        if code.trim().is_empty() && user_expressions.is_empty() {
+            if !silent {
+                let next = self.execution_count + 1;
+                self.iopub("execute_input", json!({ "code": code, "execution_count": next }), msg).await;
+            }
+            let content = json!({ "status": "ok", "execution_count": self.execution_count, "payload": [],
+                                  "user_expressions": {} });
+            self.reply_on(false, "execute_reply", content, msg).await;
+            return;
+        }
         if store_history {
             self.execution_count += 1;
         }

@@ -222,6 +222,14 @@ def main():
         seen["reply_count"] = reply["execution_count"]
         seen["execute_input"] = [c["code"] for k, c in outs if k == "execute_input"]
 
+        # a cell of whitespace alone: IPython runs and counts nothing, so the next
+        # cell's number is the one its output is kept under (`Out[N]`)
+        empty, _ = run(kc, "  \n")
+        reply, outs = run(kc, "x")
+        shown = [c.get("execution_count") for k, c in outs if k == "execute_result"]
+        _, kept = run(kc, "print(sorted(Out))")
+        seen["empty_cell"] = [empty["status"], empty["execution_count"], reply["execution_count"], shown, text(kept)]
+
         # user_expressions: evaluated after the cell in its namespace; `x` is not in
         # this cell's closure (it is brought in), `nope` is nowhere
         asked = {"double": "y * 2", "prev": "x + 1", "missing": "nope"}

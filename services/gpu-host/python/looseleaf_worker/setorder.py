@@ -144,10 +144,11 @@ def _fill_exactly(s: set, items: list, table_bytes: int, layout) -> bool:
     s.clear()
     if table > 8:
         # a dict update sizes the table up front for its keys (the next power of
-        # two above twice their count): the first keys make it this size, and
-        # padding at the end (removed again) does where there are too few
+        # two above twice their count), but an empty set's 8 slots only for 5 keys
+        # or more ((fill + keys) * 5 >= mask * 3): the first keys make it this
+        # size, and padding at the end (removed again) does where there are too few
         head = order[: (table - 1) // 2]
-        pad = [_Marker(-1) for _ in range(max(0, table // 4 - len(head)))]
+        pad = [_Marker(-1) for _ in range(max(0, max(table // 4, 5) - len(head)))]
         s.update(dict.fromkeys(head + pad))
         s.difference_update(pad)
         order = order[len(head) :]
