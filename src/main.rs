@@ -338,6 +338,7 @@ async fn up(opts: ClusterOptions) -> anyhow::Result<()> {
 }
 
 fn main() -> std::process::ExitCode {
+    schemas::allocator::keep_freed_memory();
     let matches = <Cli as clap::CommandFactory>::command().get_matches();
     let cli = <Cli as clap::FromArgMatches>::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let given =

@@ -16,6 +16,7 @@
 //! - [`service`]: the skeleton every service runs in (flags, `$SRV`, drain).
 //! - [`local_nats`]: a local nats-server for `looseleaf up` and the tests.
 
+pub mod allocator;
 pub mod bodies;
 pub mod buckets;
 pub mod bus;

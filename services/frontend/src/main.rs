@@ -105,6 +105,7 @@ struct Args {
 }
 
 fn main() -> anyhow::Result<()> {
+    schemas::allocator::keep_freed_memory();
     let args = Args::parse();
     schemas::telemetry::init("looseleaf-frontend", &args.service.log, args.service.log_format)?;
     let mut config = looseleaf_frontend::Config::new(args.service.nats, args.service.prefix, args.listen);

@@ -23,6 +23,7 @@ struct Args {
 }
 
 fn main() -> anyhow::Result<()> {
+    schemas::allocator::keep_freed_memory();
     let a = Args::parse();
     schemas::telemetry::init("looseleaf-planner", &a.service.log, a.service.log_format)?;
     let config = looseleaf_planner::Config {

@@ -36,6 +36,7 @@ struct Args {
 }
 
 fn main() -> anyhow::Result<()> {
+    schemas::allocator::keep_freed_memory();
     let args = Args::parse();
     schemas::telemetry::init("looseleaf-store", &args.service.log, args.service.log_format)?;
     let config = looseleaf_store::Config {
