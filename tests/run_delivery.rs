@@ -142,3 +142,49 @@ async fn ran_once(s: &mut TestSession, exec: Uuid) -> anyhow::Result<()> {
     assert_eq!(claims, 1, "the run was claimed {claims} times");
     Ok(())
 }
+
+/// The save of a cell overlaps the stream's confirmation of what it printed
+/// (ADR 69), but its commit waits for them: the cell's Finished event comes
+/// before its Saved, every output before its Done, and the run ends with the cell's own
+/// error and all it printed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cell_is_finished_before_it_is_saved_whatever_it_printed() -> anyhow::Result<()> {
+    let bin = bin_dir_of(env!("CARGO_BIN_EXE_looseleaf"));
+    let services = Services::start(&bin, &[1], &[]).await?;
+    let mut s = services.session(false).await?;
+    let code =
+        "x = 1\nfor i in range(3):\n    print(str(i) * 1_000_000, flush=True)\nraise ValueError('after the output')";
+    for cell in ["a", "b"] {
+        let exec = s.fe.run(s.sid, cell, code).await?.exec_id;
+        let (status, error) = s.events.outcome(exec).await?;
+        assert_eq!(status, ExecStatus::Error, "{error:?}");
+        assert!(error.as_deref().unwrap_or_default().contains("after the output"), "{error:?}");
+        let position = |want: fn(&Event) -> bool| {
+            s.events
+                .seen
+                .iter()
+                .position(|i| matches!(i, StreamItem::Event { exec_id, event, .. } if *exec_id == exec && want(event)))
+        };
+        let finished = position(|e| matches!(e, Event::Finished { .. })).expect("no Finished event");
+        let saved = position(|e| matches!(e, Event::Saved { .. })).expect("no Saved event");
+        assert!(finished < saved, "Saved (item {saved}) came before Finished (item {finished})");
+        let last_output = s
+            .events
+            .seen
+            .iter()
+            .rposition(|i| matches!(i, StreamItem::Output { exec_id, .. } if *exec_id == exec))
+            .expect("no output");
+        let done = s
+            .events
+            .seen
+            .iter()
+            .position(|i| matches!(i, StreamItem::Done { exec_id, .. } if *exec_id == exec))
+            .expect("no Done");
+        assert!(last_output < done, "an output (item {last_output}) came after Done (item {done})");
+        let text = s.events.text(exec);
+        for digit in ["0", "1", "2"] {
+            assert!(text.contains(&digit.repeat(1_000_000)), "the line of {digit}s is missing or cut");
+        }
+    }
+    Ok(())
+}

@@ -42,9 +42,20 @@ impl ExecEnv {
             prepare_ms: claimed_at.elapsed().as_secs_f64() * 1000.0,
             restore_ms: restore_started.elapsed().as_secs_f64() * 1000.0,
         };
-        let finished = self.run_forwarded(recipe, w, &manifest, starting).await?;
-        self.finished_event(recipe, w, &manifest, &finished).await;
-        self.save(recipe, w, &manifest, &slots, finished.cuda_used).await
+        let (finished, forwarder) = self.run_forwarded(recipe, w, &manifest, starting).await?;
+        let finished_kind = self.finished_kind(recipe, w, &manifest, &finished);
+        // The save starts while the stream confirms the last outputs and the
+        // Finished event; its commit waits for both, so that a run's Finished is
+        // kept before its state is committed (a frontend that reads back a lost
+        // host's run finds how the cell ended beside what it saved).
+        let (told_tx, told) = tokio::sync::watch::channel(false);
+        let tell = async {
+            forwarded(forwarder).await;
+            self.event(recipe.session, recipe.exec_id, finished_kind).await;
+            let _ = told_tx.send(true);
+        };
+        let (saved, ()) = tokio::join!(self.save(recipe, w, &manifest, &slots, finished.cuda_used, told), tell);
+        saved
     }
 
     /// Run the cell on `w` (restored to `manifest`), forwarding its outputs and its
@@ -56,7 +67,7 @@ impl ExecEnv {
         w: &mut WorkerProc,
         manifest: &Manifest,
         starting: Starting,
-    ) -> Result<Finished, ExecError> {
+    ) -> Result<(Finished, tokio::task::JoinHandle<()>), ExecError> {
         let Starting {
             slot,
             prepare,
@@ -160,21 +171,31 @@ impl ExecEnv {
         for path in fault_files.into_inner().unwrap_or_else(|e| e.into_inner()) {
             let _ = std::fs::remove_file(path);
         }
-        if let Err(e) = forwarder.await {
-            tracing::error!(error = %e, "output forwarder failed");
-        }
         let killed = self.interrupts.ended(exec_id);
         match finished {
-            Err(WorkerError::Conn { .. }) if killed => {
-                Err(ExecError::KilledAfterInterrupt { grace: self.interrupts.grace() })
+            // the caller waits for the last outputs to be kept (its save meanwhile)
+            Ok(finished) => Ok((finished, forwarder)),
+            Err(e) => {
+                forwarded(forwarder).await;
+                match e {
+                    WorkerError::Conn { .. } if killed => {
+                        Err(ExecError::KilledAfterInterrupt { grace: self.interrupts.grace() })
+                    }
+                    other => Err(ExecError::from(other)),
+                }
             }
-            other => other.map_err(ExecError::from),
         }
     }
 
-    /// Take the names the cell brought in while it ran as held by `w`, and tell the
-    /// session how the cell ended (its `Finished` event).
-    async fn finished_event(&self, recipe: &RecipeV3, w: &mut WorkerProc, manifest: &Manifest, finished: &Finished) {
+    /// Take the names the cell brought in while it ran as held by `w`, and say how
+    /// the cell ended (its `Finished` event).
+    fn finished_kind(
+        &self,
+        recipe: &RecipeV3,
+        w: &mut WorkerProc,
+        manifest: &Manifest,
+        finished: &Finished,
+    ) -> EventKind {
         let (session, exec_id) = (recipe.session, recipe.exec_id);
         for name in &finished.faulted {
             if let Some(v) = manifest.variables.get(name) {
@@ -193,20 +214,22 @@ impl ExecEnv {
             error = Some(format!("{} (the cell ran past the cell timeout of {timeout:?})", error.unwrap_or_default()));
         }
         let status = if finished.status == "ok" { CellStatus::Ok } else { CellStatus::Error };
-        self.event(
-            session,
-            exec_id,
-            EventKind::Finished {
-                status,
-                error,
-                execution_count: finished.execution_count,
-                run_ms: finished.run_ms,
-                outputs: finished.outputs,
-                cuda_used: finished.cuda_used,
-                faulted: finished.faulted.clone(),
-            },
-        )
-        .await;
+        EventKind::Finished {
+            status,
+            error,
+            execution_count: finished.execution_count,
+            run_ms: finished.run_ms,
+            outputs: finished.outputs,
+            cuda_used: finished.cuda_used,
+            faulted: finished.faulted.clone(),
+        }
+    }
+}
+
+/// Wait for a cell's forwarder: every output and event it was given is kept.
+async fn forwarded(forwarder: tokio::task::JoinHandle<()>) {
+    if let Err(e) = forwarder.await {
+        tracing::error!(error = %e, "output forwarder failed");
     }
 }
 

@@ -17,7 +17,8 @@ use crate::worker::WorkerProc;
 
 impl ExecEnv {
     /// Save what the cell changed into the session's next revision and send the
-    /// `Saved` event. `cuda_used`: whether the cell initialised CUDA.
+    /// `Saved` event. `cuda_used`: whether the cell initialised CUDA; the commit
+    /// waits until `told` says the cell's `Finished` event is kept.
     pub(super) async fn save(
         &self,
         recipe: &RecipeV3,
@@ -25,6 +26,7 @@ impl ExecEnv {
         manifest: &Manifest,
         slots: &[u32],
         cuda_used: bool,
+        told: tokio::sync::watch::Receiver<bool>,
     ) -> Result<Left, ExecError> {
         let (session, exec_id) = (recipe.session, recipe.exec_id);
         let base_revision = manifest.revision;
@@ -40,8 +42,13 @@ impl ExecEnv {
                 delta,
                 uploaded,
             };
-            // an unanswered commit may be lost (with a NATS node): ask again soon
-            commit_until_known(self.bus.clone(), msg, schemas::bus::ATTEMPT_WAIT)
+            let (bus, mut told) = (self.bus.clone(), told.clone());
+            async move {
+                // the sender is dropped only once it said so
+                let _ = told.wait_for(|t| *t).await;
+                // an unanswered commit may be lost (with a NATS node): ask again soon
+                commit_until_known(bus, msg, schemas::bus::ATTEMPT_WAIT).await
+            }
         };
         // what the session would hold after the save: the store refuses a plan over
         // its quota before anything is uploaded
