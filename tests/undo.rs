@@ -4,7 +4,8 @@
 //! stopped, so the next cell sees the state moved to, on the session's
 //! persistent CPU worker as on a GPU worker.
 
-use looseleaf_client::api::ExecStatus;
+use looseleaf_client::api::{ExecStatus, StreamItem};
+use looseleaf_client::events::{Event, Prepare};
 use looseleaf_test_support::cluster::{bin_dir_of, Events, Services, TestSession};
 
 /// Run `code` and answer what it printed (an error if it failed).
@@ -157,5 +158,50 @@ fn the_kernels_magics_undo_check_out_and_fork_the_notebooks_state() -> anyhow::R
     assert!(said("bad_magic", 2).contains("undo | checkout N | fork"), "{seen}");
     assert!(said("fork", 1).starts_with("LooseLeaf: forked: session "), "{seen}");
     assert_eq!(said("still_here", 1), "[1, 2, 3]\n", "the notebook stays on its own session");
+    Ok(())
+}
+
+/// What the session's persistent CPU worker was last restored with, for `exec`:
+/// (how it was prepared, bytes restored).
+fn started(s: &TestSession, exec: uuid::Uuid) -> Option<(Prepare, u64)> {
+    s.events.seen.iter().find_map(|i| match i {
+        StreamItem::Event { exec_id, event: Event::Started { prepare, restored_bytes, .. }, .. }
+            if *exec_id == exec =>
+        {
+            Some((*prepare, *restored_bytes))
+        }
+        _ => None,
+    })
+}
+
+/// The persistent worker at the session's revision is not restored again for its
+/// next cell (ADR 69): it reads nothing, and the interpreter state its cells set
+/// (a display formatter) is live; after an undo it is restored from the revision
+/// moved to, formatter included.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_persistent_worker_at_the_revision_runs_its_next_cell_as_it_is() -> anyhow::Result<()> {
+    let services = Services::start(&bin_dir_of(env!("CARGO_BIN_EXE_looseleaf")), &[1], &[]).await?;
+    let mut s = services.session(false).await?;
+    let formatter = "x = 1\nget_ipython().display_formatter.formatters['text/plain']\
+                     .for_type(int, lambda o, p, cycle: p.text(f'INT {o}'))";
+    printed(&mut s, "c1", formatter).await?;
+    let mut shown = Vec::new();
+    for cell in ["c2", "c3"] {
+        let exec = s.fe.run(s.sid, cell, "x + 1").await?.exec_id;
+        assert_eq!(s.events.outcome(exec).await?.0, ExecStatus::Ok);
+        shown.push(s.events.text(exec));
+        let (prepare, bytes) = started(&s, exec).ok_or_else(|| anyhow::anyhow!("{cell} has no Started event"))?;
+        assert_eq!(prepare, Prepare::Persistent, "{cell}");
+        assert_eq!(bytes, 0, "{cell}: the worker at the revision was restored again");
+    }
+    assert!(shown.iter().all(|t| t.contains("INT 2")), "the formatter is not live: {shown:?}");
+
+    // an undo is a new revision: the next cell's worker is restored from it
+    s.fe.undo(s.sid).await?;
+    let exec = s.fe.run(s.sid, "c4", "x + 1").await?.exec_id;
+    assert_eq!(s.events.outcome(exec).await?.0, ExecStatus::Ok);
+    let (_, bytes) = started(&s, exec).ok_or_else(|| anyhow::anyhow!("c4 has no Started event"))?;
+    assert!(bytes > 0, "the cell after an undo restored nothing");
+    assert!(s.events.text(exec).contains("INT 2"), "the formatter was not restored: {}", s.events.text(exec));
     Ok(())
 }

@@ -153,6 +153,8 @@ pub struct WorkerProc {
     pub held: BTreeMap<String, Uuid>,
     /// Manifest revision its state corresponds to.
     pub revision: u64,
+    /// The modules its restores imported without an error.
+    pub imported: std::collections::BTreeSet<String>,
     /// Cells it was asked to run (a worker that never ran one can be replaced
     /// without the user noticing).
     pub runs: u32,
@@ -167,6 +169,14 @@ pub struct WorkerProc {
 }
 
 impl WorkerProc {
+    /// Whether its state is the session's at `revision` with `imports` imported,
+    /// so that a restore to that revision would change nothing: it ran a cell, and
+    /// saved or restored that revision since (a worker never carries state it did
+    /// not commit, ADR 22).
+    pub fn is_at(&self, revision: u64, imports: &[String]) -> bool {
+        self.runs > 0 && self.revision == revision && imports.iter().all(|m| self.imported.contains(m))
+    }
+
     /// A freshly forked worker for `session`, Preparing in `lifecycle`.
     pub fn new(forked: Forked, session: Uuid, lifecycle: Lifecycle) -> Self {
         lifecycle.born(&forked.id, forked.pid, session);
@@ -176,6 +186,7 @@ impl WorkerProc {
             session,
             held: BTreeMap::new(),
             revision: 0,
+            imported: std::collections::BTreeSet::new(),
             runs: 0,
             conn: forked.conn,
             broken: false,

@@ -58,6 +58,14 @@ impl ExecEnv {
         };
         let got_manifest = started.elapsed();
         let restore = self.plan_restore(recipe, w, &manifest)?;
+        if restore.is_empty() && env.is_empty() && w.is_at(manifest.revision, &recipe.imports) {
+            // the session's persistent worker between its cells: nothing to bring
+            // in, and its ambient state is the revision's already (ADR 69)
+            let manifest_ms = got_manifest.as_secs_f64() * 1000.0;
+            let unchanged =
+                Restored { bytes: 0, refreshed: 0, manifest_ms, file_ms: 0.0, imports_ms: 0.0, load_ms: 0.0 };
+            return Ok((manifest, unchanged));
+        }
         let file = self
             .chunks
             .write_restore_file(&manifest, &restore.objects, &w.id, w.uid, true)
@@ -111,6 +119,8 @@ impl ExecEnv {
             }
         }
         w.revision = manifest.revision;
+        let failed_import = |m: &String| restored.errors.contains_key(&format!("import {m}"));
+        w.imported.extend(recipe.imports.iter().filter(|m| !failed_import(m)).cloned());
         let refreshed = (restore.variables.len() + restore.drop.len()) as u32;
         let timing = Restored {
             bytes,
@@ -284,4 +294,11 @@ struct RestorePlan {
     drop: Vec<String>,
     variables: BTreeMap<String, VarRestore>,
     objects: Vec<(String, String)>,
+}
+
+impl RestorePlan {
+    /// Nothing to drop or bring in.
+    fn is_empty(&self) -> bool {
+        self.drop.is_empty() && self.variables.is_empty() && self.objects.is_empty()
+    }
 }
