@@ -143,10 +143,11 @@ async fn ran_once(s: &mut TestSession, exec: Uuid) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The save of a cell overlaps the stream's confirmation of what it printed
-/// (ADR 69), but its commit waits for them: the cell's Finished event comes
-/// before its Saved, every output before its Done, and the run ends with the cell's own
-/// error and all it printed.
+/// With the save overlapping the stream's confirmation of what the cell printed
+/// (ADR 69), a cell printing megabytes and then raising still ends in order: its
+/// Finished event before its Saved, every output before its Done, with its own
+/// error and all it printed. (The commit's wait for Finished is not observable
+/// here: the frontend relays events in the order they reach it either way.)
 #[tokio::test(flavor = "multi_thread")]
 async fn a_cell_is_finished_before_it_is_saved_whatever_it_printed() -> anyhow::Result<()> {
     let bin = bin_dir_of(env!("CARGO_BIN_EXE_looseleaf"));
