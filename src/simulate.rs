@@ -15,7 +15,7 @@ use serde_json::{json, Value};
 #[derive(clap::Args, Debug)]
 pub struct SimulateArgs {
     /// Base-workload loads to run (concurrent sessions); none with `--recorded`.
-    #[arg(long = "sessions", value_delimiter = ',', default_values_t = [24, 48, 72])]
+    #[arg(long = "sessions", value_delimiter = ',', default_values_t = [24, 48, 72, 720, 2400])]
     pub sessions: Vec<usize>,
     /// Recorded sessions to replay instead: REPORT.json files of `looseleaf run`.
     #[arg(long, num_args = 1..)]

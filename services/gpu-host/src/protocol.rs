@@ -196,6 +196,13 @@ pub enum Frame {
         /// Of that, importing the import closure.
         #[serde(default)]
         imports_ms: f64,
+        /// Of that, copying staged GPU-resident tensors to the slot's devices (a
+        /// worker prepared without a slot, at Run; ADR 70).
+        #[serde(default)]
+        stage_in_ms: f64,
+        /// The bytes that copy moved.
+        #[serde(default)]
+        staged_in_bytes: u64,
         /// Errors by name.
         errors: BTreeMap<String, String>,
     },
@@ -563,7 +570,15 @@ mod tests {
                 drop: vec![],
                 env: BTreeMap::from([("CUDA_VISIBLE_DEVICES".into(), "0".into())]),
             },
-            Frame::Restored { ok: true, restored_bytes: 0, ms: 0.0, imports_ms: 0.0, errors: BTreeMap::new() },
+            Frame::Restored {
+                ok: true,
+                restored_bytes: 0,
+                ms: 0.0,
+                imports_ms: 0.0,
+                stage_in_ms: 0.0,
+                staged_in_bytes: 0,
+                errors: BTreeMap::new(),
+            },
             Frame::Run {
                 exec_id: "e".into(),
                 cell_id: "c".into(),

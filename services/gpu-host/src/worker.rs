@@ -122,6 +122,10 @@ pub struct WorkerRestored {
     pub ms: f64,
     /// Of that, importing the import closure.
     pub imports_ms: f64,
+    /// Of that, copying staged GPU-resident tensors to the slot's devices.
+    pub stage_in_ms: f64,
+    /// The bytes that copy moved.
+    pub staged_in_bytes: u64,
     /// What failed, by name (`import M` for an import).
     pub errors: BTreeMap<String, String>,
 }
@@ -256,8 +260,8 @@ impl WorkerProc {
         self.enter(WorkerState::Preparing);
         self.send("restoring", &frame).await?;
         match self.recv("restoring", STEP).await? {
-            Frame::Restored { restored_bytes, ms, imports_ms, errors, .. } => {
-                Ok(WorkerRestored { bytes: restored_bytes, ms, imports_ms, errors })
+            Frame::Restored { restored_bytes, ms, imports_ms, stage_in_ms, staged_in_bytes, errors, .. } => {
+                Ok(WorkerRestored { bytes: restored_bytes, ms, imports_ms, stage_in_ms, staged_in_bytes, errors })
             }
             other => Err(self.unexpected("restoring", other)),
         }

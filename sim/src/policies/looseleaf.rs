@@ -230,11 +230,6 @@ impl LooseLeaf {
                 self.claims.remove(&key.key());
             }
             Command::Event { session, kind, .. } => self.on_event(sim, session, kind),
-            Command::ReadClosure { ticket, .. } => {
-                // the simulated cells' closures are on the GPU (what their state is
-                // measured as): the preparation holds its slot
-                self.feed(sim, h, Input::ClosureRead { ticket, on_gpu: true });
-            }
             Command::Prepare { key, worker, .. } => {
                 let Some(&s) = self.by_id.get(&key.0) else { return };
                 let (worker, prepare_s) = match worker {
@@ -243,9 +238,10 @@ impl LooseLeaf {
                         self.enter(&id, WorkerState::Preparing);
                         (WorkerRef { id, pid: 0 }, self.hit_s(sim))
                     }
+                    // staged: the closure restored into host memory, no slot, no CUDA
                     None => {
                         self.count("prepared");
-                        (self.born(key.0), self.prepare_s(sim, s))
+                        (self.born(key.0), self.restore_s(sim, s))
                     }
                 };
                 let tag = self.step(Step::Prepared { host: h, key, worker, prepare_ms: prepare_s * 1000.0 });
@@ -306,7 +302,8 @@ impl LooseLeaf {
                     self.count("hits_while_preparing");
                     "over_1s_run_while_preparing"
                 };
-                (worker, now + self.hit_s(sim), late)
+                // prepared without a slot: its staged state goes to the device now
+                (worker, now + self.hit_s(sim) + self.stage_in_s(sim, s), late)
             }
             Target::Existing { worker, .. } => (worker, now + self.hit_s(sim), "over_1s_hit"),
             Target::Fresh { .. } => {
@@ -325,19 +322,32 @@ impl LooseLeaf {
         self.running[s] = Some(Running { host: h, exec: recipe.exec_id, worker });
     }
 
-    /// Fork from a zygote, import the tail, restore the closure, put it on the GPU
-    /// (a recorded cell: what preparing it took when it was recorded).
+    /// Fork from a zygote, import the tail, restore the closure, put it on the GPU:
+    /// a cold start.
     fn prepare_s(&self, sim: &mut Sim, s: usize) -> f64 {
+        self.restore_s(sim, s) + self.stage_in_s(sim, s)
+    }
+
+    /// Fork from a zygote, import the tail, restore the closure into host memory
+    /// (a recorded cell: what preparing it took when it was recorded).
+    fn restore_s(&self, sim: &mut Sim, s: usize) -> f64 {
         let c = sim.costs;
         let cell = sim.cell(s);
         if let Some(t) = cell.prepare_s {
-            return t + c.cuda_init_s + secs(cell.closure_bytes, c.host_to_gpu_bytes_per_s);
+            return t;
         }
-        let mut t = sim.draw.sample(&c.cold_start_ms) / 1000.0 + c.cuda_init_s;
+        let mut t = sim.draw.sample(&c.cold_start_ms) / 1000.0;
         if cell.import_tail {
             t += sim.draw.sample(&c.import_tail_ms) / 1000.0;
         }
-        t + secs(cell.closure_bytes, c.restore_bytes_per_s) + secs(cell.closure_bytes, c.host_to_gpu_bytes_per_s)
+        t + secs(cell.closure_bytes, c.restore_bytes_per_s)
+    }
+
+    /// A worker's first use of its slot: CUDA initialised and the closure's
+    /// GPU-resident state (every simulated closure's) copied to the device.
+    fn stage_in_s(&self, sim: &Sim, s: usize) -> f64 {
+        let c = sim.costs;
+        c.cuda_init_s + secs(sim.cell(s).closure_bytes, c.host_to_gpu_bytes_per_s)
     }
 
     fn hit_s(&self, sim: &mut Sim) -> f64 {

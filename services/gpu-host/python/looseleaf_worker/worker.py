@@ -23,7 +23,7 @@ import uuid
 from IPython.core.completer import provisionalcompleter, rectify_completions
 from IPython.utils.tokenutil import token_at_cursor
 
-from . import ambient, checkpoint, comms, faults, packages, protocol, quiet
+from . import ambient, checkpoint, comms, faults, packages, protocol, quiet, staging
 from .interrupt import CellInterrupts
 from .localmods import LocalModules
 from .routing import OutputRouting
@@ -217,6 +217,7 @@ class Worker(OutputRouting):
                 ambient.apply(self.shell, st, self.base)
             except BaseException as e:  # noqa: BLE001
                 errors["ambient"] = f"{type(e).__name__}: {e}"
+        staged_in_bytes, stage_in_ms = self._stage_in(errors)
         self._sync_displayhook()
         self.shell.flush_streams()  # whatever the restore printed goes to the log
         self.send(
@@ -226,9 +227,27 @@ class Worker(OutputRouting):
                 "restored_bytes": nbytes,
                 "ms": (time.perf_counter() - t0) * 1000,
                 "imports_ms": imports_ms,
+                "stage_in_ms": stage_in_ms,
+                "staged_in_bytes": staged_in_bytes,
                 "errors": errors,
             }
         )
+
+    @staticmethod
+    def _stage_in(errors: dict[str, str]) -> tuple[int, float]:
+        """The restore at Run on a worker prepared without a slot: its staged
+        GPU-resident tensors go to the slot's devices now (ADR 70)."""
+        if not (staging.devices_visible() and staging.pending()):
+            return 0, 0.0
+        import torch
+
+        if not torch.cuda.is_available():
+            return 0, 0.0  # no CUDA device after all: they stay in host memory
+        try:
+            return staging.stage_in()
+        except BaseException as e:  # noqa: BLE001 (the run fails, naming it)
+            errors["stage_in"] = f"{type(e).__name__}: {e}"
+            return 0, 0.0
 
     def _sync_displayhook(self) -> None:
         # The displayhook keeps its own copies of _, __, ___ and rotates them: they

@@ -128,9 +128,6 @@ pub enum Input {
     Retry(RecipeV3),
     /// How a [`Command::Claim`] settled.
     Claimed { ticket: Ticket, claim: Claim },
-    /// The answer to [`Command::ReadClosure`]: whether the closure holds state
-    /// on a GPU (a preparation then needs its slot).
-    ClosureRead { ticket: Ticket, on_gpu: bool },
     /// A [`Command::Prepare`] ended: the worker, ready, and how long it took; or
     /// why it failed (the worker was killed).
     Prepared { key: PrepKey, result: Result<(WorkerRef, f64), String> },
@@ -183,9 +180,6 @@ pub enum Command {
     Bid(BidV1),
     /// Publish a session event (`exec_id` nil for a session's own events).
     Event { session: Uuid, exec_id: Uuid, kind: EventKind },
-    /// Read whether `recipe`'s closure holds GPU state; answer with
-    /// [`Input::ClosureRead`].
-    ReadClosure { ticket: Ticket, recipe: RecipeV3 },
     /// Fork (or, given `worker`, update in place) the worker prepared for `key`;
     /// answer with [`Input::Prepared`].
     Prepare { key: PrepKey, recipe: RecipeV3, slots: Vec<u32>, worker: Option<WorkerId> },
@@ -211,7 +205,10 @@ pub enum Command {
 /// How the host prepares and keeps workers.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Policy {
-    /// Prepare every worker with its slot, whatever its closure holds.
+    /// Prepare every worker on its slot. By default none is: a closure's
+    /// GPU-resident state is staged in host memory while the user types and
+    /// copied to the device at Run (ADR 70); this stands in for the old rule in
+    /// tests and the simulator's validation.
     pub prepare_holds_slot: bool,
     /// Keep a GPU worker warm (with its slot) after its cell, for a re-run.
     pub keep_warm: bool,
@@ -266,8 +263,6 @@ pub struct HostCore<C: Clock + Clone = SystemClock> {
     claiming_prep: HashMap<PrepKey, Claiming>,
     /// What each claim in flight was for.
     claims: HashMap<Ticket, (ClaimKey, ClaimFor)>,
-    /// Closure reads in flight: the recipe and the cell's runs when it arrived.
-    reads: HashMap<Ticket, (RecipeV3, u64)>,
     next_ticket: Ticket,
     /// A small deterministic generator for claim jitter (ties between hosts).
     jitter_state: u64,
@@ -297,7 +292,6 @@ impl<C: Clock + Clone> HostCore<C> {
             runs_of_cell: HashMap::new(),
             claiming_prep: HashMap::new(),
             claims: HashMap::new(),
-            reads: HashMap::new(),
             next_ticket: 1,
             jitter_state: seed | 1,
             stopping: false,
@@ -311,7 +305,6 @@ impl<C: Clock + Clone> HostCore<C> {
             Input::Recipe(recipe) => self.on_recipe(recipe, facts, true),
             Input::Retry(recipe) => self.on_recipe(recipe, facts, false),
             Input::Claimed { ticket, claim } => self.claimed(ticket, claim, facts),
-            Input::ClosureRead { ticket, on_gpu } => self.closure_read(ticket, on_gpu, facts),
             Input::Prepared { key, result } => self.prepare_done(key, result, facts),
             Input::Executed { exec_id, worker, unsavable, cuda_used } => {
                 self.executed(exec_id, worker, unsavable, cuda_used, facts)

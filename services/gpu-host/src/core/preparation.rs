@@ -10,7 +10,7 @@ use uuid::Uuid;
 
 use super::prepared::{Phase, PrepKey, PreparedWorker};
 use super::runs::RunState;
-use super::{ClaimFor, Claiming, Command, Facts, HostCore, Target, Ticket, WorkerRef};
+use super::{ClaimFor, Claiming, Command, Facts, HostCore, Target, WorkerRef};
 use crate::host::claims::{Claim, ClaimKey};
 use crate::host::slots::SlotState;
 
@@ -63,23 +63,11 @@ impl<C: Clock + Clone> HostCore<C> {
         }
         self.claiming_prep.insert(key.clone(), Claiming { next: None });
         let runs_before = self.runs_of(&key);
-        if self.policy.prepare_holds_slot {
-            self.claim_preparation(recipe, true, runs_before, facts);
-            return;
-        }
-        // Does the closure hold GPU-resident state? Only then does preparation need
-        // the slot; otherwise the worker is prepared on the CPU and gets a slot at
-        // Run, so typing time costs no GPU time.
-        let ticket = self.ticket();
-        self.reads.insert(ticket, (recipe.clone(), runs_before));
-        self.emit(Command::ReadClosure { ticket, recipe });
-    }
-
-    /// Whether the closure of a recipe waiting for its read holds GPU state.
-    pub(super) fn closure_read(&mut self, ticket: Ticket, on_gpu: bool, facts: &dyn Facts) {
-        if let Some((recipe, runs_before)) = self.reads.remove(&ticket) {
-            self.claim_preparation(recipe, on_gpu, runs_before, facts);
-        }
+        // No preparation needs a slot: a worker forked without one restores the
+        // closure's GPU-resident state into host memory (staged), and the run that
+        // binds a slot copies it to the device first (ADR 70). Typing time costs
+        // no GPU time.
+        self.claim_preparation(recipe, self.policy.prepare_holds_slot, runs_before, facts);
     }
 
     /// Run recipes of the cell `key` seen so far.

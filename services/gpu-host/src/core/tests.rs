@@ -73,6 +73,12 @@ fn host(n: u32) -> Host {
     host_with(n, Policy::default())
 }
 
+/// A host whose prepared workers hold their slots (the rule before staging, kept
+/// for validation runs): what eviction and slot hand-over are tested on.
+fn host_holding(n: u32) -> Host {
+    host_with(n, Policy { prepare_holds_slot: true, keep_warm: false })
+}
+
 fn recipe(kind: RecipeKind, session: Uuid, cell: &str, exec: u128) -> RecipeV3 {
     let exec_id = if kind == RecipeKind::Run { Uuid::from_u128(exec) } else { Uuid::nil() };
     gpu_recipe(session, cell, kind, exec_id, 1)
@@ -129,12 +135,11 @@ impl Host {
         self.on(Input::Claimed { ticket, claim })
     }
 
-    /// Prepare `cell` of `session` (closure on the GPU when `on_gpu`): edit, read,
-    /// claim won, prepared as worker `id`. Returns the commands of the last step.
-    fn prepare(&mut self, session: Uuid, cell: &str, on_gpu: bool, id: &str) -> Vec<Command> {
+    /// Prepare `cell` of `session`: edit, claim won, prepared as worker `id`
+    /// (on a slot only if the host's policy says so). Returns the commands of
+    /// the last step.
+    fn prepare(&mut self, session: Uuid, cell: &str, id: &str) -> Vec<Command> {
         let cmds = self.on(Input::Recipe(edit(session, cell, 1)));
-        let ticket = read_in(&cmds);
-        let cmds = self.on(Input::ClosureRead { ticket, on_gpu });
         let (ticket, _, _) = Self::claim_in(&cmds);
         let cmds = self.on(Input::Claimed { ticket, claim: Claim::Won });
         assert!(prepares(&cmds).is_some(), "won preparation prepares: {cmds:?}");
@@ -144,15 +149,6 @@ impl Host {
     fn slot(&self, i: u32) -> SlotState {
         self.core.slots().state(i).cloned().expect("a slot")
     }
-}
-
-fn read_in(cmds: &[Command]) -> Ticket {
-    cmds.iter()
-        .find_map(|c| match c {
-            Command::ReadClosure { ticket, .. } => Some(*ticket),
-            _ => None,
-        })
-        .unwrap_or_else(|| panic!("a closure read expected in {cmds:?}"))
 }
 
 fn executes(cmds: &[Command]) -> Option<(Uuid, Target, Option<PrepKey>)> {
@@ -367,8 +363,8 @@ fn a_multi_gpu_run_at_the_head_is_not_overtaken_by_one_slot_runs() {
 
 #[test]
 fn a_run_evicts_an_idle_prepared_worker_only_once_it_won() {
-    let mut h = host(1);
-    h.prepare(S, "p", true, "wp");
+    let mut h = host_holding(1);
+    h.prepare(S, "p", "wp");
     let cmds = h.on(Input::Recipe(run(S2, "c", 1)));
     let (ticket, key, _) = Host::claim_in(&cmds);
     assert_eq!(key, ClaimKey::Run(exec(1)));
@@ -381,8 +377,8 @@ fn a_run_evicts_an_idle_prepared_worker_only_once_it_won() {
 
 #[test]
 fn a_run_that_lost_its_claim_evicts_nothing() {
-    let mut h = host(1);
-    h.prepare(S, "p", true, "wp");
+    let mut h = host_holding(1);
+    h.prepare(S, "p", "wp");
     let cmds = h.run_settled(run(S2, "c", 1), Claim::Lost);
     assert!(stopped(&cmds).is_empty());
     assert!(matches!(h.slot(0), SlotState::Prepared { .. }));
@@ -397,7 +393,7 @@ fn a_won_run_with_no_slot_to_free_waits_and_runs_when_one_frees() {
     // claimed elsewhere first (as a run on a prepared worker that died would be)
     let mut h = host(1);
     h.run_settled(run(S, "a", 1), Claim::Won);
-    h.prepare(S2, "b", false, "wb");
+    h.prepare(S2, "b", "wb");
     h.world.dead.insert("wb".into());
     let cmds = h.run_settled(run(S2, "b", 2), Claim::Won);
     assert_eq!(ended(&cmds), vec![PreparedOutcome::Lost], "the dead worker ends");
@@ -408,8 +404,8 @@ fn a_won_run_with_no_slot_to_free_waits_and_runs_when_one_frees() {
 
 #[test]
 fn warm_workers_are_given_up_before_speculative_ones() {
-    let mut h = host_with(2, Policy { keep_warm: true, prepare_holds_slot: false });
-    h.prepare(S, "p", true, "wp");
+    let mut h = host_with(2, Policy { keep_warm: true, prepare_holds_slot: true });
+    h.prepare(S, "p", "wp");
     h.run_settled(run(S2, "w", 1), Claim::Won);
     let cmds = h.on(executed(1, Some("ww"), &[], true));
     assert!(events(&cmds).iter().any(|e| matches!(e, EventKind::Ready { class: PreparedClass::Warm, .. })));
@@ -420,39 +416,32 @@ fn warm_workers_are_given_up_before_speculative_ones() {
 // ---------------------------------------------------------------- preparation
 
 #[test]
-fn an_admitted_edit_reads_its_closure_then_claims_without_a_slot() {
+fn an_admitted_edit_is_claimed_without_a_slot_whatever_its_closure_holds() {
+    // staged preparation (ADR 70): no slot while the user types, GPU-resident
+    // closure or not; the run binds one
     let mut h = host(1);
     let cmds = h.on(Input::Recipe(edit(S, "c", 1)));
-    let ticket = read_in(&cmds);
-    assert!(no_claim(&cmds));
-    let cmds = h.on(Input::ClosureRead { ticket, on_gpu: false });
-    let (_, key, _) = Host::claim_in(&cmds);
+    let (ticket, key, _) = Host::claim_in(&cmds);
     assert_eq!(key, ClaimKey::Prepare { session: S, cell_id: "c".into(), revision: 1 });
-    assert_eq!(h.slot(0), SlotState::Free, "a CPU-side closure prepares without its slot");
+    assert_eq!(h.slot(0), SlotState::Free);
+    let cmds = h.on(Input::Claimed { ticket, claim: Claim::Won });
+    assert_eq!(prepares(&cmds), Some((1, vec![], None)), "prepared with no slot");
+    assert!(events(&cmds).iter().any(|e| matches!(e, EventKind::Preparing { slot: None, .. })));
+    assert_eq!(h.slot(0), SlotState::Free);
 }
 
 #[test]
-fn a_closure_on_the_gpu_holds_a_slot_while_claiming() {
-    let mut h = host(1);
-    let ticket = read_in(&h.on(Input::Recipe(edit(S, "c", 1))));
-    h.on(Input::ClosureRead { ticket, on_gpu: true });
-    assert_eq!(h.slot(0), SlotState::Claiming(None));
-}
-
-#[test]
-fn a_host_that_prepares_with_slots_claims_without_reading() {
-    let mut h = host_with(1, Policy { prepare_holds_slot: true, keep_warm: false });
+fn a_host_that_prepares_with_slots_holds_one_while_claiming() {
+    let mut h = host_holding(1);
     let cmds = h.on(Input::Recipe(edit(S, "c", 1)));
-    assert!(!cmds.iter().any(|c| matches!(c, Command::ReadClosure { .. })));
     assert_eq!(Host::claim_in(&cmds).1, ClaimKey::Prepare { session: S, cell_id: "c".into(), revision: 1 });
     assert_eq!(h.slot(0), SlotState::Claiming(None));
 }
 
 #[test]
 fn a_won_preparation_prepares_its_worker_and_says_so() {
-    let mut h = host(1);
-    let ticket = read_in(&h.on(Input::Recipe(edit(S, "c", 1))));
-    let (ticket, _, _) = Host::claim_in(&h.on(Input::ClosureRead { ticket, on_gpu: true }));
+    let mut h = host_holding(1);
+    let (ticket, _, _) = Host::claim_in(&h.on(Input::Recipe(edit(S, "c", 1))));
     let cmds = h.on(Input::Claimed { ticket, claim: Claim::Won });
     assert_eq!(prepares(&cmds), Some((1, vec![0], None)));
     assert!(events(&cmds).iter().any(|e| matches!(e, EventKind::Preparing { revision: 1, slot: Some(0), .. })));
@@ -461,9 +450,8 @@ fn a_won_preparation_prepares_its_worker_and_says_so() {
 
 #[test]
 fn a_lost_preparation_frees_its_slot_and_prepares_nothing() {
-    let mut h = host(1);
-    let ticket = read_in(&h.on(Input::Recipe(edit(S, "c", 1))));
-    let (ticket, _, _) = Host::claim_in(&h.on(Input::ClosureRead { ticket, on_gpu: true }));
+    let mut h = host_holding(1);
+    let (ticket, _, _) = Host::claim_in(&h.on(Input::Recipe(edit(S, "c", 1))));
     let cmds = h.on(Input::Claimed { ticket, claim: Claim::Lost });
     assert!(prepares(&cmds).is_none());
     assert_eq!(h.slot(0), SlotState::Free);
@@ -471,17 +459,16 @@ fn a_lost_preparation_frees_its_slot_and_prepares_nothing() {
 
 #[test]
 fn a_prepared_worker_says_it_is_ready() {
-    let mut h = host(1);
-    let cmds = h.prepare(S, "c", true, "w1");
+    let mut h = host_holding(1);
+    let cmds = h.prepare(S, "c", "w1");
     assert!(events(&cmds).iter().any(|e| matches!(e, EventKind::Ready { worker, revision: 1, .. } if worker == "w1")));
     assert_eq!(h.core.prepared_worker(&(S, "c".into())).map(|p| p.0), Some("w1"));
 }
 
 #[test]
 fn a_run_arriving_while_its_worker_prepares_runs_there_once_prepared() {
-    let mut h = host(1);
-    let ticket = read_in(&h.on(Input::Recipe(edit(S, "c", 1))));
-    let (ticket, _, _) = Host::claim_in(&h.on(Input::ClosureRead { ticket, on_gpu: true }));
+    let mut h = host_holding(1);
+    let (ticket, _, _) = Host::claim_in(&h.on(Input::Recipe(edit(S, "c", 1))));
     h.on(Input::Claimed { ticket, claim: Claim::Won });
     let cmds = h.on(Input::Recipe(run(S, "c", 7)));
     let (ticket, key, delay) = Host::claim_in(&cmds);
@@ -497,8 +484,8 @@ fn a_run_arriving_while_its_worker_prepares_runs_there_once_prepared() {
 
 #[test]
 fn a_run_on_a_ready_prepared_worker_runs_there_on_its_slot() {
-    let mut h = host(1);
-    h.prepare(S, "c", true, "w1");
+    let mut h = host_holding(1);
+    h.prepare(S, "c", "w1");
     let cmds = h.run_settled(run(S, "c", 7), Claim::Won);
     let target = Target::Existing { worker: "w1".into(), prepare: Prepare::Speculative, slots: vec![0] };
     assert_eq!(executes(&cmds).map(|e| e.1), Some(target));
@@ -508,7 +495,7 @@ fn a_run_on_a_ready_prepared_worker_runs_there_on_its_slot() {
 #[test]
 fn a_worker_prepared_without_a_slot_takes_a_free_one_at_run() {
     let mut h = host(1);
-    h.prepare(S, "c", false, "w1");
+    h.prepare(S, "c", "w1");
     assert_eq!(h.slot(0), SlotState::Free, "no GPU time while the user types");
     let cmds = h.run_settled(run(S, "c", 7), Claim::Won);
     let target = Target::Existing { worker: "w1".into(), prepare: Prepare::Speculative, slots: vec![0] };
@@ -518,7 +505,7 @@ fn a_worker_prepared_without_a_slot_takes_a_free_one_at_run() {
 #[test]
 fn a_run_on_a_slotless_prepared_worker_waits_with_it_for_a_slot() {
     let mut h = host(1);
-    h.prepare(S, "c", false, "w1");
+    h.prepare(S, "c", "w1");
     h.run_settled(run(S2, "x", 1), Claim::Won);
     let cmds = h.run_settled(run(S, "c", 7), Claim::Won);
     assert!(executes(&cmds).is_none());
@@ -532,9 +519,8 @@ fn a_run_on_a_slotless_prepared_worker_waits_with_it_for_a_slot() {
 
 #[test]
 fn a_newer_revision_while_preparing_is_applied_in_place_next() {
-    let mut h = host(1);
-    let ticket = read_in(&h.on(Input::Recipe(edit(S, "c", 1))));
-    let (ticket, _, _) = Host::claim_in(&h.on(Input::ClosureRead { ticket, on_gpu: true }));
+    let mut h = host_holding(1);
+    let (ticket, _, _) = Host::claim_in(&h.on(Input::Recipe(edit(S, "c", 1))));
     h.on(Input::Claimed { ticket, claim: Claim::Won });
     let cmds = h.on(Input::Recipe(edit(S, "c", 2)));
     assert_eq!(Host::claim_in(&cmds).1, ClaimKey::Prepare { session: S, cell_id: "c".into(), revision: 2 });
@@ -545,24 +531,23 @@ fn a_newer_revision_while_preparing_is_applied_in_place_next() {
 
 #[test]
 fn a_newer_revision_updates_a_ready_worker_in_place() {
-    let mut h = host(1);
-    h.prepare(S, "c", true, "w1");
+    let mut h = host_holding(1);
+    h.prepare(S, "c", "w1");
     let cmds = h.on(Input::Recipe(edit(S, "c", 2)));
     assert_eq!(prepares(&cmds), Some((2, vec![0], Some("w1".into()))));
 }
 
 #[test]
 fn an_older_or_equal_revision_changes_nothing() {
-    let mut h = host(1);
-    h.prepare(S, "c", true, "w1");
+    let mut h = host_holding(1);
+    h.prepare(S, "c", "w1");
     assert!(h.on(Input::Recipe(edit(S, "c", 1))).is_empty());
 }
 
 #[test]
 fn a_revision_arriving_while_claiming_is_applied_once_won() {
-    let mut h = host(1);
-    let ticket = read_in(&h.on(Input::Recipe(edit(S, "c", 1))));
-    let (ticket, _, _) = Host::claim_in(&h.on(Input::ClosureRead { ticket, on_gpu: true }));
+    let mut h = host_holding(1);
+    let (ticket, _, _) = Host::claim_in(&h.on(Input::Recipe(edit(S, "c", 1))));
     let cmds = h.on(Input::Recipe(edit(S, "c", 3)));
     assert_eq!(Host::claim_in(&cmds).1, ClaimKey::Prepare { session: S, cell_id: "c".into(), revision: 3 });
     let cmds = h.on(Input::Claimed { ticket, claim: Claim::Won });
@@ -587,16 +572,17 @@ fn an_edit_for_another_hosts_prepared_worker_is_left_to_it() {
 #[test]
 fn a_run_since_the_edit_arrived_supersedes_its_preparation() {
     let mut h = host(2);
-    let ticket = read_in(&h.on(Input::Recipe(edit(S, "c", 1))));
+    let (ticket, _, _) = Host::claim_in(&h.on(Input::Recipe(edit(S, "c", 1))));
     h.run_settled(run(S, "c", 7), Claim::Won);
-    let cmds = h.on(Input::ClosureRead { ticket, on_gpu: true });
-    assert!(no_claim(&cmds), "the cell already ran: no worker idles for it");
+    // the edit's claim settles after the cell's run arrived
+    let cmds = h.on(Input::Claimed { ticket, claim: Claim::Won });
+    assert!(prepares(&cmds).is_none(), "the cell already ran: no worker idles for it: {cmds:?}");
 }
 
 #[test]
 fn a_cell_that_became_a_cpu_cell_cancels_its_prepared_worker() {
-    let mut h = host(1);
-    h.prepare(S, "c", true, "w1");
+    let mut h = host_holding(1);
+    h.prepare(S, "c", "w1");
     let cmds = h.on(Input::Recipe(RecipeV3 { device: Device::Cpu, ..edit(S, "c", 2) }));
     assert_eq!(stopped(&cmds), vec!["w1"]);
     assert_eq!(ended(&cmds), vec![PreparedOutcome::Superseded]);
@@ -605,28 +591,25 @@ fn a_cell_that_became_a_cpu_cell_cancels_its_prepared_worker() {
 
 #[test]
 fn an_edit_finding_no_slot_waits_briefly_then_is_dropped() {
-    let mut h = host(1);
+    let mut h = host_holding(1);
     h.run_settled(run(S2, "x", 1), Claim::Won);
-    let ticket = read_in(&h.on(Input::Recipe(edit(S, "c", 1))));
-    assert!(no_claim(&h.on(Input::ClosureRead { ticket, on_gpu: true })));
+    assert!(no_claim(&h.on(Input::Recipe(edit(S, "c", 1)))));
     // a slot frees within SPEC_WAIT: the edit is tried again
     let cmds = h.on(executed(1, None, &[], false));
-    assert!(cmds.iter().any(|c| matches!(c, Command::ReadClosure { .. })), "{cmds:?}");
+    assert!(cmds.iter().any(|c| matches!(c, Command::Claim { key: ClaimKey::Prepare { .. }, .. })), "{cmds:?}");
     // later than SPEC_WAIT: stale, dropped
-    let mut h = host(1);
+    let mut h = host_holding(1);
     h.run_settled(run(S2, "x", 1), Claim::Won);
-    let ticket = read_in(&h.on(Input::Recipe(edit(S, "c", 1))));
-    h.on(Input::ClosureRead { ticket, on_gpu: true });
+    h.on(Input::Recipe(edit(S, "c", 1)));
     h.clock.advance(SPEC_WAIT + Duration::from_secs(1));
     let cmds = h.on(executed(1, None, &[], false));
-    assert!(!cmds.iter().any(|c| matches!(c, Command::ReadClosure { .. } | Command::Claim { .. })));
+    assert!(!cmds.iter().any(|c| matches!(c, Command::Claim { .. })));
 }
 
 #[test]
 fn a_failed_preparation_runs_its_claimed_run_cold() {
-    let mut h = host(1);
-    let ticket = read_in(&h.on(Input::Recipe(edit(S, "c", 1))));
-    let (ticket, _, _) = Host::claim_in(&h.on(Input::ClosureRead { ticket, on_gpu: true }));
+    let mut h = host_holding(1);
+    let (ticket, _, _) = Host::claim_in(&h.on(Input::Recipe(edit(S, "c", 1))));
     h.on(Input::Claimed { ticket, claim: Claim::Won });
     h.run_settled(run(S, "c", 7), Claim::Won);
     let cmds = h.on(Input::Prepared { key: (S, "c".into()), result: Err("fork failed".into()) });
@@ -636,8 +619,8 @@ fn a_failed_preparation_runs_its_claimed_run_cold() {
 
 #[test]
 fn a_prepared_worker_that_died_is_ended_on_the_next_tick() {
-    let mut h = host(1);
-    h.prepare(S, "c", true, "w1");
+    let mut h = host_holding(1);
+    h.prepare(S, "c", "w1");
     h.world.dead.insert("w1".into());
     let cmds = h.on(Input::Tick);
     assert_eq!(ended(&cmds), vec![PreparedOutcome::Lost]);
@@ -646,8 +629,8 @@ fn a_prepared_worker_that_died_is_ended_on_the_next_tick() {
 
 #[test]
 fn a_run_for_a_prepared_worker_that_died_runs_on_a_fresh_one() {
-    let mut h = host(1);
-    h.prepare(S, "c", true, "w1");
+    let mut h = host_holding(1);
+    h.prepare(S, "c", "w1");
     h.world.dead.insert("w1".into());
     let cmds = h.run_settled(run(S, "c", 7), Claim::Won);
     assert_eq!(ended(&cmds), vec![PreparedOutcome::Lost]);
@@ -656,8 +639,8 @@ fn a_run_for_a_prepared_worker_that_died_runs_on_a_fresh_one() {
 
 #[test]
 fn evicting_a_ready_worker_stops_it_and_frees_its_slot() {
-    let mut h = host(1);
-    h.prepare(S, "c", true, "w1");
+    let mut h = host_holding(1);
+    h.prepare(S, "c", "w1");
     let cmds = h.on(Input::Evict { worker: "w1".into() });
     assert_eq!((stopped(&cmds), ended(&cmds)), (vec!["w1"], vec![PreparedOutcome::Evicted]));
     assert_eq!(h.slot(0), SlotState::Free);
@@ -665,8 +648,8 @@ fn evicting_a_ready_worker_stops_it_and_frees_its_slot() {
 
 #[test]
 fn evicting_a_worker_being_updated_stops_it_once_prepared() {
-    let mut h = host(1);
-    h.prepare(S, "c", true, "w1");
+    let mut h = host_holding(1);
+    h.prepare(S, "c", "w1");
     h.on(Input::Recipe(edit(S, "c", 2)));
     assert!(h.on(Input::Evict { worker: "w1".into() }).is_empty(), "not mid-preparation");
     let cmds = h.on(Input::Prepared { key: (S, "c".into()), result: Ok((worker("w1"), 10.0)) });
@@ -676,7 +659,7 @@ fn evicting_a_worker_being_updated_stops_it_once_prepared() {
 #[test]
 fn eviction_after_a_run_claimed_the_worker_is_too_late() {
     let mut h = host(1);
-    h.prepare(S, "c", false, "w1");
+    h.prepare(S, "c", "w1");
     h.run_settled(run(S2, "x", 1), Claim::Won);
     h.run_settled(run(S, "c", 7), Claim::Won);
     assert!(h.on(Input::Evict { worker: "w1".into() }).is_empty());
@@ -853,7 +836,7 @@ fn interrupting_a_run_waiting_unclaimed_drops_it() {
 fn interrupting_a_claimed_run_waiting_for_a_slot_fails_it_now() {
     let mut h = host(1);
     h.run_settled(run(S, "a", 1), Claim::Won);
-    h.prepare(S2, "b", false, "wb");
+    h.prepare(S2, "b", "wb");
     h.world.dead.insert("wb".into());
     h.run_settled(run(S2, "b", 2), Claim::Won);
     assert_eq!(h.core.run_state(exec(2)), Some(&RunState::Won));
@@ -867,8 +850,8 @@ fn interrupting_a_claimed_run_waiting_for_a_slot_fails_it_now() {
 
 #[test]
 fn closing_a_session_kills_its_cells_and_ends_its_workers() {
-    let mut h = host(2);
-    h.prepare(S, "p", true, "wp");
+    let mut h = host_holding(2);
+    h.prepare(S, "p", "wp");
     h.run_settled(cpu_run(S, "c", 9), Claim::Won);
     let (ticket, _, _) = Host::claim_in(&h.on(Input::Recipe(cpu_run(S, "k", 1))));
     let (ticket, _, _) = Host::claim_in(&h.on(Input::Claimed { ticket, claim: Claim::Won }));
@@ -886,8 +869,8 @@ fn closing_a_session_kills_its_cells_and_ends_its_workers() {
 
 #[test]
 fn an_idle_session_stops_its_kept_workers_but_not_its_prepared_ones() {
-    let mut h = host(2);
-    h.prepare(S, "p", true, "wp");
+    let mut h = host_holding(2);
+    h.prepare(S, "p", "wp");
     h.run_settled(run(S, "a", 1), Claim::Won);
     h.on(executed(1, Some("w1"), &["m"], true));
     let cmds = h.on(Input::SessionIdle { session: S });
@@ -920,8 +903,8 @@ fn a_stopping_host_takes_nothing_new() {
 
 #[test]
 fn a_stopped_host_stops_every_worker_it_keeps_or_prepared() {
-    let mut h = host(2);
-    h.prepare(S, "p", true, "wp");
+    let mut h = host_holding(2);
+    h.prepare(S, "p", "wp");
     h.run_settled(run(S, "a", 1), Claim::Won);
     h.on(executed(1, Some("w1"), &["m"], true));
     let cmds = h.on(Input::Stopped);
@@ -932,8 +915,8 @@ fn a_stopped_host_stops_every_worker_it_keeps_or_prepared() {
 
 #[test]
 fn a_prepared_worker_phase_is_what_the_host_still_has_to_do() {
-    let mut h = host(1);
-    h.prepare(S, "c", true, "w1");
+    let mut h = host_holding(1);
+    h.prepare(S, "c", "w1");
     assert!(matches!(h.core.prepared_worker(&(S, "c".into())).map(|p| p.2.clone()), Some(Phase::Ready)));
     h.on(Input::Recipe(edit(S, "c", 2)));
     assert!(matches!(h.core.prepared_worker(&(S, "c".into())).map(|p| p.2.clone()), Some(Phase::Preparing { .. })));

@@ -97,7 +97,14 @@ impl ExecEnv {
             let began = end.checked_sub(ms(worker_ms)).unwrap_or(end);
             let imported = began + ms(restored.imports_ms.min(worker_ms));
             schemas::telemetry::timed_child("imports", began, imported);
-            schemas::telemetry::timed_child("load", imported, end);
+            // the copy of staged tensors to the devices ends the restore
+            let loaded = end.checked_sub(ms(restored.stage_in_ms)).unwrap_or(end).max(imported);
+            schemas::telemetry::timed_child("load", imported, loaded);
+            if restored.staged_in_bytes > 0 {
+                schemas::telemetry::timed_child("stage_in", loaded, end);
+                tracing::info!(worker = %w.id, bytes = restored.staged_in_bytes, ms = restored.stage_in_ms,
+                    "staged GPU state copied to the slot");
+            }
         }
         tracing::debug!(worker = %w.id, ?got_manifest, ?wrote_file, worker_ms, restored = ?started.elapsed(), bytes,
             "restore phases");

@@ -54,24 +54,6 @@ impl Host {
                 };
                 self.background(publish, ctx);
             }
-            Command::ReadClosure { ticket, recipe } => {
-                let env = self.env.clone();
-                let read = async move {
-                    match env.manifest(recipe.session, recipe.manifest_revision).await {
-                        Ok(m) => closure_on_gpu(&m, &recipe),
-                        Err(e) => {
-                            tracing::warn!(session = %recipe.session, error = %e, "preparing on a slot: closure devices unknown");
-                            true
-                        }
-                    }
-                };
-                let span = tracing::Span::current(); // the preparation stays in its edit's trace
-                let read = tracing::Instrument::instrument(read, span.clone());
-                ctx.spawn(read.into_actor(self).map(move |on_gpu, act, ctx| {
-                    let _entered = span.enter();
-                    act.drive(Input::ClosureRead { ticket, on_gpu }, ctx);
-                }));
-            }
             Command::Prepare { key, recipe, slots, worker } => {
                 let existing = worker.as_ref().and_then(|id| self.workers.get(id).cloned());
                 let span = tracing::info_span!("prepare", looseleaf.session_id = %key.0, looseleaf.cell_id = %key.1,
@@ -194,12 +176,6 @@ impl Host {
             act.drive(input, ctx);
         }));
     }
-}
-
-/// Whether any object the closure of `recipe` reaches lives on a GPU.
-fn closure_on_gpu(m: &schemas::checkpoint::Manifest, recipe: &schemas::messages::RecipeV3) -> bool {
-    let roots = recipe.closure.iter().filter_map(|v| m.variables.get(&v.name).and_then(|e| e.oid.as_deref()));
-    m.reachable(roots).iter().any(|oid| m.objects.get(oid).is_some_and(|o| o.on_gpu))
 }
 
 /// Stop a worker: politely if nothing else holds it, else kill it now.

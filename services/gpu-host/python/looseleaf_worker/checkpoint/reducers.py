@@ -15,6 +15,8 @@ import pickle
 
 import cloudpickle
 
+from .. import staging
+
 # The module that checkpoints name for the objects they store by reference.
 CHECKPOINT_MODULE = "looseleaf_worker.checkpoint"
 
@@ -33,11 +35,18 @@ def _rebuild_tensor(arr, dtype: str, requires_grad: bool, device: str, is_param:
     t = torch.from_numpy(arr)
     if dtype == "bfloat16":
         t = t.view(torch.bfloat16)
-    if device.startswith("cuda") and torch.cuda.is_available():
+    # Without a slot (a worker prepared before Run) CUDA is not touched: the
+    # tensor waits in host memory and the restore at Run copies it (ADR 70).
+    on_device = device.startswith("cuda") and staging.devices_visible() and torch.cuda.is_available()
+    if on_device:
         t = t.to(device)
     if is_param:
-        return torch.nn.Parameter(t, requires_grad=requires_grad)
-    return t.requires_grad_(requires_grad) if requires_grad else t
+        t = torch.nn.Parameter(t, requires_grad=requires_grad)
+    elif requires_grad:
+        t = t.requires_grad_(requires_grad)
+    if device.startswith("cuda") and not on_device:
+        staging.stage(t, device)
+    return t
 
 
 def _owner(np, arr):
