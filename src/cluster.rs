@@ -327,6 +327,7 @@ impl Cluster {
             debounce: Duration::from_millis(looseleaf_planner::DEFAULT_DEBOUNCE_MS),
             budget: opts.budget,
             host_lost: Duration::from_secs(10),
+            demand_lead: Duration::from_secs(looseleaf_planner::DEFAULT_DEMAND_LEAD_S),
         };
         self.spawn("planner", |stop| looseleaf_planner::run(planner, stop));
 

@@ -455,3 +455,54 @@ async fn a_cell_edited_again_keeps_one_prepared_worker_on_one_host() -> anyhow::
     assert_eq!(ended(&events, "c1"), [PreparedOutcome::Used]);
     Ok(())
 }
+
+/// Wait for a published GPU demand for which `pred` holds.
+async fn demand_where(
+    demand: &mut schemas::bus::Subscription<schemas::messages::GpuDemandV1>,
+    what: &str,
+    pred: impl Fn(&schemas::messages::GpuDemandV1) -> bool,
+) -> anyhow::Result<schemas::messages::GpuDemandV1> {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        match tokio::time::timeout_at(deadline, demand.next()).await {
+            Ok(Some(Ok(env))) if pred(&env.msg) => return Ok(env.msg),
+            Ok(Some(_)) => {}
+            _ => anyhow::bail!("the planner published no GPU demand where {what}"),
+        }
+    }
+}
+
+#[actix_rt::test]
+async fn the_gpu_demand_counts_a_typed_gpu_cell_until_it_runs_and_its_run_until_its_slot_is_free() -> anyhow::Result<()>
+{
+    let services = Services::start(&services_bin(), &[1], &[]).await?;
+    let bus = Bus::connect(services.nats.url(), &services.prefix, "demand-test").await?;
+    let mut demand = bus.subscribe::<schemas::messages::GpuDemandV1>(bus.subjects().gpu_demand()).await?;
+    let fe = services.client();
+    let cwd = tempfile::tempdir()?;
+    let sid = fe.create_session(&cwd.path().display().to_string(), false, true).await?;
+    let mut events = Events::open(&fe, sid).await?;
+    let r = fe.run(sid, "c0", "%%cpu\nimport numpy as np\nbig = np.ones(1_000_000)").await?;
+    events.done(r.exec_id).await?;
+    demand_where(&mut demand, "nothing is typed or runs", |d| d.typing_sessions == 0 && d.running_gpus == 0).await?;
+
+    // typing a GPU cell that reads 8 MB: a run on its way, with its closure's bytes
+    fe.edit(sid, "c1", "%%gpu\nprint(big.sum())").await?;
+    let typed = demand_where(&mut demand, "one session types", |d| d.typing_sessions == 1).await?;
+    assert!(typed.typing_closure_bytes >= 8_000_000, "{typed:?}");
+    assert!(typed.wanted_gpus > 0.0 && typed.wanted_gpus <= 1.0 + 1e-9, "{typed:?}");
+    // typing a CPU cell instead: no GPU demand
+    fe.edit(sid, "c1", "%%cpu\nprint(big.sum())").await?;
+    demand_where(&mut demand, "the cell became a CPU cell", |d| d.typing_sessions == 0).await?;
+
+    // a GPU cell that runs a while: demand while it runs, none once its slot is free
+    fe.edit(sid, "c2", "%%gpu\nimport time\ntime.sleep(3)\nprint(big.size)").await?;
+    demand_where(&mut demand, "c2 is typed", |d| d.typing_sessions == 1).await?;
+    let r2 = fe.run(sid, "c2", "%%gpu\nimport time\ntime.sleep(3)\nprint(big.size)").await?;
+    let running = demand_where(&mut demand, "c2 runs", |d| d.running_gpus == 1).await?;
+    assert_eq!(running.typing_sessions, 0, "Run ends the typing");
+    assert!(running.wanted_gpus >= 1.0, "{running:?}");
+    events.done(r2.exec_id).await?;
+    demand_where(&mut demand, "c2's slot is free", |d| d.running_gpus == 0 && d.wanted_gpus == 0.0).await?;
+    Ok(())
+}

@@ -85,6 +85,10 @@ pub struct Metrics {
     /// `unclaimed` (sent, no host holds it yet) and `running`. The GPU demand an
     /// autoscaler reads. Frontend.
     pub runs: Family<Label, Gauge>,
+    /// The GPU demand of the edit stream, by `what`: `typing_sessions`,
+    /// `typing_closure_bytes`, `running_gpus`, `wanted_gpus` (what an
+    /// autoscaler scales GPU hosts on). Planner.
+    pub gpu_demand: Family<Label, Gauge<f64, AtomicU64>>,
     /// HTTP requests served, by method, route and status. Frontend.
     pub http_requests: Family<HttpLabels, Histogram, fn() -> Histogram>,
     /// GPU-slot seconds a user's sessions held, by `user`. Frontend.
@@ -117,6 +121,7 @@ impl Metrics {
             sessions: Gauge::default(),
             cells: Family::default(),
             runs: Family::default(),
+            gpu_demand: Family::default(),
             http_requests: Family::new_with_constructor(seconds_histogram),
             user_gpu_seconds: Family::default(),
             user_cpu_seconds: Family::default(),
@@ -170,6 +175,11 @@ impl Metrics {
         r.register("sessions", "Sessions this frontend serves", m.sessions.clone());
         r.register("cells", "Runs ended, by status (ok, error, failed, aborted)", m.cells.clone());
         r.register("runs", "Runs not ended, by state (queued, unclaimed, running)", m.runs.clone());
+        r.register(
+            "gpu_demand",
+            "GPU demand of the edit stream (typing_sessions, typing_closure_bytes, running_gpus, wanted_gpus)",
+            m.gpu_demand.clone(),
+        );
         let u = r.sub_registry_with_prefix("user");
         u.register_with_unit(
             "gpu_slot",

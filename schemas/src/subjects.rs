@@ -126,6 +126,11 @@ impl Subjects {
         format!("{}.v1.host.*.bid", self.prefix)
     }
 
+    /// `{prefix}.v1.demand.gpu` — the GPU demand the planner sees (for autoscalers).
+    pub fn gpu_demand(&self) -> String {
+        format!("{}.v1.demand.gpu", self.prefix)
+    }
+
     /// `{prefix}.v1.host.{hid}.{verb}` — a command to one host (evict, cancel).
     pub fn host_command(&self, hid: &str, verb: HostVerb) -> String {
         format!("{}.v1.host.{hid}.{}", self.prefix, verb.as_str())

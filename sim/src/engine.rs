@@ -122,6 +122,11 @@ pub trait Policy {
     fn counters(&self) -> BTreeMap<String, f64> {
         BTreeMap::new()
     }
+    /// The GPUs this policy's own demand signal asks for now, if it scales on
+    /// one; `None`: NotebookOS's rule on the slots committed.
+    fn demand(&mut self, _sim: &Sim) -> Option<f64> {
+        None
+    }
 }
 
 /// The simulation a policy acts on.
@@ -423,12 +428,14 @@ fn autoscale(policy: &mut dyn Policy, sim: &mut Sim) {
     }
     let load = sim.cluster.load();
     let hosts = sim.cluster.on_or_booting();
-    let target = a.scale_out_target(load);
+    // a policy with a demand signal scales to it, with no headroom factor
+    let demand = policy.demand(sim).map(|wanted| a.demand_target(wanted));
+    let target = demand.unwrap_or_else(|| a.scale_out_target(load));
     if hosts < target {
         sim.request_hosts(target - hosts);
         return;
     }
-    let limit = a.scale_in_limit(load);
+    let limit = demand.unwrap_or_else(|| a.scale_in_limit(load));
     if hosts <= limit {
         return;
     }

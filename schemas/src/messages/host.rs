@@ -120,6 +120,25 @@ pub struct BidV1 {
 }
 wire!(BidV1, "bid", 1);
 
+/// planner -> anyone (`demand.gpu`): the GPU demand the planner sees in the edit
+/// stream, published every few seconds for autoscalers (issue "Scale", item 5;
+/// `looseleaf_planner::demand`). Also the `looseleaf_gpu_demand_*` gauges.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GpuDemandV1 {
+    /// Unix time of the count (ms).
+    pub unix_ms: u64,
+    /// Sessions typing a GPU cell they have not run.
+    pub typing_sessions: u64,
+    /// The bytes of those cells' closures.
+    pub typing_closure_bytes: u64,
+    /// GPUs of the cells running.
+    pub running_gpus: u64,
+    /// GPUs wanted within the scaling lead: running, plus the runs expected from
+    /// the sessions typing, plus two standard deviations of those.
+    pub wanted_gpus: f64,
+}
+wire!(GpuDemandV1, "gpu_demand", 1);
+
 /// planner -> host (`host.{hid}.evict`): stop a prepared worker that is not
 /// running a cell, and free its slot.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

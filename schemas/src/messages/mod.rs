@@ -84,7 +84,7 @@ pub use control::{InputReplyV1, InterruptV1, SessionCloseV1, SessionIdleV1, INTE
 pub use events::{
     CellStatus, EventKind, Prepare, PreparedClass, PreparedOutcome, SessionEventV2, SlotUse, StartPhases,
 };
-pub use host::{BidV1, EvictV1, HostStatusV2, SlotStatus, WorkerState, WorkerStatus, ZygoteStatus};
+pub use host::{BidV1, EvictV1, GpuDemandV1, HostStatusV2, SlotStatus, WorkerState, WorkerStatus, ZygoteStatus};
 pub use output::{
     cell_message_json, cell_messages_json, CellMessage, CellMessageError, CommToClient, OutputBody, OutputV2,
     MAX_OUTPUT_PIECES, OUTPUT_PART_BYTES,

@@ -297,6 +297,7 @@ mod fuzz {
             Reply<CommAnswerV2>,
             HostStatusV2,
             BidV1,
+            GpuDemandV1,
             EvictV1,
             ManifestGetV2,
             ChunkPlanV2,

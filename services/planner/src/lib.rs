@@ -13,9 +13,11 @@
 //!
 //! Modules: [`lease`] (who plans), [`analysis`] (reads, writes, imports, device signs of a cell),
 //! [`recipe`] (closure, imports, label against the manifest), [`state`] (what the
-//! planner remembers), [`planner`] (the actor).
+//! planner remembers), [`speculator`] (which edits get a prepared worker),
+//! [`demand`] (the GPU demand autoscalers read), [`planner`] (the actor).
 
 pub mod analysis;
+pub mod demand;
 pub mod lease;
 pub mod planner;
 pub mod recipe;
@@ -41,6 +43,10 @@ pub const DEFAULT_DEBOUNCE_MS: u64 = 100;
 pub const DEFAULT_BUDGET: speculator::Budget =
     speculator::Budget { prepared_per_host: 4, idle_seconds_per_session: 300.0 };
 
+/// Default scaling lead (s): how far ahead the GPU demand looks, about what a GPU
+/// host takes to be added (an autoscaler's polling and a node's boot).
+pub const DEFAULT_DEMAND_LEAD_S: u64 = 60;
+
 /// What the planner needs.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -57,6 +63,8 @@ pub struct Config {
     /// A host not heard for this long is lost: runs that must go to its worker
     /// (it holds their unsavable variables) fail at once, naming them.
     pub host_lost: Duration,
+    /// How far ahead the published GPU demand looks (`demand`).
+    pub demand_lead: Duration,
 }
 
 /// Run the planner until `shutdown` resolves. Must be called inside an actix system.
@@ -90,7 +98,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         ctx.add_stream(closes.into_stream());
         ctx.add_stream(events.into_stream());
         ctx.add_stream(hosts.into_stream());
-        planner::Planner::new(actor_bus, kv, config.debounce, config.budget).with_host_lost(config.host_lost)
+        planner::Planner::new(actor_bus, kv, config.debounce, config.budget)
+            .with_host_lost(config.host_lost)
+            .with_demand_lead(config.demand_lead)
     });
     tracing::info!(prefix = %config.prefix, "planner serving");
     // nothing to hand back: a run planned halfway is planned again by its retry

@@ -20,6 +20,10 @@ struct Args {
     /// worker (unsavable state) fail.
     #[arg(long, env = "LOOSELEAF_HOST_LOST_S", default_value_t = 10)]
     host_lost_s: u64,
+    /// How far ahead the published GPU demand looks (s): about what adding a GPU
+    /// host takes (the autoscaler's polling and the node's boot).
+    #[arg(long, env = "LOOSELEAF_DEMAND_LEAD_S", default_value_t = looseleaf_planner::DEFAULT_DEMAND_LEAD_S)]
+    demand_lead_s: u64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -32,6 +36,7 @@ fn main() -> anyhow::Result<()> {
         prefix: a.service.prefix,
         debounce: std::time::Duration::from_millis(a.debounce_ms),
         host_lost: std::time::Duration::from_secs(a.host_lost_s),
+        demand_lead: std::time::Duration::from_secs(a.demand_lead_s),
         budget: looseleaf_planner::speculator::Budget {
             prepared_per_host: a.prepared_per_host,
             idle_seconds_per_session: a.idle_gpu_seconds_per_session,

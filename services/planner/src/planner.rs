@@ -10,12 +10,13 @@
 //! edits share), `runs.rs` handles the runs heard, `edits.rs` debounces edits
 //! into speculative recipes and sends evictions, `hosts.rs` tracks host liveness
 //! and fails runs pinned to a lost host, `sessions.rs` learns from session events
-//! and forgets closed sessions.
+//! and forgets closed sessions, `scaling.rs` publishes the GPU demand.
 
 mod edits;
 mod hosts;
 mod plan;
 mod runs;
+mod scaling;
 mod sessions;
 
 pub use plan::{PlanError, RECIPE_PATIENCE};
@@ -32,11 +33,14 @@ use schemas::messages::{EditV1, PinnedWorker};
 use schemas::Bus;
 use uuid::Uuid;
 
+use crate::demand::Demand;
 use crate::speculator::{Budget, Speculator};
 use crate::state;
 
 /// How often the speculator's idle budget is enforced.
 const BUDGET_TICK: Duration = Duration::from_secs(1);
+/// How often the GPU demand is published (the frontends' run gauge's pace).
+const DEMAND_TICK: Duration = Duration::from_secs(2);
 
 /// The planner actor.
 pub struct Planner {
@@ -70,6 +74,8 @@ pub struct Planner {
     /// Runs heard lately: a run the frontend sent again (its acknowledgement was
     /// lost) is planned once (ADR 46). Forgotten after `RUN_MEMORY`.
     heard_runs: HashMap<Uuid, Instant>,
+    /// The GPU demand of the edit stream, published every `DEMAND_TICK`.
+    demand: Demand,
 }
 
 impl Planner {
@@ -90,7 +96,14 @@ impl Planner {
             host_lost: Duration::from_secs(10),
             hosts: Members::new(Instant::now()),
             heard_runs: HashMap::new(),
+            demand: Demand::new(crate::DEFAULT_DEMAND_LEAD_S as f64),
         }
+    }
+
+    /// Look `lead` ahead for the GPU demand.
+    pub fn with_demand_lead(mut self, lead: Duration) -> Self {
+        self.demand = Demand::new(lead.as_secs_f64());
+        self
     }
 
     /// Take a host not heard for `host_lost` for lost.
@@ -114,5 +127,6 @@ impl Actor for Planner {
             act.send_evictions(over, ctx);
             act.fail_runs_pinned_to_lost_hosts(ctx);
         });
+        ctx.run_interval(DEMAND_TICK, |act, ctx| act.publish_demand(ctx));
     }
 }

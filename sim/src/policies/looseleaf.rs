@@ -16,6 +16,7 @@ use looseleaf_gpu_host::gpus::Gpu;
 use looseleaf_gpu_host::host::claims::{Claim, ClaimKey};
 use looseleaf_gpu_host::host::slots::SlotState;
 use looseleaf_gpu_host::lifecycle::Lifecycle;
+use looseleaf_planner::demand::Demand;
 use looseleaf_planner::speculator::{Budget, Eviction, Ready, Speculator};
 use schemas::messages::{EventKind, Prepare, PreparedOutcome, PreparedWorker, RecipeKind, RecipeV3, WorkerState};
 use uuid::Uuid;
@@ -76,6 +77,8 @@ impl Facts for World<'_> {
 /// LooseLeaf.
 pub struct LooseLeaf {
     speculator: Speculator,
+    /// The planner's GPU demand from the edit stream: what hosts are scaled on.
+    demand: Option<Demand>,
     lifecycle: Lifecycle,
     budget: Budget,
     /// One gpu-host core per host that is on.
@@ -103,6 +106,7 @@ impl LooseLeaf {
     pub fn new(budget: Budget) -> Self {
         Self {
             speculator: Speculator::new(budget),
+            demand: None,
             lifecycle: Lifecycle::default(),
             budget,
             cores: vec![],
@@ -212,6 +216,18 @@ impl LooseLeaf {
     /// Deliver `recipe` to every host that is on, as the planner's publish does.
     fn deliver(&mut self, sim: &mut Sim, recipe: &RecipeV3) {
         self.share_status(sim);
+        // the host named as holding the cell's prepared worker, as its status says
+        let named = recipe.prepared.as_ref().and_then(|p| {
+            let h = sim.cluster.hosts.iter().position(|x| x.name == p.host)?;
+            let free_slots = self.cores.get(h)?.as_ref()?.slots().free_count() as usize;
+            Some((h, p.host.clone(), free_slots))
+        });
+        if let Some((named, host, free_slots)) = named {
+            let others: Vec<usize> = (0..self.cores.len()).filter(|&h| h != named && self.cores[h].is_some()).collect();
+            for h in others {
+                self.feed(sim, h, Input::PeerStatus { host: host.clone(), free_slots });
+            }
+        }
         for h in 0..self.cores.len() {
             if self.cores[h].is_some() {
                 self.feed(sim, h, Input::Recipe(recipe.clone()));
@@ -375,6 +391,9 @@ impl LooseLeaf {
             SAVED => {
                 if let Some(r) = self.running[s].take() {
                     self.cached_on[s] = Some(r.host);
+                    if let Some(d) = self.demand.as_mut() {
+                        d.ended(r.exec);
+                    }
                     let worker = Some(WorkerRef { id: r.worker, pid: 0 });
                     let input = Input::Executed { exec_id: r.exec, worker, unsavable: vec![], cuda_used: true };
                     self.feed(sim, r.host, input);
@@ -474,12 +493,22 @@ impl Policy for LooseLeaf {
             self.import_tail.resize(n, false);
         }
         self.by_id.insert(sim.session(s).id, s);
+        // hosts are asked for a boot and a scaling interval ahead
+        let a = &sim.cluster.autoscaler;
+        self.demand.get_or_insert_with(|| Demand::new(a.boot_s.0 + a.interval_s));
         self.sync_hosts(sim);
     }
 
     fn edit(&mut self, sim: &mut Sim, s: usize) {
         self.pressed[s] = false;
         self.import_tail[s] = sim.cell(s).import_tail;
+        let (id, cell) = (sim.session(s).id, sim.cell(s));
+        if let Some(d) = self.demand.as_mut() {
+            match cell.gpu {
+                true => d.typing(id, &cell.cell_id, cell.gpus, cell.closure_bytes, sim.now() + DEBOUNCE_S),
+                false => d.not_typing(id, &cell.cell_id),
+            }
+        }
         if sim.cell(s).gpu {
             let at = sim.now() + DEBOUNCE_S;
             sim.timer(at, Timer { session: s, kind: PLAN, tag: sim.progress[s].cell as u64 });
@@ -502,6 +531,9 @@ impl Policy for LooseLeaf {
         let mut recipe = self.recipe(sim, s, RecipeKind::Run);
         recipe.prepared = self.speculator.for_run(id, &cell_id);
         self.ready_at_run[s] = recipe.prepared.is_some();
+        if let Some(d) = self.demand.as_mut() {
+            d.ran(id, &cell_id, recipe.exec_id, now);
+        }
         self.unstarted.insert(s);
         self.deliver(sim, &recipe);
         let claimed = self
@@ -544,6 +576,9 @@ impl Policy for LooseLeaf {
             }
         }
         self.speculator.close(id);
+        if let Some(d) = self.demand.as_mut() {
+            d.closed(id);
+        }
     }
 
     fn capacity_changed(&mut self, sim: &mut Sim) {
@@ -590,6 +625,11 @@ impl Policy for LooseLeaf {
     fn releasable(&self, _sim: &Sim, host: usize) -> bool {
         // a host whose core holds nothing on a slot (the engine checks the slots)
         self.cores.get(host).and_then(Option::as_ref).is_none_or(|c| c.running() == 0)
+    }
+
+    fn demand(&mut self, sim: &Sim) -> Option<f64> {
+        let now = sim.now();
+        self.demand.as_mut().map(|d| d.at(now).wanted_gpus)
     }
 
     fn counters(&self) -> BTreeMap<String, f64> {

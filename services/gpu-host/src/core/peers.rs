@@ -31,6 +31,12 @@ impl Peers {
         self.0.live(PEER_STALE, now).any(|(_, free)| *free >= n as usize)
     }
 
+    /// Whether `host` said lately that it has `n` free slots; None if it was not
+    /// heard lately.
+    pub fn host_has_room(&self, host: &str, n: u32, now: Instant) -> Option<bool> {
+        self.0.live(PEER_STALE, now).find(|(h, _)| *h == host).map(|(_, free)| *free >= n as usize)
+    }
+
     /// The hosts alive as far as this one knows: itself (`me`) and every other one
     /// heard lately; None until this host has listened long enough to have heard
     /// every live one.

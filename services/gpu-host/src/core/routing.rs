@@ -81,12 +81,20 @@ impl<C: Clock + Clone> HostCore<C> {
                 let key = (recipe.session, recipe.cell_id.clone());
                 self.spec_waiting.retain(|(_, r)| (r.session, &r.cell_id) != (key.0, &key.1));
                 *self.runs_of_cell.entry(key.clone()).or_default() += 1;
-                if self.prepared.contains(&key) {
-                    // no delay: the prepared worker makes this host the best place
+                let now = self.clock.now();
+                // A prepared worker holds no slot (ADR 70): it makes this host the
+                // best place only if a slot is free here, or nowhere else. Otherwise
+                // a host with room starts the run cold rather than it waiting here
+                // for a slot (ADR 71).
+                let room_here = self.slots.free_count() >= n || !self.peers.has_room(n, now);
+                if self.prepared.contains(&key) && room_here {
                     self.claim(ClaimKey::Run(exec), Duration::ZERO, ClaimFor::PreparedRun { key, recipe });
                     return;
                 }
-                if recipe.prepared.as_ref().is_some_and(|p| p.host != self.host_id) {
+                let elsewhere = recipe.prepared.as_ref().filter(|p| p.host != self.host_id);
+                // that host claims it at once (compete only if it has not), unless
+                // it said it has no room: then compete now
+                if elsewhere.is_some_and(|p| self.peers.host_has_room(&p.host, n, now) != Some(false)) {
                     let mut r = recipe;
                     r.prepared = None;
                     self.emit(Command::After { delay: PREPARED_FALLBACK, input: Box::new(Input::Retry(r)) });

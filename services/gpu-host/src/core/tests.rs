@@ -676,6 +676,34 @@ fn a_run_naming_another_hosts_prepared_worker_waits_for_that_host_first() {
     assert!(matches!(input, Input::Retry(r) if r.prepared.is_none()));
 }
 
+#[test]
+fn a_run_naming_a_host_that_said_it_is_full_is_competed_for_at_once() {
+    let mut h = host(1);
+    h.on(Input::PeerStatus { host: "h2".into(), free_slots: 0 });
+    let r = RecipeV3 { prepared: Some(PreparedAt { host: "h2".into(), worker: "w9".into() }), ..run(S, "c", 7) };
+    let cmds = h.on(Input::Recipe(r));
+    assert!(after(&cmds).is_none(), "no waiting for a host with no room: {cmds:?}");
+    assert_eq!(Host::claim_in(&cmds).1, ClaimKey::Run(exec(7)));
+}
+
+#[test]
+fn a_full_host_leaves_the_run_of_its_prepared_worker_to_a_host_with_room() {
+    let mut h = host(1);
+    h.prepare(S, "c", "w1");
+    h.run_settled(run(S2, "x", 1), Claim::Won);
+    h.on(Input::PeerStatus { host: "h2".into(), free_slots: 1 });
+    let cmds = h.on(Input::Recipe(run(S, "c", 7)));
+    assert!(no_claim(&cmds), "no claim at once for a run it cannot start: {cmds:?}");
+    assert_eq!(h.core.run_state(exec(7)), Some(&RunState::Pending));
+    // with no room anywhere else it takes the run, to start on its worker
+    let mut h = host(1);
+    h.prepare(S, "c", "w1");
+    h.run_settled(run(S2, "x", 1), Claim::Won);
+    h.on(Input::PeerStatus { host: "h2".into(), free_slots: 0 });
+    let cmds = h.on(Input::Recipe(run(S, "c", 7)));
+    assert_eq!(Host::claim_in(&cmds), (Host::claim_in(&cmds).0, ClaimKey::Run(exec(7)), Duration::ZERO));
+}
+
 // ---------------------------------------------------------------- after a cell
 
 #[test]

@@ -51,6 +51,7 @@ impl Planner {
         let analysis = analysis::analyze(&edit.code);
         // What the last run knew (function summaries included); edits change nothing stored.
         let d = derive(&analysis, &edit.code, &manifest, &st, edit.options.all_gpu, Uuid::nil(), &edit.cell_id);
+        self.edit_demand(edit.session, &edit.cell_id, &d, &manifest);
         let fp = d.fingerprint();
         let revision = match self.speculative.get(&key) {
             Some((_, old)) if *old == Some(fp) => return,

@@ -35,6 +35,8 @@ impl StreamHandler<Result<Envelope<RunV3>, Rejected>> for Planner {
         }
         // Run supersedes the cell's pending edit; its prepared worker (if any) runs it.
         self.pending_edits.remove(&(session, run.cell_id.clone()));
+        let now = self.now();
+        self.demand.ran(session, &run.cell_id, exec_id, now);
         self.ran_code.insert((session, run.cell_id.clone()), code_hash(&run.code));
         if let Some((_, fp)) = self.speculative.get_mut(&(session, run.cell_id.clone())) {
             *fp = None;

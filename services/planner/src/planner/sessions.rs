@@ -45,6 +45,7 @@ impl StreamHandler<Result<Envelope<SessionEventV2>, Rejected>> for Planner {
     fn handle(&mut self, item: Result<Envelope<SessionEventV2>, Rejected>, ctx: &mut Self::Context) {
         let Ok(env) = item else { return };
         let (session, exec_id) = (env.msg.session, env.msg.exec_id);
+        self.event_demand(exec_id, &env.msg.kind);
         match env.msg.kind {
             EventKind::Finished { cuda_used, faulted, .. } => {
                 let kv = self.kv.clone();
@@ -105,6 +106,7 @@ impl StreamHandler<Result<Envelope<SessionCloseV1>, Rejected>> for Planner {
         self.pending_edits.retain(|(s, _), _| *s != session);
         self.ran_code.retain(|(s, _), _| *s != session);
         self.speculator.close(session);
+        self.demand.closed(session);
         let kv = self.kv.clone();
         ctx.spawn(
             async move {
