@@ -165,12 +165,6 @@ impl Autoscaler {
         want.max(self.min_hosts + self.buffer_hosts)
     }
 
-    /// Hosts for a demand signal of `wanted` GPUs (the floor still holds).
-    pub fn demand_target(&self, wanted: f64) -> u32 {
-        let want = (wanted.max(0.0) / self.gpus_per_host as f64).ceil() as u32;
-        want.max(self.min_hosts + self.buffer_hosts)
-    }
-
     /// Hosts that may stay after a scale-in for `load` committed GPUs.
     pub fn scale_in_limit(&self, load: u32) -> u32 {
         let limit = (load as f64 * self.scaling_limit / self.gpus_per_host as f64).ceil() as u32;

@@ -122,11 +122,6 @@ pub trait Policy {
     fn counters(&self) -> BTreeMap<String, f64> {
         BTreeMap::new()
     }
-    /// The GPUs this policy's own demand signal asks for now, if it scales on
-    /// one; `None`: NotebookOS's rule on the slots committed.
-    fn demand(&mut self, _sim: &Sim) -> Option<f64> {
-        None
-    }
 }
 
 /// The simulation a policy acts on.
@@ -428,14 +423,12 @@ fn autoscale(policy: &mut dyn Policy, sim: &mut Sim) {
     }
     let load = sim.cluster.load();
     let hosts = sim.cluster.on_or_booting();
-    // a policy with a demand signal scales to it, with no headroom factor
-    let demand = policy.demand(sim).map(|wanted| a.demand_target(wanted));
-    let target = demand.unwrap_or_else(|| a.scale_out_target(load));
+    let target = a.scale_out_target(load);
     if hosts < target {
         sim.request_hosts(target - hosts);
         return;
     }
-    let limit = demand.unwrap_or_else(|| a.scale_in_limit(load));
+    let limit = a.scale_in_limit(load);
     if hosts <= limit {
         return;
     }

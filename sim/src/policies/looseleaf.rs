@@ -16,7 +16,6 @@ use looseleaf_gpu_host::gpus::Gpu;
 use looseleaf_gpu_host::host::claims::{Claim, ClaimKey};
 use looseleaf_gpu_host::host::slots::SlotState;
 use looseleaf_gpu_host::lifecycle::Lifecycle;
-use looseleaf_planner::demand::Demand;
 use looseleaf_planner::speculator::{Budget, Eviction, Ready, Speculator};
 use schemas::messages::{EventKind, Prepare, PreparedOutcome, PreparedWorker, RecipeKind, RecipeV3, WorkerState};
 use uuid::Uuid;
@@ -77,8 +76,6 @@ impl Facts for World<'_> {
 /// LooseLeaf.
 pub struct LooseLeaf {
     speculator: Speculator,
-    /// The planner's GPU demand from the edit stream: what hosts are scaled on.
-    demand: Option<Demand>,
     lifecycle: Lifecycle,
     budget: Budget,
     /// One gpu-host core per host that is on.
@@ -106,7 +103,6 @@ impl LooseLeaf {
     pub fn new(budget: Budget) -> Self {
         Self {
             speculator: Speculator::new(budget),
-            demand: None,
             lifecycle: Lifecycle::default(),
             budget,
             cores: vec![],
@@ -391,9 +387,6 @@ impl LooseLeaf {
             SAVED => {
                 if let Some(r) = self.running[s].take() {
                     self.cached_on[s] = Some(r.host);
-                    if let Some(d) = self.demand.as_mut() {
-                        d.ended(r.exec);
-                    }
                     let worker = Some(WorkerRef { id: r.worker, pid: 0 });
                     let input = Input::Executed { exec_id: r.exec, worker, unsavable: vec![], cuda_used: true };
                     self.feed(sim, r.host, input);
@@ -493,22 +486,12 @@ impl Policy for LooseLeaf {
             self.import_tail.resize(n, false);
         }
         self.by_id.insert(sim.session(s).id, s);
-        // hosts are asked for a boot and a scaling interval ahead
-        let a = &sim.cluster.autoscaler;
-        self.demand.get_or_insert_with(|| Demand::new(a.boot_s.0 + a.interval_s));
         self.sync_hosts(sim);
     }
 
     fn edit(&mut self, sim: &mut Sim, s: usize) {
         self.pressed[s] = false;
         self.import_tail[s] = sim.cell(s).import_tail;
-        let (id, cell) = (sim.session(s).id, sim.cell(s));
-        if let Some(d) = self.demand.as_mut() {
-            match cell.gpu {
-                true => d.typing(id, &cell.cell_id, cell.gpus, cell.closure_bytes, sim.now() + DEBOUNCE_S),
-                false => d.not_typing(id, &cell.cell_id),
-            }
-        }
         if sim.cell(s).gpu {
             let at = sim.now() + DEBOUNCE_S;
             sim.timer(at, Timer { session: s, kind: PLAN, tag: sim.progress[s].cell as u64 });
@@ -531,9 +514,6 @@ impl Policy for LooseLeaf {
         let mut recipe = self.recipe(sim, s, RecipeKind::Run);
         recipe.prepared = self.speculator.for_run(id, &cell_id);
         self.ready_at_run[s] = recipe.prepared.is_some();
-        if let Some(d) = self.demand.as_mut() {
-            d.ran(id, &cell_id, recipe.exec_id, now);
-        }
         self.unstarted.insert(s);
         self.deliver(sim, &recipe);
         let claimed = self
@@ -576,9 +556,6 @@ impl Policy for LooseLeaf {
             }
         }
         self.speculator.close(id);
-        if let Some(d) = self.demand.as_mut() {
-            d.closed(id);
-        }
     }
 
     fn capacity_changed(&mut self, sim: &mut Sim) {
@@ -625,11 +602,6 @@ impl Policy for LooseLeaf {
     fn releasable(&self, _sim: &Sim, host: usize) -> bool {
         // a host whose core holds nothing on a slot (the engine checks the slots)
         self.cores.get(host).and_then(Option::as_ref).is_none_or(|c| c.running() == 0)
-    }
-
-    fn demand(&mut self, sim: &Sim) -> Option<f64> {
-        let now = sim.now();
-        self.demand.as_mut().map(|d| d.at(now).wanted_gpus)
     }
 
     fn counters(&self) -> BTreeMap<String, f64> {
