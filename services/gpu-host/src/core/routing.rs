@@ -86,7 +86,9 @@ impl<C: Clock + Clone> HostCore<C> {
                 // best place only if a slot is free here, or nowhere else. Otherwise
                 // a host with room starts the run cold rather than it waiting here
                 // for a slot (ADR 71).
-                let room_here = self.slots.free_count() >= n || !self.peers.has_room(n, now);
+                // (a worker prepared on its slot, `--prepare-holds-slot`, has it)
+                let held = self.prepared.get(&key).map_or(0, |p| p.slots.len() as u32);
+                let room_here = held + self.slots.free_count() >= n || !self.peers.has_room(n, now);
                 if self.prepared.contains(&key) && room_here {
                     self.claim(ClaimKey::Run(exec), Duration::ZERO, ClaimFor::PreparedRun { key, recipe });
                     return;

@@ -702,6 +702,12 @@ fn a_full_host_leaves_the_run_of_its_prepared_worker_to_a_host_with_room() {
     h.on(Input::PeerStatus { host: "h2".into(), free_slots: 0 });
     let cmds = h.on(Input::Recipe(run(S, "c", 7)));
     assert_eq!(Host::claim_in(&cmds), (Host::claim_in(&cmds).0, ClaimKey::Run(exec(7)), Duration::ZERO));
+    // a worker prepared on its slot has its room, whatever the peers have
+    let mut h = host_holding(1);
+    h.prepare(S, "c", "w1");
+    h.on(Input::PeerStatus { host: "h2".into(), free_slots: 1 });
+    let cmds = h.on(Input::Recipe(run(S, "c", 7)));
+    assert_eq!(Host::claim_in(&cmds).2, Duration::ZERO, "its own slot: claimed at once");
 }
 
 // ---------------------------------------------------------------- after a cell

@@ -57,7 +57,13 @@ impl StreamHandler<Result<Envelope<HostStatusV2>, Rejected>> for Host {
         let Ok(env) = item else { return };
         let status = env.msg;
         if status.host != self.env.host_id {
-            let free_slots = status.slots.iter().filter(|s| s.held_for.is_none()).count();
+            // a slot an idle prepared worker holds serves a run there (it is given
+            // up for one, or its worker runs it): room, as a free one is
+            let room = |s: &&schemas::messages::SlotStatus| match s.held_for.as_deref() {
+                None => true,
+                Some(why) => why.starts_with("prepared for cell"),
+            };
+            let free_slots = status.slots.iter().filter(room).count();
             self.drive(Input::PeerStatus { host: status.host, free_slots }, ctx);
         }
     }

@@ -178,6 +178,7 @@ impl<C: Clock> Slots<C> {
                         (None, Some(*session), Some(format!("unsavable state in {worker}")))
                     }
                     SlotState::Prepared { session, cell_id } => {
+                        // peers read "prepared for cell" as room (host/handlers.rs)
                         let what = if preparing(*session, cell_id) { "preparing" } else { "prepared" };
                         (None, Some(*session), Some(format!("{what} for cell {cell_id}")))
                     }
