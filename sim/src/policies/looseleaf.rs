@@ -95,6 +95,8 @@ pub struct LooseLeaf {
     import_tail: Vec<bool>,
     by_id: HashMap<Uuid, usize>,
     workers: u64,
+    /// Prepared workers that hold no slot (their state staged in host memory).
+    staged: HashSet<String>,
     counters: BTreeMap<&'static str, f64>,
 }
 
@@ -117,6 +119,7 @@ impl LooseLeaf {
             import_tail: vec![],
             by_id: HashMap::new(),
             workers: 0,
+            staged: HashSet::new(),
             counters: BTreeMap::new(),
         }
     }
@@ -242,7 +245,7 @@ impl LooseLeaf {
                 self.claims.remove(&key.key());
             }
             Command::Event { session, kind, .. } => self.on_event(sim, session, kind),
-            Command::Prepare { key, worker, .. } => {
+            Command::Prepare { key, worker, slots, .. } => {
                 let Some(&s) = self.by_id.get(&key.0) else { return };
                 let (worker, prepare_s) = match worker {
                     // updated in place: the refresh of what changed
@@ -251,9 +254,16 @@ impl LooseLeaf {
                         (WorkerRef { id, pid: 0 }, self.hit_s(sim))
                     }
                     // staged: the closure restored into host memory, no slot, no CUDA
+                    None if slots.is_empty() => {
+                        self.count("prepared");
+                        let w = self.born(key.0);
+                        self.staged.insert(w.id.clone());
+                        (w, self.restore_s(sim, s))
+                    }
+                    // on its slots (a multi-GPU cell): put on the GPU as it is prepared
                     None => {
                         self.count("prepared");
-                        (self.born(key.0), self.restore_s(sim, s))
+                        (self.born(key.0), self.prepare_s(sim, s))
                     }
                 };
                 let tag = self.step(Step::Prepared { host: h, key, worker, prepare_ms: prepare_s * 1000.0 });
@@ -315,7 +325,8 @@ impl LooseLeaf {
                     "over_1s_run_while_preparing"
                 };
                 // prepared without a slot: its staged state goes to the device now
-                (worker, now + self.hit_s(sim) + self.stage_in_s(sim, s), late)
+                let stage_in = if self.staged.remove(&worker) { self.stage_in_s(sim, s) } else { 0.0 };
+                (worker, now + self.hit_s(sim) + stage_in, late)
             }
             Target::Existing { worker, .. } => (worker, now + self.hit_s(sim), "over_1s_hit"),
             Target::Fresh { .. } => {

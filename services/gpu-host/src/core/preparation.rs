@@ -63,11 +63,14 @@ impl<C: Clock + Clone> HostCore<C> {
         }
         self.claiming_prep.insert(key.clone(), Claiming { next: None });
         let runs_before = self.runs_of(&key);
-        // No preparation needs a slot: a worker forked without one restores the
-        // closure's GPU-resident state into host memory (staged), and the run that
-        // binds a slot copies it to the device first (ADR 70). Typing time costs
-        // no GPU time.
-        self.claim_preparation(recipe, self.policy.prepare_holds_slot, runs_before, facts);
+        // A one-GPU cell's preparation needs no slot: a worker forked without one
+        // restores the closure's GPU-resident state into host memory (staged),
+        // and the run that binds a slot copies it to the device first (ADR 70).
+        // A multi-GPU cell's worker still holds its slots while prepared: waiting
+        // for N slots at Run, behind one-slot runs that take each freed slot,
+        // starved it for hours (`looseleaf simulate`, the trace workload).
+        let needs_slot = self.policy.prepare_holds_slot || recipe.gpus > 1;
+        self.claim_preparation(recipe, needs_slot, runs_before, facts);
     }
 
     /// Run recipes of the cell `key` seen so far.

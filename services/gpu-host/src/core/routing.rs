@@ -86,9 +86,14 @@ impl<C: Clock + Clone> HostCore<C> {
                 // best place only if a slot is free here, or nowhere else. Otherwise
                 // a host with room starts the run cold rather than it waiting here
                 // for a slot (ADR 71).
-                // (a worker prepared on its slot, `--prepare-holds-slot`, has it)
+                // (a worker prepared on its slot, `--prepare-holds-slot`, has it). With
+                // no room anywhere it waits here for a slot, but not ahead of runs
+                // already waiting here: a multi-GPU one starved behind such runs.
                 let held = self.prepared.get(&key).map_or(0, |p| p.slots.len() as u32);
-                let room_here = held + self.slots.free_count() >= n || !self.peers.has_room(n, now);
+                let slot_queue =
+                    |s: &RunState| matches!(s, RunState::Pending | RunState::Won | RunState::ForPrepared(_));
+                let nowhere_else = !self.peers.has_room(n, now) && self.runs.waiting(slot_queue).is_empty();
+                let room_here = held + self.slots.free_count() >= n || nowhere_else;
                 if self.prepared.contains(&key) && room_here {
                     self.claim(ClaimKey::Run(exec), Duration::ZERO, ClaimFor::PreparedRun { key, recipe });
                     return;

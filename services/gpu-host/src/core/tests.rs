@@ -431,6 +431,16 @@ fn an_admitted_edit_is_claimed_without_a_slot_whatever_its_closure_holds() {
 }
 
 #[test]
+fn a_multi_gpu_cell_is_prepared_on_its_slots() {
+    let mut h = host(2);
+    let cmds = h.on(Input::Recipe(RecipeV3 { gpus: 2, ..edit(S, "c", 1) }));
+    let (ticket, _, _) = Host::claim_in(&cmds);
+    assert_eq!((h.slot(0), h.slot(1)), (SlotState::Claiming(None), SlotState::Claiming(None)));
+    let cmds = h.on(Input::Claimed { ticket, claim: Claim::Won });
+    assert_eq!(prepares(&cmds), Some((1, vec![0, 1], None)));
+}
+
+#[test]
 fn a_host_that_prepares_with_slots_holds_one_while_claiming() {
     let mut h = host_holding(1);
     let cmds = h.on(Input::Recipe(edit(S, "c", 1)));
@@ -702,6 +712,16 @@ fn a_full_host_leaves_the_run_of_its_prepared_worker_to_a_host_with_room() {
     h.on(Input::PeerStatus { host: "h2".into(), free_slots: 0 });
     let cmds = h.on(Input::Recipe(run(S, "c", 7)));
     assert_eq!(Host::claim_in(&cmds), (Host::claim_in(&cmds).0, ClaimKey::Run(exec(7)), Duration::ZERO));
+    // with no room anywhere, runs already waiting here go first
+    let mut h = host(1);
+    h.prepare(S, "c", "w1");
+    h.run_settled(run(S2, "x", 1), Claim::Won);
+    h.on(Input::Recipe(run(S2, "y", 2)));
+    assert_eq!(h.core.run_state(exec(2)), Some(&RunState::Pending));
+    let cmds = h.on(Input::Recipe(run(S, "c", 7)));
+    assert!(no_claim(&cmds), "not ahead of y: {cmds:?}");
+    let cmds = h.on(executed(1, None, &[], false));
+    assert_eq!(Host::claim_in(&cmds).1, ClaimKey::Run(exec(2)), "the freed slot goes to y first");
     // a worker prepared on its slot has its room, whatever the peers have
     let mut h = host_holding(1);
     h.prepare(S, "c", "w1");
