@@ -275,10 +275,13 @@ impl LooseLeaf {
                 let tag = self.step(Step::Later { host: h, input });
                 sim.timer(now + delay.as_secs_f64(), Timer { session: h, kind: LATER, tag });
             }
+            // an evicted or superseded staged worker is not staged any more
+            Command::StopWorker { worker } => {
+                self.staged.remove(&worker);
+            }
             // no process, no bus, no uid to act on in a simulation
             Command::Renew { .. }
             | Command::Bid(_)
-            | Command::StopWorker { .. }
             | Command::Interrupt { .. }
             | Command::KillCells { .. }
             | Command::ReleaseUid { .. }
