@@ -2,7 +2,7 @@
 //! object store and shared-memory files that workers map, through a bounded
 //! per-host chunk cache. Every chunk read is verified against its hash.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path as FsPath, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -55,29 +55,49 @@ pub enum ChunkError {
     },
 }
 
-/// A bounded LRU of chunk bytes.
+/// The host's chunk cache (issue 38 item 3): the chunks its sessions saved and
+/// restored here, bounded by bytes; the least recently used go first. A hit makes
+/// a chunk the most recent, so a session's closure stays while it is in use
+/// however much else passes through.
 struct Cache {
     max_bytes: u64,
     bytes: u64,
-    map: HashMap<String, Bytes>,
-    order: VecDeque<String>,
+    /// Use counter: each get or put takes the next value.
+    clock: u64,
+    /// Chunk bytes and their last use.
+    map: HashMap<String, (Bytes, u64)>,
+    /// Last use to chunk, oldest first.
+    by_use: BTreeMap<u64, String>,
 }
 
 impl Cache {
+    fn new(max_bytes: u64) -> Self {
+        Self { max_bytes, bytes: 0, clock: 0, map: HashMap::new(), by_use: BTreeMap::new() }
+    }
+
     fn get(&mut self, hash: &str) -> Option<Bytes> {
-        self.map.get(hash).cloned()
+        let (data, used) = self.map.get_mut(hash)?;
+        self.clock += 1;
+        self.by_use.remove(used);
+        *used = self.clock;
+        self.by_use.insert(self.clock, hash.to_string());
+        Some(data.clone())
     }
 
     fn put(&mut self, hash: &str, data: Bytes) {
-        if data.len() as u64 > self.max_bytes || self.map.contains_key(hash) {
+        if data.len() as u64 > self.max_bytes {
             return;
         }
+        if self.get(hash).is_some() {
+            return; // the same bytes (chunks are named by their hash); now recent
+        }
+        self.clock += 1;
         self.bytes += data.len() as u64;
-        self.map.insert(hash.to_string(), data);
-        self.order.push_back(hash.to_string());
+        self.map.insert(hash.to_string(), (data, self.clock));
+        self.by_use.insert(self.clock, hash.to_string());
         while self.bytes > self.max_bytes {
-            let Some(old) = self.order.pop_front() else { break };
-            if let Some(d) = self.map.remove(&old) {
+            let Some((_, old)) = self.by_use.pop_first() else { break };
+            if let Some((d, _)) = self.map.remove(&old) {
                 self.bytes -= d.len() as u64;
             }
         }
@@ -108,8 +128,7 @@ pub struct RestoreFile {
 impl Chunks {
     /// Chunks in `objects`, cached up to `cache_bytes`, restore files in `shm_dir`.
     pub fn new(objects: Arc<dyn ObjectStore>, cache_bytes: u64, shm_dir: PathBuf) -> Self {
-        let cache = Cache { max_bytes: cache_bytes, bytes: 0, map: HashMap::new(), order: VecDeque::new() };
-        Self { objects, cache: Arc::new(Mutex::new(cache)), shm_dir }
+        Self { objects, cache: Arc::new(Mutex::new(Cache::new(cache_bytes))), shm_dir }
     }
 
     /// Bytes held in the cache.
@@ -311,6 +330,26 @@ mod tests {
         let text = err.to_string();
         assert!(text.contains("corrupt") && text.contains("'df'"), "{text}");
         assert!(std::fs::read_dir(dir.path()).unwrap().next().is_none(), "no half-written file left");
+    }
+
+    #[test]
+    fn the_cache_keeps_what_was_used_last_within_its_bytes() {
+        let chunk = |c: u8| Bytes::from(vec![c; 100]);
+        let mut cache = Cache::new(300);
+        for name in ["a", "b", "c"] {
+            cache.put(name, chunk(name.as_bytes()[0]));
+        }
+        assert!(cache.get("a").is_some(), "a is now the most recent");
+        cache.put("d", chunk(b'd'));
+        assert!(cache.get("b").is_none(), "the least recently used went first");
+        assert!(["a", "c", "d"].iter().all(|h| cache.map.contains_key(*h)));
+        assert_eq!(cache.bytes, 300);
+        cache.put("c", chunk(b'c')); // cached again: no second copy, and now recent
+        cache.put("e", chunk(b'e'));
+        assert!(!cache.map.contains_key("a") && cache.map.contains_key("c"), "a was the oldest");
+        assert_eq!((cache.bytes, cache.map.len(), cache.by_use.len()), (300, 3, 3));
+        cache.put("huge", Bytes::from(vec![0; 301]));
+        assert!(!cache.map.contains_key("huge") && cache.bytes == 300, "a chunk over the bound is not cached");
     }
 
     #[test]
