@@ -236,13 +236,10 @@ class Worker(OutputRouting):
     @staticmethod
     def _stage_in(errors: dict[str, str]) -> tuple[int, float]:
         """The restore at Run on a worker prepared without a slot: its staged
-        GPU-resident tensors go to the slot's devices now (ADR 70)."""
+        GPU-resident tensors go to the slot's devices now (ADR 70; on virtual
+        slots, a stand-in copy: ADR 72)."""
         if not (staging.devices_visible() and staging.pending()):
             return 0, 0.0
-        import torch
-
-        if not torch.cuda.is_available():
-            return 0, 0.0  # no CUDA device after all: they stay in host memory
         try:
             return staging.stage_in()
         except BaseException as e:  # noqa: BLE001 (the run fails, naming it)

@@ -12,6 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from helpers import ok, stream_text  # noqa: E402
 from looseleaf_worker import staging  # noqa: E402
 from looseleaf_worker.checkpoint import _rebuild_tensor  # noqa: E402
 from looseleaf_worker.worker import Worker  # noqa: E402
@@ -99,3 +100,50 @@ def test_a_failed_copy_is_named_in_the_restore_errors(no_slot, monkeypatch):
     assert Worker._stage_in(errors) == (0, 0.0)
     assert errors == {"stage_in": "RuntimeError: CUDA out of memory on cuda:0"}
     assert kept.device.type == "cpu"
+
+
+# Virtual GPU slots: the stand-in device (ADR 72), through real workers.
+
+VIRTUAL_SLOT = {"LOOSELEAF_VIRTUAL_GPUS": "0"}
+MAKE = (
+    "import numpy as np\nfrom looseleaf_worker.virtual_gpu import to_virtual_gpu\n"
+    "v = to_virtual_gpu(np.arange(1_000_000, dtype=np.float32))\nalias = {'v': v}"
+)
+
+
+def test_a_virtual_gpu_array_is_saved_as_gpu_resident(host, zygote):
+    w1 = zygote.fork(env=VIRTUAL_SLOT)
+    ok(w1.run(MAKE))
+    delta = w1.save()["ready"]["delta"]
+    rec = delta["objects"][delta["variables"]["v"]["oid"]]
+    assert rec["on_gpu"] is True
+    assert [(p["device"], p["dtype"], p["len"]) for p in rec["payloads"]] == [("vgpu:0", "float32", 4_000_000)]
+
+
+def test_a_virtual_gpu_array_waits_in_host_memory_until_run(host, zygote):
+    w1 = zygote.fork(env=VIRTUAL_SLOT)
+    ok(w1.run(MAKE))
+    w1.save()
+    prepared = zygote.fork()  # before Run: no slot, no device
+    first = prepared.restore(["v", "alias"])
+    assert first["ok"] and first.get("staged_in_bytes", 0) == 0, first
+    at_run = prepared.restore([], env=VIRTUAL_SLOT)
+    assert at_run["ok"] and at_run["staged_in_bytes"] == 4_000_000, at_run
+    # the stand-in device memory is an anonymous mapping of its own
+    check = "import mmap\nprint(alias['v'] is v, isinstance(v.data.base, mmap.mmap), float(v.sum()), v.device)"
+    text = stream_text(ok(prepared.run(check)))
+    assert text.split() == ["True", "True", str(float(np.arange(1_000_000, dtype=np.float32).sum())), "vgpu:0"]
+    again = prepared.restore([], env=VIRTUAL_SLOT)
+    assert again.get("staged_in_bytes", 0) == 0, "copied once"
+
+
+def test_a_worker_on_its_slot_copies_a_virtual_gpu_array_at_restore(host, zygote):
+    w1 = zygote.fork(env=VIRTUAL_SLOT)
+    ok(w1.run(MAKE))
+    w1.save()
+    cold = zygote.fork(env=VIRTUAL_SLOT)
+    restored = cold.restore(["v"], env=VIRTUAL_SLOT)
+    assert restored["ok"] and restored.get("staged_in_bytes", 0) == 0, restored
+    # its bytes are its own (the "device"), not the restore file's
+    check = "import mmap\nprint(isinstance(v.data.base, mmap.mmap), v.data.flags.writeable, v.shape)"
+    assert stream_text(ok(cold.run(check))).split() == ["True", "True", "(1000000,)"]

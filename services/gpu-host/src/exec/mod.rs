@@ -208,13 +208,11 @@ impl ExecEnv {
         (coverage, if total == 0 { 1.0 } else { cached as f64 / total as f64 })
     }
 
-    /// The devices a worker on `slots` may see (none for CPU work and virtual slots).
+    /// The devices a worker on `slots` may see (none for CPU work): real slots
+    /// through CUDA, virtual ones through the stand-in device's variable (ADR 72).
+    /// Both are always set, so a worker that moves between kinds forgets the other.
     fn device_env(&self, slots: &[u32]) -> BTreeMap<String, String> {
-        let devices = match self.real_gpus {
-            true => slots.iter().map(u32::to_string).collect::<Vec<_>>().join(","),
-            false => String::new(),
-        };
-        BTreeMap::from([("CUDA_VISIBLE_DEVICES".to_string(), devices)])
+        device_env(self.real_gpus, slots)
     }
 
     /// Run one recipe to the end. Never panics; every failure becomes a `Failed` event.
@@ -335,5 +333,30 @@ impl ExecEnv {
             return (None, result);
         }
         (Some(worker), result)
+    }
+}
+
+/// The variables naming a worker's devices on `slots` (see `Exec::device_env`).
+fn device_env(real_gpus: bool, slots: &[u32]) -> BTreeMap<String, String> {
+    let devices = slots.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+    let (cuda, virtual_gpus) = if real_gpus { (devices, String::new()) } else { (String::new(), devices) };
+    BTreeMap::from([("CUDA_VISIBLE_DEVICES".to_string(), cuda), ("LOOSELEAF_VIRTUAL_GPUS".to_string(), virtual_gpus)])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::device_env;
+
+    #[test]
+    fn real_slots_are_cuda_devices_and_virtual_ones_the_stand_in_devices() {
+        let real = device_env(true, &[1, 3]);
+        assert_eq!((real["CUDA_VISIBLE_DEVICES"].as_str(), real["LOOSELEAF_VIRTUAL_GPUS"].as_str()), ("1,3", ""));
+        let virtual_slots = device_env(false, &[0]);
+        assert_eq!(
+            (virtual_slots["CUDA_VISIBLE_DEVICES"].as_str(), virtual_slots["LOOSELEAF_VIRTUAL_GPUS"].as_str()),
+            ("", "0")
+        );
+        let cpu = device_env(false, &[]);
+        assert!(cpu.values().all(String::is_empty), "CPU work sees no device");
     }
 }

@@ -16,7 +16,8 @@ record that every member oid points at; identical bytes mean one set of chunks.
 Map (one concern per module):
   names     which names are user state; which globals notebook code reads
   chunks    blobs cut into 2 MiB chunks named by xxh3-128
-  reducers  numpy arrays and views, tensors and code objects, and their rebuilders
+  reducers  numpy arrays and views, tensors, virtual GPU arrays and code objects,
+            and their rebuilders
   pickler   one record pickled (persistent ids, payloads, ordered sets) and loaded
   graph     objects shared between variables, sharers of unsavables, cycles
   delta     a save: records, chunks and variable entries (build_delta)
@@ -32,7 +33,14 @@ from .graph import _carries_identity
 from .loader import RestoreError, restore
 from .names import function_global_reads, is_user_name
 from .pickler import _Group
-from .reducers import _code_in_file, _rebuild_owner, _rebuild_tensor, _rebuild_view, _reduce_code
+from .reducers import (
+    _code_in_file,
+    _rebuild_owner,
+    _rebuild_tensor,
+    _rebuild_view,
+    _rebuild_virtual_gpu_array,
+    _reduce_code,
+)
 
 __all__ = [
     "RestoreError",
@@ -51,4 +59,5 @@ __all__ = [
     "_rebuild_owner",
     "_rebuild_tensor",
     "_rebuild_view",
+    "_rebuild_virtual_gpu_array",
 ]

@@ -16,7 +16,14 @@ import cloudpickle
 
 from .. import comms, files, setorder
 from .names import _code_names
-from .reducers import _rebuild_tensor, _reduce_code, _reduce_owner, _reduce_view, stored_name
+from .reducers import (
+    _rebuild_tensor,
+    _rebuild_virtual_gpu_array,
+    _reduce_code,
+    _reduce_owner,
+    _reduce_view,
+    stored_name,
+)
 
 OOB_MIN_BYTES = 64 * 1024
 
@@ -171,6 +178,9 @@ class RecordPickler(cloudpickle.Pickler):
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(obj, torch.Tensor):
             return self._reduce_tensor(torch, obj)
+        virtual_gpu = sys.modules.get("looseleaf_worker.virtual_gpu")  # loaded once one exists
+        if virtual_gpu is not None and t is virtual_gpu.VirtualGpuArray:
+            return self._reduce_virtual_gpu_array(obj)
         if t is types.CodeType:
             return _reduce_code(obj)
         if files.is_closed_file(obj):
@@ -196,6 +206,13 @@ class RecordPickler(cloudpickle.Pickler):
         is_param = isinstance(t, torch.nn.Parameter)
         self.modules.add("torch")
         return (_rebuild_tensor, (arr, dtype, bool(t.requires_grad), device, is_param))
+
+    def _reduce_virtual_gpu_array(self, v):
+        # a trial restore would copy it to the "device" again
+        self.no_trial = "it holds a virtual GPU array"
+        self.on_gpu = True
+        self.devices[id(v.data)] = v.device  # its payload's device label
+        return (_rebuild_virtual_gpu_array, (v.data, v.device))
 
     def _dynamic_function_reduce(self, func):
         # Notebook functions keep the user namespace as their globals, looked up

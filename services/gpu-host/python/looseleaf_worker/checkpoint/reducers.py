@@ -1,4 +1,4 @@
-"""How numpy arrays (owners and views), torch tensors and code objects are
+"""How numpy arrays (owners and views), torch tensors, virtual GPU arrays and code objects are
 reduced into a record, and the functions that rebuild them when it is loaded.
 
 Pickle stores a rebuild function by reference: its module and qualified name
@@ -47,6 +47,21 @@ def _rebuild_tensor(arr, dtype: str, requires_grad: bool, device: str, is_param:
     if device.startswith("cuda") and not on_device:
         staging.stage(t, device)
     return t
+
+
+@stored_name
+def _rebuild_virtual_gpu_array(arr, device: str):
+    from ..virtual_gpu import VirtualGpuArray
+
+    v = VirtualGpuArray(arr, device)
+    # as a tensor saved from a GPU: on the device when the worker holds its slot,
+    # else staged in host memory for the copy at Run (ADR 72)
+    if staging.devices_visible():
+        v.copy_to_device()
+    else:
+        v.stage()
+        staging.stage(v, device)
+    return v
 
 
 def _owner(np, arr):
