@@ -384,14 +384,20 @@ async fn each_edit_plan_is_told_and_the_text_that_ran_prepares_nothing_more() ->
         .until(|i| matches!(i, StreamItem::Event { event: Event::Preparing { cell_id, .. }, .. } if cell_id == "c1"))
         .await?;
     ready(&mut events, "c1", 1).await?;
-    // the user goes on typing: the text does not parse yet (a plan of the whole
-    // namespace); Run is pressed on the finished text before its edit was planned
+    // the user goes on typing: half-typed text that does not parse is not planned
+    // (its conservative closure is the whole namespace); the worker prepared for
+    // the last text that parsed stays, and Run on the finished text uses it
+    let typing = events.seen.len();
     fe.edit(sid, "c1", "%%gpu\nprint(x + 1) if").await?;
-    let plan = events.until(|i| edit_planned(i, "c1")).await?;
-    assert!(matches!(plan, StreamItem::Event { event: Event::Planned { conservative: Some(_), .. }, .. }));
-    ready(&mut events, "c1", 2).await?;
+    tokio::time::sleep(Duration::from_millis(300)).await; // past the planner's debounce
+    fe.edit(sid, "c3", "%%gpu\nprint(y)").await?;
+    events.until(|i| edit_planned(i, "c3")).await?;
+    let half_typed = &events.seen[typing..];
+    assert!(!half_typed.iter().any(|i| edit_planned(i, "c1")), "{half_typed:?}");
     let r1 = fe.run(sid, "c1", code).await?;
     events.done(r1.exec_id).await?;
+    let (prepare, refreshed, _) = started(&events, r1.exec_id).expect("c1 started");
+    assert_eq!((prepare, refreshed), (Prepare::Speculative, 0));
     let after_run = events.seen.len();
 
     // the editor's last edit of that text, heard after Run: nothing is planned or

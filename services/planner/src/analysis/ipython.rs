@@ -160,6 +160,7 @@ pub(super) fn analyze_cell(code: &str) -> CellAnalysis {
             Some(parsed) => (parsed, true),
             None => {
                 a.out.conservative = Some("parse error at line 1: parser failure".to_owned());
+                a.out.syntax_error = true;
                 return a.out;
             }
         },
@@ -172,6 +173,7 @@ pub(super) fn analyze_cell(code: &str) -> CellAnalysis {
         let at = err.location.start().min(TextSize::from(body.trim_end().len() as u32));
         let line = a.line_of(at);
         a.out.conservative = Some(format!("parse error at line {line}: {}", err.error));
+        a.out.syntax_error = true;
     }
     let Mod::Module(module) = parsed.syntax() else {
         if timeit {

@@ -60,6 +60,10 @@ pub struct CellAnalysis {
     pub device: Option<DeviceHint>,
     /// `Some(reason)` when the analysis cannot be sure of its reads and writes.
     pub conservative: Option<String>,
+    /// The code has a syntax error (not IPython syntax the parser lacks): text
+    /// typed halfway, or a cell that raises SyntaxError when run.
+    #[serde(default)]
+    pub syntax_error: bool,
     /// Names in the string literals passed to a call of a name (`show('x', 'x.T')`
     /// gives `show: {x}`): a definition that evaluates its arguments reads them.
     pub literal_args: BTreeMap<String, BTreeSet<String>>,

@@ -262,7 +262,10 @@ fn parse_error_is_conservative_with_line() {
     let a = analyze("x = 1\ny = (\n");
     let reason = a.conservative.unwrap_or_default();
     assert!(reason.starts_with("parse error at line "), "{reason}");
+    assert!(a.syntax_error);
     let a = analyze("a = 1\nb = 2\ndef f(:\n    pass");
+    assert!(a.syntax_error);
     let reason = a.conservative.unwrap_or_default();
     assert!(reason.starts_with("parse error at line 3: "), "{reason}");
+    assert!(!analyze("x = f(a)").syntax_error);
 }

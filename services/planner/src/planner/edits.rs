@@ -49,6 +49,13 @@ impl Planner {
             .cloned()
             .unwrap_or_else(|| (Arc::new(Manifest::empty(edit.session)), Arc::new(state::SessionState::default())));
         let analysis = analysis::analyze(&edit.code);
+        if analysis.syntax_error && self.speculative.contains_key(&key) {
+            // Half-typed text (an open bracket, a dangling operator): its conservative
+            // closure is the whole session, gigabytes restored for a moment's text.
+            // The cell's preparation for its last text that parsed stays.
+            tracing::debug!(session = %edit.session, cell = %edit.cell_id, "an edit that does not parse is not planned");
+            return;
+        }
         // What the last run knew (function summaries included); edits change nothing stored.
         let d = derive(&analysis, &edit.code, &manifest, &st, edit.options.all_gpu, Uuid::nil(), &edit.cell_id);
         self.edit_demand(edit.session, &edit.cell_id, &d, &manifest);
