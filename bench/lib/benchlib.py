@@ -207,7 +207,7 @@ class Services:
             "LOOSELEAF_PREFIX": "bench",
             "LOOSELEAF_STORE_URL": str(work / "store"),
             "LOOSELEAF_PYTHON": str(PYTHON),
-            "LOOSELEAF_LOG": "warn",
+            "LOOSELEAF_LOG": os.environ.get("LOOSELEAF_LOG", "warn"),
             "LOOSELEAF_MANIFEST_KEY_FILE": str(key),
         }
         wait_port(nats_port)
@@ -215,27 +215,39 @@ class Services:
         for i in range(planners):
             self._start(f"planner-{i}", [str(RELEASE / "looseleaf-planner")], self.env)
             time.sleep(1.0)  # the first one started holds the lease
-        self._start(
-            "host-0",
-            [
-                str(RELEASE / "looseleaf-gpu-host"),
-                "--host-id",
-                "host-0",
-                "--virtual-gpus",
-                str(virtual_gpus),
-                "--runtime-dir",
-                str(work / "host-0"),
-            ],
-            self.env,
-        )
+        self.virtual_gpus = virtual_gpus
+        self._start_host("host-0")
         port = free_port()
         self._start("frontend", [str(RELEASE / "looseleaf-frontend"), "--listen", f"127.0.0.1:{port}"], self.env)
         self.url = f"http://127.0.0.1:{port}"
         wait_port(port)
         self._wait_zygote()
 
-    def _wait_zygote(self, timeout: float = 180.0) -> None:
-        """Until the dashboard's snapshot shows a host with a ready zygote."""
+    def _start_host(self, host_id: str) -> None:
+        args = [
+            str(RELEASE / "looseleaf-gpu-host"),
+            "--host-id",
+            host_id,
+            "--virtual-gpus",
+            str(self.virtual_gpus),
+            "--runtime-dir",
+            str(self.work / host_id),
+        ]
+        self._start(host_id, args, self.env)
+
+    def restart_host(self, host_id: str) -> None:
+        """Stop every gpu-host (SIGTERM) and start one named `host_id`: a host with
+        nothing cached, nothing prepared. Returns once its zygote is ready."""
+        for name, p in self.procs.items():
+            if name.startswith("host") and p.poll() is None:
+                p.terminate()
+                p.wait(timeout=60)
+        self._start_host(host_id)
+        self._wait_zygote(host=host_id)
+
+    def _wait_zygote(self, timeout: float = 180.0, host: str | None = None) -> None:
+        """Until the dashboard's snapshot shows a host (`host`, if named) with a
+        ready zygote."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with urllib.request.urlopen(f"{self.url}/v1/dashboard", timeout=10) as stream:
@@ -243,7 +255,8 @@ class Services:
                     line = raw.decode().strip()
                     if line.startswith("data:"):
                         snapshot = json.loads(line[5:])
-                        if any(h.get("zygotes") for h in snapshot.get("hosts", [])):
+                        hosts = [h for h in snapshot.get("hosts", []) if host in (None, h.get("host"))]
+                        if any(h.get("zygotes") for h in hosts):
                             return
                     if time.monotonic() > deadline:
                         break
