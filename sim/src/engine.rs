@@ -147,6 +147,7 @@ pub struct Sim<'w> {
 #[derive(Default)]
 struct Metrics {
     start_delays_ms: Vec<f64>,
+    completion_overheads_ms: Vec<f64>,
     busy_gpu_seconds: f64,
     busy_now: u32,
     occupancy: Vec<[f64; 4]>,
@@ -188,6 +189,14 @@ impl<'w> Sim<'w> {
 
     /// Session `s` may go on at `at` (its cell is complete for the user).
     pub fn done(&mut self, s: usize, at: f64) {
+        let cell = self.cell(s);
+        let p = &self.progress[s];
+        if cell.gpu && p.started {
+            // against a pinned run of the same cell: started at Run (or once the
+            // previous cell ended), ended its run time later
+            let pinned_end = p.run_at.max(p.prev_end) + cell.run_s;
+            self.metrics.completion_overheads_ms.push(((at - pinned_end) * 1000.0).max(0.0));
+        }
         let p = &mut self.progress[s];
         p.prev_end = at;
         let session = &self.workload.sessions[s];
@@ -252,6 +261,11 @@ pub struct Outcome {
     pub p99_start_ms: f64,
     /// Largest.
     pub max_start_ms: f64,
+    /// GPU cells' completion overhead: each one's end against a pinned run of the
+    /// same cell (started at Run, done its run time later), median.
+    pub p50_completion_overhead_ms: f64,
+    /// 99th percentile of the same.
+    pub p99_completion_overhead_ms: f64,
     /// When the last session closed (simulated s).
     pub end_s: f64,
     /// Wall time the simulation took.
@@ -393,6 +407,8 @@ pub fn simulate(
     let mut delays = std::mem::take(&mut sim.metrics.start_delays_ms);
     delays.sort_by(f64::total_cmp);
     let within = delays.iter().filter(|d| **d <= 1000.0).count();
+    let mut overheads = std::mem::take(&mut sim.metrics.completion_overheads_ms);
+    overheads.sort_by(f64::total_cmp);
     Outcome {
         policy: policy.name(),
         gpu_hours: sim.cluster.host_seconds() * gpus_per_host / 3600.0,
@@ -404,6 +420,8 @@ pub fn simulate(
         p50_start_ms: quantile(&delays, 0.5),
         p99_start_ms: quantile(&delays, 0.99),
         max_start_ms: delays.last().copied().unwrap_or(0.0),
+        p50_completion_overhead_ms: quantile(&overheads, 0.5),
+        p99_completion_overhead_ms: quantile(&overheads, 0.99),
         end_s: sim.now(),
         wall_s: wall.elapsed().as_secs_f64(),
         counters: policy.counters(),

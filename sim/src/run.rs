@@ -90,6 +90,8 @@ impl Comparison {
             m.insert(format!("{p}_within_1s"), json!(o.within_1s));
             m.insert(format!("{p}_p50_start_ms"), json!(o.p50_start_ms));
             m.insert(format!("{p}_p99_start_ms"), json!(o.p99_start_ms));
+            m.insert(format!("{p}_completion_overhead_ms_p50"), json!(o.p50_completion_overhead_ms));
+            m.insert(format!("{p}_completion_overhead_ms_p99"), json!(o.p99_completion_overhead_ms));
         }
         for base in ["pinned", "notebookos", "naive", "modal"] {
             if let Some(r) = self.reduction_vs(base) {

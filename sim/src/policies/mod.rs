@@ -122,6 +122,7 @@ mod tests {
         let pinned = run(&mut pinned::Pinned::new(None), &w);
         assert!((pinned.held_gpu_hours * 3600.0 - 1000.0).abs() < 1e-6, "{}", pinned.held_gpu_hours * 3600.0);
         assert_eq!((pinned.gpu_cells, pinned.p50_start_ms), (1, 0.0));
+        assert_eq!(pinned.p99_completion_overhead_ms, 0.0, "the pinned run is the reference");
         // LooseLeaf holds it from Run to the end of the run: the worker prepared
         // while the user typed holds none (staged, ADR 70)
         let ll = run(&mut looseleaf::LooseLeaf::new(budget()), &w);
@@ -166,6 +167,16 @@ mod tests {
         assert!((start - 2205.0).abs() < 1e-6, "the hit (5 ms) and the stage-in (2.2 s): {start}");
         let held = o.held_gpu_hours * 3600.0;
         assert!((held - 12.205).abs() < 0.01, "stage-in and run, not the 30 s of typing: {held}");
+        assert!((o.p50_completion_overhead_ms - 2205.0).abs() < 1e-6, "it ends as much later than a pinned run");
+        // a save (1 GB at 1 GB/s) comes before the next cell may start
+        let saving = one_session(
+            vec![Cell { saved_bytes: 1_000_000_000, ..cell("a", 0.0, 30.0, true, 10.0, 2_000_000_000) }],
+            1000.0,
+        );
+        let mut ll = looseleaf::LooseLeaf::new(budget());
+        let o = simulate(&mut ll, &saving, &staged_costs, Autoscaler::fixed(2, 2), 1, true);
+        let overhead = o.p50_completion_overhead_ms;
+        assert!((overhead - 3205.0).abs() < 1e-6, "start 2,205 ms and save 1 s: {overhead}");
     }
 
     #[test]
