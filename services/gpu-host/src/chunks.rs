@@ -45,6 +45,9 @@ pub enum ChunkError {
     /// A worker's save region lies outside its file.
     #[error("chunk {0} lies outside the worker's save file")]
     BadRegion(String),
+    /// A task on the blocking pool (hashing, mapping) did not finish.
+    #[error("a chunk task stopped: {0}")]
+    Task(String),
     /// Shared-memory file I/O failed.
     #[error("shared memory file {path}: {source}")]
     Shm {
@@ -53,6 +56,23 @@ pub enum ChunkError {
         /// Why.
         source: std::io::Error,
     },
+}
+
+/// Run byte work (hashing, mapping, freeing gigabytes) on the blocking pool. The
+/// host's actor, its claims and every run's steps share one thread (actix's
+/// current-thread runtime): a gigabyte hashed there held every claim of the host
+/// for seconds.
+async fn off_thread<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, ChunkError> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| ChunkError::Task(e.to_string()))
+}
+
+/// Hash `data` off the host's thread; (the bytes, their hash).
+async fn hashed(data: Bytes) -> Result<(Bytes, String), ChunkError> {
+    off_thread(move || {
+        let hash = chunk_hash(&data);
+        (data, hash)
+    })
+    .await
 }
 
 /// The host's chunk cache (issue 38 item 3): the chunks its sessions saved and
@@ -150,7 +170,7 @@ impl Chunks {
         }
         lookups.get_or_create(&[("result", "miss")]).inc();
         let data = self.objects.get(&Path::from(chunk_key(hash).as_str())).await?.bytes().await?;
-        let actual = chunk_hash(&data);
+        let (data, actual) = hashed(data).await?;
         if actual != hash {
             return Err(ChunkError::Corrupt { hash: hash.to_string(), actual, variable: None });
         }
@@ -176,19 +196,27 @@ impl Chunks {
     /// mapped bytes cannot change under us. The mapping lives until the cache drops
     /// its last chunk of it (chunks of one save are cached and evicted together).
     pub async fn upload(&self, file: &FsPath, regions: &BTreeMap<String, Region>) -> Result<u64, ChunkError> {
-        let shm = |source| ChunkError::Shm { path: file.display().to_string(), source };
-        let f = std::fs::File::open(file).map_err(shm)?;
-        std::fs::remove_file(file).map_err(shm)?;
-        let size = f.metadata().map_err(shm)?.len();
+        let path = file.to_path_buf();
+        let opened = off_thread(move || {
+            let shm = |source| ChunkError::Shm { path: path.display().to_string(), source };
+            let f = std::fs::File::open(&path).map_err(shm)?;
+            std::fs::remove_file(&path).map_err(shm)?;
+            let size = f.metadata().map_err(shm)?.len();
+            Ok::<_, ChunkError>((f, size))
+        });
+        let (f, size) = opened.await??;
         match regions.keys().next() {
             None => return Ok(0),
             // an empty file cannot be mapped, and no region lies inside it
             Some(hash) if size == 0 => return Err(ChunkError::BadRegion(hash.clone())),
             Some(_) => {}
         }
+        let path = file.display().to_string();
         // SAFETY: the file is unlinked and its writer closed it (above), so no one
         // can change the mapped bytes; they are verified against their hashes below.
-        let map = unsafe { memmap2::MmapOptions::new().populate().map(&f) }.map_err(shm)?;
+        // Mapped with its pages faulted in at once: off the host's thread.
+        let mapped = off_thread(move || unsafe { memmap2::MmapOptions::new().populate().map(&f) });
+        let map = mapped.await?.map_err(|source| ChunkError::Shm { path, source })?;
         let map = Bytes::from_owner(map);
         let objects = self.objects.clone();
         let cache = self.cache.clone();
@@ -202,8 +230,7 @@ impl Chunks {
                     None => Err(ChunkError::BadRegion(hash.clone())),
                 };
                 async move {
-                    let data = data?;
-                    let actual = chunk_hash(&data);
+                    let (data, actual) = hashed(data?).await?;
                     if actual != hash {
                         return Err(ChunkError::Corrupt { hash, actual, variable: None });
                     }
@@ -350,6 +377,15 @@ mod tests {
         assert_eq!((cache.bytes, cache.map.len(), cache.by_use.len()), (300, 3, 3));
         cache.put("huge", Bytes::from(vec![0; 301]));
         assert!(!cache.map.contains_key("huge") && cache.bytes == 300, "a chunk over the bound is not cached");
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn chunks_are_hashed_off_the_hosts_thread() {
+        let data = Bytes::from(vec![7u8; 1 << 20]);
+        let (back, hash) = hashed(data.clone()).await.unwrap();
+        assert_eq!((back, hash), (data.clone(), chunk_hash(&data)));
+        let here = std::thread::current().id();
+        assert_ne!(off_thread(|| std::thread::current().id()).await.unwrap(), here);
     }
 
     #[test]
