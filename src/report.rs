@@ -111,6 +111,10 @@ pub struct CellReport {
     pub run_unix_ms: Option<u64>,
     /// When the cell completed (unix ms), for the next cell's start delay.
     pub done_unix_ms: Option<u64>,
+    /// When the prepared worker it ran on was last ready (unix ms), if it ran on
+    /// one: a Run before that waited for its preparation (`looseleaf simulate
+    /// --recorded` replays when it was ready).
+    pub prepared_unix_ms: Option<u64>,
 }
 
 impl CellReport {
@@ -253,17 +257,22 @@ pub struct SessionLog {
     pub prepared_ended: Vec<(PreparedClass, f64, PreparedOutcome, bool)>,
     /// Ready events seen.
     pub ready: u64,
+    /// When each worker was last ready (unix ms of its Ready event).
+    pub ready_at: std::collections::HashMap<String, u64>,
 }
 
 impl SessionLog {
     /// Record a session event (those of executions go to their traces).
-    pub fn absorb(&mut self, kind: &Event) {
+    pub fn absorb(&mut self, unix_ms: u64, kind: &Event) {
         match kind {
             Event::SlotReleased { held_ms, reason, .. } => self.slot_releases.push((*held_ms, *reason)),
             Event::PreparedEnded { class, idle_ms, outcome, slot, .. } => {
                 self.prepared_ended.push((*class, *idle_ms, *outcome, slot.is_some()));
             }
-            Event::Ready { .. } => self.ready += 1,
+            Event::Ready { worker, .. } => {
+                self.ready += 1;
+                self.ready_at.insert(worker.clone(), unix_ms);
+            }
             _ => {}
         }
     }
@@ -334,8 +343,11 @@ pub fn build(
     let mut cells = Vec::with_capacity(traces.len());
     let mut prev_done = None;
     for t in traces {
-        let cell = CellReport::from_trace(t, prev_done);
+        let mut cell = CellReport::from_trace(t, prev_done);
         prev_done = cell.done_unix_ms.or(prev_done);
+        if matches!(cell.prepare.as_deref(), Some("speculative" | "warm")) {
+            cell.prepared_unix_ms = cell.worker.as_ref().and_then(|w| log.ready_at.get(w)).copied();
+        }
         cells.push(cell);
     }
     let delays: Vec<u64> = cells.iter().filter_map(|c| c.start_delay_ms).collect();

@@ -49,7 +49,7 @@ fn start_delay_counts_from_run_or_the_previous_cells_end_whichever_is_later() {
     ];
     let mut log = SessionLog::default();
     for (held_ms, reason) in [(1500.0, SlotUse::Cell), (2500.0, SlotUse::UnsavableState)] {
-        log.absorb(&Event::SlotReleased { host: "h".into(), slot: 0, held_ms, reason });
+        log.absorb(0, &Event::SlotReleased { host: "h".into(), slot: 0, held_ms, reason });
     }
     let r = build("nb.ipynb", &traces, &log, 7.5, std::time::UNIX_EPOCH);
     let delays: Vec<_> = r.cells.iter().map(|c| c.start_delay_ms).collect();
@@ -131,20 +131,23 @@ fn speculation_totals_count_clean_hits_and_idle_time_by_class() {
         idle_ms,
         outcome,
     };
-    log.absorb(&Event::Ready {
-        host: "h".into(),
-        slot: Some(0),
-        worker: "w".into(),
-        pid: 7,
-        cell_id: "a".into(),
-        revision: 1,
-        class: PreparedClass::Speculative,
-        prepare_ms: 30.0,
-    });
-    log.absorb(&ended(PreparedClass::Speculative, 1500.0, PreparedOutcome::Used, Some(0)));
-    log.absorb(&ended(PreparedClass::Speculative, 500.0, PreparedOutcome::Evicted, Some(1)));
-    log.absorb(&ended(PreparedClass::Speculative, 4000.0, PreparedOutcome::Used, None));
-    log.absorb(&ended(PreparedClass::Warm, 250.0, PreparedOutcome::Evicted, Some(0)));
+    log.absorb(
+        900,
+        &Event::Ready {
+            host: "h".into(),
+            slot: Some(0),
+            worker: "w".into(),
+            pid: 7,
+            cell_id: "a".into(),
+            revision: 1,
+            class: PreparedClass::Speculative,
+            prepare_ms: 30.0,
+        },
+    );
+    log.absorb(0, &ended(PreparedClass::Speculative, 1500.0, PreparedOutcome::Used, Some(0)));
+    log.absorb(0, &ended(PreparedClass::Speculative, 500.0, PreparedOutcome::Evicted, Some(1)));
+    log.absorb(0, &ended(PreparedClass::Speculative, 4000.0, PreparedOutcome::Used, None));
+    log.absorb(0, &ended(PreparedClass::Warm, 250.0, PreparedOutcome::Evicted, Some(0)));
     let r = build("nb", &[hit, refreshed, cold], &log, 1.0, std::time::UNIX_EPOCH);
     let s = &r.totals.speculation;
     assert_eq!((s.ready_events, s.prepared_cells, s.clean_hits, s.unused), (1, 2, 1, 2));
@@ -154,6 +157,8 @@ fn speculation_totals_count_clean_hits_and_idle_time_by_class() {
     assert!((s.speculative_idle_worker_seconds - 6.0).abs() < 1e-9);
     assert!((s.warm_idle_slot_seconds - 0.25).abs() < 1e-9);
     assert_eq!(r.cells[1].refreshed, Some(2));
+    // the cells that ran on worker w (prepared) say when it was ready; the cold one none
+    assert_eq!((r.cells[0].prepared_unix_ms, r.cells[2].prepared_unix_ms), (Some(900), None));
 }
 
 #[test]

@@ -160,8 +160,8 @@ const INTERRUPT_WAIT: Duration = Duration::from_secs(10);
 fn absorb(item: StreamItem, traces: &mut HashMap<Uuid, Trace>, log: &mut SessionLog) -> Option<Uuid> {
     let (exec, done) = match &item {
         StreamItem::Queued { exec_id, .. } | StreamItem::Output { exec_id, .. } => (*exec_id, false),
-        StreamItem::Event { exec_id, event, .. } => {
-            log.absorb(event);
+        StreamItem::Event { exec_id, event, unix_ms } => {
+            log.absorb(*unix_ms, event);
             (*exec_id, false)
         }
         StreamItem::Done { exec_id, .. } => (*exec_id, true),
