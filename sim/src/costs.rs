@@ -163,7 +163,10 @@ impl Costs {
 
     /// The same, with LooseLeaf's start costs measured in the given REPORT.json
     /// files instead, where they hold samples: the start delays of clean
-    /// speculation hits and of cold starts.
+    /// speculation hits and of cold starts, from their claim on. What came before
+    /// the claim (`phases.claim_ms`: the placement delay, waiting for a slot or for
+    /// a preparation to finish) held no slot, and the simulator plays those waits
+    /// with the host's own core: counted in the cost, it held a slot through them.
     pub fn with_reports(mut self, reports: &[(String, serde_json::Value)]) -> Self {
         let mut hits = Vec::new();
         let mut colds = Vec::new();
@@ -171,6 +174,8 @@ impl Costs {
             for c in r.get("cells").and_then(|c| c.as_array()).into_iter().flatten() {
                 let gpu = c.get("device").and_then(|d| d.as_str()).is_some_and(|d| d != "cpu");
                 let Some(delay) = c.get("start_delay_ms").and_then(|d| d.as_f64()) else { continue };
+                let claim = c.pointer("/phases/claim_ms").and_then(|d| d.as_f64()).unwrap_or(0.0);
+                let delay = (delay - claim).max(0.0);
                 if !gpu || c.get("status").and_then(|s| s.as_str()) != Some("ok") {
                     continue;
                 }
@@ -208,6 +213,24 @@ mod tests {
         let read = Costs::from_bench(&dir).unwrap();
         assert_eq!(read.cold_start_ms.values, built_in.cold_start_ms.values);
         assert_eq!(read.restore_bytes_per_s, built_in.restore_bytes_per_s);
+    }
+
+    #[test]
+    fn a_reports_start_costs_begin_at_the_claim() {
+        let cell = |prepare: &str, delay: f64, claim: f64| {
+            serde_json::json!({"device": "gpu", "status": "ok", "prepare": prepare, "refreshed": 0,
+                "start_delay_ms": delay, "phases": {"claim_ms": claim}})
+        };
+        // a hit that waited 7 s for its preparation before it was claimed, a hit
+        // without phases, a cold start that waited 2 s for a slot
+        let report = serde_json::json!({"cells": [
+            cell("speculative", 7413.0, 7026.0), {"device": "gpu", "status": "ok", "prepare": "speculative",
+            "refreshed": 0, "start_delay_ms": 6.0}, cell("cold", 2500.0, 2000.0)]});
+        let costs = Costs::built_in().unwrap().with_reports(&[("r.json".into(), report)]);
+        let hits = &costs.hit_start_ms.values;
+        assert_eq!(hits.len(), 2);
+        assert!(hits.iter().any(|h| (h - 387.0).abs() < 1e-9) && hits.contains(&6.0), "{hits:?}");
+        assert_eq!(costs.cold_start_ms.values, vec![500.0]);
     }
 
     #[test]

@@ -42,6 +42,10 @@ pub struct Cell {
     pub import_tail: bool,
     /// Preparing its worker took this long when it was recorded (claim to ready).
     pub prepare_s: Option<f64>,
+    /// When it was recorded on a prepared worker that became ready after Run:
+    /// how long after its edit began that worker was ready. A replay prepares it
+    /// that long, so the Run waits for its preparation as long.
+    pub ready_s: Option<f64>,
     /// Its save took this long when it was recorded.
     pub save_s: Option<f64>,
 }
@@ -194,6 +198,7 @@ impl Synthetic {
                 saved_bytes: closure_bytes,
                 import_tail,
                 prepare_s: None,
+                ready_s: None,
                 save_s: None,
             });
             prev_end = t + edit_s + run_s;
@@ -322,6 +327,7 @@ impl Trace {
                     saved_bytes: vram_bytes,
                     import_tail: false,
                     prepare_s: None,
+                    ready_s: None,
                     save_s: None,
                 }],
             });
@@ -376,6 +382,9 @@ pub fn recorded(report: &serde_json::Value, epoch_ms: u64) -> anyhow::Result<Ses
             saved_bytes: saved,
             import_tail: field("import_cache_hit").and_then(|v| v.as_bool()) == Some(false),
             prepare_s: num("prepare_ms").map(|ms| ms / 1000.0),
+            // only a Run that waited for its worker: one ready before Run is
+            // prepared in the replay as long as the host's preparation took
+            ready_s: num("prepared_unix_ms").filter(|ready| *ready > run_ms).map(|ready| ready_s(ready, prev_done)),
             save_s: num("save_ms").map(|ms| ms / 1000.0),
         });
         prev_done = done_ms as u64;
@@ -409,6 +418,12 @@ pub fn recorded_workload(reports: &[(String, serde_json::Value)]) -> anyhow::Res
         .collect::<anyhow::Result<Vec<_>>>()?;
     let files: Vec<&str> = reports.iter().map(|(p, _)| p.as_str()).collect();
     Ok(Workload { name: "recorded".into(), params: serde_json::json!({ "reports": files }), sessions })
+}
+
+/// How long after its edit began (`edit_start_ms`, the previous cell's end) a
+/// recorded cell's prepared worker was last ready (`ready_unix_ms`).
+fn ready_s(ready_unix_ms: f64, edit_start_ms: u64) -> f64 {
+    ((ready_unix_ms - edit_start_ms as f64) / 1000.0).max(0.0)
 }
 
 #[cfg(test)]
@@ -457,6 +472,14 @@ mod tests {
     }
 
     #[test]
+    fn a_recorded_preparation_ends_when_the_real_one_was_ready() {
+        // typed from 10 s (the previous cell's end), ready at 19 s: 9 s after
+        assert_eq!(ready_s(19_000.0, 10_000), 9.0);
+        // ready before the previous cell ended (kept warm): as good as at once
+        assert_eq!(ready_s(9_000.0, 10_000), 0.0);
+    }
+
+    #[test]
     fn a_report_becomes_a_session_with_its_cells_devices_and_closures() {
         let report = serde_json::json!({
             "notebook": "nb.ipynb", "started_at": "2025-12-01T10:00:00Z",
@@ -464,7 +487,8 @@ mod tests {
                 {"cell_id": "a", "device": "cpu", "closure": [], "run_ms": 100.0, "run_unix_ms": 1764583202000u64,
                  "done_unix_ms": 1764583202200u64, "saved_bytes": 10},
                 {"cell_id": "b", "device": "gpu", "closure": ["x", "y"], "run_ms": 900.0, "restored_bytes": 2048,
-                 "import_cache_hit": false, "run_unix_ms": 1764583205200u64, "done_unix_ms": 1764583206200u64}
+                 "import_cache_hit": false, "run_unix_ms": 1764583205200u64, "done_unix_ms": 1764583206200u64,
+                 "prepared_unix_ms": 1764583205700u64}
             ]
         });
         let s = recorded(&report, 1764583200000).unwrap_or_else(|e| panic!("{e:#}"));
@@ -476,6 +500,13 @@ mod tests {
         assert_eq!((s.cells[1].closure_bytes, s.cells[1].import_tail), (2048, true));
         // edit time: from the previous cell's end to this Run
         assert!((s.cells[1].edit_s - 3.0).abs() < 1e-9 && (s.cells[0].edit_s - 2.0).abs() < 1e-9);
+        // its worker was ready 0.5 s after Run, 3.5 s after the previous cell
+        // ended (a cold one has none)
+        assert_eq!((s.cells[0].ready_s, s.cells[1].ready_s), (None, Some(3.5)));
+        let mut early = report.clone();
+        early["cells"][1]["prepared_unix_ms"] = serde_json::json!(1764583204200u64);
+        let s = recorded(&early, 1764583200000).unwrap_or_else(|e| panic!("{e:#}"));
+        assert_eq!(s.cells[1].ready_s, None, "ready before Run: nothing to wait for");
         let bad = serde_json::json!({"started_at": "2026-12-01T10:00:00Z", "cells": [{"cell_id": "z"}]});
         let err = recorded(&bad, 0).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(err.contains("cell 0 (z) has no device"), "{err}");

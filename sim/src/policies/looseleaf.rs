@@ -258,7 +258,9 @@ impl LooseLeaf {
                         self.count("prepared");
                         let w = self.born(key.0);
                         self.staged.insert(w.id.clone());
-                        (w, self.restore_s(sim, s))
+                        // a recorded cell: ready when the real worker was
+                        let ready = sim.cell(s).ready_s;
+                        (w, ready.unwrap_or_else(|| self.restore_s(sim, s)))
                     }
                     // on its slots (a multi-GPU cell): put on the GPU as it is prepared
                     None => {

@@ -98,6 +98,7 @@ mod tests {
             saved_bytes: 0,
             import_tail: false,
             prepare_s: None,
+            ready_s: None,
             save_s: None,
         }
     }
