@@ -11,7 +11,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use looseleaf_gpu_host::core::runs::RunState;
-use looseleaf_gpu_host::core::{gpu_recipe, Command, Facts, HostCore, Input, Policy as HostPolicy, Target, WorkerRef};
+use looseleaf_gpu_host::core::{gpu_recipe, Command, HostCore, Input, Policy as HostPolicy, Target, WorkerRef};
 use looseleaf_gpu_host::gpus::Gpu;
 use looseleaf_gpu_host::host::claims::{Claim, ClaimKey};
 use looseleaf_gpu_host::host::slots::SlotState;
@@ -20,6 +20,7 @@ use looseleaf_planner::speculator::{Budget, Eviction, Ready, Speculator};
 use schemas::messages::{EventKind, Prepare, PreparedOutcome, PreparedWorker, RecipeKind, RecipeV3, WorkerState};
 use uuid::Uuid;
 
+use super::looseleaf_starts::{self as starts, World};
 use super::secs;
 use crate::cluster::SimClock;
 use crate::engine::{Policy, Sim, Timer};
@@ -49,28 +50,6 @@ struct Running {
     host: usize,
     exec: Uuid,
     worker: String,
-}
-
-/// What a simulated host's core asks of the world.
-struct World<'a> {
-    host: usize,
-    by_id: &'a HashMap<Uuid, usize>,
-    cached_on: &'a [Option<usize>],
-    import_tail: &'a [bool],
-}
-
-impl Facts for World<'_> {
-    fn alive(&self, _worker: &str) -> bool {
-        true // simulated workers do not die
-    }
-
-    fn placement(&self, recipe: &RecipeV3) -> (f64, f64) {
-        let Some(&s) = self.by_id.get(&recipe.session) else { return (1.0, 0.0) };
-        // every host runs the same zygotes; a cell with an import tail matches
-        // half of its import closure
-        let zygote = if self.import_tail[s] { 0.5 } else { 1.0 };
-        (zygote, if self.cached_on[s] == Some(self.host) { 1.0 } else { 0.0 })
-    }
 }
 
 /// LooseLeaf.
@@ -251,7 +230,7 @@ impl LooseLeaf {
                     // updated in place: the refresh of what changed
                     Some(id) => {
                         self.enter(&id, WorkerState::Preparing);
-                        (WorkerRef { id, pid: 0 }, self.hit_s(sim))
+                        (WorkerRef { id, pid: 0 }, starts::hit_s(sim))
                     }
                     // staged: the closure restored into host memory, no slot, no CUDA
                     None if slots.is_empty() => {
@@ -260,12 +239,12 @@ impl LooseLeaf {
                         self.staged.insert(w.id.clone());
                         // a recorded cell: ready when the real worker was
                         let ready = sim.cell(s).ready_s;
-                        (w, ready.unwrap_or_else(|| self.restore_s(sim, s)))
+                        (w, ready.unwrap_or_else(|| starts::restore_s(sim, s)))
                     }
                     // on its slots (a multi-GPU cell): put on the GPU as it is prepared
                     None => {
                         self.count("prepared");
-                        (self.born(key.0), self.prepare_s(sim, s))
+                        (self.born(key.0), starts::prepare_s(sim, s))
                     }
                 };
                 let tag = self.step(Step::Prepared { host: h, key, worker, prepare_ms: prepare_s * 1000.0 });
@@ -330,16 +309,16 @@ impl LooseLeaf {
                     "over_1s_run_while_preparing"
                 };
                 // prepared without a slot: its staged state goes to the device now
-                let stage_in = if self.staged.remove(&worker) { self.stage_in_s(sim, s) } else { 0.0 };
-                (worker, now + self.hit_s(sim) + stage_in, late)
+                let stage_in = if self.staged.remove(&worker) { starts::stage_in_s(sim, s) } else { 0.0 };
+                (worker, now + starts::hit_s(sim) + stage_in, late)
             }
-            Target::Existing { worker, .. } => (worker, now + self.hit_s(sim), "over_1s_hit"),
+            Target::Existing { worker, .. } => (worker, now + starts::hit_s(sim), "over_1s_hit"),
             Target::Fresh { .. } => {
                 self.count("cold");
                 let w = self.born(recipe.session);
                 let waited = now - sim.progress[s].run_at > 0.1;
                 let late = if waited { "over_1s_waited_for_a_slot" } else { "over_1s_cold" };
-                (w.id, now + self.prepare_s(sim, s), late)
+                (w.id, now + starts::prepare_s(sim, s), late)
             }
         };
         self.enter(&worker, WorkerState::Running);
@@ -348,38 +327,6 @@ impl LooseLeaf {
         }
         sim.start(s, at);
         self.running[s] = Some(Running { host: h, exec: recipe.exec_id, worker });
-    }
-
-    /// Fork from a zygote, import the tail, restore the closure, put it on the GPU:
-    /// a cold start.
-    fn prepare_s(&self, sim: &mut Sim, s: usize) -> f64 {
-        self.restore_s(sim, s) + self.stage_in_s(sim, s)
-    }
-
-    /// Fork from a zygote, import the tail, restore the closure into host memory
-    /// (a recorded cell: what preparing it took when it was recorded).
-    fn restore_s(&self, sim: &mut Sim, s: usize) -> f64 {
-        let c = sim.costs;
-        let cell = sim.cell(s);
-        if let Some(t) = cell.prepare_s {
-            return t;
-        }
-        let mut t = sim.draw.sample(&c.cold_start_ms) / 1000.0;
-        if cell.import_tail {
-            t += sim.draw.sample(&c.import_tail_ms) / 1000.0;
-        }
-        t + secs(cell.closure_bytes, c.restore_bytes_per_s)
-    }
-
-    /// A worker's first use of its slot: CUDA initialised and the closure's
-    /// GPU-resident state (every simulated closure's) copied to the device.
-    fn stage_in_s(&self, sim: &Sim, s: usize) -> f64 {
-        let c = sim.costs;
-        c.cuda_init_s + secs(sim.cell(s).closure_bytes, c.host_to_gpu_bytes_per_s)
-    }
-
-    fn hit_s(&self, sim: &mut Sim) -> f64 {
-        sim.draw.sample(&sim.costs.hit_start_ms) / 1000.0
     }
 
     /// The recipe of session `s`'s current cell.

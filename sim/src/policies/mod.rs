@@ -4,6 +4,7 @@
 
 pub mod containers;
 pub mod looseleaf;
+mod looseleaf_starts;
 pub mod notebookos;
 pub mod pinned;
 
