@@ -62,7 +62,7 @@ pub enum ChunkError {
 /// host's actor, its claims and every run's steps share one thread (actix's
 /// current-thread runtime): a gigabyte hashed there held every claim of the host
 /// for seconds.
-async fn off_thread<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, ChunkError> {
+pub(crate) async fn off_thread<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, ChunkError> {
     tokio::task::spawn_blocking(f).await.map_err(|e| ChunkError::Task(e.to_string()))
 }
 
@@ -191,10 +191,11 @@ impl Chunks {
     /// Upload the chunks a worker placed in its save file; returns bytes written.
     ///
     /// The file is unlinked at once and mapped, not copied: each chunk goes to the
-    /// store (and the cache) as a slice of the mapping. The worker closed the file
-    /// before it said so, and after the unlink nothing else can open it, so the
-    /// mapped bytes cannot change under us. The mapping lives until the cache drops
-    /// its last chunk of it (chunks of one save are cached and evicted together).
+    /// store as a slice of the mapping. The worker closed the file before it said
+    /// so, and after the unlink nothing else can open it, so the mapped bytes
+    /// cannot change under us. The cache takes a copy of each chunk: a slice would
+    /// keep the whole save's mapping (its shared memory) alive for as long as one
+    /// of its chunks stays recently used, beyond what the cache counts.
     pub async fn upload(&self, file: &FsPath, regions: &BTreeMap<String, Region>) -> Result<u64, ChunkError> {
         let path = file.to_path_buf();
         let opened = off_thread(move || {
@@ -235,8 +236,9 @@ impl Chunks {
                         return Err(ChunkError::Corrupt { hash, actual, variable: None });
                     }
                     objects.put(&Path::from(chunk_key(&hash).as_str()), data.clone().into()).await?;
+                    let owned = off_thread(move || Bytes::copy_from_slice(&data)).await?;
                     if let Ok(mut c) = cache.lock() {
-                        c.put(&hash, data);
+                        c.put(&hash, owned);
                     }
                     Ok(len)
                 }

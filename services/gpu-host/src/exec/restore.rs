@@ -85,10 +85,9 @@ impl ExecEnv {
         let worker_span = tracing::info_span!("worker_restore", otel.name = "worker restore");
         let restored = w.restore(frame).instrument(worker_span.clone()).await;
         if let Some(p) = file.path.clone() {
-            // freeing a gigabyte of shared memory takes a while: not on the host's thread
-            tokio::task::spawn_blocking(move || {
-                let _ = std::fs::remove_file(p);
-            });
+            // freeing a gigabyte of shared memory takes a while: not on the host's
+            // thread; awaited, as the worker's next restore file takes its name
+            let _ = crate::chunks::off_thread(move || std::fs::remove_file(p)).await;
         }
         let restored = restored?;
         let (bytes, worker_ms) = (restored.bytes, restored.ms);
