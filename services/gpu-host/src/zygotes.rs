@@ -228,6 +228,7 @@ impl Zygote {
             .env("PYTHONPATH", pythonpath)
             // a zygote never touches a GPU; workers get their device at fork
             .env("CUDA_VISIBLE_DEVICES", "")
+            .env("LOOSELEAF_VIRTUAL_DEVICES", "")
             // One string hash in every worker of every host: a set of strings is
             // restored in the order it iterated, which only holds where strings
             // hash alike (hash flooding is no threat a notebook's own cells pose).

@@ -17,7 +17,7 @@ from typing import Any
 
 # The slot's virtual devices, set by the gpu-host for a run on virtual slots as
 # CUDA_VISIBLE_DEVICES is for real ones; empty in a worker without a slot.
-VIRTUAL_GPUS_ENV = "LOOSELEAF_VIRTUAL_GPUS"
+VIRTUAL_DEVICES_ENV = "LOOSELEAF_VIRTUAL_DEVICES"
 
 # (the staged tensor, the device it was saved from)
 _staged: list[tuple[weakref.ref, str]] = []
@@ -25,7 +25,7 @@ _staged: list[tuple[weakref.ref, str]] = []
 
 def devices_visible() -> bool:
     """Whether this worker was given GPU devices (its slot's), real or virtual."""
-    return bool(os.environ.get("CUDA_VISIBLE_DEVICES") or os.environ.get(VIRTUAL_GPUS_ENV))
+    return bool(os.environ.get("CUDA_VISIBLE_DEVICES") or os.environ.get(VIRTUAL_DEVICES_ENV))
 
 
 def stage(t: Any, device: str) -> Any:

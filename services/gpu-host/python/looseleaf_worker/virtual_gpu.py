@@ -28,7 +28,10 @@ import numpy as np
 
 class VirtualGpuArray:
     """An array that lives on a virtual GPU: its bytes are `data`, an ndarray that
-    owns its memory (so that its payload carries the device label)."""
+    owns its memory (so that its payload carries the device label). As with a
+    tensor whose `.data` is moved, host views taken of `data` (indexing,
+    `np.asarray`) do not follow it to the device at Run: take them in the cell
+    that uses them."""
 
     __slots__ = ("__weakref__", "_device_memory", "data", "device")
 
@@ -61,7 +64,12 @@ class VirtualGpuArray:
         self.data[key] = value
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        return self.data if dtype is None else self.data.astype(dtype)
+        # numpy >= 2 passes `copy` and takes what this returns as is
+        if dtype is not None and np.dtype(dtype) != self.data.dtype:
+            if copy is False:
+                raise ValueError(f"a {self.data.dtype} array cannot be read as {dtype} without a copy")
+            return self.data.astype(dtype)
+        return self.data.copy() if copy else self.data
 
     def sum(self, *args, **kwargs) -> Any:
         return self.data.sum(*args, **kwargs)

@@ -104,7 +104,7 @@ def test_a_failed_copy_is_named_in_the_restore_errors(no_slot, monkeypatch):
 
 # Virtual GPU slots: the stand-in device (ADR 72), through real workers.
 
-VIRTUAL_SLOT = {"LOOSELEAF_VIRTUAL_GPUS": "0"}
+VIRTUAL_SLOT = {"LOOSELEAF_VIRTUAL_DEVICES": "0"}
 MAKE = (
     "import numpy as np\nfrom looseleaf_worker.virtual_gpu import to_virtual_gpu\n"
     "v = to_virtual_gpu(np.arange(1_000_000, dtype=np.float32))\nalias = {'v': v}"
@@ -147,3 +147,18 @@ def test_a_worker_on_its_slot_copies_a_virtual_gpu_array_at_restore(host, zygote
     # its bytes are its own (the "device"), not the restore file's
     check = "import mmap\nprint(isinstance(v.data.base, mmap.mmap), v.data.flags.writeable, v.shape)"
     assert stream_text(ok(cold.run(check))).split() == ["True", "True", "(1000000,)"]
+
+
+def test_a_virtual_gpu_array_reads_as_numpy_with_numpys_copy_rules():
+    from looseleaf_worker.virtual_gpu import to_virtual_gpu
+
+    host = np.arange(4, dtype=np.float32)
+    v = to_virtual_gpu(host)
+    assert not np.shares_memory(v.data, host), "to the device is a copy"
+    assert np.asarray(v) is v.data, "no copy asked: the device array itself"
+    assert not np.shares_memory(np.array(v, copy=True), v.data)
+    assert np.asarray(v, dtype=np.float64).dtype == np.float64
+    # numpy >= 2 asks __array__ for the copy; numpy 1 copies itself
+    assert not np.shares_memory(v.__array__(copy=True), v.data)
+    with pytest.raises(ValueError, match="without a copy"):
+        v.__array__(np.float64, copy=False)

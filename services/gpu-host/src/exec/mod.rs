@@ -340,7 +340,10 @@ impl ExecEnv {
 fn device_env(real_gpus: bool, slots: &[u32]) -> BTreeMap<String, String> {
     let devices = slots.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
     let (cuda, virtual_gpus) = if real_gpus { (devices, String::new()) } else { (String::new(), devices) };
-    BTreeMap::from([("CUDA_VISIBLE_DEVICES".to_string(), cuda), ("LOOSELEAF_VIRTUAL_GPUS".to_string(), virtual_gpus)])
+    BTreeMap::from([
+        ("CUDA_VISIBLE_DEVICES".to_string(), cuda),
+        ("LOOSELEAF_VIRTUAL_DEVICES".to_string(), virtual_gpus),
+    ])
 }
 
 #[cfg(test)]
@@ -350,10 +353,10 @@ mod tests {
     #[test]
     fn real_slots_are_cuda_devices_and_virtual_ones_the_stand_in_devices() {
         let real = device_env(true, &[1, 3]);
-        assert_eq!((real["CUDA_VISIBLE_DEVICES"].as_str(), real["LOOSELEAF_VIRTUAL_GPUS"].as_str()), ("1,3", ""));
+        assert_eq!((real["CUDA_VISIBLE_DEVICES"].as_str(), real["LOOSELEAF_VIRTUAL_DEVICES"].as_str()), ("1,3", ""));
         let virtual_slots = device_env(false, &[0]);
         assert_eq!(
-            (virtual_slots["CUDA_VISIBLE_DEVICES"].as_str(), virtual_slots["LOOSELEAF_VIRTUAL_GPUS"].as_str()),
+            (virtual_slots["CUDA_VISIBLE_DEVICES"].as_str(), virtual_slots["LOOSELEAF_VIRTUAL_DEVICES"].as_str()),
             ("", "0")
         );
         let cpu = device_env(false, &[]);
