@@ -173,7 +173,9 @@ pub(super) fn analyze_cell(code: &str) -> CellAnalysis {
         let at = err.location.start().min(TextSize::from(body.trim_end().len() as u32));
         let line = a.line_of(at);
         a.out.conservative = Some(format!("parse error at line {line}: {}", err.error));
-        a.out.syntax_error = true;
+        // an error of the plain-Python parse after IPython's parser gave up may
+        // be IPython syntax it lacks, not text typed halfway
+        a.out.syntax_error = !recovered;
     }
     let Mod::Module(module) = parsed.syntax() else {
         if timeit {

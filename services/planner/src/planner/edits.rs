@@ -49,7 +49,9 @@ impl Planner {
             .cloned()
             .unwrap_or_else(|| (Arc::new(Manifest::empty(edit.session)), Arc::new(state::SessionState::default())));
         let analysis = analysis::analyze(&edit.code);
-        if analysis.syntax_error && self.speculative.contains_key(&key) {
+        // planned since its last run (a run forgets the fingerprint)
+        let planned_since_run = matches!(self.speculative.get(&key), Some((_, Some(_))));
+        if analysis.syntax_error && planned_since_run {
             // Half-typed text (an open bracket, a dangling operator): its conservative
             // closure is the whole session, gigabytes restored for a moment's text.
             // The cell's preparation for its last text that parsed stays.
