@@ -257,8 +257,8 @@ pub struct SessionLog {
     pub prepared_ended: Vec<(PreparedClass, f64, PreparedOutcome, bool)>,
     /// Ready events seen.
     pub ready: u64,
-    /// When each worker was last ready (unix ms of its Ready event).
-    pub ready_at: std::collections::HashMap<String, u64>,
+    /// When each worker was ready (unix ms of its Ready events, in order).
+    pub ready_at: std::collections::HashMap<String, Vec<u64>>,
 }
 
 impl SessionLog {
@@ -271,7 +271,7 @@ impl SessionLog {
             }
             Event::Ready { worker, .. } => {
                 self.ready += 1;
-                self.ready_at.insert(worker.clone(), unix_ms);
+                self.ready_at.entry(worker.clone()).or_default().push(unix_ms);
             }
             _ => {}
         }
@@ -346,7 +346,13 @@ pub fn build(
         let mut cell = CellReport::from_trace(t, prev_done);
         prev_done = cell.done_unix_ms.or(prev_done);
         if matches!(cell.prepare.as_deref(), Some("speculative" | "warm")) {
-            cell.prepared_unix_ms = cell.worker.as_ref().and_then(|w| log.ready_at.get(w)).copied();
+            // its last Ready before the cell started (a worker kept warm after it
+            // is ready again later)
+            let started = t.events.iter().find_map(|(at, e)| matches!(e, Event::Started { .. }).then_some(*at));
+            let readies = cell.worker.as_ref().and_then(|w| log.ready_at.get(w));
+            cell.prepared_unix_ms = readies
+                .zip(started)
+                .and_then(|(times, started)| times.iter().rev().find(|at| **at <= started).copied());
         }
         cells.push(cell);
     }

@@ -144,13 +144,27 @@ fn speculation_totals_count_clean_hits_and_idle_time_by_class() {
             prepare_ms: 30.0,
         },
     );
+    // ready again after its cell started (kept warm): not when it was ready for it
+    log.absorb(
+        2500,
+        &Event::Ready {
+            host: "h".into(),
+            slot: Some(0),
+            worker: "w".into(),
+            pid: 7,
+            cell_id: "a".into(),
+            revision: 2,
+            class: PreparedClass::Warm,
+            prepare_ms: 1.0,
+        },
+    );
     log.absorb(0, &ended(PreparedClass::Speculative, 1500.0, PreparedOutcome::Used, Some(0)));
     log.absorb(0, &ended(PreparedClass::Speculative, 500.0, PreparedOutcome::Evicted, Some(1)));
     log.absorb(0, &ended(PreparedClass::Speculative, 4000.0, PreparedOutcome::Used, None));
     log.absorb(0, &ended(PreparedClass::Warm, 250.0, PreparedOutcome::Evicted, Some(0)));
     let r = build("nb", &[hit, refreshed, cold], &log, 1.0, std::time::UNIX_EPOCH);
     let s = &r.totals.speculation;
-    assert_eq!((s.ready_events, s.prepared_cells, s.clean_hits, s.unused), (1, 2, 1, 2));
+    assert_eq!((s.ready_events, s.prepared_cells, s.clean_hits, s.unused), (2, 2, 1, 2));
     assert_eq!(s.hit_rate, Some(1.0 / 3.0));
     // a worker prepared on the CPU waited 4 s without costing slot time
     assert!((s.speculative_idle_slot_seconds - 2.0).abs() < 1e-9);

@@ -69,6 +69,8 @@ pub struct LooseLeaf {
     unstarted: HashSet<usize>,
     /// Whether the run of each session found its worker ready at Run.
     ready_at_run: Vec<bool>,
+    /// When each session's current cell began to be edited (simulated s).
+    edited_at: Vec<f64>,
     /// The host whose chunk cache holds the session's latest state.
     cached_on: Vec<Option<usize>>,
     import_tail: Vec<bool>,
@@ -94,6 +96,7 @@ impl LooseLeaf {
             pressed: vec![],
             unstarted: HashSet::new(),
             ready_at_run: vec![],
+            edited_at: vec![],
             cached_on: vec![],
             import_tail: vec![],
             by_id: HashMap::new(),
@@ -237,8 +240,9 @@ impl LooseLeaf {
                         self.count("prepared");
                         let w = self.born(key.0);
                         self.staged.insert(w.id.clone());
-                        // a recorded cell: ready when the real worker was
-                        let ready = sim.cell(s).ready_s;
+                        // a recorded cell: ready when the real worker was, counted
+                        // from the edit's start (a later preparation waits less)
+                        let ready = sim.cell(s).ready_s.map(|r| (self.edited_at[s] + r - now).max(0.0));
                         (w, ready.unwrap_or_else(|| starts::restore_s(sim, s)))
                     }
                     // on its slots (a multi-GPU cell): put on the GPU as it is prepared
@@ -445,6 +449,7 @@ impl Policy for LooseLeaf {
             self.running.resize(n, None);
             self.pressed.resize(n, false);
             self.ready_at_run.resize(n, false);
+            self.edited_at.resize(n, 0.0);
             self.cached_on.resize(n, None);
             self.import_tail.resize(n, false);
         }
@@ -454,6 +459,7 @@ impl Policy for LooseLeaf {
 
     fn edit(&mut self, sim: &mut Sim, s: usize) {
         self.pressed[s] = false;
+        self.edited_at[s] = sim.now();
         self.import_tail[s] = sim.cell(s).import_tail;
         if sim.cell(s).gpu {
             let at = sim.now() + DEBOUNCE_S;
