@@ -478,8 +478,10 @@ class SessionPanel extends Widget {
       return;
     }
     const saved = t.pinned_gpu_seconds > 0 ? 1 - t.gpu_slot_seconds / t.pinned_gpu_seconds : null;
+    // a session of short GPU cells uses hundredths of a second: shown, not 0.0
+    const slotSeconds = t.gpu_slot_seconds.toFixed(t.gpu_slot_seconds < 10 ? 2 : 1);
     const rows: [string, string, string][] = [
-      ['gpu-slot-seconds', 'GPU-slot seconds used', t.gpu_slot_seconds.toFixed(1)],
+      ['gpu-slot-seconds', 'GPU-slot seconds used', slotSeconds],
       ['pinned-gpu-seconds', 'A pinned GPU would have held', t.pinned_gpu_seconds.toFixed(1)],
       ['saved', 'GPU time saved', saved === null ? '–' : `${Math.round(saved * 100)}%`],
       ['cells', 'Cells run (GPU)', `${t.cells} (${t.gpu_cells})`],
