@@ -131,33 +131,19 @@ fn speculation_totals_count_clean_hits_and_idle_time_by_class() {
         idle_ms,
         outcome,
     };
-    log.absorb(
-        900,
-        &Event::Ready {
-            host: "h".into(),
-            slot: Some(0),
-            worker: "w".into(),
-            pid: 7,
-            cell_id: "a".into(),
-            revision: 1,
-            class: PreparedClass::Speculative,
-            prepare_ms: 30.0,
-        },
-    );
+    let ready = |revision, class| Event::Ready {
+        host: "h".into(),
+        slot: Some(0),
+        worker: "w".into(),
+        pid: 7,
+        cell_id: "a".into(),
+        revision,
+        class,
+        prepare_ms: 30.0,
+    };
+    log.absorb(900, &ready(1, PreparedClass::Speculative));
     // ready again after its cell started (kept warm): not when it was ready for it
-    log.absorb(
-        2500,
-        &Event::Ready {
-            host: "h".into(),
-            slot: Some(0),
-            worker: "w".into(),
-            pid: 7,
-            cell_id: "a".into(),
-            revision: 2,
-            class: PreparedClass::Warm,
-            prepare_ms: 1.0,
-        },
-    );
+    log.absorb(2500, &ready(2, PreparedClass::Warm));
     log.absorb(0, &ended(PreparedClass::Speculative, 1500.0, PreparedOutcome::Used, Some(0)));
     log.absorb(0, &ended(PreparedClass::Speculative, 500.0, PreparedOutcome::Evicted, Some(1)));
     log.absorb(0, &ended(PreparedClass::Speculative, 4000.0, PreparedOutcome::Used, None));
