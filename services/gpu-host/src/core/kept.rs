@@ -65,6 +65,11 @@ impl KeptWorkers {
         ids.iter().filter_map(|id| self.by_id.remove(id)).collect()
     }
 
+    /// Whether it keeps no worker.
+    pub fn is_empty(&self) -> bool {
+        self.by_id.is_empty()
+    }
+
     /// Sessions whose CPU worker lives here.
     pub fn cpu_sessions(&self) -> impl Iterator<Item = Uuid> + '_ {
         self.cpu.keys().copied()

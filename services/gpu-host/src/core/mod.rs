@@ -150,10 +150,16 @@ pub enum Input {
     ClaimsLost(Vec<ClaimKey>),
     /// The periodic tick: reap dead prepared workers, retry, renew.
     Tick,
-    /// The host is stopping: it takes nothing new.
+    /// The host is stopping: it takes nothing new, and ends the prepared
+    /// workers no run has claimed.
     Stopping,
     /// The stopping host's executions ended: stop every worker it keeps.
     Stopped,
+    /// An autoscaler cordons the host (true), to release it once it holds
+    /// nothing: it takes no new work but runs the cells of the workers it holds
+    /// (prepared, kept, a session's CPU worker), so no prepared worker is lost.
+    /// Uncordoned (false), it takes work again: cheaper than booting a host.
+    Cordon(bool),
 }
 
 /// Where an execution runs.
@@ -267,6 +273,8 @@ pub struct HostCore<C: Clock + Clone = SystemClock> {
     /// A small deterministic generator for claim jitter (ties between hosts).
     jitter_state: u64,
     stopping: bool,
+    /// Cordoned: it takes work only for the workers it holds (ADR 74).
+    cordoned: bool,
     commands: Vec<Command>,
 }
 
@@ -295,6 +303,7 @@ impl<C: Clock + Clone> HostCore<C> {
             next_ticket: 1,
             jitter_state: seed | 1,
             stopping: false,
+            cordoned: false,
             commands: Vec::new(),
         }
     }
@@ -317,8 +326,9 @@ impl<C: Clock + Clone> HostCore<C> {
             Input::Interrupt { session, exec_id } => self.interrupt(session, exec_id),
             Input::ClaimsLost(keys) => self.claims_lost(keys),
             Input::Tick => self.tick(facts),
-            Input::Stopping => self.begin_stopping(),
+            Input::Stopping => self.begin_stopping(facts),
             Input::Stopped => self.stopped(),
+            Input::Cordon(on) => self.cordoned = on,
         }
         std::mem::take(&mut self.commands)
     }
@@ -358,6 +368,19 @@ impl<C: Clock + Clone> HostCore<C> {
     /// How many executions are under way.
     pub fn running(&self) -> usize {
         self.runs.running()
+    }
+
+    /// How many runs this host holds: running, or claimed and waiting for a slot
+    /// or a prepared worker (what a draining host waits for before it stops).
+    pub fn runs_held(&self) -> usize {
+        use runs::RunState::{ForPrepared, OnPreparing, Running, Won};
+        self.runs.in_state(|s| matches!(s, Running { .. } | Won | OnPreparing(_) | ForPrepared(_))).len()
+    }
+
+    /// Whether it holds nothing: no run, no prepared or kept worker (a cordoned
+    /// host is released then).
+    pub fn holds_nothing(&self) -> bool {
+        self.runs_held() == 0 && self.prepared.keys().is_empty() && self.kept.is_empty()
     }
 
     /// The worker prepared for a cell (its id, empty while first forked), its

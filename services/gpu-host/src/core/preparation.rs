@@ -355,6 +355,13 @@ impl<C: Clock + Clone> HostCore<C> {
     /// The planner (budget) or the session asks to stop a prepared worker.
     pub(super) fn evict(&mut self, worker: &str, facts: &dyn Facts) {
         let Some(key) = self.prepared.by_worker(worker) else { return };
+        self.evict_prepared(&key, facts);
+    }
+
+    /// End the worker prepared for `key` unless a run has claimed it (a worker
+    /// still preparing ends once prepared).
+    pub(super) fn evict_prepared(&mut self, key: &PrepKey, facts: &dyn Facts) {
+        let key = key.clone();
         match self.prepared.get_mut(&key) {
             Some(p) if p.run_claimed() => {} // a run claimed it: too late
             Some(p) if p.is_preparing() => p.stop_when_prepared(PreparedOutcome::Evicted),

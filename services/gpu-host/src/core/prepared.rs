@@ -225,6 +225,13 @@ impl PreparedWorkers {
         self.0.iter().find(|(_, p)| p.worker_id() == worker).map(|(k, _)| k.clone())
     }
 
+    /// Every prepared worker's key, in a stable order.
+    pub fn keys(&self) -> Vec<PrepKey> {
+        let mut keys: Vec<PrepKey> = self.0.keys().cloned().collect();
+        keys.sort();
+        keys
+    }
+
     /// The session's prepared workers.
     pub fn of_session(&self, session: Uuid) -> Vec<PrepKey> {
         self.0.keys().filter(|(s, _)| *s == session).cloned().collect()

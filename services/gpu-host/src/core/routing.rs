@@ -23,6 +23,9 @@ impl<C: Clock + Clone> HostCore<C> {
         if self.stopping {
             return; // a stopping host takes nothing new; other hosts will
         }
+        if self.cordoned && !self.holds_worker_for(&recipe) {
+            return; // nor a cordoned one, but for the workers it holds
+        }
         if recipe.kind != RecipeKind::Run {
             self.on_edit_recipe(recipe, facts);
             return;
@@ -41,6 +44,15 @@ impl<C: Clock + Clone> HostCore<C> {
         }
         self.runs.arrive(recipe.clone(), self.clock.now());
         self.route(recipe, facts);
+    }
+
+    /// Whether this host holds the worker `recipe` is for: the cell's prepared
+    /// worker, the worker pinned for it, or the session's CPU worker.
+    fn holds_worker_for(&self, recipe: &RecipeV3) -> bool {
+        let key = (recipe.session, recipe.cell_id.clone());
+        self.prepared.contains(&key)
+            || recipe.pinned.as_ref().is_some_and(|p| p.host == self.host_id && self.kept.get(&p.worker).is_some())
+            || (recipe.device == Device::Cpu && self.kept.cpu_worker(recipe.session).is_some())
     }
 
     /// Where a run goes: to the worker pinned for it, the session's CPU worker, a

@@ -123,9 +123,15 @@ impl<C: Clock + Clone> HostCore<C> {
         self.emit(Command::Renew { keys });
     }
 
-    /// The host is stopping: it takes nothing new.
-    pub(super) fn begin_stopping(&mut self) {
+    /// The host is stopping (drained by its autoscaler, or shut down): it takes
+    /// nothing new, so its prepared workers' runs would be refused here. It ends
+    /// those no run has claimed now, and the planner, told, sends their runs to
+    /// another host at once rather than after `PREPARED_FALLBACK`.
+    pub(super) fn begin_stopping(&mut self, facts: &dyn Facts) {
         self.stopping = true;
+        for key in self.prepared.keys() {
+            self.evict_prepared(&key, facts);
+        }
     }
 
     /// The host's executions ended: stop every worker it keeps or prepared.

@@ -956,6 +956,35 @@ fn a_stopping_host_takes_nothing_new() {
 }
 
 #[test]
+fn a_stopping_host_ends_the_prepared_workers_no_run_claimed() {
+    let mut h = host(2);
+    h.prepare(S, "idle", "w1");
+    h.prepare(S2, "taken", "w2");
+    h.run_settled(run(S2, "taken", 7), Claim::Won);
+    let cmds = h.on(Input::Stopping);
+    assert_eq!(ended(&cmds), vec![PreparedOutcome::Evicted], "the planner hears of the idle one");
+    assert_eq!(stopped(&cmds), vec!["w1"], "the worker running its cell is left to finish");
+    assert!(h.core.prepared_worker(&(S, "idle".into())).is_none());
+}
+
+#[test]
+fn a_cordoned_host_runs_only_the_cells_of_the_workers_it_holds() {
+    let mut h = host(2);
+    h.prepare(S, "c", "w1");
+    h.on(Input::Cordon(true));
+    assert!(h.on(Input::Recipe(edit(S2, "d", 1))).is_empty(), "no new preparation");
+    assert!(h.on(Input::Recipe(run(S2, "x", 1))).is_empty(), "no cold run");
+    assert!(!h.core.holds_nothing(), "its prepared worker");
+    let cmds = h.run_settled(run(S, "c", 7), Claim::Won);
+    let target = Target::Existing { worker: "w1".into(), prepare: Prepare::Speculative, slots: vec![0] };
+    assert_eq!(executes(&cmds).map(|e| e.1), Some(target), "the prepared worker's run");
+    h.on(executed(7, None, &[], false));
+    assert!(h.core.holds_nothing(), "released once its cell is saved");
+    h.on(Input::Cordon(false));
+    assert!(!no_claim(&h.on(Input::Recipe(run(S2, "x", 2)))), "uncordoned, it takes work again");
+}
+
+#[test]
 fn a_stopped_host_stops_every_worker_it_keeps_or_prepared() {
     let mut h = host_holding(2);
     h.prepare(S, "p", "wp");
