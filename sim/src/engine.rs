@@ -114,6 +114,11 @@ pub trait Policy {
     fn capacity_changed(&mut self, _sim: &mut Sim) {}
     /// Every autoscaler interval, before it decides.
     fn tick(&mut self, _sim: &mut Sim) {}
+    /// Scale the cluster at the autoscaler's interval; false leaves it to
+    /// NotebookOS's rule, which the baselines keep.
+    fn scale(&mut self, _sim: &mut Sim) -> bool {
+        false
+    }
     /// Whether an idle host may be released (its slots are all free).
     fn releasable(&self, _sim: &Sim, _host: usize) -> bool {
         true
@@ -223,6 +228,19 @@ impl<'w> Sim<'w> {
         let draw = &mut self.draw;
         if let Some(at) = self.cluster.scale_out(n, || draw.normal_at_least(mean, std, 1.0)) {
             self.push(at, Ev::OpDone);
+        }
+    }
+
+    /// Release `hosts` now (one operation); false while another is in flight.
+    pub fn release_hosts(&mut self, hosts: &[usize]) -> bool {
+        let (mean, std) = self.cluster.autoscaler.stop_s;
+        let draw = &mut self.draw;
+        match self.cluster.scale_in(hosts, || draw.normal_at_least(mean, std, 0.5)) {
+            Some(at) => {
+                self.push(at, Ev::OpDone);
+                true
+            }
+            None => false,
         }
     }
 
@@ -377,7 +395,9 @@ pub fn simulate(
             Ev::Scale => {
                 sim.scale_ticks += 1;
                 policy.tick(&mut sim);
-                autoscale(policy, &mut sim);
+                if !policy.scale(&mut sim) {
+                    autoscale(policy, &mut sim);
+                }
                 sim.push(at + interval, Ev::Scale);
             }
             Ev::OpDone => {
@@ -459,9 +479,5 @@ fn autoscale(policy: &mut dyn Policy, sim: &mut Sim) {
         })
         .take(n)
         .collect();
-    let (mean, std) = sim.cluster.autoscaler.stop_s;
-    let draw = &mut sim.draw;
-    if let Some(at) = sim.cluster.scale_in(&idle, || draw.normal_at_least(mean, std, 0.5)) {
-        sim.push(at, Ev::OpDone);
-    }
+    sim.release_hosts(&idle);
 }

@@ -10,7 +10,6 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-use looseleaf_gpu_host::core::runs::RunState;
 use looseleaf_gpu_host::core::{gpu_recipe, Command, HostCore, Input, Policy as HostPolicy, Target, WorkerRef};
 use looseleaf_gpu_host::gpus::Gpu;
 use looseleaf_gpu_host::host::claims::{Claim, ClaimKey};
@@ -20,6 +19,7 @@ use looseleaf_planner::speculator::{Budget, Eviction, Ready, Speculator};
 use schemas::messages::{EventKind, Prepare, PreparedOutcome, PreparedWorker, RecipeKind, RecipeV3, WorkerState};
 use uuid::Uuid;
 
+use super::looseleaf_scaling::Scaler;
 use super::looseleaf_starts::{self as starts, World};
 use super::secs;
 use crate::cluster::SimClock;
@@ -46,8 +46,8 @@ enum Step {
 
 /// A cell running on a host.
 #[derive(Clone, Debug)]
-struct Running {
-    host: usize,
+pub(super) struct Running {
+    pub(super) host: usize,
     exec: Uuid,
     worker: String,
 }
@@ -58,15 +58,15 @@ pub struct LooseLeaf {
     lifecycle: Lifecycle,
     budget: Budget,
     /// One gpu-host core per host that is on.
-    cores: Vec<Option<HostCore<SimClock>>>,
+    pub(super) cores: Vec<Option<HostCore<SimClock>>>,
     /// The claims bucket: key → the host that holds it.
     claims: HashMap<String, usize>,
     steps: HashMap<u64, Step>,
     next_step: u64,
-    running: Vec<Option<Running>>,
+    pub(super) running: Vec<Option<Running>>,
     pressed: Vec<bool>,
     /// Sessions whose GPU run was pressed and has not started.
-    unstarted: HashSet<usize>,
+    pub(super) unstarted: HashSet<usize>,
     /// Whether the run of each session found its worker ready at Run.
     ready_at_run: Vec<bool>,
     /// When each session's current cell began to be edited (simulated s).
@@ -78,6 +78,11 @@ pub struct LooseLeaf {
     workers: u64,
     /// Prepared workers that hold no slot (their state staged in host memory).
     staged: HashSet<String>,
+    /// The edit-stream demand and the hosts cordoned on it.
+    pub(super) scaler: Scaler,
+    /// Whether hosts follow the edit-stream demand (`looseleaf_demand`) rather
+    /// than NotebookOS's rule on the slots held.
+    scale_on_demand: bool,
     counters: BTreeMap<&'static str, f64>,
 }
 
@@ -102,11 +107,18 @@ impl LooseLeaf {
             by_id: HashMap::new(),
             workers: 0,
             staged: HashSet::new(),
+            scaler: Scaler::default(),
+            scale_on_demand: false,
             counters: BTreeMap::new(),
         }
     }
 
-    fn count(&mut self, what: &'static str) {
+    /// LooseLeaf whose hosts follow the edit-stream demand (ADR 74).
+    pub fn scaling_on_demand(budget: Budget) -> Self {
+        Self { scale_on_demand: true, ..Self::new(budget) }
+    }
+
+    pub(super) fn count(&mut self, what: &'static str) {
         *self.counters.entry(what).or_default() += 1.0;
     }
 
@@ -154,7 +166,7 @@ impl LooseLeaf {
     }
 
     /// Feed `input` to host `h`'s core and carry out what it decides.
-    fn feed(&mut self, sim: &mut Sim, h: usize, input: Input) {
+    pub(super) fn feed(&mut self, sim: &mut Sim, h: usize, input: Input) {
         let world = World { host: h, by_id: &self.by_id, cached_on: &self.cached_on, import_tail: &self.import_tail };
         let Some(core) = self.cores.get_mut(h).and_then(Option::as_mut) else { return };
         let commands = core.on(input, &world);
@@ -176,20 +188,6 @@ impl LooseLeaf {
                 (Some(SlotState::Free), s) => sim.cluster.hosts[h].slots.take(&[i], s.clone()),
                 (Some(_), SlotState::Free) => sim.cluster.release(h, &[i]),
                 (_, s) => sim.cluster.hosts[h].slots.hand_on(&[i], s.clone()),
-            }
-        }
-    }
-
-    /// Tell every other host how many slots the best of them has free (all a
-    /// host's claim delay asks of its peers).
-    fn share_status(&mut self, sim: &mut Sim) {
-        let free: Vec<(usize, usize)> = (0..self.cores.len())
-            .filter_map(|h| self.cores[h].as_ref().map(|c| (h, c.slots().free_count() as usize)))
-            .collect();
-        for &(h, _) in &free {
-            let best_other = free.iter().filter(|(o, _)| *o != h).map(|(_, f)| *f).max();
-            if let Some(free_slots) = best_other {
-                self.feed(sim, h, Input::PeerStatus { host: "others".into(), free_slots });
             }
         }
     }
@@ -330,6 +328,7 @@ impl LooseLeaf {
             self.count(late);
         }
         sim.start(s, at);
+        self.scaler.demand.running(recipe.exec_id, recipe.gpus, now);
         self.running[s] = Some(Running { host: h, exec: recipe.exec_id, worker });
     }
 
@@ -357,6 +356,8 @@ impl LooseLeaf {
                     let worker = Some(WorkerRef { id: r.worker, pid: 0 });
                     let input = Input::Executed { exec_id: r.exec, worker, unsavable: vec![], cuda_used: true };
                     self.feed(sim, r.host, input);
+                    self.scaler.demand.ended(r.exec, sim.now());
+                    self.release_cordoned(sim);
                 }
             }
             CLAIM => {
@@ -381,31 +382,6 @@ impl LooseLeaf {
                 self.feed(sim, host, *input);
             }
             _ => {}
-        }
-    }
-
-    /// Runs that no host is claiming, running or holding: ask the autoscaler for
-    /// a host (it runs one operation at a time and refuses the rest), on every
-    /// change, as a full cluster's waiting runs would have it scale out.
-    fn ask_for_room(&mut self, sim: &mut Sim) {
-        let held = |state: Option<&RunState>| {
-            matches!(
-                state,
-                Some(
-                    RunState::Routing
-                        | RunState::Won
-                        | RunState::OnPreparing(_)
-                        | RunState::ForPrepared(_)
-                        | RunState::Running { .. }
-                )
-            )
-        };
-        let waiting = self.unstarted.iter().any(|&s| {
-            let exec = Uuid::from_u128(((s as u128) << 32) | sim.progress[s].cell as u128);
-            !self.cores.iter().flatten().any(|c| held(c.run_state(exec)))
-        });
-        if waiting {
-            sim.request_hosts(1);
         }
     }
 
@@ -440,7 +416,7 @@ impl LooseLeaf {
 
 impl Policy for LooseLeaf {
     fn name(&self) -> String {
-        "looseleaf".into()
+        if self.scale_on_demand { "looseleaf_demand" } else { "looseleaf" }.into()
     }
 
     fn open(&mut self, sim: &mut Sim, s: usize) {
@@ -461,6 +437,12 @@ impl Policy for LooseLeaf {
         self.pressed[s] = false;
         self.edited_at[s] = sim.now();
         self.import_tail[s] = sim.cell(s).import_tail;
+        let (id, cell) = (sim.session(s).id, sim.cell(s));
+        if cell.gpu {
+            self.scaler.demand.typing(id, &cell.cell_id, cell.gpus, cell.closure_bytes, sim.now());
+        } else {
+            self.scaler.demand.not_typing(id, &cell.cell_id);
+        }
         if sim.cell(s).gpu {
             let at = sim.now() + DEBOUNCE_S;
             sim.timer(at, Timer { session: s, kind: PLAN, tag: sim.progress[s].cell as u64 });
@@ -481,6 +463,7 @@ impl Policy for LooseLeaf {
         // the planner asks for the cell's prepared worker (and its admission, if
         // still in flight, stops holding budget)
         let mut recipe = self.recipe(sim, s, RecipeKind::Run);
+        self.scaler.demand.ran(id, &cell_id, recipe.exec_id, now);
         recipe.prepared = self.speculator.for_run(id, &cell_id);
         self.ready_at_run[s] = recipe.prepared.is_some();
         self.unstarted.insert(s);
@@ -525,6 +508,7 @@ impl Policy for LooseLeaf {
             }
         }
         self.speculator.close(id);
+        self.scaler.demand.closed(id);
     }
 
     fn capacity_changed(&mut self, sim: &mut Sim) {
@@ -558,7 +542,8 @@ impl Policy for LooseLeaf {
         }
         // runs still waiting with no room anywhere: ask for a host (one scaling
         // operation at a time; the engine refuses the rest)
-        if !self.unstarted.is_empty() && sim.host_with_room(1).is_none() {
+        let room = (0..self.cores.len()).any(|h| self.cores[h].as_ref().is_some_and(|c| self.free_slots(h, c) > 0));
+        if !self.unstarted.is_empty() && !room {
             sim.request_hosts(1);
         }
         for h in 0..self.cores.len() {
@@ -566,6 +551,10 @@ impl Policy for LooseLeaf {
                 self.feed(sim, h, Input::Tick);
             }
         }
+    }
+
+    fn scale(&mut self, sim: &mut Sim) -> bool {
+        self.scale_on_demand && self.scale_cluster(sim)
     }
 
     fn releasable(&self, _sim: &Sim, host: usize) -> bool {

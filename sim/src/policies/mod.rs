@@ -4,6 +4,7 @@
 
 pub mod containers;
 pub mod looseleaf;
+mod looseleaf_scaling;
 mod looseleaf_starts;
 pub mod notebookos;
 pub mod pinned;
@@ -53,6 +54,7 @@ pub fn all(budget: looseleaf_planner::speculator::Budget) -> Vec<Box<dyn Policy>
         Box::new(containers::Containers::snapshot(containers::Snapshot::Gcr)),
         Box::new(containers::Containers::snapshot(containers::Snapshot::Criu)),
         Box::new(looseleaf::LooseLeaf::new(budget)),
+        Box::new(looseleaf::LooseLeaf::scaling_on_demand(budget)),
     ]
 }
 

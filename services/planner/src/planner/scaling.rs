@@ -27,9 +27,10 @@ impl Planner {
     /// are given back as it is saved; `SlotReleased` names no run).
     pub(super) fn event_demand(&mut self, exec_id: Uuid, kind: &schemas::messages::EventKind) {
         use schemas::messages::EventKind;
+        let now = self.now();
         match kind {
-            EventKind::Claimed { slot: Some(_), .. } => self.demand.running(exec_id, 1),
-            EventKind::Saved { .. } | EventKind::Failed { .. } => self.demand.ended(exec_id),
+            EventKind::Claimed { slot: Some(_), .. } => self.demand.running(exec_id, 1, now),
+            EventKind::Saved { .. } | EventKind::Failed { .. } => self.demand.ended(exec_id, now),
             _ => {}
         }
     }
