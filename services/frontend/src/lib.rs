@@ -84,6 +84,10 @@ impl Default for Timeouts {
 /// and events, many times over).
 pub const DEFAULT_HISTORY_ITEMS: usize = 20_000;
 
+/// Bytes of stream items a session keeps by default: the item count alone let a
+/// cell printing a megabyte a run keep every run's megabyte (20 GB at 20,000).
+pub const DEFAULT_HISTORY_BYTES: usize = 64 << 20;
+
 /// How often the `looseleaf_runs` gauge is counted again.
 const RUNS_GAUGE_EVERY: Duration = Duration::from_secs(2);
 
@@ -118,6 +122,8 @@ pub struct Config {
     pub tokens: auth::Tokens,
     /// Stream items each session keeps for clients that connect or reconnect later.
     pub history_items: usize,
+    /// The most bytes of those items (their JSON) each session keeps.
+    pub history_bytes: usize,
     /// Sessions idle this long with no client are detached (None: never).
     pub detach_unwatched: Option<Duration>,
     /// Sessions idle this long, watched or not, give back their CPU worker and
@@ -152,6 +158,7 @@ impl Config {
             timeouts: Timeouts::default(),
             tokens: auth::Tokens::open(),
             history_items: DEFAULT_HISTORY_ITEMS,
+            history_bytes: DEFAULT_HISTORY_BYTES,
             detach_unwatched: Some(DEFAULT_DETACH_UNWATCHED),
             idle_cull: Some(DEFAULT_IDLE_CULL),
             session_retention: Some(DEFAULT_SESSION_RETENTION),
@@ -217,6 +224,7 @@ pub async fn run_with_bound(
             records,
             bodies: schemas::bodies::Bodies::new(bus.client().clone(), &config.prefix, bus.replicas()),
             history_items: config.history_items.max(1),
+            history_bytes: config.history_bytes.max(1),
             queued_runs: config.limits.queued_runs.max(1),
             dashboard,
             usage,

@@ -65,6 +65,10 @@ struct Args {
     /// or reconnect later (`Last-Event-ID`); older ones are dropped.
     #[arg(long, env = "LOOSELEAF_HISTORY_ITEMS", default_value_t = looseleaf_frontend::DEFAULT_HISTORY_ITEMS)]
     history_items: usize,
+    /// The most bytes of those items (their JSON) each session keeps; the oldest
+    /// go first, the newest always stays.
+    #[arg(long, env = "LOOSELEAF_HISTORY_BYTES", default_value_t = looseleaf_frontend::DEFAULT_HISTORY_BYTES)]
+    history_bytes: usize,
     /// Seconds a session may be idle (nothing running or queued, nobody watching
     /// its events, no request) before it is detached: its workers stop, its state
     /// stays, a new kernel on its notebook resumes it and any request of its
@@ -115,6 +119,7 @@ fn main() -> anyhow::Result<()> {
         (args.exec_deadline_s > 0).then(|| std::time::Duration::from_secs(args.exec_deadline_s));
     config.timeouts.host_lost = std::time::Duration::from_secs(args.host_lost_s);
     config.history_items = args.history_items;
+    config.history_bytes = args.history_bytes;
     config.detach_unwatched = (args.detach_unwatched_s > 0.0)
         .then(|| std::time::Duration::try_from_secs_f64(args.detach_unwatched_s))
         .transpose()

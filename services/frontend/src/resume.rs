@@ -229,6 +229,9 @@ pub struct Log {
     incarnation: u64,
     entries: VecDeque<Entry>,
     capacity: usize,
+    /// The most bytes of lines kept, and those kept now.
+    max_bytes: usize,
+    bytes: usize,
     next_n: u64,
     cursor: Cursor,
     /// Events relayed so far per execution, the newest executions last.
@@ -237,12 +240,15 @@ pub struct Log {
 }
 
 impl Log {
-    /// An empty log of a new incarnation (a random number) that keeps `capacity` items.
-    pub fn new(capacity: usize) -> Self {
+    /// An empty log of a new incarnation (a random number) that keeps `capacity`
+    /// items of at most `max_bytes` in all (the newest is kept whatever its size).
+    pub fn new(capacity: usize, max_bytes: usize) -> Self {
         Self {
             incarnation: Uuid::new_v4().as_u64_pair().0,
             entries: VecDeque::new(),
             capacity: capacity.max(1),
+            max_bytes,
+            bytes: 0,
             next_n: 1,
             cursor: Cursor::default(),
             event_counts: VecDeque::new(),
@@ -291,11 +297,15 @@ impl Log {
         self.cursor.pass(&key);
         let n = self.next_n;
         self.next_n += 1;
-        // bounded: a reader that reconnects after more than this misses the oldest
-        while self.entries.len() >= self.capacity {
-            self.entries.pop_front();
-        }
+        self.bytes += line.len();
         self.entries.push_back(Entry { n, key, recovered: self.recovering, cursor: self.cursor, line });
+        // bounded in items and bytes: a reader that reconnects after more than
+        // this misses the oldest
+        while self.entries.len() > self.capacity || (self.bytes > self.max_bytes && self.entries.len() > 1) {
+            if let Some(old) = self.entries.pop_front() {
+                self.bytes -= old.line.len();
+            }
+        }
         self.entries.back()
     }
 
@@ -376,7 +386,7 @@ mod tests {
     #[test]
     fn a_reader_of_the_same_incarnation_resumes_exactly_after_its_last_item() {
         let (a, b) = (Uuid::now_v7(), Uuid::now_v7());
-        let mut log = Log::new(100);
+        let mut log = Log::new(100, usize::MAX);
         push(&mut log, &queued(a));
         log.follow(a);
         let items = [event(a, "h"), output(a, 0), queued(b), event(a, "h"), output(a, 1), done(a)];
@@ -398,7 +408,7 @@ mod tests {
     #[test]
     fn a_reader_of_an_earlier_incarnation_gets_no_item_twice() {
         let (a, b, c) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
-        let mut first = Log::new(100);
+        let mut first = Log::new(100, usize::MAX);
         push(&mut first, &queued(a));
         first.follow(a);
         for item in [event(a, "e0"), output(a, 0), queued(b), event(a, "e1"), output(a, 1)] {
@@ -406,7 +416,7 @@ mod tests {
         }
         let seen_first = resume(&first, None);
 
-        let mut second = Log::new(100);
+        let mut second = Log::new(100, usize::MAX);
         second.recovering(true);
         push(&mut second, &queued(a));
         second.follow(a);
@@ -444,7 +454,7 @@ mod tests {
             if let Some((last, _)) = got.last() {
                 assert!(resume(&second, Some(last.as_str())).is_empty(), "after item {cut}, then {last}");
                 // nor on a third incarnation that reads back the same run
-                let mut third = Log::new(100);
+                let mut third = Log::new(100, usize::MAX);
                 third.recovering(true);
                 push(&mut third, &queued(a));
                 third.follow(a);
@@ -479,7 +489,7 @@ mod tests {
     #[test]
     fn the_log_keeps_the_newest_items_and_numbers_go_on() {
         let a = Uuid::now_v7();
-        let mut log = Log::new(2);
+        let mut log = Log::new(2, usize::MAX);
         for seq in 0..5 {
             push(&mut log, &output(a, seq));
         }
@@ -491,5 +501,23 @@ mod tests {
         // a number of this incarnation not reached yet is not ours: everything kept
         let ahead = Position { n: 99, ..Position::parse(&kept[1].0).unwrap() };
         assert_eq!(resume(&log, Some(ahead.to_string().as_str())).len(), 2);
+    }
+
+    #[test]
+    fn the_log_keeps_at_most_its_bytes_and_always_the_newest_item() {
+        let a = Uuid::now_v7();
+        let one = push(&mut Log::new(100, usize::MAX), &output(a, 0)).len();
+        // room for two lines of this size
+        let mut log = Log::new(100, 2 * one + one / 2);
+        for seq in 0..5 {
+            push(&mut log, &output(a, seq));
+        }
+        let numbers: Vec<u64> = resume(&log, None).iter().map(|(id, _)| Position::parse(id).unwrap().n).collect();
+        assert_eq!(numbers, [4, 5]);
+        // one line larger than the whole bound is kept alone
+        let mut tiny = Log::new(100, 1);
+        push(&mut tiny, &output(a, 0));
+        push(&mut tiny, &output(a, 1));
+        assert_eq!(resume(&tiny, None).len(), 1);
     }
 }

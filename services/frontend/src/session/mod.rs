@@ -88,6 +88,8 @@ pub struct Shared {
     pub bodies: schemas::bodies::Bodies,
     /// Stream items each session keeps for clients that connect or reconnect later.
     pub history_items: usize,
+    /// The most bytes of those items each session keeps.
+    pub history_bytes: usize,
     /// Runs a session may have waiting behind the running one.
     pub queued_runs: usize,
     /// What the dashboard at `/` shows (every session's stream items go there too).
@@ -113,7 +115,7 @@ pub struct SessionActor {
     edit_seq: HashMap<String, u64>,
     executions: Vec<ExecRecord>,
     /// The newest stream items, for clients that connect or reconnect later: at
-    /// most `shared.history_items`.
+    /// most `shared.history_items` and `shared.history_bytes`.
     log: resume::Log,
     clients: Vec<Watcher>,
     closing: bool,
@@ -166,7 +168,7 @@ impl SessionActor {
                 }
             }
         });
-        let log = resume::Log::new(shared.history_items);
+        let log = resume::Log::new(shared.history_items, shared.history_bytes);
         let account = crate::usage::Account {
             session_id: record.session_id,
             owner: record.owner.clone(),
