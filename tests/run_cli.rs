@@ -48,6 +48,20 @@ fn stdout_text(cell: &Value) -> String {
 }
 
 #[test]
+fn a_session_cpu_worker_goes_through_its_lifecycle_between_cells() {
+    // its next cells find nothing to bring in (ADR 69): the host still takes it
+    // through Preparing, where it logged `Kept -> Running is not a lifecycle
+    // transition` for every such cell and reported the worker Kept while it ran
+    let dir = tempfile::tempdir().unwrap();
+    let nb = notebook(dir.path(), "cpu.ipynb", &["def f():\n    return 1\nx = f()", "x = f() + 1", "print(x)"]);
+    let out = Command::new(looseleaf()).arg("run").arg(&nb).stdin(Stdio::null()).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("3 cells: 3 ok"), "{err}");
+    assert!(!err.contains("lifecycle"), "{err}");
+}
+
+#[test]
 fn looseleaf_run_behaves_like_a_notebook_runner() {
     let dir = tempfile::tempdir().unwrap();
     // a broken notebook is refused at once, before any cluster starts

@@ -60,7 +60,10 @@ impl ExecEnv {
         let restore = self.plan_restore(recipe, w, &manifest)?;
         if restore.is_empty() && env.is_empty() && w.is_at(manifest.revision, &recipe.imports) {
             // the session's persistent worker between its cells: nothing to bring
-            // in, and its ambient state is the revision's already (ADR 69)
+            // in, and its ambient state is the revision's already (ADR 69). It was
+            // brought up to date all the same (a kept worker's next cell follows
+            // Preparing: Kept -> Running is no transition)
+            w.enter(WorkerState::Preparing);
             let manifest_ms = got_manifest.as_secs_f64() * 1000.0;
             let unchanged =
                 Restored { bytes: 0, refreshed: 0, manifest_ms, file_ms: 0.0, imports_ms: 0.0, load_ms: 0.0 };
