@@ -373,8 +373,7 @@ impl<C: Clock + Clone> HostCore<C> {
     /// How many runs this host holds: running, or claimed and waiting for a slot
     /// or a prepared worker (what a draining host waits for before it stops).
     pub fn runs_held(&self) -> usize {
-        use runs::RunState::{ForPrepared, OnPreparing, Running, Won};
-        self.runs.in_state(|s| matches!(s, Running { .. } | Won | OnPreparing(_) | ForPrepared(_))).len()
+        self.runs.in_state(runs::RunState::held).len()
     }
 
     /// Whether it holds nothing: no run, no prepared or kept worker (a cordoned

@@ -53,6 +53,12 @@ pub enum RunState {
 }
 
 impl RunState {
+    /// Whether this host holds the run: running it, or claimed and waiting for a
+    /// slot or a prepared worker (its claim is renewed; a draining host waits).
+    pub fn held(&self) -> bool {
+        matches!(self, RunState::Running { .. } | RunState::Won | RunState::OnPreparing(_) | RunState::ForPrepared(_))
+    }
+
     /// Whether the run waits in the queue.
     pub fn waits(&self) -> bool {
         matches!(

@@ -115,10 +115,7 @@ impl<C: Clock + Clone> HostCore<C> {
         // every run this host holds, running, waiting for a slot or for a prepared
         // worker: an expired run claim could be taken again (by a host, or by an
         // interrupt), and the frontend takes a claim not renewed for a lost host
-        let held = |s: &RunState| {
-            matches!(s, RunState::Running { .. } | RunState::Won | RunState::OnPreparing(_) | RunState::ForPrepared(_))
-        };
-        let runs: BTreeSet<Uuid> = self.runs.in_state(held).into_iter().collect();
+        let runs: BTreeSet<Uuid> = self.runs.in_state(RunState::held).into_iter().collect();
         let keys = self.kept.cpu_sessions().map(ClaimKey::Cpu).chain(runs.into_iter().map(ClaimKey::Run)).collect();
         self.emit(Command::Renew { keys });
     }
