@@ -18,7 +18,7 @@
 //! most of the time. `r`, `h` and `q` are learnt from the runs seen.
 //!
 //! Pure bookkeeping on the caller's clock (seconds): the planner actor publishes
-//! it (gauge and subject), the simulator's LooseLeaf policy scales on it.
+//! it (gauge and subject), the simulator's `looseleaf_demand` policy scales on it.
 
 use std::collections::HashMap;
 
