@@ -1,9 +1,10 @@
 //! The state of a session's current run: the execution sent to the planner and
 //! not complete yet (its host, its end, what it sent and what was heard of it).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
+use actix::SpawnHandle;
 use schemas::messages::CellStatus;
 use uuid::Uuid;
 
@@ -66,6 +67,11 @@ pub(super) struct Current {
     pub(super) allow_stdin: bool,
     /// The cell waits for a line of input from its client.
     pub(super) asking: bool,
+    /// Its deadlines and watches (`SessionActor::run_later_for`), cancelled when
+    /// it completes: an actor polls every pending timer on each message, and a
+    /// 60 s claim deadline left behind by each of thousands of quick cells made
+    /// every event of the next cell slower.
+    pub(super) timers: HashMap<&'static str, SpawnHandle>,
 }
 
 impl Current {
@@ -80,6 +86,7 @@ impl Current {
             events: HashSet::new(),
             reading_back: false,
             connects,
+            timers: HashMap::new(),
         }
     }
 

@@ -24,7 +24,7 @@ impl SessionActor {
     /// While `exec_id` is current, read back what it sent whenever this
     /// frontend's NATS connection was lost meanwhile.
     pub(super) fn watch_connection(&mut self, exec_id: Uuid, ctx: &mut Context<Self>) {
-        ctx.run_later(HOST_CHECK, move |act, ctx| {
+        self.run_later_for("connection check", HOST_CHECK, ctx, move |act, ctx| {
             if act.current.as_ref().is_some_and(|c| c.exec_id == exec_id) {
                 act.read_back_if_reconnected(exec_id, ctx);
                 act.watch_connection(exec_id, ctx);

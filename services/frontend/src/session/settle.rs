@@ -25,6 +25,20 @@ const ABANDON_RETRY: Duration = Duration::from_secs(2);
 pub(super) const HOST_CHECK: Duration = Duration::from_secs(1);
 
 impl SessionActor {
+    /// Run `f` after `delay` unless the current run completes first: the current
+    /// run's timer `what` (it replaces, and cancels, the run's earlier timer of
+    /// that name: each watch sets itself again when it fires). One set with no
+    /// run current is a plain `ctx.run_later`.
+    pub(super) fn run_later_for<F>(&mut self, what: &'static str, delay: Duration, ctx: &mut Context<Self>, f: F)
+    where
+        F: FnOnce(&mut Self, &mut Context<Self>) + 'static,
+    {
+        let handle = ctx.run_later(delay, f);
+        if let Some(earlier) = self.current.as_mut().and_then(|cur| cur.timers.insert(what, handle)) {
+            ctx.cancel_future(earlier);
+        }
+    }
+
     /// While execution `exec_id` is current: if the host that claimed it fell
     /// silent, or stopped renewing the run's claim (hosts renew every 2 s; one
     /// restarted under the same id does not know the run), end it with what the
@@ -32,7 +46,7 @@ impl SessionActor {
     /// cell's outcome; otherwise it failed and nothing of it was committed).
     /// Checked every second.
     pub(super) fn watch_host(&mut self, exec_id: Uuid, ctx: &mut Context<Self>) {
-        ctx.run_later(HOST_CHECK, move |act, ctx| {
+        self.run_later_for("host check", HOST_CHECK, ctx, move |act, ctx| {
             let Some(cur) = act.current.as_ref().filter(|c| c.exec_id == exec_id && c.ended().is_none()) else {
                 return;
             };
@@ -140,14 +154,14 @@ impl SessionActor {
     pub(super) fn arm_deadlines(&mut self, exec_id: Uuid, ctx: &mut Context<Self>) {
         self.watch_connection(exec_id, ctx);
         let claim_timeout = self.shared.timeouts.claim;
-        ctx.run_later(claim_timeout, move |act, ctx| {
+        self.run_later_for("claim deadline", claim_timeout, ctx, move |act, ctx| {
             if act.current.as_ref().is_some_and(|c| c.exec_id == exec_id && matches!(c.state, RunState::Unclaimed)) {
                 tracing::warn!(exec = %exec_id, "no host claimed the run in time");
                 act.abandon_unclaimed(exec_id, format!("no host took the cell within {claim_timeout:?}"), ctx);
             }
         });
         let Some(deadline) = self.shared.timeouts.execution else { return };
-        ctx.run_later(deadline, move |act, ctx| {
+        self.run_later_for("execution deadline", deadline, ctx, move |act, ctx| {
             if act.current.as_ref().is_some_and(|c| c.exec_id == exec_id && c.ended().is_none()) {
                 tracing::warn!(exec = %exec_id, "execution deadline passed; interrupting the cell");
                 act.stop_current(exec_id, format!("no host ran the cell within the deadline ({deadline:?})"), ctx);
@@ -253,6 +267,9 @@ impl SessionActor {
         unix_ms: u64,
     ) {
         let Some(cur) = self.current.take() else { return };
+        for timer in cur.timers.values() {
+            ctx.cancel_future(*timer);
+        }
         // counted here, where its outcome is final (a cell that raised ends Saved)
         schemas::metrics::metrics().cells.get_or_create(&[("status", status.as_str())]).inc();
         self.traces.remove(&cur.exec_id); // the cell's root span ends
@@ -308,7 +325,8 @@ impl SessionActor {
         cur.state = RunState::Ended(Ended { status, revision, error, unix_ms, saved });
         self.maybe_complete(ctx);
         if self.current.as_ref().is_some_and(|c| c.exec_id == exec_id) {
-            ctx.run_later(self.shared.timeouts.output_grace, move |act, ctx| act.read_back(exec_id, ctx));
+            let grace = self.shared.timeouts.output_grace;
+            self.run_later_for("output grace", grace, ctx, move |act, ctx| act.read_back(exec_id, ctx));
         }
     }
 }
