@@ -441,16 +441,25 @@ impl SseParser {
         self.buf.extend_from_slice(bytes);
         let mut events = Vec::new();
         let mut start = 0;
-        while let Some(offset) = self.buf[search..].iter().position(|&b| b == b'\n') {
+        // memchr and a strict UTF-8 check first: a cell's megabyte of output is
+        // one data line, and a byte-at-a-time scan and a lossy decode of it were
+        // a fifth of the kernel's time per output
+        while let Some(offset) = memchr::memchr(b'\n', &self.buf[search..]) {
             let end = search + offset;
-            let line = String::from_utf8_lossy(&self.buf[start..=end]);
+            let raw = &self.buf[start..end];
+            let raw = raw.strip_suffix(b"\r").unwrap_or(raw);
+            let line = match std::str::from_utf8(raw) {
+                Ok(text) => std::borrow::Cow::Borrowed(text),
+                Err(_) => String::from_utf8_lossy(raw),
+            };
             (start, search) = (end + 1, end + 1);
-            let line = line.trim_end_matches(['\n', '\r']);
             let field =
                 |name: &str| line.strip_prefix(name).map(|rest| rest.strip_prefix(' ').unwrap_or(rest).to_string());
             if line.is_empty() {
                 if !self.data.is_empty() {
-                    events.push(SseEvent { id: self.id.take(), data: self.data.join("\n") });
+                    let data =
+                        if self.data.len() == 1 { self.data.pop().unwrap_or_default() } else { self.data.join("\n") };
+                    events.push(SseEvent { id: self.id.take(), data });
                     self.data.clear();
                 }
             } else if let Some(data) = field("data:") {
@@ -585,6 +594,8 @@ mod tests {
             got,
             vec![SseEvent { id: Some("8".into()), data: line }, SseEvent { id: None, data: "after".into() }]
         );
+        // a line that is not UTF-8 is read as lossily as before
+        assert_eq!(p.push(b"data: a\xffb\n\n"), vec!["a\u{FFFD}b"]);
     }
 
     /// A frontend that adopted a session replays what the client saw, and may
