@@ -185,7 +185,11 @@ pub mod cell_message_json {
 
     /// Write `m` as the HTTP API does.
     pub fn serialize<S: Serializer>(m: &CellMessage, s: S) -> Result<S::Ok, S::Error> {
-        m.to_json().serialize(s)
+        match m {
+            // as itself, not a copy: an output may be megabytes
+            CellMessage::Output(output) => output.serialize(s),
+            _ => m.to_json().serialize(s),
+        }
     }
 
     /// Read it back.
@@ -260,7 +264,11 @@ impl OutputV2 {
     /// The messages that carry `message`: itself, or pieces of its JSON of at most
     /// `max` bytes cut at character boundaries.
     pub fn pieces(session: Uuid, exec_id: Uuid, seq: u64, message: CellMessage, max: usize) -> Vec<OutputV2> {
-        let json = message.to_json().to_string();
+        let json = match &message {
+            // as itself, not a copy: an output may be megabytes
+            CellMessage::Output(output) => output.to_string(),
+            _ => message.to_json().to_string(),
+        };
         if json.len() <= max {
             return vec![OutputV2 { session, exec_id, seq, body: OutputBody::Whole(message) }];
         }
