@@ -161,6 +161,14 @@ pub struct Delta {
     pub ambient: Option<Blob>,
 }
 
+impl Delta {
+    /// Bytes of the records, payloads and ambient blob it writes: the most its
+    /// save can upload (chunks the store has already are not uploaded).
+    pub fn written_bytes(&self) -> u64 {
+        self.objects.values().map(ObjectEntry::bytes).sum::<u64>() + self.ambient.as_ref().map_or(0, |a| a.len)
+    }
+}
+
 /// Who made a save, recorded for unsavable names.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SaveOrigin<'a> {

@@ -18,6 +18,10 @@ use crate::protocol::{ObjRestore, Region};
 /// How many chunk transfers a host runs at once.
 const PARALLEL: usize = 16;
 
+/// A save file or chunk this small is read, hashed and copied on the step at
+/// hand rather than handed to a blocking thread (each hand-off costs more).
+const SMALL_SAVE_FILE: u64 = 256 << 10;
+
 /// Why moving chunks failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ChunkError {
@@ -200,25 +204,40 @@ impl Chunks {
         let path = file.to_path_buf();
         let opened = off_thread(move || {
             let shm = |source| ChunkError::Shm { path: path.display().to_string(), source };
-            let f = std::fs::File::open(&path).map_err(shm)?;
+            let mut f = std::fs::File::open(&path).map_err(shm)?;
             std::fs::remove_file(&path).map_err(shm)?;
             let size = f.metadata().map_err(shm)?.len();
-            Ok::<_, ChunkError>((f, size))
+            // a small file (most cells' whole save: the ambient state) is read
+            // here, in the step that opened it, and not mapped: each hand-off to
+            // a blocking thread costs more than copying it
+            let mut small = None;
+            if size > 0 && size <= SMALL_SAVE_FILE {
+                let mut bytes = Vec::with_capacity(size as usize);
+                std::io::Read::read_to_end(&mut f, &mut bytes).map_err(shm)?;
+                small = Some(Bytes::from(bytes));
+            }
+            Ok::<_, ChunkError>((f, size, small))
         });
-        let (f, size) = opened.await??;
+        let (f, size, small) = opened.await??;
         match regions.keys().next() {
             None => return Ok(0),
             // an empty file cannot be mapped, and no region lies inside it
             Some(hash) if size == 0 => return Err(ChunkError::BadRegion(hash.clone())),
             Some(_) => {}
         }
-        let path = file.display().to_string();
-        // SAFETY: the file is unlinked and its writer closed it (above), so no one
-        // can change the mapped bytes; they are verified against their hashes below.
-        // Mapped with its pages faulted in at once: off the host's thread.
-        let mapped = off_thread(move || unsafe { memmap2::MmapOptions::new().populate().map(&f) });
-        let map = mapped.await?.map_err(|source| ChunkError::Shm { path, source })?;
-        let map = Bytes::from_owner(map);
+        let whole = match small {
+            Some(bytes) => bytes,
+            None => {
+                let path = file.display().to_string();
+                // SAFETY: the file is unlinked and its writer closed it (above), so no one
+                // can change the mapped bytes; they are verified against their hashes below.
+                // Mapped with its pages faulted in at once: off the host's thread.
+                let mapped = off_thread(move || unsafe { memmap2::MmapOptions::new().populate().map(&f) });
+                let map = mapped.await?.map_err(|source| ChunkError::Shm { path, source })?;
+                Bytes::from_owner(map)
+            }
+        };
+        let size = whole.len() as u64;
         let objects = self.objects.clone();
         let cache = self.cache.clone();
         let regions: Vec<(String, Region)> = regions.iter().map(|(h, r)| (h.clone(), *r)).collect();
@@ -227,16 +246,28 @@ impl Chunks {
                 let objects = objects.clone();
                 let cache = cache.clone();
                 let data = match off.checked_add(len).filter(|end| *end <= size) {
-                    Some(end) => Ok(map.slice(off as usize..end as usize)),
+                    Some(end) => Ok(whole.slice(off as usize..end as usize)),
                     None => Err(ChunkError::BadRegion(hash.clone())),
                 };
                 async move {
-                    let (data, actual) = hashed(data?).await?;
+                    let data = data?;
+                    // a small chunk is hashed and copied here: no hand-off is cheaper
+                    let small = data.len() as u64 <= SMALL_SAVE_FILE;
+                    let (data, actual) = if small {
+                        let hash = chunk_hash(&data);
+                        (data, hash)
+                    } else {
+                        hashed(data).await?
+                    };
                     if actual != hash {
                         return Err(ChunkError::Corrupt { hash, actual, variable: None });
                     }
                     objects.put(&Path::from(chunk_key(&hash).as_str()), data.clone().into()).await?;
-                    let owned = off_thread(move || Bytes::copy_from_slice(&data)).await?;
+                    let owned = if small {
+                        Bytes::copy_from_slice(&data)
+                    } else {
+                        off_thread(move || Bytes::copy_from_slice(&data)).await?
+                    };
                     if let Ok(mut c) = cache.lock() {
                         c.put(&hash, owned);
                     }
@@ -423,6 +454,14 @@ mod tests {
         let regions = BTreeMap::from([(ha.clone(), [0, 4]), (hb.clone(), [4, 2])]);
         assert_eq!(chunks.upload(&save, &regions).await.unwrap(), 6);
         assert!(!save.exists(), "the save file is unlinked once read");
+        // a save file over SMALL_SAVE_FILE is mapped, not read: its chunks too
+        let big = vec![9u8; (SMALL_SAVE_FILE + 1000) as usize];
+        let hbig = chunk_hash(&big);
+        std::fs::write(&save, [a.clone(), big.clone()].concat()).unwrap();
+        let regions = BTreeMap::from([(ha.clone(), [0, 4]), (hbig.clone(), [4, big.len() as u64])]);
+        assert_eq!(chunks.upload(&save, &regions).await.unwrap(), 4 + big.len() as u64);
+        let stored = objects.get(&Path::from(chunk_key(&hbig).as_str())).await.unwrap().bytes().await.unwrap();
+        assert_eq!(stored, big, "the large chunk is stored whole");
         // a region outside the file is refused
         std::fs::write(&save, [a.clone(), b.clone()].concat()).unwrap();
         let bad = BTreeMap::from([(ha.clone(), [4, 100])]);

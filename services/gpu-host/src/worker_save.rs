@@ -14,6 +14,12 @@ use crate::chunks::{ChunkError, Chunks};
 use crate::protocol::{Frame, Region};
 use crate::worker::{WorkerError, WorkerProc, STEP};
 
+/// A save that writes at most this much (most cells': the ambient state and a
+/// few small variables) uploads every chunk its session's revision does not
+/// reference, without asking the store which it lacks: that round trip was a
+/// fifth of a quick cell's time.
+pub const UNASKED_SAVE_BYTES: u64 = 256 << 10;
+
 /// What a save did.
 #[derive(Debug)]
 pub struct Saved {
@@ -59,8 +65,14 @@ impl WorkerProc {
         };
         let planned = started.elapsed();
         let unknown = Chunks::unknown(&plan, stored);
+        let small = planned_delta.as_ref().is_some_and(|d| d.written_bytes() <= UNASKED_SAVE_BYTES);
         let missing = if unknown.is_empty() {
             Vec::new()
+        } else if small {
+            // uploading a few KiB again costs less than asking: the commit still
+            // checks the quota, and the store admits a save this small while the
+            // volume has room for it (ADR 54)
+            unknown
         } else {
             match ask_missing(unknown.clone(), planned_delta).await {
                 Ok(m) => m,
