@@ -74,6 +74,9 @@ class Worker(OutputRouting):
         self.versions: dict[str, str] = {}  # names held -> store version
         self.oid_of: dict[int, tuple] = {}  # id(obj) -> (oid, obj), kept alive
         self.save_seq = 0
+        # the save of the cell that just finished, built before the host asks
+        # (exec_id, names, result, ms it took); any other message drops it
+        self._presaved: tuple[str, list[str], checkpoint.SaveResult, float] | None = None
         # made by the zygote before the fork when there is one (it costs ~15 ms)
         self.shell = WorkerShell.instance(emit=self._emit_message)
         self.shell.bind(self._emit_message)
@@ -149,6 +152,9 @@ class Worker(OutputRouting):
                 return  # the stream is out of step; the host restarts us
             if msg is None or msg["type"] == "shutdown":
                 return
+            if msg["type"] != "save":
+                # a query or comm may run code that changes what a save holds
+                self._presaved = None
             handler = handlers.get(msg["type"])
             try:
                 if handler is None:
@@ -406,6 +412,13 @@ class Worker(OutputRouting):
         if self.faulted:
             fin["faulted"] = self.faulted
         self.send(fin)
+        # the host asks for the save at once: build it while the host handles
+        # `finished`, off the cell's path to Done
+        self._presaved = None
+        try:
+            self._presaved = (exec_id, *self._build_save())
+        except BaseException:  # noqa: BLE001 - built again when asked, and reported then
+            self._presaved = None
 
     def _user_expressions(self, asked: dict[str, str]) -> dict[str, dict]:
         """IPython's ``user_expressions``, with a name the cell's closure missed
@@ -419,14 +432,26 @@ class Worker(OutputRouting):
             out[key] = value
         return out
 
-    def on_save(self, msg: dict) -> None:
+    def _build_save(self) -> tuple[list[str], checkpoint.SaveResult, float]:
+        """The user's names, and the delta and chunks saving them makes, with the
+        milliseconds it took."""
         t0 = time.perf_counter()
-        exec_id = msg["exec_id"]
         names = self.user_names()
         blob = ambient.dumps(self.shell, self.base)  # reads the user's warning filters
         with quiet.own_warnings():
             res = checkpoint.build_delta(self.shell.user_ns, names, self.oid_of, set(self.versions), blob)
         self.shell.flush_streams()  # a __reduce__ that printed: the log
+        return names, res, (time.perf_counter() - t0) * 1000
+
+    def on_save(self, msg: dict) -> None:
+        t0 = time.perf_counter()
+        exec_id = msg["exec_id"]
+        presaved, self._presaved = self._presaved, None
+        if presaved is not None and presaved[0] == exec_id:
+            _, names, res, built_ms = presaved
+        else:
+            names, res, built_ms = self._build_save()
+        t0 -= built_ms / 1000  # save_ms counts building it, wherever it happened
         # the delta too: the store refuses a save over the session's quota before any upload
         self.send({"type": "save_plan", "exec_id": exec_id, "chunks": list(res.chunks), "delta": res.delta})
         missing = self.expect("save_missing")["missing"]

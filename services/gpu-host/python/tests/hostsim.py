@@ -142,6 +142,7 @@ class Worker:
     def __init__(self, host: HostSim, wid: str, conn: Conn, pid: int):
         self.host, self.id, self.conn, self.pid = host, wid, conn, pid
         self.hello: dict = {}
+        self.last_exec: str | None = None  # the last run's: the host saves under it
 
     def run(
         self,
@@ -156,7 +157,7 @@ class Worker:
         user typed, ``INTERRUPT`` interrupts the cell while it waits; with none
         left, the request is refused as for a client without a stdin channel."""
         answers = list(answers or [])
-        exec_id = uuid.uuid4().hex
+        exec_id = self.last_exec = uuid.uuid4().hex
         run = {"type": "run", "exec_id": exec_id, "cell_id": "c", "code": code}
         if user_expressions:
             run["user_expressions"] = user_expressions
@@ -230,7 +231,10 @@ class Worker:
         return self.conn.expect("comm_answer")
 
     def save(self) -> dict:
-        exec_id = uuid.uuid4().hex
+        # as the Rust host: a run's save goes under its exec id (the worker may
+        # have built it already)
+        exec_id = self.last_exec or uuid.uuid4().hex
+        self.last_exec = None
         self.conn.send({"type": "save", "exec_id": exec_id})
         plan = self.conn.expect("save_plan")
         missing = [h for h in dict.fromkeys(plan["chunks"]) if h not in self.host.store]

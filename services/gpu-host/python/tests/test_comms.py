@@ -89,3 +89,26 @@ def test_a_widget_outlives_its_worker_on_its_model_id(zygote):
         assert stream_text(w2.run("print(s.value)")) == "8\n"
     finally:
         w2.close()
+
+
+def test_a_save_holds_what_a_comm_changed_after_the_cell_finished(zygote):
+    """The worker builds a cell's save as soon as the cell finishes; a comm
+    handled before the host asks for it changes the state, so the save is built
+    again with the change."""
+    w = zygote.fork()
+    try:
+        code = (
+            "import ipywidgets as W\ns = W.IntSlider(value=3)\nseen = []\n"
+            "s.observe(lambda c: seen.append(c.new), 'value')\ns"
+        )
+        cid = slider_id(w.run(code))
+        w.comm("comm_msg", update(cid, value=7))
+        assert w.save()["committed"]["ok"]
+        w2 = zygote.fork()
+        try:
+            assert w2.restore(["seen"])["ok"]
+            assert stream_text(w2.run("print(seen)")) == "[7]\n"
+        finally:
+            w2.close()
+    finally:
+        w.close()
