@@ -118,7 +118,7 @@ class Worker(OutputRouting):
         before = list(sys.path)
         packages.activate(os.environ.get("LOOSELEAF_PACKAGE_LAYER"))
         # the handed parameters and the layer are the baseline, not a cell's doing
-        self.base.env = dict(os.environ)
+        self.base.note_env()
         self.local.add_library([p for p in sys.path if p not in before])
 
     # ------------------------------------------------------------- transport
@@ -183,7 +183,7 @@ class Worker(OutputRouting):
         # CUDA-clean), so the device list still takes effect; the baseline follows,
         # so the slot never becomes part of the session's ambient state.
         os.environ.update(msg["env"])
-        self.base.env.update(msg["env"])
+        self.base.adopt_env(msg["env"])
         ns = self.shell.user_ns
         for name in msg["drop"]:
             ns.pop(name, None)

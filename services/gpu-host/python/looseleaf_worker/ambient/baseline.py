@@ -13,8 +13,22 @@ from .settings import _settings
 class Baseline:
     """What the worker looked like before any cell ran (diffs are against it)."""
 
-    def __init__(self, shell):
+    def note_env(self) -> None:
+        """Take the environment as it is now for the baseline's."""
         self.env = dict(os.environ)
+        # os.environ's own bytes mapping, where this Python has one: comparing it
+        # tells "no cell changed the environment" without decoding every variable
+        self.env_bytes = dict(getattr(os.environ, "_data", {})) or None
+
+    def adopt_env(self, env: dict[str, str]) -> None:
+        """Variables the host set (a slot's devices) are the baseline's too."""
+        self.env.update(env)
+        if self.env_bytes is not None:
+            key, value = os.environ.encodekey, os.environ.encodevalue
+            self.env_bytes.update({key(k): value(v) for k, v in env.items()})
+
+    def __init__(self, shell):
+        self.note_env()
         self.path = list(sys.path)
         self.np_print = None
         if "numpy" in sys.modules:

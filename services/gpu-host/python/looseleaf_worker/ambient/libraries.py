@@ -40,10 +40,23 @@ def _pandas_options() -> dict | None:
     except ImportError:
         return None
     out = {}
+    root = getattr(pc, "_global_config", {})
     with quiet.own_warnings(show=False):
         for key, opt in pc._registered_options.items():
             try:
-                cur = pc._get_option(key, silent=True)
+                # read where pandas keeps it: _get_option's key checks made this
+                # a quarter of every cell's ambient capture
+                *path, last = key.split(".")
+                node = root
+                for part in path:
+                    node = node[part]
+                cur = node[last]
+            except (KeyError, TypeError):
+                try:
+                    cur = pc._get_option(key, silent=True)
+                except Exception:  # noqa: BLE001 - best effort per option
+                    continue
+            try:
                 if cur != opt.defval:
                     out[key] = cur
             except Exception:  # noqa: BLE001 - best effort per option

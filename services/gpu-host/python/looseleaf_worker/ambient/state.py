@@ -60,8 +60,11 @@ def capture(shell, base: Baseline) -> dict:
         st["pandas"] = pdo
     st.update(workdir.capture())  # a removed one too: see workdir
     st["sys_path"] = list(sys.path)
-    st["env_set"] = {k: v for k, v in os.environ.items() if base.env.get(k) != v}
-    st["env_unset"] = [k for k in base.env if k not in os.environ]
+    if base.env_bytes is not None and getattr(os.environ, "_data", None) == base.env_bytes:
+        st["env_set"], st["env_unset"] = {}, []
+    else:
+        st["env_set"] = {k: v for k, v in os.environ.items() if base.env.get(k) != v}
+        st["env_unset"] = [k for k in base.env if k not in os.environ]
     filters = []
     for f in warnings.filters:
         try:
