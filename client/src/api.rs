@@ -406,6 +406,16 @@ pub enum StreamItem {
     },
 }
 
+impl StreamItem {
+    /// The JSON of an `Output` item whose message is `message_json`, the HTTP
+    /// API's JSON of it (`CellMessage::to_json`, as a host's pieces carry it):
+    /// what `serde_json::to_string` writes for the item, without writing a large
+    /// output's JSON again. `message_json` must be one JSON value.
+    pub fn output_line(exec_id: Uuid, seq: u64, message_json: &str) -> String {
+        format!(r#"{{"type":"output","exec_id":"{exec_id}","seq":{seq},"output":{message_json}}}"#)
+    }
+}
+
 /// One Server-Sent Event: its id (if it had one) and its data.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SseEvent {
@@ -621,6 +631,28 @@ mod tests {
         }
         assert_eq!(got.len(), 2, "{got:?}");
         assert!(matches!(&got[1], StreamItem::Done { error: Some(e), .. } if e == "lost"));
+    }
+
+    /// The line written from a message's JSON text is the one serde writes for
+    /// the item (the host's pieces carry `to_json`'s text).
+    #[test]
+    fn an_output_line_from_its_json_text_is_what_serde_writes() {
+        let exec_id = Uuid::now_v7();
+        let messages = [
+            CellMessage::Output(serde_json::json!({
+                "output_type": "stream", "name": "stdout", "text": "x\u{e9}\"\n\u{1}".repeat(3)
+            })),
+            CellMessage::Output(serde_json::json!({
+                "output_type": "execute_result", "execution_count": 3, "metadata": {},
+                "data": {"text/plain": "1.5e300", "application/json": {"a": [1.25, -0.0, 1e300]}}
+            })),
+            CellMessage::InputRequest { prompt: "name?".into(), password: false },
+        ];
+        for (seq, output) in messages.into_iter().enumerate() {
+            let text = output.to_json().to_string();
+            let item = StreamItem::Output { exec_id, seq: seq as u64, output };
+            assert_eq!(StreamItem::output_line(exec_id, seq as u64, &text), serde_json::to_string(&item).unwrap());
+        }
     }
 
     #[test]

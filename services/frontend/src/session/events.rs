@@ -104,6 +104,8 @@ impl SessionActor {
         if self.current.as_ref().is_some_and(|c| c.exec_id == out.exec_id && c.outputs.contains(&out.seq)) {
             return; // sent again, or read back, after it was relayed
         }
+        // a gathered message's JSON text, which is its item's `output` as it stands
+        let mut gathered = None;
         let message = match out.body {
             OutputBody::Whole(message) => Ok(message),
             OutputBody::Piece { part, parts, .. } if part >= parts || parts > MAX_OUTPUT_PIECES => {
@@ -120,12 +122,22 @@ impl SessionActor {
                     return;
                 }
                 let text: String = self.pieces.remove(&key).unwrap_or_default().into_iter().flatten().collect();
-                CellMessage::from_json_text(&text)
+                let message = CellMessage::from_json_text(&text);
+                gathered = Some(text);
+                message
             }
         };
         match message {
             Ok(ask @ CellMessage::InputRequest { .. }) => self.on_input_request(out.exec_id, out.seq, ask),
-            Ok(output) => self.emit(&StreamItem::Output { exec_id: out.exec_id, seq: out.seq, output }),
+            Ok(output) => {
+                let item = StreamItem::Output { exec_id: out.exec_id, seq: out.seq, output };
+                match gathered {
+                    // parsed above, so whole JSON: not written out again (a
+                    // megabyte's escaping, for a large output)
+                    Some(text) => self.emit_line(&item, StreamItem::output_line(out.exec_id, out.seq, &text)),
+                    None => self.emit(&item),
+                }
+            }
             Err(e) => tracing::error!(exec = %out.exec_id, seq = out.seq, error = %e, "a cell message was dropped"),
         }
         if let Some(cur) = self.current.as_mut().filter(|c| c.exec_id == out.exec_id) {

@@ -18,15 +18,17 @@ pub(super) struct Watcher {
 
 impl SessionActor {
     pub(super) fn emit(&mut self, item: &StreamItem) {
+        match serde_json::to_string(item) {
+            Ok(line) => self.emit_line(item, line),
+            Err(e) => tracing::error!(error = %e, "cannot encode a stream item"),
+        }
+    }
+
+    /// Emit `item` as `line`, its JSON (written already: see
+    /// `StreamItem::output_line`).
+    pub(super) fn emit_line(&mut self, item: &StreamItem, line: String) {
         self.shared.dashboard.observe(self.sid, item);
         self.meter(item);
-        let line = match serde_json::to_string(item) {
-            Ok(l) => l,
-            Err(e) => {
-                tracing::error!(error = %e, "cannot encode a stream item");
-                return;
-            }
-        };
         let incarnation = self.log.incarnation();
         let Some(entry) = self.log.push(item, line) else { return };
         self.clients.retain(|c| {
