@@ -225,6 +225,9 @@ impl Chunks {
             Some(hash) if size == 0 => return Err(ChunkError::BadRegion(hash.clone())),
             Some(_) => {}
         }
+        // only a small file's chunks are hashed here: a large file's many small
+        // chunks together would hold the host's thread (ADR 73)
+        let inline = small.is_some();
         let whole = match small {
             Some(bytes) => bytes,
             None => {
@@ -251,9 +254,7 @@ impl Chunks {
                 };
                 async move {
                     let data = data?;
-                    // a small chunk is hashed and copied here: no hand-off is cheaper
-                    let small = data.len() as u64 <= SMALL_SAVE_FILE;
-                    let (data, actual) = if small {
+                    let (data, actual) = if inline {
                         let hash = chunk_hash(&data);
                         (data, hash)
                     } else {
@@ -263,7 +264,7 @@ impl Chunks {
                         return Err(ChunkError::Corrupt { hash, actual, variable: None });
                     }
                     objects.put(&Path::from(chunk_key(&hash).as_str()), data.clone().into()).await?;
-                    let owned = if small {
+                    let owned = if inline {
                         Bytes::copy_from_slice(&data)
                     } else {
                         off_thread(move || Bytes::copy_from_slice(&data)).await?
