@@ -13,7 +13,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use futures::StreamExt;
-use looseleaf_client::api::{ExecStatus, SseParser, StreamItem};
+use looseleaf_client::api::{ExecStatus, StreamItem};
+use looseleaf_client::stream::SseParser;
 use looseleaf_test_support::cluster::{bin_dir_of, Services, WAIT};
 use uuid::Uuid;
 

@@ -4,13 +4,14 @@
 
 pub mod api;
 pub mod events;
+pub mod stream;
 pub mod usage;
 
 use api::{
-    read_items, CellCode, Checkout, CodeAtCursor, CommAnswer, CommMessage, CreateSession, InputLine, Interrupted,
-    RunAccepted, RunCell, SessionCreated, SessionDetached, SessionDiscarded, SessionListed, StateMoved, StreamItem,
-    StreamPosition,
+    CellCode, Checkout, CodeAtCursor, CommAnswer, CommMessage, CreateSession, InputLine, Interrupted, RunAccepted,
+    RunCell, SessionCreated, SessionDetached, SessionDiscarded, SessionListed, StateMoved, StreamItem,
 };
+use stream::{read_items, StreamPosition};
 use tokio::sync::mpsc;
 use usage::{UsageBy, UsageReport};
 use uuid::Uuid;

@@ -1068,7 +1068,7 @@ async fn sse_until(
         req = req.header("Last-Event-ID", last);
     }
     let mut body = req.send().await?.error_for_status()?.bytes_stream();
-    let (mut parser, mut events) = (looseleaf_client::api::SseParser::new(), Vec::new());
+    let (mut parser, mut events) = (looseleaf_client::stream::SseParser::new(), Vec::new());
     loop {
         let chunk = tokio::time::timeout(WAIT, body.next()).await?.context("the stream ended")??;
         for event in parser.push_events(&chunk) {
