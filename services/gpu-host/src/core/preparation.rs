@@ -199,10 +199,8 @@ impl<C: Clock + Clone> HostCore<C> {
             self.end_prepared(&key, why, facts);
             return;
         }
-        if let Some(run) = run {
-            self.run_prepared(key, run, facts);
-            return;
-        }
+        // Ready even when a run waited for it: what the preparation cost, and
+        // on which worker, is the session's record of it either way
         let ev = EventKind::Ready {
             host: self.host_id.clone(),
             slot: p.slots.first().copied(),
@@ -214,6 +212,10 @@ impl<C: Clock + Clone> HostCore<C> {
             prepare_ms,
         };
         self.event(key.0, ev);
+        if let Some(run) = run {
+            self.run_prepared(key, run, facts);
+            return;
+        }
         if let Some(next) = next {
             self.start_prepare(key, next);
         }

@@ -490,6 +490,12 @@ fn a_run_arriving_while_its_worker_prepares_runs_there_once_prepared() {
     let target = Target::Existing { worker: "w1".into(), prepare: Prepare::Speculative, slots: vec![0] };
     assert_eq!(executes(&cmds), Some((exec(7), target, Some((S, "c".into())))));
     assert_eq!(ended(&cmds), vec![PreparedOutcome::Used]);
+    // the preparation is on the session's record as any other: Ready, with its cost
+    let ready = events(&cmds).into_iter().find(|e| matches!(e, EventKind::Ready { .. }));
+    assert!(
+        matches!(&ready, Some(EventKind::Ready { worker, prepare_ms, .. }) if worker == "w1" && *prepare_ms == 80.0),
+        "{ready:?}"
+    );
 }
 
 #[test]
