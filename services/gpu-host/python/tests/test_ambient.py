@@ -1,4 +1,6 @@
-from helpers import ok, result_text, stream_text
+import re
+
+from helpers import of_type, ok, result_text, stream_text
 
 
 def test_rng_cwd_count_rcparams_continue_on_new_worker(host, zygote, tmp_path):
@@ -131,3 +133,25 @@ def test_the_import_hook_calls_back_with_the_module_asked_for_only(tmp_path):
         for name in ("ll_alpha", "ll_beta"):
             sys.modules.pop(name, None)
         sys.meta_path.remove(ambient._on_import())
+
+
+def test_the_input_history_is_saved_once_each_and_restored_whole(host, zygote):
+    # every save carries the session's whole input history: one copy of each
+    # input, not raw, parsed and linecache copies of it
+    w1 = zygote.fork()
+    big = "x = '" + "a" * 50_000 + "'"
+    ok(w1.run(big))
+    ok(w1.run("%time y = 1"))
+    ok(w1.run("def boom():\n    raise ValueError('from the third cell')"))
+    w1.save()
+    assert 50_000 < host.ambient["len"] < 75_000, host.ambient["len"]
+    parsed = result_text(w1.run("_ih[2]"))
+    assert "run_line_magic" in parsed, parsed
+
+    w2 = zygote.fork()
+    assert w2.restore(["boom"])["ok"]
+    assert result_text(w2.run("_ih[2]")) == parsed  # the parsed input, where it differs
+    raw = "get_ipython().history_manager.input_hist_raw"
+    assert result_text(w2.run(f"In[1] == {big!r}, {raw}[2], _i2")) == "(True, '%time y = 1', '%time y = 1')"
+    tb = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(of_type(w2.run("boom()"), "error")[0]["traceback"]))
+    assert "raise ValueError('from the third cell')" in tb, tb

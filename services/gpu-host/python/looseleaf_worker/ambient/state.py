@@ -96,20 +96,49 @@ def capture(shell, base: Baseline) -> dict:
     local = _local_modules()
     if local is not None:
         st["local_modules"] = {n: (s.origin, s.source, s.search) for n, s in local.snapshot().items()}
-    st["cell_code"] = {
-        name: (number, linecache.cache[name][2])
-        for name, number in shell.compile._filename_map.items()
-        if name in linecache.cache
-    }
     hm = shell.history_manager
     st["execution_count"] = shell.execution_count
-    st["hist_parsed"] = list(hm.input_hist_parsed)
-    st["hist_raw"] = list(hm.input_hist_raw)
+    st.update(_history(shell, hm))
     st["hist_i"] = (hm._i00, hm._i, hm._ii, hm._iii)
     # state of libraries this worker was restored with but no cell imported yet
     for k, v in _on_import().unapplied().items():
         st.setdefault(k, v)
     return st
+
+
+def _cell_lines(code: str) -> list[str]:
+    """A cell's code as IPython's compiler puts it in linecache."""
+    return [line + "\n" for line in code.splitlines()]
+
+
+def _history(shell, hm) -> dict:
+    """The input history and the cells' code in linecache, each text once: every
+    cell is saved after every cell, so three copies of every input (raw, parsed,
+    linecache) made the saved bytes grow three times as fast with the session.
+    A parsed input is kept only where it differs from the raw one, a cell's
+    linecache lines only where they are not its parsed input's."""
+    raw, parsed = list(hm.input_hist_raw), list(hm.input_hist_parsed)
+    same = len(raw) == len(parsed)
+    code = {}
+    for name, number in shell.compile._filename_map.items():
+        if name not in linecache.cache:
+            continue
+        lines = linecache.cache[name][2]
+        derived = type(number) is int and 0 <= number < len(parsed) and lines == _cell_lines(parsed[number])
+        code[name] = (number, None if derived else lines)
+    if not same:  # the two disagree in length: the parsed list in full
+        return {"hist_raw": raw, "hist_parsed": parsed, "cell_code": code}
+    changed = {i: p for i, (p, r) in enumerate(zip(parsed, raw, strict=True)) if p != r}
+    return {"hist_raw": raw, "hist_parsed_changed": changed, "cell_code": code}
+
+
+def _parsed_history(st: dict) -> list[str]:
+    if st.get("hist_parsed") is not None:
+        return st["hist_parsed"]  # saved in full (also by workers before the compact form)
+    parsed = list(st["hist_raw"])
+    for i, p in (st.get("hist_parsed_changed") or {}).items():
+        parsed[i] = p
+    return parsed
 
 
 def _local_modules() -> LocalModules | None:
@@ -200,7 +229,8 @@ def apply(shell, st: dict, base: Baseline) -> None:
         _inline_figures(shell)
     shell.execution_count = st["execution_count"]
     hm = shell.history_manager
-    hm.input_hist_parsed[:] = st["hist_parsed"]
+    parsed = _parsed_history(st)
+    hm.input_hist_parsed[:] = parsed
     hm.input_hist_raw[:] = st["hist_raw"]
     hm._i00, hm._i, hm._ii, hm._iii = st["hist_i"]
     ns = shell.user_ns
@@ -211,5 +241,7 @@ def apply(shell, st: dict, base: Baseline) -> None:
     # defined: the kernel keeps it in linecache under each cell's code name, and
     # the name's execution count labels the cell ("Cell In[3]").
     for name, (number, lines) in st.get("cell_code", {}).items():
+        if lines is None:
+            lines = _cell_lines(parsed[number])
         shell.compile._filename_map[name] = number
         linecache.cache[name] = (sum(map(len, lines)), None, lines, name)
