@@ -155,3 +155,50 @@ def test_the_input_history_is_saved_once_each_and_restored_whole(host, zygote):
     assert result_text(w2.run(f"In[1] == {big!r}, {raw}[2], _i2")) == "(True, '%time y = 1', '%time y = 1')"
     tb = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(of_type(w2.run("boom()"), "error")[0]["traceback"]))
     assert "raise ValueError('from the third cell')" in tb, tb
+
+
+def test_logging_decimal_numpy_errors_recursion_and_torch_settings_carry_over(host, zygote, tmp_path):
+    # set in one cell, relied on in later ones: a fresh worker must not silently
+    # drop log lines or compute with another precision
+    log_file = tmp_path / "cells.log"
+    w1 = zygote.fork(cwd=str(tmp_path))
+    setup = (
+        "import logging, decimal, sys, numpy as np, torch\n"
+        "logging.basicConfig(level=logging.INFO, format='%(levelname)s|%(name)s|%(message)s')\n"
+        "log = logging.getLogger('probe')\n"
+        f"log.addHandler(logging.FileHandler({str(log_file)!r}, mode='w'))\n"
+        "log.handlers[-1].setFormatter(logging.Formatter('{levelname}:{message}', style='{'))\n"
+        "logging.getLogger('quiet.lib').setLevel(logging.ERROR)\n"
+        "log.info('first')\n"
+        "decimal.getcontext().prec = 5\n"
+        "np.seterr(all='raise')\n"
+        "sys.setrecursionlimit(4321)\n"
+        "torch.set_default_dtype(torch.float64)\n"
+        "torch.set_grad_enabled(False)\n"
+        "torch.set_printoptions(precision=2)"
+    )
+    ok(w1.run(setup))
+    w1.save()
+
+    w2 = zygote.fork(cwd=str(tmp_path))
+    assert w2.restore(["logging", "decimal", "sys", "np", "torch", "log"])["ok"]
+    r = ok(w2.run("log.info('second')\nlogging.getLogger('quiet.lib').warning('dropped')\nlogging.info('root')"))
+    assert stream_text(r, "stderr") == "INFO|probe|second\nINFO|root|root\n"
+    # the file handler reopened for appending: what the first cell wrote is kept
+    assert log_file.read_text() == "INFO:first\nINFO:second\n"
+    code = (
+        "print(decimal.Decimal(1) / decimal.Decimal(7), sys.getrecursionlimit())\n"
+        "try:\n    np.array([1.0]) / 0\nexcept FloatingPointError:\n    print('raised')\n"
+        "print(torch.zeros(1).dtype, torch.is_grad_enabled(), torch.tensor([1.23456]))"
+    )
+    assert stream_text(ok(w2.run(code))).splitlines() == [
+        "0.14286 4321",
+        "raised",
+        "torch.float64 False tensor([1.23])",
+    ]
+    # a worker that applies its own state again adds no second handler
+    w2.save()
+    w3 = zygote.fork(cwd=str(tmp_path))
+    assert w3.restore(["log", "logging"])["ok"]
+    r = ok(w3.run("log.info('third')\nprint(len(logging.root.handlers), len(log.handlers))"))
+    assert (stream_text(r, "stderr"), stream_text(r)) == ("INFO|probe|third\n", "1 1\n")

@@ -10,7 +10,9 @@ at restore would cost up to seconds for cells that never touch them).
 Map (one concern per module):
   baseline   the worker before any cell ran (Baseline)
   state      the whole state: capture/dumps after a cell, loads/apply_paths/apply
-  libraries  RNGs, matplotlib/pandas options, numpy print options, sympy printing
+  libraries  RNGs, matplotlib/pandas options, numpy print and error options,
+             sympy printing, torch's settings
+  stdlib     logging's configuration, decimal's context, the recursion limit
   onimport   library state applied when a cell first imports the library
   settings   shell settings a cell changed
   magics     magics the notebook registered

@@ -8,6 +8,7 @@ import sys
 
 from .hooks import _printer_key, _watch_cells
 from .settings import _settings
+from .stdlib import logging_baseline
 
 
 class Baseline:
@@ -30,9 +31,12 @@ class Baseline:
     def __init__(self, shell):
         self.note_env()
         self.path = list(sys.path)
-        self.np_print = None
+        self.np_print = self.np_err = None
         if "numpy" in sys.modules:
             self.np_print = sys.modules["numpy"].get_printoptions()
+            self.np_err = sys.modules["numpy"].geterr()
+        self.recursion_limit = sys.getrecursionlimit()
+        self.logging = logging_baseline()
         mm = shell.magics_manager.magics
         self.magics = {kind: dict(mm[kind]) for kind in ("line", "cell")}
         shell._ll_base = self

@@ -1,7 +1,7 @@
-"""Libraries' own state: matplotlib's rcParams, pandas' options and sympy's
-printing setup read from the libraries a worker imported, and these, numpy's RNG
-and print options and torch's RNGs applied to them (``state.capture`` reads the
-RNGs itself)."""
+"""Libraries' own state: matplotlib's rcParams, pandas' options, sympy's printing
+setup and torch's settings read from the libraries a worker imported, and these,
+numpy's RNG, print options and error handling and torch's RNGs applied to them
+(``state.capture`` reads the RNGs and numpy's options itself)."""
 
 from __future__ import annotations
 
@@ -97,6 +97,10 @@ def _apply_sympy(st: dict) -> None:
         setattr(Printable, attr, fn)
 
 
+# numpy's floating-point error handling as a fresh process has it (np.seterr)
+NUMPY_ERR = {"divide": "warn", "over": "warn", "under": "ignore", "invalid": "warn"}
+
+
 def _apply_numpy(np, st: dict, base: Baseline) -> None:
     if "numpy_rng" in st:
         np.random.set_state(st["numpy_rng"])
@@ -104,12 +108,54 @@ def _apply_numpy(np, st: dict, base: Baseline) -> None:
     want = st.get("numpy_print") or base.np_print
     if want and np.get_printoptions() != want:
         np.set_printoptions(**want)
+    err = st.get("numpy_err") or base.np_err or NUMPY_ERR
+    if np.geterr() != err:
+        np.seterr(**err)
+
+
+# torch's process-wide settings as a fresh process has them: what a cell changes
+# with set_default_dtype, set_grad_enabled, use_deterministic_algorithms and
+# set_printoptions
+TORCH_DEFAULTS = {
+    "default_dtype": "float32",
+    "grad_enabled": True,
+    "deterministic": False,
+    "print": {"precision": 4, "threshold": 1000, "edgeitems": 3, "linewidth": 80, "sci_mode": None},
+}
+
+
+def _torch_settings(torch) -> dict:
+    """Those of torch's settings that differ from a fresh process's."""
+    now = {}
+    try:
+        now["default_dtype"] = str(torch.get_default_dtype()).removeprefix("torch.")
+        now["grad_enabled"] = torch.is_grad_enabled()
+        now["deterministic"] = torch.are_deterministic_algorithms_enabled()
+        opts = torch._tensor_str.PRINT_OPTS
+        now["print"] = {k: getattr(opts, k) for k in TORCH_DEFAULTS["print"]}
+    except Exception:  # noqa: BLE001 - a torch without one of them: keep the rest
+        pass
+    return {k: v for k, v in now.items() if v != TORCH_DEFAULTS[k]}
 
 
 def _apply_torch(torch, st: dict) -> None:
     torch.set_rng_state(torch.from_numpy(st["torch_rng"]))
     if "torch_cuda_rng" in st and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([torch.from_numpy(s) for s in st["torch_cuda_rng"]])
+    want = {**TORCH_DEFAULTS, **st.get("torch_settings", {})}
+    if _torch_settings(torch) == st.get("torch_settings", {}):
+        return  # as it is already (a fresh worker, or one applying its own state)
+    with quiet.own_warnings(show=False):
+        for apply in (
+            lambda: torch.set_default_dtype(getattr(torch, want["default_dtype"])),
+            lambda: torch.set_grad_enabled(want["grad_enabled"]),
+            lambda: torch.use_deterministic_algorithms(want["deterministic"]),
+            lambda: torch.set_printoptions(**want["print"]),
+        ):
+            try:
+                apply()
+            except Exception:  # noqa: BLE001 - best effort per setting
+                pass
 
 
 def _set_options(set_one, options: dict) -> None:

@@ -11,11 +11,12 @@ import sys
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from .. import workdir
+from .. import quiet, workdir
 from ..localmods import LocalModules, Source
 from .hooks import _apply_hooks, _apply_import_hooks, _capture_hooks
 from .inline import _inline_figures
 from .libraries import (
+    NUMPY_ERR,
     _apply_numpy,
     _apply_sympy,
     _apply_torch,
@@ -23,10 +24,12 @@ from .libraries import (
     _pandas_options,
     _set_options,
     _sympy_printing,
+    _torch_settings,
 )
 from .magics import _magics, _register_magics
 from .onimport import _on_import, when_imported
 from .settings import _apply_settings, _changed_settings
+from .stdlib import apply_decimal, apply_logging, apply_recursion_limit, capture_logging, decimal_context
 
 if TYPE_CHECKING:
     from .baseline import Baseline
@@ -44,6 +47,9 @@ def capture(shell, base: Baseline) -> dict:
         po = np.get_printoptions()
         if po != base.np_print:
             st["numpy_print"] = po
+        err = np.geterr()
+        if err != (base.np_err or NUMPY_ERR):
+            st["numpy_err"] = err
     torch = sys.modules.get("torch")
     if torch is not None:
         st["torch_rng"] = torch.get_rng_state().numpy().copy()
@@ -52,6 +58,9 @@ def capture(shell, base: Baseline) -> dict:
                 st["torch_cuda_rng"] = [s.numpy().copy() for s in torch.cuda.get_rng_state_all()]
         except Exception:  # noqa: BLE001
             pass
+        settings = _torch_settings(torch)
+        if settings:
+            st["torch_settings"] = settings
     mpl = _mpl_state()
     if mpl is not None:
         st["rcparams"] = mpl
@@ -59,6 +68,14 @@ def capture(shell, base: Baseline) -> dict:
     if pdo is not None:
         st["pandas"] = pdo
     st.update(workdir.capture())  # a removed one too: see workdir
+    if sys.getrecursionlimit() != base.recursion_limit:
+        st["recursion_limit"] = sys.getrecursionlimit()
+    log = capture_logging(base)
+    if log is not None:
+        st["logging"] = log
+    ctx = decimal_context()
+    if ctx is not None:
+        st["decimal"] = ctx
     st["sys_path"] = list(sys.path)
     if base.env_bytes is not None and getattr(os.environ, "_data", None) == base.env_bytes:
         st["env_set"], st["env_unset"] = {}, []
@@ -182,7 +199,17 @@ def apply(shell, st: dict, base: Baseline) -> None:
     global _session_drew_inline
     random.setstate(st["random"])
     if "torch_rng" in st:
-        when_imported("torch", lambda torch: _apply_torch(torch, st), _entries(st, "torch_rng", "torch_cuda_rng"))
+        entries = _entries(st, "torch_rng", "torch_cuda_rng", "torch_settings")
+        when_imported("torch", lambda torch: _apply_torch(torch, st), entries)
+    if "decimal" in st:
+        when_imported("decimal", lambda decimal: apply_decimal(decimal, st["decimal"]), _entries(st, "decimal"))
+    if "recursion_limit" in st:
+        apply_recursion_limit(st["recursion_limit"])
+    if "logging" in st:
+        try:
+            apply_logging(st["logging"])
+        except Exception as e:  # noqa: BLE001 - the rest of the state still applies
+            quiet.log(f"looseleaf worker: cannot restore logging's configuration: {type(e).__name__}: {e}")
     if st.get("rcparams"):
         set_rc = lambda mpl: _set_options(mpl.rcParams.__setitem__, st["rcparams"])  # noqa: E731
         when_imported("matplotlib", set_rc, _entries(st, "rcparams"))
@@ -215,8 +242,9 @@ def apply(shell, st: dict, base: Baseline) -> None:
     # after %config (a later assignment wins) and before numpy's options (%precision
     # sets them too: the saved ones win)
     _apply_settings(shell, st, base)
-    if "numpy_rng" in st or "numpy_print" in st:
-        when_imported("numpy", lambda np: _apply_numpy(np, st, base), _entries(st, "numpy_rng", "numpy_print"))
+    if "numpy_rng" in st or "numpy_print" in st or "numpy_err" in st:
+        entries = _entries(st, "numpy_rng", "numpy_print", "numpy_err")
+        when_imported("numpy", lambda np: _apply_numpy(np, st, base), entries)
     _register_magics(shell, st.get("magics", []))
     _apply_hooks(shell, st, base)
     if "sympy_printing" in st:

@@ -1,0 +1,127 @@
+"""The standard library's process state a notebook sets in one cell and relies on
+in later ones: logging's configuration (``logging.basicConfig`` in the first
+cell, ``logger.info`` in the rest), decimal's context (``getcontext().prec``) and
+the recursion limit. A fresh worker has none of it, and losing it is silent:
+log lines vanish, decimals get 28 digits.
+
+Logging is kept as a description, not as objects: a handler holds a lock and a
+stream. Stream handlers on the worker's stdout or stderr and file handlers (which
+reopen for appending, so a restore never truncates the log a cell wrote) are
+rebuilt with their level and plain formatter; other handlers are left out."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .baseline import Baseline
+
+# a logger as a fresh one is: level, propagate, disabled, no handlers
+_FRESH = (logging.NOTSET, True, False, ())
+
+_STYLES = {logging.PercentStyle: "%", logging.StrFormatStyle: "{", logging.StringTemplateStyle: "$"}
+
+
+def _loggers() -> list[tuple[str, logging.Logger]]:
+    """The root (named "") and every logger made so far."""
+    made = list(logging.root.manager.loggerDict.items())
+    return [("", logging.root), *((n, lg) for n, lg in made if isinstance(lg, logging.Logger))]
+
+
+def _shape(lg: logging.Logger) -> tuple:
+    return (lg.level, lg.propagate, lg.disabled, tuple(id(h) for h in lg.handlers))
+
+
+def logging_baseline() -> tuple[dict[str, tuple], int]:
+    """Each logger's shape before any cell ran, and logging.disable's level."""
+    return {name: _shape(lg) for name, lg in _loggers()}, logging.root.manager.disable
+
+
+def _describe(h: logging.Handler) -> tuple | None:
+    """A handler as data to rebuild it from, or None for one that cannot be."""
+    if type(h) is logging.StreamHandler:
+        stream = "stdout" if h.stream is sys.stdout else "stderr" if h.stream is sys.stderr else None
+        if stream is None:
+            return None
+        target: tuple = ("stream", stream)
+    elif type(h) is logging.FileHandler:
+        target = ("file", h.baseFilename, h.encoding)
+    else:
+        return None
+    f = h.formatter
+    fmt = None
+    if f is not None and type(f) is logging.Formatter:
+        fmt = (f._fmt, f.datefmt, _STYLES.get(type(f._style), "%"))
+    return (target, h.level, fmt)
+
+
+def _build(d: tuple) -> logging.Handler:
+    target, level, fmt = d
+    if target[0] == "stream":
+        h: logging.Handler = logging.StreamHandler(sys.stdout if target[1] == "stdout" else sys.stderr)
+    else:
+        h = logging.FileHandler(target[1], mode="a", encoding=target[2], delay=True)
+    h.setLevel(level)
+    if fmt is not None:
+        h.setFormatter(logging.Formatter(fmt[0], fmt[1], style=fmt[2]))
+    return h
+
+
+def capture_logging(base: Baseline) -> dict | None:
+    """The loggers a cell configured (level, propagate, disabled, the handlers it
+    added), and logging.disable's level; None if nothing differs."""
+    shapes, disable = base.logging
+    loggers = {}
+    for name, lg in _loggers():
+        shape = _shape(lg)
+        if shapes.get(name, _FRESH) == shape:
+            continue
+        at_base = set(shapes.get(name, _FRESH)[3])
+        handlers = [d for h in lg.handlers if id(h) not in at_base and (d := _describe(h)) is not None]
+        if shape[:3] == _FRESH[:3] and not handlers and name not in shapes:
+            continue  # a library's logger with only a NullHandler: as its import makes it
+        loggers[name] = (lg.level, lg.propagate, lg.disabled, handlers)
+    current = logging.root.manager.disable
+    if not loggers and current == disable:
+        return None
+    return {"loggers": loggers, "disable": current}
+
+
+def apply_logging(st: dict) -> None:
+    """Configure the loggers as captured; a handler already there (a kept worker
+    applying its own state) is not added twice."""
+    for name, (level, propagate, disabled, handlers) in st["loggers"].items():
+        lg = logging.getLogger(name) if name else logging.root
+        lg.setLevel(level)
+        lg.propagate, lg.disabled = propagate, disabled
+        have = [_describe(h) for h in lg.handlers]
+        for d in handlers:
+            if d not in have:
+                lg.addHandler(_build(d))
+    if logging.root.manager.disable != st["disable"]:
+        logging.disable(st["disable"])
+
+
+def decimal_context() -> Any | None:
+    """The main thread's decimal context, where a cell changed it (its flags
+    included, as a kernel keeps them); None if decimal is not imported or the
+    context is a fresh one."""
+    decimal = sys.modules.get("decimal")
+    if decimal is None:
+        return None
+    ctx = decimal.getcontext()
+    return None if repr(ctx) == repr(decimal.DefaultContext) else ctx.copy()
+
+
+def apply_decimal(decimal, ctx) -> None:
+    decimal.setcontext(ctx.copy())
+
+
+def apply_recursion_limit(limit: int) -> None:
+    if sys.getrecursionlimit() != limit:
+        try:
+            sys.setrecursionlimit(limit)
+        except (RecursionError, ValueError):
+            pass  # lower than the restore's own depth: the nearest it can be
