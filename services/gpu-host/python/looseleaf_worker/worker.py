@@ -23,7 +23,7 @@ import uuid
 from IPython.core.completer import provisionalcompleter, rectify_completions
 from IPython.utils.tokenutil import token_at_cursor
 
-from . import ambient, checkpoint, comms, faults, packages, protocol, quiet, staging
+from . import ambient, checkpoint, comms, faults, lru, packages, protocol, quiet, staging
 from .interrupt import CellInterrupts
 from .localmods import LocalModules
 from .routing import OutputRouting
@@ -88,6 +88,7 @@ class Worker(OutputRouting):
         # As ipykernel: input() and getpass() ask the run's client for a line
         builtins.input = self.input
         getpass.getpass = self.getpass
+        lru.install()  # memoised notebook functions keep their caches across cells
         # after the shell: its own env/warnings setup is not a cell's doing
         self.base = ambient.Baseline(self.shell)
         self.local = LocalModules(self.base.path)

@@ -7,7 +7,7 @@ generated object graphs, run in process against the checkpoint code itself."""
 
 import types
 
-from helpers import ok, result_text
+from helpers import ok, result_text, stream_text
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from looseleaf_worker import checkpoint
@@ -291,6 +291,40 @@ def test_a_function_in_a_dispatch_dict_finds_its_global_in_a_later_worker(zygote
     w2 = zygote.fork()
     assert w2.restore(["ops", *needed])["ok"]
     assert result_text(ok(w2.run("ops['triple'](4), ops['negate'](ops['triple'](2))"))) == "(12, -6)"
+
+
+def test_a_memoised_notebook_function_keeps_its_cache_in_a_later_worker(zygote):
+    # functools.lru_cache/cache around notebook functions: the C wrapper pickles
+    # by reference to __main__ and its cache is out of reach; a kernel keeps the
+    # cache from cell to cell (results, cache_info, side effects only on a miss)
+    setup = (
+        "import functools\ncalls = []\n"
+        "@functools.lru_cache(maxsize=None)\ndef fib(n):\n"
+        "    calls.append(n)\n    return n if n < 2 else fib(n-1) + fib(n-2)\n"
+        "@functools.lru_cache(maxsize=2, typed=True)\ndef ident(*a, **k):\n"
+        "    calls.append(('ident', a))\n    return a, k\n"
+        "class Area:\n    @functools.cache\n    def of(self, side):\n"
+        "        calls.append(('of', side))\n        return side * side\n"
+        "sq = Area()\n"
+        "fib(20), ident(1, b='x'), ident(1.0, b='x'), ident('s'), sq.of(3), sq.of(3)"
+    )
+    later = (
+        "fib(21), ident('s'), ident(1, b='x'), sq.of(3), len(calls), fib.cache_info(), ident.cache_info(),"
+        " fib.cache_parameters(), type(fib).__name__, fib.__wrapped__.__name__"
+    )
+    # CPython's own wrapper, in this process: what a kernel answers
+    ns = {"__name__": "__main__"}
+    exec(setup, ns)
+    kernel = repr(eval(later, ns))
+    assert "CacheInfo(hits=20, misses=22, maxsize=None, currsize=22)" in kernel, kernel
+
+    w1 = zygote.fork()
+    ok(w1.run(setup))
+    w1.save()
+    assert stream_text(ok(w1.run(f"print(repr(({later})))"))) == kernel + "\n"  # the worker that ran it
+    w2 = zygote.fork()
+    assert w2.restore(["fib", "ident", "sq", "calls", "functools", "Area"])["ok"]
+    assert stream_text(ok(w2.run(f"print(repr(({later})))"))) == kernel + "\n"  # a later worker
 
 
 # ------------------------------------------------------------ saved but not restorable
