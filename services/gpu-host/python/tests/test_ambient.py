@@ -157,7 +157,7 @@ def test_the_input_history_is_saved_once_each_and_restored_whole(host, zygote):
     assert "raise ValueError('from the third cell')" in tb, tb
 
 
-def test_logging_decimal_numpy_errors_recursion_and_torch_settings_carry_over(host, zygote, tmp_path):
+def test_logging_decimal_numpy_torch_builtins_and_process_settings_carry_over(host, zygote, tmp_path):
     # set in one cell, relied on in later ones: a fresh worker must not silently
     # drop log lines or compute with another precision
     log_file = tmp_path / "cells.log"
@@ -175,7 +175,12 @@ def test_logging_decimal_numpy_errors_recursion_and_torch_settings_carry_over(ho
         "sys.setrecursionlimit(4321)\n"
         "torch.set_default_dtype(torch.float64)\n"
         "torch.set_grad_enabled(False)\n"
-        "torch.set_printoptions(precision=2)"
+        "torch.set_printoptions(precision=2)\n"
+        "import builtins, os, socket\n"
+        "builtins.twice = lambda v: v * 2\n"
+        "sys.argv = ['nb', '--flag']\n"
+        "os.umask(0o027)\n"
+        "socket.setdefaulttimeout(7.5)"
     )
     ok(w1.run(setup))
     w1.save()
@@ -191,10 +196,12 @@ def test_logging_decimal_numpy_errors_recursion_and_torch_settings_carry_over(ho
         "try:\n    np.array([1.0]) / 0\nexcept FloatingPointError:\n    print('raised')\n"
         "print(torch.zeros(1).dtype, torch.is_grad_enabled(), torch.tensor([1.23456]))"
     )
+    code += "\nimport os, socket\nprint(twice(4), sys.argv, oct(os.umask(0o027)), socket.getdefaulttimeout())"
     assert stream_text(ok(w2.run(code))).splitlines() == [
         "0.14286 4321",
         "raised",
         "torch.float64 False tensor([1.23])",
+        "8 ['nb', '--flag'] 0o27 7.5",
     ]
     # a worker that applies its own state again adds no second handler
     w2.save()

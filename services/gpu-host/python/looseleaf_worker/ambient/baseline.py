@@ -8,7 +8,7 @@ import sys
 
 from .hooks import _printer_key, _watch_cells
 from .settings import _settings
-from .stdlib import logging_baseline
+from .stdlib import builtins_baseline, logging_baseline, umask
 
 
 class Baseline:
@@ -37,6 +37,9 @@ class Baseline:
             self.np_err = sys.modules["numpy"].geterr()
         self.recursion_limit = sys.getrecursionlimit()
         self.logging = logging_baseline()
+        self.builtins = builtins_baseline()
+        self.argv = list(sys.argv)
+        self.umask = umask()
         mm = shell.magics_manager.magics
         self.magics = {kind: dict(mm[kind]) for kind in ("line", "cell")}
         shell._ll_base = self

@@ -29,7 +29,17 @@ from .libraries import (
 from .magics import _magics, _register_magics
 from .onimport import _on_import, when_imported
 from .settings import _apply_settings, _changed_settings
-from .stdlib import apply_decimal, apply_logging, apply_recursion_limit, capture_logging, decimal_context
+from .stdlib import (
+    apply_builtins,
+    apply_decimal,
+    apply_logging,
+    apply_process_settings,
+    apply_recursion_limit,
+    capture_builtins,
+    capture_logging,
+    decimal_context,
+    process_settings,
+)
 
 if TYPE_CHECKING:
     from .baseline import Baseline
@@ -76,6 +86,12 @@ def capture(shell, base: Baseline) -> dict:
     ctx = decimal_context()
     if ctx is not None:
         st["decimal"] = ctx
+    added = capture_builtins(base)
+    if added:
+        st["builtins"] = added
+    process = process_settings(base)
+    if process:
+        st["process"] = process
     st["sys_path"] = list(sys.path)
     if base.env_bytes is not None and getattr(os.environ, "_data", None) == base.env_bytes:
         st["env_set"], st["env_unset"] = {}, []
@@ -205,6 +221,10 @@ def apply(shell, st: dict, base: Baseline) -> None:
         when_imported("decimal", lambda decimal: apply_decimal(decimal, st["decimal"]), _entries(st, "decimal"))
     if "recursion_limit" in st:
         apply_recursion_limit(st["recursion_limit"])
+    if "process" in st:
+        apply_process_settings(st["process"])
+    if "builtins" in st:
+        apply_builtins(st["builtins"])
     if "logging" in st:
         try:
             apply_logging(st["logging"])

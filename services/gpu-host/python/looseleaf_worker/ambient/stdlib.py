@@ -1,8 +1,9 @@
 """The standard library's process state a notebook sets in one cell and relies on
 in later ones: logging's configuration (``logging.basicConfig`` in the first
-cell, ``logger.info`` in the rest), decimal's context (``getcontext().prec``) and
-the recursion limit. A fresh worker has none of it, and losing it is silent:
-log lines vanish, decimals get 28 digits.
+cell, ``logger.info`` in the rest), decimal's context (``getcontext().prec``),
+the recursion limit, names a cell put in ``builtins``, ``sys.argv``, the umask
+and socket's default timeout. A fresh worker has none of it, and losing it is
+silent: log lines vanish, decimals get 28 digits.
 
 Logging is kept as a description, not as objects: a handler holds a lock and a
 stream. Stream handlers on the worker's stdout or stderr and file handlers (which
@@ -11,9 +12,15 @@ rebuilt with their level and plain formatter; other handlers are left out."""
 
 from __future__ import annotations
 
+import builtins
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING, Any
+
+import cloudpickle
+
+from .. import quiet
 
 if TYPE_CHECKING:
     from .baseline import Baseline
@@ -125,3 +132,64 @@ def apply_recursion_limit(limit: int) -> None:
             sys.setrecursionlimit(limit)
         except (RecursionError, ValueError):
             pass  # lower than the restore's own depth: the nearest it can be
+
+
+# what IPython's builtin trap puts in builtins while a cell runs, and takes out
+_TRAPPED = frozenset({"get_ipython", "exit", "quit", "__IPYTHON__"})
+
+
+def builtins_baseline() -> dict[str, Any]:
+    return dict(vars(builtins))
+
+
+def capture_builtins(base: Baseline) -> dict[str, bytes]:
+    """Names a cell bound in ``builtins`` (a helper every module sees), each
+    pickled by value on its own: one that cannot be is left out, said in the log."""
+    out = {}
+    for name, value in list(vars(builtins).items()):
+        if name in _TRAPPED or base.builtins.get(name, _TRAPPED) is value:
+            continue
+        try:
+            out[name] = cloudpickle.dumps(value)
+        except Exception as e:  # noqa: BLE001
+            quiet.log(f"looseleaf worker: cannot keep builtins.{name}: {type(e).__name__}: {e}")
+    return out
+
+
+def apply_builtins(saved: dict[str, bytes]) -> None:
+    for name, blob in saved.items():
+        try:
+            setattr(builtins, name, cloudpickle.loads(blob))
+        except Exception as e:  # noqa: BLE001
+            quiet.log(f"looseleaf worker: cannot restore builtins.{name}: {type(e).__name__}: {e}")
+
+
+def umask() -> int:
+    """The process's umask (reading it means setting it: set back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def process_settings(base: Baseline) -> dict:
+    """sys.argv, the umask and socket's default timeout, where a cell changed them."""
+    out: dict[str, Any] = {}
+    if sys.argv != base.argv:
+        out["argv"] = list(sys.argv)
+    if (mask := umask()) != base.umask:
+        out["umask"] = mask
+    socket = sys.modules.get("socket")
+    if socket is not None and socket.getdefaulttimeout() is not None:
+        out["socket_timeout"] = socket.getdefaulttimeout()
+    return out
+
+
+def apply_process_settings(st: dict) -> None:
+    if "argv" in st:
+        sys.argv[:] = st["argv"]
+    if "umask" in st:
+        os.umask(st["umask"])
+    if "socket_timeout" in st:
+        import socket
+
+        socket.setdefaulttimeout(st["socket_timeout"])
