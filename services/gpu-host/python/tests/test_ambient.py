@@ -1,4 +1,5 @@
 import re
+import sys
 
 from helpers import of_type, ok, result_text, stream_text
 
@@ -209,3 +210,51 @@ def test_logging_decimal_numpy_torch_builtins_and_process_settings_carry_over(ho
     assert w3.restore(["log", "logging"])["ok"]
     r = ok(w3.run("log.info('third')\nprint(len(logging.root.handlers), len(log.handlers))"))
     assert (stream_text(r, "stderr"), stream_text(r)) == ("INFO|probe|third\n", "1 1\n")
+
+
+def test_attributes_a_cell_set_on_library_modules_and_classes_carry_over(host, zygote, tmp_path):
+    # a module is saved as its import: what a cell set on it, on a class of it or
+    # on the session's own module must be set again in a fresh worker
+    (tmp_path / "helper.py").write_text("VALUE = 1\ndef get():\n    return VALUE\n")
+    w1 = zygote.fork(cwd=str(tmp_path))
+    setup = (
+        "import math, sklearn, torch, helper\nimport pandas as pd\nfrom pandas import Series\n"
+        "math.golden = (1 + 5 ** 0.5) / 2\n"
+        "pd.DataFrame.total = lambda self: int(self.to_numpy().sum())\n"
+        "Series.twice = lambda self: self * 2\n"
+        "torch.backends.cudnn.benchmark = True\n"
+        "helper.VALUE = 42\n"
+        "sklearn.set_config(assume_finite=True)\n"
+        "torch.manual_seed(3)"
+    )
+    ok(w1.run(setup))
+    w1.save()
+    later = "import torch\nprint(round(torch.rand(1).item(), 6), torch.backends.cudnn.benchmark)"
+    pinned = stream_text(ok(w1.run(later)))
+
+    w2 = zygote.fork(cwd=str(tmp_path))
+    assert w2.restore(["math", "pd", "sklearn", "helper", "Series"])["ok"]
+    assert stream_text(ok(w2.run(later))) == pinned
+    assert pinned.split()[1] == "True"
+    code = (
+        "print(round(math.golden, 3), pd.DataFrame({'a': [1, 2]}).total(), Series([1]).twice().tolist(),"
+        " helper.get(), sklearn.get_config()['assume_finite'])"
+    )
+    assert stream_text(ok(w2.run(code))) == "1.618 3 [2] 42 True\n"
+
+
+def test_two_kinds_of_state_of_one_library_both_apply_at_its_import(tmp_path, monkeypatch):
+    # a library's RNG and an attribute a cell set on it wait for one import
+    from looseleaf_worker.ambient import _on_import, when_imported
+
+    (tmp_path / "lib_not_yet.py").write_text("SEEN = []\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))  # the hook goes with the test
+    monkeypatch.delitem(sys.modules, "lib_not_yet", raising=False)
+    when_imported("lib_not_yet", lambda m: m.SEEN.append("rng"), {"rng": 1})
+    when_imported("lib_not_yet", lambda m: m.SEEN.append("attribute"), {"attr": 2})
+    assert _on_import().unapplied() == {"rng": 1, "attr": 2}  # carried until then
+    import lib_not_yet
+
+    assert lib_not_yet.SEEN == ["rng", "attribute"]
+    assert "lib_not_yet" not in _on_import().pending

@@ -11,8 +11,10 @@ Map (one concern per module):
   baseline   the worker before any cell ran (Baseline)
   state      the whole state: capture/dumps after a cell, loads/apply_paths/apply
   libraries  RNGs, matplotlib/pandas options, numpy print and error options,
-             sympy printing, torch's settings
-  stdlib     logging's configuration, decimal's context, the recursion limit
+             sympy printing, torch's settings, scikit-learn's set_config
+  stdlib     logging's configuration, decimal's context, the recursion limit,
+             builtins a cell added, sys.argv, the umask, socket's timeout
+  patches    attributes a cell set on a library's module or class
   onimport   library state applied when a cell first imports the library
   settings   shell settings a cell changed
   magics     magics the notebook registered

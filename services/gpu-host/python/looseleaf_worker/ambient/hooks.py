@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from IPython import get_ipython
 
 from .. import checkpoint, quiet
+from . import patches
 from .byvalue import _loads_with_ns, _pickled
 
 if TYPE_CHECKING:
@@ -287,6 +288,7 @@ def _watch_cells(shell) -> None:
     shell._ll_watching = True
     shell.before_cell.append(lambda: _bring_reads(shell))
     shell.after_cell.append(lambda: _note_uncarried(shell, shell._ll_base))
+    shell.after_cell.append(lambda: patches.note_cell(shell))
 
 
 def _rebuild_list(items: list, recs: list[dict], ns: dict) -> None:

@@ -165,3 +165,25 @@ def _set_options(set_one, options: dict) -> None:
                 set_one(k, v)
             except Exception:  # noqa: BLE001 - an option this version lacks
                 pass
+
+
+def _sklearn_config() -> dict | None:
+    """What ``sklearn.set_config`` changed (the thread's configuration against
+    the process-wide defaults it starts from)."""
+    if "sklearn" not in sys.modules:
+        return None
+    try:
+        from sklearn import _config
+
+        now, defaults = _config.get_config(), _config._global_config
+    except Exception:  # noqa: BLE001 - a scikit-learn without them
+        return None
+    return {k: v for k, v in now.items() if defaults.get(k) != v} or None
+
+
+def _apply_sklearn(sklearn, changed: dict) -> None:
+    for k, v in changed.items():
+        try:
+            sklearn.set_config(**{k: v})
+        except Exception:  # noqa: BLE001 - a setting this version lacks
+            pass

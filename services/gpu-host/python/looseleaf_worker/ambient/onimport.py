@@ -93,5 +93,14 @@ def when_imported(name: str, fn, entries: dict) -> None:
     module = sys.modules.get(name)
     if module is not None:
         fn(module)
-    else:
-        _on_import().pending[name] = (fn, entries)
+        return
+    hook = _on_import()
+    if name in hook.pending:  # several kinds of state of one library: each applies
+        first, carried = hook.pending[name]
+
+        def both(module, first=first, then=fn):
+            _guarded(first, module)
+            then(module)
+
+        fn, entries = both, {**carried, **entries}
+    hook.pending[name] = (fn, entries)

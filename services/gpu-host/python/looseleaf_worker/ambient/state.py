@@ -13,16 +13,19 @@ from typing import TYPE_CHECKING, Any
 
 from .. import quiet, workdir
 from ..localmods import LocalModules, Source
+from . import patches
 from .hooks import _apply_hooks, _apply_import_hooks, _capture_hooks
 from .inline import _inline_figures
 from .libraries import (
     NUMPY_ERR,
     _apply_numpy,
+    _apply_sklearn,
     _apply_sympy,
     _apply_torch,
     _mpl_state,
     _pandas_options,
     _set_options,
+    _sklearn_config,
     _sympy_printing,
     _torch_settings,
 )
@@ -112,6 +115,12 @@ def capture(shell, base: Baseline) -> dict:
     st["settings"] = _changed_settings(shell, base)
     st["formatted"] = getattr(shell.display_formatter, "formatted", True)
     st["hooks"] = _capture_hooks(shell, base)
+    sklearn_config = _sklearn_config()
+    if sklearn_config is not None:
+        st["sklearn_config"] = sklearn_config
+    module_patches = patches.capture(shell)
+    if module_patches:
+        st["module_patches"] = module_patches
     sympy_printing = _sympy_printing()
     if sympy_printing is not None:
         st["sympy_printing"] = sympy_printing
@@ -270,6 +279,12 @@ def apply(shell, st: dict, base: Baseline) -> None:
     if "sympy_printing" in st:
         apply_sympy = lambda sympy: _apply_sympy(st["sympy_printing"])  # noqa: E731
         when_imported("sympy", apply_sympy, _entries(st, "sympy_printing"))
+    if "sklearn_config" in st:
+        apply_sklearn = lambda sklearn: _apply_sklearn(sklearn, st["sklearn_config"])  # noqa: E731
+        when_imported("sklearn", apply_sklearn, _entries(st, "sklearn_config"))
+    # after the libraries' own state: an attribute a cell set wins
+    if st.get("module_patches"):
+        patches.apply(shell, st["module_patches"])
     shell.unders_in_session = st.get("unders", [])
     shell.unders_user_set = st.get("unders_user", [])
     if st.get("mpl_inline"):
