@@ -258,3 +258,24 @@ def test_two_kinds_of_state_of_one_library_both_apply_at_its_import(tmp_path, mo
 
     assert lib_not_yet.SEEN == ["rng", "attribute"]
     assert "lib_not_yet" not in _on_import().pending
+
+
+def test_warning_filters_on_a_library_s_categories_wait_for_its_import(host, zygote):
+    # loading the ambient state must not import torch (a second or more) for a
+    # cell that never uses it; the session's filters on torch's categories are
+    # set once a cell imports it, and carried by workers that never do
+    w1 = zygote.fork()
+    ok(w1.run("import torch, warnings\nwarnings.filterwarnings('error', category=torch.jit.TracerWarning)\nx = 1"))
+    w1.save()
+    filters = "import warnings\n[(a, c.__name__, str(m)) for a, m, c, *_ in warnings.filters]"
+    pinned = result_text(ok(w1.run(filters)))
+    assert "('error', 'TracerWarning', 'None')" in pinned
+
+    w2 = zygote.fork()
+    assert w2.restore(["x"])["ok"]
+    assert result_text(ok(w2.run("import sys\n'torch' in sys.modules"))) == "False"
+    w2.save()  # a save by a worker that never imported torch
+
+    w3 = zygote.fork()
+    assert w3.restore(["x"])["ok"]
+    assert result_text(ok(w3.run("import torch\n" + filters))) == pinned

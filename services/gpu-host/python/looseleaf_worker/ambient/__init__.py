@@ -10,6 +10,7 @@ at restore would cost up to seconds for cells that never touch them).
 Map (one concern per module):
   baseline   the worker before any cell ran (Baseline)
   state      the whole state: capture/dumps after a cell, loads/apply_paths/apply
+  filters    warning filters, loaded without importing their libraries
   libraries  RNGs, matplotlib/pandas options, numpy print and error options,
              sympy printing, torch's settings, scikit-learn's set_config
   stdlib     logging's configuration, decimal's context, the recursion limit,

@@ -8,12 +8,11 @@ import os
 import pickle
 import random
 import sys
-import warnings
 from typing import TYPE_CHECKING, Any
 
 from .. import quiet, workdir
 from ..localmods import LocalModules, Source
-from . import patches
+from . import filters, patches
 from .hooks import _apply_hooks, _apply_import_hooks, _capture_hooks
 from .inline import _inline_figures
 from .libraries import (
@@ -101,14 +100,7 @@ def capture(shell, base: Baseline) -> dict:
     else:
         st["env_set"] = {k: v for k, v in os.environ.items() if base.env.get(k) != v}
         st["env_unset"] = [k for k in base.env if k not in os.environ]
-    filters = []
-    for f in warnings.filters:
-        try:
-            pickle.dumps(f)
-            filters.append(f)
-        except Exception:  # noqa: BLE001 - a filter on a notebook class: skip
-            pass
-    st["warnings"] = filters
+    st["warnings"] = filters.capture()
     st["extensions"] = sorted(shell.extension_manager.loaded)
     st["config"] = {k: dict(v) for k, v in shell.config.items() if k not in ("HistoryManager",) and isinstance(v, dict)}
     st["magics"] = _magics(shell, base)
@@ -244,11 +236,7 @@ def apply(shell, st: dict, base: Baseline) -> None:
         when_imported("matplotlib", set_rc, _entries(st, "rcparams"))
     if st.get("pandas"):
         when_imported("pandas", lambda pd: _set_options(pd.set_option, st["pandas"]), _entries(st, "pandas"))
-    if warnings.filters != st["warnings"]:
-        # only on a change: a change empties every warning registry, so warnings
-        # shown once per location would show again
-        warnings.filters[:] = st["warnings"]
-        warnings._filters_mutated()
+    filters.apply(st["warnings"])
     for ext in st["extensions"]:
         if ext not in shell.extension_manager.loaded:
             try:
