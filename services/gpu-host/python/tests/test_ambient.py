@@ -279,3 +279,17 @@ def test_warning_filters_on_a_library_s_categories_wait_for_its_import(host, zyg
     w3 = zygote.fork()
     assert w3.restore(["x"])["ok"]
     assert result_text(ok(w3.run("import torch\n" + filters))) == pinned
+
+
+def test_the_last_error_is_there_for_tb_in_a_later_worker(host, zygote):
+    w1 = zygote.fork()
+    assert w1.run("undefined_here")["finished"]["status"] == "error"
+    ok(w1.run("x = 1"))
+    w1.save()
+    w2 = zygote.fork()
+    assert w2.restore(["x"])["ok"]
+    assert result_text(ok(w2.run("import sys\ntype(sys.last_value).__name__, str(sys.last_value)"))) == (
+        "('NameError', \"name 'undefined_here' is not defined\")"
+    )
+    errors = of_type(w2.run("%tb"), "error")
+    assert [(e["ename"], e["evalue"]) for e in errors] == [("NameError", "name 'undefined_here' is not defined")]

@@ -127,7 +127,7 @@ impl Analyzer<'_> {
         }
     }
 
-    /// `locals()`/`vars()` at top level, `__import__('__main__')`.
+    /// `locals()`/`vars()`/`dir()` at top level, `__import__('__main__')`.
     pub(super) fn check_dynamic_call(&mut self, c: &ast::ExprCall) {
         if self.out.conservative.is_some() {
             return;
@@ -136,7 +136,8 @@ impl Analyzer<'_> {
         let at = c.range().start();
         let no_args = c.arguments.args.is_empty() && c.arguments.keywords.is_empty();
         match f.id.as_str() {
-            "locals" | "vars" if no_args && self.at_module() => {
+            // dir() with no argument lists the namespace's names, as locals() does
+            "locals" | "vars" | "dir" if no_args && self.at_module() => {
                 let what = format!("{}()", f.id.as_str());
                 self.conservative(&what, at);
             }

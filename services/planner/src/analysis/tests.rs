@@ -238,6 +238,7 @@ fn dynamic_constructs_are_conservative() {
         ("g = globals()", "globals() at line 1"),
         ("l = locals()", "locals() at line 1"),
         ("v = vars()", "vars() at line 1"),
+        ("names = sorted(n for n in dir() if not n.startswith('_'))", "dir() at line 1"),
         ("ip = get_ipython()", "get_ipython() at line 1"),
         ("import sys\nm = sys.modules['__main__']", "sys.modules['__main__'] at line 2"),
         ("m = __import__('__main__')", "__import__('__main__') at line 1"),
@@ -255,6 +256,7 @@ fn dynamic_constructs_are_conservative() {
     }
     // locals()/vars() inside a function only see the function's own scope
     assert_eq!(analyze("def f():\n    return locals(), vars(obj)").conservative, None);
+    assert_eq!(analyze("d = dir(obj)\ndef f():\n    return dir()").conservative, None);
 }
 
 #[test]

@@ -34,12 +34,14 @@ from .settings import _apply_settings, _changed_settings
 from .stdlib import (
     apply_builtins,
     apply_decimal,
+    apply_last_error,
     apply_logging,
     apply_process_settings,
     apply_recursion_limit,
     capture_builtins,
     capture_logging,
     decimal_context,
+    last_error,
     process_settings,
 )
 
@@ -94,6 +96,9 @@ def capture(shell, base: Baseline) -> dict:
     process = process_settings(base)
     if process:
         st["process"] = process
+    error = last_error()
+    if error is not None:
+        st["last_error"] = error
     st["sys_path"] = list(sys.path)
     if base.env_bytes is not None and getattr(os.environ, "_data", None) == base.env_bytes:
         st["env_set"], st["env_unset"] = {}, []
@@ -226,6 +231,8 @@ def apply(shell, st: dict, base: Baseline) -> None:
         apply_process_settings(st["process"])
     if "builtins" in st:
         apply_builtins(st["builtins"])
+    if "last_error" in st:
+        apply_last_error(st["last_error"])
     if "logging" in st:
         try:
             apply_logging(st["logging"])

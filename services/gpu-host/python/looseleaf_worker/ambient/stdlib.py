@@ -1,9 +1,10 @@
 """The standard library's process state a notebook sets in one cell and relies on
 in later ones: logging's configuration (``logging.basicConfig`` in the first
 cell, ``logger.info`` in the rest), decimal's context (``getcontext().prec``),
-the recursion limit, names a cell put in ``builtins``, ``sys.argv``, the umask
-and socket's default timeout. A fresh worker has none of it, and losing it is
-silent: log lines vanish, decimals get 28 digits.
+the recursion limit, names a cell put in ``builtins``, ``sys.argv``, the umask,
+socket's default timeout and the last error (``sys.last_value``, ``%tb``). A
+fresh worker has none of it, and losing it is silent: log lines vanish, decimals
+get 28 digits.
 
 Logging is kept as a description, not as objects: a handler holds a lock and a
 stream. Stream handlers on the worker's stdout or stderr and file handlers (which
@@ -193,3 +194,24 @@ def apply_process_settings(st: dict) -> None:
         import socket
 
         socket.setdefaulttimeout(st["socket_timeout"])
+
+
+def last_error() -> bytes | None:
+    """The error the session's last failing cell raised (``sys.last_value``, what
+    ``%tb`` and ``sys.last_value`` read), pickled; its traceback is not kept."""
+    value = getattr(sys, "last_value", None)
+    if value is None:
+        return None
+    try:
+        return cloudpickle.dumps(value)
+    except Exception:  # noqa: BLE001 - an error holding what cannot be pickled
+        return None
+
+
+def apply_last_error(blob: bytes) -> None:
+    try:
+        value = cloudpickle.loads(blob)
+    except Exception as e:  # noqa: BLE001
+        quiet.log(f"looseleaf worker: cannot restore the last error: {type(e).__name__}: {e}")
+        return
+    sys.last_type, sys.last_value, sys.last_traceback = type(value), value, value.__traceback__
