@@ -35,6 +35,9 @@ class _ImportedOnly(pickle.Unpickler):
 # what the last apply set while some filter waited for a module's import, and the
 # saved list it came from
 _waiting: tuple[list, list[bytes], set[str]] | None = None
+# the filters last pickled, and their pickles: a cell seldom changes the filters,
+# and each is an immutable tuple, so the same objects pickle the same
+_last: tuple[list, list[bytes]] = ([], [])
 
 
 def capture() -> list[bytes]:
@@ -45,12 +48,18 @@ def capture() -> list[bytes]:
         applied, saved, missing = _waiting
         if any(m not in sys.modules for m in missing) and warnings.filters == applied:
             return saved
+    global _last
+    now = list(warnings.filters)
+    seen, blobs = _last
+    if len(now) == len(seen) and all(a is b for a, b in zip(now, seen, strict=True)):
+        return blobs
     out = []
-    for f in warnings.filters:
+    for f in now:
         try:
             out.append(pickle.dumps(f, protocol=5))
         except Exception:  # noqa: BLE001
             pass
+    _last = (now, out)
     return out
 
 

@@ -13,6 +13,7 @@ restore sets them again once the module is imported."""
 from __future__ import annotations
 
 import ast
+import re
 import sys
 import types
 from typing import Any
@@ -27,8 +28,15 @@ from .onimport import when_imported
 Patches = dict[tuple[str, tuple[str, ...]], "bytes | None"]
 
 
+# an attribute assignment somewhere in the code (`a.b = `, `a.b += `): most cells
+# have none, and parsing a long cell costs a millisecond
+_MAYBE = re.compile(r"[\w\]\)]\s*\.\s*[A-Za-z_]\w*\s*(?:[-+*/%&|^@]|//|\*\*|<<|>>)?=(?!=)")
+
+
 def _targets(code: str) -> set[tuple[str, tuple[str, ...]]]:
     """(root name, attribute path) of each attribute assigned in ``code``."""
+    if not _MAYBE.search(code):
+        return set()
     try:
         tree = ast.parse(code)
     except (SyntaxError, ValueError):
