@@ -272,6 +272,27 @@ def test_torch_tensors_modules_optimizers(host, zygote):
     assert stream_text(r).split() == ["True", "True", "True", "True", "torch.bfloat16", "2", "True"]
 
 
+def test_gradients_backward_left_are_there_for_a_later_cell_s_step(host, zygote):
+    # backward() in one cell, the optimizer's step in the next: on a fresh worker
+    # the step must see the gradients, or it silently changes nothing
+    w1 = zygote.fork()
+    setup = (
+        "import torch\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(3, 2)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.5)\n"
+        "model(torch.ones(4, 3)).pow(2).sum().backward()"
+    )
+    ok(w1.run(setup))
+    w1.save()
+    step = "g = model.weight.grad.clone()\nopt.step()\nprint(round(g.abs().sum().item(), 4), round(model.weight.sum().item(), 4))"
+    pinned = stream_text(ok(w1.run(step)))
+    w2 = zygote.fork()
+    assert w2.restore(["model", "opt", "torch"])["ok"]
+    assert stream_text(ok(w2.run("print(model.weight.grad is model.weight.grad, model.bias.grad is not None)"))) == (
+        "True True\n"
+    )
+    assert stream_text(ok(w2.run(step))) == pinned
+
+
 def test_numpy_view_restores_as_view_of_its_base(host, zygote):
     """x2_sub = x2[:2, :2]; writes through the view reach the base on a later worker."""
     w1 = zygote.fork()

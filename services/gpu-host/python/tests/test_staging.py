@@ -71,6 +71,25 @@ def test_stage_in_moves_the_same_objects_and_counts_their_bytes(no_slot):
     assert staging.stage_in(move=to_copy)[0] == 0
 
 
+def test_a_staged_parameter_s_gradient_goes_to_the_device_with_it(no_slot):
+    w = SavedFromGpu(np.ones(4, dtype=np.float32), is_param=True)
+    grad = SavedFromGpu(np.full(4, 0.5, dtype=np.float32))
+    rebuild, args = w.__reduce__()
+    x = pickle.loads(pickle.dumps(_Reduced(rebuild, (*args, grad))))
+    assert torch.equal(x.grad, torch.full((4,), 0.5)) and staging.pending() == 2
+    moved_to.clear()
+    assert staging.stage_in(move=to_copy)[0] == 32 and moved_to == ["cuda:0", "cuda:0"]
+    assert torch.equal(x.grad, torch.full((4,), 0.5)), "the same gradient, moved in place"
+
+
+class _Reduced:
+    def __init__(self, fn, args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return (self.fn, self.args)
+
+
 def test_a_collected_staged_tensor_is_not_copied(no_slot):
     pickle.loads(pickle.dumps(SavedFromGpu(np.ones(8, dtype=np.float32))))
     assert staging.pending() == 0

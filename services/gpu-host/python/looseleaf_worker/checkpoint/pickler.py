@@ -205,6 +205,10 @@ class RecordPickler(cloudpickle.Pickler):
         self.devices[id(arr)] = device
         is_param = isinstance(t, torch.nn.Parameter)
         self.modules.add("torch")
+        # a leaf's gradient, as backward() left it: a later cell may step on it
+        grad = t.grad if t.is_leaf and t.requires_grad else None
+        if grad is not None:
+            return (_rebuild_tensor, (arr, dtype, bool(t.requires_grad), device, is_param, grad))
         return (_rebuild_tensor, (arr, dtype, bool(t.requires_grad), device, is_param))
 
     def _reduce_virtual_gpu_array(self, v):

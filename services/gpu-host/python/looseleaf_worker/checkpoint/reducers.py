@@ -29,7 +29,7 @@ def stored_name(obj):
 
 
 @stored_name
-def _rebuild_tensor(arr, dtype: str, requires_grad: bool, device: str, is_param: bool):
+def _rebuild_tensor(arr, dtype: str, requires_grad: bool, device: str, is_param: bool, grad=None):
     import torch
 
     t = torch.from_numpy(arr)
@@ -46,6 +46,10 @@ def _rebuild_tensor(arr, dtype: str, requires_grad: bool, device: str, is_param:
         t = t.requires_grad_(requires_grad)
     if device.startswith("cuda") and not on_device:
         staging.stage(t, device)
+    if grad is not None:
+        # what backward() left (a later cell's optimizer step reads it); a
+        # staged gradient goes to the device with its own copy at Run
+        t.grad = grad
     return t
 
 
