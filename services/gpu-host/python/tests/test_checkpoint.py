@@ -283,7 +283,10 @@ def test_gradients_backward_left_are_there_for_a_later_cell_s_step(host, zygote)
     )
     ok(w1.run(setup))
     w1.save()
-    step = "g = model.weight.grad.clone()\nopt.step()\nprint(round(g.abs().sum().item(), 4), round(model.weight.sum().item(), 4))"
+    step = (
+        "g = model.weight.grad.clone()\nopt.step()\n"
+        "print(round(g.abs().sum().item(), 4), round(model.weight.sum().item(), 4))"
+    )
     pinned = stream_text(ok(w1.run(step)))
     w2 = zygote.fork()
     assert w2.restore(["model", "opt", "torch"])["ok"]
