@@ -82,23 +82,17 @@ def capture(shell, base: Baseline) -> dict:
     if pdo is not None:
         st["pandas"] = pdo
     st.update(workdir.capture())  # a removed one too: see workdir
-    if sys.getrecursionlimit() != base.recursion_limit:
-        st["recursion_limit"] = sys.getrecursionlimit()
-    log = capture_logging(base)
-    if log is not None:
-        st["logging"] = log
-    ctx = decimal_context()
-    if ctx is not None:
-        st["decimal"] = ctx
-    added = capture_builtins(base)
-    if added:
-        st["builtins"] = added
-    process = process_settings(base)
-    if process:
-        st["process"] = process
-    error = last_error()
-    if error is not None:
-        st["last_error"] = error
+    # the standard library's state (stdlib.py), each kept only where a cell changed it
+    limit = sys.getrecursionlimit()
+    changed = {
+        "recursion_limit": limit if limit != base.recursion_limit else None,
+        "logging": capture_logging(base),
+        "decimal": decimal_context(),
+        "builtins": capture_builtins(base) or None,
+        "process": process_settings(base) or None,
+        "last_error": last_error(),
+    }
+    st.update({k: v for k, v in changed.items() if v is not None})
     st["sys_path"] = list(sys.path)
     if base.env_bytes is not None and getattr(os.environ, "_data", None) == base.env_bytes:
         st["env_set"], st["env_unset"] = {}, []
