@@ -296,6 +296,33 @@ def test_gradients_backward_left_are_there_for_a_later_cell_s_step(host, zygote)
     assert stream_text(ok(w2.run(step))) == pinned
 
 
+def test_an_lr_scheduler_goes_on_in_a_later_worker_as_in_the_one_that_made_it(host, zygote):
+    # the scheduler wraps optimizer.step in an instance attribute the optimizer's
+    # own pickling drops: without it the first step on a later worker warns that
+    # step() was overridden, which a kernel never prints
+    setup = (
+        "import torch\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(3, 1)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)"
+    )
+    train = (
+        "for _ in range(2):\n    opt.zero_grad()\n    model(torch.ones(2, 3)).sum().backward()\n"
+        "    opt.step(); sched.step()\nprint(sched.get_last_lr(), round(model.weight.sum().item(), 5))"
+    )
+    w1 = zygote.fork()
+    ok(w1.run(setup))
+    w1.save()
+    pinned = ok(w1.run(train))
+    w2 = zygote.fork()
+    assert w2.restore(["model", "opt", "sched", "torch"])["ok"]
+    r = ok(w2.run(train))
+    assert (stream_text(r), stream_text(r, "stderr")) == (stream_text(pinned), stream_text(pinned, "stderr"))
+    assert stream_text(r, "stderr") == ""
+    assert result_text(ok(w2.run("sched.optimizer is opt, opt.param_groups[0]['params'][0] is model.weight"))) == (
+        "(True, True)"
+    )
+
+
 def test_numpy_view_restores_as_view_of_its_base(host, zygote):
     """x2_sub = x2[:2, :2]; writes through the view reach the base on a later worker."""
     w1 = zygote.fork()

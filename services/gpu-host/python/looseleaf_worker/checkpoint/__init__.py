@@ -35,6 +35,7 @@ from .names import function_global_reads, is_user_name
 from .pickler import _Group
 from .reducers import (
     _code_in_file,
+    _rebuild_optimizer,
     _rebuild_owner,
     _rebuild_tensor,
     _rebuild_view,
@@ -57,6 +58,7 @@ __all__ = [
     "_Group",
     "_code_in_file",
     "_rebuild_owner",
+    "_rebuild_optimizer",
     "_rebuild_tensor",
     "_rebuild_view",
     "_rebuild_virtual_gpu_array",

@@ -17,6 +17,8 @@ import cloudpickle
 from .. import comms, files, setorder
 from .names import _code_names
 from .reducers import (
+    _STEP_MARKERS,
+    _rebuild_optimizer,
     _rebuild_tensor,
     _rebuild_virtual_gpu_array,
     _reduce_code,
@@ -178,6 +180,8 @@ class RecordPickler(cloudpickle.Pickler):
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(obj, torch.Tensor):
             return self._reduce_tensor(torch, obj)
+        if torch is not None and isinstance(obj, torch.optim.Optimizer):
+            return _reduce_optimizer(obj)
         virtual_gpu = sys.modules.get("looseleaf_worker.virtual_gpu")  # loaded once one exists
         if virtual_gpu is not None and t is virtual_gpu.VirtualGpuArray:
             return self._reduce_virtual_gpu_array(obj)
@@ -308,3 +312,13 @@ def _load_record(data, buffers: list, resolve) -> Any:
         _, token, items, table_bytes, layout = up.load()
         setorder.restore_set(sets[token], items, table_bytes, layout)
     return obj
+
+
+def _reduce_optimizer(opt):
+    """An optimizer's own pickled state, and the instance attributes it drops that
+    an LR scheduler keeps on it (see ``_rebuild_optimizer``)."""
+    own = opt.__dict__
+    extra = {k: own[k] for k in ("_step_count", "_opt_called") if k in own}
+    step = own.get("step")
+    marker = next((m for m in _STEP_MARKERS if getattr(step, m, False)), None)
+    return (_rebuild_optimizer, (type(opt), opt.__getstate__(), extra, marker))

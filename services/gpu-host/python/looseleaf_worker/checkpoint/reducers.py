@@ -53,6 +53,47 @@ def _rebuild_tensor(arr, dtype: str, requires_grad: bool, device: str, is_param:
     return t
 
 
+# what an LR scheduler marks its wrapper of optimizer.step with: torch before 2.2
+# counts the optimizer's steps, torch 2.2 on notes that step() was called
+_STEP_MARKERS = ("_with_counter", "_wrapped_by_lr_sched")
+
+
+@stored_name
+def _rebuild_optimizer(cls, state: dict, extra: dict, marker: str | None):
+    """An optimizer as its own pickling restores it, with what that drops: the
+    step counter and the wrapper of ``step`` an LR scheduler installed (without
+    it the scheduler's first step on a later worker warns that ``step`` was
+    overridden)."""
+    opt = cls.__new__(cls)
+    opt.__setstate__(state)
+    opt.__dict__.update(extra)
+    if marker in _STEP_MARKERS:
+        _count_steps(opt, marker)
+    return opt
+
+
+def _count_steps(opt, marker: str) -> None:
+    """The wrapper torch's LR scheduler puts on ``opt.step`` (the same bookkeeping
+    and mark), as its ``__init__`` builds it."""
+    import functools
+    import weakref
+
+    ref, cls = weakref.ref(opt), type(opt)
+    func = cls.step
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        instance = ref()
+        if marker == "_with_counter":
+            instance._step_count += 1
+        else:
+            instance._opt_called = True
+        return func.__get__(instance, cls)(*args, **kwargs)
+
+    setattr(wrapper, marker, True)
+    opt.step = wrapper
+
+
 @stored_name
 def _rebuild_virtual_gpu_array(arr, device: str):
     from ..virtual_gpu import VirtualGpuArray
