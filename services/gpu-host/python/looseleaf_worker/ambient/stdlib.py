@@ -150,6 +150,8 @@ def capture_builtins(base: Baseline) -> dict[str, bytes]:
     for name, value in list(vars(builtins).items()):
         if name in _TRAPPED or base.builtins.get(name, _TRAPPED) is value:
             continue
+        if name.startswith("__") and name.endswith("__"):
+            continue  # an extension's own (pybind11 keeps a capsule there), not a cell's
         try:
             out[name] = cloudpickle.dumps(value)
         except Exception as e:  # noqa: BLE001
