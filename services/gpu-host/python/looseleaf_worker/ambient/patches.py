@@ -83,6 +83,10 @@ def _owner(root: Any, path: tuple[str, ...]) -> tuple[str, tuple[str, ...]] | No
     return None
 
 
+# the value each attribute held when it could not be pickled
+_unsaved: dict[tuple[str, tuple[str, ...]], Any] = {}
+
+
 def _patches(shell) -> Patches:
     if not hasattr(shell, "_ll_patches"):
         shell._ll_patches = {}
@@ -125,7 +129,9 @@ def capture(shell) -> dict:
         try:
             blob = cloudpickle.dumps(value)
         except Exception as e:  # noqa: BLE001
-            quiet.log(f"looseleaf worker: cannot keep {mod}.{'.'.join(path)}: {type(e).__name__}: {e}")
+            if _unsaved.get((mod, path)) is not value:  # said once per value
+                _unsaved[(mod, path)] = value
+                quiet.log(f"looseleaf worker: cannot keep {mod}.{'.'.join(path)}: {type(e).__name__}: {e}")
             continue
         patches[(mod, path)] = out[(mod, path)] = blob
     return out
