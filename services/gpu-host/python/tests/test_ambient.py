@@ -1,3 +1,4 @@
+import pickle
 import re
 import sys
 
@@ -293,3 +294,18 @@ def test_the_last_error_is_there_for_tb_in_a_later_worker(host, zygote):
     )
     errors = of_type(w2.run("%tb"), "error")
     assert [(e["ename"], e["evalue"]) for e in errors] == [("NameError", "name 'undefined_here' is not defined")]
+
+
+def test_a_plain_cell_s_save_holds_only_what_a_cell_changed(host, zygote):
+    # the worker's own changes to the process (its eval and exec in builtins, its
+    # loggers) are not the session's state: captured, they would be pickled (and
+    # fail) after every cell
+    logged = len(zygote.log_text())
+    w = zygote.fork()
+    ok(w.run("x = 1"))
+    w.save()
+    st = pickle.loads(host.blob(host.ambient))
+    extra = {"builtins", "process", "last_error", "module_patches", "decimal", "recursion_limit", "numpy_err"}
+    assert extra.isdisjoint(st), sorted(extra.intersection(st))
+    assert st.get("logging") is None or set(st["logging"]["loggers"]) <= {"Comm"}, st.get("logging")
+    assert "cannot keep" not in zygote.log_text()[logged:]  # nothing was even tried

@@ -135,6 +135,9 @@ def apply_recursion_limit(limit: int) -> None:
             pass  # lower than the restore's own depth: the nearest it can be
 
 
+# the worker's own package: what it puts in builtins is not the session's
+_RUNTIME = "looseleaf_worker"
+
 # what IPython's builtin trap puts in builtins while a cell runs, and takes out
 _TRAPPED = frozenset({"get_ipython", "exit", "quit", "__IPYTHON__"})
 
@@ -152,6 +155,8 @@ def capture_builtins(base: Baseline) -> dict[str, bytes]:
             continue
         if name.startswith("__") and name.endswith("__"):
             continue  # an extension's own (pybind11 keeps a capsule there), not a cell's
+        if str(getattr(value, "__module__", None) or "").startswith(_RUNTIME):
+            continue  # the worker's own (its eval and exec route names to the session)
         try:
             out[name] = cloudpickle.dumps(value)
         except Exception as e:  # noqa: BLE001
